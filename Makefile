@@ -1,0 +1,50 @@
+# Every target sets up .venv itself from a fresh clone.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_WHEEL_DIR ?= /opt/wheels
+
+.PHONY: venv demo test test-fast test-slow bench proto lint typecheck clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/ckptd demo
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow tests
+
+bench: venv
+	$(PY) bench/run_all.py
+
+proto: venv
+	$(PY) -m ckptd.proto.generate
+
+# mypy cannot follow setuptools' package-dir mapping in an editable install,
+# so it checks a tree of symlinks that mirrors the import names.
+typecheck: venv
+	@rm -rf .typecheck && mkdir -p .typecheck/ckptd
+	@ln -s ../../daemon .typecheck/ckptd/daemon
+	@ln -s ../../client .typecheck/ckptd/client
+	@ln -s ../../proto .typecheck/ckptd/proto
+	cd .typecheck && ../$(PY) -m mypy --config-file ../pyproject.toml -p ckptd.daemon -p ckptd.client
+
+lint: venv typecheck
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) .typecheck build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,303 @@
+"""The trainer-side client: save into shared memory, wait, restore from mmapped files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import google_crc32c
+import grpc
+import numpy as np
+
+from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from .errors import CheckpointCorrupt, CheckpointNotFound, CkptdError, CkptdUnavailable, SaveFailed, from_rpc_error
+from .format import dtype_to_str, plan_layout, round_up, str_to_dtype
+from .tree import flatten, unflatten
+
+log = logging.getLogger("ckptd.client")
+
+DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
+SHM_DIR = "/dev/shm"
+_STAGES = {"local": pb.SAVE_STATE_LOCAL, "durable": pb.SAVE_STATE_DURABLE}
+_MAPPED_SEGMENTS = 2  # segments kept mapped between saves (the daemon reuses them)
+T = TypeVar("T")
+
+
+def open_channel(socket: str) -> grpc.Channel:
+    """A gRPC channel to the daemon's unix socket."""
+    return grpc.insecure_channel(
+        f"unix:{socket}",
+        options=[("grpc.max_receive_message_length", 256 * 2**20),
+                 ("grpc.max_send_message_length", 256 * 2**20)],
+    )
+
+
+def rpc_call(method: Callable[..., T], request: Any, timeout: float, socket: str) -> T:
+    """Call one RPC with the protocol header; gRPC errors become :class:`CkptdError`."""
+    try:
+        return method(request, timeout=timeout, metadata=((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),))
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, socket) from None
+
+
+def _state_name(state: int) -> str:
+    return pb.SaveState.Name(state).removeprefix("SAVE_STATE_")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint as the daemon lists it."""
+
+    job: str
+    step: int
+    state: str
+    tiers: tuple[str, ...]
+    created_unix: float
+    size_bytes: int
+    num_shards: int
+    milestone: bool
+    error: str
+
+
+class SaveHandle:
+    """Returned by :meth:`Client.save`: the bytes are the daemon's; wait for a stage."""
+
+    def __init__(self, client: Client, step: int) -> None:
+        self.client = client
+        self.job = client.job
+        self.step = step
+
+    def state(self) -> str:
+        """Current state: STAGING, LOCAL, DRAINING, DURABLE or FAILED."""
+        return _state_name(self._status(pb.SAVE_STATE_UNSPECIFIED, 0.0).state)
+
+    def wait(self, stage: str = "local", timeout: float | None = None) -> None:
+        """Block until the save reaches ``stage`` ("local" or "durable").
+
+        Raises :class:`SaveFailed` with the daemon's reason if the save failed,
+        and ``TimeoutError`` if ``timeout`` seconds pass first. Rides out a
+        daemon restart (the commit survives it once acknowledged and written).
+        """
+        if stage not in _STAGES:
+            raise ValueError(f"stage must be one of {sorted(_STAGES)}, not {stage!r}")
+        target = _STAGES[stage]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 60.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                st = self._status(target, min(left, 60.0))
+            except CkptdUnavailable:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            if st.state == pb.SAVE_STATE_FAILED:
+                raise SaveFailed(f"save of step {self.step} of job {self.job!r} failed: {st.error}", "FAILED")
+            if st.state >= target and st.state != pb.SAVE_STATE_FAILED:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"step {self.step} of job {self.job!r} is {_state_name(st.state)}, not "
+                    f"{stage.upper()}, after {timeout} s"
+                )
+
+    def _status(self, target: int, timeout: float) -> pb.SaveStatus:
+        req = pb.GetSaveStatusRequest(job=self.job, step=self.step, wait_for=target,  # type: ignore[arg-type]
+                                      timeout_seconds=timeout)
+        return self.client._call(self.client._stub.GetSaveStatus, req, timeout + 30.0)
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(job={self.job!r}, step={self.step})"
+
+
+class Client:
+    """Talks to the node's ckptd daemon over its unix socket.
+
+    ``rank`` is this process's rank, ``node_ranks`` every rank that saves to the
+    same daemon (the step commits when all of them have), ``world_size`` the
+    job's total number of ranks.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        rank: int = 0,
+        node_ranks: Sequence[int] | None = None,
+        world_size: int | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        if not isinstance(job, str) or not job:
+            raise ValueError("job must be a non-empty string such as 'run-42'")
+        self.job = job
+        self.socket = os.fspath(socket or os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET)
+        self.rank = rank
+        self.node_ranks = list(node_ranks) if node_ranks is not None else [rank]
+        self.world_size = world_size or max(self.node_ranks) + 1
+        self.timeout = timeout
+        self._channel = open_channel(self.socket)
+        self._stub = pb_grpc.CkptdStub(self._channel)
+        self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    # -- plumbing ------------------------------------------------------------
+    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        return rpc_call(method, request, timeout or self.timeout, self.socket)
+
+    def _map_segment(self, name: str, size: int) -> mmap.mmap:
+        mm = self._segments.get(name)
+        if mm is not None and len(mm) >= size:
+            self._segments.move_to_end(name)
+            return mm
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._segments[name] = mm
+        while len(self._segments) > _MAPPED_SEGMENTS:
+            self._segments.popitem(last=False)[1].close()
+        return mm
+
+    # -- public API ------------------------------------------------------------
+    def save(self, step: int, tree: Any, metadata: dict[str, Any] | None = None, *,
+             milestone: bool = False) -> SaveHandle:
+        """Hand ``tree`` to the daemon as ``step``; returns once the daemon owns the bytes.
+
+        Arrays are copied into shared memory before this returns, so the caller
+        may mutate them right after. Wait on the handle for LOCAL / DURABLE.
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        step = int(step)
+        spec, arrays = flatten(tree)
+        try:
+            tree_json = json.dumps(spec, allow_nan=True)
+            metadata_json = json.dumps(metadata or {})
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
+        by_key = dict(arrays)
+        dtypes = {k: dtype_to_str(a.dtype) for k, a in arrays}
+        entries = plan_layout((k, a.dtype, a.shape) for k, a in arrays)
+        data_len = sum(e.length for e in entries)
+        lease = self._call(self._stub.AcquireLease, pb.AcquireLeaseRequest(job=self.job, size_bytes=round_up(data_len)))
+        committed = False
+        try:
+            mm = self._map_segment(lease.segment, lease.size_bytes)
+            for e in entries:
+                if e.length:
+                    dst = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset)
+                    np.copyto(dst, by_key[e.key], casting="no")
+            req = pb.CommitShardsRequest(
+                lease_id=lease.lease_id, job=self.job, step=step, rank=self.rank,
+                node_ranks=self.node_ranks, world_size=self.world_size, data_offset=0,
+                shards=[pb.ShardDescriptor(key=e.key, dtype=dtypes[e.key], shape=e.shape,
+                                           global_shape=e.shape, offset=e.offset, length=e.length)
+                        for e in entries],
+                tree_json=tree_json, metadata_json=metadata_json, milestone=milestone,
+            )
+            self._call(self._stub.CommitShards, req)
+            committed = True
+        finally:
+            if not committed:
+                try:
+                    self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease.lease_id), 10.0)
+                except CkptdError as exc:
+                    log.debug("could not release lease after a failed save: %s", exc)
+        return SaveHandle(self, step)
+
+    def restore(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Restore the newest restorable step (or ``step``): ``(tree, metadata)``.
+
+        Arrays are copy-on-write views over the mmapped shard files: no copy is
+        made until you write to them. Every shard is checked against its crc32c;
+        a corrupt copy is reported to the daemon and never returned.
+        """
+        for _attempt in range(8):
+            req = pb.RestoreRequest(job=self.job, rank=self.rank)
+            if step is not None:
+                req.step = int(step)
+            try:
+                resp = self._call(self._stub.Restore, req)
+            except CheckpointNotFound as exc:
+                if _attempt:
+                    raise CheckpointCorrupt(f"{exc} (a newer copy failed its checksum and was set aside)",
+                                            "DATA_LOSS") from None
+                raise
+            manifest = json.loads(resp.manifest_json)
+            try:
+                return self._load(resp.directory, manifest)
+            except _Corrupt as bad:
+                log.error("step %d of job %s: %s; asking the daemon for another copy", resp.step, self.job, bad)
+                self._call(self._stub.ReportCorrupt, pb.ReportCorruptRequest(
+                    job=self.job, step=resp.step, tier=resp.tier, detail=str(bad)))
+        raise CheckpointCorrupt(f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS")
+
+    def _load(self, directory: str, manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        rank = next(r for r in manifest["ranks"] if r["rank"] == self.rank)
+        path = os.path.join(directory, rank["file"])
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != rank["size"]:
+                raise _Corrupt(f"{path} is {size} bytes, expected {rank['size']}")
+            # Private + writable: the views are copy-on-write, so callers may update
+            # restored state in place without touching the committed file.
+            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flat = np.frombuffer(mm, np.uint8)  # a view; google-crc32c takes arrays, not memoryviews
+        arrays: dict[str, np.ndarray] = {}
+        for s in manifest["shards"]:
+            if s["rank"] != self.rank:
+                continue
+            crc = google_crc32c.extend(0, flat[s["offset"] : s["offset"] + s["length"]])
+            if crc != s["crc32c"]:
+                raise _Corrupt(f"shard {s['key']!r} in {path} has crc32c {crc:#010x}, expected {s['crc32c']:#010x}")
+            dt = str_to_dtype(s["dtype"])
+            if math.prod(s["shape"]) == 0:
+                arrays[s["key"]] = np.zeros(s["shape"], dt)
+            else:
+                arrays[s["key"]] = np.ndarray(s["shape"], dt, buffer=mm, offset=s["offset"])
+        return unflatten(rank["tree"], arrays), manifest.get("metadata") or {}
+
+    def list(self) -> list[CheckpointInfo]:
+        """This job's checkpoints on this node, newest first."""
+        resp = self._call(self._stub.ListCheckpoints, pb.ListCheckpointsRequest(job=self.job))
+        return [
+            CheckpointInfo(c.job, c.step, _state_name(c.state),
+                           tuple(pb.Tier.Name(t).removeprefix("TIER_") for t in c.tiers),
+                           c.created_unix, c.size_bytes, c.num_shards, c.milestone, c.error)
+            for c in resp.checkpoints
+        ]
+
+    def close(self) -> None:
+        """Close the channel and unmap shared memory."""
+        for mm in self._segments.values():
+            mm.close()
+        self._segments.clear()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Corrupt(Exception):
+    """A shard failed its checksum (internal: triggers ReportCorrupt and a retry)."""
+
+
+__all__ = ["CheckpointCorrupt", "CheckpointInfo", "Client", "SaveFailed", "SaveHandle"]

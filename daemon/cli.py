@@ -1,0 +1,161 @@
+"""The ``ckptd`` command: serve, ls, status, demo.
+
+Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from ckptd.client.client import DEFAULT_SOCKET, open_channel, rpc_call
+from ckptd.client.errors import CkptdError
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from . import config as config_mod
+from .server import StartupError, serve
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", default=None,
+                   help=f"daemon socket (default: $CKPTD_SOCKET or {DEFAULT_SOCKET})")
+
+
+def _admin(args: argparse.Namespace) -> tuple[Any, str]:
+    socket = args.socket or os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET
+    return pb_grpc.CkptdStub(open_channel(socket)), socket
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    flags = {k: getattr(args, k) for k in config_mod.flag_names()}
+    cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    uvloop.run(serve(cfg))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    stub, socket = _admin(args)
+    resp = rpc_call(stub.ListCheckpoints, pb.ListCheckpointsRequest(job=args.job or ""), 30.0, socket)
+    if args.json:
+        print(json.dumps([MessageToDict(c, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=True)
+                          for c in resp.checkpoints], indent=1))
+        return 0
+    rows = [
+        [c.job, str(c.step), pb.SaveState.Name(c.state).removeprefix("SAVE_STATE_"),
+         ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in c.tiers) or "-",
+         _human_bytes(c.size_bytes) if c.size_bytes else "-", str(c.num_shards),
+         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
+         ("milestone " if c.milestone else "") + (c.error[:60] if c.error else "")]
+        for c in resp.checkpoints
+    ]
+    if not rows:
+        print("no checkpoints" + (f" for job {args.job!r}" if args.job else ""))
+        return 0
+    print(_table(["JOB", "STEP", "STATE", "TIERS", "SIZE", "SHARDS", "CREATED", "NOTE"], rows))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    stub, socket = _admin(args)
+    st = rpc_call(stub.GetStatus, pb.GetStatusRequest(), 30.0, socket)
+    d = MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    rows = [
+        ["version", f"{st.version} (protocol {st.protocol_version}, pid {st.pid})"],
+        ["node", st.node_id],
+        ["socket", st.socket],
+        ["root", st.root],
+        ["remote", st.remote or "(none: local tier only)"],
+        ["uptime", f"{st.uptime_seconds:.0f} s"],
+        ["checkpoints", f"{st.checkpoints} in {st.jobs} jobs, {_human_bytes(st.local_used_bytes)}"],
+        ["local free", _human_bytes(st.local_free_bytes)],
+        ["staging", f"{_human_bytes(st.staging_in_use_bytes)} in use, "
+                    f"{_human_bytes(st.staging_allocated_bytes)} allocated of "
+                    f"{_human_bytes(st.staging_budget_bytes)} budget"],
+        ["leases held", str(st.leases_held)],
+        ["saves in flight", str(st.saves_in_flight)],
+    ]
+    print(_table(["FIELD", "VALUE"], rows))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=args.steps, save_every=args.save_every, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used to generate the README's CLI reference)."""
+    parser = argparse.ArgumentParser(prog="ckptd", description="Per-node checkpoint daemon for ML training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the daemon")
+    p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
+    for key in config_mod.flag_names():
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, default=None, metavar="VALUE",
+                       help=f"config key {key} (env CKPTD_{key.upper()})")
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("ls", help="list checkpoints and their states")
+    p.add_argument("job", nargs="?", help="only this job")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser("status", help="daemon health and resource use")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ckptd`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (config_mod.ConfigError, StartupError, CkptdError) as exc:
+        print(f"ckptd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

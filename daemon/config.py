@@ -1,0 +1,185 @@
+"""Typed, validated daemon configuration: embedded defaults < file < ``CKPTD_*`` env < flags.
+
+Every error names the offending key and its source, and says what is accepted.
+Values are never silently rewritten: a bad value stops start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import socket as _socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.client.client import DEFAULT_SOCKET  # one default for both sides
+DEFAULT_ROOT = "/var/lib/ckptd"
+ENV_PREFIX = "CKPTD_"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid."""
+
+
+def _default_node_id() -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", _socket.gethostname()) or "node"
+    return name.lstrip(".")[:63] or "node"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything ``ckptd serve`` needs; see the README's configuration reference."""
+
+    root: Path = Path(DEFAULT_ROOT)
+    """Local tier directory (on NVMe). Holds ``<job>/<step>/`` and ``.staging``."""
+    socket: Path = Path(DEFAULT_SOCKET)
+    """Unix socket the gRPC API listens on (mode 0660)."""
+    node_id: str = field(default_factory=_default_node_id)
+    """This node's name in manifests and remote markers (defaults to the host name)."""
+    staging_budget_bytes: int = 4 * 2**30
+    """Most shared memory the daemon may hold in leases at once."""
+    lease_timeout_seconds: float = 600.0
+    """A lease held this long without a commit is reclaimed."""
+    write_workers: int = 2
+    """Threads writing shard files to the local tier in parallel."""
+    log_level: str = "info"
+    """One of debug, info, warning, error."""
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_size(value: object) -> int:
+    """Parse ``1073741824``, ``"1GiB"``, ``"512 MiB"`` or ``"1.5GB"`` into bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 4294967296 or '4GiB', got {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _coerce(key: str, value: object, source: str) -> Any:
+    kind = _FIELDS[key].type
+    try:
+        if kind == "Path":
+            if not str(value):
+                raise ValueError("expected a path, got an empty string")
+            return Path(str(value)).expanduser()
+        if key.endswith("_bytes"):
+            size = parse_size(value)
+            if size <= 0:
+                raise ValueError("must be positive")
+            return size
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError("expected an integer, got a boolean")
+            n = int(str(value))
+            if n <= 0:
+                raise ValueError("must be a positive integer")
+            return n
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError("expected a number, got a boolean")
+            x = float(str(value))
+            if not x > 0:
+                raise ValueError("must be a positive number of seconds")
+            return x
+        return str(value)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for {key!r} from {source}: {exc}") from None
+
+
+def _check_key(key: str, source: str) -> None:
+    if key not in _FIELDS:
+        close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"unknown config key {key!r} in {source}{hint} (valid keys: {', '.join(_FIELDS)})"
+        )
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Read a TOML config file into raw key/value pairs."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+
+
+def load(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> Config:
+    """Merge the sources (later wins) and validate the result."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if config_file is None and env.get(ENV_PREFIX + "CONFIG"):
+        config_file = Path(env[ENV_PREFIX + "CONFIG"])
+    if config_file is not None:
+        source = f"config file {config_file}"
+        for key, value in load_file(config_file).items():
+            _check_key(key, source)
+            values[key] = _coerce(key, value, source)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key in _FIELDS:
+            values[key] = _coerce(key, value, f"environment variable {name}")
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _check_key(key, "flags")
+            values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+    cfg = Config(**values)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    from .names import check_name  # late: names imports errors, which imports grpc
+    from .errors import InvalidArgument
+
+    try:
+        check_name("node_id", cfg.node_id)
+    except InvalidArgument as exc:
+        raise ConfigError(f"invalid value for 'node_id': {exc}") from None
+    if cfg.log_level not in _LOG_LEVELS:
+        raise ConfigError(f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}")
+    if len(str(cfg.socket).encode()) > 107:
+        raise ConfigError(
+            f"invalid value for 'socket': {cfg.socket} is longer than the 107 bytes a unix "
+            "socket path may have; choose a shorter path"
+        )
+
+
+def flag_names() -> list[str]:
+    """Config keys that ``ckptd serve`` exposes as ``--flags``."""
+    return list(_FIELDS)

@@ -1,0 +1,335 @@
+"""The daemon's domain layer: handoffs, local commits, save states, restore choice.
+
+Runs on the event loop; file I/O and checksums go to a thread pool. The gRPC
+servicer (server.py) converts requests into calls here and errors into statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.client.format import ALIGN, TensorEntry, build_header, check_layout, round_up
+from ckptd.proto import ckptd_pb2 as pb
+
+from . import localstore
+from .config import Config
+from .errors import Conflict, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from .localstore import LocalStore
+from .manifest import Manifest, RankRecord, ShardRecord, rank_file_name
+from .requests import CommitRequest
+from .staging import Lease, Staging, segment_prefix
+
+log = logging.getLogger("ckptd.node")
+
+_REACHED = {
+    pb.SAVE_STATE_LOCAL: {pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING, pb.SAVE_STATE_DURABLE},
+    pb.SAVE_STATE_DURABLE: {pb.SAVE_STATE_DURABLE},
+}
+MAX_WAIT_SECONDS = 3600.0
+
+
+def state_name(state: int) -> str:
+    """``LOCAL``, ``FAILED``, ...: the enum name without its prefix, for logs and tables."""
+    return pb.SaveState.Name(state).removeprefix("SAVE_STATE_")  # type: ignore[arg-type]
+
+
+@dataclass
+class StepState:
+    """One step of one job on this node, from first handoff to eviction."""
+
+    job: str
+    step: int
+    state: int
+    node_ranks: tuple[int, ...] = ()
+    world_size: int = 1
+    ranks: dict[int, tuple[RankRecord, list[ShardRecord], dict[str, Any]]] = field(
+        default_factory=dict
+    )
+    writing: set[int] = field(default_factory=set)
+    staging_dir: Path | None = None
+    manifest: Manifest | None = None
+    milestone: bool = False
+    error: str = ""
+    handoff_at: float = 0.0
+    local_at: float = 0.0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        """Wake every waiter; they re-check the state."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class Node:
+    """All state of one daemon. Create with :meth:`start`, stop with :meth:`close`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = LocalStore(config.root)
+        self.staging = Staging(
+            segment_prefix(config.root),
+            config.staging_budget_bytes,
+            config.lease_timeout_seconds,
+        )
+        self.steps: dict[tuple[str, int], StepState] = {}
+        self.started_at = time.time()
+        self._pool = ThreadPoolExecutor(max(2, 2 * config.write_workers), "ckptd-io")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Recover the local tier and remove leftovers of a previous run."""
+        recovery = await self._io(self.store.recover)
+        shutil.rmtree(self.config.root / ".corrupt", ignore_errors=True)
+        removed_segments = self.staging.remove_leftovers()
+        for m in recovery.manifests:
+            self.steps[(m.job, m.step)] = StepState(
+                m.job, m.step, pb.SAVE_STATE_LOCAL, manifest=m, milestone=m.milestone,
+                node_ranks=tuple(r.rank for r in m.ranks), world_size=m.world_size,
+                handoff_at=m.created_unix, local_at=m.created_unix,
+            )
+        for line in recovery.skipped:
+            log.warning("ignoring step directory that is not a ckptd commit: %s", line)
+        log.info(
+            "recovered %d committed steps; removed %d staging leftovers and %d stale segments",
+            len(recovery.manifests), recovery.removed_staging, removed_segments,
+        )
+
+    async def close(self) -> None:
+        """Finish every acknowledged handoff, then release shared memory."""
+        if self._tasks:
+            log.info("finishing %d acknowledged saves before exit", len(self._tasks))
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.staging.close()
+        self._pool.shutdown(wait=True)
+
+    async def _io(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- leases --------------------------------------------------------------
+    async def acquire_lease(self, job: str, size_bytes: int) -> Lease:
+        """Grant shared memory for one rank's save."""
+        return await self.staging.acquire(job, size_bytes)
+
+    def release_lease(self, lease_id: str) -> None:
+        """Give back a lease the client will not commit."""
+        if self.staging.get(lease_id).committed:
+            raise Conflict(f"lease {lease_id!r} was committed; the daemon returns it when written")
+        self.staging.release(lease_id)
+
+    # -- save ----------------------------------------------------------------
+    def commit(self, req: CommitRequest) -> int:
+        """Take ownership of a lease's shards; the write runs in the background."""
+        lease = self.staging.get(req.lease_id)
+        if lease.job != req.job:
+            raise InvalidArgument(f"lease {req.lease_id!r} was granted to job {lease.job!r}, not {req.job!r}")
+        if lease.committed:
+            raise Conflict(f"lease {req.lease_id!r} was already committed; acquire a new lease")
+        data_len = check_layout_or_raise(req.entries)
+        if req.data_offset % ALIGN or req.data_offset + round_up(data_len) > lease.segment.size:
+            raise InvalidArgument(
+                f"shards span bytes {req.data_offset}..{req.data_offset + data_len} but lease "
+                f"{req.lease_id!r} holds {lease.segment.size} bytes (data_offset must be a "
+                f"multiple of {ALIGN}); acquire a lease large enough for the save"
+            )
+        st = self.steps.get((req.job, req.step))
+        if st is None:
+            st = StepState(req.job, req.step, pb.SAVE_STATE_STAGING, node_ranks=req.node_ranks,
+                           world_size=req.world_size, handoff_at=time.time())
+            st.staging_dir = self.store.new_staging_dir(req.job, req.step)
+            self.steps[(req.job, req.step)] = st
+        elif st.state != pb.SAVE_STATE_STAGING:
+            raise Conflict(
+                f"step {req.step} of job {req.job!r} already exists here ({state_name(st.state)}); "
+                "save under a new step number"
+            )
+        elif st.node_ranks != req.node_ranks:
+            raise InvalidArgument(
+                f"rank {req.rank} names node ranks {list(req.node_ranks)} but step {req.step} was "
+                f"started with {list(st.node_ranks)}; every rank must pass the same node_ranks"
+            )
+        if req.rank in st.ranks or req.rank in st.writing:
+            raise Conflict(f"rank {req.rank} already committed step {req.step} of job {req.job!r}")
+        self.staging.begin_commit(req.lease_id)
+        st.writing.add(req.rank)
+        st.milestone = st.milestone or req.milestone
+        task = asyncio.create_task(self._write_rank(st, req, lease, data_len))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return st.state
+
+    async def _write_rank(self, st: StepState, req: CommitRequest, lease: Lease, data_len: int) -> None:
+        name = rank_file_name(req.rank)
+        assert st.staging_dir is not None
+        try:
+            header = build_header(req.entries, {"format": "ckptd", "dtypes": json.dumps(
+                {e.key: [req.dtype_names[e.key], list(e.shape)] for e in req.entries})})
+            data = lease.segment.view(req.data_offset, round_up(data_len))
+            ranges = [(e.offset, e.length) for e in req.entries]
+            _, crcs = await asyncio.gather(
+                self._io(localstore.write_file_direct, st.staging_dir / name, header, data, data_len),
+                self._io(localstore.crc32c_ranges, data, ranges),
+            )
+            shards = [
+                ShardRecord(e.key, req.rank, req.dtype_names[e.key], list(e.shape),
+                            list(req.global_shapes[e.key]), [list(s) for s in req.indexes[e.key]],
+                            name, len(header) + e.offset, e.length, crc)
+                for e, crc in zip(req.entries, crcs, strict=True)
+            ]
+            record = RankRecord(req.rank, name, len(header) + data_len, req.tree)
+            st.ranks[req.rank] = (record, shards, req.metadata)
+        except Exception as exc:  # any failure fails the step, never the daemon
+            log.exception("writing rank %d of %s/%d failed", req.rank, req.job, req.step)
+            self._fail(st, f"writing rank {req.rank} failed: {exc}")
+            return
+        finally:
+            st.writing.discard(req.rank)
+            self.staging.release(req.lease_id)
+        if st.state == pb.SAVE_STATE_STAGING and set(st.ranks) == set(st.node_ranks):
+            await self._commit_step(st)
+
+    async def _commit_step(self, st: StepState) -> None:
+        ranks = [st.ranks[r] for r in sorted(st.ranks)]
+        manifest = Manifest(
+            job=st.job, step=st.step, node=self.config.node_id, world_size=st.world_size,
+            created_unix=time.time(), ranks=[r for r, _, _ in ranks],
+            shards=[s for _, shards, _ in ranks for s in shards],
+            metadata=next((m for _, _, m in ranks if m), {}), milestone=st.milestone,
+        )
+        assert st.staging_dir is not None
+        try:
+            await self._io(self.store.commit, st.staging_dir, manifest)
+        except Exception as exc:
+            log.exception("committing %s/%d failed", st.job, st.step)
+            self._fail(st, f"local commit failed: {exc}")
+            return
+        st.manifest, st.state, st.local_at, st.staging_dir = manifest, pb.SAVE_STATE_LOCAL, time.time(), None
+        st.ranks.clear()
+        log.info("%s/%d LOCAL in %.3f s (%d bytes)", st.job, st.step, st.local_at - st.handoff_at,
+                 manifest.size_bytes)
+        st.notify()
+
+    def _fail(self, st: StepState, reason: str) -> None:
+        if st.state == pb.SAVE_STATE_FAILED:
+            return
+        st.state, st.error = pb.SAVE_STATE_FAILED, reason
+        if st.staging_dir is not None:
+            self.store.discard(st.staging_dir)
+            st.staging_dir = None
+        st.notify()
+
+    # -- queries -------------------------------------------------------------
+    def get_step(self, job: str, step: int) -> StepState:
+        """The state of one step, or NotFound."""
+        st = self.steps.get((job, step))
+        if st is None:
+            raise NotFound(f"no save of step {step} for job {job!r} on this node; `ckptd ls {job}` lists them")
+        return st
+
+    async def wait(self, job: str, step: int, target: int, timeout: float) -> StepState:
+        """Wait until a step reaches ``target``, fails, or ``timeout`` passes."""
+        if target not in _REACHED:
+            if target == pb.SAVE_STATE_UNSPECIFIED:
+                return self.get_step(job, step)
+            raise InvalidArgument(f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE")
+        if target == pb.SAVE_STATE_DURABLE:
+            raise FailedPrecondition(
+                "this daemon has no remote tier configured, so no save becomes DURABLE; "
+                "wait('local') instead"
+            )
+        deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WAIT_SECONDS)
+        while True:
+            st = self.get_step(job, step)
+            if st.state in _REACHED[target] or st.state == pb.SAVE_STATE_FAILED:
+                return st
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return st
+            try:
+                await asyncio.wait_for(st.changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    def list(self, job: str = "") -> list[StepState]:
+        """Steps of one job (or all), newest first within each job."""
+        rows = [s for s in self.steps.values() if not job or s.job == job]
+        return sorted(rows, key=lambda s: (s.job, -s.step))
+
+    def choose_restore(self, job: str, step: int | None, rank: int) -> StepState:
+        """The newest (or given) step with a local copy holding ``rank``."""
+        if step is not None:
+            st = self.get_step(job, step)
+            if st.state in (pb.SAVE_STATE_STAGING, pb.SAVE_STATE_FAILED):
+                why = "is still being written; wait('local') first" if st.state == pb.SAVE_STATE_STAGING \
+                    else f"failed: {st.error}"
+                raise FailedPrecondition(f"step {step} of job {job!r} {why}")
+            candidates = [st]
+        else:
+            candidates = [s for s in self.list(job) if s.manifest is not None]
+            if not candidates:
+                raise NotFound(f"job {job!r} has no restorable checkpoint on this node; start from scratch")
+        st = candidates[0]
+        assert st.manifest is not None
+        if rank not in {r.rank for r in st.manifest.ranks}:
+            raise NotFound(f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node")
+        return st
+
+    async def report_corrupt(self, job: str, step: int, detail: str) -> None:
+        """Re-verify a copy a client found corrupt; if bad, move it out of the tier."""
+        st = self.get_step(job, step)
+        if st.manifest is None:
+            raise FailedPrecondition(f"step {step} of job {job!r} has no local copy")
+        bad = await self._io(verify_step, self.store.step_dir(job, step), st.manifest)
+        if not bad:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} re-read with matching checksums; the client's "
+                f"mismatch ({detail[:200]}) was not reproduced"
+            )
+        log.error("local copy of %s/%d is corrupt (%s); quarantining it", job, step, "; ".join(bad))
+        quarantine = self.config.root / ".corrupt"
+        quarantine.mkdir(exist_ok=True)
+        await self._io(shutil.move, str(self.store.step_dir(job, step)),
+                       str(quarantine / f"{job}.{step}.{time.time_ns()}"))
+        del self.steps[(job, step)]
+
+    def require_restorable(self, st: StepState) -> Manifest:
+        """The manifest of a step chosen for restore (DataLoss if it vanished)."""
+        if st.manifest is None:
+            raise DataLoss(f"step {st.step} of job {st.job!r} has no intact copy on this node")
+        return st.manifest
+
+
+def check_layout_or_raise(entries: list[TensorEntry]) -> int:
+    """Validate a client's layout, converting ValueError to InvalidArgument."""
+    try:
+        return check_layout(entries)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def verify_step(directory: Path, manifest: Manifest) -> list[str]:
+    """Re-read every shard and compare crc32c; returns the mismatches (empty if intact)."""
+    import mmap as _mmap
+
+    bad = []
+    by_file: dict[str, list[ShardRecord]] = {}
+    for s in manifest.shards:
+        by_file.setdefault(s.file, []).append(s)
+    for fname, shards in by_file.items():
+        try:
+            with open(directory / fname, "rb") as f, _mmap.mmap(f.fileno(), 0, prot=_mmap.PROT_READ) as mm:
+                view = memoryview(mm)
+                crcs = localstore.crc32c_ranges(view, [(s.offset, s.length) for s in shards])
+                view.release()
+        except (OSError, ValueError) as exc:
+            bad.append(f"{fname}: {exc}")
+            continue
+        bad += [f"{fname}:{s.key}" for s, c in zip(shards, crcs, strict=True) if c != s.crc32c]
+    return bad

@@ -1,0 +1,229 @@
+"""``ckptd serve``: the gRPC servicer (thin) and the process lifecycle.
+
+The servicer checks the protocol version, converts protobuf to domain calls on
+:class:`~ckptd.daemon.node.Node` and maps domain errors to gRPC statuses in one
+place. The lifecycle takes the socket and root locks, recovers the local tier,
+listens on a 0660 unix socket and on SIGTERM finishes acknowledged work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import functools
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from . import __version__
+from .config import Config
+from .errors import CkptdError, FailedPrecondition, InvalidArgument
+from .names import check_name, check_step
+from .node import Node, StepState
+from .requests import parse_commit
+
+log = logging.getLogger("ckptd.server")
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+def _rpc(fn: Handler[R]) -> Handler[R]:
+    @functools.wraps(fn)
+    async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            _check_protocol(context)
+            return await fn(self, request, context)
+        except CkptdError as exc:
+            await context.abort(exc.code, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {exc!r}; see the daemon log"
+            )
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper
+
+
+def _check_protocol(context: grpc.aio.ServicerContext) -> None:
+    sent = dict(context.invocation_metadata() or ()).get(PROTOCOL_HEADER)
+    if sent is None:
+        raise FailedPrecondition(
+            f"the client sent no {PROTOCOL_HEADER} header; use ckptd.client.Client of a "
+            f"release speaking protocol {PROTOCOL_VERSION}"
+        )
+    if str(sent) != str(PROTOCOL_VERSION):
+        raise FailedPrecondition(
+            f"client speaks ckptd protocol {sent} but this daemon speaks {PROTOCOL_VERSION}; "
+            "install matching ckptd versions for the trainer and the daemon"
+        )
+
+
+def _checkpoint_info(st: StepState) -> pb.CheckpointInfo:
+    m = st.manifest
+    return pb.CheckpointInfo(
+        job=st.job, step=st.step, state=st.state,  # type: ignore[arg-type]
+        tiers=[pb.TIER_LOCAL] if m is not None else [],
+        created_unix=m.created_unix if m else st.handoff_at,
+        size_bytes=m.size_bytes if m else 0, num_shards=len(m.shards) if m else 0,
+        milestone=st.milestone, error=st.error,
+    )
+
+
+class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
+    """gRPC front of a :class:`Node`."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @_rpc
+    async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
+        job = check_name("job", request.job)
+        lease = await self.node.acquire_lease(job, request.size_bytes)
+        return pb.Lease(lease_id=lease.lease_id, segment=lease.segment.name,
+                        size_bytes=lease.segment.size, alignment=4096)
+
+    @_rpc
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
+        self.node.release_lease(request.lease_id)
+        return pb.ReleaseLeaseResponse()
+
+    @_rpc
+    async def CommitShards(self, request: pb.CommitShardsRequest, context: Any) -> pb.CommitShardsResponse:
+        state = self.node.commit(parse_commit(request))
+        return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
+
+    @_rpc
+    async def GetSaveStatus(self, request: pb.GetSaveStatusRequest, context: Any) -> pb.SaveStatus:
+        job, step = check_name("job", request.job), check_step(request.step)
+        st = await self.node.wait(job, step, request.wait_for, request.timeout_seconds)
+        return pb.SaveStatus(
+            job=st.job, step=st.step, state=st.state, error=st.error,  # type: ignore[arg-type]
+            ranks_committed=sorted(st.ranks) if st.manifest is None else list(st.node_ranks),
+            node_ranks=list(st.node_ranks),
+            handoff_to_local_seconds=max(0.0, st.local_at - st.handoff_at) if st.local_at else 0.0,
+        )
+
+    @_rpc
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: Any
+    ) -> pb.ListCheckpointsResponse:
+        job = check_name("job", request.job) if request.job else ""
+        return pb.ListCheckpointsResponse(checkpoints=[_checkpoint_info(s) for s in self.node.list(job)])
+
+    @_rpc
+    async def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
+        job = check_name("job", request.job)
+        step = check_step(request.step) if request.HasField("step") else None
+        st = self.node.choose_restore(job, step, request.rank)
+        manifest = self.node.require_restorable(st)
+        return pb.RestoreResponse(
+            job=job, step=st.step, tier=pb.TIER_LOCAL,
+            directory=str(self.node.store.step_dir(job, st.step)), manifest_json=manifest.to_json(),
+        )
+
+    @_rpc
+    async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: Any) -> pb.ReportCorruptResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        if request.tier not in (pb.TIER_LOCAL, pb.TIER_UNSPECIFIED):
+            raise InvalidArgument("only local copies can be reported corrupt in this version")
+        await self.node.report_corrupt(job, step, request.detail)
+        return pb.ReportCorruptResponse()
+
+    @_rpc
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.DaemonStatus:
+        node, cfg = self.node, self.node.config
+        st = os.statvfs(cfg.root)
+        manifests = [s.manifest for s in node.steps.values() if s.manifest is not None]
+        return pb.DaemonStatus(
+            version=__version__, protocol_version=PROTOCOL_VERSION, node_id=cfg.node_id,
+            root=str(cfg.root), socket=str(cfg.socket), remote="",
+            uptime_seconds=time.time() - node.started_at,
+            staging_budget_bytes=node.staging.budget_bytes,
+            staging_allocated_bytes=node.staging.allocated_bytes,
+            staging_in_use_bytes=node.staging.in_use_bytes, leases_held=node.staging.leases_held,
+            saves_in_flight=sum(1 for s in node.steps.values() if s.state == pb.SAVE_STATE_STAGING),
+            local_free_bytes=st.f_bavail * st.f_frsize,
+            local_used_bytes=sum(m.size_bytes for m in manifests),
+            jobs=len({s.job for s in node.steps.values()}), checkpoints=len(manifests), pid=os.getpid(),
+        )
+
+
+def _take_lock(path: Path, what: str) -> int:
+    """flock ``path`` for the daemon's lifetime; refuse to start if a live daemon holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(
+            f"another ckptd (pid {holder}) is already serving {what}; stop it first or "
+            "choose another --socket/--root"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _prepare_socket_dir(socket: Path) -> None:
+    parent = socket.parent
+    if not parent.exists():
+        parent.mkdir(parents=True, mode=0o750)
+        os.chmod(parent, 0o750)  # mkdir's mode is narrowed by the umask; set it exactly
+
+
+async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then finish acknowledged saves and exit."""
+    try:
+        _prepare_socket_dir(config.socket)
+        config.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create {exc.filename}: {exc.strerror}") from None
+    sock_lock = _take_lock(config.socket.with_name(config.socket.name + ".lock"), str(config.socket))
+    root_lock = _take_lock(config.root / ".lock", f"root {config.root}")
+    node = Node(config)
+    await node.start()
+    # The lock proves no live daemon owns the socket: a file there is stale.
+    config.socket.unlink(missing_ok=True)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
+                                      ("grpc.max_send_message_length", 256 * 2**20)])
+    pb_grpc.add_CkptdServicer_to_server(Servicer(node), server)
+    old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
+    try:
+        server.add_insecure_port(f"unix:{config.socket}")
+        await server.start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(config.socket, 0o660)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("ckptd %s serving on %s (root %s, node %s, pid %d)",
+             __version__, config.socket, config.root, config.node_id, os.getpid())
+    if on_ready:
+        on_ready()
+    await stop.wait()
+    log.info("stopping: no new requests; finishing acknowledged saves")
+    await server.stop(grace=5)
+    await node.close()
+    config.socket.unlink(missing_ok=True)
+    os.close(root_lock)
+    os.close(sock_lock)
+    log.info("stopped")

@@ -1,0 +1,224 @@
+"""Shared-memory leases: named segments under /dev/shm, pre-faulted once, reused.
+
+Touching fresh memory is the slowest part of a save on these machines (see
+DESIGN.md, Performance notes), so segments are allocated once, faulted in by
+``posix_fallocate`` when created, and handed out again for later saves. The
+total held is bounded by ``staging_budget_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptd.client.format import round_up
+
+from .errors import Conflict, NotFound, ResourceExhausted
+
+log = logging.getLogger("ckptd.staging")
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_GRANULE = 2 * 2**20
+"""Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
+
+
+@dataclass
+class Segment:
+    """One shared-memory file mapped into the daemon."""
+
+    name: str
+    size: int
+    mm: mmap.mmap
+    lease_id: str | None = None
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A zero-copy view of ``length`` bytes at ``offset``."""
+        return memoryview(self.mm)[offset : offset + length]
+
+
+@dataclass
+class Lease:
+    """A segment granted to one save of one rank."""
+
+    lease_id: str
+    job: str
+    segment: Segment
+    granted_at: float
+    committed: bool = False
+    size: int = field(default=0)
+
+
+def segment_prefix(root: Path) -> str:
+    """Segment-name prefix unique to a local-tier root, so daemons never clash."""
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return f"ckptd-{digest}-"
+
+
+class Staging:
+    """Lease pool with a byte budget. Methods run on the daemon's event loop."""
+
+    def __init__(
+        self,
+        prefix: str,
+        budget_bytes: int,
+        lease_timeout_seconds: float,
+        shm_dir: Path = SHM_DIR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prefix = prefix
+        self.budget_bytes = budget_bytes
+        self.lease_timeout_seconds = lease_timeout_seconds
+        self.shm_dir = shm_dir
+        self._clock = clock
+        self._segments: dict[str, Segment] = {}
+        self._leases: dict[str, Lease] = {}
+        self._reserved = 0  # bytes being allocated right now, not yet in _segments
+        self._counter = itertools.count()
+
+    # -- accounting --------------------------------------------------------
+    @property
+    def allocated_bytes(self) -> int:
+        """Shared memory held in segments (free or leased)."""
+        return sum(s.size for s in self._segments.values()) + self._reserved
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Shared memory in leases (held by clients or being written)."""
+        return sum(s.size for s in self._segments.values() if s.lease_id is not None)
+
+    @property
+    def leases_held(self) -> int:
+        """Leases granted and not yet returned to the pool."""
+        return len(self._leases)
+
+    def is_own_segment(self, name: str) -> bool:
+        """True if ``name`` is a segment this daemon created and still holds."""
+        return name in self._segments
+
+    # -- lifecycle ---------------------------------------------------------
+    def remove_leftovers(self) -> int:
+        """Delete segments a previous (crashed) daemon on this root left behind."""
+        removed = 0
+        for path in self.shm_dir.glob(self.prefix + "*"):
+            if path.name not in self._segments:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Unmap and unlink every segment."""
+        for seg in self._segments.values():
+            seg.mm.close()
+            (self.shm_dir / seg.name).unlink(missing_ok=True)
+        self._segments.clear()
+        self._leases.clear()
+
+    # -- leases ------------------------------------------------------------
+    async def acquire(self, job: str, size_bytes: int) -> Lease:
+        """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits."""
+        self.reclaim_expired()
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        if need > self.budget_bytes:
+            raise ResourceExhausted(
+                f"a save of {size_bytes} bytes does not fit the staging budget of "
+                f"{self.budget_bytes} bytes; raise staging_budget_bytes (CKPTD_STAGING_BUDGET_BYTES)"
+            )
+        free = sorted((s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size)
+        seg = next((s for s in free if s.size >= need), None)
+        if seg is None:
+            # Drop free segments that are too small until the new one fits the budget.
+            for small in free:
+                if self.allocated_bytes + need <= self.budget_bytes:
+                    break
+                self._destroy(small)
+            if self.allocated_bytes + need > self.budget_bytes:
+                raise ResourceExhausted(
+                    f"staging budget exhausted: {self.in_use_bytes} of {self.budget_bytes} bytes "
+                    f"are held by {self.leases_held} in-flight saves and {size_bytes} more are "
+                    "needed; wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
+                )
+            self._reserved += need
+            try:
+                seg = await asyncio.to_thread(self._create, need)
+            finally:
+                self._reserved -= need
+            self._segments[seg.name] = seg
+        lease = Lease(secrets.token_hex(12), job, seg, self._clock(), size=seg.size)
+        seg.lease_id = lease.lease_id
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def get(self, lease_id: str) -> Lease:
+        """The live lease with this id, or NotFound."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(
+                f"unknown lease {lease_id[:40]!r}: it was never granted, was already committed, "
+                "or expired after lease_timeout_seconds; acquire a new lease"
+            )
+        return lease
+
+    def begin_commit(self, lease_id: str) -> Lease:
+        """Mark a lease as handed off: from now on the daemon owns its bytes."""
+        lease = self.get(lease_id)
+        if lease.committed:
+            raise Conflict(f"lease {lease_id!r} was already committed; acquire a new lease")
+        lease.committed = True
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """Return a lease to the pool (after its commit finished, or if the client gave up)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            lease.segment.lease_id = None
+
+    def reclaim_expired(self) -> list[str]:
+        """Return leases that clients held past the timeout without committing."""
+        now = self._clock()
+        expired = [
+            lid
+            for lid, lease in self._leases.items()
+            if not lease.committed and now - lease.granted_at > self.lease_timeout_seconds
+        ]
+        for lid in expired:
+            log.warning("lease %s for job %s expired without a commit", lid, self._leases[lid].job)
+            self.release(lid)
+        return expired
+
+    # -- segments ----------------------------------------------------------
+    def _create(self, size: int) -> Segment:
+        name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
+        path = self.shm_dir / name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+        try:
+            os.fchmod(fd, 0o660)  # the umask must not narrow it: clients share the group
+            os.ftruncate(fd, size)
+            try:
+                # Allocates and zeroes every page now, in the kernel, so no save pays for it.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                raise ResourceExhausted(
+                    f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: "
+                    f"{exc.strerror}; free space there or lower staging_budget_bytes"
+                ) from None
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        log.info("allocated staging segment %s (%d bytes)", name, size)
+        return Segment(name, size, mm)
+
+    def _destroy(self, seg: Segment) -> None:
+        self._segments.pop(seg.name, None)
+        seg.mm.close()
+        (self.shm_dir / seg.name).unlink(missing_ok=True)

@@ -1,0 +1,10 @@
+"""Generated gRPC/protobuf stubs for the ckptd wire API (``proto/ckptd/v1/ckptd.proto``).
+
+The stubs are checked in; ``make proto`` regenerates them and a test fails if
+they drift from the .proto.
+"""
+
+PROTOCOL_VERSION = 1
+"""Major version of the wire protocol; sent by clients in ``ckptd-protocol-version``."""
+
+PROTOCOL_HEADER = "ckptd-protocol-version"

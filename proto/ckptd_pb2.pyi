@@ -1,0 +1,266 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_STATE_UNSPECIFIED: _ClassVar[SaveState]
+    SAVE_STATE_STAGING: _ClassVar[SaveState]
+    SAVE_STATE_LOCAL: _ClassVar[SaveState]
+    SAVE_STATE_DRAINING: _ClassVar[SaveState]
+    SAVE_STATE_DURABLE: _ClassVar[SaveState]
+    SAVE_STATE_FAILED: _ClassVar[SaveState]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_LOCAL: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+SAVE_STATE_UNSPECIFIED: SaveState
+SAVE_STATE_STAGING: SaveState
+SAVE_STATE_LOCAL: SaveState
+SAVE_STATE_DRAINING: SaveState
+SAVE_STATE_DURABLE: SaveState
+SAVE_STATE_FAILED: SaveState
+TIER_UNSPECIFIED: Tier
+TIER_LOCAL: Tier
+TIER_REMOTE: Tier
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ("job", "size_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    size_bytes: int
+    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "segment", "size_bytes", "alignment")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    segment: str
+    size_bytes: int
+    alignment: int
+    def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardDescriptor(_message.Message):
+    __slots__ = ("key", "dtype", "shape", "global_shape", "index", "offset", "length")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    index: _containers.RepeatedCompositeFieldContainer[SliceSpec]
+    offset: int
+    length: int
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., global_shape: _Optional[_Iterable[int]] = ..., index: _Optional[_Iterable[_Union[SliceSpec, _Mapping]]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SliceSpec(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class CommitShardsRequest(_message.Message):
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "tree_json", "metadata_json", "milestone")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_JSON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    MILESTONE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    job: str
+    step: int
+    rank: int
+    node_ranks: _containers.RepeatedScalarFieldContainer[int]
+    world_size: int
+    data_offset: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardDescriptor]
+    tree_json: str
+    metadata_json: str
+    milestone: bool
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ...) -> None: ...
+
+class CommitShardsResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: SaveState
+    def __init__(self, state: _Optional[_Union[SaveState, str]] = ...) -> None: ...
+
+class GetSaveStatusRequest(_message.Message):
+    __slots__ = ("job", "step", "wait_for", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    wait_for: SaveState
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., wait_for: _Optional[_Union[SaveState, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class SaveStatus(_message.Message):
+    __slots__ = ("job", "step", "state", "error", "ranks_committed", "node_ranks", "handoff_to_local_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RANKS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TO_LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    state: SaveState
+    error: str
+    ranks_committed: _containers.RepeatedScalarFieldContainer[int]
+    node_ranks: _containers.RepeatedScalarFieldContainer[int]
+    handoff_to_local_seconds: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ..., ranks_committed: _Optional[_Iterable[int]] = ..., node_ranks: _Optional[_Iterable[int]] = ..., handoff_to_local_seconds: _Optional[float] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MILESTONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    state: SaveState
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    created_unix: float
+    size_bytes: int
+    num_shards: int
+    milestone: bool
+    error: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("job", "step", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("job", "step", "tier", "directory", "manifest_json")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: Tier
+    directory: str
+    manifest_json: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., directory: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("job", "step", "tier", "detail")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    tier: Tier
+    detail: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportCorruptResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DaemonStatus(_message.Message):
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
+    SAVES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    protocol_version: int
+    node_id: str
+    root: str
+    socket: str
+    remote: str
+    uptime_seconds: float
+    staging_budget_bytes: int
+    staging_allocated_bytes: int
+    staging_in_use_bytes: int
+    leases_held: int
+    saves_in_flight: int
+    local_free_bytes: int
+    local_used_bytes: int
+    jobs: int
+    checkpoints: int
+    pid: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
