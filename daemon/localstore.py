@@ -64,6 +64,7 @@ def write_file_direct(path: Path, header: bytes, data: memoryview, data_length: 
     the padding past the true end is truncated away. Falls back to buffered
     writes where the filesystem refuses O_DIRECT (tmpfs, some overlays).
     """
+    faults.hit("write.begin")
     padded = round_up(data_length)
     if len(data) < padded:
         raise ValueError("lease view shorter than the padded data section")

@@ -1,0 +1,332 @@
+"""Helpers shared by the benchmark scripts under ``bench/``.
+
+- :class:`Daemon`: a real ``ckptd serve`` subprocess on a private root and socket.
+- Timing: :func:`timed`, :func:`median_of`, :func:`summarize`, :func:`settle`.
+- Page cache: :func:`drop_caches` (fsync + ``POSIX_FADV_DONTNEED`` on every file).
+- Output: :func:`print_table` (stdout) and :func:`write_results`
+  (``bench/results/<name>.json`` with machine information).
+
+Scripts import this module as ``common`` (``bench/`` is on ``sys.path`` when a
+script there is run as ``python bench/bench_x.py``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+DEFAULT_WORK_DIR = REPO_ROOT / ".bench-tmp"
+"""Scratch space on the same disk as the repo (gitignored); never /dev/shm."""
+SETTLE_SECONDS = 0.5
+_MAX_SOCKET_PATH = 100  # unix socket paths are limited to 107 bytes
+
+T = TypeVar("T")
+
+
+# -- daemon --------------------------------------------------------------------
+def ckptd_command() -> list[str]:
+    """The command that runs the ``ckptd`` CLI of the interpreter running this script."""
+    script = Path(sys.executable).parent / "ckptd"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "ckptd.daemon.cli"]
+
+
+class Daemon:
+    """A real ``ckptd serve`` process on ``root`` and ``socket``; use as a context manager.
+
+    Its log goes to ``<root>.log``; the tail is included in start-up errors.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        socket: Path | None = None,
+        *,
+        staging_budget: str = "6GiB",
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 30.0,
+    ) -> None:
+        self.root = Path(root)
+        if socket is None:
+            socket = self.root.parent / "ckptd.sock"
+        if len(str(socket).encode()) > _MAX_SOCKET_PATH:
+            self._sock_dir: Path | None = Path(tempfile.mkdtemp(prefix="ckptd-bench-"))
+            socket = self._sock_dir / "ckptd.sock"
+        else:
+            self._sock_dir = None
+        self.socket = Path(socket)
+        self.log_path = self.root.parent / (self.root.name + ".log")
+        self.args = [
+            *ckptd_command(),
+            "serve",
+            "--root",
+            str(self.root),
+            "--socket",
+            str(self.socket),
+            "--staging-budget-bytes",
+            staging_budget,
+            *extra_args,
+        ]
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> Daemon:
+        """Start the process and wait until its socket answers ``ListCheckpoints``."""
+        from ckptd.client import CkptdUnavailable, Client
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"ckptd serve exited with status {self.proc.returncode} during start-up:\n"
+                    + self.log_tail()
+                )
+            client = Client("bench-probe", socket=self.socket, timeout=5.0)
+            try:
+                client.list()
+                return self
+            except CkptdUnavailable:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"ckptd serve did not answer on {self.socket} within "
+                        f"{self.start_timeout:.0f} s:\n" + self.log_tail()
+                    ) from None
+                time.sleep(0.1)
+            finally:
+                client.close()
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM the daemon and wait for it (SIGKILL after ``timeout``); returns its status."""
+        rc = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            rc = self.proc.returncode
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
+        return rc
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the daemon's log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no daemon log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- timing --------------------------------------------------------------------
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Run ``fn`` once; returns ``(seconds, result)`` measured with ``perf_counter``."""
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def settle(seconds: float = SETTLE_SECONDS) -> None:
+    """What every arm does before it is timed: flush dirty pages, then let the disk idle."""
+    os.sync()
+    time.sleep(seconds)
+
+
+def summarize(samples: Sequence[float]) -> dict[str, Any]:
+    """``{"median", "min", "max", "n", "samples"}`` of a list of seconds."""
+    if not samples:
+        return {"median": None, "min": None, "max": None, "n": 0, "samples": []}
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+        "samples": list(samples),
+    }
+
+
+def median_of(
+    fn: Callable[[], object], n: int, setup: Callable[[], object] | None = None
+) -> dict[str, Any]:
+    """Time ``fn`` ``n`` times (``setup`` runs untimed before each) and :func:`summarize`."""
+    samples = []
+    for _ in range(n):
+        if setup is not None:
+            setup()
+        samples.append(timed(fn)[0])
+    return summarize(samples)
+
+
+# -- page cache ----------------------------------------------------------------
+def _files_under(path: Path) -> Iterator[Path]:
+    if path.is_file():
+        yield path
+        return
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            yield Path(dirpath, name)
+
+
+def drop_caches(path: str | os.PathLike[str]) -> int:
+    """Evict every file under ``path`` from the page cache; returns the files touched.
+
+    Each file is fsynced first (``DONTNEED`` skips dirty pages). Pages still
+    mapped by a live mmap stay resident, so drop references to restored arrays
+    before calling this.
+    """
+    count = 0
+    for file in _files_under(Path(path)):
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            count += 1
+        finally:
+            os.close(fd)
+    return count
+
+
+# -- output --------------------------------------------------------------------
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
+    """Print an aligned text table; floats are shown with 3 decimals, None as ``-``."""
+
+    def cell(v: object) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return str(v)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in text)]) for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    print("  ".join("-" * w for w in widths))
+    for r in text:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    sys.stdout.flush()
+
+
+def _git_commit() -> str | None:
+    """HEAD's commit read straight from ``.git`` (no git process is run)."""
+    git = REPO_ROOT / ".git"
+    try:
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            git = (REPO_ROOT / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head
+        ref = head.split(":", 1)[1].strip()
+        for base in (git, _common_git_dir(git)):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip()
+            packed = base / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text().splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split(" ", 1)[0]
+    except (OSError, IndexError):
+        return None
+    return None
+
+
+def _common_git_dir(git: Path) -> Path:
+    common = git / "commondir"
+    return (git / common.read_text().strip()).resolve() if common.is_file() else git
+
+
+def _mount_of(path: Path) -> dict[str, str]:
+    """Device and filesystem type of the mount holding ``path``."""
+    best: dict[str, str] = {}
+    target = str(path.resolve())
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype, *_ = line.split()
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best.get("mount", "")):
+                    best = {"device": dev, "mount": mnt, "fstype": fstype}
+    except OSError:
+        pass
+    return best
+
+
+def machine_info(work_dir: Path | None = None) -> dict[str, Any]:
+    """CPU count, memory, kernel, Python/numpy versions, date, git commit, work-dir mount."""
+    mem_total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import numpy
+
+        numpy_version: str | None = numpy.__version__
+    except ImportError:
+        numpy_version = None
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "mem_total_bytes": mem_total,
+        "python": platform.python_version(),
+        "numpy": numpy_version,
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+    }
+    if work_dir is not None:
+        info["work_dir"] = str(work_dir)
+        info["work_dir_mount"] = _mount_of(work_dir)
+    return info
+
+
+def write_results(name: str, results: dict[str, Any], work_dir: Path | None = None) -> Path:
+    """Write ``results`` and machine info to ``bench/results/<name>.json``; returns its path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    doc = {"name": name, "machine": machine_info(work_dir), **results}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
