@@ -47,37 +47,13 @@ from floors import (
 
 JOB = "bench"
 GB = 1e9
-# (ratio name, numerator arm, denominator arms summed, goal or None, description)
-RATIOS: list[tuple[str, str, tuple[str, ...], float | None, str]] = [
-    ("save / memcpy", "save", ("memcpy",), 1.2, "save() return vs memcpy floor"),
-    (
-        "local / (memcpy + write)",
-        "local",
-        ("memcpy", "write_floor"),
-        1.3,
-        "time to LOCAL vs memcpy + write+fsync floor",
-    ),
-    (
-        "restore cold+touch / read cold",
-        "restore_cold_touch",
-        ("read_cold_floor",),
-        1.5,
-        "headline restore vs cold read floor",
-    ),
-    (
-        "restore cold+touch / read warm",
-        "restore_cold_touch",
-        ("read_warm",),
-        None,
-        "same restore vs warm read floor",
-    ),
-    (
-        "restore warm+touch / read warm",
-        "restore_warm_touch",
-        ("read_warm",),
-        None,
-        "page-cache-warm restore vs warm read floor",
-    ),
+# (ratio, numerator arm, denominator arms (summed), goal or None); each a ratio of medians.
+RATIOS: list[tuple[str, str, tuple[str, ...], float | None]] = [
+    ("save / memcpy", "save", ("memcpy",), 1.2),
+    ("local / (memcpy + write)", "local", ("memcpy", "write_floor"), 1.3),
+    ("restore cold+touch / read cold", "restore_cold_touch", ("read_cold_floor",), 1.5),
+    ("restore cold+touch / read warm", "restore_cold_touch", ("read_warm",), None),
+    ("restore warm+touch / read warm", "restore_warm_touch", ("read_warm",), None),
 ]
 ARM_ROWS: list[tuple[str, str]] = [
     ("save", "ckptd save() return"),
@@ -221,6 +197,7 @@ class Spine:
         self.samples["local"].append(local_s)
         self._restore(step, cold=True)
         self._restore(step, cold=False)
+        drop_caches(self.root / JOB / str(step))  # as unlinking does for the floor files
 
     # -- floor arms ----------------------------------------------------------------
     def _time(self, arm: str, fn: Callable[[], object]) -> None:
@@ -309,22 +286,12 @@ class Spine:
     def ratios(self, arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """Each ratio of medians with its goal and whether it is met."""
         rows = []
-        for name, num, dens, goal, desc in RATIOS:
-            n = arms[num]["median"]
-            d = [arms[x]["median"] for x in dens]
+        for name, num, dens, goal in RATIOS:
+            n, d = arms[num]["median"], [arms[x]["median"] for x in dens]
             value = n / sum(d) if n is not None and None not in d and sum(d) > 0 else None
             met = None if goal is None or value is None else value <= goal
-            rows.append(
-                {
-                    "name": name,
-                    "numerator": num,
-                    "denominator": list(dens),
-                    "value": value,
-                    "goal": goal,
-                    "met": met,
-                    "description": desc,
-                }
-            )
+            row: dict[str, Any] = {"name": name, "numerator": num, "denominator": list(dens)}
+            rows.append({**row, "value": value, "goal": goal, "met": met})
         return rows
 
 
@@ -339,37 +306,21 @@ def report(spine: Spine, elapsed: float) -> dict[str, Any]:
         src = f" [{s['from'].split('_')[-1]}]" if "from" in s else ""
         rows.append([name, desc + src, s["median"], s["min"], s["max"], gbps])
     save_s, local_s = spine.first_save
-    rows.append(
-        [
-            "first_save",
-            "first save() (allocates lease)",
-            save_s,
-            None,
-            None,
-            spine.nbytes / save_s / GB,
-        ]
-    )
-    rows.append(
-        ["first_local", "first save -> LOCAL", local_s, None, None, spine.nbytes / local_s / GB]
-    )
+    firsts = [("first_save", "first save() (allocates lease)", save_s)]
+    firsts.append(("first_local", "first save -> LOCAL", local_s))
+    for name, desc, secs in firsts:
+        rows.append([name, desc, secs, None, None, spine.nbytes / secs / GB])
     title = (
         f"spine: {spine.nbytes / 2**30:.2f} GiB in {len(spine.arrays)} float32 arrays, "
         f"{spine.args.reps} reps, dir {spine.args.dir} (seconds; GB/s at the median)"
     )
     print_table(["arm", "what", "median", "min", "max", "GB/s"], rows, title)
-    print_table(
-        ["ratio (of medians)", "value", "goal", "status"],
-        [
-            [
-                r["name"],
-                r["value"],
-                f"<= {r['goal']}" if r["goal"] else "-",
-                "-" if r["met"] is None else ("met" if r["met"] else "NOT met"),
-            ]
-            for r in ratios
-        ],
-        "goals",
-    )
+    status = {None: "-", True: "met", False: "NOT met"}
+    goal_rows = [
+        [r["name"], r["value"], f"<= {r['goal']}" if r["goal"] else "-", status[r["met"]]]
+        for r in ratios
+    ]
+    print_table(["ratio (of medians)", "value", "goal", "status"], goal_rows, "goals")
     growth = summarize([float(g) for g in spine.anon_growth])
     if growth["median"] is not None:
         print(
@@ -379,15 +330,9 @@ def report(spine: Spine, elapsed: float) -> dict[str, Any]:
     for note in spine.notes:
         print(f"note: {note}")
     print(f"setup {spine.setup_seconds:.1f} s, total {elapsed:.1f} s")
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(spine.args).items()}
     return {
-        "config": {
-            "size_bytes": spine.nbytes,
-            "arrays": len(spine.arrays),
-            "dtype": "float32",
-            "reps": spine.args.reps,
-            "dir": str(spine.args.dir),
-            "seed": spine.args.seed,
-        },
+        "config": {**config, "size_bytes": spine.nbytes, "dtype": "float32"},
         "unit": "seconds",
         "arms": arms,
         "arm_descriptions": dict(ARM_ROWS),

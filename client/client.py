@@ -16,12 +16,18 @@ from typing import Any, TypeVar
 import google_crc32c
 import grpc
 import numpy as np
-
-from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION, state_name
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
-from .errors import CheckpointCorrupt, CheckpointNotFound, CkptdError, CkptdUnavailable, SaveFailed, from_rpc_error
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CkptdError,
+    CkptdUnavailable,
+    SaveFailed,
+    from_rpc_error,
+)
 from .format import dtype_to_str, plan_layout, round_up, str_to_dtype
 from .tree import flatten, unflatten
 
@@ -38,21 +44,21 @@ def open_channel(socket: str) -> grpc.Channel:
     """A gRPC channel to the daemon's unix socket."""
     return grpc.insecure_channel(
         f"unix:{socket}",
-        options=[("grpc.max_receive_message_length", 256 * 2**20),
-                 ("grpc.max_send_message_length", 256 * 2**20)],
+        options=[
+            ("grpc.max_receive_message_length", 256 * 2**20),
+            ("grpc.max_send_message_length", 256 * 2**20),
+        ],
     )
 
 
 def rpc_call(method: Callable[..., T], request: Any, timeout: float, socket: str) -> T:
     """Call one RPC with the protocol header; gRPC errors become :class:`CkptdError`."""
     try:
-        return method(request, timeout=timeout, metadata=((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),))
+        return method(
+            request, timeout=timeout, metadata=((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
+        )
     except grpc.RpcError as exc:
         raise from_rpc_error(exc, socket) from None
-
-
-def _state_name(state: int) -> str:
-    return pb.SaveState.Name(state).removeprefix("SAVE_STATE_")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class SaveHandle:
 
     def state(self) -> str:
         """Current state: STAGING, LOCAL, DRAINING, DURABLE or FAILED."""
-        return _state_name(self._status(pb.SAVE_STATE_UNSPECIFIED, 0.0).state)
+        return state_name(self._status(pb.SAVE_STATE_UNSPECIFIED, 0.0).state)
 
     def wait(self, stage: str = "local", timeout: float | None = None) -> None:
         """Block until the save reaches ``stage`` ("local" or "durable").
@@ -103,19 +109,28 @@ class SaveHandle:
                 time.sleep(0.2)
                 continue
             if st.state == pb.SAVE_STATE_FAILED:
-                raise SaveFailed(f"save of step {self.step} of job {self.job!r} failed: {st.error}", "FAILED")
+                raise SaveFailed(
+                    f"save of step {self.step} of job {self.job!r} failed: {st.error}", "FAILED"
+                )
             if st.state >= target and st.state != pb.SAVE_STATE_FAILED:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"step {self.step} of job {self.job!r} is {_state_name(st.state)}, not "
+                    f"step {self.step} of job {self.job!r} is {state_name(st.state)}, not "
                     f"{stage.upper()}, after {timeout} s"
                 )
 
     def _status(self, target: int, timeout: float) -> pb.SaveStatus:
-        req = pb.GetSaveStatusRequest(job=self.job, step=self.step, wait_for=target,  # type: ignore[arg-type]
-                                      timeout_seconds=timeout)
-        return self.client._call(self.client._stub.GetSaveStatus, req, timeout + 30.0)
+        req = pb.GetSaveStatusRequest(
+            job=self.job,
+            step=self.step,
+            wait_for=target,  # type: ignore[arg-type]
+            timeout_seconds=timeout,
+        )
+        status: pb.SaveStatus = self.client._call(
+            self.client._stub.GetSaveStatus, req, timeout + 30.0
+        )
+        return status
 
     def __repr__(self) -> str:
         return f"SaveHandle(job={self.job!r}, step={self.step})"
@@ -171,8 +186,14 @@ class Client:
         return mm
 
     # -- public API ------------------------------------------------------------
-    def save(self, step: int, tree: Any, metadata: dict[str, Any] | None = None, *,
-             milestone: bool = False) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        metadata: dict[str, Any] | None = None,
+        *,
+        milestone: bool = False,
+    ) -> SaveHandle:
         """Hand ``tree`` to the daemon as ``step``; returns once the daemon owns the bytes.
 
         Arrays are copied into shared memory before this returns, so the caller
@@ -193,7 +214,10 @@ class Client:
         dtypes = {k: dtype_to_str(a.dtype) for k, a in arrays}
         entries = plan_layout((k, a.dtype, a.shape) for k, a in arrays)
         data_len = sum(e.length for e in entries)
-        lease = self._call(self._stub.AcquireLease, pb.AcquireLeaseRequest(job=self.job, size_bytes=round_up(data_len)))
+        lease = self._call(
+            self._stub.AcquireLease,
+            pb.AcquireLeaseRequest(job=self.job, size_bytes=round_up(data_len)),
+        )
         committed = False
         try:
             mm = self._map_segment(lease.segment, lease.size_bytes)
@@ -202,19 +226,38 @@ class Client:
                     dst = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset)
                     np.copyto(dst, by_key[e.key], casting="no")
             req = pb.CommitShardsRequest(
-                lease_id=lease.lease_id, job=self.job, step=step, rank=self.rank,
-                node_ranks=self.node_ranks, world_size=self.world_size, data_offset=0,
-                shards=[pb.ShardDescriptor(key=e.key, dtype=dtypes[e.key], shape=e.shape,
-                                           global_shape=e.shape, offset=e.offset, length=e.length)
-                        for e in entries],
-                tree_json=tree_json, metadata_json=metadata_json, milestone=milestone,
+                lease_id=lease.lease_id,
+                job=self.job,
+                step=step,
+                rank=self.rank,
+                node_ranks=self.node_ranks,
+                world_size=self.world_size,
+                data_offset=0,
+                shards=[
+                    pb.ShardDescriptor(
+                        key=e.key,
+                        dtype=dtypes[e.key],
+                        shape=e.shape,
+                        global_shape=e.shape,
+                        offset=e.offset,
+                        length=e.length,
+                    )
+                    for e in entries
+                ],
+                tree_json=tree_json,
+                metadata_json=metadata_json,
+                milestone=milestone,
             )
             self._call(self._stub.CommitShards, req)
             committed = True
         finally:
             if not committed:
                 try:
-                    self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease.lease_id), 10.0)
+                    self._call(
+                        self._stub.ReleaseLease,
+                        pb.ReleaseLeaseRequest(lease_id=lease.lease_id),
+                        10.0,
+                    )
                 except CkptdError as exc:
                     log.debug("could not release lease after a failed save: %s", exc)
         return SaveHandle(self, step)
@@ -234,17 +277,29 @@ class Client:
                 resp = self._call(self._stub.Restore, req)
             except CheckpointNotFound as exc:
                 if _attempt:
-                    raise CheckpointCorrupt(f"{exc} (a newer copy failed its checksum and was set aside)",
-                                            "DATA_LOSS") from None
+                    raise CheckpointCorrupt(
+                        f"{exc} (a newer copy failed its checksum and was set aside)", "DATA_LOSS"
+                    ) from None
                 raise
             manifest = json.loads(resp.manifest_json)
             try:
                 return self._load(resp.directory, manifest)
             except _Corrupt as bad:
-                log.error("step %d of job %s: %s; asking the daemon for another copy", resp.step, self.job, bad)
-                self._call(self._stub.ReportCorrupt, pb.ReportCorruptRequest(
-                    job=self.job, step=resp.step, tier=resp.tier, detail=str(bad)))
-        raise CheckpointCorrupt(f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS")
+                log.error(
+                    "step %d of job %s: %s; asking the daemon for another copy",
+                    resp.step,
+                    self.job,
+                    bad,
+                )
+                self._call(
+                    self._stub.ReportCorrupt,
+                    pb.ReportCorruptRequest(
+                        job=self.job, step=resp.step, tier=resp.tier, detail=str(bad)
+                    ),
+                )
+        raise CheckpointCorrupt(
+            f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS"
+        )
 
     def _load(self, directory: str, manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         rank = next(r for r in manifest["ranks"] if r["rank"] == self.rank)
@@ -255,8 +310,12 @@ class Client:
                 raise _Corrupt(f"{path} is {size} bytes, expected {rank['size']}")
             # Private + writable: the views are copy-on-write, so callers may update
             # restored state in place without touching the committed file.
-            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(
+                f.fileno(),
+                size,
+                flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         flat = np.frombuffer(mm, np.uint8)  # a view; google-crc32c takes arrays, not memoryviews
         arrays: dict[str, np.ndarray] = {}
         for s in manifest["shards"]:
@@ -264,7 +323,10 @@ class Client:
                 continue
             crc = google_crc32c.extend(0, flat[s["offset"] : s["offset"] + s["length"]])
             if crc != s["crc32c"]:
-                raise _Corrupt(f"shard {s['key']!r} in {path} has crc32c {crc:#010x}, expected {s['crc32c']:#010x}")
+                raise _Corrupt(
+                    f"shard {s['key']!r} in {path} has crc32c {crc:#010x}, "
+                    f"expected {s['crc32c']:#010x}"
+                )
             dt = str_to_dtype(s["dtype"])
             if math.prod(s["shape"]) == 0:
                 arrays[s["key"]] = np.zeros(s["shape"], dt)
@@ -276,9 +338,17 @@ class Client:
         """This job's checkpoints on this node, newest first."""
         resp = self._call(self._stub.ListCheckpoints, pb.ListCheckpointsRequest(job=self.job))
         return [
-            CheckpointInfo(c.job, c.step, _state_name(c.state),
-                           tuple(pb.Tier.Name(t).removeprefix("TIER_") for t in c.tiers),
-                           c.created_unix, c.size_bytes, c.num_shards, c.milestone, c.error)
+            CheckpointInfo(
+                c.job,
+                c.step,
+                state_name(c.state),
+                tuple(pb.Tier.Name(t).removeprefix("TIER_") for t in c.tiers),
+                c.created_unix,
+                c.size_bytes,
+                c.num_shards,
+                c.milestone,
+                c.error,
+            )
             for c in resp.checkpoints
         ]
 

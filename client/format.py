@@ -73,6 +73,7 @@ def dtype_to_str(dt: np.dtype) -> str:
 
 def str_to_dtype(name: str) -> np.dtype:
     """Inverse of :func:`dtype_to_str`; raises ``ValueError`` naming the bad dtype."""
+    dt: np.dtype
     try:
         if name in _ML_DTYPE_NAMES:
             dt = np.dtype(getattr(ml_dtypes, name))

@@ -6,7 +6,6 @@ Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -15,8 +14,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from google.protobuf.json_format import MessageToDict
 
 from ckptd.client.client import DEFAULT_SOCKET, open_channel, rpc_call
 from ckptd.client.errors import CkptdError
@@ -36,15 +33,35 @@ def _human_bytes(n: float) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
 
+def _plain(msg: Any) -> dict[str, Any]:
+    """A message as a JSON-ready dict with real ints and enum names (LOCAL, not 2)."""
+    out: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.enum_type is not None:
+            names = {
+                v.number: v.name.removeprefix("SAVE_STATE_").removeprefix("TIER_")
+                for v in f.enum_type.values
+            }
+            value = [names[v] for v in value] if f.is_repeated else names[value]
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
 def _socket_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", default=None,
-                   help=f"daemon socket (default: $CKPTD_SOCKET or {DEFAULT_SOCKET})")
+    p.add_argument(
+        "--socket", default=None, help=f"daemon socket (default: $CKPTD_SOCKET or {DEFAULT_SOCKET})"
+    )
 
 
 def _admin(args: argparse.Namespace) -> tuple[Any, str]:
@@ -55,8 +72,11 @@ def _admin(args: argparse.Namespace) -> tuple[Any, str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     flags = {k: getattr(args, k) for k in config_mod.flag_names()}
     cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     import uvloop
 
     uvloop.run(serve(cfg))
@@ -65,18 +85,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     stub, socket = _admin(args)
-    resp = rpc_call(stub.ListCheckpoints, pb.ListCheckpointsRequest(job=args.job or ""), 30.0, socket)
+    resp = rpc_call(
+        stub.ListCheckpoints, pb.ListCheckpointsRequest(job=args.job or ""), 30.0, socket
+    )
     if args.json:
-        print(json.dumps([MessageToDict(c, preserving_proto_field_name=True,
-                                        always_print_fields_with_no_presence=True)
-                          for c in resp.checkpoints], indent=1))
+        print(json.dumps([_plain(c) for c in resp.checkpoints], indent=1))
         return 0
     rows = [
-        [c.job, str(c.step), pb.SaveState.Name(c.state).removeprefix("SAVE_STATE_"),
-         ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in c.tiers) or "-",
-         _human_bytes(c.size_bytes) if c.size_bytes else "-", str(c.num_shards),
-         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
-         ("milestone " if c.milestone else "") + (c.error[:60] if c.error else "")]
+        [
+            c.job,
+            str(c.step),
+            pb.SaveState.Name(c.state).removeprefix("SAVE_STATE_"),
+            ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in c.tiers) or "-",
+            _human_bytes(c.size_bytes) if c.size_bytes else "-",
+            str(c.num_shards),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
+            ("milestone " if c.milestone else "") + (c.error[:60] if c.error else ""),
+        ]
         for c in resp.checkpoints
     ]
     if not rows:
@@ -89,9 +114,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     stub, socket = _admin(args)
     st = rpc_call(stub.GetStatus, pb.GetStatusRequest(), 30.0, socket)
-    d = MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     if args.json:
-        print(json.dumps(d, indent=1))
+        print(json.dumps(_plain(st), indent=1))
         return 0
     rows = [
         ["version", f"{st.version} (protocol {st.protocol_version}, pid {st.pid})"],
@@ -102,9 +126,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         ["uptime", f"{st.uptime_seconds:.0f} s"],
         ["checkpoints", f"{st.checkpoints} in {st.jobs} jobs, {_human_bytes(st.local_used_bytes)}"],
         ["local free", _human_bytes(st.local_free_bytes)],
-        ["staging", f"{_human_bytes(st.staging_in_use_bytes)} in use, "
-                    f"{_human_bytes(st.staging_allocated_bytes)} allocated of "
-                    f"{_human_bytes(st.staging_budget_bytes)} budget"],
+        [
+            "staging",
+            f"{_human_bytes(st.staging_in_use_bytes)} in use, "
+            f"{_human_bytes(st.staging_allocated_bytes)} allocated of "
+            f"{_human_bytes(st.staging_budget_bytes)} budget",
+        ],
         ["leases held", str(st.leases_held)],
         ["saves in flight", str(st.saves_in_flight)],
     ]
@@ -120,13 +147,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used to generate the README's CLI reference)."""
-    parser = argparse.ArgumentParser(prog="ckptd", description="Per-node checkpoint daemon for ML training.")
+    parser = argparse.ArgumentParser(
+        prog="ckptd", description="Per-node checkpoint daemon for ML training."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the daemon")
     p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
     for key in config_mod.flag_names():
-        p.add_argument(f"--{key.replace('_', '-')}", dest=key, default=None, metavar="VALUE",
-                       help=f"config key {key} (env CKPTD_{key.upper()})")
+        p.add_argument(
+            f"--{key.replace('_', '-')}",
+            dest=key,
+            default=None,
+            metavar="VALUE",
+            help=f"config key {key} (env CKPTD_{key.upper()})",
+        )
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("ls", help="list checkpoints and their states")
     p.add_argument("job", nargs="?", help="only this job")

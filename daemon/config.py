@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.client.client import DEFAULT_SOCKET  # one default for both sides
+
 DEFAULT_ROOT = "/var/lib/ckptd"
 ENV_PREFIX = "CKPTD_"
 
@@ -164,15 +165,17 @@ def load(
 
 
 def _validate(cfg: Config) -> None:
-    from .names import check_name  # late: names imports errors, which imports grpc
     from .errors import InvalidArgument
+    from .names import check_name  # late: names imports errors, which imports grpc
 
     try:
         check_name("node_id", cfg.node_id)
     except InvalidArgument as exc:
         raise ConfigError(f"invalid value for 'node_id': {exc}") from None
     if cfg.log_level not in _LOG_LEVELS:
-        raise ConfigError(f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}")
+        raise ConfigError(
+            f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}"
+        )
     if len(str(cfg.socket).encode()) > 107:
         raise ConfigError(
             f"invalid value for 'socket': {cfg.socket} is longer than the 107 bytes a unix "

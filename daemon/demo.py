@@ -70,8 +70,12 @@ def train(steps: int, save_every: int, socket: str | None, step_seconds: float =
         b = np.float32(b - np.float32(0.01) * mb)
         time.sleep(step_seconds)
         if client is not None and (step + 1) % save_every == 0:
-            tree = {"params": {"w": w, "b": b}, "opt": {"mw": mw, "mb": mb},
-                    "rng": rng.bit_generator.state, "data": {"batches_seen": step + 1}}
+            tree = {
+                "params": {"w": w, "b": b},
+                "opt": {"mw": mw, "mb": mb},
+                "rng": rng.bit_generator.state,
+                "data": {"batches_seen": step + 1},
+            }
             client.save(step, tree, metadata={"step": step, "loss": loss})
             _emit("saved", step=step, loss=loss)
     digest = hashlib.sha256(w.tobytes() + np.float32(b).tobytes()).hexdigest()[:16]
@@ -87,9 +91,22 @@ def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     socket = str(tmp / "ckptd.sock")
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(tmp / "root"),
-         "--socket", socket, "--node-id", "demo-node", "--staging-budget-bytes", "64MiB"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "ckptd.daemon.cli",
+            "serve",
+            "--root",
+            str(tmp / "root"),
+            "--socket",
+            socket,
+            "--node-id",
+            "demo-node",
+            "--staging-budget-bytes",
+            "64MiB",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     from ckptd.client import CkptdUnavailable, Client
 
@@ -109,24 +126,42 @@ def _start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def _trainer(socket: str, steps: int, save_every: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ckptd.daemon.demo", "trainer", "--socket", socket,
-         "--steps", str(steps), "--save-every", str(save_every), "--step-seconds", "0.02"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ckptd.daemon.demo",
+            "trainer",
+            "--socket",
+            socket,
+            "--steps",
+            str(steps),
+            "--save-every",
+            str(save_every),
+            "--step-seconds",
+            "0.02",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
 def run_demo(steps: int = 40, save_every: int = 5, keep: bool = False) -> int:
     """The README's first command. Returns 0 if the resumed run matches the reference."""
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-demo-"))
-    say = lambda msg: print(f"[demo] {msg}", flush=True)  # noqa: E731
+
+    def say(msg: str) -> None:
+        print(f"[demo] {msg}", flush=True)
+
     daemon = None
     try:
         say(f"workspace {tmp}")
         daemon, socket = _start_daemon(tmp)
         say(f"daemon up (pid {daemon.pid}) on {socket}, local tier {tmp / 'root'}")
         kill_after = 3 * save_every - 1
-        say(f"trainer #1: {steps} steps, saving every {save_every}; it is SIGKILLed right after "
-            f"the save of step {kill_after} is acknowledged")
+        say(
+            f"trainer #1: {steps} steps, saving every {save_every}; it is SIGKILLed right after "
+            f"the save of step {kill_after} is acknowledged"
+        )
         t1 = _trainer(socket, steps, save_every)
         assert t1.stdout is not None
         last_saved = None
@@ -139,7 +174,10 @@ def run_demo(steps: int = 40, save_every: int = 5, keep: bool = False) -> int:
                     os.kill(t1.pid, signal.SIGKILL)
                     break
         t1.wait()
-        say(f"trainer #1 SIGKILLed (exit {t1.returncode}); its last acknowledged save was step {last_saved}")
+        say(
+            f"trainer #1 SIGKILLed (exit {t1.returncode}); "
+            f"its last acknowledged save was step {last_saved}"
+        )
         from ckptd.client import Client
         from ckptd.client.client import SaveHandle
 
@@ -153,15 +191,26 @@ def run_demo(steps: int = 40, save_every: int = 5, keep: bool = False) -> int:
         events = [json.loads(x) for x in out.splitlines()]
         resumed = next(e for e in events if e["event"] in ("resumed", "fresh"))
         done = next(e for e in events if e["event"] == "done")
-        say(f"  resumed from step {resumed.get('step')} (loss {resumed.get('loss', float('nan')):.4f}), "
-            f"trained to step {done['step']}, final loss {done['loss']:.4f}")
+        say(
+            f"  resumed from step {resumed.get('step')} "
+            f"(loss {resumed.get('loss', float('nan')):.4f}), "
+            f"trained to step {done['step']}, final loss {done['loss']:.4f}"
+        )
         reference = _quiet_reference(steps, save_every)
         same = reference == done["digest"]
-        say(f"final parameters {done['digest']} vs uninterrupted run {reference}: "
-            + ("IDENTICAL" if same else "DIFFERENT"))
+        say(
+            f"final parameters {done['digest']} vs uninterrupted run {reference}: "
+            + ("IDENTICAL" if same else "DIFFERENT")
+        )
         ok = same and resumed.get("step") == last_saved
-        say("result: " + ("the kill cost only the steps after the last save; training resumed exactly"
-                          if ok else "FAILED: the resumed run did not match"))
+        say(
+            "result: "
+            + (
+                "the kill cost only the steps after the last save; training resumed exactly"
+                if ok
+                else "FAILED: the resumed run did not match"
+            )
+        )
         return 0 if ok else 1
     finally:
         if daemon is not None:

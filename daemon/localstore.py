@@ -25,7 +25,6 @@ from pathlib import Path
 
 import google_crc32c
 import numpy as np
-
 from ckptd.client.format import round_up
 
 from . import faults
@@ -198,15 +197,3 @@ class LocalStore:
     def discard(self, staging: Path) -> None:
         """Remove a staging directory after a failed save."""
         shutil.rmtree(staging, ignore_errors=True)
-
-    def disk_usage(self) -> tuple[int, int]:
-        """(free bytes for unprivileged writers, bytes used by committed steps)."""
-        st = os.statvfs(self.root)
-        used = 0
-        for dirpath, _dirs, files in os.walk(self.root):
-            for name in files:
-                try:
-                    used += os.stat(os.path.join(dirpath, name)).st_size
-                except OSError:
-                    pass
-        return st.f_bavail * st.f_frsize, used

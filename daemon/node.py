@@ -7,6 +7,7 @@ servicer (server.py) converts requests into calls here and errors into statuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
@@ -18,6 +19,7 @@ from typing import Any
 
 from ckptd.client.format import ALIGN, TensorEntry, build_header, check_layout, round_up
 from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import state_name
 
 from . import localstore
 from .config import Config
@@ -29,16 +31,11 @@ from .staging import Lease, Staging, segment_prefix
 
 log = logging.getLogger("ckptd.node")
 
-_REACHED = {
+_REACHED: dict[int, set[int]] = {
     pb.SAVE_STATE_LOCAL: {pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING, pb.SAVE_STATE_DURABLE},
     pb.SAVE_STATE_DURABLE: {pb.SAVE_STATE_DURABLE},
 }
 MAX_WAIT_SECONDS = 3600.0
-
-
-def state_name(state: int) -> str:
-    """``LOCAL``, ``FAILED``, ...: the enum name without its prefix, for logs and tables."""
-    return pb.SaveState.Name(state).removeprefix("SAVE_STATE_")  # type: ignore[arg-type]
 
 
 @dataclass
@@ -91,15 +88,23 @@ class Node:
         removed_segments = self.staging.remove_leftovers()
         for m in recovery.manifests:
             self.steps[(m.job, m.step)] = StepState(
-                m.job, m.step, pb.SAVE_STATE_LOCAL, manifest=m, milestone=m.milestone,
-                node_ranks=tuple(r.rank for r in m.ranks), world_size=m.world_size,
-                handoff_at=m.created_unix, local_at=m.created_unix,
+                m.job,
+                m.step,
+                pb.SAVE_STATE_LOCAL,
+                manifest=m,
+                milestone=m.milestone,
+                node_ranks=tuple(r.rank for r in m.ranks),
+                world_size=m.world_size,
+                handoff_at=m.created_unix,
+                local_at=m.created_unix,
             )
         for line in recovery.skipped:
             log.warning("ignoring step directory that is not a ckptd commit: %s", line)
         log.info(
             "recovered %d committed steps; removed %d staging leftovers and %d stale segments",
-            len(recovery.manifests), recovery.removed_staging, removed_segments,
+            len(recovery.manifests),
+            recovery.removed_staging,
+            removed_segments,
         )
 
     async def close(self) -> None:
@@ -129,7 +134,9 @@ class Node:
         """Take ownership of a lease's shards; the write runs in the background."""
         lease = self.staging.get(req.lease_id)
         if lease.job != req.job:
-            raise InvalidArgument(f"lease {req.lease_id!r} was granted to job {lease.job!r}, not {req.job!r}")
+            raise InvalidArgument(
+                f"lease {req.lease_id!r} was granted to job {lease.job!r}, not {req.job!r}"
+            )
         if lease.committed:
             raise Conflict(f"lease {req.lease_id!r} was already committed; acquire a new lease")
         data_len = check_layout_or_raise(req.entries)
@@ -141,8 +148,14 @@ class Node:
             )
         st = self.steps.get((req.job, req.step))
         if st is None:
-            st = StepState(req.job, req.step, pb.SAVE_STATE_STAGING, node_ranks=req.node_ranks,
-                           world_size=req.world_size, handoff_at=time.time())
+            st = StepState(
+                req.job,
+                req.step,
+                pb.SAVE_STATE_STAGING,
+                node_ranks=req.node_ranks,
+                world_size=req.world_size,
+                handoff_at=time.time(),
+            )
             st.staging_dir = self.store.new_staging_dir(req.job, req.step)
             self.steps[(req.job, req.step)] = st
         elif st.state != pb.SAVE_STATE_STAGING:
@@ -165,22 +178,42 @@ class Node:
         task.add_done_callback(self._tasks.discard)
         return st.state
 
-    async def _write_rank(self, st: StepState, req: CommitRequest, lease: Lease, data_len: int) -> None:
+    async def _write_rank(
+        self, st: StepState, req: CommitRequest, lease: Lease, data_len: int
+    ) -> None:
         name = rank_file_name(req.rank)
         assert st.staging_dir is not None
         try:
-            header = build_header(req.entries, {"format": "ckptd", "dtypes": json.dumps(
-                {e.key: [req.dtype_names[e.key], list(e.shape)] for e in req.entries})})
+            header = build_header(
+                req.entries,
+                {
+                    "format": "ckptd",
+                    "dtypes": json.dumps(
+                        {e.key: [req.dtype_names[e.key], list(e.shape)] for e in req.entries}
+                    ),
+                },
+            )
             data = lease.segment.view(req.data_offset, round_up(data_len))
             ranges = [(e.offset, e.length) for e in req.entries]
             _, crcs = await asyncio.gather(
-                self._io(localstore.write_file_direct, st.staging_dir / name, header, data, data_len),
+                self._io(
+                    localstore.write_file_direct, st.staging_dir / name, header, data, data_len
+                ),
                 self._io(localstore.crc32c_ranges, data, ranges),
             )
             shards = [
-                ShardRecord(e.key, req.rank, req.dtype_names[e.key], list(e.shape),
-                            list(req.global_shapes[e.key]), [list(s) for s in req.indexes[e.key]],
-                            name, len(header) + e.offset, e.length, crc)
+                ShardRecord(
+                    e.key,
+                    req.rank,
+                    req.dtype_names[e.key],
+                    list(e.shape),
+                    list(req.global_shapes[e.key]),
+                    [list(s) for s in req.indexes[e.key]],
+                    name,
+                    len(header) + e.offset,
+                    e.length,
+                    crc,
+                )
                 for e, crc in zip(req.entries, crcs, strict=True)
             ]
             record = RankRecord(req.rank, name, len(header) + data_len, req.tree)
@@ -198,10 +231,15 @@ class Node:
     async def _commit_step(self, st: StepState) -> None:
         ranks = [st.ranks[r] for r in sorted(st.ranks)]
         manifest = Manifest(
-            job=st.job, step=st.step, node=self.config.node_id, world_size=st.world_size,
-            created_unix=time.time(), ranks=[r for r, _, _ in ranks],
+            job=st.job,
+            step=st.step,
+            node=self.config.node_id,
+            world_size=st.world_size,
+            created_unix=time.time(),
+            ranks=[r for r, _, _ in ranks],
             shards=[s for _, shards, _ in ranks for s in shards],
-            metadata=next((m for _, _, m in ranks if m), {}), milestone=st.milestone,
+            metadata=next((m for _, _, m in ranks if m), {}),
+            milestone=st.milestone,
         )
         assert st.staging_dir is not None
         try:
@@ -210,10 +248,20 @@ class Node:
             log.exception("committing %s/%d failed", st.job, st.step)
             self._fail(st, f"local commit failed: {exc}")
             return
-        st.manifest, st.state, st.local_at, st.staging_dir = manifest, pb.SAVE_STATE_LOCAL, time.time(), None
+        st.manifest, st.state, st.local_at, st.staging_dir = (
+            manifest,
+            pb.SAVE_STATE_LOCAL,
+            time.time(),
+            None,
+        )
         st.ranks.clear()
-        log.info("%s/%d LOCAL in %.3f s (%d bytes)", st.job, st.step, st.local_at - st.handoff_at,
-                 manifest.size_bytes)
+        log.info(
+            "%s/%d LOCAL in %.3f s (%d bytes)",
+            st.job,
+            st.step,
+            st.local_at - st.handoff_at,
+            manifest.size_bytes,
+        )
         st.notify()
 
     def _fail(self, st: StepState, reason: str) -> None:
@@ -230,7 +278,9 @@ class Node:
         """The state of one step, or NotFound."""
         st = self.steps.get((job, step))
         if st is None:
-            raise NotFound(f"no save of step {step} for job {job!r} on this node; `ckptd ls {job}` lists them")
+            raise NotFound(
+                f"no save of step {step} for job {job!r} on this node; `ckptd ls {job}` lists them"
+            )
         return st
 
     async def wait(self, job: str, step: int, target: int, timeout: float) -> StepState:
@@ -238,7 +288,9 @@ class Node:
         if target not in _REACHED:
             if target == pb.SAVE_STATE_UNSPECIFIED:
                 return self.get_step(job, step)
-            raise InvalidArgument(f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE")
+            raise InvalidArgument(
+                f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE"
+            )
         if target == pb.SAVE_STATE_DURABLE:
             raise FailedPrecondition(
                 "this daemon has no remote tier configured, so no save becomes DURABLE; "
@@ -252,10 +304,8 @@ class Node:
             left = deadline - time.monotonic()
             if left <= 0:
                 return st
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(st.changed.wait(), left)
-            except TimeoutError:
-                pass
 
     def list(self, job: str = "") -> list[StepState]:
         """Steps of one job (or all), newest first within each job."""
@@ -267,18 +317,25 @@ class Node:
         if step is not None:
             st = self.get_step(job, step)
             if st.state in (pb.SAVE_STATE_STAGING, pb.SAVE_STATE_FAILED):
-                why = "is still being written; wait('local') first" if st.state == pb.SAVE_STATE_STAGING \
+                why = (
+                    "is still being written; wait('local') first"
+                    if st.state == pb.SAVE_STATE_STAGING
                     else f"failed: {st.error}"
+                )
                 raise FailedPrecondition(f"step {step} of job {job!r} {why}")
             candidates = [st]
         else:
             candidates = [s for s in self.list(job) if s.manifest is not None]
             if not candidates:
-                raise NotFound(f"job {job!r} has no restorable checkpoint on this node; start from scratch")
+                raise NotFound(
+                    f"job {job!r} has no restorable checkpoint on this node; start from scratch"
+                )
         st = candidates[0]
         assert st.manifest is not None
         if rank not in {r.rank for r in st.manifest.ranks}:
-            raise NotFound(f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node")
+            raise NotFound(
+                f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
+            )
         return st
 
     async def report_corrupt(self, job: str, step: int, detail: str) -> None:
@@ -295,8 +352,11 @@ class Node:
         log.error("local copy of %s/%d is corrupt (%s); quarantining it", job, step, "; ".join(bad))
         quarantine = self.config.root / ".corrupt"
         quarantine.mkdir(exist_ok=True)
-        await self._io(shutil.move, str(self.store.step_dir(job, step)),
-                       str(quarantine / f"{job}.{step}.{time.time_ns()}"))
+        await self._io(
+            shutil.move,
+            str(self.store.step_dir(job, step)),
+            str(quarantine / f"{job}.{step}.{time.time_ns()}"),
+        )
         del self.steps[(job, step)]
 
     def require_restorable(self, st: StepState) -> Manifest:
@@ -324,7 +384,10 @@ def verify_step(directory: Path, manifest: Manifest) -> list[str]:
         by_file.setdefault(s.file, []).append(s)
     for fname, shards in by_file.items():
         try:
-            with open(directory / fname, "rb") as f, _mmap.mmap(f.fileno(), 0, prot=_mmap.PROT_READ) as mm:
+            with (
+                open(directory / fname, "rb") as f,
+                _mmap.mmap(f.fileno(), 0, prot=_mmap.PROT_READ) as mm,
+            ):
                 view = memoryview(mm)
                 crcs = localstore.crc32c_ranges(view, [(s.offset, s.length) for s in shards])
                 view.release()

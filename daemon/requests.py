@@ -49,12 +49,16 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
     step = check_step(req.step)
     node_ranks = tuple(sorted(req.node_ranks)) or (req.rank,)
     if len(set(node_ranks)) != len(node_ranks) or len(node_ranks) > MAX_RANKS:
-        raise InvalidArgument(f"node_ranks {list(req.node_ranks)[:16]} has duplicates or is too long")
+        raise InvalidArgument(
+            f"node_ranks {list(req.node_ranks)[:16]} has duplicates or is too long"
+        )
     if req.rank not in node_ranks:
         raise InvalidArgument(f"rank {req.rank} is not in node_ranks {list(node_ranks)[:16]}")
     world_size = req.world_size or max(node_ranks) + 1
     if world_size <= max(node_ranks):
-        raise InvalidArgument(f"world_size {world_size} must exceed every rank (max {max(node_ranks)})")
+        raise InvalidArgument(
+            f"world_size {world_size} must exceed every rank (max {max(node_ranks)})"
+        )
     if len(req.shards) > MAX_SHARDS:
         raise InvalidArgument(f"{len(req.shards)} shards in one commit; the limit is {MAX_SHARDS}")
     entries: list[TensorEntry] = []
@@ -64,7 +68,9 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
     for sd in req.shards:
         key = check_shard_key(sd.key)
         if key in dtype_names:
-            raise InvalidArgument(f"duplicate shard key {key!r}; every shard of a rank needs its own key")
+            raise InvalidArgument(
+                f"duplicate shard key {key!r}; every shard of a rank needs its own key"
+            )
         try:
             dt = str_to_dtype(sd.dtype)
         except ValueError as exc:
@@ -72,10 +78,13 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
         shape = tuple(int(d) for d in sd.shape)
         gshape = tuple(int(d) for d in sd.global_shape) or shape
         if len(shape) > MAX_NDIM or len(gshape) != len(shape):
-            raise InvalidArgument(f"shard {key!r}: global_shape {list(gshape)} does not match shape {list(shape)}")
+            raise InvalidArgument(
+                f"shard {key!r}: global_shape {list(gshape)} does not match shape {list(shape)}"
+            )
         index = [(int(s.start), int(s.stop)) for s in sd.index] or [(0, d) for d in shape]
         if len(index) != len(shape) or any(
-            not (0 <= a <= b <= g) or b - a != d for (a, b), d, g in zip(index, shape, gshape, strict=False)
+            not (0 <= a <= b <= g) or b - a != d
+            for (a, b), d, g in zip(index, shape, gshape, strict=False)
         ):
             raise InvalidArgument(
                 f"shard {key!r}: index {index} does not place shape {list(shape)} inside "

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -53,7 +52,8 @@ def _rpc(fn: Handler[R]) -> Handler[R]:
         except Exception as exc:
             log.exception("%s failed", fn.__name__)
             await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {exc!r}; see the daemon log"
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {fn.__name__}: {exc!r}; see the daemon log",
             )
         raise AssertionError("unreachable: abort raises")
 
@@ -77,15 +77,19 @@ def _check_protocol(context: grpc.aio.ServicerContext) -> None:
 def _checkpoint_info(st: StepState) -> pb.CheckpointInfo:
     m = st.manifest
     return pb.CheckpointInfo(
-        job=st.job, step=st.step, state=st.state,  # type: ignore[arg-type]
+        job=st.job,
+        step=st.step,
+        state=st.state,  # type: ignore[arg-type]
         tiers=[pb.TIER_LOCAL] if m is not None else [],
         created_unix=m.created_unix if m else st.handoff_at,
-        size_bytes=m.size_bytes if m else 0, num_shards=len(m.shards) if m else 0,
-        milestone=st.milestone, error=st.error,
+        size_bytes=m.size_bytes if m else 0,
+        num_shards=len(m.shards) if m else 0,
+        milestone=st.milestone,
+        error=st.error,
     )
 
 
-class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
+class Servicer(pb_grpc.CkptdServicer):
     """gRPC front of a :class:`Node`."""
 
     def __init__(self, node: Node) -> None:
@@ -95,16 +99,24 @@ class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         job = check_name("job", request.job)
         lease = await self.node.acquire_lease(job, request.size_bytes)
-        return pb.Lease(lease_id=lease.lease_id, segment=lease.segment.name,
-                        size_bytes=lease.segment.size, alignment=4096)
+        return pb.Lease(
+            lease_id=lease.lease_id,
+            segment=lease.segment.name,
+            size_bytes=lease.segment.size,
+            alignment=4096,
+        )
 
     @_rpc
-    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: Any
+    ) -> pb.ReleaseLeaseResponse:
         self.node.release_lease(request.lease_id)
         return pb.ReleaseLeaseResponse()
 
     @_rpc
-    async def CommitShards(self, request: pb.CommitShardsRequest, context: Any) -> pb.CommitShardsResponse:
+    async def CommitShards(
+        self, request: pb.CommitShardsRequest, context: Any
+    ) -> pb.CommitShardsResponse:
         state = self.node.commit(parse_commit(request))
         return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
 
@@ -113,7 +125,10 @@ class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
         job, step = check_name("job", request.job), check_step(request.step)
         st = await self.node.wait(job, step, request.wait_for, request.timeout_seconds)
         return pb.SaveStatus(
-            job=st.job, step=st.step, state=st.state, error=st.error,  # type: ignore[arg-type]
+            job=st.job,
+            step=st.step,
+            state=st.state,  # type: ignore[arg-type]
+            error=st.error,
             ranks_committed=sorted(st.ranks) if st.manifest is None else list(st.node_ranks),
             node_ranks=list(st.node_ranks),
             handoff_to_local_seconds=max(0.0, st.local_at - st.handoff_at) if st.local_at else 0.0,
@@ -124,7 +139,9 @@ class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
         self, request: pb.ListCheckpointsRequest, context: Any
     ) -> pb.ListCheckpointsResponse:
         job = check_name("job", request.job) if request.job else ""
-        return pb.ListCheckpointsResponse(checkpoints=[_checkpoint_info(s) for s in self.node.list(job)])
+        return pb.ListCheckpointsResponse(
+            checkpoints=[_checkpoint_info(s) for s in self.node.list(job)]
+        )
 
     @_rpc
     async def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
@@ -133,12 +150,17 @@ class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
         st = self.node.choose_restore(job, step, request.rank)
         manifest = self.node.require_restorable(st)
         return pb.RestoreResponse(
-            job=job, step=st.step, tier=pb.TIER_LOCAL,
-            directory=str(self.node.store.step_dir(job, st.step)), manifest_json=manifest.to_json(),
+            job=job,
+            step=st.step,
+            tier=pb.TIER_LOCAL,
+            directory=str(self.node.store.step_dir(job, st.step)),
+            manifest_json=manifest.to_json(),
         )
 
     @_rpc
-    async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: Any) -> pb.ReportCorruptResponse:
+    async def ReportCorrupt(
+        self, request: pb.ReportCorruptRequest, context: Any
+    ) -> pb.ReportCorruptResponse:
         job, step = check_name("job", request.job), check_step(request.step)
         if request.tier not in (pb.TIER_LOCAL, pb.TIER_UNSPECIFIED):
             raise InvalidArgument("only local copies can be reported corrupt in this version")
@@ -151,16 +173,23 @@ class Servicer(pb_grpc.CkptdServicer):  # type: ignore[misc]
         st = os.statvfs(cfg.root)
         manifests = [s.manifest for s in node.steps.values() if s.manifest is not None]
         return pb.DaemonStatus(
-            version=__version__, protocol_version=PROTOCOL_VERSION, node_id=cfg.node_id,
-            root=str(cfg.root), socket=str(cfg.socket), remote="",
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            node_id=cfg.node_id,
+            root=str(cfg.root),
+            socket=str(cfg.socket),
+            remote="",
             uptime_seconds=time.time() - node.started_at,
             staging_budget_bytes=node.staging.budget_bytes,
             staging_allocated_bytes=node.staging.allocated_bytes,
-            staging_in_use_bytes=node.staging.in_use_bytes, leases_held=node.staging.leases_held,
+            staging_in_use_bytes=node.staging.in_use_bytes,
+            leases_held=node.staging.leases_held,
             saves_in_flight=sum(1 for s in node.steps.values() if s.state == pb.SAVE_STATE_STAGING),
             local_free_bytes=st.f_bavail * st.f_frsize,
             local_used_bytes=sum(m.size_bytes for m in manifests),
-            jobs=len({s.job for s in node.steps.values()}), checkpoints=len(manifests), pid=os.getpid(),
+            jobs=len({s.job for s in node.steps.values()}),
+            checkpoints=len(manifests),
+            pid=os.getpid(),
         )
 
 
@@ -195,14 +224,20 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         config.root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise StartupError(f"cannot create {exc.filename}: {exc.strerror}") from None
-    sock_lock = _take_lock(config.socket.with_name(config.socket.name + ".lock"), str(config.socket))
+    sock_lock = _take_lock(
+        config.socket.with_name(config.socket.name + ".lock"), str(config.socket)
+    )
     root_lock = _take_lock(config.root / ".lock", f"root {config.root}")
     node = Node(config)
     await node.start()
     # The lock proves no live daemon owns the socket: a file there is stale.
     config.socket.unlink(missing_ok=True)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
-                                      ("grpc.max_send_message_length", 256 * 2**20)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 * 2**20),
+            ("grpc.max_send_message_length", 256 * 2**20),
+        ]
+    )
     pb_grpc.add_CkptdServicer_to_server(Servicer(node), server)
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
     try:
@@ -215,8 +250,14 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("ckptd %s serving on %s (root %s, node %s, pid %d)",
-             __version__, config.socket, config.root, config.node_id, os.getpid())
+    log.info(
+        "ckptd %s serving on %s (root %s, node %s, pid %d)",
+        __version__,
+        config.socket,
+        config.root,
+        config.node_id,
+        os.getpid(),
+    )
     if on_ready:
         on_ready()
     await stop.wait()

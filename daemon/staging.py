@@ -130,9 +130,12 @@ class Staging:
         if need > self.budget_bytes:
             raise ResourceExhausted(
                 f"a save of {size_bytes} bytes does not fit the staging budget of "
-                f"{self.budget_bytes} bytes; raise staging_budget_bytes (CKPTD_STAGING_BUDGET_BYTES)"
+                f"{self.budget_bytes} bytes; raise staging_budget_bytes "
+                "(CKPTD_STAGING_BUDGET_BYTES)"
             )
-        free = sorted((s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size)
+        free = sorted(
+            (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
+        )
         seg = next((s for s in free if s.size >= need), None)
         if seg is None:
             # Drop free segments that are too small until the new one fits the budget.

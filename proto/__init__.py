@@ -8,3 +8,10 @@ PROTOCOL_VERSION = 1
 """Major version of the wire protocol; sent by clients in ``ckptd-protocol-version``."""
 
 PROTOCOL_HEADER = "ckptd-protocol-version"
+
+
+def state_name(state: int) -> str:
+    """A SaveState without its prefix (``LOCAL``, ``FAILED``), as logs and tables show it."""
+    from . import ckptd_pb2
+
+    return ckptd_pb2.SaveState.Name(state).removeprefix("SAVE_STATE_")

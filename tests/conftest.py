@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ckptd.client import CkptdUnavailable, Client
 from ckptd.client.client import open_channel
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
@@ -47,9 +46,22 @@ class Daemon:
         env.pop("CKPTD_CONFIG", None)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [CKPTD, "serve", "--root", str(self.root), "--socket", str(self.socket),
-                 "--node-id", "test-node", "--staging-budget-bytes", "512MiB", *self.extra_args],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
+                [
+                    CKPTD,
+                    "serve",
+                    "--root",
+                    str(self.root),
+                    "--socket",
+                    str(self.socket),
+                    "--node-id",
+                    "test-node",
+                    "--staging-budget-bytes",
+                    "512MiB",
+                    *self.extra_args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
         if wait:
             self.wait_ready()
@@ -67,7 +79,9 @@ class Daemon:
                 except CkptdUnavailable:
                     assert self.proc is not None
                     if self.proc.poll() is not None:
-                        raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log_text()}") from None
+                        raise RuntimeError(
+                            f"daemon exited {self.proc.returncode}:\n{self.log_text()}"
+                        ) from None
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"daemon not ready:\n{self.log_text()}") from None
                     time.sleep(0.05)
@@ -116,13 +130,23 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
     made: list[Daemon] = []
     sockdirs: list[Path] = []
 
-    def make(root: Path | None = None, socket: Path | None = None, start: bool = True,
-             extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> Daemon:
+    def make(
+        root: Path | None = None,
+        socket: Path | None = None,
+        start: bool = True,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Daemon:
         if socket is None:
             sockdirs.append(short_tmpdir())
             socket = sockdirs[-1] / "run" / "ckptd.sock"
-        d = Daemon(root or tmp_path / f"root{len(made)}", socket, tmp_path / f"daemon{len(made)}.log",
-                   extra_args or [], env or {})
+        d = Daemon(
+            root or tmp_path / f"root{len(made)}",
+            socket,
+            tmp_path / f"daemon{len(made)}.log",
+            extra_args or [],
+            env or {},
+        )
         made.append(d)
         return d.start() if start else d
 

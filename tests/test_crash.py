@@ -13,12 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from ckptd.client.client import SaveHandle
 
 from .conftest import Daemon
 from .helpers import state_for
-
 
 TRAINER = textwrap.dedent("""
     import sys, time

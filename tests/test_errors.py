@@ -7,7 +7,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-
 from ckptd.client import CheckpointNotFound, CkptdError
 from ckptd.client.client import SaveHandle
 from ckptd.proto import PROTOCOL_HEADER
@@ -21,9 +20,16 @@ LONG = "x" * 300
 def good_request(stub: Any, job: str = "errs", step: int = 1) -> pb.CommitShardsRequest:
     lease = stub.AcquireLease(pb.AcquireLeaseRequest(job=job, size_bytes=8192), metadata=META)
     return pb.CommitShardsRequest(
-        lease_id=lease.lease_id, job=job, step=step, rank=0, node_ranks=[0], world_size=1,
-        shards=[pb.ShardDescriptor(key="a", dtype="<f4", shape=[4], offset=0, length=16),
-                pb.ShardDescriptor(key="b", dtype="<i8", shape=[2], offset=16, length=16)],
+        lease_id=lease.lease_id,
+        job=job,
+        step=step,
+        rank=0,
+        node_ranks=[0],
+        world_size=1,
+        shards=[
+            pb.ShardDescriptor(key="a", dtype="<f4", shape=[4], offset=0, length=16),
+            pb.ShardDescriptor(key="b", dtype="<i8", shape=[2], offset=16, length=16),
+        ],
     )
 
 
@@ -50,7 +56,11 @@ def mutate(req: pb.CommitShardsRequest, **changes: Any) -> pb.CommitShardsReques
         target: Any = out
         *parents, leaf = path.split("__")
         for p in parents:
-            target = target.shards[int(p[1:])] if p.startswith("s") and p[1:].isdigit() else getattr(target, p)
+            target = (
+                target.shards[int(p[1:])]
+                if p.startswith("s") and p[1:].isdigit()
+                else getattr(target, p)
+            )
         if isinstance(value, list):
             del getattr(target, leaf)[:]
             getattr(target, leaf).extend(value)
@@ -69,27 +79,58 @@ BAD_COMMITS = [
     ("shard key slash", {"s0__key": "../x"}, grpc.StatusCode.INVALID_ARGUMENT, "path separator"),
     ("shard key dotdot", {"s0__key": "a..b"}, grpc.StatusCode.INVALID_ARGUMENT, "'..'"),
     ("shard key NUL", {"s0__key": "a\x00"}, grpc.StatusCode.INVALID_ARGUMENT, "NUL"),
-    ("shard key too long", {"s0__key": "k" * 2000}, grpc.StatusCode.INVALID_ARGUMENT, "longer than"),
+    (
+        "shard key too long",
+        {"s0__key": "k" * 2000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "longer than",
+    ),
     ("duplicate keys", {"s1__key": "a"}, grpc.StatusCode.INVALID_ARGUMENT, "duplicate shard key"),
-    ("offset outside lease", {"s1__offset": 2**40}, grpc.StatusCode.INVALID_ARGUMENT, "holes or overlaps"),
-    ("length outside lease", {"s0__shape": [2**30], "s0__length": 2**32, "s1__offset": 2**32},
-     grpc.StatusCode.INVALID_ARGUMENT, "acquire a lease large enough"),
+    (
+        "offset outside lease",
+        {"s1__offset": 2**40},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "holes or overlaps",
+    ),
+    (
+        "length outside lease",
+        {"s0__shape": [2**30], "s0__length": 2**32, "s1__offset": 2**32},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "acquire a lease large enough",
+    ),
     ("length vs shape", {"s0__length": 12}, grpc.StatusCode.INVALID_ARGUMENT, "length 12"),
     ("overlap", {"s1__offset": 8}, grpc.StatusCode.INVALID_ARGUMENT, "holes or overlaps"),
-    ("unaligned data offset", {"data_offset": 100}, grpc.StatusCode.INVALID_ARGUMENT, "multiple of 4096"),
+    (
+        "unaligned data offset",
+        {"data_offset": 100},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "multiple of 4096",
+    ),
     ("bad dtype", {"s0__dtype": "not-a-dtype"}, grpc.StatusCode.INVALID_ARGUMENT, "unknown dtype"),
     ("object dtype", {"s0__dtype": "|O"}, grpc.StatusCode.INVALID_ARGUMENT, "Python objects"),
     ("rank outside node ranks", {"rank": 3}, grpc.StatusCode.INVALID_ARGUMENT, "not in node_ranks"),
-    ("bad index", {"s0__global_shape": [4], "s0__index": [pb.SliceSpec(start=2, stop=6)]},
-     grpc.StatusCode.INVALID_ARGUMENT, "does not place"),
-    ("bad metadata", {"metadata_json": "{nope"}, grpc.StatusCode.INVALID_ARGUMENT, "not valid JSON"),
+    (
+        "bad index",
+        {"s0__global_shape": [4], "s0__index": [pb.SliceSpec(start=2, stop=6)]},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "does not place",
+    ),
+    (
+        "bad metadata",
+        {"metadata_json": "{nope"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not valid JSON",
+    ),
     ("unknown lease", {"lease_id": "no-such-lease"}, grpc.StatusCode.NOT_FOUND, "unknown lease"),
 ]
 
 
-@pytest.mark.parametrize(("name", "changes", "code", "match"), BAD_COMMITS, ids=[b[0] for b in BAD_COMMITS])
-def test_bad_commit_is_refused_clearly(daemon: Daemon, name: str, changes: dict[str, Any],
-                                       code: grpc.StatusCode, match: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "changes", "code", "match"), BAD_COMMITS, ids=[b[0] for b in BAD_COMMITS]
+)
+def test_bad_commit_is_refused_clearly(
+    daemon: Daemon, name: str, changes: dict[str, Any], code: grpc.StatusCode, match: str
+) -> None:
     stub = daemon.stub()
     req = mutate(good_request(stub), **changes)
     expect(code, match, stub.CommitShards, req)
@@ -104,8 +145,12 @@ def test_second_commit_of_same_step_and_rank_conflicts(daemon: Daemon) -> None:
     stub.CommitShards(good_request(stub, step=5), metadata=META)
     expect(grpc.StatusCode.ALREADY_EXISTS, "already", stub.CommitShards, good_request(stub, step=5))
     SaveHandle(daemon.client("errs"), 5).wait("local", timeout=30)
-    expect(grpc.StatusCode.ALREADY_EXISTS, "already exists here (LOCAL)", stub.CommitShards,
-           good_request(stub, step=5))
+    expect(
+        grpc.StatusCode.ALREADY_EXISTS,
+        "already exists here (LOCAL)",
+        stub.CommitShards,
+        good_request(stub, step=5),
+    )
     reused = good_request(stub, step=6)
     stub.CommitShards(reused, metadata=META)
     with pytest.raises(grpc.RpcError) as info:  # still being written, or already back in the pool
@@ -119,21 +164,47 @@ def test_second_commit_of_same_step_and_rank_conflicts(daemon: Daemon) -> None:
 
 def test_lease_from_another_job_and_over_budget(daemon: Daemon) -> None:
     stub = daemon.stub()
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "was granted to job", stub.CommitShards,
-           mutate(good_request(stub, job="one"), job="two"))
-    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "raise staging_budget_bytes", stub.AcquireLease,
-           pb.AcquireLeaseRequest(job="big", size_bytes=2**40))
-    expect(grpc.StatusCode.INVALID_ARGUMENT, "path separator", stub.AcquireLease,
-           pb.AcquireLeaseRequest(job="a/b", size_bytes=10))
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "was granted to job",
+        stub.CommitShards,
+        mutate(good_request(stub, job="one"), job="two"),
+    )
+    expect(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "raise staging_budget_bytes",
+        stub.AcquireLease,
+        pb.AcquireLeaseRequest(job="big", size_bytes=2**40),
+    )
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "path separator",
+        stub.AcquireLease,
+        pb.AcquireLeaseRequest(job="a/b", size_bytes=10),
+    )
     still_serving(daemon)
 
 
 def test_restore_of_missing_step_and_bad_wait(daemon: Daemon) -> None:
     stub = daemon.stub()
-    expect(grpc.StatusCode.NOT_FOUND, "no save of step 42", stub.Restore, pb.RestoreRequest(job="j", step=42))
-    expect(grpc.StatusCode.NOT_FOUND, "no restorable checkpoint", stub.Restore, pb.RestoreRequest(job="j"))
-    expect(grpc.StatusCode.FAILED_PRECONDITION, "no remote tier", stub.GetSaveStatus,
-           pb.GetSaveStatusRequest(job="alive", step=0, wait_for=pb.SAVE_STATE_DURABLE))
+    expect(
+        grpc.StatusCode.NOT_FOUND,
+        "no save of step 42",
+        stub.Restore,
+        pb.RestoreRequest(job="j", step=42),
+    )
+    expect(
+        grpc.StatusCode.NOT_FOUND,
+        "no restorable checkpoint",
+        stub.Restore,
+        pb.RestoreRequest(job="j"),
+    )
+    expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "no remote tier",
+        stub.GetSaveStatus,
+        pb.GetSaveStatusRequest(job="alive", step=0, wait_for=pb.SAVE_STATE_DURABLE),
+    )
     with pytest.raises(CheckpointNotFound, match="no save of step 42"):
         daemon.client("j").restore(step=42)
     still_serving(daemon)
@@ -142,8 +213,13 @@ def test_restore_of_missing_step_and_bad_wait(daemon: Daemon) -> None:
 @pytest.mark.parametrize("metadata", [(), ((PROTOCOL_HEADER, "0"),), ((PROTOCOL_HEADER, "2"),)])
 def test_incompatible_protocol_version_is_refused(daemon: Daemon, metadata: Any) -> None:
     stub = daemon.stub()
-    details = expect(grpc.StatusCode.FAILED_PRECONDITION, "protocol", stub.GetStatus,
-                     pb.GetStatusRequest(), metadata=metadata)
+    details = expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "protocol",
+        stub.GetStatus,
+        pb.GetStatusRequest(),
+        metadata=metadata,
+    )
     assert "install matching ckptd versions" in details or "sent no" in details
     still_serving(daemon)
 

@@ -10,20 +10,42 @@ import google_crc32c
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from ckptd.client import CheckpointNotFound
+from safetensors.numpy import load_file
 
 from .conftest import Daemon
 
 RNG = np.random.default_rng(7)
 
 NUMPY_DTYPES = [
-    "?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "g",
-    "c8", "c16", "G", ">i4", ">f8", ">c16", "M8[ns]", "m8[s]", "S7", "U5", "V6",
+    "?",
+    "i1",
+    "i2",
+    "i4",
+    "i8",
+    "u1",
+    "u2",
+    "u4",
+    "u8",
+    "f2",
+    "f4",
+    "f8",
+    "g",
+    "c8",
+    "c16",
+    "G",
+    ">i4",
+    ">f8",
+    ">c16",
+    "M8[ns]",
+    "m8[s]",
+    "S7",
+    "U5",
+    "V6",
 ]
 ML_DTYPES = sorted(
-    name for name in dir(ml_dtypes)
+    name
+    for name in dir(ml_dtypes)
     if name.startswith(("float8", "float4", "float6", "bfloat16", "int2", "int4", "uint2", "uint4"))
     and isinstance(getattr(ml_dtypes, name), type)
 )
@@ -65,8 +87,9 @@ def all_dtype_tree() -> dict[str, Any]:
             "scalar0d": random_array(dt, ()),
             "empty": random_array(dt, (0, 4)),
         }
-    tree["structured"] = np.array([(1, 2.5, b"ab"), (3, -1.0, b"cd")],
-                                  dtype=[("a", "<i4"), ("b", "<f8"), ("c", "S2")])
+    tree["structured"] = np.array(
+        [(1, 2.5, b"ab"), (3, -1.0, b"cd")], dtype=[("a", "<i4"), ("b", "<f8"), ("c", "S2")]
+    )
     tree["noncontiguous"] = np.arange(40, dtype=np.int32).reshape(5, 8)[:, ::3]
     tree["fortran"] = np.asfortranarray(RNG.standard_normal((4, 6)))
     return tree
@@ -84,13 +107,28 @@ def test_every_dtype_round_trips_bit_exact(daemon: Daemon) -> None:
 def test_nested_pytree_with_metadata_and_json_leaves(daemon: Daemon) -> None:
     client = daemon.client("nested")
     tree = {
-        "params": {"layers": [{"w": RNG.standard_normal((8, 8)).astype(np.float32),
-                               "b": np.zeros(8, ml_dtypes.bfloat16)} for _ in range(3)]},
+        "params": {
+            "layers": [
+                {
+                    "w": RNG.standard_normal((8, 8)).astype(np.float32),
+                    "b": np.zeros(8, ml_dtypes.bfloat16),
+                }
+                for _ in range(3)
+            ]
+        },
         "opt": ({"mu": np.ones(4)}, {"nu": np.full(4, 2.0)}),
-        "step": 12, "lr": 3e-4, "name": "adam", "done": False, "none": None,
+        "step": 12,
+        "lr": 3e-4,
+        "name": "adam",
+        "done": False,
+        "none": None,
         "rng": np.random.default_rng(3).bit_generator.state,  # 128-bit ints
-        "scalar": np.float64(2.5), "int_scalar": np.int16(-3),
-        7: "int key", "a/b": np.arange(3), "a.b": np.arange(4), "": np.arange(2),
+        "scalar": np.float64(2.5),
+        "int_scalar": np.int16(-3),
+        7: "int key",
+        "a/b": np.arange(3),
+        "a.b": np.arange(4),
+        "": np.arange(2),
         "nan": float("nan"),
     }
     meta = {"loss": 0.25, "epoch": 3, "tags": ["x", "y"]}
@@ -114,9 +152,14 @@ def test_restored_arrays_are_writable_copy_on_write_views(daemon: Daemon) -> Non
 
 def test_shard_files_load_with_safetensors_and_crcs_match(daemon: Daemon) -> None:
     client = daemon.client("files")
-    tree = {"f32": RNG.standard_normal((64, 33)).astype(np.float32), "i8": np.arange(-5, 5, dtype=np.int8),
-            "bf16": np.ones((3, 3), ml_dtypes.bfloat16), "c128": np.array([1 + 2j, 3 - 4j]),
-            "u16": np.arange(7, dtype=np.uint16), "flag": np.array([True, False])}
+    tree = {
+        "f32": RNG.standard_normal((64, 33)).astype(np.float32),
+        "i8": np.arange(-5, 5, dtype=np.int8),
+        "bf16": np.ones((3, 3), ml_dtypes.bfloat16),
+        "c128": np.array([1 + 2j, 3 - 4j]),
+        "u16": np.arange(7, dtype=np.uint16),
+        "flag": np.array([True, False]),
+    }
     client.save(3, tree).wait("local")
     step_dir = daemon.root / "files" / "3"
     assert sorted(p.name for p in step_dir.iterdir()) == ["manifest.json", "rank-00000.safetensors"]

@@ -1,0 +1,212 @@
+"""Unit tests of the pure parts: layout, dtypes, tree specs, names, config, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from ckptd.client.format import (
+    ALIGN,
+    TensorEntry,
+    build_header,
+    check_layout,
+    dtype_to_str,
+    plan_layout,
+    str_to_dtype,
+)
+from ckptd.client.tree import flatten, unflatten
+from ckptd.daemon import config
+from ckptd.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
+from ckptd.daemon.names import check_name, check_shard_key, check_step
+from ckptd.daemon.staging import Staging
+
+
+@pytest.mark.parametrize(
+    "dt", ["<f4", ">i8", "bfloat16", "float8_e4m3fn", "<U3", "|S5", "<M8[ns]", "<c16"]
+)
+def test_dtype_names_round_trip(dt: str) -> None:
+    d = np.dtype(getattr(ml_dtypes, dt)) if hasattr(ml_dtypes, dt) else np.dtype(dt)
+    assert str_to_dtype(dtype_to_str(d)) == d
+
+
+def test_structured_dtype_round_trips_and_objects_refused() -> None:
+    d = np.dtype([("a", "<i4"), ("b", "<f8", (2,))])
+    assert str_to_dtype(dtype_to_str(d)) == d
+    with pytest.raises(TypeError, match="object"):
+        dtype_to_str(np.dtype(object))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        str_to_dtype("float99")
+
+
+def test_layout_is_packed_and_aligned() -> None:
+    items = [
+        ("a", np.dtype("u1"), (3,)),
+        ("b", np.dtype("<f8"), (5,)),
+        ("c", np.dtype("<f2"), (3,)),
+        ("d", np.dtype("<c16"), (1,)),
+    ]
+    entries = plan_layout(items)
+    assert check_layout(entries) == 3 + 40 + 6 + 16
+    for e in entries:
+        assert e.offset % e.dtype.alignment == 0
+    assert [e.key for e in entries][-1] == "a"  # 1-byte items last
+
+
+@pytest.mark.parametrize(
+    ("entries", "match"),
+    [
+        (
+            [
+                TensorEntry("a", np.dtype("<f4"), (2,), 0, 8),
+                TensorEntry("b", np.dtype("<f4"), (1,), 12, 4),
+            ],
+            "holes",
+        ),
+        (
+            [
+                TensorEntry("a", np.dtype("<f4"), (2,), 0, 8),
+                TensorEntry("a", np.dtype("<f4"), (1,), 8, 4),
+            ],
+            "duplicate",
+        ),
+        ([TensorEntry("a", np.dtype("<f4"), (2,), 0, 9)], "length 9"),
+        (
+            [
+                TensorEntry("a", np.dtype("u1"), (1,), 0, 1),
+                TensorEntry("b", np.dtype("<f4"), (1,), 1, 4),
+            ],
+            "aligned",
+        ),
+    ],
+)
+def test_check_layout_rejects(entries: list[TensorEntry], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_layout(entries)
+
+
+def test_header_is_page_padded_valid_safetensors_json() -> None:
+    entries = plan_layout(
+        [("w", np.dtype("<f4"), (2, 2)), ("z", np.dtype(ml_dtypes.bfloat16), (3,))]
+    )
+    header = build_header(entries, {"k": "v"})
+    assert len(header) % ALIGN == 0
+    n = int.from_bytes(header[:8], "little")
+    body = json.loads(header[8 : 8 + n])
+    assert body["w"] == {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    assert body["z"]["dtype"] == "U8" and body["z"]["shape"] == [6]
+
+
+def test_tree_spec_round_trip_and_keys() -> None:
+    tree = {"a": [np.arange(2), (1, "x")], 3: {"b/c": np.ones(1), "b_c": np.zeros(1)}, "n": None}
+    spec, arrays = flatten(tree)
+    keys = [k for k, _ in arrays]
+    assert len(set(keys)) == len(keys) and all("/" not in k and ".." not in k for k in keys)
+    back = unflatten(json.loads(json.dumps(spec)), dict(arrays))
+    assert back[3]["b/c"][0] == 1 and back["a"][1] == (1, "x") and back["n"] is None
+    with pytest.raises(TypeError, match=r"\['a'\]\[1\].*set"):
+        flatten({"a": [1, {1, 2}]})
+    with pytest.raises(TypeError, match="dict key"):
+        flatten({(1, 2): 3})
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "a/b", "..", "a..b", "x\x00", "\x07", "a\\b", ".hidden", "n" * 256]
+)
+def test_bad_names_rejected(bad: str) -> None:
+    with pytest.raises(InvalidArgument):
+        check_name("job", bad)
+
+
+def test_good_names_and_steps() -> None:
+    assert check_name("job", "run-42_v1.2") == "run-42_v1.2"
+    assert check_shard_key("params.layer0.w~1") == "params.layer0.w~1"
+    with pytest.raises(InvalidArgument):
+        check_shard_key("__metadata__")
+    with pytest.raises(InvalidArgument):
+        check_step(-5)
+    assert check_step(0) == 0
+
+
+def test_config_precedence_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "ckptd.toml"
+    f.write_text('root = "/file/root"\nstaging_budget_bytes = "1GiB"\nwrite_workers = 3\n')
+    cfg = config.load(
+        f,
+        env={"CKPTD_STAGING_BUDGET_BYTES": "2GiB", "CKPTD_NODE_ID": "n1"},
+        flags={"write_workers": "4", "root": None},
+    )
+    assert cfg.root == Path("/file/root")
+    assert cfg.staging_budget_bytes == 2 * 2**30
+    assert cfg.write_workers == 4 and cfg.node_id == "n1"
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "match"),
+    [
+        (
+            "staging_budget = 5\n",
+            {},
+            "unknown config key 'staging_budget'.*did you mean 'staging_budget_bytes'",
+        ),
+        ('staging_budget_bytes = "lots"\n', {}, "'staging_budget_bytes' from config file"),
+        ("write_workers = 0\n", {}, "'write_workers'.*positive"),
+        ("root = \n", {}, "not valid TOML"),
+        (
+            "",
+            {"CKPTD_LEASE_TIMEOUT_SECONDS": "soon"},
+            "environment variable CKPTD_LEASE_TIMEOUT_SECONDS",
+        ),
+        ("", {"CKPTD_NODE_ID": "a/b"}, "'node_id'"),
+        ("", {"CKPTD_LOG_LEVEL": "loud"}, "'log_level'"),
+    ],
+)
+def test_config_errors_name_the_key(
+    tmp_path: Path, text: str, env: dict[str, str], match: str
+) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(config.ConfigError, match=match):
+        config.load(f, env=env)
+
+
+def test_config_sizes() -> None:
+    assert config.parse_size("512 MiB") == 512 * 2**20
+    assert config.parse_size("1.5GB") == 1_500_000_000
+    assert config.parse_size(4096) == 4096
+    with pytest.raises(ValueError):
+        config.parse_size("12 parsecs")
+
+
+def test_staging_reuses_segments_and_enforces_budget(tmp_path: Path) -> None:
+    now = [0.0]
+    st = Staging("ckptd-test-", 8 * 2**20, 10.0, shm_dir=tmp_path, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        a = await st.acquire("j", 3 * 2**20)
+        assert a.segment.size == 4 * 2**20
+        b = await st.acquire("j", 2**20)
+        assert st.allocated_bytes == 6 * 2**20
+        with pytest.raises(ResourceExhausted, match="budget exhausted"):
+            await st.acquire("j", 3 * 2**20)
+        st.release(a.lease_id)
+        c = await st.acquire("j", 3 * 2**20)
+        assert c.segment is a.segment  # reused, not reallocated
+        st.release(c.lease_id)
+        st.release(b.lease_id)
+        d = await st.acquire("j", 7 * 2**20)  # frees the small ones to fit
+        assert d.segment.size == 8 * 2**20 and st.allocated_bytes == 8 * 2**20
+        now[0] = 11.0
+        assert st.reclaim_expired() == [d.lease_id]
+        with pytest.raises(NotFound, match="expired"):
+            st.begin_commit(d.lease_id)
+        with pytest.raises(ResourceExhausted, match="does not fit the staging budget"):
+            await st.acquire("j", 9 * 2**20)
+
+    asyncio.run(scenario())
+    assert len(list(tmp_path.iterdir())) == 1
+    st.close()
+    assert list(tmp_path.iterdir()) == []
