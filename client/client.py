@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import mmap
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import google_crc32c
 import grpc
 import numpy as np
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION, state_name
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
+from . import restore as restore_mod
 from .errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -28,15 +28,15 @@ from .errors import (
     SaveFailed,
     from_rpc_error,
 )
-from .format import dtype_to_str, plan_layout, round_up, str_to_dtype
-from .tree import flatten, unflatten
+from .format import TensorEntry, dtype_to_str, plan_layout, round_up
+from .tree import flatten
 
 log = logging.getLogger("ckptd.client")
 
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
-SHM_DIR = "/dev/shm"
 _STAGES = {"local": pb.SAVE_STATE_LOCAL, "durable": pb.SAVE_STATE_DURABLE}
 _MAPPED_SEGMENTS = 2  # segments kept mapped between saves (the daemon reuses them)
+_COPY_CHUNK = 16 * 2**20  # bytes per parallel copy task
 T = TypeVar("T")
 
 
@@ -141,7 +141,8 @@ class Client:
 
     ``rank`` is this process's rank, ``node_ranks`` every rank that saves to the
     same daemon (the step commits when all of them have), ``world_size`` the
-    job's total number of ranks.
+    job's total number of ranks. ``copy_threads`` (default: up to 4) copy large
+    arrays into shared memory in parallel; 1 copies on the calling thread only.
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class Client:
         node_ranks: Sequence[int] | None = None,
         world_size: int | None = None,
         timeout: float = 120.0,
+        copy_threads: int | None = None,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -165,6 +167,10 @@ class Client:
         self._channel = open_channel(self.socket)
         self._stub = pb_grpc.CkptdStub(self._channel)
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
+        # numpy releases the GIL while copying, so a few threads copy into the
+        # lease faster than one (memory bandwidth, not CPU, is the limit).
+        threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
+        self._copier = ThreadPoolExecutor(threads, "ckptd-copy") if threads > 1 else None
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
@@ -175,7 +181,7 @@ class Client:
         if mm is not None and len(mm) >= size:
             self._segments.move_to_end(name)
             return mm
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        fd = os.open(os.path.join(restore_mod.SHM_DIR, name), os.O_RDWR)
         try:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
@@ -184,6 +190,25 @@ class Client:
         while len(self._segments) > _MAPPED_SEGMENTS:
             self._segments.popitem(last=False)[1].close()
         return mm
+
+    def _copy_into(self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]) -> None:
+        """Copy every array into its place in the lease, in chunks spread over threads."""
+        jobs = []
+        for e in entries:
+            if not e.length:
+                continue
+            src = arrays[e.key]
+            dst = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset)
+            if self._copier is None or e.length < 2 * _COPY_CHUNK or src.ndim == 0:
+                np.copyto(dst, src, casting="no")
+                continue
+            # Split along the first axis into chunks of about _COPY_CHUNK bytes.
+            rows = max(1, _COPY_CHUNK * src.shape[0] // e.length)
+            for start in range(0, src.shape[0], rows):
+                piece = slice(start, start + rows)
+                jobs.append(self._copier.submit(np.copyto, dst[piece], src[piece], casting="no"))
+        for job in jobs:
+            job.result()
 
     # -- public API ------------------------------------------------------------
     def save(
@@ -221,10 +246,7 @@ class Client:
         committed = False
         try:
             mm = self._map_segment(lease.segment, lease.size_bytes)
-            for e in entries:
-                if e.length:
-                    dst = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset)
-                    np.copyto(dst, by_key[e.key], casting="no")
+            self._copy_into(mm, entries, by_key)
             req = pb.CommitShardsRequest(
                 lease_id=lease.lease_id,
                 job=self.job,
@@ -262,77 +284,69 @@ class Client:
                     log.debug("could not release lease after a failed save: %s", exc)
         return SaveHandle(self, step)
 
-    def restore(self, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    def restore(
+        self, step: int | None = None, *, shared_memory: bool = True
+    ) -> tuple[Any, dict[str, Any]]:
         """Restore the newest restorable step (or ``step``): ``(tree, metadata)``.
 
-        Arrays are copy-on-write views over the mmapped shard files: no copy is
-        made until you write to them. Every shard is checked against its crc32c;
-        a corrupt copy is reported to the daemon and never returned.
+        Every shard is checked against its crc32c before you see it; a corrupt
+        copy is set aside by the daemon and the next newest intact step is
+        returned instead (``restore(step=N)`` raises ``CheckpointCorrupt``).
+        Arrays are views, never copies: over a shared-memory segment the daemon
+        filled with ``O_DIRECT`` reads and hands to this process, or, with
+        ``shared_memory=False`` or when the daemon has no free segment, over the
+        shard file mapped copy-on-write. Either way they are writable and
+        writing never touches the checkpoint.
         """
-        for _attempt in range(8):
-            req = pb.RestoreRequest(job=self.job, rank=self.rank)
+        for attempt in range(8):
+            req = pb.RestoreRequest(job=self.job, rank=self.rank, shared_memory=shared_memory)
             if step is not None:
                 req.step = int(step)
             try:
                 resp = self._call(self._stub.Restore, req)
             except CheckpointNotFound as exc:
-                if _attempt:
+                if attempt:
                     raise CheckpointCorrupt(
                         f"{exc} (a newer copy failed its checksum and was set aside)", "DATA_LOSS"
                     ) from None
                 raise
             manifest = json.loads(resp.manifest_json)
+            if resp.HasField("lease"):
+                return self._adopt_segment(resp, manifest)
             try:
-                return self._load(resp.directory, manifest)
-            except _Corrupt as bad:
+                mm = restore_mod.map_file_verified(resp.directory, manifest, self.rank)
+            except restore_mod.Corrupt as bad:
                 log.error(
-                    "step %d of job %s: %s; asking the daemon for another copy",
-                    resp.step,
-                    self.job,
-                    bad,
+                    "step %d of job %s: %s; asking for another copy", resp.step, self.job, bad
                 )
-                self._call(
-                    self._stub.ReportCorrupt,
-                    pb.ReportCorruptRequest(
-                        job=self.job, step=resp.step, tier=resp.tier, detail=str(bad)
-                    ),
+                report = pb.ReportCorruptRequest(
+                    job=self.job, step=resp.step, tier=resp.tier, detail=str(bad)
                 )
+                self._call(self._stub.ReportCorrupt, report)
+                continue
+            return restore_mod.build_tree(mm, manifest, self.rank)
         raise CheckpointCorrupt(
             f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS"
         )
 
-    def _load(self, directory: str, manifest: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        rank = next(r for r in manifest["ranks"] if r["rank"] == self.rank)
-        path = os.path.join(directory, rank["file"])
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != rank["size"]:
-                raise _Corrupt(f"{path} is {size} bytes, expected {rank['size']}")
-            # Private + writable: the views are copy-on-write, so callers may update
-            # restored state in place without touching the committed file.
-            mm = mmap.mmap(
-                f.fileno(),
-                size,
-                flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    def _adopt_segment(
+        self, resp: pb.RestoreResponse, manifest: dict[str, Any]
+    ) -> tuple[Any, dict[str, Any]]:
+        """Map the verified segment, then tell the daemon it is ours for good."""
+        try:
+            mm = restore_mod.map_segment(resp.lease.segment, resp.lease.size_bytes)
+        except OSError:
+            self._call(
+                self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id)
             )
-        flat = np.frombuffer(mm, np.uint8)  # a view; google-crc32c takes arrays, not memoryviews
-        arrays: dict[str, np.ndarray] = {}
-        for s in manifest["shards"]:
-            if s["rank"] != self.rank:
-                continue
-            crc = google_crc32c.extend(0, flat[s["offset"] : s["offset"] + s["length"]])
-            if crc != s["crc32c"]:
-                raise _Corrupt(
-                    f"shard {s['key']!r} in {path} has crc32c {crc:#010x}, "
-                    f"expected {s['crc32c']:#010x}"
-                )
-            dt = str_to_dtype(s["dtype"])
-            if math.prod(s["shape"]) == 0:
-                arrays[s["key"]] = np.zeros(s["shape"], dt)
-            else:
-                arrays[s["key"]] = np.ndarray(s["shape"], dt, buffer=mm, offset=s["offset"])
-        return unflatten(rank["tree"], arrays), manifest.get("metadata") or {}
+            raise
+        try:
+            detach = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, detach=True)
+            self._call(self._stub.ReleaseLease, detach)
+        except BaseException:
+            mm.close()
+            raise
+        return restore_mod.build_tree(mm, manifest, self.rank, resp.data_offset_in_file)
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""
@@ -354,6 +368,8 @@ class Client:
 
     def close(self) -> None:
         """Close the channel and unmap shared memory."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         for mm in self._segments.values():
             mm.close()
         self._segments.clear()
@@ -364,10 +380,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Corrupt(Exception):
-    """A shard failed its checksum (internal: triggers ReportCorrupt and a retry)."""
 
 
 __all__ = ["CheckpointCorrupt", "CheckpointInfo", "Client", "SaveFailed", "SaveHandle"]

@@ -118,6 +118,45 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         offset += n
 
 
+def read_data_direct(path: Path, offset: int, length: int, dest: memoryview) -> None:
+    """Read ``length`` bytes at ``offset`` (a multiple of 4 KiB) into page-aligned ``dest``.
+
+    The mirror of :func:`write_file_direct`: large aligned ``O_DIRECT`` reads into
+    memory that is already faulted in, so no page cache is allocated. Raises
+    ``ValueError`` if the file is shorter than expected.
+    """
+    if len(dest) < round_up(length):
+        raise ValueError("destination shorter than the padded read")
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | direct)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not direct:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        pos = 0
+        while pos < length:
+            # Whole blocks even past the end of the file: O_DIRECT needs them; the
+            # kernel stops at EOF.
+            n = min(WRITE_CHUNK, round_up(length) - pos)
+            got = os.preadv(fd, [dest[pos : pos + n]], offset + pos)
+            if got <= 0:
+                raise ValueError(f"{path} ends {length - pos} bytes early")
+            pos += got
+    finally:
+        os.close(fd)
+
+
+def data_offset(path: Path) -> int:
+    """Where the data section of a safetensors file starts (8 + header length)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError(f"{path} is too short to be a safetensors file")
+    return 8 + int.from_bytes(raw, "little")
+
+
 @dataclass(frozen=True)
 class Recovery:
     """What start-up recovery found."""

@@ -23,7 +23,7 @@ from ckptd.proto import state_name
 
 from . import localstore
 from .config import Config
-from .errors import Conflict, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from .errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from .localstore import LocalStore
 from .manifest import Manifest, RankRecord, ShardRecord, rank_file_name
 from .requests import CommitRequest
@@ -83,7 +83,7 @@ class Node:
 
     async def start(self) -> None:
         """Recover the local tier and remove leftovers of a previous run."""
-        recovery = await self._io(self.store.recover)
+        recovery = await self.run_io(self.store.recover)
         shutil.rmtree(self.config.root / ".corrupt", ignore_errors=True)
         removed_segments = self.staging.remove_leftovers()
         for m in recovery.manifests:
@@ -115,7 +115,7 @@ class Node:
         self.staging.close()
         self._pool.shutdown(wait=True)
 
-    async def _io(self, fn: Any, *args: Any) -> Any:
+    async def run_io(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- leases --------------------------------------------------------------
@@ -173,9 +173,7 @@ class Node:
         self.staging.begin_commit(req.lease_id)
         st.writing.add(req.rank)
         st.milestone = st.milestone or req.milestone
-        task = asyncio.create_task(self._write_rank(st, req, lease, data_len))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.spawn(self._write_rank(st, req, lease, data_len))
         return st.state
 
     async def _write_rank(
@@ -196,10 +194,10 @@ class Node:
             data = lease.segment.view(req.data_offset, round_up(data_len))
             ranges = [(e.offset, e.length) for e in req.entries]
             _, crcs = await asyncio.gather(
-                self._io(
+                self.run_io(
                     localstore.write_file_direct, st.staging_dir / name, header, data, data_len
                 ),
-                self._io(localstore.crc32c_ranges, data, ranges),
+                self.run_io(localstore.crc32c_ranges, data, ranges),
             )
             shards = [
                 ShardRecord(
@@ -243,7 +241,7 @@ class Node:
         )
         assert st.staging_dir is not None
         try:
-            await self._io(self.store.commit, st.staging_dir, manifest)
+            await self.run_io(self.store.commit, st.staging_dir, manifest)
         except Exception as exc:
             log.exception("committing %s/%d failed", st.job, st.step)
             self._fail(st, f"local commit failed: {exc}")
@@ -312,58 +310,11 @@ class Node:
         rows = [s for s in self.steps.values() if not job or s.job == job]
         return sorted(rows, key=lambda s: (s.job, -s.step))
 
-    def choose_restore(self, job: str, step: int | None, rank: int) -> StepState:
-        """The newest (or given) step with a local copy holding ``rank``."""
-        if step is not None:
-            st = self.get_step(job, step)
-            if st.state in (pb.SAVE_STATE_STAGING, pb.SAVE_STATE_FAILED):
-                why = (
-                    "is still being written; wait('local') first"
-                    if st.state == pb.SAVE_STATE_STAGING
-                    else f"failed: {st.error}"
-                )
-                raise FailedPrecondition(f"step {step} of job {job!r} {why}")
-            candidates = [st]
-        else:
-            candidates = [s for s in self.list(job) if s.manifest is not None]
-            if not candidates:
-                raise NotFound(
-                    f"job {job!r} has no restorable checkpoint on this node; start from scratch"
-                )
-        st = candidates[0]
-        assert st.manifest is not None
-        if rank not in {r.rank for r in st.manifest.ranks}:
-            raise NotFound(
-                f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
-            )
-        return st
-
-    async def report_corrupt(self, job: str, step: int, detail: str) -> None:
-        """Re-verify a copy a client found corrupt; if bad, move it out of the tier."""
-        st = self.get_step(job, step)
-        if st.manifest is None:
-            raise FailedPrecondition(f"step {step} of job {job!r} has no local copy")
-        bad = await self._io(verify_step, self.store.step_dir(job, step), st.manifest)
-        if not bad:
-            raise FailedPrecondition(
-                f"step {step} of job {job!r} re-read with matching checksums; the client's "
-                f"mismatch ({detail[:200]}) was not reproduced"
-            )
-        log.error("local copy of %s/%d is corrupt (%s); quarantining it", job, step, "; ".join(bad))
-        quarantine = self.config.root / ".corrupt"
-        quarantine.mkdir(exist_ok=True)
-        await self._io(
-            shutil.move,
-            str(self.store.step_dir(job, step)),
-            str(quarantine / f"{job}.{step}.{time.time_ns()}"),
-        )
-        del self.steps[(job, step)]
-
-    def require_restorable(self, st: StepState) -> Manifest:
-        """The manifest of a step chosen for restore (DataLoss if it vanished)."""
-        if st.manifest is None:
-            raise DataLoss(f"step {st.step} of job {st.job!r} has no intact copy on this node")
-        return st.manifest
+    def spawn(self, coro: Any) -> None:
+        """Run background work that :meth:`close` waits for."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def check_layout_or_raise(entries: list[TensorEntry]) -> int:
@@ -372,27 +323,3 @@ def check_layout_or_raise(entries: list[TensorEntry]) -> int:
         return check_layout(entries)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
-
-
-def verify_step(directory: Path, manifest: Manifest) -> list[str]:
-    """Re-read every shard and compare crc32c; returns the mismatches (empty if intact)."""
-    import mmap as _mmap
-
-    bad = []
-    by_file: dict[str, list[ShardRecord]] = {}
-    for s in manifest.shards:
-        by_file.setdefault(s.file, []).append(s)
-    for fname, shards in by_file.items():
-        try:
-            with (
-                open(directory / fname, "rb") as f,
-                _mmap.mmap(f.fileno(), 0, prot=_mmap.PROT_READ) as mm,
-            ):
-                view = memoryview(mm)
-                crcs = localstore.crc32c_ranges(view, [(s.offset, s.length) for s in shards])
-                view.release()
-        except (OSError, ValueError) as exc:
-            bad.append(f"{fname}: {exc}")
-            continue
-        bad += [f"{fname}:{s.key}" for s, c in zip(shards, crcs, strict=True) if c != s.crc32c]
-    return bad

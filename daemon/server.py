@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from ckptd.client.format import ALIGN
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -30,6 +31,8 @@ from .errors import CkptdError, FailedPrecondition, InvalidArgument
 from .names import check_name, check_step
 from .node import Node, StepState
 from .requests import parse_commit
+from .restore import Restorer
+from .staging import Lease
 
 log = logging.getLogger("ckptd.server")
 
@@ -89,28 +92,36 @@ def _checkpoint_info(st: StepState) -> pb.CheckpointInfo:
     )
 
 
+def _lease_message(lease: Lease) -> pb.Lease:
+    return pb.Lease(
+        lease_id=lease.lease_id,
+        segment=lease.segment.name,
+        size_bytes=lease.segment.size,
+        alignment=ALIGN,
+    )
+
+
 class Servicer(pb_grpc.CkptdServicer):
     """gRPC front of a :class:`Node`."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.restorer = Restorer(node)
 
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         job = check_name("job", request.job)
         lease = await self.node.acquire_lease(job, request.size_bytes)
-        return pb.Lease(
-            lease_id=lease.lease_id,
-            segment=lease.segment.name,
-            size_bytes=lease.segment.size,
-            alignment=4096,
-        )
+        return _lease_message(lease)
 
     @_rpc
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: Any
     ) -> pb.ReleaseLeaseResponse:
-        self.node.release_lease(request.lease_id)
+        if request.detach:
+            self.restorer.detach(request.lease_id)
+        else:
+            self.node.release_lease(request.lease_id)
         return pb.ReleaseLeaseResponse()
 
     @_rpc
@@ -147,15 +158,18 @@ class Servicer(pb_grpc.CkptdServicer):
     async def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
         job = check_name("job", request.job)
         step = check_step(request.step) if request.HasField("step") else None
-        st = self.node.choose_restore(job, step, request.rank)
-        manifest = self.node.require_restorable(st)
-        return pb.RestoreResponse(
+        plan = await self.restorer.restore(job, step, request.rank, request.shared_memory)
+        resp = pb.RestoreResponse(
             job=job,
-            step=st.step,
+            step=plan.step.step,
             tier=pb.TIER_LOCAL,
-            directory=str(self.node.store.step_dir(job, st.step)),
-            manifest_json=manifest.to_json(),
+            directory=str(plan.directory),
+            manifest_json=plan.manifest.to_json(),
         )
+        if plan.lease is not None:
+            resp.lease.CopyFrom(_lease_message(plan.lease))
+            resp.data_offset_in_file = plan.data_offset
+        return resp
 
     @_rpc
     async def ReportCorrupt(
@@ -164,7 +178,7 @@ class Servicer(pb_grpc.CkptdServicer):
         job, step = check_name("job", request.job), check_step(request.step)
         if request.tier not in (pb.TIER_LOCAL, pb.TIER_UNSPECIFIED):
             raise InvalidArgument("only local copies can be reported corrupt in this version")
-        await self.node.report_corrupt(job, step, request.detail)
+        await self.restorer.report_corrupt(job, step, request.detail)
         return pb.ReportCorruptResponse()
 
     @_rpc

@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.client.format import round_up
@@ -54,7 +54,8 @@ class Lease:
     segment: Segment
     granted_at: float
     committed: bool = False
-    size: int = field(default=0)
+    restore: bool = False
+    """A restore lease: holds verified checkpoint data until the client detaches it."""
 
 
 def segment_prefix(root: Path) -> str:
@@ -155,10 +156,49 @@ class Staging:
             finally:
                 self._reserved -= need
             self._segments[seg.name] = seg
-        lease = Lease(secrets.token_hex(12), job, seg, self._clock(), size=seg.size)
+        return self._grant(job, seg)
+
+    def _grant(self, job: str, seg: Segment, restore: bool = False) -> Lease:
+        lease = Lease(secrets.token_hex(12), job, seg, self._clock(), restore=restore)
         seg.lease_id = lease.lease_id
         self._leases[lease.lease_id] = lease
         return lease
+
+    def take_free(self, job: str, size_bytes: int) -> Lease | None:
+        """A restore lease on an already faulted free segment, or None (never allocates)."""
+        self.reclaim_expired()
+        free = [s for s in self._segments.values() if s.lease_id is None and s.size >= size_bytes]
+        if not free:
+            return None
+        return self._grant(job, min(free, key=lambda s: s.size), restore=True)
+
+    def detach(self, lease_id: str) -> int:
+        """Hand a restore lease's segment to the client for good; returns its size.
+
+        The client has mapped it, so unlinking the name and unmapping here leaves
+        the memory alive exactly as long as the client's arrays.
+        """
+        lease = self.get(lease_id)
+        if not lease.restore:
+            raise Conflict(f"lease {lease_id!r} is not a restore lease; only those can be detached")
+        del self._leases[lease_id]
+        self._destroy(lease.segment)
+        return lease.segment.size
+
+    async def preallocate(self, size_bytes: int) -> None:
+        """Create a free segment in the background (after a detach) if the budget allows."""
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        if self.allocated_bytes + need > self.budget_bytes:
+            return
+        self._reserved += need
+        try:
+            seg = await asyncio.to_thread(self._create, need)
+        except ResourceExhausted as exc:
+            log.warning("could not pre-allocate a staging segment: %s", exc)
+            return
+        finally:
+            self._reserved -= need
+        self._segments[seg.name] = seg
 
     def get(self, lease_id: str) -> Lease:
         """The live lease with this id, or NotFound."""

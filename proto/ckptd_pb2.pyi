@@ -52,10 +52,12 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "detach")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    detach: bool
+    def __init__(self, lease_id: _Optional[str] = ..., detach: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
@@ -184,28 +186,34 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "step", "rank")
+    __slots__ = ("job", "step", "rank", "shared_memory")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("job", "step", "tier", "directory", "manifest_json")
+    __slots__ = ("job", "step", "tier", "directory", "manifest_json", "lease", "data_offset_in_file")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_IN_FILE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     tier: Tier
     directory: str
     manifest_json: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., directory: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    lease: Lease
+    data_offset_in_file: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., directory: _Optional[str] = ..., manifest_json: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., data_offset_in_file: _Optional[int] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
     __slots__ = ("job", "step", "tier", "detail")

@@ -123,7 +123,8 @@ class CkptdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportCorrupt(self, request, context):
-        """Marks a copy bad after a client found a checksum mismatch in it.
+        """Marks a copy bad after a client found a checksum mismatch in it (the daemon
+        re-reads it first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from ckptd.client import CkptdUnavailable, Client
 from ckptd.client.client import open_channel
+from ckptd.daemon.staging import segment_prefix
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
@@ -155,8 +156,15 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
         for c in d.clients:
             c.close()
         if d.proc is not None and d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(10)
+            d.proc.terminate()  # graceful: the daemon unlinks its shared memory
+            try:
+                d.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait(10)
+        # A daemon a test SIGKILLed cannot clean up; its segments carry its root's prefix.
+        for seg in Path("/dev/shm").glob(segment_prefix(d.root) + "*"):
+            seg.unlink(missing_ok=True)
     for s in sockdirs:
         shutil.rmtree(s, ignore_errors=True)
 

@@ -7,13 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from ckptd.client import CheckpointNotFound
+from ckptd.client import CheckpointCorrupt, CheckpointNotFound
+from ckptd.proto import ckptd_pb2 as pb
 from safetensors.numpy import load_file
 
-from .conftest import Daemon
+from .conftest import META, Daemon
 
 RNG = np.random.default_rng(7)
 
@@ -206,18 +208,82 @@ def test_restart_rescans_committed_steps(daemon: Daemon) -> None:
     assert meta == {"m": 1}
 
 
-def test_flipped_byte_is_detected_and_never_served(daemon: Daemon) -> None:
+def flip_byte(path: Path, where: int = -3) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[where] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_flipped_byte_is_detected_and_never_served(daemon: Daemon, shared_memory: bool) -> None:
     client = daemon.client("rot")
     client.save(1, {"x": np.arange(100, dtype=np.int64)}).wait("local")
     client.save(2, {"x": np.arange(100, dtype=np.int64) * 2}).wait("local")
-    f = daemon.root / "rot" / "2" / "rank-00000.safetensors"
-    raw = bytearray(f.read_bytes())
-    raw[-3] ^= 0x40
-    f.write_bytes(bytes(raw))
-    tree, _ = client.restore()  # the newest copy is corrupt: fall back to the newest intact one
-    np.testing.assert_array_equal(tree["x"], np.arange(100))
-    assert [c.step for c in client.list()] == [1]
+    client.save(3, {"x": np.arange(100, dtype=np.int64) * 3}).wait("local")
+    flip_byte(daemon.root / "rot" / "3" / "rank-00000.safetensors")
+    # the newest copy is corrupt: it is set aside and the newest intact one is served
+    tree, _ = client.restore(shared_memory=shared_memory)
+    np.testing.assert_array_equal(tree["x"], np.arange(100) * 2)
+    assert [c.step for c in client.list()] == [2, 1]
     assert "corrupt" in daemon.log_text()
+    assert len(list((daemon.root / ".corrupt").iterdir())) == 1
+    # asking for a corrupt step by number is an error, not a silent substitute
+    flip_byte(daemon.root / "rot" / "1" / "rank-00000.safetensors", where=-1)
+    with pytest.raises(CheckpointCorrupt, match="step 1"):
+        client.restore(step=1, shared_memory=shared_memory)
+    assert [c.step for c in client.list()] == [2]
+
+
+def test_truncated_file_is_corrupt(daemon: Daemon) -> None:
+    client = daemon.client("trunc")
+    client.save(1, {"x": np.arange(5000, dtype=np.int64)}).wait("local")
+    f = daemon.root / "trunc" / "1" / "rank-00000.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 100)
+    with pytest.raises(CheckpointCorrupt):
+        client.restore(step=1)
+
+
+def backing_file(arr: np.ndarray) -> str:
+    """The file mapped at an array's address, from /proc/self/maps."""
+    addr = arr.ctypes.data
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= addr < hi:
+            return parts[5] if len(parts) > 5 else "(anonymous)"
+    raise AssertionError("address not mapped")
+
+
+def test_shared_memory_restore_is_detached_from_later_saves(daemon: Daemon) -> None:
+    client = daemon.client("detach")
+    state = {"w": np.arange(2**20, dtype=np.float32)}
+    client.save(1, state).wait("local")
+    restored, _ = client.restore()  # the daemon had a free segment: shared-memory path
+    backing = backing_file(restored["w"])
+    assert backing.startswith("/dev/shm/ckptd-") and backing.endswith("(deleted)"), backing
+    by_file, _ = client.restore(shared_memory=False)
+    assert backing_file(by_file["w"]).endswith("/detach/1/rank-00000.safetensors")
+    for step in range(2, 5):  # later saves must never write into the restored arrays
+        client.save(step, {"w": np.full(2**20, -step, np.float32)}).wait("local")
+    np.testing.assert_array_equal(restored["w"], np.arange(2**20, dtype=np.float32))
+    restored["w"][:10] = 7  # writable, and private to this process
+    again, _ = client.restore(step=1)
+    np.testing.assert_array_equal(again["w"], np.arange(2**20, dtype=np.float32))
+    stub = daemon.stub()
+    st = stub.GetStatus(pb.GetStatusRequest(), metadata=META)
+    assert st.leases_held == 0
+
+
+def test_detach_refuses_save_leases(daemon: Daemon) -> None:
+    stub = daemon.stub()
+    lease = stub.AcquireLease(pb.AcquireLeaseRequest(job="d", size_bytes=10), metadata=META)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ReleaseLease(
+            pb.ReleaseLeaseRequest(lease_id=lease.lease_id, detach=True), metadata=META
+        )
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "not a restore lease" in (info.value.details() or "")
 
 
 def test_many_saves_reuse_one_lease_segment(daemon: Daemon, tmp_path: Path) -> None:
@@ -228,12 +294,23 @@ def test_many_saves_reuse_one_lease_segment(daemon: Daemon, tmp_path: Path) -> N
         client.save(step, state).wait("local")
     segs = [p for p in Path("/dev/shm").iterdir() if p.name.startswith("ckptd-")]
     status = daemon.stub()
-    from ckptd.proto import ckptd_pb2 as pb
-
-    from .conftest import META
-
     st = status.GetStatus(pb.GetStatusRequest(), metadata=META)
     assert st.staging_allocated_bytes == 4 * 2**20  # one 4 MiB segment, reused six times
     assert st.leases_held == 0 and len(segs) >= 1
     tree, _ = client.restore()
     assert float(tree["w"][0]) == 6.0
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_large_arrays_copied_in_parallel_chunks_exact(daemon: Daemon, copy_threads: int) -> None:
+    client = daemon.client(f"big{copy_threads}", copy_threads=copy_threads)
+    base = RNG.standard_normal((3000, 4000)).astype(np.float32)  # 48 MiB: split into chunks
+    tree = {
+        "c": base,
+        "fortran": np.asfortranarray(base[:, :2500]),
+        "strided": base[::2, ::3],
+        "odd_rows": RNG.integers(0, 255, size=(7, 5_000_001), dtype=np.uint8),
+    }
+    client.save(1, tree).wait("local", timeout=120)
+    restored, _ = client.restore()
+    assert_bits_equal(tree, restored)

@@ -210,3 +210,9 @@ def test_staging_reuses_segments_and_enforces_budget(tmp_path: Path) -> None:
     assert len(list(tmp_path.iterdir())) == 1
     st.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_example_config_in_deploy_is_valid() -> None:
+    example = Path(__file__).resolve().parent.parent / "deploy" / "ckptd.toml.example"
+    cfg = config.load(example, env={})
+    assert cfg.staging_budget_bytes == 16 * 2**30 and cfg.socket == Path("/run/ckptd/ckptd.sock")

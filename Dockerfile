@@ -1,0 +1,23 @@
+# ckptd node daemon image. Runs as a DaemonSet or a sidecar next to the trainer;
+# see deploy/k8s/. The trainer and the daemon must share /dev/shm and the socket dir.
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY daemon ./daemon
+COPY client ./client
+COPY proto ./proto
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN groupadd --system --gid 2000 ckptd && useradd --system --uid 2000 --gid ckptd ckptd \
+    && mkdir -p /var/lib/ckptd /run/ckptd && chown ckptd:ckptd /var/lib/ckptd /run/ckptd \
+    && chmod 0750 /run/ckptd
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+USER ckptd
+ENV CKPTD_ROOT=/var/lib/ckptd CKPTD_SOCKET=/run/ckptd/ckptd.sock
+VOLUME ["/var/lib/ckptd", "/run/ckptd"]
+# SIGTERM finishes acknowledged saves before exit: give it time (terminationGracePeriodSeconds).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["ckptd"]
+CMD ["serve"]

@@ -1,0 +1,189 @@
+"""Restore: choose the newest verified copy and hand it to the client.
+
+Two ways to hand over a rank's data, both verified against the crc32c recorded
+at commit before the client sees a byte:
+
+- into shared memory (preferred): the daemon reads the rank file's data section
+  with aligned ``O_DIRECT`` reads into one of its free, already faulted staging
+  segments, checks every shard's crc32c, and gives the segment to the client,
+  whose arrays are views over it. No page cache is allocated, which is what
+  makes cold restores fast on these VMs (see DESIGN.md, Performance notes).
+- the file: when no free segment fits, the client maps the file copy-on-write
+  and checks the crc32c itself, reporting a mismatch with ReportCorrupt.
+
+A copy that fails its check is moved to ``<root>/.corrupt`` (removed at the next
+start) and the next newest intact step is offered instead, unless the caller
+asked for that exact step.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.client.format import round_up
+from ckptd.proto import ckptd_pb2 as pb
+
+from . import localstore
+from .errors import DataLoss, FailedPrecondition, NotFound
+from .manifest import Manifest, ShardRecord
+from .node import Node, StepState
+from .staging import Lease
+
+log = logging.getLogger("ckptd.restore")
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What the client gets: the step, and the shared-memory lease holding its data if any."""
+
+    step: StepState
+    manifest: Manifest
+    directory: Path
+    lease: Lease | None
+    data_offset: int
+
+
+class Restorer:
+    """Restore-side operations of a :class:`Node`."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def choose(self, job: str, step: int | None, rank: int) -> StepState:
+        """The newest (or given) step with a local copy holding ``rank``."""
+        node = self.node
+        if step is not None:
+            st = node.get_step(job, step)
+            if st.state == pb.SAVE_STATE_STAGING:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} is still being written; wait('local') first"
+                )
+            if st.state == pb.SAVE_STATE_FAILED:
+                raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
+        else:
+            candidates = [s for s in node.list(job) if s.manifest is not None]
+            if not candidates:
+                raise NotFound(
+                    f"job {job!r} has no restorable checkpoint on this node; start from scratch"
+                )
+            st = candidates[0]
+        if st.manifest is None:
+            raise DataLoss(f"step {st.step} of job {job!r} has no intact copy on this node")
+        if rank not in {r.rank for r in st.manifest.ranks}:
+            raise NotFound(
+                f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
+            )
+        return st
+
+    async def restore(
+        self, job: str, step: int | None, rank: int, shared_memory: bool
+    ) -> RestorePlan:
+        """Pick a step and, if asked and a segment is free, read it into shared memory."""
+        while True:
+            st = self.choose(job, step, rank)
+            assert st.manifest is not None
+            directory = self.node.store.step_dir(job, st.step)
+            if not shared_memory:
+                return RestorePlan(st, st.manifest, directory, None, 0)
+            record = next(r for r in st.manifest.ranks if r.rank == rank)
+            path = directory / record.file
+            try:
+                offset = await self.node.run_io(localstore.data_offset, path)
+                lease = self.node.staging.take_free(job, round_up(record.size - offset))
+            except (OSError, ValueError) as exc:
+                await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
+                continue
+            if lease is None:
+                return RestorePlan(st, st.manifest, directory, None, 0)
+            shards = [s for s in st.manifest.shards if s.rank == rank]
+            try:
+                bad = await self.node.run_io(
+                    _read_and_verify, path, offset, record.size - offset, lease, shards
+                )
+            except BaseException:
+                self.node.staging.release(lease.lease_id)
+                raise
+            if not bad:
+                return RestorePlan(st, st.manifest, directory, lease, offset)
+            self.node.staging.release(lease.lease_id)
+            await self._set_aside(st, bad, explicit=step is not None)
+
+    def detach(self, lease_id: str) -> None:
+        """The client mapped a restore lease: let it go, and replace the segment in the pool."""
+        size = self.node.staging.detach(lease_id)
+        self.node.spawn(self.node.staging.preallocate(size))
+
+    async def report_corrupt(self, job: str, step: int, detail: str) -> None:
+        """Re-verify a copy a client found corrupt; if bad, set it aside."""
+        st = self.node.get_step(job, step)
+        if st.manifest is None:
+            raise FailedPrecondition(f"step {step} of job {job!r} has no local copy")
+        bad = await self.node.run_io(verify_step, self.node.store.step_dir(job, step), st.manifest)
+        if not bad:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} re-read with matching checksums; the client's "
+                f"mismatch ({detail[:200]}) was not reproduced"
+            )
+        await self._set_aside(st, bad, explicit=False)
+
+    async def _set_aside(self, st: StepState, bad: list[str], explicit: bool) -> None:
+        node = self.node
+        log.error(
+            "local copy of %s/%d is corrupt (%s); setting it aside in .corrupt",
+            st.job,
+            st.step,
+            "; ".join(bad[:5]),
+        )
+        quarantine = node.config.root / ".corrupt"
+        quarantine.mkdir(exist_ok=True)
+        await node.run_io(
+            shutil.move,
+            str(node.store.step_dir(st.job, st.step)),
+            str(quarantine / f"{st.job}.{st.step}.{time.time_ns()}"),
+        )
+        node.steps.pop((st.job, st.step), None)
+        if explicit:
+            raise DataLoss(
+                f"the local copy of step {st.step} of job {st.job!r} failed its checksum "
+                f"({bad[0]}) and was set aside; no other copy exists on this node. "
+                "restore() without a step picks the newest intact one"
+            )
+
+
+def _read_and_verify(
+    path: Path, offset: int, length: int, lease: Lease, shards: list[ShardRecord]
+) -> list[str]:
+    view = lease.segment.view(0, round_up(length))
+    try:
+        localstore.read_data_direct(path, offset, length, view)
+    except ValueError as exc:
+        return [str(exc)]
+    crcs = localstore.crc32c_ranges(view, [(s.offset - offset, s.length) for s in shards])
+    return [f"{s.file}:{s.key}" for s, c in zip(shards, crcs, strict=True) if c != s.crc32c]
+
+
+def verify_step(directory: Path, manifest: Manifest) -> list[str]:
+    """Re-read every shard and compare crc32c; returns the mismatches (empty if intact)."""
+    bad = []
+    by_file: dict[str, list[ShardRecord]] = {}
+    for s in manifest.shards:
+        by_file.setdefault(s.file, []).append(s)
+    for fname, shards in by_file.items():
+        try:
+            with (
+                open(directory / fname, "rb") as f,
+                mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm,
+            ):
+                view = memoryview(mm)
+                crcs = localstore.crc32c_ranges(view, [(s.offset, s.length) for s in shards])
+                view.release()
+        except (OSError, ValueError) as exc:
+            bad.append(f"{fname}: {exc}")
+            continue
+        bad += [f"{fname}:{s.key}" for s, c in zip(shards, crcs, strict=True) if c != s.crc32c]
+    return bad
