@@ -332,17 +332,17 @@ class Client:
     def _adopt_segment(
         self, resp: pb.RestoreResponse, manifest: dict[str, Any]
     ) -> tuple[Any, dict[str, Any]]:
-        """Map the verified segment, then tell the daemon it is ours for good."""
+        """Map and lock the verified segment, then tell the daemon we hold it."""
         try:
-            mm = restore_mod.map_segment(resp.lease.segment, resp.lease.size_bytes)
+            mm = restore_mod.map_segment_locked(resp.lease.segment, resp.lease.size_bytes)
         except OSError:
             self._call(
                 self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id)
             )
             raise
         try:
-            detach = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, detach=True)
-            self._call(self._stub.ReleaseLease, detach)
+            held = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, client_holds=True)
+            self._call(self._stub.ReleaseLease, held)
         except BaseException:
             mm.close()
             raise

@@ -7,9 +7,11 @@ here against the manifest's crc32c.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
+import weakref
 from typing import Any
 
 import google_crc32c
@@ -30,13 +32,22 @@ def rank_record(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
     return next(r for r in manifest["ranks"] if r["rank"] == rank)
 
 
-def map_segment(name: str, size: int) -> mmap.mmap:
-    """Map a daemon segment read-write (its pages are already faulted in)."""
+def map_segment_locked(name: str, size: int) -> mmap.mmap:
+    """Map a daemon segment read-write and hold a shared flock on it while mapped.
+
+    The daemon lends the segment for as long as the lock is held: the lock is
+    released when the mapping is garbage collected (every array viewing it is
+    gone) or when this process dies, and only then may the daemon reuse it.
+    """
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except BaseException:
         os.close(fd)
+        raise
+    weakref.finalize(mm, os.close, fd)
+    return mm
 
 
 def map_file_verified(directory: str, manifest: dict[str, Any], rank: int) -> mmap.mmap:

@@ -5,9 +5,11 @@ at commit before the client sees a byte:
 
 - into shared memory (preferred): the daemon reads the rank file's data section
   with aligned ``O_DIRECT`` reads into one of its free, already faulted staging
-  segments, checks every shard's crc32c, and gives the segment to the client,
+  segments, checks every shard's crc32c, and lends the segment to the client,
   whose arrays are views over it. No page cache is allocated, which is what
   makes cold restores fast on these VMs (see DESIGN.md, Performance notes).
+  The client holds a shared flock on the segment while any array uses it; the
+  daemon takes it back for later saves only once that lock is gone.
 - the file: when no free segment fits, the client maps the file copy-on-write
   and checks the crc32c itself, reporting a mismatch with ReportCorrupt.
 
@@ -113,10 +115,9 @@ class Restorer:
             self.node.staging.release(lease.lease_id)
             await self._set_aside(st, bad, explicit=step is not None)
 
-    def detach(self, lease_id: str) -> None:
-        """The client mapped a restore lease: let it go, and replace the segment in the pool."""
-        size = self.node.staging.detach(lease_id)
-        self.node.spawn(self.node.staging.preallocate(size))
+    def lend(self, lease_id: str) -> None:
+        """The client mapped a restore lease and locked it; it comes back when unlocked."""
+        self.node.staging.lend(lease_id)
 
     async def report_corrupt(self, job: str, step: int, detail: str) -> None:
         """Re-verify a copy a client found corrupt; if bad, set it aside."""

@@ -118,8 +118,8 @@ class Servicer(pb_grpc.CkptdServicer):
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: Any
     ) -> pb.ReleaseLeaseResponse:
-        if request.detach:
-            self.restorer.detach(request.lease_id)
+        if request.client_holds:
+            self.restorer.lend(request.lease_id)
         else:
             self.node.release_lease(request.lease_id)
         return pb.ReleaseLeaseResponse()

@@ -9,6 +9,7 @@ total held is bounded by ``staging_budget_bytes``.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import itertools
 import logging
@@ -55,7 +56,9 @@ class Lease:
     granted_at: float
     committed: bool = False
     restore: bool = False
-    """A restore lease: holds verified checkpoint data until the client detaches it."""
+    """A restore lease: holds verified checkpoint data for the client."""
+    borrowed: bool = False
+    """The client mapped the restore lease and flocks it while its arrays live."""
 
 
 def segment_prefix(root: Path) -> str:
@@ -165,40 +168,41 @@ class Staging:
         return lease
 
     def take_free(self, job: str, size_bytes: int) -> Lease | None:
-        """A restore lease on an already faulted free segment, or None (never allocates)."""
+        """A restore lease on an already faulted free segment, or None (never allocates).
+
+        Lends a segment only if a save of the same size could still get memory
+        afterwards (another free segment, or budget to allocate one), so a client
+        that keeps its restored arrays for the whole run never starves its saves.
+        """
         self.reclaim_expired()
-        free = [s for s in self._segments.values() if s.lease_id is None and s.size >= size_bytes]
+        free = sorted(
+            (s for s in self._segments.values() if s.lease_id is None and s.size >= size_bytes),
+            key=lambda s: s.size,
+        )
         if not free:
             return None
-        return self._grant(job, min(free, key=lambda s: s.size), restore=True)
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        if len(free) < 2 and self.allocated_bytes + need > self.budget_bytes:
+            return None
+        return self._grant(job, free[0], restore=True)
 
-    def detach(self, lease_id: str) -> int:
-        """Hand a restore lease's segment to the client for good; returns its size.
-
-        The client has mapped it, so unlinking the name and unmapping here leaves
-        the memory alive exactly as long as the client's arrays.
-        """
+    def lend(self, lease_id: str) -> None:
+        """The client confirmed it mapped a restore lease and holds its lock."""
         lease = self.get(lease_id)
         if not lease.restore:
-            raise Conflict(f"lease {lease_id!r} is not a restore lease; only those can be detached")
-        del self._leases[lease_id]
-        self._destroy(lease.segment)
-        return lease.segment.size
+            raise Conflict(
+                f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
+            )
+        lease.borrowed = True
 
-    async def preallocate(self, size_bytes: int) -> None:
-        """Create a free segment in the background (after a detach) if the budget allows."""
-        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
-        if self.allocated_bytes + need > self.budget_bytes:
-            return
-        self._reserved += need
-        try:
-            seg = await asyncio.to_thread(self._create, need)
-        except ResourceExhausted as exc:
-            log.warning("could not pre-allocate a staging segment: %s", exc)
-            return
-        finally:
-            self._reserved -= need
-        self._segments[seg.name] = seg
+    def reclaim_returned(self) -> list[str]:
+        """Take back borrowed segments whose client lock is gone (arrays freed or client dead)."""
+        returned = []
+        for lid, lease in list(self._leases.items()):
+            if lease.borrowed and not _locked_by_others(self.shm_dir / lease.segment.name):
+                self.release(lid)
+                returned.append(lid)
+        return returned
 
     def get(self, lease_id: str) -> Lease:
         """The live lease with this id, or NotFound."""
@@ -226,11 +230,14 @@ class Staging:
 
     def reclaim_expired(self) -> list[str]:
         """Return leases that clients held past the timeout without committing."""
+        self.reclaim_returned()
         now = self._clock()
         expired = [
             lid
             for lid, lease in self._leases.items()
-            if not lease.committed and now - lease.granted_at > self.lease_timeout_seconds
+            if not lease.committed
+            and not lease.borrowed
+            and now - lease.granted_at > self.lease_timeout_seconds
         ]
         for lid in expired:
             log.warning("lease %s for job %s expired without a commit", lid, self._leases[lid].job)
@@ -265,3 +272,18 @@ class Staging:
         self._segments.pop(seg.name, None)
         seg.mm.close()
         (self.shm_dir / seg.name).unlink(missing_ok=True)
+
+
+def _locked_by_others(path: Path) -> bool:
+    """True while some process holds a flock on ``path`` (a client using restored memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also drops our probe lock
+    return False

@@ -24,55 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63kptd/proto/ckptd.proto\x12\x08\x63kptd.v1\"6\n\x13\x41\x63quireLeaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"Q\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x11\n\talignment\x18\x04 \x01(\r\"7\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tach\x18\x02 \x01(\x08\"\x16\n\x14ReleaseLeaseResponse\"\x96\x01\n\x0fShardDescriptor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x14\n\x0cglobal_shape\x18\x04 \x03(\x04\x12\"\n\x05index\x18\x05 \x03(\x0b\x32\x13.ckptd.v1.SliceSpec\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\"(\n\tSliceSpec\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x04\"\xf5\x01\n\x13\x43ommitShardsRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nnode_ranks\x18\x05 \x03(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x13\n\x0b\x64\x61ta_offset\x18\x07 \x01(\x04\x12)\n\x06shards\x18\x08 \x03(\x0b\x32\x19.ckptd.v1.ShardDescriptor\x12\x11\n\ttree_json\x18\t \x01(\t\x12\x15\n\rmetadata_json\x18\n \x01(\t\x12\x11\n\tmilestone\x18\x0b \x01(\x08\":\n\x14\x43ommitShardsResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.ckptd.v1.SaveState\"q\n\x14GetSaveStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12%\n\x08wait_for\x18\x03 \x01(\x0e\x32\x13.ckptd.v1.SaveState\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"\xa9\x01\n\nSaveStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.ckptd.v1.SaveState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x17\n\x0franks_committed\x18\x05 \x03(\r\x12\x12\n\nnode_ranks\x18\x06 \x03(\r\x12 \n\x18handoff_to_local_seconds\x18\x07 \x01(\x01\"%\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xce\x01\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.ckptd.v1.SaveState\x12\x1d\n\x05tiers\x18\x04 \x03(\x0e\x32\x0e.ckptd.v1.Tier\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x12\n\nnum_shards\x18\x07 \x01(\r\x12\x11\n\tmilestone\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\"H\n\x17ListCheckpointsResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"^\n\x0eRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\x04step\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\x42\x07\n\x05_step\"\xb1\x01\n\x0fRestoreResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1c\n\x04tier\x18\x03 \x01(\x0e\x32\x0e.ckptd.v1.Tier\x12\x11\n\tdirectory\x18\x04 \x01(\t\x12\x15\n\rmanifest_json\x18\x05 \x01(\t\x12\x1e\n\x05lease\x18\x06 \x01(\x0b\x32\x0f.ckptd.v1.Lease\x12\x1b\n\x13\x64\x61ta_offset_in_file\x18\x07 \x01(\x04\"_\n\x14ReportCorruptRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1c\n\x04tier\x18\x03 \x01(\x0e\x32\x0e.ckptd.v1.Tier\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x17\n\x15ReportCorruptResponse\"\x12\n\x10GetStatusRequest\"\xff\x02\n\x0c\x44\x61\x65monStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\x12\x0e\n\x06socket\x18\x05 \x01(\t\x12\x0e\n\x06remote\x18\x06 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x07 \x01(\x01\x12\x1c\n\x14staging_budget_bytes\x18\x08 \x01(\x04\x12\x1f\n\x17staging_allocated_bytes\x18\t \x01(\x04\x12\x1c\n\x14staging_in_use_bytes\x18\n \x01(\x04\x12\x13\n\x0bleases_held\x18\x0b \x01(\r\x12\x17\n\x0fsaves_in_flight\x18\x0c \x01(\r\x12\x18\n\x10local_free_bytes\x18\r \x01(\x04\x12\x18\n\x10local_used_bytes\x18\x0e \x01(\x04\x12\x0c\n\x04jobs\x18\x0f \x01(\r\x12\x13\n\x0b\x63heckpoints\x18\x10 \x01(\r\x12\x0b\n\x03pid\x18\x11 \x01(\r*\x9d\x01\n\tSaveState\x12\x1a\n\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SAVE_STATE_STAGING\x10\x01\x12\x14\n\x10SAVE_STATE_LOCAL\x10\x02\x12\x17\n\x13SAVE_STATE_DRAINING\x10\x03\x12\x16\n\x12SAVE_STATE_DURABLE\x10\x04\x12\x15\n\x11SAVE_STATE_FAILED\x10\x05*=\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\x0f\n\x0bTIER_REMOTE\x10\x02\x32\xd7\x04\n\x05\x43kptd\x12>\n\x0c\x41\x63quireLease\x12\x1d.ckptd.v1.AcquireLeaseRequest\x1a\x0f.ckptd.v1.Lease\x12M\n\x0cReleaseLease\x12\x1d.ckptd.v1.ReleaseLeaseRequest\x1a\x1e.ckptd.v1.ReleaseLeaseResponse\x12M\n\x0c\x43ommitShards\x12\x1d.ckptd.v1.CommitShardsRequest\x1a\x1e.ckptd.v1.CommitShardsResponse\x12\x45\n\rGetSaveStatus\x12\x1e.ckptd.v1.GetSaveStatusRequest\x1a\x14.ckptd.v1.SaveStatus\x12V\n\x0fListCheckpoints\x12 .ckptd.v1.ListCheckpointsRequest\x1a!.ckptd.v1.ListCheckpointsResponse\x12>\n\x07Restore\x12\x18.ckptd.v1.RestoreRequest\x1a\x19.ckptd.v1.RestoreResponse\x12P\n\rReportCorrupt\x12\x1e.ckptd.v1.ReportCorruptRequest\x1a\x1f.ckptd.v1.ReportCorruptResponse\x12?\n\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63kptd/proto/ckptd.proto\x12\x08\x63kptd.v1\"6\n\x13\x41\x63quireLeaseRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"Q\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x11\n\talignment\x18\x04 \x01(\r\"=\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63lient_holds\x18\x02 \x01(\x08\"\x16\n\x14ReleaseLeaseResponse\"\x96\x01\n\x0fShardDescriptor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x14\n\x0cglobal_shape\x18\x04 \x03(\x04\x12\"\n\x05index\x18\x05 \x03(\x0b\x32\x13.ckptd.v1.SliceSpec\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\"(\n\tSliceSpec\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x04\"\xf5\x01\n\x13\x43ommitShardsRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nnode_ranks\x18\x05 \x03(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x13\n\x0b\x64\x61ta_offset\x18\x07 \x01(\x04\x12)\n\x06shards\x18\x08 \x03(\x0b\x32\x19.ckptd.v1.ShardDescriptor\x12\x11\n\ttree_json\x18\t \x01(\t\x12\x15\n\rmetadata_json\x18\n \x01(\t\x12\x11\n\tmilestone\x18\x0b \x01(\x08\":\n\x14\x43ommitShardsResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.ckptd.v1.SaveState\"q\n\x14GetSaveStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12%\n\x08wait_for\x18\x03 \x01(\x0e\x32\x13.ckptd.v1.SaveState\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"\xa9\x01\n\nSaveStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.ckptd.v1.SaveState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x17\n\x0franks_committed\x18\x05 \x03(\r\x12\x12\n\nnode_ranks\x18\x06 \x03(\r\x12 \n\x18handoff_to_local_seconds\x18\x07 \x01(\x01\"%\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xce\x01\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.ckptd.v1.SaveState\x12\x1d\n\x05tiers\x18\x04 \x03(\x0e\x32\x0e.ckptd.v1.Tier\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x12\n\nnum_shards\x18\x07 \x01(\r\x12\x11\n\tmilestone\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\"H\n\x17ListCheckpointsResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"^\n\x0eRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\x04step\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rshared_memory\x18\x04 \x01(\x08\x42\x07\n\x05_step\"\xb1\x01\n\x0fRestoreResponse\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1c\n\x04tier\x18\x03 \x01(\x0e\x32\x0e.ckptd.v1.Tier\x12\x11\n\tdirectory\x18\x04 \x01(\t\x12\x15\n\rmanifest_json\x18\x05 \x01(\t\x12\x1e\n\x05lease\x18\x06 \x01(\x0b\x32\x0f.ckptd.v1.Lease\x12\x1b\n\x13\x64\x61ta_offset_in_file\x18\x07 \x01(\x04\"_\n\x14ReportCorruptRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1c\n\x04tier\x18\x03 \x01(\x0e\x32\x0e.ckptd.v1.Tier\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x17\n\x15ReportCorruptResponse\"\x12\n\x10GetStatusRequest\"\xff\x02\n\x0c\x44\x61\x65monStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\x12\x0e\n\x06socket\x18\x05 \x01(\t\x12\x0e\n\x06remote\x18\x06 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x07 \x01(\x01\x12\x1c\n\x14staging_budget_bytes\x18\x08 \x01(\x04\x12\x1f\n\x17staging_allocated_bytes\x18\t \x01(\x04\x12\x1c\n\x14staging_in_use_bytes\x18\n \x01(\x04\x12\x13\n\x0bleases_held\x18\x0b \x01(\r\x12\x17\n\x0fsaves_in_flight\x18\x0c \x01(\r\x12\x18\n\x10local_free_bytes\x18\r \x01(\x04\x12\x18\n\x10local_used_bytes\x18\x0e \x01(\x04\x12\x0c\n\x04jobs\x18\x0f \x01(\r\x12\x13\n\x0b\x63heckpoints\x18\x10 \x01(\r\x12\x0b\n\x03pid\x18\x11 \x01(\r*\x9d\x01\n\tSaveState\x12\x1a\n\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SAVE_STATE_STAGING\x10\x01\x12\x14\n\x10SAVE_STATE_LOCAL\x10\x02\x12\x17\n\x13SAVE_STATE_DRAINING\x10\x03\x12\x16\n\x12SAVE_STATE_DURABLE\x10\x04\x12\x15\n\x11SAVE_STATE_FAILED\x10\x05*=\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0e\n\nTIER_LOCAL\x10\x01\x12\x0f\n\x0bTIER_REMOTE\x10\x02\x32\xd7\x04\n\x05\x43kptd\x12>\n\x0c\x41\x63quireLease\x12\x1d.ckptd.v1.AcquireLeaseRequest\x1a\x0f.ckptd.v1.Lease\x12M\n\x0cReleaseLease\x12\x1d.ckptd.v1.ReleaseLeaseRequest\x1a\x1e.ckptd.v1.ReleaseLeaseResponse\x12M\n\x0c\x43ommitShards\x12\x1d.ckptd.v1.CommitShardsRequest\x1a\x1e.ckptd.v1.CommitShardsResponse\x12\x45\n\rGetSaveStatus\x12\x1e.ckptd.v1.GetSaveStatusRequest\x1a\x14.ckptd.v1.SaveStatus\x12V\n\x0fListCheckpoints\x12 .ckptd.v1.ListCheckpointsRequest\x1a!.ckptd.v1.ListCheckpointsResponse\x12>\n\x07Restore\x12\x18.ckptd.v1.RestoreRequest\x1a\x19.ckptd.v1.RestoreResponse\x12P\n\rReportCorrupt\x12\x1e.ckptd.v1.ReportCorruptRequest\x1a\x1f.ckptd.v1.ReportCorruptResponse\x12?\n\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ckptd.proto.ckptd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAVESTATE']._serialized_start=2174
-  _globals['_SAVESTATE']._serialized_end=2331
-  _globals['_TIER']._serialized_start=2333
-  _globals['_TIER']._serialized_end=2394
+  _globals['_SAVESTATE']._serialized_start=2180
+  _globals['_SAVESTATE']._serialized_end=2337
+  _globals['_TIER']._serialized_start=2339
+  _globals['_TIER']._serialized_end=2400
   _globals['_ACQUIRELEASEREQUEST']._serialized_start=37
   _globals['_ACQUIRELEASEREQUEST']._serialized_end=91
   _globals['_LEASE']._serialized_start=93
   _globals['_LEASE']._serialized_end=174
   _globals['_RELEASELEASEREQUEST']._serialized_start=176
-  _globals['_RELEASELEASEREQUEST']._serialized_end=231
-  _globals['_RELEASELEASERESPONSE']._serialized_start=233
-  _globals['_RELEASELEASERESPONSE']._serialized_end=255
-  _globals['_SHARDDESCRIPTOR']._serialized_start=258
-  _globals['_SHARDDESCRIPTOR']._serialized_end=408
-  _globals['_SLICESPEC']._serialized_start=410
-  _globals['_SLICESPEC']._serialized_end=450
-  _globals['_COMMITSHARDSREQUEST']._serialized_start=453
-  _globals['_COMMITSHARDSREQUEST']._serialized_end=698
-  _globals['_COMMITSHARDSRESPONSE']._serialized_start=700
-  _globals['_COMMITSHARDSRESPONSE']._serialized_end=758
-  _globals['_GETSAVESTATUSREQUEST']._serialized_start=760
-  _globals['_GETSAVESTATUSREQUEST']._serialized_end=873
-  _globals['_SAVESTATUS']._serialized_start=876
-  _globals['_SAVESTATUS']._serialized_end=1045
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1047
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1084
-  _globals['_CHECKPOINTINFO']._serialized_start=1087
-  _globals['_CHECKPOINTINFO']._serialized_end=1293
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1295
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1367
-  _globals['_RESTOREREQUEST']._serialized_start=1369
-  _globals['_RESTOREREQUEST']._serialized_end=1463
-  _globals['_RESTORERESPONSE']._serialized_start=1466
-  _globals['_RESTORERESPONSE']._serialized_end=1643
-  _globals['_REPORTCORRUPTREQUEST']._serialized_start=1645
-  _globals['_REPORTCORRUPTREQUEST']._serialized_end=1740
-  _globals['_REPORTCORRUPTRESPONSE']._serialized_start=1742
-  _globals['_REPORTCORRUPTRESPONSE']._serialized_end=1765
-  _globals['_GETSTATUSREQUEST']._serialized_start=1767
-  _globals['_GETSTATUSREQUEST']._serialized_end=1785
-  _globals['_DAEMONSTATUS']._serialized_start=1788
-  _globals['_DAEMONSTATUS']._serialized_end=2171
-  _globals['_CKPTD']._serialized_start=2397
-  _globals['_CKPTD']._serialized_end=2996
+  _globals['_RELEASELEASEREQUEST']._serialized_end=237
+  _globals['_RELEASELEASERESPONSE']._serialized_start=239
+  _globals['_RELEASELEASERESPONSE']._serialized_end=261
+  _globals['_SHARDDESCRIPTOR']._serialized_start=264
+  _globals['_SHARDDESCRIPTOR']._serialized_end=414
+  _globals['_SLICESPEC']._serialized_start=416
+  _globals['_SLICESPEC']._serialized_end=456
+  _globals['_COMMITSHARDSREQUEST']._serialized_start=459
+  _globals['_COMMITSHARDSREQUEST']._serialized_end=704
+  _globals['_COMMITSHARDSRESPONSE']._serialized_start=706
+  _globals['_COMMITSHARDSRESPONSE']._serialized_end=764
+  _globals['_GETSAVESTATUSREQUEST']._serialized_start=766
+  _globals['_GETSAVESTATUSREQUEST']._serialized_end=879
+  _globals['_SAVESTATUS']._serialized_start=882
+  _globals['_SAVESTATUS']._serialized_end=1051
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1053
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1090
+  _globals['_CHECKPOINTINFO']._serialized_start=1093
+  _globals['_CHECKPOINTINFO']._serialized_end=1299
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1301
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1373
+  _globals['_RESTOREREQUEST']._serialized_start=1375
+  _globals['_RESTOREREQUEST']._serialized_end=1469
+  _globals['_RESTORERESPONSE']._serialized_start=1472
+  _globals['_RESTORERESPONSE']._serialized_end=1649
+  _globals['_REPORTCORRUPTREQUEST']._serialized_start=1651
+  _globals['_REPORTCORRUPTREQUEST']._serialized_end=1746
+  _globals['_REPORTCORRUPTRESPONSE']._serialized_start=1748
+  _globals['_REPORTCORRUPTRESPONSE']._serialized_end=1771
+  _globals['_GETSTATUSREQUEST']._serialized_start=1773
+  _globals['_GETSTATUSREQUEST']._serialized_end=1791
+  _globals['_DAEMONSTATUS']._serialized_start=1794
+  _globals['_DAEMONSTATUS']._serialized_end=2177
+  _globals['_CKPTD']._serialized_start=2403
+  _globals['_CKPTD']._serialized_end=3002
 # @@protoc_insertion_point(module_scope)

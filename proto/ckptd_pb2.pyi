@@ -52,12 +52,12 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id", "detach")
+    __slots__ = ("lease_id", "client_holds")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    DETACH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_HOLDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    detach: bool
-    def __init__(self, lease_id: _Optional[str] = ..., detach: _Optional[bool] = ...) -> None: ...
+    client_holds: bool
+    def __init__(self, lease_id: _Optional[str] = ..., client_holds: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -255,33 +258,65 @@ def backing_file(arr: np.ndarray) -> str:
     raise AssertionError("address not mapped")
 
 
-def test_shared_memory_restore_is_detached_from_later_saves(daemon: Daemon) -> None:
-    client = daemon.client("detach")
+def status(daemon: Daemon) -> pb.DaemonStatus:
+    st: pb.DaemonStatus = daemon.stub().GetStatus(pb.GetStatusRequest(), metadata=META)
+    return st
+
+
+def test_shared_memory_restore_is_never_reused_while_arrays_live(daemon: Daemon) -> None:
+    client = daemon.client("lend")
     state = {"w": np.arange(2**20, dtype=np.float32)}
     client.save(1, state).wait("local")
-    restored, _ = client.restore()  # the daemon had a free segment: shared-memory path
+    client.save(2, state).wait("local")  # the pool now has one free 4 MiB segment
+    restored, _ = client.restore(step=1)  # lent: shared-memory path
     backing = backing_file(restored["w"])
-    assert backing.startswith("/dev/shm/ckptd-") and backing.endswith("(deleted)"), backing
-    by_file, _ = client.restore(shared_memory=False)
-    assert backing_file(by_file["w"]).endswith("/detach/1/rank-00000.safetensors")
-    for step in range(2, 5):  # later saves must never write into the restored arrays
+    assert backing.startswith("/dev/shm/ckptd-"), backing
+    by_file, _ = client.restore(step=1, shared_memory=False)
+    assert backing_file(by_file["w"]).endswith("/lend/1/rank-00000.safetensors")
+    assert status(daemon).leases_held == 1  # the lent segment
+    for step in range(3, 6):  # later saves never write into the lent segment
         client.save(step, {"w": np.full(2**20, -step, np.float32)}).wait("local")
     np.testing.assert_array_equal(restored["w"], np.arange(2**20, dtype=np.float32))
-    restored["w"][:10] = 7  # writable, and private to this process
-    again, _ = client.restore(step=1)
+    restored["w"][:10] = 7  # writable
+    again, _ = client.restore(step=1, shared_memory=False)
     np.testing.assert_array_equal(again["w"], np.arange(2**20, dtype=np.float32))
-    stub = daemon.stub()
-    st = stub.GetStatus(pb.GetStatusRequest(), metadata=META)
-    assert st.leases_held == 0
+    allocated = status(daemon).staging_allocated_bytes
+    view = restored["w"][5:]
+    del restored
+    client.save(6, state).wait("local")
+    assert status(daemon).leases_held == 1  # a view still uses the memory
+    del view
+    gc.collect()
+    client.save(7, state).wait("local")
+    st = status(daemon)
+    assert st.leases_held == 0  # returned once no array used it
+    assert st.staging_allocated_bytes == allocated  # and reused, not reallocated
 
 
-def test_detach_refuses_save_leases(daemon: Daemon) -> None:
+def test_lent_segment_returns_when_the_client_dies(daemon: Daemon) -> None:
+    client = daemon.client("dies")
+    client.save(1, {"w": np.ones(2**20, np.float32)}).wait("local")
+    client.save(2, {"w": np.ones(2**20, np.float32)}).wait("local")
+    script = (
+        "import sys, time; from ckptd.client import Client\n"
+        f"c = Client('dies', socket={str(daemon.socket)!r})\n"
+        "tree, _ = c.restore(step=1); print('RESTORED', flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "RESTORED"
+    assert status(daemon).leases_held == 1
+    proc.kill()
+    proc.wait(10)
+    client.save(3, {"w": np.ones(2**20, np.float32)}).wait("local")
+    assert status(daemon).leases_held == 0
+
+
+def test_only_restore_leases_can_be_held_by_the_client(daemon: Daemon) -> None:
     stub = daemon.stub()
     lease = stub.AcquireLease(pb.AcquireLeaseRequest(job="d", size_bytes=10), metadata=META)
+    held = pb.ReleaseLeaseRequest(lease_id=lease.lease_id, client_holds=True)
     with pytest.raises(grpc.RpcError) as info:
-        stub.ReleaseLease(
-            pb.ReleaseLeaseRequest(lease_id=lease.lease_id, detach=True), metadata=META
-        )
+        stub.ReleaseLease(held, metadata=META)
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "not a restore lease" in (info.value.details() or "")
 
@@ -293,8 +328,7 @@ def test_many_saves_reuse_one_lease_segment(daemon: Daemon, tmp_path: Path) -> N
         state["w"] += 1
         client.save(step, state).wait("local")
     segs = [p for p in Path("/dev/shm").iterdir() if p.name.startswith("ckptd-")]
-    status = daemon.stub()
-    st = status.GetStatus(pb.GetStatusRequest(), metadata=META)
+    st = status(daemon)
     assert st.staging_allocated_bytes == 4 * 2**20  # one 4 MiB segment, reused six times
     assert st.leases_held == 0 and len(segs) >= 1
     tree, _ = client.restore()
