@@ -147,6 +147,8 @@ class Node:
                 f"multiple of {ALIGN}); acquire a lease large enough for the save"
             )
         st = self.steps.get((req.job, req.step))
+        if st is not None and st.state == pb.SAVE_STATE_FAILED and not st.writing:
+            st = None  # a failed save may be retried under the same step number
         if st is None:
             st = StepState(
                 req.job,

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from ckptd.client import SaveFailed
 from ckptd.client.client import SaveHandle
 
 from .conftest import Daemon
@@ -107,3 +108,20 @@ def test_sigterm_finishes_acknowledged_saves_before_exit(make_daemon: Any) -> No
     tree, meta = daemon.client("term").restore()
     assert meta == {"ok": True}
     assert tree["w0"].tobytes() == state_for(4, 8)["w0"].tobytes()
+
+
+def test_failed_write_is_reported_and_the_step_can_be_retried(make_daemon: Any) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=enospc_once"})
+    client = daemon.client("full")
+    h = client.save(1, {"x": np.arange(20)})
+    with pytest.raises(SaveFailed, match="No space left on device"):
+        h.wait("local", timeout=30)
+    rows = client.list()
+    assert [(r.step, r.state) for r in rows] == [(1, "FAILED")]
+    assert "No space left" in rows[0].error
+    assert list((daemon.root / ".staging").iterdir()) == []  # nothing partial left
+    client.save(1, {"x": np.arange(30)}).wait("local")  # the same step, retried
+    client.save(2, {"x": np.arange(40)}).wait("local")
+    assert [(r.step, r.state) for r in client.list()] == [(2, "LOCAL"), (1, "LOCAL")]
+    tree, _ = client.restore(step=1)
+    np.testing.assert_array_equal(tree["x"], np.arange(30))
