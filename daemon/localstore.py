@@ -6,6 +6,7 @@ Layout::
     <root>/<job>/<step>/rank-00000.safetensors
     <root>/.staging/<job>.<step>.<token>/   in progress; deleted at start-up
     <root>/.cache/                         remote downloads in progress; deleted at start-up
+    <root>/.corrupt/                       copies that failed a checksum; deleted at start-up
 
 Commit point: the rename of the staging directory to ``<root>/<job>/<step>``.
 Every file is fsynced before it, the parent directory after it.
@@ -173,6 +174,7 @@ class LocalStore:
         self.root = root
         self.staging_root = root / ".staging"
         self.cache_root = root / ".cache"
+        self.corrupt_root = root / ".corrupt"
 
     def step_dir(self, job: str, step: int) -> Path:
         """Where a committed step lives."""
@@ -182,7 +184,7 @@ class LocalStore:
         """Remove staging/cache leftovers and rescan committed steps."""
         self.root.mkdir(parents=True, exist_ok=True)
         removed = 0
-        for leftovers in (self.staging_root, self.cache_root):
+        for leftovers in (self.staging_root, self.cache_root, self.corrupt_root):
             if leftovers.exists():
                 removed += sum(1 for _ in leftovers.iterdir())
                 shutil.rmtree(leftovers)

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,7 +83,6 @@ class Node:
     async def start(self) -> None:
         """Recover the local tier and remove leftovers of a previous run."""
         recovery = await self.run_io(self.store.recover)
-        shutil.rmtree(self.config.root / ".corrupt", ignore_errors=True)
         removed_segments = self.staging.remove_leftovers()
         for m in recovery.manifests:
             self.steps[(m.job, m.step)] = StepState(
@@ -116,6 +114,7 @@ class Node:
         self._pool.shutdown(wait=True)
 
     async def run_io(self, fn: Any, *args: Any) -> Any:
+        """Run blocking file work on the daemon's I/O threads."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- leases --------------------------------------------------------------
@@ -139,6 +138,10 @@ class Node:
             )
         if lease.committed:
             raise Conflict(f"lease {req.lease_id!r} was already committed; acquire a new lease")
+        if lease.restore:
+            raise InvalidArgument(
+                f"lease {req.lease_id!r} holds restored data; acquire a save lease instead"
+            )
         data_len = check_layout_or_raise(req.entries)
         if req.data_offset % ALIGN or req.data_offset + round_up(data_len) > lease.segment.size:
             raise InvalidArgument(

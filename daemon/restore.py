@@ -140,8 +140,7 @@ class Restorer:
             st.step,
             "; ".join(bad[:5]),
         )
-        quarantine = node.config.root / ".corrupt"
-        quarantine.mkdir(exist_ok=True)
+        quarantine = node.store.corrupt_root
         await node.run_io(
             shutil.move,
             str(node.store.step_dir(st.job, st.step)),

@@ -246,3 +246,20 @@ def test_unreachable_daemon_says_what_to_do(tmp_path: Any) -> None:
 
     with pytest.raises(CkptdUnavailable, match="is `ckptd serve` running"):
         Client("j", socket=tmp_path / "nothing.sock", timeout=5).list()
+
+
+def test_restore_lease_cannot_be_committed(daemon: Daemon) -> None:
+    client = daemon.client("rl")
+    client.save(1, {"x": np.arange(4, dtype=np.float32)}).wait("local")
+    client.save(2, {"x": np.arange(4, dtype=np.float32)}).wait("local")
+    stub = daemon.stub()
+    resp = stub.Restore(pb.RestoreRequest(job="rl", shared_memory=True), metadata=META)
+    assert resp.HasField("lease")
+    req = good_request(stub, job="rl", step=3)
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "holds restored data",
+        stub.CommitShards,
+        mutate(req, lease_id=resp.lease.lease_id),
+    )
+    still_serving(daemon)
