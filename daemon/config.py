@@ -63,6 +63,18 @@ class Config:
     """Threads writing shard files to the local tier in parallel."""
     log_level: str = "info"
     """One of debug, info, warning, error."""
+    remote: str = ""
+    """Remote tier: ``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX`` or ``file:///PATH``.
+    Empty: local tier only (a warning at start-up)."""
+    remote_endpoint_url: str = ""
+    """Endpoint override for S3-compatible stores or the GCS emulator (else the
+    standard AWS_ENDPOINT_URL_S3 / STORAGE_EMULATOR_HOST variables apply)."""
+    drain_concurrency: int = 8
+    """Parts uploaded (and ranged reads downloaded) in parallel."""
+    part_size_bytes: int = 16 * 2**20
+    """Size of one upload part / ranged read (S3 needs at least 5 MiB)."""
+    drain_retry_max_seconds: float = 30.0
+    """Longest pause between retries of a transient remote error (backoff doubles up to it)."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -172,6 +184,16 @@ def _validate(cfg: Config) -> None:
         check_name("node_id", cfg.node_id)
     except InvalidArgument as exc:
         raise ConfigError(f"invalid value for 'node_id': {exc}") from None
+    if cfg.remote and not re.match(r"^(s3|gs)://[^/]+|^file:///", cfg.remote):
+        raise ConfigError(
+            f"invalid value for 'remote': {cfg.remote!r}; use s3://BUCKET/PREFIX, "
+            "gs://BUCKET/PREFIX or file:///ABSOLUTE/PATH"
+        )
+    if cfg.part_size_bytes < 5 * 2**20:
+        raise ConfigError(
+            f"invalid value for 'part_size_bytes': {cfg.part_size_bytes} is below the 5 MiB "
+            "minimum part size of S3 multipart uploads"
+        )
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(
             f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}"

@@ -48,6 +48,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def crc32c_file_and_shards(
+    header: bytes, data: memoryview, data_length: int, ranges: Sequence[tuple[int, int]]
+) -> tuple[int, list[int]]:
+    """crc32c of the whole file (header + data) and of each shard, from memory.
+
+    The whole-file value is what object stores report natively (GCS crc32c, S3
+    CRC32C), so the drain can verify an upload end to end without re-reading.
+    """
+    flat = np.frombuffer(data, np.uint8)
+    whole = google_crc32c.extend(google_crc32c.value(header), flat[:data_length])
+    return whole, crc32c_ranges(data, ranges)
+
+
 def crc32c_ranges(data: memoryview, ranges: Sequence[tuple[int, int]]) -> list[int]:
     """crc32c of each ``(offset, length)`` slice of ``data``, without copying it."""
     # google-crc32c accepts numpy arrays but not writable memoryviews; this is a view, not a copy.

@@ -38,6 +38,8 @@ class RankRecord:
     rank: int
     file: str
     size: int
+    crc32c: int
+    """crc32c of the whole file, as object stores report it."""
     tree: Any
 
 

@@ -198,11 +198,11 @@ class Node:
             )
             data = lease.segment.view(req.data_offset, round_up(data_len))
             ranges = [(e.offset, e.length) for e in req.entries]
-            _, crcs = await asyncio.gather(
+            _, (file_crc, crcs) = await asyncio.gather(
                 self.run_io(
                     localstore.write_file_direct, st.staging_dir / name, header, data, data_len
                 ),
-                self.run_io(localstore.crc32c_ranges, data, ranges),
+                self.run_io(localstore.crc32c_file_and_shards, header, data, data_len, ranges),
             )
             shards = [
                 ShardRecord(
@@ -219,7 +219,7 @@ class Node:
                 )
                 for e, crc in zip(req.entries, crcs, strict=True)
             ]
-            record = RankRecord(req.rank, name, len(header) + data_len, req.tree)
+            record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
             st.ranks[req.rank] = (record, shards, req.metadata)
         except Exception as exc:  # any failure fails the step, never the daemon
             log.exception("writing rank %d of %s/%d failed", req.rank, req.job, req.step)

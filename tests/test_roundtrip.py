@@ -178,6 +178,8 @@ def test_shard_files_load_with_safetensors_and_crcs_match(daemon: Daemon) -> Non
     assert loaded["bf16"].tobytes() == tree["bf16"].tobytes()
     assert loaded["c128"].tobytes() == tree["c128"].tobytes()
     data = (step_dir / "rank-00000.safetensors").read_bytes()
+    assert manifest["ranks"][0]["crc32c"] == google_crc32c.value(data)  # what stores report
+    assert manifest["ranks"][0]["size"] == len(data)
     assert manifest["job"] == "files" and manifest["step"] == 3 and manifest["node"] == "test-node"
     assert {s["key"] for s in manifest["shards"]} == set(tree)
     for s in manifest["shards"]:
