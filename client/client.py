@@ -108,12 +108,14 @@ class SaveHandle:
                     raise
                 time.sleep(0.2)
                 continue
-            if st.state == pb.SAVE_STATE_FAILED:
-                raise SaveFailed(
-                    f"save of step {self.step} of job {self.job!r} failed: {st.error}", "FAILED"
-                )
-            if st.state >= target and st.state != pb.SAVE_STATE_FAILED:
+            if st.reached:
                 return
+            if st.final:
+                raise SaveFailed(
+                    f"step {self.step} of job {self.job!r} will not become {stage.upper()}: "
+                    f"{state_name(st.state)}: {st.error}",
+                    state_name(st.state),
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"step {self.step} of job {self.job!r} is {state_name(st.state)}, not "

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from ckptd.client.format import ALIGN, TensorEntry, build_header, check_layout, round_up
@@ -30,11 +31,8 @@ from .staging import Lease, Staging, segment_prefix
 
 log = logging.getLogger("ckptd.node")
 
-_REACHED: dict[int, set[int]] = {
-    pb.SAVE_STATE_LOCAL: {pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING, pb.SAVE_STATE_DURABLE},
-    pb.SAVE_STATE_DURABLE: {pb.SAVE_STATE_DURABLE},
-}
 MAX_WAIT_SECONDS = 3600.0
+_WAITABLE = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DURABLE)
 
 
 @dataclass
@@ -56,7 +54,29 @@ class StepState:
     error: str = ""
     handoff_at: float = 0.0
     local_at: float = 0.0
+    durable_at: float = 0.0
+    remote_nodes: set[str] = field(default_factory=set)
+    """Nodes whose ``_complete`` marker for this step is in the bucket."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def in_remote(self) -> bool:
+        """A complete copy is in the remote tier."""
+        return self.state == pb.SAVE_STATE_DURABLE or bool(self.remote_nodes)
+
+    def reached(self, target: int) -> bool:
+        """Has the save reached ``target`` (LOCAL or DURABLE)?"""
+        if target == pb.SAVE_STATE_LOCAL:
+            return self.manifest is not None or self.local_at > 0
+        return self.in_remote
+
+    def final(self, target: int) -> bool:
+        """Will it never reach ``target``?"""
+        if self.reached(target):
+            return False
+        if target == pb.SAVE_STATE_LOCAL:
+            return self.state == pb.SAVE_STATE_FAILED
+        return self.state in (pb.SAVE_STATE_FAILED, pb.SAVE_STATE_SUPERSEDED)
 
     def notify(self) -> None:
         """Wake every waiter; they re-check the state."""
@@ -79,6 +99,8 @@ class Node:
         self.started_at = time.time()
         self._pool = ThreadPoolExecutor(max(2, 2 * config.write_workers), "ckptd-io")
         self._tasks: set[asyncio.Task[None]] = set()
+        self.on_local: list[Callable[[StepState], None]] = []
+        """Called when a step commits locally (the drain listens)."""
 
     async def start(self) -> None:
         """Recover the local tier and remove leftovers of a previous run."""
@@ -266,6 +288,8 @@ class Node:
             manifest.size_bytes,
         )
         st.notify()
+        for callback in self.on_local:
+            callback(st)
 
     def _fail(self, st: StepState, reason: str) -> None:
         if st.state == pb.SAVE_STATE_FAILED:
@@ -288,13 +312,13 @@ class Node:
 
     async def wait(self, job: str, step: int, target: int, timeout: float) -> StepState:
         """Wait until a step reaches ``target``, fails, or ``timeout`` passes."""
-        if target not in _REACHED:
+        if target not in _WAITABLE:
             if target == pb.SAVE_STATE_UNSPECIFIED:
                 return self.get_step(job, step)
             raise InvalidArgument(
                 f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE"
             )
-        if target == pb.SAVE_STATE_DURABLE:
+        if target == pb.SAVE_STATE_DURABLE and not self.config.remote:
             raise FailedPrecondition(
                 "this daemon has no remote tier configured, so no save becomes DURABLE; "
                 "wait('local') instead"
@@ -302,7 +326,7 @@ class Node:
         deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WAIT_SECONDS)
         while True:
             st = self.get_step(job, step)
-            if st.state in _REACHED[target] or st.state == pb.SAVE_STATE_FAILED:
+            if st.reached(target) or st.final(target):
                 return st
             left = deadline - time.monotonic()
             if left <= 0:

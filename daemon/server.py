@@ -77,13 +77,18 @@ def _check_protocol(context: grpc.aio.ServicerContext) -> None:
         )
 
 
+def _tiers(st: StepState) -> list[pb.Tier]:
+    tiers = [pb.TIER_LOCAL] if st.manifest is not None else []
+    return tiers + ([pb.TIER_REMOTE] if st.in_remote else [])
+
+
 def _checkpoint_info(st: StepState) -> pb.CheckpointInfo:
     m = st.manifest
     return pb.CheckpointInfo(
         job=st.job,
         step=st.step,
         state=st.state,  # type: ignore[arg-type]
-        tiers=[pb.TIER_LOCAL] if m is not None else [],
+        tiers=_tiers(st),
         created_unix=m.created_unix if m else st.handoff_at,
         size_bytes=m.size_bytes if m else 0,
         num_shards=len(m.shards) if m else 0,
@@ -143,6 +148,12 @@ class Servicer(pb_grpc.CkptdServicer):
             ranks_committed=sorted(st.ranks) if st.manifest is None else list(st.node_ranks),
             node_ranks=list(st.node_ranks),
             handoff_to_local_seconds=max(0.0, st.local_at - st.handoff_at) if st.local_at else 0.0,
+            handoff_to_durable_seconds=(
+                max(0.0, st.durable_at - st.handoff_at) if st.durable_at else 0.0
+            ),
+            reached=st.reached(request.wait_for) if request.wait_for else False,
+            final=st.final(request.wait_for) if request.wait_for else False,
+            tiers=_tiers(st),
         )
 
     @_rpc

@@ -15,6 +15,7 @@ class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAVE_STATE_DRAINING: _ClassVar[SaveState]
     SAVE_STATE_DURABLE: _ClassVar[SaveState]
     SAVE_STATE_FAILED: _ClassVar[SaveState]
+    SAVE_STATE_SUPERSEDED: _ClassVar[SaveState]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ SAVE_STATE_LOCAL: SaveState
 SAVE_STATE_DRAINING: SaveState
 SAVE_STATE_DURABLE: SaveState
 SAVE_STATE_FAILED: SaveState
+SAVE_STATE_SUPERSEDED: SaveState
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_REMOTE: Tier
@@ -134,7 +136,7 @@ class GetSaveStatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., wait_for: _Optional[_Union[SaveState, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class SaveStatus(_message.Message):
-    __slots__ = ("job", "step", "state", "error", "ranks_committed", "node_ranks", "handoff_to_local_seconds")
+    __slots__ = ("job", "step", "state", "error", "ranks_committed", "node_ranks", "handoff_to_local_seconds", "reached", "final", "tiers", "handoff_to_durable_seconds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,10 @@ class SaveStatus(_message.Message):
     RANKS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     NODE_RANKS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_TO_LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REACHED_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TO_DURABLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     state: SaveState
@@ -149,7 +155,11 @@ class SaveStatus(_message.Message):
     ranks_committed: _containers.RepeatedScalarFieldContainer[int]
     node_ranks: _containers.RepeatedScalarFieldContainer[int]
     handoff_to_local_seconds: float
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ..., ranks_committed: _Optional[_Iterable[int]] = ..., node_ranks: _Optional[_Iterable[int]] = ..., handoff_to_local_seconds: _Optional[float] = ...) -> None: ...
+    reached: bool
+    final: bool
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    handoff_to_durable_seconds: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ..., ranks_committed: _Optional[_Iterable[int]] = ..., node_ranks: _Optional[_Iterable[int]] = ..., handoff_to_local_seconds: _Optional[float] = ..., reached: _Optional[bool] = ..., final: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., handoff_to_durable_seconds: _Optional[float] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("job",)
@@ -236,7 +246,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +264,8 @@ class DaemonStatus(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ERROR_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -271,4 +283,6 @@ class DaemonStatus(_message.Message):
     jobs: int
     checkpoints: int
     pid: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    drain_queue: int
+    drain_error: str
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,223 @@
+"""The remote tier: one fsspec-based adapter for ``s3://`` (s3fs), ``gs://`` (gcsfs), ``file://``.
+
+Every backend runs on fsspec's async API on the daemon's event loop
+(``skip_instance_cache=True`` so rotated credentials are picked up), reads
+local files in parts with ``O_DIRECT`` into a small pool of reused buffers, and
+checks each upload against the crc32c recorded at local commit:
+
+- S3: multipart upload with ``ChecksumAlgorithm=CRC32C`` and each part's
+  checksum sent along, so the store verifies every part it receives; the parts'
+  checksums, combined, must equal the file's commit-time crc32c.
+- GCS: the object's native ``crc32c`` must equal the commit-time crc32c.
+- file://: each part's crc32c is computed from the bytes written; the file is
+  written under a temporary name, fsynced and renamed.
+
+Credentials come from each library's standard provider chain and are never logged.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import errno
+import logging
+import mmap
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from ckptd.client.format import round_up
+
+from . import crc
+
+log = logging.getLogger("ckptd.remote")
+
+
+class RemoteError(Exception):
+    """A remote operation failed; ``transient`` says whether retrying may help."""
+
+    def __init__(self, message: str, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: connection trouble, timeouts, throttling, 5xx, bad checksums."""
+    if isinstance(exc, RemoteError):
+        return exc.transient
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+        return False
+    if isinstance(exc, ConnectionError | TimeoutError | asyncio.TimeoutError):
+        return True
+    name = type(exc).__name__
+    if name in {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                "ConnectTimeoutError", "ClientConnectorError", "ServerDisconnectedError",
+                "ClientOSError", "ClientPayloadError"}:
+        return True
+    code = str(getattr(exc, "code", "") or _s3_code(exc))
+    if code in {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable",
+                "Throttling", "RequestTimeTooSkewed", "BadDigest", "InvalidDigest"}:
+        return True
+    if code.isdigit():
+        return int(code) >= 500 or int(code) in (408, 429)
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ECONNREFUSED,
+                                                      errno.ETIMEDOUT, errno.EPIPE)
+
+
+def _s3_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+class BufferPool:
+    """``count`` page-aligned buffers of ``size`` bytes, touched once and reused."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: asyncio.Queue[mmap.mmap] = asyncio.Queue()
+        self._count = count
+        self._made = 0
+
+    @contextlib.asynccontextmanager
+    async def buffer(self) -> AsyncIterator[mmap.mmap]:
+        """Borrow a buffer (waits if all are in use)."""
+        if self._free.empty() and self._made < self._count:
+            self._made += 1
+            buf = mmap.mmap(-1, self.size)
+            np.frombuffer(buf, np.uint8)[:: mmap.PAGESIZE] = 0  # fault it in once
+            self._free.put_nowait(buf)
+        buf = await self._free.get()
+        try:
+            yield buf
+        finally:
+            self._free.put_nowait(buf)
+
+
+def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int, int]:
+    """Read ``length`` bytes at ``offset`` into ``buf`` (O_DIRECT when aligned); returns (n, crc)."""
+    direct = getattr(os, "O_DIRECT", 0) if offset % 4096 == 0 else 0
+    try:
+        fd = os.open(path, os.O_RDONLY | direct)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not direct:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        view = memoryview(buf)
+        want = round_up(length) if direct else length
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:want]], offset + got)
+            if n <= 0:
+                raise RemoteError(f"{path} ended early at byte {offset + got}", transient=False)
+            got += n
+    finally:
+        os.close(fd)
+    return length, int(google_crc32c.extend(0, np.frombuffer(buf, np.uint8, length)))
+
+
+def parts(size: int, part_size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each part of a file (at least one, even if empty)."""
+    return [(o, min(part_size, size - o)) for o in range(0, size, part_size)] or [(0, 0)]
+
+
+class Remote(abc.ABC):
+    """Operations the drain and restore need, on top of an fsspec async filesystem."""
+
+    scheme = ""
+
+    def __init__(self, url: str, fs: Any, root: str, part_size: int, concurrency: int) -> None:
+        self.url = url.rstrip("/")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.buffers = BufferPool(concurrency, part_size)
+        self._limit = asyncio.Semaphore(concurrency)
+
+    def path(self, key: str) -> str:
+        """The fsspec path of a key relative to the remote root."""
+        return f"{self.root}/{key}" if key else self.root
+
+    async def _bounded(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        async with self._limit:
+            return await fn()
+
+    # -- reads and listings (shared by all backends) --------------------------------
+    async def check(self) -> None:
+        """Fail fast at start-up if the remote is unreachable or the credentials are refused."""
+        await self.fs._ls(self.root.split("/")[0] if self.scheme != "file" else self.root)
+
+    async def get_bytes(self, key: str) -> bytes:
+        """A whole (small) object."""
+        data: bytes = await self.fs._cat_file(self.path(key))
+        return data
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object."""
+        data: bytes = await self.fs._cat_file(self.path(key), start=start, end=end)
+        return data
+
+    async def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (recursive), relative to the remote root."""
+        try:
+            found = await self.fs._find(self.path(prefix))
+        except FileNotFoundError:
+            return []
+        base = self.root + "/"
+        return sorted(p[len(base):] if p.startswith(base) else p for p in found)
+
+    async def exists(self, key: str) -> bool:
+        """Whether an object exists."""
+        return bool(await self.fs._exists(self.path(key)))
+
+    async def delete(self, keys: list[str]) -> None:
+        """Delete objects (missing ones are ignored)."""
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                await self.fs._rm_file(self.path(key))
+
+    async def download(self, key: str, dest: Path, size: int) -> int:
+        """Download an object into ``dest`` with parallel ranged reads; returns its crc32c."""
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        try:
+            async def one(offset: int, length: int) -> int:
+                data = await self._bounded(lambda: self.get_range(key, offset, offset + length))
+                if len(data) != length:
+                    raise RemoteError(f"{key}: short read at {offset}", transient=True)
+                await asyncio.to_thread(os.pwrite, fd, data, offset)
+                return int(google_crc32c.value(data))
+
+            pieces = parts(size, self.part_size)
+            crcs = await asyncio.gather(*(one(o, n) for o, n in pieces))
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            os.close(fd)
+        return crc.combine_all([(c, n) for c, (_, n) in zip(crcs, pieces, strict=True)])
+
+    # -- writes (backend-specific) ----------------------------------------------------
+    @abc.abstractmethod
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object whole, verified against its crc32c."""
+
+    @abc.abstractmethod
+    async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
+        """Upload a local file, verified end to end against ``crc32c`` (commit-time value)."""
+
+    @abc.abstractmethod
+    async def native_crc32c(self, key: str) -> int | None:
+        """The store's own crc32c of an object, if it keeps one."""
+
+    def mismatch(self, key: str, what: str, got: int, want: int) -> RemoteError:
+        """The error for an upload whose checksum disagrees (retried: the next try re-sends)."""
+        return RemoteError(
+            f"{self.url}/{key}: {what} crc32c {got:#010x} != {want:#010x} recorded at local commit",
+            transient=True,
+        )
