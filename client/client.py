@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION, state_name
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc

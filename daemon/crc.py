@@ -68,7 +68,7 @@ def value(data: bytes | memoryview) -> int:
 
 
 def to_base64(crc: int) -> str:
-    """The wire form object stores use (GCS ``crc32c``, S3 ``ChecksumCRC32C``): big-endian, base64."""
+    """The form stores use (GCS ``crc32c``, S3 ``ChecksumCRC32C``): big-endian, base64."""
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 

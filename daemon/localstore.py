@@ -26,6 +26,7 @@ from pathlib import Path
 
 import google_crc32c
 import numpy as np
+
 from ckptd.client.format import round_up
 
 from . import faults
@@ -235,18 +236,28 @@ class LocalStore:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
+        return self.install(staging, manifest.job, manifest.step)
+
+    def install(self, staging: Path, job: str, step: int) -> Path:
+        """Rename a complete, fsynced directory into ``<root>/<job>/<step>`` (the commit point)."""
         fsync_dir(staging)
-        final = self.step_dir(manifest.job, manifest.step)
+        final = self.step_dir(job, step)
         job_dir = final.parent
         if not job_dir.exists():
             job_dir.mkdir(mode=0o750, exist_ok=True)
             fsync_dir(self.root)
         if final.exists():
-            raise Conflict(f"step {manifest.step} of job {manifest.job!r} is already committed")
+            raise Conflict(f"step {step} of job {job!r} is already committed")
         faults.hit("commit.before_rename")
         os.rename(staging, final)
         fsync_dir(job_dir)
         return final
+
+    def new_cache_dir(self, job: str, step: int) -> Path:
+        """A fresh directory for a download from the remote tier (same filesystem)."""
+        path = self.cache_root / f"{job}.{step}.{secrets.token_hex(4)}"
+        path.mkdir(mode=0o750)
+        return path
 
     def discard(self, staging: Path) -> None:
         """Remove a staging directory after a failed save."""

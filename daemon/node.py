@@ -11,10 +11,10 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from ckptd.client.format import ALIGN, TensorEntry, build_header, check_layout, round_up

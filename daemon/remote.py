@@ -55,18 +55,37 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ConnectionError | TimeoutError | asyncio.TimeoutError):
         return True
     name = type(exc).__name__
-    if name in {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
-                "ConnectTimeoutError", "ClientConnectorError", "ServerDisconnectedError",
-                "ClientOSError", "ClientPayloadError"}:
+    if name in {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "ClientPayloadError",
+    }:
         return True
     code = str(getattr(exc, "code", "") or _s3_code(exc))
-    if code in {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable",
-                "Throttling", "RequestTimeTooSkewed", "BadDigest", "InvalidDigest"}:
+    if code in {
+        "SlowDown",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "Throttling",
+        "RequestTimeTooSkewed",
+        "BadDigest",
+        "InvalidDigest",
+    }:
         return True
     if code.isdigit():
         return int(code) >= 500 or int(code) in (408, 429)
-    return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ECONNREFUSED,
-                                                      errno.ETIMEDOUT, errno.EPIPE)
+    return isinstance(exc, OSError) and exc.errno in (
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+    )
 
 
 def _s3_code(exc: BaseException) -> str:
@@ -101,7 +120,7 @@ class BufferPool:
 
 
 def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int, int]:
-    """Read ``length`` bytes at ``offset`` into ``buf`` (O_DIRECT when aligned); returns (n, crc)."""
+    """Read ``length`` bytes at ``offset`` into ``buf`` (O_DIRECT if aligned); -> (n, crc32c)."""
     direct = getattr(os, "O_DIRECT", 0) if offset % 4096 == 0 else 0
     try:
         fd = os.open(path, os.O_RDONLY | direct)
@@ -165,14 +184,14 @@ class Remote(abc.ABC):
         data: bytes = await self.fs._cat_file(self.path(key), start=start, end=end)
         return data
 
-    async def list(self, prefix: str) -> list[str]:
+    async def list_keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (recursive), relative to the remote root."""
         try:
             found = await self.fs._find(self.path(prefix))
         except FileNotFoundError:
             return []
         base = self.root + "/"
-        return sorted(p[len(base):] if p.startswith(base) else p for p in found)
+        return sorted(p[len(base) :] if p.startswith(base) else p for p in found)
 
     async def exists(self, key: str) -> bool:
         """Whether an object exists."""
@@ -188,6 +207,7 @@ class Remote(abc.ABC):
         """Download an object into ``dest`` with parallel ranged reads; returns its crc32c."""
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
         try:
+
             async def one(offset: int, length: int) -> int:
                 data = await self._bounded(lambda: self.get_range(key, offset, offset + length))
                 if len(data) != length:
@@ -214,6 +234,12 @@ class Remote(abc.ABC):
     @abc.abstractmethod
     async def native_crc32c(self, key: str) -> int | None:
         """The store's own crc32c of an object, if it keeps one."""
+
+    async def cleanup_incomplete(self, prefix: str) -> int:
+        """Remove upload leftovers under ``prefix`` that are not objects (S3 multipart
+        uploads a killed daemon left open); returns how many. Nothing to do elsewhere:
+        file:// renames into place and GCS expires abandoned resumable sessions."""
+        return 0
 
     def mismatch(self, key: str, what: str, got: int, want: int) -> RemoteError:
         """The error for an upload whose checksum disagrees (retried: the next try re-sends)."""

@@ -20,6 +20,7 @@ asked for that exact step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import shutil
@@ -30,10 +31,11 @@ from pathlib import Path
 from ckptd.client.format import round_up
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import localstore
+from . import fetch, localstore
 from .errors import DataLoss, FailedPrecondition, NotFound
 from .manifest import Manifest, ShardRecord
 from .node import Node, StepState
+from .remote import Remote
 from .staging import Lease
 
 log = logging.getLogger("ckptd.restore")
@@ -53,11 +55,13 @@ class RestorePlan:
 class Restorer:
     """Restore-side operations of a :class:`Node`."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, remote: Remote | None = None) -> None:
         self.node = node
+        self.remote = remote
+        self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
 
     def choose(self, job: str, step: int | None, rank: int) -> StepState:
-        """The newest (or given) step with a local copy holding ``rank``."""
+        """The newest (or given) step with a verified copy in some tier."""
         node = self.node
         if step is not None:
             st = node.get_step(job, step)
@@ -65,29 +69,69 @@ class Restorer:
                 raise FailedPrecondition(
                     f"step {step} of job {job!r} is still being written; wait('local') first"
                 )
-            if st.state == pb.SAVE_STATE_FAILED:
+            if st.manifest is None and not st.in_remote:
                 raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
         else:
-            candidates = [s for s in node.list(job) if s.manifest is not None]
+            candidates = [s for s in node.list(job) if s.manifest is not None or s.in_remote]
             if not candidates:
+                where = "on this node or in the bucket" if self.remote else "on this node"
                 raise NotFound(
-                    f"job {job!r} has no restorable checkpoint on this node; start from scratch"
+                    f"job {job!r} has no restorable checkpoint {where}; start from scratch"
                 )
             st = candidates[0]
-        if st.manifest is None:
-            raise DataLoss(f"step {st.step} of job {job!r} has no intact copy on this node")
-        if rank not in {r.rank for r in st.manifest.ranks}:
+        if st.manifest is not None and rank not in {r.rank for r in st.manifest.ranks}:
             raise NotFound(
                 f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
             )
         return st
 
+    async def refresh_remote(self, job: str) -> None:
+        """Learn which steps of ``job`` the bucket holds complete (other nodes' too)."""
+        if self.remote is None:
+            return
+        for step, nodes in (await fetch.complete_steps(self.remote, job)).items():
+            st = self.node.steps.get((job, step))
+            if st is None:
+                st = self.node.steps[(job, step)] = StepState(job, step, pb.SAVE_STATE_DURABLE)
+            st.remote_nodes |= nodes
+
+    async def fetch_to_local(self, st: StepState, rank: int) -> None:
+        """Download a remote-only step into the cache dir, verify it, commit it locally."""
+        assert self.remote is not None
+        lock = self._fetching.setdefault((st.job, st.step), asyncio.Lock())
+        async with lock:
+            if st.manifest is not None:
+                return  # another restore fetched it meanwhile
+            node, raw, manifest = await fetch.node_manifest(
+                self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
+            )
+            store = self.node.store
+            tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
+            try:
+                await fetch.download_step(self.remote, st.job, st.step, node, raw, manifest, tmp)
+                await self.node.run_io(store.install, tmp, st.job, st.step)
+            except BaseException:
+                await self.node.run_io(store.discard, tmp)
+                raise
+            st.manifest, st.local_at = manifest, time.time()
+            st.milestone = st.milestone or manifest.milestone
+            log.info(
+                "%s/%d fetched from %s (node %s) and committed locally",
+                st.job,
+                st.step,
+                self.remote.url,
+                node,
+            )
+
     async def restore(
         self, job: str, step: int | None, rank: int, shared_memory: bool
     ) -> RestorePlan:
         """Pick a step and, if asked and a segment is free, read it into shared memory."""
+        await self.refresh_remote(job)
         while True:
             st = self.choose(job, step, rank)
+            if st.manifest is None:
+                await self.fetch_to_local(st, rank)
             assert st.manifest is not None
             directory = self.node.store.step_dir(job, st.step)
             if not shared_memory:
@@ -146,6 +190,9 @@ class Restorer:
             str(node.store.step_dir(st.job, st.step)),
             str(quarantine / f"{st.job}.{st.step}.{time.time_ns()}"),
         )
+        if st.in_remote:
+            st.manifest = None  # the bucket's copy is fetched and served instead
+            return
         node.steps.pop((st.job, st.step), None)
         if explicit:
             raise DataLoss(

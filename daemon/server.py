@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+
 from ckptd.client.format import ALIGN
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
@@ -27,9 +28,12 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import __version__
 from .config import Config
+from .drain import Drain
 from .errors import CkptdError, FailedPrecondition, InvalidArgument
 from .names import check_name, check_step
 from .node import Node, StepState
+from .remote import Remote
+from .remote_backends import open_remote
 from .requests import parse_commit
 from .restore import Restorer
 from .staging import Lease
@@ -109,9 +113,12 @@ def _lease_message(lease: Lease) -> pb.Lease:
 class Servicer(pb_grpc.CkptdServicer):
     """gRPC front of a :class:`Node`."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(
+        self, node: Node, remote: Remote | None = None, drain: Drain | None = None
+    ) -> None:
         self.node = node
-        self.restorer = Restorer(node)
+        self.drain = drain
+        self.restorer = Restorer(node, remote)
 
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
@@ -203,7 +210,9 @@ class Servicer(pb_grpc.CkptdServicer):
             node_id=cfg.node_id,
             root=str(cfg.root),
             socket=str(cfg.socket),
-            remote="",
+            remote=cfg.remote,
+            drain_queue=self.drain.queue_length if self.drain else 0,
+            drain_error=self.drain.last_error if self.drain else "",
             uptime_seconds=time.time() - node.started_at,
             staging_budget_bytes=node.staging.budget_bytes,
             staging_allocated_bytes=node.staging.allocated_bytes,
@@ -242,6 +251,36 @@ def _prepare_socket_dir(socket: Path) -> None:
         os.chmod(parent, 0o750)  # mkdir's mode is narrowed by the umask; set it exactly
 
 
+async def _start_remote(config: Config, node: Node) -> tuple[Remote | None, Drain | None]:
+    """Open and check the remote tier: one clear error at start-up, not a stack of retries."""
+    if not config.remote:
+        log.warning(
+            "no remote tier configured: checkpoints live only on this node's disk "
+            'and die with it (set remote = "s3://..." or "gs://...")'
+        )
+        return None, None
+    try:
+        remote = open_remote(
+            config.remote,
+            config.remote_endpoint_url,
+            config.part_size_bytes,
+            config.drain_concurrency,
+        )
+        await asyncio.wait_for(remote.check(), 30)
+        drain = Drain(node, remote, config.drain_retry_max_seconds)
+        await asyncio.wait_for(drain.resume(), 120)
+    except ImportError as exc:
+        raise StartupError(
+            f"remote {config.remote} needs {exc.name}: pip install 'ckptd[s3]' or 'ckptd[gcs]'"
+        ) from None
+    except Exception as exc:
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            reason = "no answer within 30 s (check the endpoint and the network)"
+        raise StartupError(f"cannot use remote {config.remote}: {reason}") from None
+    return remote, drain
+
+
 async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT, then finish acknowledged saves and exit."""
     try:
@@ -255,6 +294,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     root_lock = _take_lock(config.root / ".lock", f"root {config.root}")
     node = Node(config)
     await node.start()
+    remote, drain = await _start_remote(config, node)
     # The lock proves no live daemon owns the socket: a file there is stale.
     config.socket.unlink(missing_ok=True)
     server = grpc.aio.server(
@@ -263,7 +303,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
             ("grpc.max_send_message_length", 256 * 2**20),
         ]
     )
-    pb_grpc.add_CkptdServicer_to_server(Servicer(node), server)
+    pb_grpc.add_CkptdServicer_to_server(Servicer(node, remote, drain), server)
+    drain_task = asyncio.create_task(drain.run()) if drain else None
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
     try:
         server.add_insecure_port(f"unix:{config.socket}")
@@ -288,6 +329,9 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     await stop.wait()
     log.info("stopping: no new requests; finishing acknowledged saves")
     await server.stop(grace=5)
+    if drain is not None and drain_task is not None:
+        drain.stop()
+        await drain_task
     await node.close()
     config.socket.unlink(missing_ok=True)
     os.close(root_lock)

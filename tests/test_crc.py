@@ -9,14 +9,22 @@ import pytest
 from ckptd.daemon import crc
 
 
-@pytest.mark.parametrize("lengths", [[0, 5], [1, 1], [7, 0, 3], [4096, 1 << 20, 12345], [3, 1 << 22]])
+@pytest.mark.parametrize(
+    "lengths", [[0, 5], [1, 1], [7, 0, 3], [4096, 1 << 20, 12345], [3, 1 << 22]]
+)
 def test_combine_equals_crc_of_concatenation(lengths: list[int]) -> None:
     rng = np.random.default_rng(sum(lengths))
     pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lengths]
     whole = google_crc32c.value(b"".join(pieces))
     assert crc.combine_all([(google_crc32c.value(p), len(p)) for p in pieces]) == whole
-    assert crc.combine(google_crc32c.value(pieces[0]), google_crc32c.value(b"".join(pieces[1:])),
-                       sum(lengths[1:])) == whole
+    assert (
+        crc.combine(
+            google_crc32c.value(pieces[0]),
+            google_crc32c.value(b"".join(pieces[1:])),
+            sum(lengths[1:]),
+        )
+        == whole
+    )
 
 
 def test_base64_round_trip_matches_store_format() -> None:

@@ -1,0 +1,226 @@
+"""The drain: uploads LOCAL steps to the remote tier in the background.
+
+Newest first and coalescing: when the uploader is free it takes each job's
+newest LOCAL step; an older pending step goes up only if the remote retention
+would keep it (a milestone, in this release), otherwise it becomes SUPERSEDED
+once a newer step is DURABLE. Each step's objects are uploaded in parallel
+parts and verified against the crc32c recorded at local commit; the
+``_complete/<node>`` marker goes last. Transient errors are retried with
+exponential backoff and full jitter; a permanent one marks the step FAILED
+(its local copy stays restorable). At start-up, steps whose marker is already
+in the bucket are DURABLE and the others are queued again; files already in
+the bucket with the right crc32c are not sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from ckptd.proto import ckptd_pb2 as pb
+
+from . import faults
+from .node import Node, StepState
+from .remote import Remote, is_transient
+
+log = logging.getLogger("ckptd.drain")
+
+
+def step_prefix(job: str, step: int) -> str:
+    """``<job>/<step>`` in the bucket."""
+    return f"{job}/{step}"
+
+
+def marker_key(job: str, step: int, node: str) -> str:
+    """The commit point of one node's part of a step in the bucket."""
+    return f"{job}/{step}/_complete/{node}"
+
+
+def parse_marker(key: str) -> tuple[str, int, str] | None:
+    """``(job, step, node)`` if ``key`` is a ``_complete`` marker."""
+    parts = key.split("/")
+    if len(parts) == 4 and parts[2] == "_complete" and parts[1].isdigit():
+        return parts[0], int(parts[1]), parts[3]
+    return None
+
+
+def remote_keeps(st: StepState) -> bool:
+    """Whether the remote retention keeps an older step a newer one would supersede."""
+    return st.milestone
+
+
+class Backoff:
+    """Exponential backoff with full jitter; ``rand`` is injectable for tests."""
+
+    def __init__(
+        self, initial: float, maximum: float, rand: Callable[[], float] = random.random
+    ) -> None:
+        self.initial, self.maximum, self.rand = initial, maximum, rand
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        return float(self.rand() * min(self.maximum, self.initial * 2**attempt))
+
+
+class Drain:
+    """One background uploader per daemon."""
+
+    def __init__(self, node: Node, remote: Remote, retry_max_seconds: float) -> None:
+        self.node = node
+        self.remote = remote
+        self.backoff = Backoff(0.5, retry_max_seconds)
+        self.last_error = ""
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        node.on_local.append(lambda _st: self._wake.set())
+
+    @property
+    def queue_length(self) -> int:
+        """Steps waiting to be uploaded (or being uploaded)."""
+        return sum(1 for s in self.node.steps.values() if s.state in _PENDING)
+
+    async def resume(self) -> None:
+        """Match the local index against the bucket's markers (start-up)."""
+        markers: dict[tuple[str, int], set[str]] = {}
+        for key in await self.remote.list_keys(""):
+            parsed = parse_marker(key)
+            if parsed is not None:
+                markers.setdefault(parsed[:2], set()).add(parsed[2])
+        node_id = self.node.config.node_id
+        for (job, step), nodes in markers.items():
+            st = self.node.steps.get((job, step))
+            if st is None:
+                st = StepState(job, step, pb.SAVE_STATE_DURABLE)
+                self.node.steps[(job, step)] = st
+            st.remote_nodes |= nodes
+            if st.manifest is not None and node_id in nodes:
+                st.state = pb.SAVE_STATE_DURABLE
+        await self.remote.cleanup_incomplete("")
+        log.info(
+            "remote %s: %d complete steps; %d local steps to upload",
+            self.remote.url,
+            len(markers),
+            self.queue_length,
+        )
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current attempt (the step is retried next start)."""
+        self._stop.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Upload until stopped."""
+        while not self._stop.is_set():
+            st = self.pick()
+            if st is None:
+                self._wake.clear()
+                if self.pick() is None:
+                    await self._wake.wait()
+                continue
+            await self._drain(st)
+
+    def pick(self) -> StepState | None:
+        """Each job's newest pending step first (most recently committed job first), then
+        older steps the remote retention keeps, newest first."""
+        by_job: dict[str, list[StepState]] = {}
+        for s in self.node.steps.values():
+            if s.state == pb.SAVE_STATE_LOCAL and s.manifest is not None:
+                by_job.setdefault(s.job, []).append(s)
+        newest = [max(steps, key=lambda s: s.step) for steps in by_job.values()]
+        if newest:
+            return max(newest, key=lambda s: s.local_at)
+        return None
+
+    async def _drain(self, st: StepState) -> None:
+        st.state, st.error = pb.SAVE_STATE_DRAINING, ""
+        st.notify()
+        attempt = 0
+        while True:
+            try:
+                await self._upload(st)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._stop.is_set():
+                    st.state = pb.SAVE_STATE_LOCAL
+                    return
+                reason = f"upload to {self.remote.url} failed: {exc}"
+                if not is_transient(exc):
+                    log.error("%s/%d: %s (not retrying)", st.job, st.step, reason)
+                    st.state, st.error, self.last_error = pb.SAVE_STATE_FAILED, reason, reason
+                    st.notify()
+                    return
+                delay = self.backoff.delay(attempt)
+                attempt += 1
+                st.error = self.last_error = f"retrying in {delay:.1f} s: {reason}"
+                log.warning("%s/%d: %s", st.job, st.step, st.error)
+                if self._newer_pending(st) and not remote_keeps(st):
+                    st.state = pb.SAVE_STATE_LOCAL  # coalesce: the newer step goes first
+                    st.notify()
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+        st.state, st.error, self.last_error = pb.SAVE_STATE_DURABLE, "", ""
+        st.durable_at = time.time()
+        st.remote_nodes.add(self.node.config.node_id)
+        log.info(
+            "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
+        )
+        st.notify()
+        self._supersede_older(st)
+
+    def _newer_pending(self, st: StepState) -> bool:
+        return any(
+            s.job == st.job and s.step > st.step and s.state == pb.SAVE_STATE_LOCAL
+            for s in self.node.steps.values()
+        )
+
+    def _supersede_older(self, durable: StepState) -> None:
+        for s in self.node.steps.values():
+            if (
+                s.job == durable.job
+                and s.step < durable.step
+                and s.state == pb.SAVE_STATE_LOCAL
+                and not remote_keeps(s)
+            ):
+                s.state = pb.SAVE_STATE_SUPERSEDED
+                s.error = f"superseded by step {durable.step}, uploaded first (coalescing drain)"
+                s.notify()
+
+    async def _upload(self, st: StepState) -> None:
+        manifest = st.manifest
+        assert manifest is not None
+        node_id = self.node.config.node_id
+        local_dir = self.node.store.step_dir(st.job, st.step)
+        base = f"{step_prefix(st.job, st.step)}/{node_id}"
+
+        async def one(rank_file: str, size: int, crc32c: int) -> None:
+            key = f"{base}/{rank_file}"
+            with contextlib.suppress(FileNotFoundError):
+                if await self.remote.native_crc32c(key) == crc32c:
+                    return  # sent before a restart or a retry: not sent twice
+            await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
+
+        await asyncio.gather(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
+        manifest_bytes = await self.node.run_io((local_dir / "manifest.json").read_bytes)
+        await self.remote.put_bytes(f"{base}/manifest.json", manifest_bytes)
+        await asyncio.to_thread(faults.hit, "drain.before_marker")
+        marker = {
+            "node": node_id,
+            "job": st.job,
+            "step": st.step,
+            "time": time.time(),
+            "files": [r.file for r in manifest.ranks] + ["manifest.json"],
+        }
+        await self.remote.put_bytes(
+            marker_key(st.job, st.step, node_id), json.dumps(marker).encode()
+        )
+
+
+_PENDING = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)

@@ -1,0 +1,79 @@
+"""Reading checkpoints back from the remote tier: markers, manifests, verified downloads.
+
+Used by restore (bucket -> ``<root>/.cache`` -> committed locally) and by
+``ckptd pull`` (bucket -> any directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from .drain import parse_marker
+from .errors import DataLoss, NotFound
+from .manifest import Manifest
+from .remote import Remote
+
+
+async def complete_steps(remote: Remote, job: str) -> dict[int, set[str]]:
+    """Steps of ``job`` with at least one ``_complete`` marker, and the nodes that have one."""
+    steps: dict[int, set[str]] = {}
+    for key in await remote.list_keys(job + "/"):
+        parsed = parse_marker(key)
+        if parsed is not None and parsed[0] == job:
+            steps.setdefault(parsed[1], set()).add(parsed[2])
+    return steps
+
+
+async def node_manifest(
+    remote: Remote, job: str, step: int, nodes: set[str], rank: int | None, prefer: str
+) -> tuple[str, bytes, Manifest]:
+    """The manifest (raw bytes, parsed) of the node whose part of ``step`` holds ``rank``."""
+    for node in sorted(nodes, key=lambda n: (n != prefer, n)):
+        raw = await remote.get_bytes(f"{job}/{step}/{node}/manifest.json")
+        manifest = Manifest.from_json(raw.decode())
+        if rank is None or rank in {r.rank for r in manifest.ranks}:
+            return node, raw, manifest
+    raise NotFound(f"no node's copy of step {step} of job {job!r} in the bucket holds rank {rank}")
+
+
+async def download_step(
+    remote: Remote,
+    job: str,
+    step: int,
+    node: str,
+    raw_manifest: bytes,
+    manifest: Manifest,
+    dest: Path,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Download one node's files of a step into ``dest`` with parallel ranged reads.
+
+    Each file's crc32c must match the manifest (a corrupt bucket copy is never
+    installed); the manifest is written last. Files are fsynced.
+    """
+
+    async def one(name: str, size: int, want: int) -> None:
+        got = await remote.download(f"{job}/{step}/{node}/{name}", dest / name, size)
+        if got != want:
+            raise DataLoss(
+                f"the bucket's copy of {job}/{step}/{node}/{name} has crc32c {got:#010x}, "
+                f"expected {want:#010x}: it is corrupt"
+            )
+        if progress is not None:
+            progress(size)
+
+    await asyncio.gather(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
+    await asyncio.to_thread(_write_synced, dest / "manifest.json", raw_manifest)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

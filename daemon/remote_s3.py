@@ -1,0 +1,212 @@
+"""S3 backend (s3fs): parallel multipart uploads with per-part CRC32C checksums."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+
+from . import crc
+from .remote import Remote, RemoteError, parts, read_part
+
+log = logging.getLogger("ckptd.remote")
+
+META_CRC = "ckptd-crc32c"
+"""User metadata holding the whole object's crc32c (multipart objects only have a composite)."""
+
+
+def s3_filesystem(endpoint_url: str) -> Any:
+    """An async s3fs filesystem; credentials and region from the standard AWS chain."""
+    import s3fs
+
+    kwargs: dict[str, Any] = {
+        "asynchronous": True,
+        "skip_instance_cache": True,
+        # Retries are the drain's job (with backoff it controls); keep botocore's short.
+        "config_kwargs": {
+            "retries": {"max_attempts": 2, "mode": "standard"},
+            "connect_timeout": 10,
+            "read_timeout": 120,
+        },
+    }
+    if endpoint_url:
+        kwargs["endpoint_url"] = endpoint_url
+    return s3fs.S3FileSystem(**kwargs)
+
+
+class S3Remote(Remote):
+    """``s3://bucket/prefix``; works with AWS S3 and S3-compatible stores."""
+
+    scheme = "s3"
+
+    def _bucket_key(self, key: str) -> tuple[str, str]:
+        bucket, _, obj = self.path(key).partition("/")
+        return bucket, obj
+
+    async def _s3(self, method: str, **kwargs: Any) -> Any:
+        return await self.fs._call_s3(method, **kwargs)
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """One PutObject; the store verifies the CRC32C sent with it."""
+        bucket, obj = self._bucket_key(key)
+        value = int(google_crc32c.value(data))
+        await self._s3(
+            "put_object",
+            Bucket=bucket,
+            Key=obj,
+            Body=data,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=crc.to_base64(value),
+            Metadata={META_CRC: str(value)},
+        )
+        await self._verify_stored(key, value, [value])
+
+    async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
+        """Parts read with O_DIRECT, uploaded in parallel, each with its CRC32C.
+
+        The parts' checksums, combined, must equal the commit-time crc32c before the
+        upload is completed; otherwise it is aborted and the step retried.
+        """
+        bucket, obj = self._bucket_key(key)
+        pieces = parts(size, self.part_size)
+        if len(pieces) == 1:
+            async with self.buffers.buffer() as buf:
+                n, part_crc = await asyncio.to_thread(read_part, local, 0, size, buf)
+                if part_crc != crc32c:
+                    raise self.mismatch(key, "read back", part_crc, crc32c)
+                await self._s3(
+                    "put_object",
+                    Bucket=bucket,
+                    Key=obj,
+                    Body=bytes(buf[:n]),
+                    ChecksumAlgorithm="CRC32C",
+                    ChecksumCRC32C=crc.to_base64(crc32c),
+                    Metadata={META_CRC: str(crc32c)},
+                )
+            await self._verify_stored(key, crc32c, [crc32c])
+            return
+        mpu = await self._s3(
+            "create_multipart_upload",
+            Bucket=bucket,
+            Key=obj,
+            ChecksumAlgorithm="CRC32C",
+            Metadata={META_CRC: str(crc32c)},
+        )
+        upload_id = mpu["UploadId"]
+        try:
+
+            async def one(number: int, offset: int, length: int) -> tuple[dict[str, Any], int]:
+                async with self.buffers.buffer() as buf:
+                    n, part_crc = await asyncio.to_thread(read_part, local, offset, length, buf)
+                    body = bytes(buf[:n])
+                out = await self._bounded(
+                    lambda: self._s3(
+                        "upload_part",
+                        Bucket=bucket,
+                        Key=obj,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=body,
+                        ChecksumAlgorithm="CRC32C",
+                        ChecksumCRC32C=crc.to_base64(part_crc),
+                    )
+                )
+                return {
+                    "PartNumber": number,
+                    "ETag": out["ETag"],
+                    "ChecksumCRC32C": crc.to_base64(part_crc),
+                }, part_crc
+
+            done = await asyncio.gather(*(one(i + 1, o, n) for i, (o, n) in enumerate(pieces)))
+            part_crcs = [c for _, c in done]
+            whole = crc.combine_all([(c, n) for c, (_, n) in zip(part_crcs, pieces, strict=True)])
+            if whole != crc32c:
+                raise self.mismatch(key, "uploaded", whole, crc32c)
+            await self._s3(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=obj,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [p for p, _ in done]},
+            )
+        except BaseException:
+            await asyncio.shield(self._abort(bucket, obj, upload_id))
+            raise
+        await self._verify_stored(key, crc32c, part_crcs)
+
+    async def _abort(self, bucket: str, obj: str, upload_id: str) -> None:
+        try:
+            await self._s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id)
+        except Exception as exc:  # best effort: cleanup_incomplete retries at start-up
+            log.warning("could not abort multipart upload of %s: %s", obj, exc)
+
+    async def _verify_stored(self, key: str, whole: int, part_crcs: list[int]) -> None:
+        """Compare the store's own CRC32C (whole, or composite of parts) with ours."""
+        bucket, obj = self._bucket_key(key)
+        head = await self._s3("head_object", Bucket=bucket, Key=obj, ChecksumMode="ENABLED")
+        stored = head.get("ChecksumCRC32C")
+        if not stored:
+            return  # the store keeps no checksum; each request's was verified on arrival
+        if "-" in stored:
+            value, _, count = stored.partition("-")
+            expect = int(google_crc32c.value(b"".join(c.to_bytes(4, "big") for c in part_crcs)))
+            if crc.from_base64(value) != expect or int(count) != len(part_crcs):
+                raise self.mismatch(key, "stored (composite)", crc.from_base64(value), expect)
+        elif crc.from_base64(stored) != whole:
+            raise self.mismatch(key, "stored", crc.from_base64(stored), whole)
+
+    async def native_crc32c(self, key: str) -> int | None:
+        """The object's whole-file crc32c: the store's own, or ours from its metadata."""
+        bucket, obj = self._bucket_key(key)
+        try:
+            head = await self._s3("head_object", Bucket=bucket, Key=obj, ChecksumMode="ENABLED")
+        except Exception as exc:
+            if type(exc).__name__ in ("NoSuchKey", "FileNotFoundError") or "404" in str(exc):
+                raise FileNotFoundError(key) from None
+            raise
+        stored = head.get("ChecksumCRC32C")
+        if stored and "-" not in stored:
+            return crc.from_base64(stored)
+        meta = head.get("Metadata", {}).get(META_CRC)
+        return int(meta) if meta else None
+
+    async def cleanup_incomplete(self, prefix: str) -> int:
+        """Abort multipart uploads left open under ``prefix`` (by a killed daemon)."""
+        bucket, obj = self._bucket_key(prefix)
+        resp = await self._s3("list_multipart_uploads", Bucket=bucket, Prefix=obj)
+        uploads = resp.get("Uploads", [])
+        for u in uploads:
+            await self._abort(bucket, u["Key"], u["UploadId"])
+        return len(uploads)
+
+    async def check(self) -> None:
+        """HeadBucket: fails fast on a missing bucket, bad endpoint or refused credentials."""
+        bucket, _ = self._bucket_key("")
+        try:
+            await self._s3("head_bucket", Bucket=bucket)
+        except Exception as exc:
+            raise RemoteError(_explain(exc, bucket), transient=False) from None
+
+
+def _explain(exc: BaseException, bucket: str) -> str:
+    text = str(exc) or type(exc).__name__
+    if "NoCredentials" in type(exc).__name__ or "Unable to locate credentials" in text:
+        return (
+            "no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or run with an instance/pod role"
+        )
+    if "404" in text or "NoSuchBucket" in text or "Not Found" in text:
+        return f"bucket {bucket!r} does not exist (or is not visible to these credentials)"
+    if (
+        "403" in text
+        or "Forbidden" in text
+        or "AccessDenied" in text
+        or "SignatureDoesNotMatch" in text
+    ):
+        return f"the credentials were refused for bucket {bucket!r}: {text}"
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return f"{type(exc).__name__}: {text}; check the endpoint ({endpoint or 'AWS default'})"
