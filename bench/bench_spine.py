@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ckptd.client import Client
 from common import (
     DEFAULT_WORK_DIR,
     Daemon,
@@ -44,6 +43,8 @@ from floors import (
     touched_buffer,
     write_file,
 )
+
+from ckptd.client import Client
 
 JOB = "bench"
 GB = 1e9

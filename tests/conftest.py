@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ckptd.client import CkptdUnavailable, Client
 from ckptd.client.client import open_channel
 from ckptd.daemon.staging import segment_prefix

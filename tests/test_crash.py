@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from ckptd.client import SaveFailed
 from ckptd.client.client import SaveHandle
 

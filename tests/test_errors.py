@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
 from ckptd.client import CheckpointNotFound, CkptdError
 from ckptd.client.client import SaveHandle
 from ckptd.proto import PROTOCOL_HEADER

@@ -14,9 +14,10 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
+
 from ckptd.client import CheckpointCorrupt, CheckpointNotFound
 from ckptd.proto import ckptd_pb2 as pb
-from safetensors.numpy import load_file
 
 from .conftest import META, Daemon
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+
 from ckptd.client.format import (
     ALIGN,
     TensorEntry,
