@@ -20,6 +20,7 @@ from ckptd.client.errors import CkptdError
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
+from . import cli_remote
 from . import config as config_mod
 from .server import StartupError, serve
 
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _socket_arg(p)
     p.set_defaults(fn=cmd_status)
+    cli_remote.add_parsers(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=5)
