@@ -39,7 +39,7 @@ typecheck: venv
 	@rm -rf .typecheck && mkdir -p .typecheck/ckptd
 	@ln -s ../../daemon .typecheck/ckptd/daemon
 	@ln -s ../../client .typecheck/ckptd/client
-	@ln -s ../../proto .typecheck/ckptd/proto
+	@ln -s ../../proto/python .typecheck/ckptd/proto
 	cd .typecheck && ../$(PY) -m mypy --config-file ../pyproject.toml -p ckptd.daemon -p ckptd.client
 
 lint: venv typecheck

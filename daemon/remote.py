@@ -33,7 +33,7 @@ import numpy as np
 
 from ckptd.client.format import round_up
 
-from . import crc
+from . import crc, faults
 
 log = logging.getLogger("ckptd.remote")
 
@@ -121,6 +121,7 @@ class BufferPool:
 
 def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int, int]:
     """Read ``length`` bytes at ``offset`` into ``buf`` (O_DIRECT if aligned); -> (n, crc32c)."""
+    faults.hit("drain.part")
     direct = getattr(os, "O_DIRECT", 0) if offset % 4096 == 0 else 0
     try:
         fd = os.open(path, os.O_RDONLY | direct)
@@ -186,12 +187,18 @@ class Remote(abc.ABC):
 
     async def list_keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (recursive), relative to the remote root."""
+        self.fs.invalidate_cache()
         try:
-            found = await self.fs._find(self.path(prefix))
+            found = await self.fs._find(self.path(prefix), detail=True)
         except FileNotFoundError:
             return []
         base = self.root + "/"
-        return sorted(p[len(base) :] if p.startswith(base) else p for p in found)
+        # Only objects: stores that emulate directories (SeaweedFS) list those too.
+        return sorted(
+            p[len(base) :]
+            for p, info in found.items()
+            if info.get("type") == "file" and p.startswith(base) and not p.endswith("/")
+        )
 
     async def exists(self, key: str) -> bool:
         """Whether an object exists."""
@@ -234,6 +241,15 @@ class Remote(abc.ABC):
     @abc.abstractmethod
     async def native_crc32c(self, key: str) -> int | None:
         """The store's own crc32c of an object, if it keeps one."""
+
+    async def close(self) -> None:
+        """Close the library's HTTP session (s3fs / gcsfs keep one open)."""
+        s3 = getattr(self.fs, "_s3", None)
+        if s3 is not None:
+            await s3.close()
+        session = getattr(self.fs, "_session", None)
+        if session is not None and not session.closed:
+            await session.close()
 
     async def cleanup_incomplete(self, prefix: str) -> int:
         """Remove upload leftovers under ``prefix`` that are not objects (S3 multipart

@@ -111,13 +111,15 @@ def open_remote(url: str, endpoint_url: str, part_size: int, concurrency: int) -
     if parsed.scheme == "file":
         return FileRemote(url, _local_fs(), "/" + parsed.path.strip("/"), part_size, concurrency)
     if parsed.scheme == "gs":
-        import gcsfs
+        # gcsfs.core's class, not the package's default: that one probes every bucket for
+        # the zonal/HNS features over gRPC first (60 s per call against an emulator).
+        from gcsfs.core import GCSFileSystem
 
         kwargs: dict[str, Any] = {"asynchronous": True, "skip_instance_cache": True}
         emulator = endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST", "")
         if emulator:
             kwargs.update(endpoint_url=emulator, token="anon")
-        return GCSRemote(url, gcsfs.GCSFileSystem(**kwargs), root, part_size, concurrency)
+        return GCSRemote(url, GCSFileSystem(**kwargs), root, part_size, concurrency)
     if parsed.scheme == "s3":
         from .remote_s3 import S3Remote, s3_filesystem
 

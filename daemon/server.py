@@ -332,6 +332,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     if drain is not None and drain_task is not None:
         drain.stop()
         await drain_task
+    if remote is not None:
+        await remote.close()
     await node.close()
     config.socket.unlink(missing_ok=True)
     os.close(root_lock)

@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTO_FILE = PROTO_DIR / "ckptd" / "v1" / "ckptd.proto"
+"""Where the stubs live (``proto/python``: the ``ckptd.proto`` package)."""
+PROTO_FILE = PROTO_DIR.parent / "ckptd" / "v1" / "ckptd.proto"
 GENERATED = ("ckptd_pb2.py", "ckptd_pb2.pyi", "ckptd_pb2_grpc.py")
 
 
