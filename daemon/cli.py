@@ -73,6 +73,8 @@ def _admin(args: argparse.Namespace) -> tuple[Any, str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     flags = {k: getattr(args, k) for k in config_mod.flag_names()}
     cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
+    # gcsfs logs every exhausted retry with a traceback; the drain reports those errors itself.
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     logging.basicConfig(
         level=cfg.log_level.upper(),
         stream=sys.stderr,

@@ -221,6 +221,9 @@ class Drain:
         await self.remote.put_bytes(
             marker_key(st.job, st.step, node_id), json.dumps(marker).encode()
         )
+        # Attempts cut by an outage could not abort their multipart uploads: do it now.
+        with contextlib.suppress(Exception):
+            await self.remote.cleanup_incomplete(base + "/")
 
 
 _PENDING = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)

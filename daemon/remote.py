@@ -50,6 +50,11 @@ def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: connection trouble, timeouts, throttling, 5xx, bad checksums."""
     if isinstance(exc, RemoteError):
         return exc.transient
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and cause is not exc and not isinstance(exc, FileNotFoundError):
+        # s3fs wraps botocore errors (InternalError -> OSError(EREMOTEIO), ...): look inside.
+        if is_transient(cause):
+            return True
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
         return False
     if isinstance(exc, ConnectionError | TimeoutError | asyncio.TimeoutError):
@@ -85,6 +90,9 @@ def is_transient(exc: BaseException) -> bool:
         errno.ECONNREFUSED,
         errno.ETIMEDOUT,
         errno.EPIPE,
+        errno.EIO,
+        errno.EREMOTEIO,  # s3fs's translation of a server-side S3 error (InternalError, 5xx)
+        errno.EAGAIN,
     )
 
 

@@ -94,6 +94,9 @@ class S3Remote(Remote):
             Bucket=bucket,
             Key=obj,
             ChecksumAlgorithm="CRC32C",
+            # FULL_OBJECT: the store's checksum is the plain crc32c of the whole object,
+            # comparable with the commit-time value (not a crc of the parts' crcs).
+            ChecksumType="FULL_OBJECT",
             Metadata={META_CRC: str(crc32c)},
         )
         upload_id = mpu["UploadId"]
@@ -132,6 +135,8 @@ class S3Remote(Remote):
                 Key=obj,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": [p for p, _ in done]},
+                ChecksumType="FULL_OBJECT",
+                ChecksumCRC32C=crc.to_base64(crc32c),
             )
         except BaseException:
             await asyncio.shield(self._abort(bucket, obj, upload_id))

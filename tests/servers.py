@@ -188,6 +188,11 @@ class _Server:
     def _forget_ports(self) -> None:
         raise NotImplementedError
 
+    def _new_log(self, since: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
     def _spawn_and_wait(self, timeout: float) -> None:
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
@@ -203,23 +208,23 @@ class _Server:
             )
         deadline = time.monotonic() + timeout
         while True:
-            if self.proc.poll() is not None:
-                tail = self.log_text()[log_start:]
-                self.proc = None
-                self._after_exit()
-                if "address already in use" in tail:
-                    raise _PortClash(tail)
-                raise RuntimeError(f"{self.name} exited during start-up:\n{tail[-4000:]}")
+            exited = self.proc.poll() is not None
+            new = self._new_log(log_start)
+            if "address already in use" in new:
+                # weed takes ~20 s to exit after a failed bind: don't wait for it.
+                self._terminate(0.5)
+                raise _PortClash(new[-4000:])
+            if exited:
+                self._terminate(0.5)
+                raise RuntimeError(f"{self.name} exited during start-up:\n{new[-4000:]}")
             try:
                 if self._ready():
                     return
             except Exception:
                 pass
             if time.monotonic() > deadline:
-                self._terminate(5.0)
-                raise TimeoutError(
-                    f"{self.name} not ready in {timeout}s:\n{self.log_text()[-4000:]}"
-                )
+                self._terminate(0.5)
+                raise TimeoutError(f"{self.name} not ready in {timeout}s:\n{new[-4000:]}")
             time.sleep(0.1)
 
     def _terminate(self, timeout: float) -> int | None:
@@ -271,7 +276,7 @@ class _Server:
         """Stop the process and remove the temp dir (when we created it)."""
         if self._closed:
             return
-        self._terminate(3.0)
+        self._terminate(0.5)  # the data goes anyway: no point waiting for a graceful exit
         self._closed = True
         _live.discard(self)
         if self._own_root:
@@ -327,6 +332,7 @@ class SeaweedS3(_Server):
         self.extra_args = list(extra_args or [])
         self.master_port = self.volume_port = self.filer_port = self.s3_port = 0
         self._client: Any = None
+        self._probe: Any = None
         self.s3_config = self.root / "s3.json"
         self.s3_config.write_text(
             json.dumps(
@@ -354,7 +360,7 @@ class SeaweedS3(_Server):
 
     def _forget_ports(self) -> None:
         self.master_port = self.volume_port = self.filer_port = self.s3_port = 0
-        self._client = None
+        self._client = self._probe = None
 
     def _argv(self) -> list[str]:
         g = GRPC_OFFSET
@@ -424,7 +430,9 @@ class SeaweedS3(_Server):
         on_disk = len(list(self.data_dir.glob("*.dat")))
         if on_disk and sum(int(n.get("Volumes", 0)) for n in nodes) < on_disk:
             return False
-        self.client().list_buckets()
+        if self._probe is None:
+            self._probe = self._make_client(read_timeout=2)
+        self._probe.list_buckets()
         return True
 
     # -- client side -------------------------------------------------------------------
@@ -455,22 +463,24 @@ class SeaweedS3(_Server):
 
     def client(self) -> Any:
         """A synchronous botocore S3 client (botocore is a dependency of s3fs)."""
-        if self._client is not None:
-            return self._client
-        import botocore.config
-        import botocore.session
+        if self._client is None:
+            self._client = self._make_client(read_timeout=60)
+        return self._client
 
-        self._client = botocore.session.get_session().create_client(
+    def _make_client(self, read_timeout: float) -> Any:
+        import botocore.config  # type: ignore[import-untyped]
+        import botocore.session  # type: ignore[import-untyped]
+
+        return botocore.session.get_session().create_client(
             "s3",
             endpoint_url=self.endpoint_url,
             region_name=self.REGION,
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
             config=botocore.config.Config(
-                retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10
+                retries={"max_attempts": 1}, connect_timeout=2, read_timeout=read_timeout
             ),
         )
-        return self._client
 
     def make_bucket(self, name: str) -> str:
         if not 3 <= len(name) <= 63:

@@ -1,0 +1,259 @@
+"""The remote tier against real servers: drain, layout, cuts, coalescing, restore from the bucket."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptd.client import SaveFailed
+
+from .conftest import CKPTD, Daemon, RemoteTarget
+from .helpers import state_for
+
+
+def remote_daemon(
+    make_daemon: Any, remote: RemoteTarget, failpoints: str = "", **kw: Any
+) -> Daemon:
+    env = dict(remote.env)
+    if failpoints:
+        env["CKPTD_FAILPOINTS"] = failpoints
+    d: Daemon = make_daemon(
+        extra_args=[
+            "--remote",
+            remote.url,
+            "--part-size-bytes",
+            "5MiB",
+            "--drain-concurrency",
+            "4",
+            "--drain-retry-max-seconds",
+            "1",
+        ],
+        env=env,
+        **kw,
+    )
+    return d
+
+
+def wait_until(pred: Any, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.05)
+
+
+def expected_layout(job: str, steps: list[int], node: str = "test-node") -> list[str]:
+    keys = []
+    for s in steps:
+        keys += [
+            f"{job}/{s}/_complete/{node}",
+            f"{job}/{s}/{node}/manifest.json",
+            f"{job}/{s}/{node}/rank-00000.safetensors",
+        ]
+    return sorted(keys)
+
+
+def test_wiped_local_tier_restores_same_bits_from_bucket(
+    make_daemon: Any, remote: RemoteTarget
+) -> None:
+    daemon = remote_daemon(make_daemon, remote)
+    client = daemon.client("wipe")
+    for step in (1, 2):
+        client.save(step, state_for(step, 12), metadata={"step": step}).wait("durable", 120)
+    assert [(c.step, c.state, c.tiers) for c in client.list()] == [
+        (2, "DURABLE", ("LOCAL", "REMOTE")),
+        (1, "DURABLE", ("LOCAL", "REMOTE")),
+    ]
+    assert daemon.stop() == 0
+    shutil.rmtree(daemon.root)
+    daemon.restart()
+    client = daemon.client("wipe")
+    assert [(c.step, c.tiers) for c in client.list()] == [(2, ("REMOTE",)), (1, ("REMOTE",))]
+    tree, meta = client.restore()
+    assert meta == {"step": 2}
+    for k, v in state_for(2, 12).items():
+        assert tree[k].tobytes() == v.tobytes()
+    assert client.list()[0].tiers == ("LOCAL", "REMOTE")  # committed locally on the way
+    older, _ = client.restore(step=1)
+    assert older["w0"].tobytes() == state_for(1, 12)["w0"].tobytes()
+    assert list((daemon.root / ".cache").iterdir()) == []
+
+
+def test_bucket_layout_with_marker_last(make_daemon: Any, remote: RemoteTarget) -> None:
+    daemon = remote_daemon(make_daemon, remote, "drain.before_marker=sleep(2)")
+    client = daemon.client("lay")
+    h = client.save(7, state_for(7, 8))
+    wait_until(lambda: "failpoint drain.before_marker" in daemon.log_text(), what="files uploaded")
+    # every object is there but the marker, and the step is not DURABLE
+    assert remote.keys() == [k for k in expected_layout("lay", [7]) if "_complete" not in k]
+    assert h.state() == "DRAINING"
+    h.wait("durable", 60)
+    assert remote.keys() == expected_layout("lay", [7])
+
+
+def test_aws_cli_lists_the_layout(make_daemon: Any, s3_server: Any) -> None:
+    bucket = s3_server.make_bucket("ckptd-awscli-layout")
+    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    daemon = remote_daemon(make_daemon, remote)
+    daemon.client("aws").save(3, state_for(3, 4)).wait("durable", 60)
+    out = subprocess.run(
+        ["aws", "s3", "ls", "--recursive", f"s3://{bucket}/"],
+        capture_output=True,
+        text=True,
+        env={**_os_env(), **s3_server.env()},
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    keys = sorted(line.split()[-1] for line in out.stdout.splitlines())
+    assert keys == ["ckpt/" + k for k in expected_layout("aws", [3])]
+
+
+def _os_env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_cut_upload_is_never_durable_and_completes_after_the_server_returns(
+    make_daemon: Any, kind: str, request: pytest.FixtureRequest
+) -> None:
+    from .servers import FakeGCS, SeaweedS3
+
+    server = SeaweedS3() if kind == "s3" else FakeGCS()  # its own: this test stops it
+    with server:
+        bucket = server.make_bucket("ckptd-cut")
+        scheme = "s3" if kind == "s3" else "gs"
+        remote = RemoteTarget(kind, f"{scheme}://{bucket}/ckpt", server.env(), server)
+        daemon = remote_daemon(make_daemon, remote, "drain.part=sleep(0.3)")
+        client = daemon.client("cut")
+        h = client.save(1, state_for(1, 40))  # 8 parts of 5 MiB, slowed down
+        wait_until(lambda: h.state() == "DRAINING", what="DRAINING")
+        time.sleep(0.5)
+        server.stop()  # cut mid-drain
+        # gcsfs retries each request itself for ~30 s before the drain sees the error
+        wait_until(lambda: "retrying" in client.list()[0].error, 150, what="a retry")
+        for _ in range(10):
+            assert client.list()[0].state == "DRAINING"
+            time.sleep(0.2)
+        with pytest.raises(TimeoutError):
+            h.wait("durable", timeout=1)
+        server.start()
+        h.wait("durable", 180)
+        assert remote.keys() == expected_layout("cut", [1])
+        if kind == "s3":
+            assert server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+        shutil.rmtree(daemon.root / "cut")  # and the bucket copy is whole:
+        daemon.stop()
+        daemon.restart()
+        tree, _ = daemon.client("cut").restore()
+        assert tree["w3"].tobytes() == state_for(1, 40)["w3"].tobytes()
+
+
+def test_drain_never_delays_the_next_save(make_daemon: Any, s3_server: Any) -> None:
+    bucket = s3_server.make_bucket("ckptd-nodelay")
+    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    daemon = remote_daemon(make_daemon, remote)
+    client = daemon.client("nodelay")
+    client.save(1, state_for(1, 4)).wait("durable", 60)
+    s3_server.pause()  # the drain hangs on a frozen server
+    try:
+        h2 = client.save(2, state_for(2, 4))
+        wait_until(lambda: h2.state() == "DRAINING", what="step 2 draining")
+        for step in (3, 4):  # handoffs and local commits go on regardless
+            client.save(step, state_for(step, 4)).wait("local", timeout=30)
+        assert {c.step: c.state for c in client.list()}[4] == "LOCAL"
+    finally:
+        s3_server.resume()
+    client.save(5, state_for(5, 4)).wait("durable", 120)
+
+
+def test_coalescing_uploads_newest_and_milestones_only(
+    make_daemon: Any, remote: RemoteTarget
+) -> None:
+    daemon = remote_daemon(make_daemon, remote, "drain.before_marker=sleep(1.5)")
+    client = daemon.client("co")
+    handles = {s: client.save(s, {"x": np.full(1000, s)}, milestone=s in (0, 3)) for s in range(6)}
+    for s in (0, 3, 5):
+        handles[s].wait("durable", 120)
+    states = {c.step: c.state for c in client.list()}
+    assert states == {
+        0: "DURABLE",
+        1: "SUPERSEDED",
+        2: "SUPERSEDED",
+        3: "DURABLE",
+        4: "SUPERSEDED",
+        5: "DURABLE",
+    }
+    with pytest.raises(SaveFailed, match="superseded by step 5"):
+        handles[1].wait("durable", 10)
+    handles[1].wait("local", 10)  # still a fine local checkpoint
+    assert remote.keys() == expected_layout("co", [0, 3, 5])
+
+
+def test_flipped_local_byte_is_served_from_the_bucket(make_daemon: Any, s3_server: Any) -> None:
+    bucket = s3_server.make_bucket("ckptd-flip")
+    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    daemon = remote_daemon(make_daemon, remote)
+    client = daemon.client("flip")
+    client.save(1, state_for(1, 4)).wait("durable", 60)
+    f = daemon.root / "flip" / "1" / "rank-00000.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-10] ^= 0x01
+    f.write_bytes(bytes(raw))
+    tree, _ = client.restore(step=1)
+    assert tree["w2"].tobytes() == state_for(1, 4)["w2"].tobytes()
+    assert "corrupt" in daemon.log_text() and "fetched from" in daemon.log_text()
+    assert client.list()[0].tiers == ("LOCAL", "REMOTE")
+
+
+@pytest.mark.parametrize(
+    ("url", "env", "match"),
+    [
+        ("s3://ckptd-no-such-bucket/x", "s3", "does not exist"),
+        ("s3://ckptd-any-bucket/x", "nocreds", "no AWS credentials"),
+        ("ftp://host/x", "s3", "invalid value for 'remote'"),
+        ("gs://ckptd-no-such-bucket/x", "gcs", "ckptd-no-such-bucket"),
+    ],
+)
+def test_bad_remote_is_one_clear_error_at_start_up(
+    tmp_path: Any, s3_server: Any, gcs_server: Any, url: str, env: str, match: str
+) -> None:
+    environ = {k: v for k, v in _os_env().items() if not k.startswith(("AWS_", "CKPTD_"))}
+    if env == "s3":
+        environ.update(s3_server.env())
+    elif env == "gcs":
+        environ.update(gcs_server.env())
+    else:
+        environ.update(
+            AWS_CONFIG_FILE="/nonexistent",
+            AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_ENDPOINT_URL_S3=s3_server.endpoint_url,
+        )
+    start = time.monotonic()
+    out = subprocess.run(
+        [
+            CKPTD,
+            "serve",
+            "--root",
+            str(tmp_path / "r"),
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--remote",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("ckptd: error:")]
+    assert len(errors) == 1 and match in errors[0], out.stderr
+    assert "Traceback" not in out.stderr and "retrying" not in out.stderr
+    assert time.monotonic() - start < 60  # one check, not a stack of retries
