@@ -51,10 +51,10 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, RemoteError):
         return exc.transient
     cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc and not isinstance(exc, FileNotFoundError):
-        # s3fs wraps botocore errors (InternalError -> OSError(EREMOTEIO), ...): look inside.
-        if is_transient(cause):
-            return True
+    # s3fs wraps botocore errors (InternalError -> OSError(EREMOTEIO), ...): look inside.
+    wrapped = cause is not None and cause is not exc and not isinstance(exc, FileNotFoundError)
+    if wrapped and cause is not None and is_transient(cause):
+        return True
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
         return False
     if isinstance(exc, ConnectionError | TimeoutError | asyncio.TimeoutError):

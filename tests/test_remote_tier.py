@@ -1,4 +1,4 @@
-"""The remote tier against real servers: drain, layout, cuts, coalescing, restore from the bucket."""
+"""The remote tier on real servers: drain, layout, cuts, coalescing, restore from the bucket."""
 
 from __future__ import annotations
 
