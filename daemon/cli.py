@@ -22,6 +22,8 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import cli_remote
 from . import config as config_mod
+from .errors import CkptdError as DomainError
+from .remote import RemoteError
 from .server import StartupError, serve
 
 
@@ -137,6 +139,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         ],
         ["leases held", str(st.leases_held)],
         ["saves in flight", str(st.saves_in_flight)],
+        [
+            "drain",
+            (f"{st.drain_queue} steps queued" if st.remote else "-")
+            + (f"; last error: {st.drain_error}" if st.drain_error else ""),
+        ],
     ]
     print(_table(["FIELD", "VALUE"], rows))
     return 0
@@ -188,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except (config_mod.ConfigError, StartupError, CkptdError) as exc:
+    except (config_mod.ConfigError, StartupError, CkptdError, DomainError, RemoteError) as exc:
         print(f"ckptd: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

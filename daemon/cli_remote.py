@@ -70,6 +70,15 @@ def _remote(cfg: Config) -> Remote:
 
 async def _pull(cfg: Config, job: str, step: int | None, dest: Path, node: str | None) -> int:
     remote = _remote(cfg)
+    try:
+        return await _pull_from(remote, cfg, job, step, dest, node)
+    finally:
+        await remote.close()
+
+
+async def _pull_from(
+    remote: Remote, cfg: Config, job: str, step: int | None, dest: Path, node: str | None
+) -> int:
     steps = await fetch.complete_steps(remote, job)
     if not steps:
         raise CkptdError(f"the bucket {cfg.remote} holds no complete step of job {job!r}")
@@ -108,6 +117,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 async def _verify_remote(cfg: Config, job: str | None) -> list[tuple[str, str]]:
     remote = _remote(cfg)
+    try:
+        return await _verify_remote_in(remote, job)
+    finally:
+        await remote.close()
+
+
+async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, str]]:
     rows = []
     for key in await remote.list_keys(job + "/" if job else ""):
         parsed = parse_marker(key)

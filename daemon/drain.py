@@ -204,7 +204,10 @@ class Drain:
             key = f"{base}/{rank_file}"
             with contextlib.suppress(FileNotFoundError):
                 if await self.remote.native_crc32c(key) == crc32c:
-                    return  # sent before a restart or a retry: not sent twice
+                    log.info(
+                        "%s is already in the bucket with the right crc32c: not sent again", key
+                    )
+                    return
             await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
 
         await asyncio.gather(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))

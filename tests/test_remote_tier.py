@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import SaveFailed
+from ckptd.client.client import SaveHandle
 
 from .conftest import CKPTD, Daemon, RemoteTarget
 from .helpers import state_for
@@ -257,3 +258,62 @@ def test_bad_remote_is_one_clear_error_at_start_up(
     assert len(errors) == 1 and match in errors[0], out.stderr
     assert "Traceback" not in out.stderr and "retrying" not in out.stderr
     assert time.monotonic() - start < 60  # one check, not a stack of retries
+
+
+def test_upload_resumes_after_a_daemon_restart(make_daemon: Any, s3_server: Any) -> None:
+    bucket = s3_server.make_bucket("ckptd-resume")
+    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    daemon = remote_daemon(make_daemon, remote, "drain.before_marker=sleep(60)")
+    client = daemon.client("res")
+    client.save(4, state_for(4, 12)).wait("local")
+    wait_until(lambda: "failpoint drain.before_marker" in daemon.log_text(), what="files sent")
+    daemon.kill()  # files and manifest are in the bucket, the marker is not
+    assert "res/4/_complete/test-node" not in remote.keys()
+    daemon.env = dict(remote.env)
+    daemon.restart()
+    client = daemon.client("res")
+    SaveHandle(client, 4).wait("durable", 120)
+    assert "not sent again" in daemon.log_text()
+    assert remote.keys() == expected_layout("res", [4])
+
+
+def test_pull_and_verify_commands(make_daemon: Any, s3_server: Any, tmp_path: Any) -> None:
+    bucket = s3_server.make_bucket("ckptd-pull")
+    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    daemon = remote_daemon(make_daemon, remote)
+    client = daemon.client("pl")
+    client.save(1, state_for(1, 6)).wait("durable", 60)
+    client.save(2, state_for(2, 6)).wait("durable", 60)
+    env = {**_os_env(), **remote.env}
+    dest = tmp_path / "pulled"
+    out = subprocess.run(
+        [CKPTD, "pull", "pl", str(dest), "--remote", remote.url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pulled pl step 2" in out.stdout and "100.0%" in out.stderr
+    local = daemon.root / "pl" / "2"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in local.iterdir())
+    for f in local.iterdir():
+        assert (dest / f.name).read_bytes() == f.read_bytes()
+    verify = [CKPTD, "verify", "--root", str(daemon.root), "--remote", remote.url]
+    out = subprocess.run(verify, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 copies checked, 0 corrupt" in out.stdout
+    f = local / "rank-00000.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[5000] ^= 1
+    f.write_bytes(bytes(raw))
+    out = subprocess.run(verify, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and "CORRUPT  local pl/2" in out.stdout
+    out = subprocess.run(
+        [CKPTD, "pull", "pl", str(tmp_path / "x"), "--step", "9", "--remote", remote.url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "step 9 of job 'pl' is not complete" in out.stderr
