@@ -204,7 +204,7 @@ class RemoteTarget:
     env: dict[str, str]
     server: Any = None
 
-    def keys(self) -> list[str]:
+    def object_keys(self) -> list[str]:
         """Every object key under the URL, as the store lists it (relative, sorted)."""
         import asyncio
 

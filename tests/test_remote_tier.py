@@ -90,10 +90,10 @@ def test_bucket_layout_with_marker_last(make_daemon: Any, remote: RemoteTarget) 
     h = client.save(7, state_for(7, 8))
     wait_until(lambda: "failpoint drain.before_marker" in daemon.log_text(), what="files uploaded")
     # every object is there but the marker, and the step is not DURABLE
-    assert remote.keys() == [k for k in expected_layout("lay", [7]) if "_complete" not in k]
+    assert remote.object_keys() == [k for k in expected_layout("lay", [7]) if "_complete" not in k]
     assert h.state() == "DRAINING"
     h.wait("durable", 60)
-    assert remote.keys() == expected_layout("lay", [7])
+    assert remote.object_keys() == expected_layout("lay", [7])
 
 
 def test_aws_cli_lists_the_layout(make_daemon: Any, s3_server: Any) -> None:
@@ -145,7 +145,7 @@ def test_cut_upload_is_never_durable_and_completes_after_the_server_returns(
             h.wait("durable", timeout=1)
         server.start()
         h.wait("durable", 180)
-        assert remote.keys() == expected_layout("cut", [1])
+        assert remote.object_keys() == expected_layout("cut", [1])
         if kind == "s3":
             assert server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
         shutil.rmtree(daemon.root / "cut")  # and the bucket copy is whole:
@@ -193,7 +193,7 @@ def test_coalescing_uploads_newest_and_milestones_only(
     with pytest.raises(SaveFailed, match="superseded by step 5"):
         handles[1].wait("durable", 10)
     handles[1].wait("local", 10)  # still a fine local checkpoint
-    assert remote.keys() == expected_layout("co", [0, 3, 5])
+    assert remote.object_keys() == expected_layout("co", [0, 3, 5])
 
 
 def test_flipped_local_byte_is_served_from_the_bucket(make_daemon: Any, s3_server: Any) -> None:
@@ -268,13 +268,13 @@ def test_upload_resumes_after_a_daemon_restart(make_daemon: Any, s3_server: Any)
     client.save(4, state_for(4, 12)).wait("local")
     wait_until(lambda: "failpoint drain.before_marker" in daemon.log_text(), what="files sent")
     daemon.kill()  # files and manifest are in the bucket, the marker is not
-    assert "res/4/_complete/test-node" not in remote.keys()
+    assert "res/4/_complete/test-node" not in remote.object_keys()
     daemon.env = dict(remote.env)
     daemon.restart()
     client = daemon.client("res")
     SaveHandle(client, 4).wait("durable", 120)
     assert "not sent again" in daemon.log_text()
-    assert remote.keys() == expected_layout("res", [4])
+    assert remote.object_keys() == expected_layout("res", [4])
 
 
 def test_pull_and_verify_commands(make_daemon: Any, s3_server: Any, tmp_path: Any) -> None:
