@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -50,7 +50,9 @@ def ckptd_command() -> list[str]:
 class Daemon:
     """A real ``ckptd serve`` process on ``root`` and ``socket``; use as a context manager.
 
-    Its log goes to ``<root>.log``; the tail is included in start-up errors.
+    ``extra_args`` are appended to ``ckptd serve`` (``--remote s3://...``), ``env`` is
+    added to this process's environment (bucket credentials). Its log is appended to
+    ``log_path`` (default ``<root>.log``); the tail is included in start-up errors.
     """
 
     def __init__(
@@ -60,6 +62,8 @@ class Daemon:
         *,
         staging_budget: str = "6GiB",
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
         start_timeout: float = 30.0,
     ) -> None:
         self.root = Path(root)
@@ -71,7 +75,8 @@ class Daemon:
         else:
             self._sock_dir = None
         self.socket = Path(socket)
-        self.log_path = self.root.parent / (self.root.name + ".log")
+        self.log_path = Path(log_path) if log_path else self.root.parent / (self.root.name + ".log")
+        self.env = {**os.environ, **env} if env else None
         self.args = [
             *ckptd_command(),
             "serve",
@@ -92,8 +97,11 @@ class Daemon:
         from ckptd.client import CkptdUnavailable, Client
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        # Appended to, so a daemon restarted on the same log keeps its earlier lines.
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self.proc.poll() is not None:
