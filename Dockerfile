@@ -6,7 +6,7 @@ COPY pyproject.toml README.md ./
 COPY daemon ./daemon
 COPY client ./client
 COPY proto ./proto
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[s3,gcs]"
 
 FROM python:3.11-slim
 RUN groupadd --system --gid 2000 ckptd && useradd --system --uid 2000 --gid ckptd ckptd \
