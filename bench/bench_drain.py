@@ -17,8 +17,10 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
+import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -142,6 +144,75 @@ def tool_version(cmd: list[str], env: dict[str, str]) -> str:
     return text.splitlines()[0] if text else "unknown"
 
 
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rusage_cpu(who: int) -> float:
+    """CPU seconds of this process (``RUSAGE_SELF``) or its reaped children."""
+    ru = resource.getrusage(who)
+    return ru.ru_utime + ru.ru_stime
+
+
+def rss_anon(pid: int) -> int:
+    """A process's anonymous resident memory in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class CpuMeter:
+    """CPU seconds used between :meth:`start` and :meth:`stop` by the uploader or downloader
+    (``client``: the daemon, this process and/or reaped child processes) and by the server."""
+
+    def __init__(self, server_pid: int, daemon_pid: int | None = None) -> None:
+        self.server_pid, self.daemon_pid = server_pid, daemon_pid
+        self.client = self.server = 0.0
+
+    def _read(self) -> tuple[float, float]:
+        client = rusage_cpu(resource.RUSAGE_SELF) + rusage_cpu(resource.RUSAGE_CHILDREN)
+        if self.daemon_pid is not None:
+            client += proc_cpu(self.daemon_pid)
+        return client, proc_cpu(self.server_pid)
+
+    def start(self) -> CpuMeter:
+        self._c0, self._s0 = self._read()
+        return self
+
+    def stop(self) -> CpuMeter:
+        c1, s1 = self._read()
+        self.client, self.server = c1 - self._c0, s1 - self._s0
+        return self
+
+
+class AnonPeak:
+    """Samples a process's ``RssAnon`` every 50 ms on a thread; ``peak`` is the highest seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.base = pid, 0, rss_anon(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_anon(self.pid))
+
+    def stop(self) -> int:
+        """Stop sampling; returns the peak growth over the level at start, in bytes."""
+        self._stop.set()
+        self._thread.join()
+        return max(0, max(self.peak, rss_anon(self.pid)) - self.base)
+
+
 class DrainBench:
     """State of one run: data, server, daemon, clients, and the samples per arm."""
 
@@ -154,6 +225,9 @@ class DrainBench:
         self.log_path = run_dir / "ckptd.log"
         self.env = {**os.environ, **s3.env()}
         self.samples: dict[str, list[float]] = {name: [] for name, _ in ARM_ROWS}
+        # CPU seconds per arm: [client (uploader/downloader), server (SeaweedFS)] per rep.
+        self.cpu: dict[str, list[tuple[float, float]]] = {}
+        self.drain_anon_growth: list[int] = []
         self.notes: list[str] = []
         self.restore_paths: list[str] = []
         self.rewarm: list[dict[str, float]] = []
@@ -166,7 +240,7 @@ class DrainBench:
         self.states = make_states(size, args.ranks, args.arrays, args.seed)
         self.setup_seconds = time.perf_counter() - t0
         self.files: dict[str, int] = {}  # rank file name -> size
-        self.rank_crcs: dict[int, list[int]] = {}
+        self.file_crcs: dict[str, int] = {}  # rank file name -> crc32c (step 0's manifest)
 
     # -- daemon and clients ----------------------------------------------------------
     def start_daemon(self) -> None:
@@ -246,8 +320,14 @@ class DrainBench:
         handle = SaveHandle(self.clients[0], step)  # the step's state, whichever rank asks
         handle.wait("local", timeout=600)
         t_local = time.perf_counter()
+        assert self.daemon is not None and self.daemon.proc is not None
+        meter = CpuMeter(self.s3.proc.pid, self.daemon.proc.pid).start()
+        anon = AnonPeak(self.daemon.proc.pid)
         handle.wait("durable", timeout=600)
         t_durable = time.perf_counter()
+        meter.stop()
+        self.last_drain_cpu = (meter.client, meter.server)
+        self.last_drain_anon = anon.stop()
         local_log = self.log_seconds(step, "LOCAL")
         durable_log = self.log_seconds(step, "DURABLE")
         out = {
@@ -269,7 +349,11 @@ class DrainBench:
             if arm in times:
                 self.samples[arm].append(times[arm])
         self.last_ckptd_step = step
+        self.cpu.setdefault("drain", []).append(self.last_drain_cpu)
+        self.drain_anon_growth.append(self.last_drain_anon)
         self._check_objects(f"{PREFIX}/{JOB}/{step}/{NODE}/", with_manifest=True)
+        if self.manifest_crcs(step) != self.file_crcs:  # the peers upload step 0's files
+            raise RuntimeError(f"step {step}'s rank files differ from step 0's")
 
     def warm_up(self) -> None:
         """Step 0's save allocates the leases; copy its rank files out for the peers."""
@@ -282,8 +366,14 @@ class DrainBench:
             self.files[src.name] = src.stat().st_size
         if len(self.files) != self.args.ranks:
             raise RuntimeError(f"expected {self.args.ranks} rank files in {step_dir}")
+        self.file_crcs = self.manifest_crcs(0)
         drop_caches(self.peer_src)
         drop_caches(step_dir)
+
+    def manifest_crcs(self, step: int) -> dict[str, int]:
+        """``{rank file: crc32c}`` from a local step's manifest."""
+        manifest = json.loads((self.root / JOB / str(step) / "manifest.json").read_text())
+        return {r["file"]: r["crc32c"] for r in manifest["ranks"]}
 
     def ckptd_restore(self, step: int) -> None:
         """Stop the daemon, empty its local tier, restart it, restore ``step`` from the bucket."""
@@ -309,14 +399,18 @@ class DrainBench:
                 errors.append(exc)
 
         threads = [threading.Thread(target=restore, args=(r,)) for r in range(ranks)]
+        assert self.daemon is not None and self.daemon.proc is not None
+        meter = CpuMeter(self.s3.proc.pid, self.daemon.proc.pid).start()
         wall0 = time.time()
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        meter.stop()
         if errors:
             raise errors[0]
+        self.cpu.setdefault("restore_bucket_touch", []).append((meter.client, meter.server))
         self.samples["restore_bucket"].append(max(returned) - t0)
         self.samples["restore_bucket_touch"].append(max(touched) - t0)
         m = re.search(rf"{_LOG_TIME} \S+ \S+ {JOB}/{step} fetched from", self.log_text())
@@ -355,9 +449,12 @@ class DrainBench:
             fn = lambda: self._s3fs_put(prefix)  # noqa: E731
         drop_caches(src)
         settle()
+        meter = CpuMeter(self.s3.proc.pid).start()
         t0 = time.perf_counter()
         fn()
         self.samples[f"up_{tool}"].append(time.perf_counter() - t0)
+        meter.stop()
+        self.cpu.setdefault(f"up_{tool}", []).append((meter.client, meter.server))
         self._check_objects(prefix)
 
     def _s3fs_put(self, prefix: str) -> None:
@@ -375,9 +472,12 @@ class DrainBench:
         cmd += [f"s3://{BUCKET}/peer-s5cmd/{rep}/*", f"{dest}/"]
         drop_caches(self.s3.data_dir)
         settle()
+        meter = CpuMeter(self.s3.proc.pid).start()
         t0 = time.perf_counter()
         run_tool(cmd, self.env)
         t1 = time.perf_counter()
+        meter.stop()
+        self.cpu.setdefault("down_s5cmd", []).append((meter.client, meter.server))
         for name in self.files:
             fd = os.open(dest / name, os.O_RDONLY)
             try:
@@ -471,6 +571,28 @@ def report(bench: DrainBench, versions: dict[str, str], elapsed: float) -> dict[
         for r in goal_ratios
     ]
     print_table(["ratio (of medians)", "value", "goal", "status"], goal_rows, "goals")
+    cpu: dict[str, dict[str, Any]] = {}
+    cpu_rows = []
+    for arm, pairs in bench.cpu.items():
+        client = summarize([c for c, _ in pairs])
+        server = summarize([sv for _, sv in pairs])
+        cpu[arm] = {"client": client, "server": server}
+        wall = arms[arm]["median"]
+        cores = (client["median"] + server["median"]) / wall if wall else None
+        cpu_rows.append([arm, wall, client["median"], server["median"], cores])
+    print_table(
+        ["arm", "wall", "client CPU s", "server CPU s", "cores busy"],
+        cpu_rows,
+        f"CPU (medians; {os.cpu_count()} cores shared by client and server; client = the "
+        "daemon + this process for ckptd arms, the tool's process otherwise)",
+    )
+    growth = summarize([float(g) for g in bench.drain_anon_growth])
+    if growth["median"] is not None:
+        print(
+            f"\ndaemon anonymous memory (RssAnon) growth during a drain, peak (median): "
+            f"{growth['median'] / 2**20:.0f} MiB for {nbytes / 2**20:.0f} MiB drained "
+            f"({a.drain_concurrency} x {a.part_size} buffers configured)"
+        )
     first = ", ".join(f"{k} {v:.2f} s" for k, v in bench.first.items())
     print(f"\nwarm-up save (step 0, allocates leases): {first}")
     print(f"restore served via: {', '.join(bench.restore_paths)} (per rep)")
@@ -489,6 +611,8 @@ def report(bench: DrainBench, versions: dict[str, str], elapsed: float) -> dict[
         "arms": arms,
         "arm_descriptions": dict(ARM_ROWS),
         "ratios": goal_ratios,
+        "cpu_seconds": cpu,
+        "drain_daemon_anon_growth_bytes": growth,
         "warm_up_save": bench.first,
         "rewarm_saves_after_restart": bench.rewarm,
         "restore_served_via": bench.restore_paths,

@@ -189,10 +189,10 @@ def _validate(cfg: Config) -> None:
             f"invalid value for 'remote': {cfg.remote!r}; use s3://BUCKET/PREFIX, "
             "gs://BUCKET/PREFIX or file:///ABSOLUTE/PATH"
         )
-    if cfg.part_size_bytes < 5 * 2**20:
+    if cfg.part_size_bytes < 5 * 2**20 or cfg.part_size_bytes % 4096:
         raise ConfigError(
-            f"invalid value for 'part_size_bytes': {cfg.part_size_bytes} is below the 5 MiB "
-            "minimum part size of S3 multipart uploads"
+            f"invalid value for 'part_size_bytes': {cfg.part_size_bytes}; use a multiple of "
+            "4 KiB of at least 5 MiB (the minimum part size of S3 multipart uploads)"
         )
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(

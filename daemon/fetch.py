@@ -47,15 +47,19 @@ async def download_step(
     manifest: Manifest,
     dest: Path,
     progress: Callable[[int], None] | None = None,
+    into: dict[str, memoryview] | None = None,
 ) -> None:
     """Download one node's files of a step into ``dest`` with parallel ranged reads.
 
     Each file's crc32c must match the manifest (a corrupt bucket copy is never
-    installed); the manifest is written last. Files are fsynced.
+    installed); the manifest is written last. Files are fsynced. A file named in
+    ``into`` is also left whole in that memory (a restore lease), so it need not be
+    read back from disk.
     """
 
     async def one(name: str, size: int, want: int) -> None:
-        got = await remote.download(f"{job}/{step}/{node}/{name}", dest / name, size)
+        memory = (into or {}).get(name)
+        got = await remote.download(f"{job}/{step}/{node}/{name}", dest / name, size, memory)
         if got != want:
             raise DataLoss(
                 f"the bucket's copy of {job}/{step}/{node}/{name} has crc32c {got:#010x}, "

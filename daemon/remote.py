@@ -151,6 +151,30 @@ def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int
     return length, int(google_crc32c.extend(0, np.frombuffer(buf, np.uint8, length)))
 
 
+def _open_for_direct_write(path: Path) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        return os.open(path, flags | direct, 0o640), bool(direct)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not direct:
+            raise
+        return os.open(path, flags, 0o640), False
+
+
+def _write_part(
+    fd: int, direct: bool, src: memoryview, start: int, length: int, at: int | None = None
+) -> None:
+    """Write ``src[start:start+length]`` at file offset ``at`` (default ``start``); with
+    O_DIRECT the length is padded to a whole block (the file is truncated afterwards)."""
+    at = start if at is None else at
+    n = round_up(length) if direct else length
+    view = src[start : start + n]
+    while len(view):
+        done = os.pwrite(fd, view, at)
+        view, at = view[done:], at + done
+
+
 def parts(size: int, part_size: int) -> list[tuple[int, int]]:
     """``(offset, length)`` of each part of a file (at least one, even if empty)."""
     return [(o, min(part_size, size - o)) for o in range(0, size, part_size)] or [(0, 0)]
@@ -218,20 +242,38 @@ class Remote(abc.ABC):
             with contextlib.suppress(FileNotFoundError):
                 await self.fs._rm_file(self.path(key))
 
-    async def download(self, key: str, dest: Path, size: int) -> int:
-        """Download an object into ``dest`` with parallel ranged reads; returns its crc32c."""
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    async def download(
+        self, key: str, dest: Path, size: int, into: memoryview | None = None
+    ) -> int:
+        """Download an object into ``dest`` with parallel ranged reads; returns its crc32c.
+
+        Each part is copied into page-aligned memory (``into``, a page-aligned view
+        of at least ``round_up(size)`` bytes that keeps the whole object, or else a
+        pooled buffer) and written from there with ``O_DIRECT``, as it arrives: no
+        page cache is allocated and the disk write overlaps the network.
+        """
+        fd, direct = _open_for_direct_write(dest)
         try:
 
             async def one(offset: int, length: int) -> int:
+                if length == 0:
+                    return 0  # s3fs reads the whole object for an empty range
                 data = await self._bounded(lambda: self.get_range(key, offset, offset + length))
                 if len(data) != length:
                     raise RemoteError(f"{key}: short read at {offset}", transient=True)
-                await asyncio.to_thread(os.pwrite, fd, data, offset)
+                if into is not None:
+                    into[offset : offset + length] = data
+                    await asyncio.to_thread(_write_part, fd, direct, into, offset, length)
+                else:
+                    async with self.buffers.buffer() as buf:
+                        buf[:length] = data
+                        view = memoryview(buf)
+                        await asyncio.to_thread(_write_part, fd, direct, view, 0, length, offset)
                 return int(google_crc32c.value(data))
 
             pieces = parts(size, self.part_size)
             crcs = await asyncio.gather(*(one(o, n) for o, n in pieces))
+            await asyncio.to_thread(os.ftruncate, fd, size)  # drop the O_DIRECT padding
             await asyncio.to_thread(os.fsync, fd)
         finally:
             os.close(fd)

@@ -95,33 +95,51 @@ class Restorer:
                 st = self.node.steps[(job, step)] = StepState(job, step, pb.SAVE_STATE_DURABLE)
             st.remote_nodes |= nodes
 
-    async def fetch_to_local(self, st: StepState, rank: int) -> None:
-        """Download a remote-only step into the cache dir, verify it, commit it locally."""
+    async def fetch_to_local(self, st: StepState, rank: int, shared_memory: bool) -> Lease | None:
+        """Download a remote-only step into the cache dir, verify it, commit it locally.
+
+        With ``shared_memory`` and a free segment that fits, ``rank``'s file is
+        downloaded through that segment and the lease holding the whole file is
+        returned, verified, so serving it needs no read back from disk.
+        """
         assert self.remote is not None
         lock = self._fetching.setdefault((st.job, st.step), asyncio.Lock())
         async with lock:
             if st.manifest is not None:
-                return  # another restore fetched it meanwhile
+                return None  # another restore fetched it meanwhile
             node, raw, manifest = await fetch.node_manifest(
                 self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
             )
+            record = next(r for r in manifest.ranks if r.rank == rank)
+            lease = (
+                self.node.staging.take_free(st.job, round_up(record.size))
+                if shared_memory
+                else None
+            )
+            into = {record.file: lease.segment.view(0, round_up(record.size))} if lease else None
             store = self.node.store
             tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
             try:
-                await fetch.download_step(self.remote, st.job, st.step, node, raw, manifest, tmp)
+                await fetch.download_step(
+                    self.remote, st.job, st.step, node, raw, manifest, tmp, into=into
+                )
                 await self.node.run_io(store.install, tmp, st.job, st.step)
             except BaseException:
+                if lease is not None:
+                    self.node.staging.release(lease.lease_id)
                 await self.node.run_io(store.discard, tmp)
                 raise
             st.manifest, st.local_at = manifest, time.time()
             st.milestone = st.milestone or manifest.milestone
             log.info(
-                "%s/%d fetched from %s (node %s) and committed locally",
+                "%s/%d fetched from %s (node %s)%s and committed locally",
                 st.job,
                 st.step,
                 self.remote.url,
                 node,
+                " through shared memory" if lease else "",
             )
+            return lease
 
     async def restore(
         self, job: str, step: int | None, rank: int, shared_memory: bool
@@ -131,7 +149,11 @@ class Restorer:
         while True:
             st = self.choose(job, step, rank)
             if st.manifest is None:
-                await self.fetch_to_local(st, rank)
+                lease = await self.fetch_to_local(st, rank, shared_memory)
+                assert st.manifest is not None
+                if lease is not None:  # the whole verified file is in the lease already
+                    directory = self.node.store.step_dir(job, st.step)
+                    return RestorePlan(st, st.manifest, directory, lease, 0)
             assert st.manifest is not None
             directory = self.node.store.step_dir(job, st.step)
             if not shared_memory:
