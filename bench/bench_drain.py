@@ -39,6 +39,7 @@ from common import (
     drop_caches,
     print_table,
     settle,
+    source_digest,
     summarize,
     write_results,
 )
@@ -628,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally clause runs
     t_start = time.perf_counter()
+    sources = source_digest()
     sys.path.insert(0, str(REPO_ROOT))
     from tests.servers import SeaweedS3
 
@@ -662,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
             done = {k: f"{v[-1]:.2f}" for k, v in bench.samples.items() if len(v) > rep}
             print(f"rep {rep + 1}/{args.reps}: {done}", flush=True)
         bench.stop_daemon()
+        if source_digest() != sources:
+            bench.notes.append(
+                "the daemon/client sources changed during the run: the daemon restarts "
+                "picked up different code, so the repetitions are not comparable"
+            )
         doc = report(bench, versions, time.perf_counter() - t_start)
         path = write_results(args.name, doc, work_dir=args.dir)
         print(f"results: {path}")

@@ -276,6 +276,25 @@ def _git_commit() -> str | None:
     return None
 
 
+def source_digest() -> str:
+    """sha256 over the daemon's and client's sources as they are in the work tree now.
+
+    The git commit does not show uncommitted edits; this does (and a change during a
+    run, when compared at its start and end).
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for sub in ("daemon", "client", "proto"):
+        for path in sorted((REPO_ROOT / sub).rglob("*.py")):
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            h.update(str(path.relative_to(REPO_ROOT)).encode() + b"\0" + data + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _common_git_dir(git: Path) -> Path:
     common = git / "commondir"
     return (git / common.read_text().strip()).resolve() if common.is_file() else git
@@ -322,6 +341,7 @@ def machine_info(work_dir: Path | None = None) -> dict[str, Any]:
         "hostname": platform.node(),
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
+        "source_sha256": source_digest(),
     }
     if work_dir is not None:
         info["work_dir"] = str(work_dir)

@@ -162,6 +162,13 @@ def _open_for_direct_write(path: Path) -> tuple[int, bool]:
         return os.open(path, flags, 0o640), False
 
 
+def _store_part(fd: int, direct: bool, data: bytes, dst: memoryview, start: int, at: int) -> int:
+    """Copy ``data`` to ``dst[start:]``, write it to the file at ``at``; returns its crc32c."""
+    dst[start : start + len(data)] = data
+    _write_part(fd, direct, dst, start, len(data), at)
+    return int(google_crc32c.value(data))
+
+
 def _write_part(
     fd: int, direct: bool, src: memoryview, start: int, length: int, at: int | None = None
 ) -> None:
@@ -261,15 +268,15 @@ class Remote(abc.ABC):
                 data = await self._bounded(lambda: self.get_range(key, offset, offset + length))
                 if len(data) != length:
                     raise RemoteError(f"{key}: short read at {offset}", transient=True)
+                # Copy, checksum and write on a worker thread: the loop only moves bytes.
                 if into is not None:
-                    into[offset : offset + length] = data
-                    await asyncio.to_thread(_write_part, fd, direct, into, offset, length)
-                else:
-                    async with self.buffers.buffer() as buf:
-                        buf[:length] = data
-                        view = memoryview(buf)
-                        await asyncio.to_thread(_write_part, fd, direct, view, 0, length, offset)
-                return int(google_crc32c.value(data))
+                    return await asyncio.to_thread(
+                        _store_part, fd, direct, data, into, offset, offset
+                    )
+                async with self.buffers.buffer() as buf:
+                    return await asyncio.to_thread(
+                        _store_part, fd, direct, data, memoryview(buf), 0, offset
+                    )
 
             pieces = parts(size, self.part_size)
             crcs = await asyncio.gather(*(one(o, n) for o, n in pieces))

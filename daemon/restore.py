@@ -32,7 +32,7 @@ from ckptd.client.format import round_up
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import fetch, localstore
-from .errors import DataLoss, FailedPrecondition, NotFound
+from .errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from .manifest import Manifest, ShardRecord
 from .node import Node, StepState
 from .remote import Remote
@@ -111,11 +111,7 @@ class Restorer:
                 self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
             )
             record = next(r for r in manifest.ranks if r.rank == rank)
-            lease = (
-                self.node.staging.take_free(st.job, round_up(record.size))
-                if shared_memory
-                else None
-            )
+            lease = await self._restore_lease(st.job, record.size) if shared_memory else None
             into = {record.file: lease.segment.view(0, round_up(record.size))} if lease else None
             store = self.node.store
             tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
@@ -140,6 +136,18 @@ class Restorer:
                 " through shared memory" if lease else "",
             )
             return lease
+
+    async def _restore_lease(self, job: str, size: int) -> Lease | None:
+        """A segment to download into: a free one, else a new one if the budget has room
+        for it and for a save of the same size after it (the client may keep it)."""
+        staging = self.node.staging
+        lease = staging.take_free(job, round_up(size))
+        if lease is None and staging.allocated_bytes + 2 * round_up(size) <= staging.budget_bytes:
+            try:
+                lease = await staging.acquire(job, round_up(size), restore=True)
+            except ResourceExhausted:
+                return None
+        return lease
 
     async def restore(
         self, job: str, step: int | None, rank: int, shared_memory: bool

@@ -127,8 +127,12 @@ class Staging:
         self._leases.clear()
 
     # -- leases ------------------------------------------------------------
-    async def acquire(self, job: str, size_bytes: int) -> Lease:
-        """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits."""
+    async def acquire(self, job: str, size_bytes: int, restore: bool = False) -> Lease:
+        """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
+
+        ``restore``: a lease to fill with checkpoint data for the client (see
+        :meth:`take_free`), allocated if no free segment fits.
+        """
         self.reclaim_expired()
         need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
         if need > self.budget_bytes:
@@ -159,7 +163,7 @@ class Staging:
             finally:
                 self._reserved -= need
             self._segments[seg.name] = seg
-        return self._grant(job, seg)
+        return self._grant(job, seg, restore)
 
     def _grant(self, job: str, seg: Segment, restore: bool = False) -> Lease:
         lease = Lease(secrets.token_hex(12), job, seg, self._clock(), restore=restore)
