@@ -59,6 +59,8 @@ class Restorer:
         self.node = node
         self.remote = remote
         self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
+        self._prefetched: dict[tuple[str, int, int], Lease] = {}
+        """Verified restore leases of other ranks, filled by a fetch from the bucket."""
 
     def choose(self, job: str, step: int | None, rank: int) -> StepState:
         """The newest (or given) step with a verified copy in some tier."""
@@ -98,9 +100,11 @@ class Restorer:
     async def fetch_to_local(self, st: StepState, rank: int, shared_memory: bool) -> Lease | None:
         """Download a remote-only step into the cache dir, verify it, commit it locally.
 
-        With ``shared_memory`` and a free segment that fits, ``rank``'s file is
-        downloaded through that segment and the lease holding the whole file is
-        returned, verified, so serving it needs no read back from disk.
+        With ``shared_memory``, every rank file of the node is downloaded through a
+        segment when the budget allows: ``rank``'s lease is returned, the others are
+        kept for those ranks' own Restore calls (which usually arrive together), so
+        serving them needs no read back from disk. Unclaimed ones expire like any
+        lease a client never used.
         """
         assert self.remote is not None
         lock = self._fetching.setdefault((st.job, st.step), asyncio.Lock())
@@ -110,9 +114,16 @@ class Restorer:
             node, raw, manifest = await fetch.node_manifest(
                 self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
             )
-            record = next(r for r in manifest.ranks if r.rank == rank)
-            lease = await self._restore_lease(st.job, record.size) if shared_memory else None
-            into = {record.file: lease.segment.view(0, round_up(record.size))} if lease else None
+            leases: dict[int, Lease] = {}
+            for r in sorted(manifest.ranks, key=lambda r: r.rank != rank) if shared_memory else []:
+                got = await self._restore_lease(st.job, r.size)
+                if got is not None:
+                    leases[r.rank] = got
+            into = {
+                r.file: leases[r.rank].segment.view(0, round_up(r.size))
+                for r in manifest.ranks
+                if r.rank in leases
+            }
             store = self.node.store
             tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
             try:
@@ -121,8 +132,8 @@ class Restorer:
                 )
                 await self.node.run_io(store.install, tmp, st.job, st.step)
             except BaseException:
-                if lease is not None:
-                    self.node.staging.release(lease.lease_id)
+                for held in leases.values():
+                    self.node.staging.release(held.lease_id)
                 await self.node.run_io(store.discard, tmp)
                 raise
             st.manifest, st.local_at = manifest, time.time()
@@ -133,8 +144,11 @@ class Restorer:
                 st.step,
                 self.remote.url,
                 node,
-                " through shared memory" if lease else "",
+                " through shared memory" if leases else "",
             )
+            lease = leases.pop(rank, None)
+            for other, held in leases.items():
+                self._prefetched[(st.job, st.step, other)] = held
             return lease
 
     async def _restore_lease(self, job: str, size: int) -> Lease | None:
@@ -164,6 +178,9 @@ class Restorer:
                     return RestorePlan(st, st.manifest, directory, lease, 0)
             assert st.manifest is not None
             directory = self.node.store.step_dir(job, st.step)
+            prefetched = self._prefetched.pop((job, st.step, rank), None)
+            if prefetched is not None and self.node.staging.holds(prefetched):
+                return RestorePlan(st, st.manifest, directory, prefetched, 0)
             if not shared_memory:
                 return RestorePlan(st, st.manifest, directory, None, 0)
             record = next(r for r in st.manifest.ranks if r.rank == rank)

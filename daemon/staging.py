@@ -190,6 +190,10 @@ class Staging:
             return None
         return self._grant(job, free[0], restore=True)
 
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still granted (not expired and reclaimed)."""
+        return self._leases.get(lease.lease_id) is lease
+
     def lend(self, lease_id: str) -> None:
         """The client confirmed it mapped a restore lease and holds its lock."""
         lease = self.get(lease_id)

@@ -314,3 +314,26 @@ def test_pull_and_verify_commands(make_daemon: Any, s3_server: Any, tmp_path: An
         timeout=120,
     )
     assert out.returncode == 2 and "step 9 of job 'pl' is not complete" in out.stderr
+
+
+def test_several_ranks_restore_from_the_bucket_together(make_daemon: Any, tmp_path: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    daemon = remote_daemon(make_daemon, remote)
+    ranks = [daemon.client("mr", rank=r, node_ranks=[0, 1, 2], world_size=3) for r in range(3)]
+    handles = [c.save(9, state_for(10 + c.rank, 4), metadata={"r": c.rank}) for c in ranks]
+    handles[0].wait("durable", 60)
+    assert remote.object_keys() == sorted(
+        ["mr/9/_complete/test-node", "mr/9/test-node/manifest.json"]
+        + [f"mr/9/test-node/rank-0000{r}.safetensors" for r in range(3)]
+    )
+    daemon.stop()
+    shutil.rmtree(daemon.root)
+    daemon.restart()
+    clients = [daemon.client("mr", rank=r, node_ranks=[0, 1, 2], world_size=3) for r in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        restored = list(pool.map(lambda c: c.restore(), clients))
+    for r, (tree, _meta) in enumerate(restored):
+        assert tree["w1"].tobytes() == state_for(10 + r, 4)["w1"].tobytes()
+    assert "through shared memory" in daemon.log_text()
