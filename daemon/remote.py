@@ -162,11 +162,13 @@ def _open_for_direct_write(path: Path) -> tuple[int, bool]:
         return os.open(path, flags, 0o640), False
 
 
-def _store_part(fd: int, direct: bool, data: bytes, dst: memoryview, start: int, at: int) -> int:
-    """Copy ``data`` to ``dst[start:]``, write it to the file at ``at``; returns its crc32c."""
-    dst[start : start + len(data)] = data
-    _write_part(fd, direct, dst, start, len(data), at)
-    return int(google_crc32c.value(data))
+def _checksum_and_write(
+    fd: int, direct: bool, src: memoryview, start: int, length: int, at: int
+) -> int:
+    """crc32c of ``src[start:start+length]``, written to the file at ``at``."""
+    value = google_crc32c.extend(0, np.frombuffer(src, np.uint8, length, start))
+    _write_part(fd, direct, src, start, length, at)
+    return int(value)
 
 
 def _write_part(
@@ -224,6 +226,13 @@ class Remote(abc.ABC):
         data: bytes = await self.fs._cat_file(self.path(key), start=start, end=end)
         return data
 
+    async def read_range_into(self, key: str, start: int, length: int, dst: memoryview) -> None:
+        """Read ``length`` bytes of an object at ``start`` into ``dst`` (backends may stream)."""
+        data = await self.get_range(key, start, start + length)
+        if len(data) != length:
+            raise RemoteError(f"{key}: short read at {start}", transient=True)
+        dst[:length] = data
+
     async def list_keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (recursive), relative to the remote root."""
         self.fs.invalidate_cache()
@@ -265,17 +274,20 @@ class Remote(abc.ABC):
             async def one(offset: int, length: int) -> int:
                 if length == 0:
                     return 0  # s3fs reads the whole object for an empty range
-                data = await self._bounded(lambda: self.get_range(key, offset, offset + length))
-                if len(data) != length:
-                    raise RemoteError(f"{key}: short read at {offset}", transient=True)
-                # Copy, checksum and write on a worker thread: the loop only moves bytes.
-                if into is not None:
-                    return await asyncio.to_thread(
-                        _store_part, fd, direct, data, into, offset, offset
+                async with contextlib.AsyncExitStack() as stack:
+                    if into is not None:
+                        dst, start = into, offset
+                    else:
+                        dst, start = (
+                            memoryview(await stack.enter_async_context(self.buffers.buffer())),
+                            0,
+                        )
+                    await self._bounded(
+                        lambda: self.read_range_into(key, offset, length, dst[start:])
                     )
-                async with self.buffers.buffer() as buf:
+                    # Checksum and write on a worker thread: the loop only moves bytes.
                     return await asyncio.to_thread(
-                        _store_part, fd, direct, data, memoryview(buf), 0, offset
+                        _checksum_and_write, fd, direct, dst, start, length, offset
                     )
 
             pieces = parts(size, self.part_size)

@@ -174,6 +174,27 @@ class S3Remote(Remote):
         elif crc.from_base64(stored) != whole:
             raise self.mismatch(key, "stored", crc.from_base64(stored), whole)
 
+    async def read_range_into(self, key: str, start: int, length: int, dst: memoryview) -> None:
+        """Stream a ranged GET into ``dst`` in 1 MiB chunks: no whole-part ``bytes`` is
+        assembled (fresh memory for each, which these VMs are slow to hand out)."""
+        bucket, obj = self._bucket_key(key)
+        resp = await self._s3(
+            "get_object", Bucket=bucket, Key=obj, Range=f"bytes={start}-{start + length - 1}"
+        )
+        body = resp["Body"]
+        pos = 0
+        try:
+            while pos < length:
+                chunk = await body.read(min(2**20, length - pos))
+                if not chunk:
+                    break
+                dst[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        finally:
+            body.close()
+        if pos != length:
+            raise RemoteError(f"{key}: short read at {start + pos}", transient=True)
+
     async def native_crc32c(self, key: str) -> int | None:
         """The object's whole-file crc32c: the store's own, or ours from its metadata."""
         bucket, obj = self._bucket_key(key)
