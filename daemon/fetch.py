@@ -7,7 +7,7 @@ Used by restore (bucket -> ``<root>/.cache`` -> committed locally) and by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from .drain import parse_marker
@@ -47,18 +47,19 @@ async def download_step(
     manifest: Manifest,
     dest: Path,
     progress: Callable[[int], None] | None = None,
-    into: dict[str, memoryview] | None = None,
+    memory_for: Callable[[str], Awaitable[memoryview | None]] | None = None,
 ) -> None:
     """Download one node's files of a step into ``dest`` with parallel ranged reads.
 
     Each file's crc32c must match the manifest (a corrupt bucket copy is never
-    installed); the manifest is written last. Files are fsynced. A file named in
-    ``into`` is also left whole in that memory (a restore lease), so it need not be
-    read back from disk.
+    installed); the manifest is written last. Files are fsynced. ``memory_for(name)``
+    may give page-aligned memory (a restore lease) where that file is also left
+    whole, so it need not be read back from disk; each file's download starts as
+    soon as its memory is ready.
     """
 
     async def one(name: str, size: int, want: int) -> None:
-        memory = (into or {}).get(name)
+        memory = await memory_for(name) if memory_for is not None else None
         got = await remote.download(f"{job}/{step}/{node}/{name}", dest / name, size, memory)
         if got != want:
             raise DataLoss(

@@ -115,20 +115,21 @@ class Restorer:
                 self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
             )
             leases: dict[int, Lease] = {}
-            for r in sorted(manifest.ranks, key=lambda r: r.rank != rank) if shared_memory else []:
-                got = await self._restore_lease(st.job, r.size)
-                if got is not None:
-                    leases[r.rank] = got
-            into = {
-                r.file: leases[r.rank].segment.view(0, round_up(r.size))
-                for r in manifest.ranks
-                if r.rank in leases
-            }
+            by_file = {r.file: r for r in manifest.ranks}
+
+            async def memory_for(name: str) -> memoryview | None:
+                record = by_file[name]
+                got = await self._restore_lease(st.job, record.size) if shared_memory else None
+                if got is None:
+                    return None
+                leases[record.rank] = got
+                return got.segment.view(0, round_up(record.size))
+
             store = self.node.store
             tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
             try:
                 await fetch.download_step(
-                    self.remote, st.job, st.step, node, raw, manifest, tmp, into=into
+                    self.remote, st.job, st.step, node, raw, manifest, tmp, memory_for=memory_for
                 )
                 await self.node.run_io(store.install, tmp, st.job, st.step)
             except BaseException:
