@@ -49,6 +49,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_direct(path: Path, flags: int, mode: int = 0o640, want: bool = True) -> tuple[int, bool]:
+    """Open with ``O_DIRECT`` when ``want`` and the filesystem allows it (tmpfs and some
+    overlays refuse it with EINVAL: then a plain open); returns ``(fd, direct)``."""
+    direct = getattr(os, "O_DIRECT", 0) if want else 0
+    if direct:
+        try:
+            return os.open(path, flags | direct, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
 def crc32c_file_and_shards(
     header: bytes, data: memoryview, data_length: int, ranges: Sequence[tuple[int, int]]
 ) -> tuple[int, list[int]]:
@@ -82,15 +95,7 @@ def write_file_direct(path: Path, header: bytes, data: memoryview, data_length: 
     padded = round_up(data_length)
     if len(data) < padded:
         raise ValueError("lease view shorter than the padded data section")
-    direct = getattr(os, "O_DIRECT", 0)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    try:
-        fd = os.open(path, flags | direct, 0o640)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL or not direct:
-            raise
-        direct = 0
-        fd = os.open(path, flags, 0o640)
+    fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         if direct:
             try:
@@ -142,13 +147,7 @@ def read_data_direct(path: Path, offset: int, length: int, dest: memoryview) -> 
     """
     if len(dest) < round_up(length):
         raise ValueError("destination shorter than the padded read")
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(path, os.O_RDONLY | direct)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL or not direct:
-            raise
-        fd = os.open(path, os.O_RDONLY)
+    fd, _ = open_direct(path, os.O_RDONLY)
     try:
         pos = 0
         while pos < length:

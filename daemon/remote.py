@@ -34,6 +34,7 @@ import numpy as np
 from ckptd.client.format import round_up
 
 from . import crc, faults
+from .localstore import open_direct
 
 log = logging.getLogger("ckptd.remote")
 
@@ -130,13 +131,7 @@ class BufferPool:
 def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int, int]:
     """Read ``length`` bytes at ``offset`` into ``buf`` (O_DIRECT if aligned); -> (n, crc32c)."""
     faults.hit("drain.part")
-    direct = getattr(os, "O_DIRECT", 0) if offset % 4096 == 0 else 0
-    try:
-        fd = os.open(path, os.O_RDONLY | direct)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL or not direct:
-            raise
-        fd = os.open(path, os.O_RDONLY)
+    fd, direct = open_direct(path, os.O_RDONLY, want=offset % 4096 == 0)
     try:
         view = memoryview(buf)
         want = round_up(length) if direct else length
@@ -149,17 +144,6 @@ def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int
     finally:
         os.close(fd)
     return length, int(google_crc32c.extend(0, np.frombuffer(buf, np.uint8, length)))
-
-
-def _open_for_direct_write(path: Path) -> tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        return os.open(path, flags | direct, 0o640), bool(direct)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL or not direct:
-            raise
-        return os.open(path, flags, 0o640), False
 
 
 def _checksum_and_write(
@@ -268,7 +252,7 @@ class Remote(abc.ABC):
         pooled buffer) and written from there with ``O_DIRECT``, as it arrives: no
         page cache is allocated and the disk write overlaps the network.
         """
-        fd, direct = _open_for_direct_write(dest)
+        fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
 
             async def one(offset: int, length: int) -> int:

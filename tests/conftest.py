@@ -204,29 +204,34 @@ class RemoteTarget:
     env: dict[str, str]
     server: Any = None
 
-    def object_keys(self) -> list[str]:
-        """Every object key under the URL, as the store lists it (relative, sorted)."""
+    def run(self, body: Any, part_size: int = 5 * 2**20) -> Any:
+        """Run ``await body(remote)`` on a fresh adapter, with this target's environment set."""
         import asyncio
 
         from ckptd.daemon.remote_backends import open_remote
 
-        async def run() -> list[str]:
-            old = {k: os.environ.get(k) for k in self.env}
-            os.environ.update(self.env)
+        async def main() -> Any:
+            r = open_remote(self.url, "", part_size, 4)
             try:
-                r = open_remote(self.url, "", 5 * 2**20, 4)
-                try:
-                    return await r.list_keys("")
-                finally:
-                    await r.close()
+                return await body(r)
             finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                await r.close()
 
-        return asyncio.run(run())
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return asyncio.run(main())
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def object_keys(self) -> list[str]:
+        """Every object key under the URL, as the store lists it (relative, sorted)."""
+        keys: list[str] = self.run(lambda r: r.list_keys(""))
+        return keys
 
 
 _bucket_counter = iter(range(10**6))

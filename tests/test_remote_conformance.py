@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +11,6 @@ import numpy as np
 import pytest
 
 from ckptd.daemon.remote import Remote, RemoteError
-from ckptd.daemon.remote_backends import open_remote
 
 from .conftest import RemoteTarget
 
@@ -21,25 +18,8 @@ PART = 5 * 2**20
 
 
 def run(target: RemoteTarget, body: Callable[[Remote], Awaitable[Any]]) -> Any:
-    """Run ``body`` against a fresh adapter, with the target's environment set."""
-
-    async def main() -> Any:
-        r = open_remote(target.url, "", PART, 4)
-        try:
-            return await body(r)
-        finally:
-            await r.close()
-
-    old = {k: os.environ.get(k) for k in target.env}
-    os.environ.update(target.env)
-    try:
-        return asyncio.run(main())
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """Run ``body`` against a fresh adapter with ``PART``-sized parts."""
+    return target.run(body, PART)
 
 
 def random_file(path: Path, size: int, seed: int = 0) -> int:
