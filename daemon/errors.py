@@ -55,10 +55,3 @@ class Unavailable(CkptdError):
     """The daemon is shutting down; retry against the next instance."""
 
     code = grpc.StatusCode.UNAVAILABLE
-
-
-def status_code(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status for an exception raised by the domain layer."""
-    if isinstance(exc, CkptdError):
-        return exc.code
-    return grpc.StatusCode.INTERNAL

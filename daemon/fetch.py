@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .drain import parse_marker
 from .errors import DataLoss, NotFound
+from .localstore import write_synced
 from .manifest import Manifest
 from .remote import Remote
 
@@ -70,15 +71,4 @@ async def download_step(
             progress(size)
 
     await asyncio.gather(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
-    await asyncio.to_thread(_write_synced, dest / "manifest.json", raw_manifest)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    import os
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    await asyncio.to_thread(write_synced, dest / "manifest.json", raw_manifest)

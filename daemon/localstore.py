@@ -49,6 +49,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_direct(path: Path, flags: int, mode: int = 0o640, want: bool = True) -> tuple[int, bool]:
     """Open with ``O_DIRECT`` when ``want`` and the filesystem allows it (tmpfs and some
     overlays refuse it with EINVAL: then a plain open); returns ``(fd, direct)``."""
@@ -230,11 +242,7 @@ class LocalStore:
     def commit(self, staging: Path, manifest: Manifest) -> Path:
         """Write the manifest and rename the staging dir into place (the commit point)."""
         mpath = staging / MANIFEST
-        fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-        with open(fd, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(mpath, manifest.to_json().encode())
         return self.install(staging, manifest.job, manifest.step)
 
     def install(self, staging: Path, job: str, step: int) -> Path:

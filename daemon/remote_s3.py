@@ -85,19 +85,10 @@ class S3Remote(Remote):
         pieces = parts(size, self.part_size)
         if len(pieces) == 1:
             async with self.buffers.buffer() as buf:
-                n, part_crc = await asyncio.to_thread(read_part, local, 0, size, buf)
-                if part_crc != crc32c:
-                    raise self.mismatch(key, "read back", part_crc, crc32c)
-                await self._s3(
-                    "put_object",
-                    Bucket=bucket,
-                    Key=obj,
-                    Body=bytes(buf[:n]),
-                    ChecksumAlgorithm="CRC32C",
-                    ChecksumCRC32C=crc.to_base64(crc32c),
-                    Metadata={META_CRC: str(crc32c)},
-                )
-            await self._verify_stored(key, crc32c, [crc32c])
+                body, part_crc = await asyncio.to_thread(_read_body, local, 0, size, buf)
+            if part_crc != crc32c:
+                raise self.mismatch(key, "read back", part_crc, crc32c)
+            await self.put_bytes(key, body)
             return
         mpu = await self._s3(
             "create_multipart_upload",

@@ -104,10 +104,6 @@ class Staging:
         """Leases granted and not yet returned to the pool."""
         return len(self._leases)
 
-    def is_own_segment(self, name: str) -> bool:
-        """True if ``name`` is a segment this daemon created and still holds."""
-        return name in self._segments
-
     # -- lifecycle ---------------------------------------------------------
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed) daemon on this root left behind."""

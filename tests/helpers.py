@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+
+
+def flip_byte(path: Path, where: int = -3) -> None:
+    """Corrupt one bit of a file in place (silent bit rot)."""
+    raw = bytearray(path.read_bytes())
+    raw[where] ^= 0x40
+    path.write_bytes(bytes(raw))
 
 
 def state_for(seed: int, mib: int) -> dict[str, np.ndarray]:

@@ -14,7 +14,13 @@ from ckptd.client import SaveFailed
 from ckptd.client.client import SaveHandle
 
 from .conftest import CKPTD, Daemon, RemoteTarget
-from .helpers import state_for
+from .helpers import flip_byte, state_for
+
+
+def s3_target(server: Any, bucket: str) -> RemoteTarget:
+    """A fresh bucket on the session's S3 server."""
+    server.make_bucket(bucket)
+    return RemoteTarget("s3", f"s3://{bucket}/ckpt", server.env(), server)
 
 
 def remote_daemon(
@@ -97,12 +103,11 @@ def test_bucket_layout_with_marker_last(make_daemon: Any, remote: RemoteTarget) 
 
 
 def test_aws_cli_lists_the_layout(make_daemon: Any, s3_server: Any) -> None:
-    bucket = s3_server.make_bucket("ckptd-awscli-layout")
-    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    remote = s3_target(s3_server, "ckptd-awscli-layout")
     daemon = remote_daemon(make_daemon, remote)
     daemon.client("aws").save(3, state_for(3, 4)).wait("durable", 60)
     out = subprocess.run(
-        ["aws", "s3", "ls", "--recursive", f"s3://{bucket}/"],
+        ["aws", "s3", "ls", "--recursive", "s3://ckptd-awscli-layout/"],
         capture_output=True,
         text=True,
         env={**_os_env(), **s3_server.env()},
@@ -156,8 +161,7 @@ def test_cut_upload_is_never_durable_and_completes_after_the_server_returns(
 
 
 def test_drain_never_delays_the_next_save(make_daemon: Any, s3_server: Any) -> None:
-    bucket = s3_server.make_bucket("ckptd-nodelay")
-    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    remote = s3_target(s3_server, "ckptd-nodelay")
     daemon = remote_daemon(make_daemon, remote)
     client = daemon.client("nodelay")
     client.save(1, state_for(1, 4)).wait("durable", 60)
@@ -194,15 +198,11 @@ def test_coalescing_uploads_newest_and_milestones_only(
 
 
 def test_flipped_local_byte_is_served_from_the_bucket(make_daemon: Any, s3_server: Any) -> None:
-    bucket = s3_server.make_bucket("ckptd-flip")
-    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    remote = s3_target(s3_server, "ckptd-flip")
     daemon = remote_daemon(make_daemon, remote)
     client = daemon.client("flip")
     client.save(1, state_for(1, 4)).wait("durable", 60)
-    f = daemon.root / "flip" / "1" / "rank-00000.safetensors"
-    raw = bytearray(f.read_bytes())
-    raw[-10] ^= 0x01
-    f.write_bytes(bytes(raw))
+    flip_byte(daemon.root / "flip" / "1" / "rank-00000.safetensors", where=-10)
     tree, _ = client.restore(step=1)
     assert tree["w2"].tobytes() == state_for(1, 4)["w2"].tobytes()
     assert "corrupt" in daemon.log_text() and "fetched from" in daemon.log_text()
@@ -258,8 +258,7 @@ def test_bad_remote_is_one_clear_error_at_start_up(
 
 
 def test_upload_resumes_after_a_daemon_restart(make_daemon: Any, s3_server: Any) -> None:
-    bucket = s3_server.make_bucket("ckptd-resume")
-    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    remote = s3_target(s3_server, "ckptd-resume")
     daemon = remote_daemon(make_daemon, remote, "drain.before_marker=sleep(60)")
     client = daemon.client("res")
     client.save(4, state_for(4, 12)).wait("local")
@@ -275,8 +274,7 @@ def test_upload_resumes_after_a_daemon_restart(make_daemon: Any, s3_server: Any)
 
 
 def test_pull_and_verify_commands(make_daemon: Any, s3_server: Any, tmp_path: Any) -> None:
-    bucket = s3_server.make_bucket("ckptd-pull")
-    remote = RemoteTarget("s3", f"s3://{bucket}/ckpt", s3_server.env(), s3_server)
+    remote = s3_target(s3_server, "ckptd-pull")
     daemon = remote_daemon(make_daemon, remote)
     client = daemon.client("pl")
     client.save(1, state_for(1, 6)).wait("durable", 60)
@@ -300,10 +298,7 @@ def test_pull_and_verify_commands(make_daemon: Any, s3_server: Any, tmp_path: An
     out = subprocess.run(verify, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 copies checked, 0 corrupt" in out.stdout
-    f = local / "rank-00000.safetensors"
-    raw = bytearray(f.read_bytes())
-    raw[5000] ^= 1
-    f.write_bytes(bytes(raw))
+    flip_byte(local / "rank-00000.safetensors", where=5000)
     out = subprocess.run(verify, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1 and "CORRUPT  local pl/2" in out.stdout
     out = subprocess.run(

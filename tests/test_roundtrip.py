@@ -20,6 +20,7 @@ from ckptd.client import CheckpointCorrupt, CheckpointNotFound
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import META, Daemon
+from .helpers import flip_byte
 
 RNG = np.random.default_rng(7)
 
@@ -212,12 +213,6 @@ def test_restart_rescans_committed_steps(daemon: Daemon) -> None:
     tree, meta = daemon.client("rescan").restore()
     np.testing.assert_array_equal(tree["x"], np.arange(10))
     assert meta == {"m": 1}
-
-
-def flip_byte(path: Path, where: int = -3) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[where] ^= 0x40
-    path.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])
