@@ -1,15 +1,30 @@
 """ckptd client: what a trainer imports to save to and restore from the node daemon."""
 
 from .client import CheckpointInfo, Client, SaveHandle
-from .errors import CheckpointCorrupt, CheckpointNotFound, CkptdError, CkptdUnavailable, SaveFailed
+from .errors import (
+    CapacityExhausted,
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CkptdError,
+    CkptdUnavailable,
+    SaveFailed,
+)
+from .policies import AnyOf, Continuous, FixedInterval, SaveContext, SavePolicy, SpecificSteps
 
 __all__ = [
+    "AnyOf",
+    "CapacityExhausted",
     "CheckpointCorrupt",
     "CheckpointInfo",
     "CheckpointNotFound",
     "CkptdError",
     "CkptdUnavailable",
     "Client",
+    "Continuous",
+    "FixedInterval",
+    "SaveContext",
     "SaveFailed",
     "SaveHandle",
+    "SavePolicy",
+    "SpecificSteps",
 ]

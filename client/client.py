@@ -22,6 +22,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import restore as restore_mod
 from .errors import (
+    CapacityExhausted,
     CheckpointCorrupt,
     CheckpointNotFound,
     CkptdError,
@@ -30,6 +31,7 @@ from .errors import (
     from_rpc_error,
 )
 from .format import TensorEntry, dtype_to_str, plan_layout, round_up
+from .policies import Continuous, SaveContext, SavePolicy
 from .tree import flatten
 
 log = logging.getLogger("ckptd.client")
@@ -75,6 +77,12 @@ class CheckpointInfo:
     num_shards: int
     milestone: bool
     error: str
+    local_reasons: tuple[str, ...] = ()
+    """Why the local tier keeps it: policy reasons ("latest", "every-10-steps", ...)
+    or holds ("newest", "pinned", "awaiting-upload", "in-use")."""
+    remote_reasons: tuple[str, ...] = ()
+    pinned: bool = False
+    metrics: dict[str, float] | None = None
 
 
 class SaveHandle:
@@ -146,6 +154,9 @@ class Client:
     same daemon (the step commits when all of them have), ``world_size`` the
     job's total number of ranks. ``copy_threads`` (default: up to 4) copy large
     arrays into shared memory in parallel; 1 copies on the calling thread only.
+    ``policy`` decides :meth:`should_save` (default :class:`Continuous`);
+    ``staging_timeout`` is how long :meth:`save` waits for staging memory held
+    by earlier saves before it raises :class:`CapacityExhausted`.
     """
 
     def __init__(
@@ -158,6 +169,8 @@ class Client:
         world_size: int | None = None,
         timeout: float = 120.0,
         copy_threads: int | None = None,
+        policy: SavePolicy | None = None,
+        staging_timeout: float = 60.0,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -174,6 +187,16 @@ class Client:
         # lease faster than one (memory bandwidth, not CPU, is the limit).
         threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
         self._copier = ThreadPoolExecutor(threads, "ckptd-copy") if threads > 1 else None
+        if policy is not None and not isinstance(policy, SavePolicy):
+            raise TypeError(f"policy must be a ckptd.client SavePolicy, not {policy!r}")
+        self.policy: SavePolicy = policy or Continuous()
+        self.staging_timeout = staging_timeout
+        self.last_refusal = ""
+        """Why the last :meth:`should_save` said False although the policy said True."""
+        self._last: SaveHandle | None = None
+        self._last_at: float | None = None
+        self._last_bytes = 0
+        self._last_reached: set[str] = set()
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
@@ -213,6 +236,59 @@ class Client:
         for job in jobs:
             job.result()
 
+    # -- save decisions ---------------------------------------------------------
+    def _previous_reached(self, stage: str) -> bool:
+        if self._last is None or stage in self._last_reached:
+            return True
+        try:
+            st = self._last._status(_STAGES[stage], 0.0)
+        except CheckpointNotFound:
+            return True  # the daemon lost track of it (restarted before LOCAL): move on
+        if st.reached or st.final:
+            self._last_reached.add(stage)
+            return True
+        return False
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: the policy's answer, and room for the save.
+
+        False while the daemon's staging memory or local disk cannot take another
+        save of the previous one's size (``last_refusal`` says which), so a
+        trainer that saves only when this is True never blocks in :meth:`save`.
+        In a multi-process job every rank must take the same decision: decide on
+        one rank and broadcast it with your framework's collectives.
+        """
+        if self._last is not None and int(step) == self._last.step:
+            return False
+        ctx = SaveContext(
+            int(step),
+            time.monotonic(),
+            self._last.step if self._last else None,
+            self._last_at,
+            self._previous_reached,
+        )
+        if not self.policy.should_save(ctx):
+            return False
+        self.last_refusal = ""
+        if self._last_bytes:
+            cap = self._call(
+                self._stub.CheckCapacity,
+                pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes),
+            )
+            if not cap.ok:
+                self.last_refusal = cap.reason
+                log.debug("step %d: not saving now: %s", step, cap.reason)
+                return False
+        return True
+
+    def pin(self, step: int, pinned: bool = True) -> None:
+        """Pin a step: no tier evicts it until :meth:`unpin` (``ckptd pin`` does the same)."""
+        self._call(self._stub.Pin, pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
+
+    def unpin(self, step: int) -> None:
+        """Undo :meth:`pin`; the retention policies decide again."""
+        self.pin(step, pinned=False)
+
     # -- public API ------------------------------------------------------------
     def save(
         self,
@@ -221,15 +297,23 @@ class Client:
         metadata: dict[str, Any] | None = None,
         *,
         milestone: bool = False,
+        metrics: dict[str, float] | None = None,
+        staging_timeout: float | None = None,
     ) -> SaveHandle:
         """Hand ``tree`` to the daemon as ``step``; returns once the daemon owns the bytes.
 
         Arrays are copied into shared memory before this returns, so the caller
         may mutate them right after. Wait on the handle for LOCAL / DURABLE.
+        ``milestone``: the remote tier keeps this step whatever its policy.
+        ``metrics``: numbers such as ``{"eval_loss": 1.7}`` for ``KeepBest``.
+        If earlier saves hold all staging memory, waits up to ``staging_timeout``
+        (default: the client's) and then raises :class:`CapacityExhausted`.
         """
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         step = int(step)
+        metrics = _check_metrics(metrics)
+        wait = self.staging_timeout if staging_timeout is None else staging_timeout
         spec, arrays = flatten(tree)
         try:
             tree_json = json.dumps(spec, allow_nan=True)
@@ -242,10 +326,19 @@ class Client:
         dtypes = {k: dtype_to_str(a.dtype) for k, a in arrays}
         entries = plan_layout((k, a.dtype, a.shape) for k, a in arrays)
         data_len = sum(e.length for e in entries)
-        lease = self._call(
-            self._stub.AcquireLease,
-            pb.AcquireLeaseRequest(job=self.job, size_bytes=round_up(data_len)),
-        )
+        started = time.monotonic()
+        try:
+            lease = self._call(
+                self._stub.AcquireLease,
+                pb.AcquireLeaseRequest(
+                    job=self.job, size_bytes=round_up(data_len), wait_seconds=wait
+                ),
+                wait + self.timeout,
+            )
+        except CapacityExhausted as exc:
+            raise CapacityExhausted(
+                f"step {step} of job {self.job!r} was not saved: {exc}", exc.code
+            ) from None
         committed = False
         try:
             mm = self._map_segment(lease.segment, lease.size_bytes)
@@ -272,6 +365,7 @@ class Client:
                 tree_json=tree_json,
                 metadata_json=metadata_json,
                 milestone=milestone,
+                metrics=metrics,
             )
             self._call(self._stub.CommitShards, req)
             committed = True
@@ -285,7 +379,10 @@ class Client:
                     )
                 except CkptdError as exc:
                     log.debug("could not release lease after a failed save: %s", exc)
-        return SaveHandle(self, step)
+        handle = SaveHandle(self, step)
+        self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
+        self._last_reached = set()
+        return handle
 
     def restore(
         self, step: int | None = None, *, shared_memory: bool = True
@@ -365,6 +462,10 @@ class Client:
                 c.num_shards,
                 c.milestone,
                 c.error,
+                tuple(c.local_reasons),
+                tuple(c.remote_reasons),
+                c.pinned,
+                dict(c.metrics),
             )
             for c in resp.checkpoints
         ]
@@ -383,6 +484,22 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of name -> number, not {type(metrics).__name__}")
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or isinstance(value, bool):
+            raise TypeError(f"metric {name!r}: names must be str and values numbers")
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {name!r} = {value!r} is not a number") from None
+    return out
 
 
 __all__ = ["CheckpointCorrupt", "CheckpointInfo", "Client", "SaveFailed", "SaveHandle"]

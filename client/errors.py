@@ -29,10 +29,16 @@ class CheckpointCorrupt(CkptdError):
     """Every copy of the requested step failed its checksum check."""
 
 
+class CapacityExhausted(CkptdError):
+    """No room for a save: staging memory held by earlier saves, or local disk below
+    its floor. The message says how much is needed and what to change."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[CkptdError]] = {
     grpc.StatusCode.UNAVAILABLE: CkptdUnavailable,
     grpc.StatusCode.NOT_FOUND: CheckpointNotFound,
     grpc.StatusCode.DATA_LOSS: CheckpointCorrupt,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExhausted,
 }
 
 

@@ -1,4 +1,4 @@
-"""The ``ckptd`` command: serve, ls, status, demo.
+"""The ``ckptd`` command: serve, ls, status, pin, unpin, demo (pull, verify: cli_remote).
 
 Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 """
@@ -55,6 +55,8 @@ def _plain(msg: Any) -> dict[str, Any]:
                 for v in f.enum_type.values
             }
             value = [names[v] for v in value] if f.is_repeated else names[value]
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value = dict(value)
         elif f.is_repeated:
             value = list(value)
         out[f.name] = value
@@ -105,14 +107,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _human_bytes(c.size_bytes) if c.size_bytes else "-",
             str(c.num_shards),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
-            ("milestone " if c.milestone else "") + (c.error[:60] if c.error else ""),
+            _kept_by(c),
+            ("milestone " if c.milestone else "")
+            + ("pinned " if c.pinned else "")
+            + (c.error[:60] if c.error else ""),
         ]
         for c in resp.checkpoints
     ]
     if not rows:
         print("no checkpoints" + (f" for job {args.job!r}" if args.job else ""))
         return 0
-    print(_table(["JOB", "STEP", "STATE", "TIERS", "SIZE", "SHARDS", "CREATED", "NOTE"], rows))
+    headers = ["JOB", "STEP", "STATE", "TIERS", "SIZE", "SHARDS", "CREATED", "KEPT BY", "NOTE"]
+    print(_table(headers, rows))
+    return 0
+
+
+def _kept_by(c: pb.CheckpointInfo) -> str:
+    """``local=latest remote=latest,every-10-steps``: why each tier holds the step."""
+    parts = [
+        f"{tier}={','.join(reasons)}"
+        for tier, reasons in (("local", c.local_reasons), ("remote", c.remote_reasons))
+        if reasons
+    ]
+    return " ".join(parts) or "-"
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    stub, socket = _admin(args)
+    pinned = args.command == "pin"
+    req = pb.PinRequest(job=args.job, step=args.step, pinned=pinned)
+    rpc_call(stub.Pin, req, 60.0, socket)
+    what = "pinned: no tier evicts it" if pinned else "unpinned: retention applies again"
+    print(f"{args.job}/{args.step} {what}")
     return 0
 
 
@@ -138,6 +164,17 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{_human_bytes(st.staging_budget_bytes)} budget",
         ],
         ["leases held", str(st.leases_held)],
+        [
+            "retention",
+            f"local {st.retention_local}"
+            + (f"; remote {st.retention_remote}" if st.retention_remote else ""),
+        ],
+        [
+            "free-space marks",
+            f"evict below {_human_bytes(st.local_low_watermark_bytes)}, refuse saves below "
+            f"{_human_bytes(st.local_floor_bytes)}",
+        ],
+        ["evicted", f"{st.evicted_local} local, {st.evicted_remote} remote copies"],
         ["saves in flight", str(st.saves_in_flight)],
         [
             "drain",
@@ -181,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _socket_arg(p)
     p.set_defaults(fn=cmd_status)
+    for name, text in (
+        ("pin", "keep a step in every tier whatever the retention"),
+        ("unpin", "let the retention policies decide about a step again"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("job")
+        p.add_argument("step", type=int)
+        _socket_arg(p)
+        p.set_defaults(fn=cmd_pin)
     cli_remote.add_parsers(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
     p.add_argument("--steps", type=int, default=40)

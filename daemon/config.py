@@ -19,6 +19,8 @@ from typing import Any
 
 from ckptd.client.client import DEFAULT_SOCKET  # one default for both sides
 
+from .retention import PolicyError, parse_policy
+
 DEFAULT_ROOT = "/var/lib/ckptd"
 ENV_PREFIX = "CKPTD_"
 
@@ -75,6 +77,19 @@ class Config:
     """Size of one upload part / ranged read (S3 needs at least 5 MiB)."""
     drain_retry_max_seconds: float = 30.0
     """Longest pause between retries of a transient remote error (backoff doubles up to it)."""
+    retention_local: str = "KeepLatest(3)"
+    """Which checkpoints the local tier keeps (see daemon/retention.py for the policies)."""
+    retention_remote: str = "KeepAny([KeepLatest(3), KeepMilestones()])"
+    """Which checkpoints the remote tier keeps; milestones are always kept there."""
+    local_evict_unuploaded: bool = False
+    """Let the local retention evict a copy whose remote copy is not complete yet
+    (milestones excepted). Off: such copies wait for the drain."""
+    local_low_watermark: str = "10%"
+    """Free space (bytes, '20GiB' or '10%' of the disk) below which the evictor also
+    removes local copies the local policy keeps but the bucket holds, oldest first."""
+    local_floor: str = "1GiB"
+    """Free space a save must leave on the local disk; saves that would go below it
+    are refused with RESOURCE_EXHAUSTED."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -93,6 +108,25 @@ def parse_size(value: object) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+def parse_space(value: str, disk_bytes: int) -> int:
+    """Bytes for a free-space mark: a size ('20GiB', '0') or a percentage of the disk ('10%')."""
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 <= pct <= 100:
+            raise ValueError(f"expected a percentage between 0% and 100%, got {value!r}")
+        return int(disk_bytes * pct / 100)
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(
+            f"expected a size such as '20GiB' or a percentage such as '10%', got {value!r}"
+        ) from None
+
+
 def _coerce(key: str, value: object, source: str) -> Any:
     kind = _FIELDS[key].type
     try:
@@ -105,6 +139,11 @@ def _coerce(key: str, value: object, source: str) -> Any:
             if size <= 0:
                 raise ValueError("must be positive")
             return size
+        if kind == "bool":
+            text = str(value).lower()
+            if text not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError("expected true or false")
+            return text in ("true", "1", "yes")
         if kind == "int":
             if isinstance(value, bool):
                 raise ValueError("expected an integer, got a boolean")
@@ -194,6 +233,16 @@ def _validate(cfg: Config) -> None:
             f"invalid value for 'part_size_bytes': {cfg.part_size_bytes}; use a multiple of "
             "4 KiB of at least 5 MiB (the minimum part size of S3 multipart uploads)"
         )
+    for key in ("retention_local", "retention_remote"):
+        try:
+            parse_policy(getattr(cfg, key))
+        except PolicyError as exc:
+            raise ConfigError(f"invalid value for {key!r}: {exc}") from None
+    for key in ("local_low_watermark", "local_floor"):
+        try:
+            parse_space(getattr(cfg, key), 1)
+        except ValueError as exc:
+            raise ConfigError(f"invalid value for {key!r}: {exc}") from None
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(
             f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}"

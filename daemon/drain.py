@@ -2,7 +2,7 @@
 
 Newest first and coalescing: when the uploader is free it takes each job's
 newest LOCAL step; an older pending step goes up only if the remote retention
-would keep it (a milestone, in this release), otherwise it becomes SUPERSEDED
+would keep it (``wants``, from the evictor), otherwise it becomes SUPERSEDED
 once a newer step is DURABLE. Each step's objects are uploaded in parallel
 parts and verified against the crc32c recorded at local commit; the
 ``_complete/<node>`` marker goes last. Transient errors are retried with
@@ -49,9 +49,17 @@ def parse_marker(key: str) -> tuple[str, int, str] | None:
     return None
 
 
-def remote_keeps(st: StepState) -> bool:
-    """Whether the remote retention keeps an older step a newer one would supersede."""
-    return st.milestone
+def pin_key(job: str, step: int) -> str:
+    """A pinned step's pin in the bucket (so it outlives the node that pinned it)."""
+    return f"{job}/{step}/_pinned"
+
+
+def parse_pin(key: str) -> tuple[str, int] | None:
+    """``(job, step)`` if ``key`` is a pin."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[2] == "_pinned" and parts[1].isdigit():
+        return parts[0], int(parts[1])
+    return None
 
 
 class Backoff:
@@ -78,6 +86,11 @@ class Drain:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         node.on_local.append(lambda _st: self._wake.set())
+        self.wants: Callable[[str], set[int]] = lambda job: {
+            s.step for s in node.steps.values() if s.job == job and (s.milestone or s.pinned)
+        }
+        """Older pending steps of a job the remote retention keeps (the evictor's plan)."""
+        self.on_durable: list[Callable[[StepState], None]] = []
 
     @property
     def queue_length(self) -> int:
@@ -87,19 +100,41 @@ class Drain:
     async def resume(self) -> None:
         """Match the local index against the bucket's markers (start-up)."""
         markers: dict[tuple[str, int], set[str]] = {}
+        pins: set[tuple[str, int]] = set()
         for key in await self.remote.list_keys(""):
             parsed = parse_marker(key)
             if parsed is not None:
                 markers.setdefault(parsed[:2], set()).add(parsed[2])
+            pin = parse_pin(key)
+            if pin is not None:
+                pins.add(pin)
         node_id = self.node.config.node_id
+        remote_only = []
         for (job, step), nodes in markers.items():
             st = self.node.steps.get((job, step))
             if st is None:
                 st = StepState(job, step, pb.SAVE_STATE_DURABLE)
                 self.node.steps[(job, step)] = st
             st.remote_nodes |= nodes
+            st.pinned = st.pinned or (job, step) in pins
             if st.manifest is not None and node_id in nodes:
                 st.state = pb.SAVE_STATE_DURABLE
+            elif st.manifest is None and node_id in nodes:
+                remote_only.append(st)
+        # Retention needs the time, milestone flag and metrics of steps that are
+        # only in the bucket: our markers carry them.
+        limit = asyncio.Semaphore(16)
+
+        async def learn(st: StepState) -> None:
+            async with limit:
+                with contextlib.suppress(Exception):
+                    raw = await self.remote.get_bytes(marker_key(st.job, st.step, node_id))
+                    info = json.loads(raw)
+                    st.created_unix = float(info.get("created_unix") or info.get("time") or 0)
+                    st.milestone = bool(info.get("milestone", False))
+                    st.metrics = {str(k): float(v) for k, v in (info.get("metrics") or {}).items()}
+
+        await asyncio.gather(*(learn(st) for st in remote_only))
         await self.remote.cleanup_incomplete("")
         log.info(
             "remote %s: %d complete steps; %d local steps to upload",
@@ -132,9 +167,18 @@ class Drain:
             if s.state == pb.SAVE_STATE_LOCAL and s.manifest is not None:
                 by_job.setdefault(s.job, []).append(s)
         newest = [max(steps, key=lambda s: s.step) for steps in by_job.values()]
-        if newest:
-            return max(newest, key=lambda s: s.local_at)
-        return None
+        fresh = [s for s in newest if not self._newer_in_remote(s)]
+        if fresh:
+            return max(fresh, key=lambda s: s.local_at)
+        older = [s for job, steps in by_job.items() for s in steps if s.step in self.wants(job)]
+        return max(older, key=lambda s: s.step) if older else None
+
+    def _newer_in_remote(self, st: StepState) -> bool:
+        node_id = self.node.config.node_id
+        return any(
+            s.job == st.job and s.step > st.step and node_id in s.remote_nodes
+            for s in self.node.steps.values()
+        )
 
     async def _drain(self, st: StepState) -> None:
         st.state, st.error = pb.SAVE_STATE_DRAINING, ""
@@ -160,7 +204,7 @@ class Drain:
                 attempt += 1
                 st.error = self.last_error = f"retrying in {delay:.1f} s: {reason}"
                 log.warning("%s/%d: %s", st.job, st.step, st.error)
-                if self._newer_pending(st) and not remote_keeps(st):
+                if self._newer_pending(st) and st.step not in self.wants(st.job):
                     st.state = pb.SAVE_STATE_LOCAL  # coalesce: the newer step goes first
                     st.notify()
                     return
@@ -173,25 +217,14 @@ class Drain:
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
         st.notify()
-        self._supersede_older(st)
+        for callback in self.on_durable:
+            callback(st)
 
     def _newer_pending(self, st: StepState) -> bool:
         return any(
             s.job == st.job and s.step > st.step and s.state == pb.SAVE_STATE_LOCAL
             for s in self.node.steps.values()
         )
-
-    def _supersede_older(self, durable: StepState) -> None:
-        for s in self.node.steps.values():
-            if (
-                s.job == durable.job
-                and s.step < durable.step
-                and s.state == pb.SAVE_STATE_LOCAL
-                and not remote_keeps(s)
-            ):
-                s.state = pb.SAVE_STATE_SUPERSEDED
-                s.error = f"superseded by step {durable.step}, uploaded first (coalescing drain)"
-                s.notify()
 
     async def _upload(self, st: StepState) -> None:
         manifest = st.manifest
@@ -220,6 +253,10 @@ class Drain:
             "step": st.step,
             "time": time.time(),
             "files": [r.file for r in manifest.ranks] + ["manifest.json"],
+            # What retention needs once the local copy is gone.
+            "created_unix": manifest.created_unix,
+            "milestone": st.milestone,
+            "metrics": st.metrics,
         }
         await self.remote.put_bytes(
             marker_key(st.job, st.step, node_id), json.dumps(marker).encode()

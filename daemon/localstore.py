@@ -61,6 +61,14 @@ def write_synced(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def replace_synced(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``: temp file, fsync, rename, fsync the dir."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    write_synced(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def open_direct(path: Path, flags: int, mode: int = 0o640, want: bool = True) -> tuple[int, bool]:
     """Open with ``O_DIRECT`` when ``want`` and the filesystem allows it (tmpfs and some
     overlays refuse it with EINVAL: then a plain open); returns ``(fd, direct)``."""
@@ -200,6 +208,7 @@ class LocalStore:
         self.staging_root = root / ".staging"
         self.cache_root = root / ".cache"
         self.corrupt_root = root / ".corrupt"
+        self.trash_root = root / ".trash"
 
     def step_dir(self, job: str, step: int) -> Path:
         """Where a committed step lives."""
@@ -209,7 +218,7 @@ class LocalStore:
         """Remove staging/cache leftovers and rescan committed steps."""
         self.root.mkdir(parents=True, exist_ok=True)
         removed = 0
-        for leftovers in (self.staging_root, self.cache_root, self.corrupt_root):
+        for leftovers in (self.staging_root, self.cache_root, self.corrupt_root, self.trash_root):
             if leftovers.exists():
                 removed += sum(1 for _ in leftovers.iterdir())
                 shutil.rmtree(leftovers)
@@ -265,6 +274,14 @@ class LocalStore:
         path = self.cache_root / f"{job}.{step}.{secrets.token_hex(4)}"
         path.mkdir(mode=0o750)
         return path
+
+    def evict(self, job: str, step: int) -> None:
+        """Remove a committed step: renamed out of view first (durably), then deleted."""
+        final = self.step_dir(job, step)
+        gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
+        os.rename(final, gone)
+        fsync_dir(final.parent)
+        shutil.rmtree(gone, ignore_errors=True)
 
     def discard(self, staging: Path) -> None:
         """Remove a staging directory after a failed save."""

@@ -56,6 +56,7 @@ class Manifest:
     shards: list[ShardRecord]
     metadata: dict[str, Any] = field(default_factory=dict)
     milestone: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -84,6 +85,7 @@ class Manifest:
                 shards=[ShardRecord(**s) for s in raw["shards"]],
                 metadata=dict(raw.get("metadata") or {}),
                 milestone=bool(raw.get("milestone", False)),
+                metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items()},
             )
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed manifest: {exc!r}") from None

@@ -57,6 +57,14 @@ class StepState:
     durable_at: float = 0.0
     remote_nodes: set[str] = field(default_factory=set)
     """Nodes whose ``_complete`` marker for this step is in the bucket."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    created_unix: float = 0.0
+    """When the checkpoint was committed (the time retention policies see)."""
+    pinned: bool = False
+    busy: int = 0
+    """Operations reading a copy right now (a fetch from the bucket); no eviction meanwhile."""
+    read_at: float = -1e18
+    """time.monotonic() of the last Restore served from it."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -100,7 +108,8 @@ class Node:
         self._pool = ThreadPoolExecutor(max(2, 2 * config.write_workers), "ckptd-io")
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_local: list[Callable[[StepState], None]] = []
-        """Called when a step commits locally (the drain listens)."""
+        """Called when a step commits locally (the drain and the evictor listen)."""
+        self.pins_path = config.root / ".pins.json"
 
     async def start(self) -> None:
         """Recover the local tier and remove leftovers of a previous run."""
@@ -117,7 +126,13 @@ class Node:
                 world_size=m.world_size,
                 handoff_at=m.created_unix,
                 local_at=m.created_unix,
+                created_unix=m.created_unix,
+                metrics=dict(m.metrics),
             )
+        for job, step in await self.run_io(self._load_pins):
+            st = self.steps.get((job, step))
+            if st is not None:
+                st.pinned = True
         for line in recovery.skipped:
             log.warning("ignoring step directory that is not a ckptd commit: %s", line)
         log.info(
@@ -140,9 +155,11 @@ class Node:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -- leases --------------------------------------------------------------
-    async def acquire_lease(self, job: str, size_bytes: int) -> Lease:
-        """Grant shared memory for one rank's save."""
-        return await self.staging.acquire(job, size_bytes)
+    async def acquire_lease(self, job: str, size_bytes: int, wait_seconds: float = 0.0) -> Lease:
+        """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it."""
+        return await self.staging.acquire(
+            job, size_bytes, wait_seconds=min(max(wait_seconds, 0.0), MAX_WAIT_SECONDS)
+        )
 
     def release_lease(self, lease_id: str) -> None:
         """Give back a lease the client will not commit."""
@@ -200,6 +217,7 @@ class Node:
         self.staging.begin_commit(req.lease_id)
         st.writing.add(req.rank)
         st.milestone = st.milestone or req.milestone
+        st.metrics.update(req.metrics)
         self.spawn(self._write_rank(st, req, lease, data_len))
         return st.state
 
@@ -265,6 +283,7 @@ class Node:
             shards=[s for _, shards, _ in ranks for s in shards],
             metadata=next((m for _, _, m in ranks if m), {}),
             milestone=st.milestone,
+            metrics=dict(st.metrics),
         )
         assert st.staging_dir is not None
         try:
@@ -279,6 +298,7 @@ class Node:
             time.time(),
             None,
         )
+        st.created_unix = manifest.created_unix
         st.ranks.clear()
         log.info(
             "%s/%d LOCAL in %.3f s (%d bytes)",
@@ -299,6 +319,26 @@ class Node:
             self.store.discard(st.staging_dir)
             st.staging_dir = None
         st.notify()
+
+    # -- pins ----------------------------------------------------------------
+    def _load_pins(self) -> list[tuple[str, int]]:
+        try:
+            raw = json.loads(self.pins_path.read_text())
+            return [(str(job), int(step)) for job, steps in raw.items() for step in steps]
+        except FileNotFoundError:
+            return []
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.error("ignoring unreadable %s: %s", self.pins_path, exc)
+            return []
+
+    async def save_pins(self) -> None:
+        """Persist every pin (atomically: temp file, fsync, rename)."""
+        pins: dict[str, list[int]] = {}
+        for st in self.steps.values():
+            if st.pinned:
+                pins.setdefault(st.job, []).append(st.step)
+        data = json.dumps({j: sorted(s) for j, s in sorted(pins.items())}).encode()
+        await self.run_io(localstore.replace_synced, self.pins_path, data)
 
     # -- queries -------------------------------------------------------------
     def get_step(self, job: str, step: int) -> StepState:

@@ -41,6 +41,7 @@ class CommitRequest:
     tree: Any
     metadata: dict[str, Any]
     milestone: bool
+    metrics: dict[str, float]
 
 
 def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
@@ -114,7 +115,17 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
         tree=_json("tree_json", req.tree_json, None),
         metadata=_json("metadata_json", req.metadata_json, {}),
         milestone=req.milestone,
+        metrics=_metrics(req.metrics),
     )
+
+
+def _metrics(raw: Any) -> dict[str, float]:
+    if len(raw) > 256:
+        raise InvalidArgument(f"{len(raw)} metrics in one save; the limit is 256")
+    for name in raw:
+        if not name or len(name) > 255:
+            raise InvalidArgument(f"metric name {name[:40]!r} must have 1 to 255 characters")
+    return {str(k): float(v) for k, v in raw.items()}
 
 
 def _json(field: str, text: str, default: Any) -> Any:

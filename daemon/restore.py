@@ -111,46 +111,55 @@ class Restorer:
         async with lock:
             if st.manifest is not None:
                 return None  # another restore fetched it meanwhile
-            node, raw, manifest = await fetch.node_manifest(
-                self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
-            )
-            leases: dict[int, Lease] = {}
-            by_file = {r.file: r for r in manifest.ranks}
-
-            async def memory_for(name: str) -> memoryview | None:
-                record = by_file[name]
-                got = await self._restore_lease(st.job, record.size) if shared_memory else None
-                if got is None:
-                    return None
-                leases[record.rank] = got
-                return got.segment.view(0, round_up(record.size))
-
-            store = self.node.store
-            tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
+            st.busy += 1  # the evictor leaves the bucket copy alone meanwhile
             try:
-                await fetch.download_step(
-                    self.remote, st.job, st.step, node, raw, manifest, tmp, memory_for=memory_for
-                )
-                await self.node.run_io(store.install, tmp, st.job, st.step)
-            except BaseException:
-                for held in leases.values():
-                    self.node.staging.release(held.lease_id)
-                await self.node.run_io(store.discard, tmp)
-                raise
-            st.manifest, st.local_at = manifest, time.time()
-            st.milestone = st.milestone or manifest.milestone
-            log.info(
-                "%s/%d fetched from %s (node %s)%s and committed locally",
-                st.job,
-                st.step,
-                self.remote.url,
-                node,
-                " through shared memory" if leases else "",
+                return await self._fetch(st, rank, shared_memory)
+            finally:
+                st.busy -= 1
+
+    async def _fetch(self, st: StepState, rank: int, shared_memory: bool) -> Lease | None:
+        assert self.remote is not None
+        node, raw, manifest = await fetch.node_manifest(
+            self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
+        )
+        leases: dict[int, Lease] = {}
+        by_file = {r.file: r for r in manifest.ranks}
+
+        async def memory_for(name: str) -> memoryview | None:
+            record = by_file[name]
+            got = await self._restore_lease(st.job, record.size) if shared_memory else None
+            if got is None:
+                return None
+            leases[record.rank] = got
+            return got.segment.view(0, round_up(record.size))
+
+        store = self.node.store
+        tmp = await self.node.run_io(store.new_cache_dir, st.job, st.step)
+        try:
+            await fetch.download_step(
+                self.remote, st.job, st.step, node, raw, manifest, tmp, memory_for=memory_for
             )
-            lease = leases.pop(rank, None)
-            for other, held in leases.items():
-                self._prefetched[(st.job, st.step, other)] = held
-            return lease
+            await self.node.run_io(store.install, tmp, st.job, st.step)
+        except BaseException:
+            for held in leases.values():
+                self.node.staging.release(held.lease_id)
+            await self.node.run_io(store.discard, tmp)
+            raise
+        st.manifest, st.local_at = manifest, time.time()
+        st.milestone = st.milestone or manifest.milestone
+        st.created_unix, st.metrics = manifest.created_unix, dict(manifest.metrics)
+        log.info(
+            "%s/%d fetched from %s (node %s)%s and committed locally",
+            st.job,
+            st.step,
+            self.remote.url,
+            node,
+            " through shared memory" if leases else "",
+        )
+        lease = leases.pop(rank, None)
+        for other, held in leases.items():
+            self._prefetched[(st.job, st.step, other)] = held
+        return lease
 
     async def _restore_lease(self, job: str, size: int) -> Lease | None:
         """A segment to download into: a free one, else a new one if the budget has room
@@ -171,6 +180,7 @@ class Restorer:
         await self.refresh_remote(job)
         while True:
             st = self.choose(job, step, rank)
+            st.read_at = time.monotonic()  # the evictor leaves it alone while it is served
             if st.manifest is None:
                 lease = await self.fetch_to_local(st, rank, shared_memory)
                 assert st.manifest is not None

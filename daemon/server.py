@@ -22,14 +22,16 @@ from typing import Any, TypeVar
 import grpc
 
 from ckptd.client.format import ALIGN
-from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION, state_name
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import __version__
 from .config import Config
-from .drain import Drain
+from .drain import Drain, pin_key
 from .errors import CkptdError, FailedPrecondition, InvalidArgument
+from .evict_plan import Plan
+from .evictor import Evictor
 from .names import check_name, check_step
 from .node import Node, StepState
 from .remote import Remote
@@ -86,9 +88,13 @@ def _tiers(st: StepState) -> list[pb.Tier]:
     return tiers + ([pb.TIER_REMOTE] if st.in_remote else [])
 
 
-def _checkpoint_info(st: StepState) -> pb.CheckpointInfo:
+def _checkpoint_info(st: StepState, plan: Plan | None) -> pb.CheckpointInfo:
     m = st.manifest
     return pb.CheckpointInfo(
+        local_reasons=plan.local_reasons.get(st.step, []) if plan else [],
+        remote_reasons=plan.remote_reasons.get(st.step, []) if plan else [],
+        pinned=st.pinned,
+        metrics=st.metrics,
         job=st.job,
         step=st.step,
         state=st.state,  # type: ignore[arg-type]
@@ -114,16 +120,24 @@ class Servicer(pb_grpc.CkptdServicer):
     """gRPC front of a :class:`Node`."""
 
     def __init__(
-        self, node: Node, remote: Remote | None = None, drain: Drain | None = None
+        self,
+        node: Node,
+        remote: Remote | None = None,
+        drain: Drain | None = None,
+        evictor: Evictor | None = None,
     ) -> None:
         self.node = node
         self.drain = drain
+        self.remote = remote
+        self.evictor = evictor or Evictor(node, remote)
         self.restorer = Restorer(node, remote)
 
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         job = check_name("job", request.job)
-        lease = await self.node.acquire_lease(job, request.size_bytes)
+        self.node.staging.check_fits(request.size_bytes)
+        await self.evictor.check_space(request.size_bytes)
+        lease = await self.node.acquire_lease(job, request.size_bytes, request.wait_seconds)
         return _lease_message(lease)
 
     @_rpc
@@ -168,8 +182,10 @@ class Servicer(pb_grpc.CkptdServicer):
         self, request: pb.ListCheckpointsRequest, context: Any
     ) -> pb.ListCheckpointsResponse:
         job = check_name("job", request.job) if request.job else ""
+        rows = self.node.list(job)
+        plans = {j: self.evictor.plan(j) for j in {s.job for s in rows}}
         return pb.ListCheckpointsResponse(
-            checkpoints=[_checkpoint_info(s) for s in self.node.list(job)]
+            checkpoints=[_checkpoint_info(s, plans[s.job]) for s in rows]
         )
 
     @_rpc
@@ -177,6 +193,7 @@ class Servicer(pb_grpc.CkptdServicer):
         job = check_name("job", request.job)
         step = check_step(request.step) if request.HasField("step") else None
         plan = await self.restorer.restore(job, step, request.rank, request.shared_memory)
+        plan.step.read_at = time.monotonic()  # the client opens the files next: keep them
         resp = pb.RestoreResponse(
             job=job,
             step=plan.step.step,
@@ -200,9 +217,42 @@ class Servicer(pb_grpc.CkptdServicer):
         return pb.ReportCorruptResponse()
 
     @_rpc
+    async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        st = self.node.get_step(job, step)
+        if st.manifest is None and not st.in_remote:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} has no complete copy to pin ({state_name(st.state)})"
+            )
+        if self.remote is not None:
+            key = pin_key(job, step)
+            if request.pinned:
+                await self.remote.put_bytes(key, b"pinned by ckptd pin\n")
+            else:
+                await self.remote.delete([key])
+        st.pinned = request.pinned
+        await self.node.save_pins()
+        log.info("%s/%d %s", job, step, "pinned" if request.pinned else "unpinned")
+        self.evictor.kick()
+        return pb.PinResponse()
+
+    @_rpc
+    async def CheckCapacity(self, request: pb.CheckCapacityRequest, context: Any) -> pb.Capacity:
+        check_name("job", request.job)
+        reason = self.evictor.capacity_reason(request.size_bytes)
+        staging = self.node.staging
+        return pb.Capacity(
+            ok=not reason,
+            reason=reason,
+            staging_free_bytes=max(0, staging.budget_bytes - staging.in_use_bytes),
+            local_free_bytes=self.evictor.space().free,
+        )
+
+    @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.DaemonStatus:
         node, cfg = self.node, self.node.config
         st = os.statvfs(cfg.root)
+        low, floor = self.evictor.marks()
         manifests = [s.manifest for s in node.steps.values() if s.manifest is not None]
         return pb.DaemonStatus(
             version=__version__,
@@ -224,6 +274,14 @@ class Servicer(pb_grpc.CkptdServicer):
             jobs=len({s.job for s in node.steps.values()}),
             checkpoints=len(manifests),
             pid=os.getpid(),
+            retention_local=self.evictor.local_policy.describe(),
+            retention_remote=(
+                self.evictor.remote_policy.describe() if self.evictor.remote_policy else ""
+            ),
+            local_low_watermark_bytes=low,
+            local_floor_bytes=floor,
+            evicted_local=self.evictor.evicted_local,
+            evicted_remote=self.evictor.evicted_remote,
         )
 
 
@@ -303,8 +361,19 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
             ("grpc.max_send_message_length", 256 * 2**20),
         ]
     )
-    pb_grpc.add_CkptdServicer_to_server(Servicer(node, remote, drain), server)
+    evictor = Evictor(node, remote)
+    if drain is not None:
+        drain.wants = evictor.remote_wants
+
+        def durable(st: StepState) -> None:
+            evictor.mark_superseded(st.job)  # at once: waiters learn it without a pass
+            evictor.kick()
+
+        drain.on_durable.append(durable)
+    pb_grpc.add_CkptdServicer_to_server(Servicer(node, remote, drain, evictor), server)
     drain_task = asyncio.create_task(drain.run()) if drain else None
+    evictor.kick()  # apply the retention to what recovery found
+    evictor_task = asyncio.create_task(evictor.run())
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
     try:
         server.add_insecure_port(f"unix:{config.socket}")
@@ -329,6 +398,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     await stop.wait()
     log.info("stopping: no new requests; finishing acknowledged saves")
     await server.stop(grace=5)
+    evictor.stop()
+    await evictor_task
     if drain is not None and drain_task is not None:
         drain.stop()
         await drain_task

@@ -9,6 +9,7 @@ total held is bounded by ``staging_budget_bytes``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -67,6 +68,10 @@ def segment_prefix(root: Path) -> str:
     return f"ckptd-{digest}-"
 
 
+class StagingBusy(ResourceExhausted):
+    """The budget is held by in-flight saves right now; waiting may help."""
+
+
 class Staging:
     """Lease pool with a byte budget. Methods run on the daemon's event loop."""
 
@@ -87,6 +92,7 @@ class Staging:
         self._leases: dict[str, Lease] = {}
         self._reserved = 0  # bytes being allocated right now, not yet in _segments
         self._counter = itertools.count()
+        self._freed = asyncio.Event()
 
     # -- accounting --------------------------------------------------------
     @property
@@ -98,6 +104,11 @@ class Staging:
     def in_use_bytes(self) -> int:
         """Shared memory in leases (held by clients or being written)."""
         return sum(s.size for s in self._segments.values() if s.lease_id is not None)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Shared memory of saves handed off and not yet written to disk."""
+        return sum(lease.segment.size for lease in self._leases.values() if lease.committed)
 
     @property
     def leases_held(self) -> int:
@@ -123,13 +134,8 @@ class Staging:
         self._leases.clear()
 
     # -- leases ------------------------------------------------------------
-    async def acquire(self, job: str, size_bytes: int, restore: bool = False) -> Lease:
-        """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
-
-        ``restore``: a lease to fill with checkpoint data for the client (see
-        :meth:`take_free`), allocated if no free segment fits.
-        """
-        self.reclaim_expired()
+    def check_fits(self, size_bytes: int) -> int:
+        """Segment size for ``size_bytes``; ResourceExhausted if the budget can never hold it."""
         need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
         if need > self.budget_bytes:
             raise ResourceExhausted(
@@ -137,6 +143,44 @@ class Staging:
                 f"{self.budget_bytes} bytes; raise staging_budget_bytes "
                 "(CKPTD_STAGING_BUDGET_BYTES)"
             )
+        return need
+
+    def could_grant(self, size_bytes: int) -> bool:
+        """Whether :meth:`acquire` would grant ``size_bytes`` now without waiting."""
+        self.reclaim_expired()
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        free = [s for s in self._segments.values() if s.lease_id is None]
+        if any(s.size >= need for s in free):
+            return True
+        return self.allocated_bytes - sum(s.size for s in free) + need <= self.budget_bytes
+
+    async def acquire(
+        self, job: str, size_bytes: int, restore: bool = False, wait_seconds: float = 0.0
+    ) -> Lease:
+        """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
+
+        ``restore``: a lease to fill with checkpoint data for the client (see
+        :meth:`take_free`), allocated if no free segment fits. ``wait_seconds``:
+        while in-flight saves hold the budget, wait up to this long for them to
+        finish (backpressure) before raising :class:`StagingBusy`.
+        """
+        deadline = time.monotonic() + max(0.0, wait_seconds)
+        while True:
+            try:
+                return await self._acquire_now(job, size_bytes, restore)
+            except StagingBusy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                # Borrowed restore segments come back when a client drops its lock,
+                # which nothing signals: poll for those too.
+                freed = self._freed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(freed.wait(), min(left, 0.5))
+
+    async def _acquire_now(self, job: str, size_bytes: int, restore: bool) -> Lease:
+        self.reclaim_expired()
+        need = self.check_fits(size_bytes)
         free = sorted(
             (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
         )
@@ -148,7 +192,7 @@ class Staging:
                     break
                 self._destroy(small)
             if self.allocated_bytes + need > self.budget_bytes:
-                raise ResourceExhausted(
+                raise StagingBusy(
                     f"staging budget exhausted: {self.in_use_bytes} of {self.budget_bytes} bytes "
                     f"are held by {self.leases_held} in-flight saves and {size_bytes} more are "
                     "needed; wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
@@ -231,6 +275,8 @@ class Staging:
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             lease.segment.lease_id = None
+            self._freed.set()  # wake saves waiting for memory
+            self._freed = asyncio.Event()
 
     def reclaim_expired(self) -> list[str]:
         """Return leases that clients held past the timeout without committing."""

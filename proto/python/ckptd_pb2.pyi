@@ -34,12 +34,14 @@ TIER_LOCAL: Tier
 TIER_REMOTE: Tier
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("job", "size_bytes")
+    __slots__ = ("job", "size_bytes", "wait_seconds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     size_bytes: int
-    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "segment", "size_bytes", "alignment")
@@ -92,7 +94,14 @@ class SliceSpec(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class CommitShardsRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "tree_json", "metadata_json", "milestone")
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "tree_json", "metadata_json", "milestone", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +113,7 @@ class CommitShardsRequest(_message.Message):
     TREE_JSON_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     MILESTONE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job: str
     step: int
@@ -115,7 +125,8 @@ class CommitShardsRequest(_message.Message):
     tree_json: str
     metadata_json: str
     milestone: bool
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CommitShardsResponse(_message.Message):
     __slots__ = ("state",)
@@ -168,7 +179,14 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error")
+    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error", "local_reasons", "remote_reasons", "pinned", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +196,10 @@ class CheckpointInfo(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MILESTONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_REASONS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     state: SaveState
@@ -187,7 +209,11 @@ class CheckpointInfo(_message.Message):
     num_shards: int
     milestone: bool
     error: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    local_reasons: _containers.RepeatedScalarFieldContainer[str]
+    remote_reasons: _containers.RepeatedScalarFieldContainer[str]
+    pinned: bool
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ..., local_reasons: _Optional[_Iterable[str]] = ..., remote_reasons: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)
@@ -241,12 +267,46 @@ class ReportCorruptResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PinRequest(_message.Message):
+    __slots__ = ("job", "step", "pinned")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    pinned: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckCapacityRequest(_message.Message):
+    __slots__ = ("job", "size_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    size_bytes: int
+    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("ok", "reason", "staging_free_bytes", "local_free_bytes")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    staging_free_bytes: int
+    local_free_bytes: int
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., staging_free_bytes: _Optional[int] = ..., local_free_bytes: _Optional[int] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +326,12 @@ class DaemonStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DRAIN_QUEUE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_ERROR_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LOW_WATERMARK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_REMOTE_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -285,4 +351,10 @@ class DaemonStatus(_message.Message):
     pid: int
     drain_queue: int
     drain_error: str
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ...) -> None: ...
+    retention_local: str
+    retention_remote: str
+    local_low_watermark_bytes: int
+    local_floor_bytes: int
+    evicted_local: int
+    evicted_remote: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,16 @@ class CkptdStub:
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.DaemonStatus.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/ckptd.v1.Ckptd/Pin',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.PinRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.CheckCapacity = channel.unary_unary(
+                '/ckptd.v1.Ckptd/CheckCapacity',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.Capacity.FromString,
+                _registered_method=True)
 
 
 class CkptdServicer:
@@ -137,6 +147,21 @@ class CkptdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pins (or unpins) a step: a pinned step is never evicted from any tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckCapacity(self, request, context):
+        """Whether a save of `size_bytes` could start now without waiting (staging
+        memory and local disk space); the reason when not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CkptdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +204,16 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.GetStatusRequest.FromString,
                     response_serializer=ckptd_dot_proto_dot_ckptd__pb2.DaemonStatus.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PinRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.PinResponse.SerializeToString,
+            ),
+            'CheckCapacity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckCapacity,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.Capacity.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +432,60 @@ class Ckptd:
             '/ckptd.v1.Ckptd/GetStatus',
             ckptd_dot_proto_dot_ckptd__pb2.GetStatusRequest.SerializeToString,
             ckptd_dot_proto_dot_ckptd__pb2.DaemonStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/Pin',
+            ckptd_dot_proto_dot_ckptd__pb2.PinRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckCapacity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/CheckCapacity',
+            ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.Capacity.FromString,
             options,
             channel_credentials,
             insecure,

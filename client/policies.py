@@ -1,0 +1,116 @@
+"""Save-decision policies: should the trainer save at this step?
+
+``Client(job, policy=Continuous())`` (the default) and ``client.should_save(step)``
+in the training loop replace a hand-tuned checkpoint period. A policy sees a
+:class:`SaveContext` (no clock reads of its own, so each is a table-driven
+test); the client adds backpressure on top: ``should_save`` is False while the
+daemon has no staging memory or disk space for another save.
+
+Where ckptd differs from Orbax's ``ContinuousCheckpointingPolicy``: Orbax waits
+until the previous save has been committed to its final storage (the bucket,
+for a GCS path), and its ``save()`` blocks while one is in flight. Here the
+previous save only has to reach ``stage`` ("local" by default: renamed into
+the node's NVMe tier), so the next save may start while the drain still
+uploads the previous one, which the drain then coalesces (newest first).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """What a policy may look at when deciding about ``step``."""
+
+    step: int
+    now: float
+    """Monotonic seconds (``time.monotonic()``)."""
+    last_step: int | None
+    """The step of this client's previous save (None: no save yet)."""
+    last_save_at: float | None
+    """Monotonic time the previous save started."""
+    previous_reached: Callable[[str], bool]
+    """Whether the previous save has reached a stage ("local" / "durable") or ended
+    for good (failed, superseded); True when there was none. Asks the daemon, so
+    policies call it only when the answer matters."""
+
+
+class SavePolicy(ABC):
+    """Decides whether to save at a step."""
+
+    @abstractmethod
+    def should_save(self, ctx: SaveContext) -> bool:
+        """True to save at ``ctx.step``."""
+
+
+@dataclass(frozen=True)
+class Continuous(SavePolicy):
+    """Save as soon as the previous save has reached ``stage`` and, if set,
+    ``min_interval_seconds`` have passed since it started."""
+
+    min_interval_seconds: float | None = None
+    stage: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.stage not in ("local", "durable"):
+            raise ValueError(f"stage must be 'local' or 'durable', not {self.stage!r}")
+        if self.min_interval_seconds is not None and self.min_interval_seconds < 0:
+            raise ValueError("min_interval_seconds must be >= 0 or None")
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        if ctx.last_save_at is None:
+            return True
+        if (
+            self.min_interval_seconds is not None
+            and ctx.now - ctx.last_save_at < self.min_interval_seconds
+        ):
+            return False
+        return ctx.previous_reached(self.stage)
+
+
+@dataclass(frozen=True)
+class FixedInterval(SavePolicy):
+    """Save every ``steps`` steps (at multiples of it)."""
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be a positive int, not {self.steps!r}")
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step % self.steps == 0
+
+
+class SpecificSteps(SavePolicy):
+    """Save at exactly these steps."""
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        self.steps = frozenset(int(s) for s in steps)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step in self.steps
+
+    def __repr__(self) -> str:
+        return f"SpecificSteps({sorted(self.steps)})"
+
+
+class AnyOf(SavePolicy):
+    """Save if any of ``policies`` would."""
+
+    def __init__(self, policies: Sequence[SavePolicy]) -> None:
+        if not policies or not all(isinstance(p, SavePolicy) for p in policies):
+            raise ValueError("AnyOf takes a non-empty list of save policies")
+        self.policies = tuple(policies)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return any(p.should_save(ctx) for p in self.policies)
+
+    def __repr__(self) -> str:
+        return f"AnyOf({list(self.policies)!r})"
+
+
+__all__ = ["AnyOf", "Continuous", "FixedInterval", "SaveContext", "SavePolicy", "SpecificSteps"]
