@@ -27,7 +27,14 @@ test-fast: venv
 test-slow: venv
 	$(PY) -m pytest -q -m slow tests
 
-bench: venv
+# The benchmarks compare against Orbax, so they need the jax extra as well.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,jax]'
+	@touch $(BENCH_STAMP)
+
+bench: venv $(BENCH_STAMP)
 	$(PY) bench/run_all.py
 
 proto: venv

@@ -38,6 +38,7 @@ from common import (
     Daemon,
     drop_caches,
     print_table,
+    run_directory,
     settle,
     source_digest,
     summarize,
@@ -634,61 +635,55 @@ def main(argv: list[str] | None = None) -> int:
     from tests.servers import SeaweedS3
 
     args.dir = args.dir.resolve()
-    created_dir = not args.dir.exists()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    run_dir = args.dir / f"drain-{os.getpid()}"
-    run_dir.mkdir()
-    s3 = None
-    bench: DrainBench | None = None
-    try:
-        # The server's data on the disk under test; volumes large enough never to grow.
-        s3 = SeaweedS3(run_dir / "seaweed", volume_size_limit_mb=8192).start()
-        s3.make_bucket(BUCKET)
-        bench = DrainBench(args, run_dir, s3)
-        env = bench.env
-        versions = {
-            "s5cmd": tool_version([str(BIN / "s5cmd"), "version"], env),
-            "aws": tool_version([*aws_command(), "--version"], env),
-            "weed": tool_version([str(BIN / "weed"), "version"], env),
-            "s3fs": __import__("s3fs").__version__,
-        }
-        print(
-            f"state ready: {sum(a.nbytes for s in bench.states for a in s.values()) / 2**30:.2f}"
-            f" GiB for {args.ranks} ranks in {bench.setup_seconds:.1f} s; starting ckptd",
-            flush=True,
-        )
-        bench.start_daemon()
-        bench.warm_up()
-        for rep in range(args.reps):
-            bench.rep(rep)
-            done = {k: f"{v[-1]:.2f}" for k, v in bench.samples.items() if len(v) > rep}
-            print(f"rep {rep + 1}/{args.reps}: {done}", flush=True)
-        bench.stop_daemon()
-        if source_digest() != sources:
-            bench.notes.append(
-                "the daemon/client sources changed during the run: the daemon restarts "
-                "picked up different code, so the repetitions are not comparable"
+    with run_directory(args.dir, "drain") as run_dir:
+        s3 = None
+        bench: DrainBench | None = None
+        try:
+            # The server's data on the disk under test; volumes large enough never to grow.
+            s3 = SeaweedS3(run_dir / "seaweed", volume_size_limit_mb=8192).start()
+            s3.make_bucket(BUCKET)
+            bench = DrainBench(args, run_dir, s3)
+            env = bench.env
+            versions = {
+                "s5cmd": tool_version([str(BIN / "s5cmd"), "version"], env),
+                "aws": tool_version([*aws_command(), "--version"], env),
+                "weed": tool_version([str(BIN / "weed"), "version"], env),
+                "s3fs": __import__("s3fs").__version__,
+            }
+            nbytes = sum(a.nbytes for s in bench.states for a in s.values())
+            print(
+                f"state ready: {nbytes / 2**30:.2f}"
+                f" GiB for {args.ranks} ranks in {bench.setup_seconds:.1f} s; starting ckptd",
+                flush=True,
             )
-        doc = report(bench, versions, time.perf_counter() - t_start)
-        path = write_results(args.name, doc, work_dir=args.dir)
-        print(f"results: {path}")
-        return 0
-    except BaseException:
-        if bench is not None and bench.daemon is not None:
-            print("daemon log tail:\n" + bench.daemon.log_tail(), file=sys.stderr)
-        raise
-    finally:
-        if bench is not None:
+            bench.start_daemon()
+            bench.warm_up()
+            for rep in range(args.reps):
+                bench.rep(rep)
+                done = {k: f"{v[-1]:.2f}" for k, v in bench.samples.items() if len(v) > rep}
+                print(f"rep {rep + 1}/{args.reps}: {done}", flush=True)
             bench.stop_daemon()
-            if args.keep_log is not None:
-                with contextlib.suppress(OSError):
-                    shutil.copyfile(bench.log_path, args.keep_log)
-        if s3 is not None:
-            s3.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if created_dir:
-            with contextlib.suppress(OSError):
-                args.dir.rmdir()
+            if source_digest() != sources:
+                bench.notes.append(
+                    "the daemon/client sources changed during the run: the daemon restarts "
+                    "picked up different code, so the repetitions are not comparable"
+                )
+            doc = report(bench, versions, time.perf_counter() - t_start)
+            path = write_results(args.name, doc, work_dir=args.dir)
+            print(f"results: {path}")
+            return 0
+        except BaseException:
+            if bench is not None and bench.daemon is not None:
+                print("daemon log tail:\n" + bench.daemon.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            if bench is not None:
+                bench.stop_daemon()
+                if args.keep_log is not None:
+                    with contextlib.suppress(OSError):
+                        shutil.copyfile(bench.log_path, args.keep_log)
+            if s3 is not None:
+                s3.close()
 
 
 if __name__ == "__main__":

@@ -11,11 +11,8 @@ Results: a table on stdout and ``bench/results/spine.json``. See bench/README.md
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import mmap
-import os
-import shutil
 import signal
 import sys
 import time
@@ -29,6 +26,7 @@ from common import (
     Daemon,
     drop_caches,
     print_table,
+    run_directory,
     settle,
     summarize,
     write_results,
@@ -352,44 +350,37 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally clause runs
     t_start = time.perf_counter()
     args.dir = args.dir.resolve()
-    created_dir = not args.dir.exists()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    run_dir = args.dir / f"spine-{os.getpid()}"
-    run_dir.mkdir()
-    spine: Spine | None = None
-    try:
-        spine = Spine(args, run_dir)
-        print(
-            f"state ready: {spine.nbytes / 2**30:.2f} GiB in {spine.setup_seconds:.1f} s; "
-            f"starting ckptd",
-            flush=True,
-        )
-        spine.start()
-        for rep in range(args.reps):
-            if rep % 2 == 0:
-                spine.ckptd_rep(rep + 1)
-                spine.floor_rep(rep)
-            else:
-                spine.floor_rep(rep)
-                spine.ckptd_rep(rep + 1)
-            done = {k: f"{v[-1]:.2f}" for k, v in spine.samples.items() if v}
-            print(f"rep {rep + 1}/{args.reps}: {done}", flush=True)
-        spine.close()
-        doc = report(spine, time.perf_counter() - t_start)
-        path = write_results(args.name, doc, work_dir=args.dir)
-        print(f"results: {path}")
-        return 0
-    except BaseException:
-        if spine is not None and spine.daemon is not None:
-            print("daemon log tail:\n" + spine.daemon.log_tail(), file=sys.stderr)
-        raise
-    finally:
-        if spine is not None:
+    with run_directory(args.dir, "spine") as run_dir:
+        spine: Spine | None = None
+        try:
+            spine = Spine(args, run_dir)
+            print(
+                f"state ready: {spine.nbytes / 2**30:.2f} GiB in {spine.setup_seconds:.1f} s; "
+                f"starting ckptd",
+                flush=True,
+            )
+            spine.start()
+            for rep in range(args.reps):
+                if rep % 2 == 0:
+                    spine.ckptd_rep(rep + 1)
+                    spine.floor_rep(rep)
+                else:
+                    spine.floor_rep(rep)
+                    spine.ckptd_rep(rep + 1)
+                done = {k: f"{v[-1]:.2f}" for k, v in spine.samples.items() if v}
+                print(f"rep {rep + 1}/{args.reps}: {done}", flush=True)
             spine.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if created_dir:
-            with contextlib.suppress(OSError):
-                args.dir.rmdir()
+            doc = report(spine, time.perf_counter() - t_start)
+            path = write_results(args.name, doc, work_dir=args.dir)
+            print(f"results: {path}")
+            return 0
+        except BaseException:
+            if spine is not None and spine.daemon is not None:
+                print("daemon log tail:\n" + spine.daemon.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            if spine is not None:
+                spine.close()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ script there is run as ``python bench/bench_x.py``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -36,6 +37,24 @@ SETTLE_SECONDS = 0.5
 _MAX_SOCKET_PATH = 100  # unix socket paths are limited to 107 bytes
 
 T = TypeVar("T")
+
+
+# -- scratch space ---------------------------------------------------------------
+@contextlib.contextmanager
+def run_directory(work_dir: Path, name: str) -> Iterator[Path]:
+    """A fresh ``<work_dir>/<name>-<pid>`` for one run, removed afterwards (with
+    ``work_dir`` too if this run created it)."""
+    created = not work_dir.exists()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = work_dir / f"{name}-{os.getpid()}"
+    run_dir.mkdir()
+    try:
+        yield run_dir
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                work_dir.rmdir()
 
 
 # -- daemon --------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """ckptd client: what a trainer imports to save to and restore from the node daemon."""
 
-from .client import CheckpointInfo, Client, SaveHandle
+from .client import Client
 from .errors import (
     CapacityExhausted,
     CheckpointCorrupt,
@@ -9,6 +9,7 @@ from .errors import (
     CkptdUnavailable,
     SaveFailed,
 )
+from .handle import CheckpointInfo, SaveHandle
 from .policies import AnyOf, Continuous, FixedInterval, SaveContext, SavePolicy, SpecificSteps
 
 __all__ = [

@@ -6,19 +6,18 @@ import json
 import logging
 import mmap
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 
-from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION, state_name
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+from ckptd.proto import state_name
 
 from . import restore as restore_mod
 from .errors import (
@@ -26,125 +25,25 @@ from .errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
     CkptdError,
-    CkptdUnavailable,
     SaveFailed,
-    from_rpc_error,
 )
 from .format import TensorEntry, dtype_to_str, plan_layout, round_up
+from .handle import (
+    DEFAULT_SOCKET,
+    CheckpointInfo,
+    SaveHandle,
+    open_channel,
+    rpc_call,
+    watch_stage,
+)
 from .policies import Continuous, SaveContext, SavePolicy
 from .tree import flatten
 
 log = logging.getLogger("ckptd.client")
 
-DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
-_STAGES = {"local": pb.SAVE_STATE_LOCAL, "durable": pb.SAVE_STATE_DURABLE}
 _MAPPED_SEGMENTS = 2  # segments kept mapped between saves (the daemon reuses them)
 _COPY_CHUNK = 16 * 2**20  # bytes per parallel copy task
 T = TypeVar("T")
-
-
-def open_channel(socket: str) -> grpc.Channel:
-    """A gRPC channel to the daemon's unix socket."""
-    return grpc.insecure_channel(
-        f"unix:{socket}",
-        options=[
-            ("grpc.max_receive_message_length", 256 * 2**20),
-            ("grpc.max_send_message_length", 256 * 2**20),
-        ],
-    )
-
-
-def rpc_call(method: Callable[..., T], request: Any, timeout: float, socket: str) -> T:
-    """Call one RPC with the protocol header; gRPC errors become :class:`CkptdError`."""
-    try:
-        return method(
-            request, timeout=timeout, metadata=((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
-        )
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc, socket) from None
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint as the daemon lists it."""
-
-    job: str
-    step: int
-    state: str
-    tiers: tuple[str, ...]
-    created_unix: float
-    size_bytes: int
-    num_shards: int
-    milestone: bool
-    error: str
-    local_reasons: tuple[str, ...] = ()
-    """Why the local tier keeps it: policy reasons ("latest", "every-10-steps", ...)
-    or holds ("newest", "pinned", "awaiting-upload", "in-use")."""
-    remote_reasons: tuple[str, ...] = ()
-    pinned: bool = False
-    metrics: dict[str, float] | None = None
-
-
-class SaveHandle:
-    """Returned by :meth:`Client.save`: the bytes are the daemon's; wait for a stage."""
-
-    def __init__(self, client: Client, step: int) -> None:
-        self.client = client
-        self.job = client.job
-        self.step = step
-
-    def state(self) -> str:
-        """Current state: STAGING, LOCAL, DRAINING, DURABLE or FAILED."""
-        return state_name(self._status(pb.SAVE_STATE_UNSPECIFIED, 0.0).state)
-
-    def wait(self, stage: str = "local", timeout: float | None = None) -> None:
-        """Block until the save reaches ``stage`` ("local" or "durable").
-
-        Raises :class:`SaveFailed` with the daemon's reason if the save failed,
-        and ``TimeoutError`` if ``timeout`` seconds pass first. Rides out a
-        daemon restart (the commit survives it once acknowledged and written).
-        """
-        if stage not in _STAGES:
-            raise ValueError(f"stage must be one of {sorted(_STAGES)}, not {stage!r}")
-        target = _STAGES[stage]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = 60.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                st = self._status(target, min(left, 60.0))
-            except CkptdUnavailable:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
-                continue
-            if st.reached:
-                return
-            if st.final:
-                raise SaveFailed(
-                    f"step {self.step} of job {self.job!r} will not become {stage.upper()}: "
-                    f"{state_name(st.state)}: {st.error}",
-                    state_name(st.state),
-                )
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"step {self.step} of job {self.job!r} is {state_name(st.state)}, not "
-                    f"{stage.upper()}, after {timeout} s"
-                )
-
-    def _status(self, target: int, timeout: float) -> pb.SaveStatus:
-        req = pb.GetSaveStatusRequest(
-            job=self.job,
-            step=self.step,
-            wait_for=target,  # type: ignore[arg-type]
-            timeout_seconds=timeout,
-        )
-        status: pb.SaveStatus = self.client._call(
-            self.client._stub.GetSaveStatus, req, timeout + 30.0
-        )
-        return status
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(job={self.job!r}, step={self.step})"
 
 
 class Client:
@@ -197,6 +96,7 @@ class Client:
         self._last_at: float | None = None
         self._last_bytes = 0
         self._last_reached: set[str] = set()
+        self._watch: dict[str, threading.Event] = {}
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
@@ -238,16 +138,20 @@ class Client:
 
     # -- save decisions ---------------------------------------------------------
     def _previous_reached(self, stage: str) -> bool:
+        """Has the previous save reached ``stage``? Never blocks, and costs no RPC per
+        call: a watcher thread waits on the daemon (server-side) and flips a flag."""
         if self._last is None or stage in self._last_reached:
             return True
-        try:
-            st = self._last._status(_STAGES[stage], 0.0)
-        except CheckpointNotFound:
-            return True  # the daemon lost track of it (restarted before LOCAL): move on
-        if st.reached or st.final:
-            self._last_reached.add(stage)
-            return True
-        return False
+        done = self._watch.get(stage)
+        if done is None:
+            done = self._watch[stage] = threading.Event()
+            threading.Thread(
+                target=watch_stage, args=(self._last, stage, done), name="ckptd-watch", daemon=True
+            ).start()
+        if not done.is_set():
+            return False
+        self._last_reached.add(stage)
+        return True
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: the policy's answer, and room for the save.
@@ -381,7 +285,10 @@ class Client:
                     log.debug("could not release lease after a failed save: %s", exc)
         handle = SaveHandle(self, step)
         self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
-        self._last_reached = set()
+        self._last_reached, self._watch = set(), {}
+        # Start watching now, so a save that reaches the stage before the next
+        # should_save() is seen there at once.
+        self._previous_reached(getattr(self.policy, "stage", "local"))
         return handle
 
     def restore(

@@ -15,16 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptd.client.client import DEFAULT_SOCKET, open_channel, rpc_call
 from ckptd.client.errors import CkptdError
+from ckptd.client.handle import DEFAULT_SOCKET, open_channel, rpc_call
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import cli_remote
 from . import config as config_mod
 from .errors import CkptdError as DomainError
+from .lifecycle import StartupError, serve
 from .remote import RemoteError
-from .server import StartupError, serve
 
 
 def _human_bytes(n: float) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd.client.client import DEFAULT_SOCKET  # one default for both sides
+from ckptd.client.handle import DEFAULT_SOCKET  # one default for both sides
 
 from .retention import PolicyError, parse_policy
 

@@ -179,7 +179,7 @@ def run_demo(steps: int = 40, save_every: int = 5, keep: bool = False) -> int:
             f"its last acknowledged save was step {last_saved}"
         )
         from ckptd.client import Client
-        from ckptd.client.client import SaveHandle
+        from ckptd.client.handle import SaveHandle
 
         with Client(JOB, socket=socket) as c:
             SaveHandle(c, int(last_saved or 0)).wait("local", timeout=60)

@@ -166,6 +166,8 @@ class Evictor:
         low, _ = self.marks(space)
         if space.free >= low:
             return
+        if await self.node.run_io(self.node.store.drop_spares) and self.space().free >= low:
+            return  # spare files were enough
         candidates: list[tuple[float, str, int]] = []
         for job in {s.job for s in self.node.steps.values()}:
             for step in self.plan(job).pressure:
@@ -229,6 +231,7 @@ class Evictor:
             if space.free >= need:
                 return
             if attempt == 0 and wait:
+                await self.node.run_io(self.node.store.drop_spares)
                 await self.run_once()
         raise ResourceExhausted(
             f"local tier {self.node.config.root} has {_gib(space.free)} free; this save "

@@ -20,6 +20,7 @@ import mmap
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,9 @@ def crc32c_ranges(data: memoryview, ranges: Sequence[tuple[int, int]]) -> list[i
     return [google_crc32c.extend(0, flat[offset : offset + length]) for offset, length in ranges]
 
 
-def write_file_direct(path: Path, header: bytes, data: memoryview, data_length: int) -> None:
+def write_file_direct(
+    path: Path, header: bytes, data: memoryview, data_length: int, spare: Path | None = None
+) -> None:
     """Write ``header`` then the first ``data_length`` bytes of ``data``, fsync, close.
 
     ``header`` is a multiple of 4 KiB and ``data`` is page-aligned memory at
@@ -110,12 +113,20 @@ def write_file_direct(path: Path, header: bytes, data: memoryview, data_length: 
     ``O_DIRECT`` writes (no page-cache allocation, which is slow on these VMs);
     the padding past the true end is truncated away. Falls back to buffered
     writes where the filesystem refuses O_DIRECT (tmpfs, some overlays).
+    ``spare``: an old file to overwrite in place instead of creating one (its
+    blocks are already allocated, which makes the write and fsync faster);
+    every byte up to the new size is overwritten and the rest truncated.
     """
+    if spare is not None:  # first: whatever fails next, the staging dir's cleanup has it
+        os.rename(spare, path)
     faults.hit("write.begin")
     padded = round_up(data_length)
     if len(data) < padded:
         raise ValueError("lease view shorter than the padded data section")
-    fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    if spare is not None:
+        fd, direct = open_direct(path, os.O_WRONLY)
+    else:
+        fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         if direct:
             try:
@@ -203,8 +214,13 @@ class Recovery:
 class LocalStore:
     """Filesystem operations of the local tier. Blocking: call from worker threads."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, spare_max_bytes: int = 0) -> None:
         self.root = root
+        self.spare_root = root / ".spare"
+        self.spare_max_bytes = spare_max_bytes
+        """Evicted rank files kept (up to this many bytes) for new saves to overwrite."""
+        self._spares: dict[Path, int] = {}
+        self._spare_lock = threading.Lock()
         self.staging_root = root / ".staging"
         self.cache_root = root / ".cache"
         self.corrupt_root = root / ".corrupt"
@@ -218,7 +234,14 @@ class LocalStore:
         """Remove staging/cache leftovers and rescan committed steps."""
         self.root.mkdir(parents=True, exist_ok=True)
         removed = 0
-        for leftovers in (self.staging_root, self.cache_root, self.corrupt_root, self.trash_root):
+        leftover_dirs = (
+            self.staging_root,
+            self.cache_root,
+            self.corrupt_root,
+            self.trash_root,
+            self.spare_root,
+        )
+        for leftovers in leftover_dirs:
             if leftovers.exists():
                 removed += sum(1 for _ in leftovers.iterdir())
                 shutil.rmtree(leftovers)
@@ -276,12 +299,48 @@ class LocalStore:
         return path
 
     def evict(self, job: str, step: int) -> None:
-        """Remove a committed step: renamed out of view first (durably), then deleted."""
+        """Remove a committed step: renamed out of view first (durably), then deleted.
+
+        Its rank files become spares (up to ``spare_max_bytes``) that later
+        saves overwrite in place.
+        """
         final = self.step_dir(job, step)
         gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
         os.rename(final, gone)
         fsync_dir(final.parent)
+        for f in sorted(gone.glob("rank-*.safetensors")):
+            size = f.stat().st_size
+            with self._spare_lock:
+                if sum(self._spares.values()) + size > self.spare_max_bytes:
+                    break
+                spare = self.spare_root / secrets.token_hex(8)
+                os.rename(f, spare)
+                self._spares[spare] = size
         shutil.rmtree(gone, ignore_errors=True)
+
+    def take_spare(self, size: int) -> Path | None:
+        """The smallest spare file of at least ``size`` bytes, removed from the pool."""
+        with self._spare_lock:
+            fits = [(n, p) for p, n in self._spares.items() if n >= size]
+            if not fits:
+                return None
+            _, path = min(fits)
+            del self._spares[path]
+            return path
+
+    @property
+    def spare_bytes(self) -> int:
+        """Disk space held by spare files (given back by :meth:`drop_spares`)."""
+        with self._spare_lock:
+            return sum(self._spares.values())
+
+    def drop_spares(self) -> int:
+        """Delete every spare file (the disk is short of space); returns the bytes freed."""
+        with self._spare_lock:
+            spares, self._spares = self._spares, {}
+        for path in spares:
+            path.unlink(missing_ok=True)
+        return sum(spares.values())
 
     def discard(self, staging: Path) -> None:
         """Remove a staging directory after a failed save."""

@@ -7,7 +7,6 @@ servicer (server.py) converts requests into calls here and errors into statuses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -97,7 +96,8 @@ class Node:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.store = LocalStore(config.root)
+        # Spare files: at most what the staging budget lets be in flight at once.
+        self.store = LocalStore(config.root, config.staging_budget_bytes)
         self.staging = Staging(
             segment_prefix(config.root),
             config.staging_budget_bytes,
@@ -107,6 +107,8 @@ class Node:
         self.started_at = time.time()
         self._pool = ThreadPoolExecutor(max(2, 2 * config.write_workers), "ckptd-io")
         self._tasks: set[asyncio.Task[None]] = set()
+        self.stopping = asyncio.Event()
+        """Set on SIGTERM: waits for save states return at once."""
         self.on_local: list[Callable[[StepState], None]] = []
         """Called when a step commits locally (the drain and the evictor listen)."""
         self.pins_path = config.root / ".pins.json"
@@ -238,11 +240,31 @@ class Node:
             )
             data = lease.segment.view(req.data_offset, round_up(data_len))
             ranges = [(e.offset, e.length) for e in req.entries]
-            _, (file_crc, crcs) = await asyncio.gather(
-                self.run_io(
-                    localstore.write_file_direct, st.staging_dir / name, header, data, data_len
+            t0 = time.perf_counter()
+
+            async def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+                out = await self.run_io(fn, *args)
+                return time.perf_counter() - t0, out
+
+            (t_write, _), (t_crc, (file_crc, crcs)) = await asyncio.gather(
+                timed(
+                    localstore.write_file_direct,
+                    st.staging_dir / name,
+                    header,
+                    data,
+                    data_len,
+                    self.store.take_spare(len(header) + data_len),
                 ),
-                self.run_io(localstore.crc32c_file_and_shards, header, data, data_len, ranges),
+                timed(localstore.crc32c_file_and_shards, header, data, data_len, ranges),
+            )
+            log.debug(
+                "%s/%d rank %d: written in %.3f s, checksummed in %.3f s (%.3f s after handoff)",
+                st.job,
+                st.step,
+                req.rank,
+                t_write,
+                t_crc,
+                time.time() - st.handoff_at,
             )
             shards = [
                 ShardRecord(
@@ -369,10 +391,13 @@ class Node:
             if st.reached(target) or st.final(target):
                 return st
             left = deadline - time.monotonic()
-            if left <= 0:
-                return st
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(st.changed.wait(), left)
+            if left <= 0 or self.stopping.is_set():
+                return st  # a stopping daemon answers waiters at once: the client asks again
+            changed = asyncio.ensure_future(st.changed.wait())
+            stopping = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait((changed, stopping), timeout=left, return_when="FIRST_COMPLETED")
+            changed.cancel()
+            stopping.cancel()
 
     def list(self, job: str = "") -> list[StepState]:
         """Steps of one job (or all), newest first within each job."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ckptd.client import CkptdUnavailable, Client
-from ckptd.client.client import open_channel
+from ckptd.client.handle import open_channel
 from ckptd.daemon.staging import segment_prefix
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import SaveFailed
-from ckptd.client.client import SaveHandle
+from ckptd.client.handle import SaveHandle
 
 from .conftest import Daemon
 from .helpers import state_for

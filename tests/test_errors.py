@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import CheckpointNotFound, CkptdError
-from ckptd.client.client import SaveHandle
+from ckptd.client.handle import SaveHandle
 from ckptd.proto import PROTOCOL_HEADER
 from ckptd.proto import ckptd_pb2 as pb
 

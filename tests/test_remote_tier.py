@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import SaveFailed
-from ckptd.client.client import SaveHandle
+from ckptd.client.handle import SaveHandle
 
 from .conftest import CKPTD, Daemon, RemoteTarget
 from .helpers import flip_byte, state_for

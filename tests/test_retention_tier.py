@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptd.client import CapacityExhausted, Client, FixedInterval
+from ckptd.client import CapacityExhausted, Client, Continuous, FixedInterval
 
 from .conftest import CKPTD, Daemon, RemoteTarget
 from .test_remote_tier import expected_layout, remote_daemon, s3_target
@@ -102,7 +102,7 @@ def test_floor_refuses_saves_and_keeps_serving(make_daemon: Any, tmp_path: Path)
     daemon = make_daemon(
         root=root, extra_args=["--retention-local", "KeepAll()", "--local-floor", str(floor)]
     )
-    client = daemon.client("floor")
+    client = daemon.client("floor", policy=FixedInterval(1))
     big = {"w": np.arange(size // 8, dtype=np.float64)}
     client.save(1, big).wait("local", 60)
     with pytest.raises(CapacityExhausted, match=r"short.*local_floor") as info:
@@ -222,3 +222,25 @@ def test_staging_backpressure(make_daemon: Any) -> None:
     client.save(3, state, staging_timeout=30).wait("local", 30)
     first.wait("local", 30)
     assert [c.step for c in client.list()] == [3, 1]
+
+
+def test_continuous_should_save_follows_the_daemon(make_daemon: Any) -> None:
+    daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=sleep(1)"})
+    client = daemon.client("cont")  # Continuous() by default
+    assert client.should_save(0) is True  # nothing saved yet
+    handle = client.save(0, small(0))
+    assert client.should_save(0) is False  # that step is saved already
+    assert client.should_save(1) is False  # step 0 is still being written
+    handle.wait("local", 30)
+    deadline = time.monotonic() + 10
+    while not client.should_save(2):  # the watcher thread sees LOCAL within moments
+        assert time.monotonic() < deadline, "should_save stayed False after LOCAL"
+        time.sleep(0.01)
+    client.save(2, small(2)).wait("local", 30)
+    interval = Client("cont", daemon.socket, policy=Continuous(min_interval_seconds=3600))
+    try:
+        assert interval.should_save(3) is True
+        interval.save(3, small(3)).wait("local", 30)
+        assert interval.should_save(4) is False  # LOCAL, but the hour has not passed
+    finally:
+        interval.close()

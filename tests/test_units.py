@@ -217,3 +217,33 @@ def test_example_config_in_deploy_is_valid() -> None:
     example = Path(__file__).resolve().parent.parent / "deploy" / "ckptd.toml.example"
     cfg = config.load(example, env={})
     assert cfg.staging_budget_bytes == 16 * 2**30 and cfg.socket == Path("/run/ckptd/ckptd.sock")
+    assert cfg.retention_local == "KeepLatest(2)" and cfg.local_floor == "20GiB"
+
+
+def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Path) -> None:
+    import mmap
+
+    from ckptd.daemon.localstore import LocalStore, write_file_direct
+
+    store = LocalStore(tmp_path / "root", spare_max_bytes=10 * 2**20)
+    store.recover()
+    step = store.step_dir("j", 1)
+    step.mkdir(parents=True)
+    (step / "rank-00000.safetensors").write_bytes(b"\x07" * (3 * 2**20 + 5))
+    (step / "manifest.json").write_text("{}")
+    store.evict("j", 1)
+    assert not step.exists() and store.spare_bytes == 3 * 2**20 + 5
+    assert store.take_spare(4 * 2**20) is None  # too small for this save
+    buf = mmap.mmap(-1, 2 * 2**20)
+    buf[:] = bytes(range(256)) * (2 * 2**20 // 256)
+    header = build_header([TensorEntry("x", np.dtype("u1"), (2**20 + 3,), 0, 2**20 + 3)], {})
+    out = tmp_path / "new.safetensors"
+    write_file_direct(out, header, memoryview(buf), 2**20 + 3, store.take_spare(2**20))
+    data = out.read_bytes()  # exactly the new file: no byte of the old one survives
+    assert data == header + bytes(buf[: 2**20 + 3])
+    assert store.spare_bytes == 0 and list(store.spare_root.iterdir()) == []
+    step.mkdir(parents=True)
+    (step / "rank-00000.safetensors").write_bytes(b"\x01" * (11 * 2**20))  # over the cap
+    store.evict("j", 1)
+    assert store.spare_bytes == 0 and list(store.trash_root.iterdir()) == []
+    buf.close()
