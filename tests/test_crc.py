@@ -31,3 +31,21 @@ def test_base64_round_trip_matches_store_format() -> None:
     c = google_crc32c.value(b"hello world")
     assert crc.from_base64(crc.to_base64(c)) == c
     assert crc.to_base64(0xC99465AA) == "yZRlqg=="  # crc32c("hello world"), as GCS shows it
+
+
+@pytest.mark.parametrize(
+    "ranges",
+    [
+        [(0, 10), (64, 5 * 2**20), (5 * 2**20 + 64, 100)],  # large shards are combined
+        [(4096, 3 * 2**20), (0, 100), (8 * 2**20, 2 * 2**20)],  # unsorted, with gaps
+        [],
+    ],
+)
+def test_file_and_shard_crcs_in_one_pass(ranges: list[tuple[int, int]]) -> None:
+    from ckptd.daemon.localstore import crc32c_file_and_shards
+
+    data = np.random.default_rng(0).integers(0, 256, 12 * 2**20, dtype=np.uint8)
+    length = max([o + n for o, n in ranges] + [123]) + 7  # a tail after the last shard
+    whole, shards = crc32c_file_and_shards(b"h" * 4096, memoryview(data), length, ranges)
+    assert whole == google_crc32c.value(b"h" * 4096 + data[:length].tobytes())
+    assert shards == [google_crc32c.value(data[o : o + n].tobytes()) for o, n in ranges]
