@@ -27,14 +27,8 @@ test-fast: venv
 test-slow: venv
 	$(PY) -m pytest -q -m slow tests
 
-# The benchmarks compare against Orbax, so they need the jax extra as well.
-BENCH_STAMP := $(VENV)/.installed-bench
-
-$(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,jax]'
-	@touch $(BENCH_STAMP)
-
-bench: venv $(BENCH_STAMP)
+# The test extra includes jax and Orbax, which the benchmarks compare against.
+bench: venv
 	$(PY) bench/run_all.py
 
 proto: venv

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,6 +36,7 @@ from .handle import (
     rpc_call,
     watch_stage,
 )
+from .jax_arrays import CorruptShard, ShardPlan, ShardReader, build_leaf, is_jax_array, leaf_shards
 from .policies import Continuous, SaveContext, SavePolicy
 from .tree import flatten
 
@@ -56,6 +57,8 @@ class Client:
     ``policy`` decides :meth:`should_save` (default :class:`Continuous`);
     ``staging_timeout`` is how long :meth:`save` waits for staging memory held
     by earlier saves before it raises :class:`CapacityExhausted`.
+    ``save_replicas``: save every replica of a replicated jax array shard, not
+    only ``replica_id == 0``.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Client:
         copy_threads: int | None = None,
         policy: SavePolicy | None = None,
         staging_timeout: float = 60.0,
+        save_replicas: bool = False,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -97,6 +101,9 @@ class Client:
         self._last_bytes = 0
         self._last_reached: set[str] = set()
         self._watch: dict[str, threading.Event] = {}
+        self.save_replicas = save_replicas
+        self._background = ThreadPoolExecutor(1, "ckptd-d2h")
+        self._copy_job: Future[None] | None = None
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
@@ -226,9 +233,21 @@ class Client:
             raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
-        by_key = dict(arrays)
-        dtypes = {k: dtype_to_str(a.dtype) for k, a in arrays}
-        entries = plan_layout((k, a.dtype, a.shape) for k, a in arrays)
+        host: dict[str, np.ndarray] = {}
+        device: dict[str, ShardPlan] = {}
+        layout: list[tuple[str, np.dtype, tuple[int, ...]]] = []
+        placed: dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
+        for key, a in arrays:
+            if is_jax_array(a):
+                for sp in leaf_shards(key, a, self.save_replicas):
+                    device[sp.key] = sp
+                    layout.append((sp.key, np.dtype(a.dtype), sp.shape))
+                    placed[sp.key] = (tuple(a.shape), sp.index)
+            else:
+                host[key] = a
+                layout.append((key, a.dtype, a.shape))
+        dtypes = {k: dtype_to_str(dt) for k, dt, _ in layout}
+        entries = plan_layout(layout)
         data_len = sum(e.length for e in entries)
         started = time.monotonic()
         try:
@@ -245,8 +264,9 @@ class Client:
             ) from None
         committed = False
         try:
+            self._finish_copy()  # one background copy at a time: it may use a mapped segment
             mm = self._map_segment(lease.segment, lease.size_bytes)
-            self._copy_into(mm, entries, by_key)
+            self._copy_into(mm, [e for e in entries if e.key in host], host)
             req = pb.CommitShardsRequest(
                 lease_id=lease.lease_id,
                 job=self.job,
@@ -260,7 +280,11 @@ class Client:
                         key=e.key,
                         dtype=dtypes[e.key],
                         shape=e.shape,
-                        global_shape=e.shape,
+                        global_shape=placed[e.key][0] if e.key in placed else e.shape,
+                        index=[
+                            pb.SliceSpec(start=a, stop=b)
+                            for a, b in (placed[e.key][1] if e.key in placed else [])
+                        ],
                         offset=e.offset,
                         length=e.length,
                     )
@@ -271,7 +295,14 @@ class Client:
                 milestone=milestone,
                 metrics=metrics,
             )
-            self._call(self._stub.CommitShards, req)
+            if device:
+                # jax arrays are immutable: copy them to host and hand off after returning.
+                todo = [e for e in entries if e.key in device]
+                self._copy_job = self._background.submit(
+                    self._copy_device_and_commit, mm, todo, device, req
+                )
+            else:
+                self._call(self._stub.CommitShards, req)
             committed = True
         finally:
             if not committed:
@@ -283,7 +314,7 @@ class Client:
                     )
                 except CkptdError as exc:
                     log.debug("could not release lease after a failed save: %s", exc)
-        handle = SaveHandle(self, step)
+        handle = SaveHandle(self, step, self._copy_job if device else None)
         self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
         self._last_reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next
@@ -291,8 +322,29 @@ class Client:
         self._previous_reached(getattr(self.policy, "stage", "local"))
         return handle
 
+    def _copy_device_and_commit(
+        self, mm: mmap.mmap, entries: list[TensorEntry], device: dict[str, ShardPlan], req: Any
+    ) -> None:
+        """Background: device-to-host copies into the lease, then the handoff."""
+        try:
+            for e in entries:
+                self._copy_into(mm, [e], {e.key: np.asarray(device[e.key].data)})
+            self._call(self._stub.CommitShards, req)
+        except BaseException:
+            try:
+                release = pb.ReleaseLeaseRequest(lease_id=req.lease_id)
+                self._call(self._stub.ReleaseLease, release, 10.0)
+            except CkptdError as exc:
+                log.debug("could not release lease after a failed copy: %s", exc)
+            raise
+
+    def _finish_copy(self) -> None:
+        if self._copy_job is not None:
+            self._copy_job.exception()  # wait; its handle reports any error
+            self._copy_job = None
+
     def restore(
-        self, step: int | None = None, *, shared_memory: bool = True
+        self, step: int | None = None, *, target: Any = None, shared_memory: bool = True
     ) -> tuple[Any, dict[str, Any]]:
         """Restore the newest restorable step (or ``step``): ``(tree, metadata)``.
 
@@ -304,6 +356,13 @@ class Client:
         ``shared_memory=False`` or when the daemon has no free segment, over the
         shard file mapped copy-on-write. Either way they are writable and
         writing never touches the checkpoint.
+
+        Saved ``jax.Array`` leaves come back as numpy arrays of their global
+        shape, or, with ``target`` (the tree's structure with
+        ``jax.ShapeDtypeStruct`` leaves carrying a sharding, or arrays whose
+        sharding to copy), as jax arrays on that sharding: each device's slice is
+        assembled from the saved shards that overlap it, so another mesh,
+        sharding or device count works.
         """
         for attempt in range(8):
             req = pb.RestoreRequest(job=self.job, rank=self.rank, shared_memory=shared_memory)
@@ -318,11 +377,17 @@ class Client:
                     ) from None
                 raise
             manifest = json.loads(resp.manifest_json)
-            if resp.HasField("lease"):
-                return self._adopt_segment(resp, manifest)
+            reader = ShardReader(resp.directory, manifest)
+
+            def jax_leaf(spec: dict[str, Any], tgt: Any, reader: ShardReader = reader) -> Any:
+                return build_leaf(reader, spec, tgt)
+
             try:
+                if resp.HasField("lease"):
+                    return self._adopt_segment(resp, manifest, jax_leaf, target)
                 mm = restore_mod.map_file_verified(resp.directory, manifest, self.rank)
-            except restore_mod.Corrupt as bad:
+                return restore_mod.build_tree(mm, manifest, self.rank, 0, jax_leaf, target)
+            except (restore_mod.Corrupt, CorruptShard) as bad:
                 log.error(
                     "step %d of job %s: %s; asking for another copy", resp.step, self.job, bad
                 )
@@ -331,13 +396,18 @@ class Client:
                 )
                 self._call(self._stub.ReportCorrupt, report)
                 continue
-            return restore_mod.build_tree(mm, manifest, self.rank)
+            finally:
+                reader.close()
         raise CheckpointCorrupt(
             f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS"
         )
 
     def _adopt_segment(
-        self, resp: pb.RestoreResponse, manifest: dict[str, Any]
+        self,
+        resp: pb.RestoreResponse,
+        manifest: dict[str, Any],
+        jax_leaf: Callable[[dict[str, Any], Any], Any],
+        target: Any,
     ) -> tuple[Any, dict[str, Any]]:
         """Map and lock the verified segment, then tell the daemon we hold it."""
         try:
@@ -353,7 +423,9 @@ class Client:
         except BaseException:
             mm.close()
             raise
-        return restore_mod.build_tree(mm, manifest, self.rank, resp.data_offset_in_file)
+        return restore_mod.build_tree(
+            mm, manifest, self.rank, resp.data_offset_in_file, jax_leaf, target
+        )
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""
@@ -379,6 +451,8 @@ class Client:
 
     def close(self) -> None:
         """Close the channel and unmap shared memory."""
+        self._finish_copy()
+        self._background.shutdown(wait=True)
         if self._copier is not None:
             self._copier.shutdown(wait=True)
         for mm in self._segments.values():

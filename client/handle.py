@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -69,13 +71,44 @@ class CheckpointInfo:
 class SaveHandle:
     """Returned by :meth:`Client.save`: the bytes are the daemon's; wait for a stage."""
 
-    def __init__(self, client: Client, step: int) -> None:
+    def __init__(self, client: Client, step: int, copy: Future[None] | None = None) -> None:
         self.client = client
         self.job = client.job
         self.step = step
+        self._copy = copy
+        """jax arrays' device-to-host copy and the handoff, running after save() returned."""
+
+    def copied(self) -> bool:
+        """Whether the arrays are in shared memory and handed off (always, for numpy)."""
+        return self._copy is None or self._copy.done()
+
+    def wait_copied(self, timeout: float | None = None) -> None:
+        """Block until the device-to-host copy and the handoff are done; raises
+        :class:`SaveFailed` if they failed (the step was not saved)."""
+        if self._copy is None:
+            return
+        try:
+            self._copy.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"step {self.step} of job {self.job!r}: device-to-host copy still running "
+                f"after {timeout} s"
+            ) from None
+        except CkptdError:
+            raise
+        except Exception as exc:
+            raise SaveFailed(
+                f"step {self.step} of job {self.job!r} was not saved: copying the arrays "
+                f"failed: {exc!r}",
+                "COPY",
+            ) from exc
 
     def state(self) -> str:
-        """Current state: STAGING, LOCAL, DRAINING, DURABLE or FAILED."""
+        """Current state: COPYING (jax arrays going to host memory), STAGING, LOCAL,
+        DRAINING, DURABLE, FAILED or SUPERSEDED."""
+        if not self.copied():
+            return "COPYING"
+        self.wait_copied()
         return state_name(self._status(pb.SAVE_STATE_UNSPECIFIED, 0.0).state)
 
     def wait(self, stage: str = "local", timeout: float | None = None) -> None:
@@ -89,6 +122,7 @@ class SaveHandle:
             raise ValueError(f"stage must be one of {sorted(STAGES)}, not {stage!r}")
         target = STAGES[stage]
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_copied(timeout)
         while True:
             left = 60.0 if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -131,11 +165,12 @@ class SaveHandle:
 def watch_stage(handle: SaveHandle, stage: str, done: threading.Event) -> None:
     """Wait (server-side, in bounded calls) until a save reaches ``stage`` or ends."""
     try:
+        handle.wait_copied()
         while True:
             st = handle._status(STAGES[stage], 30.0)
             if st.reached or st.final:
                 return
-    except CkptdError:
+    except (CkptdError, TimeoutError):
         return  # gone or unreachable: let the next save() report it
     finally:
         done.set()

@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import google_crc32c
@@ -79,7 +80,12 @@ def map_file_verified(directory: str, manifest: dict[str, Any], rank: int) -> mm
 
 
 def build_tree(
-    buf: mmap.mmap, manifest: dict[str, Any], rank: int, base_offset: int = 0
+    buf: mmap.mmap,
+    manifest: dict[str, Any],
+    rank: int,
+    base_offset: int = 0,
+    jax_leaf: Callable[[dict[str, Any], Any], Any] | None = None,
+    target: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Arrays as views into ``buf`` (shard offsets shifted by ``base_offset``), then the tree."""
     arrays: dict[str, np.ndarray] = {}
@@ -93,4 +99,5 @@ def build_tree(
             arrays[s["key"]] = np.ndarray(
                 s["shape"], dt, buffer=buf, offset=s["offset"] - base_offset
             )
-    return unflatten(rank_record(manifest, rank)["tree"], arrays), manifest.get("metadata") or {}
+    tree = unflatten(rank_record(manifest, rank)["tree"], arrays, jax_leaf, target)
+    return tree, manifest.get("metadata") or {}

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from .format import dtype_to_str
+from .jax_arrays import is_jax_array
 
 MAX_KEY_BYTES = 1024
 _UNSAFE = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -61,6 +64,10 @@ def flatten(tree: Any) -> tuple[Any, list[tuple[str, np.ndarray]]]:
         if isinstance(node, list | tuple):
             kind = "tuple" if isinstance(node, tuple) else "list"
             return {kind: [walk(v, (*path, i)) for i, v in enumerate(node)]}
+        if is_jax_array(node):
+            key = _key_for(path, used)
+            arrays.append((key, node))  # the client saves its addressable shards
+            return {"jax": key, "dtype": dtype_to_str(np.dtype(node.dtype))}
         # Before the Python scalars: np.float64 is a subclass of float but is an array leaf.
         if isinstance(node, np.ndarray | np.generic) or (
             hasattr(node, "__array__") and not isinstance(node, bool | int | float | str)
@@ -89,16 +96,41 @@ def flatten(tree: Any) -> tuple[Any, list[tuple[str, np.ndarray]]]:
     return walk(tree, ()), arrays
 
 
-def unflatten(spec: Any, arrays: Mapping[str, np.ndarray]) -> Any:
-    """Rebuild the tree from its spec and the restored arrays."""
+def unflatten(
+    spec: Any,
+    arrays: Mapping[str, np.ndarray],
+    jax_leaf: Callable[[dict[str, Any], Any], Any] | None = None,
+    target: Any = None,
+) -> Any:
+    """Rebuild the tree from its spec and the restored arrays.
+
+    ``jax_leaf(spec_node, target_node)`` builds saved jax leaves; ``target`` is
+    walked alongside the spec (same structure) to hand each its target leaf.
+    """
     if not isinstance(spec, dict) or len(spec) < 1:
         raise ValueError(f"malformed tree spec node: {spec!r:.80}")
+
+    def sub(key: Any) -> Any:
+        if target is None:
+            return None
+        try:
+            return target[key]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(
+                f"the restore target has no entry {key!r} where the checkpoint has one; "
+                "pass a target with the saved tree's structure"
+            ) from None
+
     if "dict" in spec:
-        return {k: unflatten(v, arrays) for k, v in spec["dict"]}
+        return {k: unflatten(v, arrays, jax_leaf, sub(k)) for k, v in spec["dict"]}
     if "list" in spec:
-        return [unflatten(v, arrays) for v in spec["list"]]
+        return [unflatten(v, arrays, jax_leaf, sub(i)) for i, v in enumerate(spec["list"])]
     if "tuple" in spec:
-        return tuple(unflatten(v, arrays) for v in spec["tuple"])
+        return tuple(unflatten(v, arrays, jax_leaf, sub(i)) for i, v in enumerate(spec["tuple"]))
+    if "jax" in spec:
+        if jax_leaf is None:
+            raise ValueError("this checkpoint holds jax arrays; restore it with ckptd.client")
+        return jax_leaf(spec, target)
     if "value" in spec:
         return spec["value"]
     if "bigint" in spec:

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+# Four CPU devices for the jax tests; must be set before anything imports jax.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
 from ckptd.client import CkptdUnavailable, Client
 from ckptd.client.handle import open_channel
 from ckptd.daemon.staging import segment_prefix

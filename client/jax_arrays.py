@@ -1,0 +1,186 @@
+"""``jax.Array`` leaves: save each addressable shard once, restore onto any sharding.
+
+Save: every addressable shard with ``replica_id == 0`` (all replicas with
+``save_replicas``) becomes one shard in the rank's file, keyed
+``<leaf key>#<n>``, with its index into the global array. jax arrays are
+immutable, so their device-to-host copies into the lease run on a client
+thread after ``save()`` has returned.
+
+Restore with a target (``jax.ShapeDtypeStruct`` with a sharding, or an array
+whose sharding to copy): each leaf is built with ``jax.make_array_from_callback``;
+the callback assembles just the slice a device needs from the saved shards that
+overlap it, read from the mapped shard files, each shard checked against its
+crc32c the first time it is used. A different mesh, sharding or device count
+from the one that saved works the same way.
+
+jax is imported only when a tree holds jax arrays or a target is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from .format import str_to_dtype
+
+
+def is_jax_array(node: Any) -> bool:
+    """True for a ``jax.Array`` (without importing jax if the program has not)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(node, jax.Array)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard of a jax leaf to save."""
+
+    key: str
+    data: Any
+    """The shard's single-device jax array."""
+    shape: tuple[int, ...]
+    index: list[tuple[int, int]]
+
+
+def leaf_shards(key: str, array: Any, save_replicas: bool) -> list[ShardPlan]:
+    """The shards of a jax array this process saves (its addressable ones, replica 0)."""
+    shape = tuple(int(d) for d in array.shape)
+    plans: list[ShardPlan] = []
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0 and not save_replicas:
+            continue
+        index = [_bounds(s, d) for s, d in zip(shard.index, shape, strict=True)]
+        plans.append(
+            ShardPlan(
+                f"{key}#{len(plans)}",
+                shard.data,
+                tuple(b - a for a, b in index),
+                index,
+            )
+        )
+    return plans
+
+
+def leaf_of(shard_key: str) -> str:
+    """The leaf key a shard key belongs to (``w#3`` -> ``w``)."""
+    return shard_key.rsplit("#", 1)[0]
+
+
+def _relative(
+    cut: list[tuple[int, int]], origin: list[tuple[int, int]] | tuple[tuple[int, int], ...]
+) -> tuple[slice, ...]:
+    """``cut`` (global bounds) as slices relative to a block starting at ``origin``."""
+    return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(cut, origin, strict=True))
+
+
+def _bounds(s: slice, dim: int) -> tuple[int, int]:
+    start, stop, step = s.indices(dim)
+    if step != 1:
+        raise ValueError(f"shard index {s} has a step; ckptd stores contiguous shards only")
+    return start, stop
+
+
+class CorruptShard(Exception):
+    """A saved shard failed its crc32c check."""
+
+
+class ShardReader:
+    """Maps the rank files of a step and serves verified shard views."""
+
+    def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
+        self.directory = directory
+        self.by_leaf: dict[str, list[dict[str, Any]]] = {}
+        for s in manifest["shards"]:
+            self.by_leaf.setdefault(leaf_of(s["key"]), []).append(s)
+        self._maps: dict[str, mmap.mmap] = {}
+        self._verified: set[tuple[str, str]] = set()
+
+    def view(self, s: dict[str, Any]) -> np.ndarray:
+        """The shard's data as an array over the mapped file, verified once."""
+        mm = self._maps.get(s["file"])
+        if mm is None:
+            with open(os.path.join(self.directory, s["file"]), "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            self._maps[s["file"]] = mm
+        flat = np.frombuffer(mm, np.uint8, count=s["length"], offset=s["offset"])
+        if (s["file"], s["key"]) not in self._verified:
+            crc = google_crc32c.extend(0, flat)
+            if crc != s["crc32c"]:
+                raise CorruptShard(
+                    f"shard {s['key']!r} in {s['file']} has crc32c {crc:#010x}, "
+                    f"expected {s['crc32c']:#010x}"
+                )
+            self._verified.add((s["file"], s["key"]))
+        return flat.view(str_to_dtype(s["dtype"])).reshape(s["shape"])
+
+    def assemble(self, leaf: str, want: list[tuple[int, int]], dtype: np.dtype) -> np.ndarray:
+        """The block ``want`` (start, stop per dimension) of a leaf's global array."""
+        out = np.empty([b - a for a, b in want], dtype)
+        needed = math.prod(out.shape)
+        seen: set[tuple[tuple[int, int], ...]] = set()
+        copied = 0
+        for s in self.by_leaf.get(leaf, []):
+            index = tuple((int(a), int(b)) for a, b in s["index"])
+            if index in seen:
+                continue  # a replica of a shard already used
+            cut = [(max(a, wa), min(b, wb)) for (a, b), (wa, wb) in zip(index, want, strict=True)]
+            if any(lo >= hi for lo, hi in cut) and needed:
+                continue
+            seen.add(index)
+            src = self.view(s)[_relative(cut, index)]
+            out[_relative(cut, want)] = src
+            copied += src.size
+        if copied < needed:
+            raise LookupError(
+                f"the checkpoint holds only part of {leaf!r}[{want}] on this node; shards saved "
+                "by processes on other nodes are not readable here"
+            )
+        return out
+
+    def close(self) -> None:
+        """Unmap the files (arrays built from them are copies)."""
+        for mm in self._maps.values():
+            with contextlib.suppress(BufferError):  # still viewed: the GC unmaps it
+                mm.close()
+        self._maps.clear()
+
+
+def global_shape_of(reader: ShardReader, leaf: str) -> tuple[int, ...]:
+    """The global shape recorded for a leaf's shards."""
+    shards = reader.by_leaf.get(leaf)
+    if not shards:
+        raise LookupError(f"no shards of {leaf!r} in this checkpoint")
+    return tuple(int(d) for d in shards[0]["global_shape"])
+
+
+def build_leaf(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
+    """A saved jax leaf: onto ``target``'s sharding, or as a numpy array without one."""
+    leaf = spec["jax"]
+    dtype = str_to_dtype(spec["dtype"])
+    shape = global_shape_of(reader, leaf)
+    if target is None:
+        return reader.assemble(leaf, [(0, d) for d in shape], dtype)
+    import jax
+
+    if tuple(target.shape) != shape:
+        raise ValueError(f"target for {leaf!r} has shape {tuple(target.shape)}, saved {shape}")
+    if np.dtype(target.dtype) != dtype:
+        raise ValueError(f"target for {leaf!r} has dtype {target.dtype}, saved {dtype}")
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        raise ValueError(
+            f"target for {leaf!r} has no sharding; use jax.ShapeDtypeStruct(..., sharding=...)"
+        )
+
+    def block(index: tuple[slice, ...] | None) -> np.ndarray:
+        bounds = [_bounds(s, d) for s, d in zip(index or (), shape, strict=True)]
+        return reader.assemble(leaf, bounds or [(0, d) for d in shape], dtype)
+
+    return jax.make_array_from_callback(shape, sharding, block)
