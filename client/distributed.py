@@ -1,0 +1,58 @@
+"""Multi-process jobs: agree on the step to restore through JAX's own runtime.
+
+Daemons never talk to each other. Each process asks its node's daemon which
+steps it can restore (a local copy, or a complete copy of a node's part in the
+bucket), the processes all-gather those lists with
+``jax.experimental.multihost_utils.process_allgather`` (so every process must
+call this at the same point, like any collective), and every one picks the
+newest step that all of them can restore.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .client import Client
+
+MAX_CANDIDATES = 64
+"""Newest restorable steps each process offers (older ones cannot win anyway
+unless the newest 64 all fail somewhere)."""
+
+
+def restorable_steps(client: Client) -> list[int]:
+    """Steps this process's node can restore from some tier, newest first."""
+    rows = client.list()
+    return sorted({c.step for c in rows if c.tiers and c.state != "STAGING"}, reverse=True)
+
+
+def agree_on_step(client: Client) -> int | None:
+    """The newest step every process can restore (None: start from scratch).
+
+    A collective: every process of the job must call it.
+    """
+    from jax.experimental import multihost_utils
+
+    mine = np.full(MAX_CANDIDATES, -1, np.int64)
+    steps = restorable_steps(client)[:MAX_CANDIDATES]
+    mine[: len(steps)] = steps
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, MAX_CANDIDATES)
+    common = set(everyone[0].tolist())
+    for row in everyone[1:]:
+        common &= set(row.tolist())
+    common.discard(-1)
+    return max(common) if common else None
+
+
+def restore_agreed(client: Client, target: Any = None) -> tuple[int | None, Any, dict[str, Any]]:
+    """Agree on a step (a collective), then restore it: ``(step, tree, metadata)``;
+    ``(None, None, {})`` when no step is restorable everywhere."""
+    step = agree_on_step(client)
+    if step is None:
+        return None, None, {}
+    tree, meta = client.restore(step=step, target=target)
+    return step, tree, meta
+
+
+__all__ = ["agree_on_step", "restorable_steps", "restore_agreed"]

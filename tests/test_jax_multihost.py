@@ -1,0 +1,69 @@
+"""Two JAX processes (jax.distributed on 127.0.0.1, gloo), each with its own daemon."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import RemoteTarget
+from .test_remote_tier import remote_daemon
+
+pytest.importorskip("jax")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(sockets: list[Path], mode: str) -> None:
+    """Run one worker per daemon as a two-process jax job; fail with their output."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.jax_worker", str(i), str(port), str(s), mode, "2"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, s in enumerate(sockets)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outputs.append(out)
+    for p in procs:
+        assert p.returncode == 0, "\n".join(o[-3000:] for o in outputs)
+
+
+def test_two_processes_save_to_a_shared_bucket_and_restore_on_new_nodes(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    bucket = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    daemons = [
+        remote_daemon(make_daemon, bucket, extra_args=["--node-id", f"node-{i}"]) for i in (0, 1)
+    ]
+    run_job([d.socket for d in daemons], "save")
+    keys = bucket.object_keys()
+    assert {"mh/2/_complete/node-0", "mh/2/_complete/node-1"} <= set(keys)
+    # Both nodes are lost: new daemons with empty roots, the same bucket.
+    for d in daemons:
+        d.stop()
+        shutil.rmtree(d.root)
+        d.start()
+    run_job([d.socket for d in daemons], "restore")
+    for d in daemons:
+        assert "fetched from" in d.log_text()
