@@ -36,7 +36,15 @@ from .handle import (
     rpc_call,
     watch_stage,
 )
-from .jax_arrays import CorruptShard, ShardPlan, ShardReader, build_leaf, is_jax_array, leaf_shards
+from .jax_arrays import (
+    CorruptShard,
+    MissingShards,
+    ShardPlan,
+    ShardReader,
+    build_leaf,
+    is_jax_array,
+    leaf_shards,
+)
 from .policies import Continuous, SaveContext, SavePolicy
 from .tree import flatten
 
@@ -378,15 +386,18 @@ class Client:
                 raise
             manifest = json.loads(resp.manifest_json)
             reader = ShardReader(resp.directory, manifest)
+            leaf_builder = self._jax_leaf_builder(reader, resp)
 
-            def jax_leaf(spec: dict[str, Any], tgt: Any, reader: ShardReader = reader) -> Any:
-                return build_leaf(reader, spec, tgt)
+            def adopt(arrays: dict[str, np.ndarray], r: Any = resp, rd: Any = reader) -> None:
+                rd.adopt(r.directory, self.rank, arrays)
 
             try:
                 if resp.HasField("lease"):
-                    return self._adopt_segment(resp, manifest, jax_leaf, target)
+                    return self._adopt_segment(resp, manifest, leaf_builder, target, adopt)
                 mm = restore_mod.map_file_verified(resp.directory, manifest, self.rank)
-                return restore_mod.build_tree(mm, manifest, self.rank, 0, jax_leaf, target)
+                return restore_mod.build_tree(
+                    mm, manifest, self.rank, 0, leaf_builder, target, adopt
+                )
             except (restore_mod.Corrupt, CorruptShard) as bad:
                 log.error(
                     "step %d of job %s: %s; asking for another copy", resp.step, self.job, bad
@@ -402,12 +413,37 @@ class Client:
             f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS"
         )
 
+    def _jax_leaf_builder(
+        self, reader: ShardReader, resp: pb.RestoreResponse
+    ) -> Callable[[dict[str, Any], Any], Any]:
+        """Builds saved jax leaves; fetches other nodes' parts the first time a
+        target needs shards this node did not save."""
+        fetched = False
+
+        def build(spec: dict[str, Any], target: Any) -> Any:
+            nonlocal fetched
+            try:
+                return build_leaf(reader, spec, target)
+            except MissingShards:
+                if fetched:
+                    raise
+            fetched = True
+            peers = self._call(
+                self._stub.FetchPeers, pb.FetchPeersRequest(job=self.job, step=resp.step)
+            )
+            for part in peers.parts:
+                reader.add_part(part.directory, json.loads(part.manifest_json))
+            return build_leaf(reader, spec, target)
+
+        return build
+
     def _adopt_segment(
         self,
         resp: pb.RestoreResponse,
         manifest: dict[str, Any],
         jax_leaf: Callable[[dict[str, Any], Any], Any],
         target: Any,
+        adopt: Callable[[dict[str, np.ndarray]], None],
     ) -> tuple[Any, dict[str, Any]]:
         """Map and lock the verified segment, then tell the daemon we hold it."""
         try:
@@ -424,7 +460,7 @@ class Client:
             mm.close()
             raise
         return restore_mod.build_tree(
-            mm, manifest, self.rank, resp.data_offset_in_file, jax_leaf, target
+            mm, manifest, self.rank, resp.data_offset_in_file, jax_leaf, target, adopt
         )
 
     def list(self) -> list[CheckpointInfo]:

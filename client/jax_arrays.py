@@ -91,33 +91,56 @@ class CorruptShard(Exception):
     """A saved shard failed its crc32c check."""
 
 
+class MissingShards(LookupError):
+    """The parts read so far do not cover a requested block (other nodes saved it)."""
+
+
 class ShardReader:
-    """Maps the rank files of a step and serves verified shard views."""
+    """Maps the rank files of a step (this node's part, and other nodes' parts
+    when added) and serves verified shard views."""
 
     def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
-        self.directory = directory
         self.by_leaf: dict[str, list[dict[str, Any]]] = {}
-        for s in manifest["shards"]:
-            self.by_leaf.setdefault(leaf_of(s["key"]), []).append(s)
+        self.parts = 0
+        self.add_part(directory, manifest)
         self._maps: dict[str, mmap.mmap] = {}
         self._verified: set[tuple[str, str]] = set()
+        self._adopted: dict[tuple[str, str], np.ndarray] = {}
+        self._adopted_rank = -1
+
+    def add_part(self, directory: str, manifest: dict[str, Any]) -> None:
+        """Make one node's part of the step readable."""
+        self.parts += 1
+        for s in manifest["shards"]:
+            shard = {**s, "path": os.path.join(directory, s["file"])}
+            self.by_leaf.setdefault(leaf_of(s["key"]), []).append(shard)
+
+    def adopt(self, directory: str, rank: int, views: dict[str, np.ndarray]) -> None:
+        """Already-verified views of ``rank``'s shards (the restore's own buffer):
+        used instead of reading and checking its file again."""
+        for key, arr in views.items():
+            self._adopted[(directory, key)] = arr
+        self._adopted_rank = rank
 
     def view(self, s: dict[str, Any]) -> np.ndarray:
         """The shard's data as an array over the mapped file, verified once."""
-        mm = self._maps.get(s["file"])
+        adopted = self._adopted.get((os.path.dirname(s["path"]), s["key"]))
+        if adopted is not None and s["rank"] == self._adopted_rank:
+            return adopted
+        mm = self._maps.get(s["path"])
         if mm is None:
-            with open(os.path.join(self.directory, s["file"]), "rb") as f:
+            with open(s["path"], "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-            self._maps[s["file"]] = mm
+            self._maps[s["path"]] = mm
         flat = np.frombuffer(mm, np.uint8, count=s["length"], offset=s["offset"])
-        if (s["file"], s["key"]) not in self._verified:
+        if (s["path"], s["key"]) not in self._verified:
             crc = google_crc32c.extend(0, flat)
             if crc != s["crc32c"]:
                 raise CorruptShard(
-                    f"shard {s['key']!r} in {s['file']} has crc32c {crc:#010x}, "
+                    f"shard {s['key']!r} in {s['path']} has crc32c {crc:#010x}, "
                     f"expected {s['crc32c']:#010x}"
                 )
-            self._verified.add((s["file"], s["key"]))
+            self._verified.add((s["path"], s["key"]))
         return flat.view(str_to_dtype(s["dtype"])).reshape(s["shape"])
 
     def assemble(self, leaf: str, want: list[tuple[int, int]], dtype: np.dtype) -> np.ndarray:
@@ -138,9 +161,8 @@ class ShardReader:
             out[_relative(cut, want)] = src
             copied += src.size
         if copied < needed:
-            raise LookupError(
-                f"the checkpoint holds only part of {leaf!r}[{want}] on this node; shards saved "
-                "by processes on other nodes are not readable here"
+            raise MissingShards(
+                f"the {self.parts} node part(s) read hold only part of {leaf!r}[{want}]"
             )
         return out
 
@@ -150,6 +172,7 @@ class ShardReader:
             with contextlib.suppress(BufferError):  # still viewed: the GC unmaps it
                 mm.close()
         self._maps.clear()
+        self._adopted.clear()
 
 
 def global_shape_of(reader: ShardReader, leaf: str) -> tuple[int, ...]:

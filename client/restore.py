@@ -86,6 +86,7 @@ def build_tree(
     base_offset: int = 0,
     jax_leaf: Callable[[dict[str, Any], Any], Any] | None = None,
     target: Any = None,
+    adopt: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Arrays as views into ``buf`` (shard offsets shifted by ``base_offset``), then the tree."""
     arrays: dict[str, np.ndarray] = {}
@@ -99,5 +100,7 @@ def build_tree(
             arrays[s["key"]] = np.ndarray(
                 s["shape"], dt, buffer=buf, offset=s["offset"] - base_offset
             )
+    if adopt is not None:
+        adopt(arrays)  # jax leaves are assembled from these verified views
     tree = unflatten(rank_record(manifest, rank)["tree"], arrays, jax_leaf, target)
     return tree, manifest.get("metadata") or {}

@@ -244,6 +244,8 @@ class LocalStore:
         self.cache_root = root / ".cache"
         self.corrupt_root = root / ".corrupt"
         self.trash_root = root / ".trash"
+        self.peers_root = root / ".peers"
+        """Other nodes' parts of steps, fetched for restores that reshard across nodes."""
 
     def step_dir(self, job: str, step: int) -> Path:
         """Where a committed step lives."""
@@ -259,6 +261,7 @@ class LocalStore:
             self.corrupt_root,
             self.trash_root,
             self.spare_root,
+            self.peers_root,
         )
         for leftovers in leftover_dirs:
             if leftovers.exists():
@@ -327,6 +330,8 @@ class LocalStore:
         gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
         os.rename(final, gone)
         fsync_dir(final.parent)
+        for peer in self.peers_root.glob(f"{job}.{step}.*"):
+            shutil.rmtree(peer, ignore_errors=True)
         for f in sorted(gone.glob("rank-*.safetensors")):
             size = f.stat().st_size
             with self._spare_lock:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from . import fetch, localstore
 from .errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from .localstore import MANIFEST
 from .manifest import Manifest, ShardRecord
 from .node import Node, StepState
 from .remote import Remote
@@ -161,6 +163,43 @@ class Restorer:
             self._prefetched[(st.job, st.step, other)] = held
         return lease
 
+    async def fetch_peers(self, job: str, step: int) -> list[tuple[str, Path, str]]:
+        """Other nodes' parts of ``step``, downloaded and verified once into
+        ``<root>/.peers``: ``(node, directory, manifest json)`` each."""
+        if self.remote is None:
+            return []
+        await self.refresh_remote(job)
+        st = self.node.get_step(job, step)
+        own = self.node.config.node_id
+        store = self.node.store
+        parts = []
+        lock = self._fetching.setdefault((job, -1 - step), asyncio.Lock())
+        async with lock:
+            st.busy += 1
+            try:
+                for node in sorted(st.remote_nodes - {own}):
+                    dest = store.peers_root / f"{job}.{step}.{node}"
+                    if not (dest / MANIFEST).exists():
+                        await self._fetch_part(job, step, node, dest)
+                    raw = await self.node.run_io((dest / MANIFEST).read_text)
+                    parts.append((node, dest, raw))
+            finally:
+                st.busy -= 1
+        return parts
+
+    async def _fetch_part(self, job: str, step: int, node: str, dest: Path) -> None:
+        assert self.remote is not None
+        _, raw, manifest = await fetch.node_manifest(self.remote, job, step, {node}, None, node)
+        store = self.node.store
+        tmp = await self.node.run_io(store.new_cache_dir, job, step)
+        try:
+            await fetch.download_step(self.remote, job, step, node, raw, manifest, tmp)
+            await self.node.run_io(_install_peer, tmp, dest)
+        except BaseException:
+            await self.node.run_io(store.discard, tmp)
+            raise
+        log.info("%s/%d: fetched node %s's part from %s", job, step, node, self.remote.url)
+
     async def _restore_lease(self, job: str, size: int) -> Lease | None:
         """A segment to download into: a free one, else a new one if the budget has room
         for it and for a save of the same size after it (the client may keep it)."""
@@ -258,6 +297,12 @@ class Restorer:
                 f"({bad[0]}) and was set aside; no other copy exists on this node. "
                 "restore() without a step picks the newest intact one"
             )
+
+
+def _install_peer(tmp: Path, dest: Path) -> None:
+    dest.parent.mkdir(mode=0o750, exist_ok=True)
+    localstore.fsync_dir(tmp)
+    os.rename(tmp, dest)
 
 
 def _read_and_verify(

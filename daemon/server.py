@@ -239,6 +239,16 @@ class Servicer(pb_grpc.CkptdServicer):
         )
 
     @_rpc
+    async def FetchPeers(
+        self, request: pb.FetchPeersRequest, context: Any
+    ) -> pb.FetchPeersResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        parts = await self.restorer.fetch_peers(job, step)
+        return pb.FetchPeersResponse(
+            parts=[pb.PeerPart(node=n, directory=str(d), manifest_json=m) for n, d, m in parts]
+        )
+
+    @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.DaemonStatus:
         node, cfg = self.node, self.node.config
         st = os.statvfs(cfg.root)

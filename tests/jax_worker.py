@@ -1,9 +1,12 @@
 """One process of a two-process JAX job (run by test_jax_multihost.py, not by pytest).
 
     python -m tests.jax_worker PROCESS_ID PORT SOCKET save|restore NUM_PROCESSES
+    python -m tests.jax_worker 0 - SOCKET single 1 DEVICES
 
 Saves a global array sharded over every process's devices, or agrees on the
-step with the other processes and restores onto the same sharding.
+step with the other processes and restores onto the same sharding; ``single``
+restores alone with another device count (shards saved on other nodes come
+from the bucket).
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# Before jax is imported: 2 devices per process, or the count ``single`` asks for.
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + (
+    sys.argv[6] if len(sys.argv) > 6 else "2"
+)
 
 import jax
 import numpy as np
@@ -31,6 +37,8 @@ def expected(step: int) -> np.ndarray:
 
 def main() -> int:
     pid, port, socket, mode, nproc = sys.argv[1:6]
+    if mode == "single":
+        return restore_alone(socket)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(nproc), process_id=int(pid))
     mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("x", "y"))
@@ -51,6 +59,21 @@ def main() -> int:
             assert np.array_equal(np.asarray(shard.data), want[shard.index]), shard.index
         print(f"process {pid}: restored step {step}", flush=True)
     jax.distributed.shutdown()
+    return 0
+
+
+def restore_alone(socket: str) -> int:
+    """One process, its own device count: rows split over every device."""
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("x", "y"))
+    sharding = NamedSharding(mesh, P("x", None))
+    client = Client("mh", socket)
+    target = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding), "step": None}
+    tree, _ = client.restore(step=2, target=target)
+    assert np.array_equal(np.asarray(tree["w"]), expected(2))
+    assert tree["w"].sharding == sharding and len(tree["w"].addressable_shards) == len(
+        jax.devices()
+    )
+    print(f"alone on {len(jax.devices())} devices: restored", flush=True)
     return 0
 
 

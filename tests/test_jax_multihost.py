@@ -67,3 +67,17 @@ def test_two_processes_save_to_a_shared_bucket_and_restore_on_new_nodes(
     run_job([d.socket for d in daemons], "restore")
     for d in daemons:
         assert "fetched from" in d.log_text()
+    # One process with another device count: it needs rows node-1 saved, which its
+    # daemon fetches from the bucket.
+    for devices in ("4", "1"):
+        worker = [sys.executable, "-m", "tests.jax_worker", "0", "-", str(daemons[0].socket)]
+        out = subprocess.run(
+            [*worker, "single", "1", devices],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert f"alone on {devices} devices: restored" in out.stdout
+    assert "fetched node node-1's part" in daemons[0].log_text()

@@ -301,6 +301,30 @@ class Capacity(_message.Message):
     local_free_bytes: int
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., staging_free_bytes: _Optional[int] = ..., local_free_bytes: _Optional[int] = ...) -> None: ...
 
+class FetchPeersRequest(_message.Message):
+    __slots__ = ("job", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class PeerPart(_message.Message):
+    __slots__ = ("node", "directory", "manifest_json")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    directory: str
+    manifest_json: str
+    def __init__(self, node: _Optional[str] = ..., directory: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class FetchPeersResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PeerPart]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PeerPart, _Mapping]]] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

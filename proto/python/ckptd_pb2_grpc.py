@@ -84,6 +84,11 @@ class CkptdStub:
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.SerializeToString,
                 response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.Capacity.FromString,
                 _registered_method=True)
+        self.FetchPeers = channel.unary_unary(
+                '/ckptd.v1.Ckptd/FetchPeers',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersResponse.FromString,
+                _registered_method=True)
 
 
 class CkptdServicer:
@@ -162,6 +167,15 @@ class CkptdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPeers(self, request, context):
+        """Downloads the other nodes' parts of a step from the bucket (each file
+        checked against its crc32c) so a process can read shards saved on other
+        nodes, e.g. to restore onto a different process count.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CkptdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +228,11 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.CheckCapacity,
                     request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.FromString,
                     response_serializer=ckptd_dot_proto_dot_ckptd__pb2.Capacity.SerializeToString,
+            ),
+            'FetchPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchPeers,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +505,33 @@ class Ckptd:
             '/ckptd.v1.Ckptd/CheckCapacity',
             ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.SerializeToString,
             ckptd_dot_proto_dot_ckptd__pb2.Capacity.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/FetchPeers',
+            ckptd_dot_proto_dot_ckptd__pb2.FetchPeersRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.FetchPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,
