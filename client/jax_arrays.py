@@ -143,8 +143,21 @@ class ShardReader:
             self._verified.add((s["path"], s["key"]))
         return flat.view(str_to_dtype(s["dtype"])).reshape(s["shape"])
 
-    def assemble(self, leaf: str, want: list[tuple[int, int]], dtype: np.dtype) -> np.ndarray:
-        """The block ``want`` (start, stop per dimension) of a leaf's global array."""
+    def assemble(
+        self, leaf: str, want: list[tuple[int, int]], dtype: np.dtype, view_ok: bool = False
+    ) -> np.ndarray:
+        """The block ``want`` (start, stop per dimension) of a leaf's global array.
+
+        A block that is exactly one saved shard (restoring onto the sharding that
+        saved) is that shard's verified view, not a copy: fresh memory is the
+        slow part of a restore on these machines. Only with ``view_ok`` (jax
+        copies it or holds it immutably; a numpy leaf handed to the caller must
+        stay writable).
+        """
+        exact = tuple(want)
+        for s in self.by_leaf.get(leaf, []) if view_ok else ():
+            if tuple((int(a), int(b)) for a, b in s["index"]) == exact:
+                return self.view(s)
         out = np.empty([b - a for a, b in want], dtype)
         needed = math.prod(out.shape)
         seen: set[tuple[tuple[int, int], ...]] = set()
@@ -204,6 +217,6 @@ def build_leaf(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
 
     def block(index: tuple[slice, ...] | None) -> np.ndarray:
         bounds = [_bounds(s, d) for s, d in zip(index or (), shape, strict=True)]
-        return reader.assemble(leaf, bounds or [(0, d) for d in shape], dtype)
+        return reader.assemble(leaf, bounds or [(0, d) for d in shape], dtype, view_ok=True)
 
     return jax.make_array_from_callback(shape, sharding, block)

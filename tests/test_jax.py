@@ -52,6 +52,7 @@ def test_2x2_sharded_state_restores_onto_other_meshes(daemon: Daemon) -> None:
     for k, v in host.items():
         assert tree["params"][k].dtype == v.dtype and tree["params"][k].tobytes() == v.tobytes()
     assert tree["step"] == 1
+    tree["params"]["w"][0, 0] = 42.0  # restored numpy arrays are the caller's to update
 
     for shape in [(4, 1), (1, 4), (1, 1)]:
         m = mesh(shape)
