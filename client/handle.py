@@ -170,7 +170,7 @@ def watch_stage(handle: SaveHandle, stage: str, done: threading.Event) -> None:
             st = handle._status(STAGES[stage], 30.0)
             if st.reached or st.final:
                 return
-    except (CkptdError, TimeoutError):
-        return  # gone or unreachable: let the next save() report it
+    except Exception:  # a background watcher must never die loudly
+        return  # gone, unreachable or the client closed: the next save() reports it
     finally:
         done.set()
