@@ -20,10 +20,10 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ckptd.proto import state_name
 
 from . import restore as restore_mod
+from . import restoring
 from .errors import (
     CapacityExhausted,
     CheckpointCorrupt,
-    CheckpointNotFound,
     CkptdError,
     SaveFailed,
 )
@@ -37,11 +37,7 @@ from .handle import (
     watch_stage,
 )
 from .jax_arrays import (
-    CorruptShard,
-    MissingShards,
     ShardPlan,
-    ShardReader,
-    build_leaf,
     is_jax_array,
     leaf_shards,
 )
@@ -372,96 +368,7 @@ class Client:
         assembled from the saved shards that overlap it, so another mesh,
         sharding or device count works.
         """
-        for attempt in range(8):
-            req = pb.RestoreRequest(job=self.job, rank=self.rank, shared_memory=shared_memory)
-            if step is not None:
-                req.step = int(step)
-            try:
-                resp = self._call(self._stub.Restore, req)
-            except CheckpointNotFound as exc:
-                if attempt:
-                    raise CheckpointCorrupt(
-                        f"{exc} (a newer copy failed its checksum and was set aside)", "DATA_LOSS"
-                    ) from None
-                raise
-            manifest = json.loads(resp.manifest_json)
-            reader = ShardReader(resp.directory, manifest)
-            leaf_builder = self._jax_leaf_builder(reader, resp)
-
-            def adopt(arrays: dict[str, np.ndarray], r: Any = resp, rd: Any = reader) -> None:
-                rd.adopt(r.directory, self.rank, arrays)
-
-            try:
-                if resp.HasField("lease"):
-                    return self._adopt_segment(resp, manifest, leaf_builder, target, adopt)
-                mm = restore_mod.map_file_verified(resp.directory, manifest, self.rank)
-                return restore_mod.build_tree(
-                    mm, manifest, self.rank, 0, leaf_builder, target, adopt
-                )
-            except (restore_mod.Corrupt, CorruptShard) as bad:
-                log.error(
-                    "step %d of job %s: %s; asking for another copy", resp.step, self.job, bad
-                )
-                report = pb.ReportCorruptRequest(
-                    job=self.job, step=resp.step, tier=resp.tier, detail=str(bad)
-                )
-                self._call(self._stub.ReportCorrupt, report)
-                continue
-            finally:
-                reader.close()
-        raise CheckpointCorrupt(
-            f"every copy the daemon offered for job {self.job!r} was corrupt", "DATA_LOSS"
-        )
-
-    def _jax_leaf_builder(
-        self, reader: ShardReader, resp: pb.RestoreResponse
-    ) -> Callable[[dict[str, Any], Any], Any]:
-        """Builds saved jax leaves; fetches other nodes' parts the first time a
-        target needs shards this node did not save."""
-        fetched = False
-
-        def build(spec: dict[str, Any], target: Any) -> Any:
-            nonlocal fetched
-            try:
-                return build_leaf(reader, spec, target)
-            except MissingShards:
-                if fetched:
-                    raise
-            fetched = True
-            peers = self._call(
-                self._stub.FetchPeers, pb.FetchPeersRequest(job=self.job, step=resp.step)
-            )
-            for part in peers.parts:
-                reader.add_part(part.directory, json.loads(part.manifest_json))
-            return build_leaf(reader, spec, target)
-
-        return build
-
-    def _adopt_segment(
-        self,
-        resp: pb.RestoreResponse,
-        manifest: dict[str, Any],
-        jax_leaf: Callable[[dict[str, Any], Any], Any],
-        target: Any,
-        adopt: Callable[[dict[str, np.ndarray]], None],
-    ) -> tuple[Any, dict[str, Any]]:
-        """Map and lock the verified segment, then tell the daemon we hold it."""
-        try:
-            mm = restore_mod.map_segment_locked(resp.lease.segment, resp.lease.size_bytes)
-        except OSError:
-            self._call(
-                self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id)
-            )
-            raise
-        try:
-            held = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, client_holds=True)
-            self._call(self._stub.ReleaseLease, held)
-        except BaseException:
-            mm.close()
-            raise
-        return restore_mod.build_tree(
-            mm, manifest, self.rank, resp.data_offset_in_file, jax_leaf, target, adopt
-        )
+        return restoring.restore(self, step, target, shared_memory)
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""

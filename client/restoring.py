@@ -1,0 +1,118 @@
+"""Client-side restore: ask the daemon for a step, build the tree over verified memory.
+
+Split out of client.py; :meth:`ckptd.client.Client.restore` is the entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptd.proto import ckptd_pb2 as pb
+
+from . import restore as restore_mod
+from .errors import CheckpointCorrupt, CheckpointNotFound
+from .jax_arrays import CorruptShard, MissingShards, ShardReader, build_leaf
+
+if TYPE_CHECKING:
+    from .client import Client
+
+log = logging.getLogger("ckptd.client")
+
+
+def restore(
+    client: Client, step: int | None, target: Any, shared_memory: bool
+) -> tuple[Any, dict[str, Any]]:
+    """See :meth:`Client.restore`."""
+    for attempt in range(8):
+        req = pb.RestoreRequest(job=client.job, rank=client.rank, shared_memory=shared_memory)
+        if step is not None:
+            req.step = int(step)
+        try:
+            resp = client._call(client._stub.Restore, req)
+        except CheckpointNotFound as exc:
+            if attempt:
+                raise CheckpointCorrupt(
+                    f"{exc} (a newer copy failed its checksum and was set aside)", "DATA_LOSS"
+                ) from None
+            raise
+        manifest = json.loads(resp.manifest_json)
+        reader = ShardReader(resp.directory, manifest)
+        leaf_builder = jax_leaf_builder(client, reader, resp)
+
+        def adopt(arrays: dict[str, np.ndarray], r: Any = resp, rd: Any = reader) -> None:
+            rd.adopt(r.directory, client.rank, arrays)
+
+        try:
+            if resp.HasField("lease"):
+                return adopt_segment(client, resp, manifest, leaf_builder, target, adopt)
+            mm = restore_mod.map_file_verified(resp.directory, manifest, client.rank)
+            return restore_mod.build_tree(mm, manifest, client.rank, 0, leaf_builder, target, adopt)
+        except (restore_mod.Corrupt, CorruptShard) as bad:
+            log.error("step %d of job %s: %s; asking for another copy", resp.step, client.job, bad)
+            report = pb.ReportCorruptRequest(
+                job=client.job, step=resp.step, tier=resp.tier, detail=str(bad)
+            )
+            client._call(client._stub.ReportCorrupt, report)
+            continue
+        finally:
+            reader.close()
+    raise CheckpointCorrupt(
+        f"every copy the daemon offered for job {client.job!r} was corrupt", "DATA_LOSS"
+    )
+
+
+def jax_leaf_builder(
+    client: Client, reader: ShardReader, resp: pb.RestoreResponse
+) -> Callable[[dict[str, Any], Any], Any]:
+    """Builds saved jax leaves; fetches other nodes' parts the first time a
+    target needs shards this node did not save."""
+    fetched = False
+
+    def build(spec: dict[str, Any], target: Any) -> Any:
+        nonlocal fetched
+        try:
+            return build_leaf(reader, spec, target)
+        except MissingShards:
+            if fetched:
+                raise
+        fetched = True
+        peers = client._call(
+            client._stub.FetchPeers, pb.FetchPeersRequest(job=client.job, step=resp.step)
+        )
+        for part in peers.parts:
+            reader.add_part(part.directory, json.loads(part.manifest_json))
+        return build_leaf(reader, spec, target)
+
+    return build
+
+
+def adopt_segment(
+    client: Client,
+    resp: pb.RestoreResponse,
+    manifest: dict[str, Any],
+    jax_leaf: Callable[[dict[str, Any], Any], Any],
+    target: Any,
+    adopt: Callable[[dict[str, np.ndarray]], None],
+) -> tuple[Any, dict[str, Any]]:
+    """Map and lock the verified segment, then tell the daemon we hold it."""
+    try:
+        mm = restore_mod.map_segment_locked(resp.lease.segment, resp.lease.size_bytes)
+    except OSError:
+        client._call(
+            client._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id)
+        )
+        raise
+    try:
+        held = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, client_holds=True)
+        client._call(client._stub.ReleaseLease, held)
+    except BaseException:
+        mm.close()
+        raise
+    return restore_mod.build_tree(
+        mm, manifest, client.rank, resp.data_offset_in_file, jax_leaf, target, adopt
+    )
