@@ -105,8 +105,7 @@ class ShardReader:
         self.add_part(directory, manifest)
         self._maps: dict[str, mmap.mmap] = {}
         self._verified: set[tuple[str, str]] = set()
-        self._adopted: dict[tuple[str, str], np.ndarray] = {}
-        self._adopted_rank = -1
+        self._adopted: dict[tuple[int, str], np.ndarray] = {}
 
     def add_part(self, directory: str, manifest: dict[str, Any]) -> None:
         """Make one node's part of the step readable."""
@@ -115,17 +114,17 @@ class ShardReader:
             shard = {**s, "path": os.path.join(directory, s["file"])}
             self.by_leaf.setdefault(leaf_of(s["key"]), []).append(shard)
 
-    def adopt(self, directory: str, rank: int, views: dict[str, np.ndarray]) -> None:
+    def adopt(self, rank: int, views: dict[str, np.ndarray]) -> None:
         """Already-verified views of ``rank``'s shards (the restore's own buffer):
-        used instead of reading and checking its file again."""
+        used instead of reading and checking its file again. Ranks are global, so
+        ``(rank, key)`` names one shard across every node's part."""
         for key, arr in views.items():
-            self._adopted[(directory, key)] = arr
-        self._adopted_rank = rank
+            self._adopted[(rank, key)] = arr
 
     def view(self, s: dict[str, Any]) -> np.ndarray:
         """The shard's data as an array over the mapped file, verified once."""
-        adopted = self._adopted.get((os.path.dirname(s["path"]), s["key"]))
-        if adopted is not None and s["rank"] == self._adopted_rank:
+        adopted = self._adopted.get((s["rank"], s["key"]))
+        if adopted is not None:
             return adopted
         mm = self._maps.get(s["path"])
         if mm is None:

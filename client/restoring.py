@@ -44,8 +44,8 @@ def restore(
         reader = ShardReader(resp.directory, manifest)
         leaf_builder = jax_leaf_builder(client, reader, resp)
 
-        def adopt(arrays: dict[str, np.ndarray], r: Any = resp, rd: Any = reader) -> None:
-            rd.adopt(r.directory, client.rank, arrays)
+        def adopt(arrays: dict[str, np.ndarray], rd: ShardReader = reader) -> None:
+            rd.adopt(client.rank, arrays)
 
         try:
             if resp.HasField("lease"):

@@ -86,10 +86,9 @@ class Drain:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         node.on_local.append(lambda _st: self._wake.set())
-        self.wants: Callable[[str], set[int]] = lambda job: {
-            s.step for s in node.steps.values() if s.job == job and (s.milestone or s.pinned)
-        }
-        """Older pending steps of a job the remote retention keeps (the evictor's plan)."""
+        self.wants: Callable[[str], set[int]] = lambda job: set()
+        """Older pending steps of a job the remote retention keeps; the evictor sets this
+        to its plan (until then only each job's newest step is uploaded)."""
         self.on_durable: list[Callable[[StepState], None]] = []
 
     @property

@@ -111,14 +111,16 @@ class Evictor:
 
     def mark_superseded(self, job: str) -> None:
         """Pending steps the bucket will never want become SUPERSEDED (called on DURABLE)."""
-        for step in self.plan(job).supersede:
+        supersede = self.plan(job).supersede
+        if not supersede:
+            return
+        node_id = self.node.config.node_id
+        newest = max(
+            s.step for s in self.node.steps.values() if s.job == job and node_id in s.remote_nodes
+        )
+        for step in supersede:
             st = self.node.steps.get((job, step))
             if st is not None and st.state == pb.SAVE_STATE_LOCAL:
-                newest = max(
-                    s.step
-                    for s in self.node.steps.values()
-                    if s.job == job and self.node.config.node_id in s.remote_nodes
-                )
                 st.state = pb.SAVE_STATE_SUPERSEDED
                 st.error = (
                     f"superseded by step {newest}, uploaded first (coalescing drain); "
@@ -224,10 +226,7 @@ class Evictor:
         crossed, runs one eviction pass first (``wait``) and checks again.
         """
         for attempt in (0, 1):
-            space = self.space()
-            _, floor = self.marks(space)
-            writing = self.node.staging.committed_bytes
-            need = size_bytes + writing + floor
+            space, floor, writing, need = self._disk_need(size_bytes)
             if space.free >= need:
                 return
             if attempt == 0 and wait:
@@ -249,8 +248,14 @@ class Evictor:
                 f"staging memory is held by in-flight saves ({staging.in_use_bytes} of "
                 f"{staging.budget_bytes} bytes)"
             )
-        space = self.space()
-        _, floor = self.marks(space)
-        if space.free < size_bytes + staging.committed_bytes + floor:
+        space, floor, _, need = self._disk_need(size_bytes)
+        if space.free < need:
             return f"local disk has {_gib(space.free)} free; the floor is {_gib(floor)}"
         return ""
+
+    def _disk_need(self, size_bytes: int) -> tuple[Space, int, int, int]:
+        """(space, floor, bytes of saves still being written, free bytes a save needs)."""
+        space = self.space()
+        _, floor = self.marks(space)
+        writing = self.node.staging.committed_bytes
+        return space, floor, writing, size_bytes + writing + floor

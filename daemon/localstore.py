@@ -314,6 +314,16 @@ class LocalStore:
         fsync_dir(job_dir)
         return final
 
+    def peer_dir(self, job: str, step: int, node: str) -> Path:
+        """Where another node's part of a step lives once fetched."""
+        return self.peers_root / f"{job}.{step}.{node}"
+
+    def install_peer(self, tmp: Path, job: str, step: int, node: str) -> None:
+        """Rename a verified, fsynced download into :meth:`peer_dir`."""
+        self.peers_root.mkdir(mode=0o750, exist_ok=True)
+        fsync_dir(tmp)
+        os.rename(tmp, self.peer_dir(job, step, node))
+
     def new_cache_dir(self, job: str, step: int) -> Path:
         """A fresh directory for a download from the remote tier (same filesystem)."""
         path = self.cache_root / f"{job}.{step}.{secrets.token_hex(4)}"

@@ -240,31 +240,17 @@ class Node:
             )
             data = lease.segment.view(req.data_offset, round_up(data_len))
             ranges = [(e.offset, e.length) for e in req.entries]
-            t0 = time.perf_counter()
-
-            async def timed(fn: Any, *args: Any) -> tuple[float, Any]:
-                out = await self.run_io(fn, *args)
-                return time.perf_counter() - t0, out
-
-            (t_write, _), (t_crc, (file_crc, crcs)) = await asyncio.gather(
-                timed(
+            spare = self.store.take_spare(len(header) + data_len)
+            _, (file_crc, crcs) = await asyncio.gather(
+                self.run_io(
                     localstore.write_file_direct,
                     st.staging_dir / name,
                     header,
                     data,
                     data_len,
-                    self.store.take_spare(len(header) + data_len),
+                    spare,
                 ),
-                timed(localstore.crc32c_file_and_shards, header, data, data_len, ranges),
-            )
-            log.debug(
-                "%s/%d rank %d: written in %.3f s, checksummed in %.3f s (%.3f s after handoff)",
-                st.job,
-                st.step,
-                req.rank,
-                t_write,
-                t_crc,
-                time.time() - st.handoff_at,
+                self.run_io(localstore.crc32c_file_and_shards, header, data, data_len, ranges),
             )
             shards = [
                 ShardRecord(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -178,23 +177,23 @@ class Restorer:
             st.busy += 1
             try:
                 for node in sorted(st.remote_nodes - {own}):
-                    dest = store.peers_root / f"{job}.{step}.{node}"
+                    dest = store.peer_dir(job, step, node)
                     if not (dest / MANIFEST).exists():
-                        await self._fetch_part(job, step, node, dest)
+                        await self._fetch_part(job, step, node)
                     raw = await self.node.run_io((dest / MANIFEST).read_text)
                     parts.append((node, dest, raw))
             finally:
                 st.busy -= 1
         return parts
 
-    async def _fetch_part(self, job: str, step: int, node: str, dest: Path) -> None:
+    async def _fetch_part(self, job: str, step: int, node: str) -> None:
         assert self.remote is not None
         _, raw, manifest = await fetch.node_manifest(self.remote, job, step, {node}, None, node)
         store = self.node.store
         tmp = await self.node.run_io(store.new_cache_dir, job, step)
         try:
             await fetch.download_step(self.remote, job, step, node, raw, manifest, tmp)
-            await self.node.run_io(_install_peer, tmp, dest)
+            await self.node.run_io(store.install_peer, tmp, job, step, node)
         except BaseException:
             await self.node.run_io(store.discard, tmp)
             raise
@@ -297,12 +296,6 @@ class Restorer:
                 f"({bad[0]}) and was set aside; no other copy exists on this node. "
                 "restore() without a step picks the newest intact one"
             )
-
-
-def _install_peer(tmp: Path, dest: Path) -> None:
-    dest.parent.mkdir(mode=0o750, exist_ok=True)
-    localstore.fsync_dir(tmp)
-    os.rename(tmp, dest)
 
 
 def _read_and_verify(
