@@ -174,7 +174,10 @@ class ShardReader:
             copied += src.size
         if copied < needed:
             raise MissingShards(
-                f"the {self.parts} node part(s) read hold only part of {leaf!r}[{want}]"
+                f"the {self.parts} node part(s) of this checkpoint readable here hold only part "
+                f"of {leaf!r}[{want}]; the rest was saved on other nodes. Configure the daemon's "
+                "remote tier (their parts are fetched from the bucket), or restore onto the "
+                "sharding that saved it"
             )
         return out
 
