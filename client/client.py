@@ -204,6 +204,31 @@ class Client:
         """Undo :meth:`pin`; the retention policies decide again."""
         self.pin(step, pinned=False)
 
+    def adopt(
+        self,
+        step: int,
+        path: str | os.PathLike[str],
+        *,
+        milestone: bool = False,
+        metrics: dict[str, float] | None = None,
+    ) -> SaveHandle:
+        """Hand a finished checkpoint directory another framework wrote (DCP's
+        FileSystemWriter, Megatron, HF, an Orbax step) to the daemon as ``step``.
+
+        It is hard-linked into the local tier (copied if on another filesystem),
+        LOCAL when this returns, then drained byte-identical to
+        ``<remote>/<job>/<step>/``. Do not modify the directory afterwards.
+        """
+        req = pb.AdoptRequest(
+            job=self.job,
+            step=int(step),
+            path=os.path.abspath(path),
+            milestone=milestone,
+            metrics=_check_metrics(metrics),
+        )
+        self._call(self._stub.Adopt, req, max(self.timeout, 600.0))
+        return SaveHandle(self, int(step))
+
     # -- public API ------------------------------------------------------------
     def save(
         self,
@@ -388,6 +413,8 @@ class Client:
                 tuple(c.remote_reasons),
                 c.pinned,
                 dict(c.metrics),
+                c.adopted,
+                c.source,
             )
             for c in resp.checkpoints
         ]

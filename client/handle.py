@@ -66,6 +66,9 @@ class CheckpointInfo:
     remote_reasons: tuple[str, ...] = ()
     pinned: bool = False
     metrics: dict[str, float] | None = None
+    adopted: bool = False
+    """A directory tree adopted from another framework (an Orbax step, ``adopt``)."""
+    source: str = ""
 
 
 class SaveHandle:

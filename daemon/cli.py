@@ -1,4 +1,4 @@
-"""The ``ckptd`` command: serve, ls, status, pin, unpin, demo (pull, verify: cli_remote).
+"""The ``ckptd`` command: serve, ls, status, pin, unpin, adopt, demo (pull, verify: cli_remote).
 
 Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 """
@@ -110,6 +110,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _kept_by(c),
             ("milestone " if c.milestone else "")
             + ("pinned " if c.pinned else "")
+            + ("adopted " if c.adopted else "")
             + (c.error[:60] if c.error else ""),
         ]
         for c in resp.checkpoints
@@ -139,6 +140,35 @@ def cmd_pin(args: argparse.Namespace) -> int:
     rpc_call(stub.Pin, req, 60.0, socket)
     what = "pinned: no tier evicts it" if pinned else "unpinned: retention applies again"
     print(f"{args.job}/{args.step} {what}")
+    return 0
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    stub, socket = _admin(args)
+    path = os.path.abspath(args.path)
+    req = pb.AdoptRequest(job=args.job, step=args.step, path=path, milestone=args.milestone)
+    resp = rpc_call(stub.Adopt, req, 3600.0, socket)
+    print(
+        f"{args.job}/{args.step} adopted from {path}: {resp.files} files, "
+        f"{_human_bytes(resp.size_bytes)}, LOCAL"
+    )
+    if args.wait == "durable":
+        status = rpc_call(
+            stub.GetSaveStatus,
+            pb.GetSaveStatusRequest(
+                job=args.job,
+                step=args.step,
+                wait_for=pb.SAVE_STATE_DURABLE,
+                timeout_seconds=args.timeout,
+            ),
+            args.timeout + 30.0,
+            socket,
+        )
+        if not status.reached:
+            state = pb.SaveState.Name(status.state).removeprefix("SAVE_STATE_")
+            print(f"ckptd: error: not DURABLE ({state}): {status.error}", file=sys.stderr)
+            return 1
+        print(f"{args.job}/{args.step} DURABLE")
     return 0
 
 
@@ -175,6 +205,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{_human_bytes(st.local_floor_bytes)}",
         ],
         ["evicted", f"{st.evicted_local} local, {st.evicted_remote} remote copies"],
+        ["adopted", f"{st.adopted} steps; {st.watched_directories} watched directories"],
         ["saves in flight", str(st.saves_in_flight)],
         [
             "drain",
@@ -227,6 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("step", type=int)
         _socket_arg(p)
         p.set_defaults(fn=cmd_pin)
+    p = sub.add_parser(
+        "adopt", help="hand a finished checkpoint directory (DCP, Orbax, HF...) to the daemon"
+    )
+    p.add_argument("job")
+    p.add_argument("step", type=int)
+    p.add_argument("path", help="the finished directory (not modified afterwards)")
+    p.add_argument("--milestone", action="store_true", help="keep it as a milestone")
+    p.add_argument("--wait", choices=["local", "durable"], default="local")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for DURABLE")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_adopt)
     cli_remote.add_parsers(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
     p.add_argument("--steps", type=int, default=40)

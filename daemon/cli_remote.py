@@ -11,8 +11,8 @@ from pathlib import Path
 from . import config as config_mod
 from . import fetch
 from .config import Config
-from .drain import parse_marker
 from .errors import CkptdError
+from .layout import file_key, manifest_key, parse_marker
 from .localstore import LocalStore
 from .manifest import Manifest
 from .remote import Remote
@@ -89,11 +89,12 @@ async def _pull_from(
             f"step {step} of job {job!r} is not complete in {cfg.remote}; "
             f"complete steps: {sorted(steps)[-10:]}"
         )
-    nodes = sorted(steps[step]) if node is None else [node]
+    found = steps[step]
+    nodes = sorted(found.nodes) if node is None else [node]
     for n in nodes:
-        if n not in steps[step]:
+        if n not in found.nodes:
             raise CkptdError(f"node {n!r} has no complete copy of step {step}")
-        _, raw, manifest = await fetch.node_manifest(remote, job, step, {n}, None, n)
+        _, raw, manifest = await fetch.node_manifest(remote, job, step, {n}, None, n, found.adopted)
         target = dest if len(nodes) == 1 else dest / n
         target.mkdir(parents=True, exist_ok=True)
         if any(target.iterdir()):
@@ -129,16 +130,16 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
         parsed = parse_marker(key)
         if parsed is None:
             continue
-        j, step, node = parsed
+        j, step, node, adopted = parsed
         base = f"{j}/{step}/{node}"
         try:
             manifest = Manifest.from_json(
-                (await remote.get_bytes(f"{base}/manifest.json")).decode()
+                (await remote.get_bytes(manifest_key(j, step, node, adopted))).decode()
             )
             bad = [
                 r.file
                 for r in manifest.ranks
-                if await remote.native_crc32c(f"{base}/{r.file}") != r.crc32c
+                if await remote.native_crc32c(file_key(j, step, node, r.file, adopted)) != r.crc32c
             ]
         except (OSError, ValueError) as exc:
             bad = [str(exc)]

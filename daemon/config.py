@@ -90,6 +90,9 @@ class Config:
     local_floor: str = "1GiB"
     """Free space a save must leave on the local disk; saves that would go below it
     are refused with RESOURCE_EXHAUSTED."""
+    adopt_poll_seconds: float = 0.25
+    """How often watched directories (a job's Orbax directory) are scanned for
+    finished steps to adopt."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -243,6 +246,11 @@ def _validate(cfg: Config) -> None:
             parse_space(getattr(cfg, key), 1)
         except ValueError as exc:
             raise ConfigError(f"invalid value for {key!r}: {exc}") from None
+    if not 0.05 <= cfg.adopt_poll_seconds <= 3600:
+        raise ConfigError(
+            f"invalid value for 'adopt_poll_seconds': {cfg.adopt_poll_seconds}; "
+            "use 0.05 to 3600 seconds"
+        )
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(
             f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}"

@@ -25,41 +25,21 @@ from collections.abc import Callable
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import faults
+from .layout import (
+    file_key,
+    manifest_key,
+    marker_key,
+    parse_marker,
+    parse_pin,
+    record_prefix,
+    step_prefix,
+    tree_path,
+    upload_order,
+)
 from .node import Node, StepState
 from .remote import Remote, is_transient
 
 log = logging.getLogger("ckptd.drain")
-
-
-def step_prefix(job: str, step: int) -> str:
-    """``<job>/<step>`` in the bucket."""
-    return f"{job}/{step}"
-
-
-def marker_key(job: str, step: int, node: str) -> str:
-    """The commit point of one node's part of a step in the bucket."""
-    return f"{job}/{step}/_complete/{node}"
-
-
-def parse_marker(key: str) -> tuple[str, int, str] | None:
-    """``(job, step, node)`` if ``key`` is a ``_complete`` marker."""
-    parts = key.split("/")
-    if len(parts) == 4 and parts[2] == "_complete" and parts[1].isdigit():
-        return parts[0], int(parts[1]), parts[3]
-    return None
-
-
-def pin_key(job: str, step: int) -> str:
-    """A pinned step's pin in the bucket (so it outlives the node that pinned it)."""
-    return f"{job}/{step}/_pinned"
-
-
-def parse_pin(key: str) -> tuple[str, int] | None:
-    """``(job, step)`` if ``key`` is a pin."""
-    parts = key.split("/")
-    if len(parts) == 3 and parts[2] == "_pinned" and parts[1].isdigit():
-        return parts[0], int(parts[1])
-    return None
 
 
 class Backoff:
@@ -99,11 +79,14 @@ class Drain:
     async def resume(self) -> None:
         """Match the local index against the bucket's markers (start-up)."""
         markers: dict[tuple[str, int], set[str]] = {}
+        adopted: set[tuple[str, int]] = set()
         pins: set[tuple[str, int]] = set()
         for key in await self.remote.list_keys(""):
             parsed = parse_marker(key)
             if parsed is not None:
-                markers.setdefault(parsed[:2], set()).add(parsed[2])
+                markers.setdefault((parsed.job, parsed.step), set()).add(parsed.node)
+                if parsed.adopted:
+                    adopted.add((parsed.job, parsed.step))
             pin = parse_pin(key)
             if pin is not None:
                 pins.add(pin)
@@ -116,6 +99,7 @@ class Drain:
                 self.node.steps[(job, step)] = st
             st.remote_nodes |= nodes
             st.pinned = st.pinned or (job, step) in pins
+            st.adopted = st.adopted or (job, step) in adopted
             if st.manifest is not None and node_id in nodes:
                 st.state = pb.SAVE_STATE_DURABLE
             elif st.manifest is None and node_id in nodes:
@@ -127,7 +111,9 @@ class Drain:
         async def learn(st: StepState) -> None:
             async with limit:
                 with contextlib.suppress(Exception):
-                    raw = await self.remote.get_bytes(marker_key(st.job, st.step, node_id))
+                    raw = await self.remote.get_bytes(
+                        marker_key(st.job, st.step, node_id, st.adopted)
+                    )
                     info = json.loads(raw)
                     st.created_unix = float(info.get("created_unix") or info.get("time") or 0)
                     st.milestone = bool(info.get("milestone", False))
@@ -230,10 +216,17 @@ class Drain:
         assert manifest is not None
         node_id = self.node.config.node_id
         local_dir = self.node.store.step_dir(st.job, st.step)
-        base = f"{step_prefix(st.job, st.step)}/{node_id}"
+        adopted = manifest.adopted
+        # An adopted tree goes where its framework reads it; on file:// it is written
+        # under ckptd's records first and renamed into place whole (Orbax treats any
+        # local directory without a tmp suffix as finished).
+        tree = step_prefix(st.job, st.step)
+        staging = self.remote.tree_staging(tree, record_prefix(st.job, st.step, True), node_id)
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
-            key = f"{base}/{rank_file}"
+            key = file_key(st.job, st.step, node_id, rank_file, adopted)
+            if adopted:
+                key = f"{staging}/{tree_path(rank_file)}"
             with contextlib.suppress(FileNotFoundError):
                 if await self.remote.native_crc32c(key) == crc32c:
                     log.info(
@@ -242,9 +235,17 @@ class Drain:
                     return
             await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
 
-        await asyncio.gather(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
+        records = {r.file: r for r in manifest.ranks}
+        # Adopted trees go in waves so that Orbax's commit_success.txt lands last.
+        waves = upload_order(list(records)) if adopted else [list(records)]
+        for i, wave in enumerate(waves):
+            if adopted and i == len(waves) - 1:
+                await asyncio.to_thread(faults.hit, "drain.before_tree_commit")
+            await asyncio.gather(*(one(f, records[f].size, records[f].crc32c) for f in wave))
+        if adopted:
+            await self.remote.publish_tree(staging, tree)
         manifest_bytes = await self.node.run_io((local_dir / "manifest.json").read_bytes)
-        await self.remote.put_bytes(f"{base}/manifest.json", manifest_bytes)
+        await self.remote.put_bytes(manifest_key(st.job, st.step, node_id, adopted), manifest_bytes)
         await asyncio.to_thread(faults.hit, "drain.before_marker")
         marker = {
             "node": node_id,
@@ -258,11 +259,11 @@ class Drain:
             "metrics": st.metrics,
         }
         await self.remote.put_bytes(
-            marker_key(st.job, st.step, node_id), json.dumps(marker).encode()
+            marker_key(st.job, st.step, node_id, adopted), json.dumps(marker).encode()
         )
         # Attempts cut by an outage could not abort their multipart uploads: do it now.
         with contextlib.suppress(Exception):
-            await self.remote.cleanup_incomplete(base + "/")
+            await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node_id}/")
 
 
 _PENDING = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from ckptd.proto import ckptd_pb2 as pb
 
 from .config import parse_space
-from .drain import marker_key, step_prefix
 from .errors import ResourceExhausted
 from .evict_plan import Plan, StepView, plan_job
+from .layout import marker_key, record_prefix, step_prefix
 from .node import Node, StepState
 from .remote import Remote
 from .retention import Policy, parse_policy
@@ -202,10 +202,16 @@ class Evictor:
         node_id = self.node.config.node_id
         try:
             # The marker first: from then on the step is not complete, never listed.
-            await self.remote.delete([marker_key(job, step, node_id)])
+            await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
             st.remote_nodes.discard(node_id)
-            prefix = f"{step_prefix(job, step)}/{node_id}/"
-            await self.remote.delete(await self.remote.list_keys(prefix))
+            if st.adopted:
+                tree, records = step_prefix(job, step), record_prefix(job, step, True)
+                await self.remote.retract_tree(tree, records, node_id)
+                await self.remote.delete(await self.remote.list_keys(f"{tree}/"))
+                await self.remote.delete(await self.remote.list_keys(f"{records}/{node_id}/"))
+            else:
+                prefix = f"{step_prefix(job, step)}/{node_id}/"
+                await self.remote.delete(await self.remote.list_keys(prefix))
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
             return

@@ -8,31 +8,50 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .drain import parse_marker
 from .errors import DataLoss, NotFound
+from .layout import file_key, manifest_key, parse_marker
 from .localstore import write_synced
 from .manifest import Manifest
 from .remote import Remote
 
 
-async def complete_steps(remote: Remote, job: str) -> dict[int, set[str]]:
+@dataclass
+class RemoteStep:
+    """A step with at least one ``_complete`` marker in the bucket."""
+
+    nodes: set[str] = field(default_factory=set)
+    """The nodes whose marker is there."""
+    adopted: bool = False
+    """An adopted directory tree (see layout.py)."""
+
+
+async def complete_steps(remote: Remote, job: str) -> dict[int, RemoteStep]:
     """Steps of ``job`` with at least one ``_complete`` marker, and the nodes that have one."""
-    steps: dict[int, set[str]] = {}
+    steps: dict[int, RemoteStep] = {}
     for key in await remote.list_keys(job + "/"):
         parsed = parse_marker(key)
-        if parsed is not None and parsed[0] == job:
-            steps.setdefault(parsed[1], set()).add(parsed[2])
+        if parsed is not None and parsed.job == job:
+            found = steps.setdefault(parsed.step, RemoteStep())
+            found.nodes.add(parsed.node)
+            found.adopted = found.adopted or parsed.adopted
     return steps
 
 
 async def node_manifest(
-    remote: Remote, job: str, step: int, nodes: set[str], rank: int | None, prefer: str
+    remote: Remote,
+    job: str,
+    step: int,
+    nodes: set[str],
+    rank: int | None,
+    prefer: str,
+    adopted: bool = False,
 ) -> tuple[str, bytes, Manifest]:
     """The manifest (raw bytes, parsed) of the node whose part of ``step`` holds ``rank``."""
     for node in sorted(nodes, key=lambda n: (n != prefer, n)):
-        raw = await remote.get_bytes(f"{job}/{step}/{node}/manifest.json")
+        raw = await remote.get_bytes(manifest_key(job, step, node, adopted))
         manifest = Manifest.from_json(raw.decode())
         if rank is None or rank in {r.rank for r in manifest.ranks}:
             return node, raw, manifest
@@ -61,10 +80,13 @@ async def download_step(
 
     async def one(name: str, size: int, want: int) -> None:
         memory = await memory_for(name) if memory_for is not None else None
-        got = await remote.download(f"{job}/{step}/{node}/{name}", dest / name, size, memory)
+        key = file_key(job, step, node, name, manifest.adopted)
+        if "/" in name:  # an adopted tree's sub-directories
+            await asyncio.to_thread((dest / name).parent.mkdir, parents=True, exist_ok=True)
+        got = await remote.download(key, dest / name, size, memory)
         if got != want:
             raise DataLoss(
-                f"the bucket's copy of {job}/{step}/{node}/{name} has crc32c {got:#010x}, "
+                f"the bucket's copy of {key} has crc32c {got:#010x}, "
                 f"expected {want:#010x}: it is corrupt"
             )
         if progress is not None:

@@ -20,6 +20,7 @@ import grpc
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import __version__
+from .adopt import Adopter
 from .config import Config
 from .drain import Drain
 from .evictor import Evictor
@@ -120,10 +121,14 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
             evictor.kick()
 
         drain.on_durable.append(durable)
-    pb_grpc.add_CkptdServicer_to_server(Servicer(node, remote, drain, evictor), server)
+    adopter = Adopter(node, config.adopt_poll_seconds)
+    await adopter.load()
+    servicer = Servicer(node, remote, drain, evictor, adopter)
+    pb_grpc.add_CkptdServicer_to_server(servicer, server)
     drain_task = asyncio.create_task(drain.run()) if drain else None
     evictor.kick()  # apply the retention to what recovery found
     evictor_task = asyncio.create_task(evictor.run())
+    adopter_task = asyncio.create_task(adopter.run())
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
     try:
         server.add_insecure_port(f"unix:{config.socket}")
@@ -150,7 +155,9 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     node.stopping.set()
     await server.stop(grace=5)
     evictor.stop()
+    adopter.stop()
     await evictor_task
+    await adopter_task
     if drain is not None and drain_task is not None:
         drain.stop()
         await drain_task

@@ -115,6 +115,16 @@ def crc32c_file_and_shards(
     return whole, shard_crcs
 
 
+def crc32c_file(path: Path, chunk: int = 8 * 2**20) -> int:
+    """crc32c of a whole file, read in chunks (buffered: small files of other tools)."""
+    value = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        while n := f.readinto(buf):
+            value = google_crc32c.extend(value, np.frombuffer(buf, np.uint8, n))
+    return int(value)
+
+
 def crc32c_ranges(data: memoryview, ranges: Sequence[tuple[int, int]]) -> list[int]:
     """crc32c of each ``(offset, length)`` slice of ``data``, without copying it."""
     # google-crc32c accepts numpy arrays but not writable memoryviews; this is a view, not a copy.

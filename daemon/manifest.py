@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
+KIND_ARRAYS = "arrays"
+KIND_DIRECTORY = "directory"
 
 
 def rank_file_name(rank: int) -> str:
@@ -57,7 +59,17 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     milestone: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    kind: str = "arrays"
+    """``arrays``: rank files written by ckptd; ``directory``: a tree adopted as it was
+    (an Orbax step, ``ckptd adopt``), one record in ``ranks`` per file under ``files/``."""
+    source: str = ""
+    """For an adopted tree: the directory it was adopted from."""
     format_version: int = FORMAT_VERSION
+
+    @property
+    def adopted(self) -> bool:
+        """An adopted directory tree rather than ckptd's own rank files."""
+        return self.kind == KIND_DIRECTORY
 
     @property
     def size_bytes(self) -> int:
@@ -75,7 +87,7 @@ class Manifest:
             raw = json.loads(text)
             if raw.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"unsupported format_version {raw.get('format_version')!r}")
-            return cls(
+            manifest = cls(
                 job=str(raw["job"]),
                 step=int(raw["step"]),
                 node=str(raw["node"]),
@@ -86,6 +98,11 @@ class Manifest:
                 metadata=dict(raw.get("metadata") or {}),
                 milestone=bool(raw.get("milestone", False)),
                 metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items()},
+                kind=str(raw.get("kind", KIND_ARRAYS)),
+                source=str(raw.get("source", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed manifest: {exc!r}") from None
+        if manifest.kind not in (KIND_ARRAYS, KIND_DIRECTORY):
+            raise ValueError(f"unknown manifest kind {manifest.kind!r}; upgrade ckptd")
+        return manifest

@@ -60,6 +60,8 @@ class StepState:
     created_unix: float = 0.0
     """When the checkpoint was committed (the time retention policies see)."""
     pinned: bool = False
+    adopted: bool = False
+    """An adopted directory tree (its remote layout differs: see layout.py)."""
     busy: int = 0
     """Operations reading a copy right now (a fetch from the bucket); no eviction meanwhile."""
     read_at: float = -1e18
@@ -130,6 +132,7 @@ class Node:
                 local_at=m.created_unix,
                 created_unix=m.created_unix,
                 metrics=dict(m.metrics),
+                adopted=m.adopted,
             )
         for job, step in await self.run_io(self._load_pins):
             st = self.steps.get((job, step))

@@ -34,6 +34,7 @@ import numpy as np
 from ckptd.client.format import round_up
 
 from . import crc, faults
+from .layout import COMMIT_FILE
 from .localstore import open_direct
 
 log = logging.getLogger("ckptd.remote")
@@ -294,6 +295,24 @@ class Remote(abc.ABC):
     @abc.abstractmethod
     async def native_crc32c(self, key: str) -> int | None:
         """The store's own crc32c of an object, if it keeps one."""
+
+    # -- adopted trees (see layout.py) ------------------------------------------------
+    def tree_staging(self, tree: str, records: str, node: str) -> str:
+        """Where an adopted tree is written before it is published at ``tree``.
+
+        Object stores: in place. Orbax on ``gs://`` counts a step only once its
+        ``commit_success.txt`` exists, and the drain uploads that file last.
+        """
+        return tree
+
+    async def publish_tree(self, staging: str, tree: str) -> None:
+        """Make a fully uploaded tree visible at ``tree`` (nothing to do in place)."""
+        return None
+
+    async def retract_tree(self, tree: str, records: str, node: str) -> None:
+        """Hide an adopted tree from its framework before its objects are deleted:
+        its commit file goes first, so no reader sees a half-deleted step."""
+        await self.delete([f"{tree}/{COMMIT_FILE}"])
 
     async def close(self) -> None:
         """Close the library's HTTP session (s3fs / gcsfs keep one open)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -74,6 +75,55 @@ class FileRemote(Remote):
         """A filesystem keeps no checksum; computed by reading the file."""
         data = await asyncio.to_thread(Path(self.path(key)).read_bytes)
         return int(google_crc32c.value(data))
+
+    def tree_staging(self, tree: str, records: str, node: str) -> str:
+        """Under ckptd's records of the step: Orbax reads any local step directory
+        without a tmp suffix as finished, so the tree appears by one rename."""
+        return f"{records}/{node}/tree"
+
+    async def publish_tree(self, staging: str, tree: str) -> None:
+        """Rename the uploaded tree into place (fsynced first)."""
+        await asyncio.to_thread(self._publish, Path(self.path(staging)), Path(self.path(tree)))
+
+    def _publish(self, src: Path, dst: Path) -> None:
+        if not src.is_dir():
+            raise RemoteError(f"{src} vanished before it was published", transient=True)
+        for d, _, files in os.walk(src):
+            for name in files:
+                _fsync_path(Path(d) / name, os.O_RDONLY)
+            _fsync_path(Path(d), os.O_RDONLY | os.O_DIRECTORY)
+        if dst.exists():
+            # An earlier attempt published it and died before its marker: swap.
+            old = src.with_name(f"replaced-{secrets.token_hex(4)}")
+            os.rename(dst, old)
+            os.rename(src, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(src, dst)
+        _fsync_path(dst.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+    async def retract_tree(self, tree: str, records: str, node: str) -> None:
+        """Move the tree out of view in one rename, then delete it."""
+        src = Path(self.path(tree))
+        gone = Path(self.path(f"{records}/{node}/deleting-{secrets.token_hex(4)}"))
+
+        def retract() -> None:
+            if not src.exists():
+                return
+            gone.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, gone)
+            _fsync_path(src.parent, os.O_RDONLY | os.O_DIRECTORY)
+            shutil.rmtree(gone, ignore_errors=True)
+
+        await asyncio.to_thread(retract)
+
+
+def _fsync_path(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class GCSRemote(Remote):

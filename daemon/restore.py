@@ -74,8 +74,19 @@ class Restorer:
                 )
             if st.manifest is None and not st.in_remote:
                 raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
+            if st.adopted:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} is a directory adopted from "
+                    f"{st.manifest.source if st.manifest else 'another framework'}, not "
+                    "ckptd arrays: make it local with ckptd.client.orbax.ensure_local() "
+                    "(or `ckptd pull`) and restore it with the framework that wrote it"
+                )
         else:
-            candidates = [s for s in node.list(job) if s.manifest is not None or s.in_remote]
+            candidates = [
+                s
+                for s in node.list(job)
+                if (s.manifest is not None or s.in_remote) and not s.adopted
+            ]
             if not candidates:
                 where = "on this node or in the bucket" if self.remote else "on this node"
                 raise NotFound(
@@ -92,11 +103,12 @@ class Restorer:
         """Learn which steps of ``job`` the bucket holds complete (other nodes' too)."""
         if self.remote is None:
             return
-        for step, nodes in (await fetch.complete_steps(self.remote, job)).items():
+        for step, found in (await fetch.complete_steps(self.remote, job)).items():
             st = self.node.steps.get((job, step))
             if st is None:
                 st = self.node.steps[(job, step)] = StepState(job, step, pb.SAVE_STATE_DURABLE)
-            st.remote_nodes |= nodes
+            st.remote_nodes |= found.nodes
+            st.adopted = st.adopted or found.adopted
 
     async def fetch_to_local(self, st: StepState, rank: int, shared_memory: bool) -> Lease | None:
         """Download a remote-only step into the cache dir, verify it, commit it locally.
@@ -121,8 +133,15 @@ class Restorer:
     async def _fetch(self, st: StepState, rank: int, shared_memory: bool) -> Lease | None:
         assert self.remote is not None
         node, raw, manifest = await fetch.node_manifest(
-            self.remote, st.job, st.step, st.remote_nodes, rank, self.node.config.node_id
+            self.remote,
+            st.job,
+            st.step,
+            st.remote_nodes,
+            None if st.adopted else rank,
+            self.node.config.node_id,
+            st.adopted,
         )
+        shared_memory = shared_memory and not manifest.adopted
         leases: dict[int, Lease] = {}
         by_file = {r.file: r for r in manifest.ranks}
 
@@ -188,7 +207,10 @@ class Restorer:
 
     async def _fetch_part(self, job: str, step: int, node: str) -> None:
         assert self.remote is not None
-        _, raw, manifest = await fetch.node_manifest(self.remote, job, step, {node}, None, node)
+        adopted = self.node.get_step(job, step).adopted
+        _, raw, manifest = await fetch.node_manifest(
+            self.remote, job, step, {node}, None, node, adopted
+        )
         store = self.node.store
         tmp = await self.node.run_io(store.new_cache_dir, job, step)
         try:
@@ -313,6 +335,16 @@ def _read_and_verify(
 def verify_step(directory: Path, manifest: Manifest) -> list[str]:
     """Re-read every shard and compare crc32c; returns the mismatches (empty if intact)."""
     bad = []
+    if manifest.adopted:  # files of a tree: each whole file's crc32c
+        for r in manifest.ranks:
+            try:
+                got = localstore.crc32c_file(directory / r.file)
+            except OSError as exc:
+                bad.append(f"{r.file}: {exc}")
+                continue
+            if got != r.crc32c:
+                bad.append(r.file)
+        return bad
     by_file: dict[str, list[ShardRecord]] = {}
     for s in manifest.shards:
         by_file.setdefault(s.file, []).append(s)

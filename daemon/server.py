@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -23,10 +24,12 @@ from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from . import __version__
-from .drain import Drain, pin_key
+from .adopt import Adopter
+from .drain import Drain
 from .errors import CkptdError, FailedPrecondition, InvalidArgument
 from .evict_plan import Plan
 from .evictor import Evictor
+from .layout import pin_key
 from .names import check_name, check_step
 from .node import Node, StepState
 from .remote import Remote
@@ -85,6 +88,8 @@ def _checkpoint_info(st: StepState, plan: Plan | None) -> pb.CheckpointInfo:
         remote_reasons=plan.remote_reasons.get(st.step, []) if plan else [],
         pinned=st.pinned,
         metrics=st.metrics,
+        adopted=st.adopted,
+        source=m.source if m else "",
         job=st.job,
         step=st.step,
         state=st.state,  # type: ignore[arg-type]
@@ -115,12 +120,14 @@ class Servicer(pb_grpc.CkptdServicer):
         remote: Remote | None = None,
         drain: Drain | None = None,
         evictor: Evictor | None = None,
+        adopter: Adopter | None = None,
     ) -> None:
         self.node = node
         self.drain = drain
         self.remote = remote
         self.evictor = evictor or Evictor(node, remote)
         self.restorer = Restorer(node, remote)
+        self.adopter = adopter or Adopter(node)
 
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
@@ -215,7 +222,7 @@ class Servicer(pb_grpc.CkptdServicer):
                 f"step {step} of job {job!r} has no complete copy to pin ({state_name(st.state)})"
             )
         if self.remote is not None:
-            key = pin_key(job, step)
+            key = pin_key(job, step, st.adopted)
             if request.pinned:
                 await self.remote.put_bytes(key, b"pinned by ckptd pin\n")
             else:
@@ -282,4 +289,49 @@ class Servicer(pb_grpc.CkptdServicer):
             local_floor_bytes=floor,
             evicted_local=self.evictor.evicted_local,
             evicted_remote=self.evictor.evicted_remote,
+            watched_directories=len(self.adopter.watches),
+            adopted=self.adopter.adopted,
         )
+
+    @_rpc
+    async def Adopt(self, request: pb.AdoptRequest, context: Any) -> pb.AdoptResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        if not request.path:
+            raise InvalidArgument("no path given; name the finished directory to adopt")
+        st = await self.adopter.adopt(
+            job,
+            step,
+            Path(request.path),
+            metrics=dict(request.metrics),
+            milestone=request.milestone,
+        )
+        assert st.manifest is not None
+        return pb.AdoptResponse(
+            state=st.state,  # type: ignore[arg-type]
+            files=len(st.manifest.ranks),
+            size_bytes=st.manifest.size_bytes,
+        )
+
+    @_rpc
+    async def Watch(self, request: pb.WatchRequest, context: Any) -> pb.WatchResponse:
+        job = check_name("job", request.job)
+        path = await self.adopter.watch(job, request.directory)
+        remote = f"{self.remote.url}/{job}" if self.remote is not None else ""
+        return pb.WatchResponse(directory=str(path), remote_directory=remote)
+
+    @_rpc
+    async def EnsureLocal(
+        self, request: pb.EnsureLocalRequest, context: Any
+    ) -> pb.EnsureLocalResponse:
+        job = check_name("job", request.job)
+        step = check_step(request.step) if request.HasField("step") else None
+        if request.directory and not Path(request.directory).is_absolute():
+            raise InvalidArgument(f"{request.directory!r} is not an absolute path")
+        await self.restorer.refresh_remote(job)
+        st = self.adopter.choose(job, step)
+        st.read_at = time.monotonic()  # the evictor leaves it alone while it is put back
+        fetched = st.manifest is None
+        if fetched:
+            await self.restorer.fetch_to_local(st, 0, shared_memory=False)
+        path, linked = await self.adopter.ensure_local(job, st, request.directory)
+        return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)

@@ -6,7 +6,8 @@ import errno
 
 import pytest
 
-from ckptd.daemon.drain import Backoff, marker_key, parse_marker
+from ckptd.daemon.drain import Backoff
+from ckptd.daemon.layout import marker_key, parse_marker
 from ckptd.daemon.remote import RemoteError, is_transient
 
 

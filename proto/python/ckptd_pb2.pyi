@@ -179,7 +179,7 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error", "local_reasons", "remote_reasons", "pinned", "metrics")
+    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error", "local_reasons", "remote_reasons", "pinned", "metrics", "adopted", "source")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class CheckpointInfo(_message.Message):
     REMOTE_REASONS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     state: SaveState
@@ -213,7 +215,9 @@ class CheckpointInfo(_message.Message):
     remote_reasons: _containers.RepeatedScalarFieldContainer[str]
     pinned: bool
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ..., local_reasons: _Optional[_Iterable[str]] = ..., remote_reasons: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    adopted: bool
+    source: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ..., local_reasons: _Optional[_Iterable[str]] = ..., remote_reasons: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., adopted: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)
@@ -325,12 +329,81 @@ class FetchPeersResponse(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[PeerPart]
     def __init__(self, parts: _Optional[_Iterable[_Union[PeerPart, _Mapping]]] = ...) -> None: ...
 
+class AdoptRequest(_message.Message):
+    __slots__ = ("job", "step", "path", "milestone", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MILESTONE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    path: str
+    milestone: bool
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class AdoptResponse(_message.Message):
+    __slots__ = ("state", "files", "size_bytes")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    state: SaveState
+    files: int
+    size_bytes: int
+    def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., files: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("job", "directory")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    directory: str
+    def __init__(self, job: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class WatchResponse(_message.Message):
+    __slots__ = ("directory", "remote_directory")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    remote_directory: str
+    def __init__(self, directory: _Optional[str] = ..., remote_directory: _Optional[str] = ...) -> None: ...
+
+class EnsureLocalRequest(_message.Message):
+    __slots__ = ("job", "step", "directory")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    directory: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class EnsureLocalResponse(_message.Message):
+    __slots__ = ("step", "path", "fetched", "linked")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    LINKED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    fetched: bool
+    linked: bool
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., fetched: _Optional[bool] = ..., linked: _Optional[bool] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +429,8 @@ class DaemonStatus(_message.Message):
     LOCAL_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_LOCAL_FIELD_NUMBER: _ClassVar[int]
     EVICTED_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    WATCHED_DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -381,4 +456,6 @@ class DaemonStatus(_message.Message):
     local_floor_bytes: int
     evicted_local: int
     evicted_remote: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ...) -> None: ...
+    watched_directories: int
+    adopted: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ...) -> None: ...

@@ -89,6 +89,21 @@ class CkptdStub:
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersRequest.SerializeToString,
                 response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersResponse.FromString,
                 _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/ckptd.v1.Ckptd/Adopt',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.AdoptResponse.FromString,
+                _registered_method=True)
+        self.Watch = channel.unary_unary(
+                '/ckptd.v1.Ckptd/Watch',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.WatchRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.WatchResponse.FromString,
+                _registered_method=True)
+        self.EnsureLocal = channel.unary_unary(
+                '/ckptd.v1.Ckptd/EnsureLocal',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.FromString,
+                _registered_method=True)
 
 
 class CkptdServicer:
@@ -176,6 +191,31 @@ class CkptdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adopt(self, request, context):
+        """Adopts a finished checkpoint directory another framework wrote (DCP,
+        Orbax, ...) as a step: hard-linked into the local tier, drained
+        byte-identical to <remote>/<job>/<step>/, kept by retention.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Watch(self, request, context):
+        """Watches a directory (default: the job's Orbax directory in the local
+        tier) and adopts each finished Orbax step that appears in it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EnsureLocal(self, request, context):
+        """Makes sure an adopted step (default: the newest) is in the watched or
+        given directory, verified, fetching it from the bucket if need be.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CkptdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +273,21 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.FetchPeers,
                     request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersRequest.FromString,
                     response_serializer=ckptd_dot_proto_dot_ckptd__pb2.FetchPeersResponse.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.AdoptRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.AdoptResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.WatchRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.WatchResponse.SerializeToString,
+            ),
+            'EnsureLocal': grpc.unary_unary_rpc_method_handler(
+                    servicer.EnsureLocal,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,6 +587,87 @@ class Ckptd:
             '/ckptd.v1.Ckptd/FetchPeers',
             ckptd_dot_proto_dot_ckptd__pb2.FetchPeersRequest.SerializeToString,
             ckptd_dot_proto_dot_ckptd__pb2.FetchPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/Adopt',
+            ckptd_dot_proto_dot_ckptd__pb2.AdoptRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.AdoptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/Watch',
+            ckptd_dot_proto_dot_ckptd__pb2.WatchRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.WatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EnsureLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/EnsureLocal',
+            ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,113 @@
+"""Object keys in the remote tier, for both kinds of step.
+
+A step saved through ckptd (``Client.save``)::
+
+    <job>/<step>/<node>/manifest.json + rank-*.safetensors
+    <job>/<step>/_complete/<node>          the commit point of that node's part
+    <job>/<step>/_pinned                   a pin
+
+A step adopted from a directory (an Orbax step, ``ckptd adopt``) keeps its tree
+byte-identical where the framework itself would look for it, and ckptd's own
+records beside it, never inside it (Orbax treats any sub-directory of a step as
+an item and would fail to restore it without arguments)::
+
+    <job>/<step>/<the adopted tree>        e.g. _CHECKPOINT_METADATA, default/...
+    <job>/<step>.ckptd/<node>/manifest.json
+    <job>/<step>.ckptd/_complete/<node>
+    <job>/<step>.ckptd/_pinned
+
+Frameworks list ``<job>/`` for numeric names, so ``<step>.ckptd`` is invisible to
+them; ``ocp.CheckpointManager("gs://bucket/<job>")`` reads the adopted steps as
+if Orbax had written them there.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+ADOPTED_SUFFIX = ".ckptd"
+FILES_DIR = "files"
+"""Where an adopted tree sits inside ckptd's own step directory (beside manifest.json)."""
+COMMIT_FILE = "commit_success.txt"
+"""Orbax's commit point on object stores: uploaded after every other file of the tree."""
+
+
+class MarkerKey(NamedTuple):
+    """A parsed ``_complete`` marker key."""
+
+    job: str
+    step: int
+    node: str
+    adopted: bool
+
+
+def record_prefix(job: str, step: int, adopted: bool = False) -> str:
+    """Where ckptd's records of a step (markers, manifests, pin) live."""
+    return f"{job}/{step}{ADOPTED_SUFFIX if adopted else ''}"
+
+
+def step_prefix(job: str, step: int) -> str:
+    """``<job>/<step>`` in the bucket (an adopted step's tree sits right here)."""
+    return f"{job}/{step}"
+
+
+def marker_key(job: str, step: int, node: str, adopted: bool = False) -> str:
+    """The commit point of one node's part of a step in the bucket."""
+    return f"{record_prefix(job, step, adopted)}/_complete/{node}"
+
+
+def manifest_key(job: str, step: int, node: str, adopted: bool = False) -> str:
+    """One node's manifest of a step."""
+    return f"{record_prefix(job, step, adopted)}/{node}/manifest.json"
+
+
+def file_key(job: str, step: int, node: str, file: str, adopted: bool = False) -> str:
+    """Where a file of a node's part goes: under the node, or (adopted) at its tree path."""
+    if adopted:
+        return f"{step_prefix(job, step)}/{tree_path(file)}"
+    return f"{step_prefix(job, step)}/{node}/{file}"
+
+
+def tree_path(file: str) -> str:
+    """An adopted file's path inside the adopted tree (the manifest records ``files/<path>``)."""
+    return file.removeprefix(FILES_DIR + "/")
+
+
+def upload_order(files: list[str]) -> list[list[str]]:
+    """Adopted files in upload waves: everything else, then the item-level
+    ``commit_success.txt`` files, then the step-level one alone (Orbax's commit point)."""
+    top = f"{FILES_DIR}/{COMMIT_FILE}"
+    rest = [f for f in files if f.rsplit("/", 1)[-1] != COMMIT_FILE]
+    items = [f for f in files if f.rsplit("/", 1)[-1] == COMMIT_FILE and f != top]
+    return [w for w in (rest, items, [top] if top in files else []) if w]
+
+
+def parse_marker(key: str) -> MarkerKey | None:
+    """The marker's job, step, node and kind if ``key`` is a ``_complete`` marker."""
+    parts = key.split("/")
+    if len(parts) != 4 or parts[2] != "_complete":
+        return None
+    step, adopted = _parse_step(parts[1])
+    if step is None:
+        return None
+    return MarkerKey(parts[0], step, parts[3], adopted)
+
+
+def pin_key(job: str, step: int, adopted: bool = False) -> str:
+    """A pinned step's pin in the bucket (so it outlives the node that pinned it)."""
+    return f"{record_prefix(job, step, adopted)}/_pinned"
+
+
+def parse_pin(key: str) -> tuple[str, int] | None:
+    """``(job, step)`` if ``key`` is a pin."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[2] != "_pinned":
+        return None
+    step, _ = _parse_step(parts[1])
+    return None if step is None else (parts[0], step)
+
+
+def _parse_step(name: str) -> tuple[int | None, bool]:
+    adopted = name.endswith(ADOPTED_SUFFIX)
+    digits = name.removesuffix(ADOPTED_SUFFIX) if adopted else name
+    return (int(digits) if digits.isdigit() else None), adopted
