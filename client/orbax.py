@@ -54,7 +54,7 @@ def bucket_directory(client: Client) -> str:
     without a remote tier. Orbax reads ``gs://`` and local paths, not ``s3://``:
     restore S3 copies with :func:`ensure_local`."""
     resp = client._call(client._stub.Watch, pb.WatchRequest(job=client.job))
-    return resp.remote_directory.removeprefix("file://")
+    return str(resp.remote_directory).removeprefix("file://")
 
 
 def ensure_local(
