@@ -102,18 +102,26 @@ def tree_files(src: Path) -> list[str]:
 
 
 def orbax_metrics(step_dir: Path) -> dict[str, float]:
-    """The numeric metrics Orbax recorded for a step (``save(..., metrics=...)``), so
-    ckptd's ``KeepBest`` / ``BestN`` retention can rank adopted steps too."""
-    try:
-        raw = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
-        metrics = raw.get("metrics") or {}
-        return {
-            str(k): float(v)
-            for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-    except (OSError, ValueError, AttributeError):
-        return {}
+    """The numeric metrics Orbax saved with a step (``save(..., metrics=...)`` with a
+    ``best_fn``: the ``metrics`` item), so ckptd's ``KeepBest`` / ``BestN`` retention
+    can rank adopted steps too."""
+    for path, field_name in (
+        (step_dir / "metrics" / "metrics", None),
+        (step_dir / "_CHECKPOINT_METADATA", "metrics"),
+    ):
+        try:
+            raw = json.loads(path.read_text())
+            metrics = raw.get(field_name) if field_name else raw
+            found = {
+                str(k): float(v)
+                for k, v in (metrics or {}).items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return {}
 
 
 def _raise(exc: OSError) -> None:

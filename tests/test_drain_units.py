@@ -7,7 +7,15 @@ import errno
 import pytest
 
 from ckptd.daemon.drain import Backoff
-from ckptd.daemon.layout import marker_key, parse_marker
+from ckptd.daemon.layout import (
+    file_key,
+    manifest_key,
+    marker_key,
+    parse_marker,
+    parse_pin,
+    pin_key,
+    upload_order,
+)
 from ckptd.daemon.remote import RemoteError, is_transient
 
 
@@ -56,6 +64,40 @@ def test_wrapped_transient_cause_is_transient() -> None:
 
 def test_marker_keys_round_trip() -> None:
     assert marker_key("run-1", 40, "node-a") == "run-1/40/_complete/node-a"
-    assert parse_marker("run-1/40/_complete/node-a") == ("run-1", 40, "node-a")
+    assert parse_marker("run-1/40/_complete/node-a") == ("run-1", 40, "node-a", False)
     assert parse_marker("run-1/40/node-a/manifest.json") is None
     assert parse_marker("run-1/x/_complete/node-a") is None
+    assert parse_marker("run-1/x.ckptd/_complete/node-a") is None
+    assert parse_marker("run-1/40.tmp/_complete/node-a") is None
+
+
+def test_adopted_keys_keep_the_tree_where_orbax_reads_it() -> None:
+    # An adopted (Orbax) step: the tree at <job>/<step>/, ckptd's records beside it.
+    assert marker_key("j", 7, "n", adopted=True) == "j/7.ckptd/_complete/n"
+    assert parse_marker("j/7.ckptd/_complete/n") == ("j", 7, "n", True)
+    assert manifest_key("j", 7, "n", adopted=True) == "j/7.ckptd/n/manifest.json"
+    assert manifest_key("j", 7, "n") == "j/7/n/manifest.json"
+    assert file_key("j", 7, "n", "files/default/_METADATA", adopted=True) == "j/7/default/_METADATA"
+    assert file_key("j", 7, "n", "rank-00000.safetensors") == "j/7/n/rank-00000.safetensors"
+    assert pin_key("j", 7, adopted=True) == "j/7.ckptd/_pinned"
+    assert parse_pin("j/7.ckptd/_pinned") == ("j", 7)
+    assert parse_pin("j/7/_pinned") == ("j", 7)
+    assert parse_pin("j/7/default/_pinned") is None
+
+
+def test_adopted_upload_order_puts_commit_success_last() -> None:
+    files = [
+        "files/_CHECKPOINT_METADATA",
+        "files/commit_success.txt",
+        "files/default/commit_success.txt",
+        "files/default/_METADATA",
+        "files/default/d/abc",
+    ]
+    waves = upload_order(files)
+    assert waves == [
+        ["files/_CHECKPOINT_METADATA", "files/default/_METADATA", "files/default/d/abc"],
+        ["files/default/commit_success.txt"],
+        ["files/commit_success.txt"],
+    ]
+    # A tree without Orbax's commit files (a DCP directory): one wave.
+    assert upload_order(["files/a", "files/b/c"]) == [["files/a", "files/b/c"]]

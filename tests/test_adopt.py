@@ -1,0 +1,186 @@
+"""Adopting directories other frameworks wrote: the scanner's rules, and `ckptd adopt`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptd.client import CkptdError
+from ckptd.daemon.adopt import finished_steps, link_tree, orbax_metrics, tree_files
+from ckptd.daemon.errors import InvalidArgument
+from ckptd.daemon.localstore import crc32c_file
+
+from .conftest import CKPTD, Daemon, RemoteTarget
+from .test_remote_tier import remote_daemon
+
+
+def orbax_like(step_dir: Path, finished: bool = True, seed: int = 0) -> None:
+    """A directory shaped like an Orbax step (content is random bytes)."""
+    rng = np.random.default_rng(seed)
+    (step_dir / "default" / "d").mkdir(parents=True)
+    (step_dir / "_CHECKPOINT_METADATA").write_text('{"metrics": {"loss": 2.5, "ok": true}}')
+    (step_dir / "default" / "d" / "abc").write_bytes(rng.bytes(300_000))
+    (step_dir / "default" / "_METADATA").write_text("{}")
+    if finished:
+        (step_dir / "commit_success.txt").write_text("Checkpoint commit was successful")
+
+
+def test_finished_steps_follow_orbax_naming(tmp_path: Path) -> None:
+    orbax_like(tmp_path / "7")
+    orbax_like(tmp_path / "12")
+    orbax_like(tmp_path / "8", finished=False)  # commit_success.txt not written yet
+    orbax_like(tmp_path / "9.orbax-checkpoint-tmp-1234")  # Orbax's in-progress name
+    orbax_like(tmp_path / "0010")  # zero-padded: would not match <job>/<step> in the bucket
+    orbax_like(tmp_path / "checkpoint_11")  # step_prefix names: left alone
+    (tmp_path / "13").write_text("a file, not a step")
+    assert [(s, p.name) for s, p, _ in finished_steps(tmp_path)] == [(7, "7"), (12, "12")]
+    assert finished_steps(tmp_path / "missing") == []
+
+
+def test_tree_files_and_links(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    orbax_like(src)
+    assert tree_files(src) == [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "default/_METADATA",
+        "default/d/abc",
+    ]
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    records = link_tree(src, staging)
+    for r in records:
+        assert r.file.startswith("files/")
+        copy, original = staging / r.file, src / r.file.removeprefix("files/")
+        assert copy.stat().st_ino == original.stat().st_ino  # a hard link, not a copy
+        assert (r.size, r.crc32c) == (original.stat().st_size, crc32c_file(original))
+    assert orbax_metrics(src) == {"loss": 2.5}  # booleans are not metrics
+
+    (src / "default" / "link").symlink_to(src / "commit_success.txt")
+    with pytest.raises(InvalidArgument, match="symlink"):
+        tree_files(src)
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    with pytest.raises(InvalidArgument, match="no files"):
+        tree_files(empty)
+
+
+def test_crc32c_file_matches_whole_file_crc(tmp_path: Path) -> None:
+    import google_crc32c
+
+    data = np.random.default_rng(1).bytes(20 * 2**20 + 17)
+    (tmp_path / "f").write_bytes(data)
+    assert crc32c_file(tmp_path / "f", chunk=2**20) == google_crc32c.value(data)
+
+
+def dcp_like(path: Path) -> dict[str, bytes]:
+    """A PyTorch DCP FileSystemWriter-shaped directory."""
+    rng = np.random.default_rng(3)
+    files = {
+        ".metadata": rng.bytes(5_000),
+        "__0_0.distcp": rng.bytes(6 * 2**20 + 3),
+        "__1_0.distcp": rng.bytes(100),
+        "extra/tokenizer.json": b"{}",
+    }
+    for name, data in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    return files
+
+
+def test_ckptd_adopt_drains_a_directory_byte_identical(make_daemon: Any, tmp_path: Path) -> None:
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    d: Daemon = remote_daemon(make_daemon, remote)
+    src = tmp_path / "dcp" / "step-100"
+    files = dcp_like(src)
+    sock = ["--socket", str(d.socket)]
+    out = subprocess.run(
+        [CKPTD, "adopt", "job", "100", str(src), "--wait", "durable", *sock],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "adopted from" in out.stdout and "DURABLE" in out.stdout
+    bucket = tmp_path / "bucket" / "job"
+    for name, data in files.items():
+        assert (bucket / "100" / name).read_bytes() == data
+    assert (bucket / "100.ckptd" / "_complete" / "test-node").exists()
+    # The source can go: ckptd holds its own links.
+    for name in files:
+        (src / name).unlink()
+
+    client = d.client("job")
+    [row] = client.list()
+    assert row.adopted and row.source == str(src) and row.tiers == ("LOCAL", "REMOTE")
+    with pytest.raises(CkptdError, match="adopted"):
+        client.restore(step=100)
+
+    # Again under the same step: refused with what to do.
+    out = subprocess.run(
+        [CKPTD, "adopt", "job", "100", str(tmp_path / "dcp"), *sock], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "already exists" in out.stderr, out.stderr
+    out = subprocess.run(
+        [CKPTD, "adopt", "job", "101", str(tmp_path / "nope"), *sock],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "not a directory" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+    # `ckptd pull` brings the tree back from the bucket, checked file by file.
+    dest = tmp_path / "pulled"
+    pull = subprocess.run(
+        [CKPTD, "pull", "job", str(dest), "--remote", remote.url], capture_output=True, text=True
+    )
+    assert pull.returncode == 0, pull.stderr
+    for name, data in files.items():
+        assert (dest / "files" / name).read_bytes() == data
+
+    # The client API does the same; a wiped node gets the tree back from the bucket.
+    src2 = tmp_path / "dcp" / "step-200"
+    dcp_like(src2)
+    client.adopt(200, src2, metrics={"loss": 1.0}).wait("durable", timeout=60)
+    d.kill()
+    import shutil
+
+    shutil.rmtree(d.root)
+    fresh: Daemon = remote_daemon(make_daemon, remote)
+    from ckptd.client import orbax as ckptd_orbax
+
+    c2 = fresh.client("job")
+    target_dir = tmp_path / "restored"
+    assert ckptd_orbax.ensure_local(c2, directory=target_dir) == 200
+    for name, data in files.items():
+        assert (target_dir / "200" / name).read_bytes() == data
+    assert (
+        json.loads(
+            subprocess.run(
+                [CKPTD, "ls", "job", "--json", *["--socket", str(fresh.socket)]],
+                capture_output=True,
+                text=True,
+            ).stdout
+        )[0]["adopted"]
+        is True
+    )
+
+
+def test_watch_refuses_directories_it_cannot_link_from(daemon: Daemon) -> None:
+    from ckptd.client import orbax as ckptd_orbax
+
+    client = daemon.client("job")
+    with pytest.raises(CkptdError, match="own store"):
+        ckptd_orbax.directory(client, daemon.root / "job")
+    if os.path.exists("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat(daemon.root).st_dev:
+        with pytest.raises(CkptdError, match="another filesystem"):
+            ckptd_orbax.directory(client, f"/dev/shm/ckptd-test-{os.getpid()}")
+    assert ckptd_orbax.ensure_local(client) is None  # nothing adopted: a fresh start
+    default = ckptd_orbax.directory(client)
+    assert default == daemon.root / ".orbax" / "job"
+    assert ckptd_orbax.bucket_directory(client) == ""  # no remote tier
