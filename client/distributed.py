@@ -22,9 +22,13 @@ unless the newest 64 all fail somewhere)."""
 
 
 def restorable_steps(client: Client) -> list[int]:
-    """Steps this process's node can restore from some tier, newest first."""
+    """Steps this process's node can restore from some tier, newest first (adopted
+    directories are not ckptd arrays: their framework restores them)."""
     rows = client.list()
-    return sorted({c.step for c in rows if c.tiers and c.state != "STAGING"}, reverse=True)
+    return sorted(
+        {c.step for c in rows if c.tiers and c.state != "STAGING" and not c.adopted},
+        reverse=True,
+    )
 
 
 def agree_on_step(client: Client) -> int | None:

@@ -111,6 +111,12 @@ def test_ckptd_adopt_drains_a_directory_byte_identical(make_daemon: Any, tmp_pat
     for name, data in files.items():
         assert (bucket / "100" / name).read_bytes() == data
     assert (bucket / "100.ckptd" / "_complete" / "test-node").exists()
+    verify = subprocess.run(
+        [CKPTD, "verify", "job", "--root", str(d.root), "--remote", remote.url],
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0 and "2 copies checked, 0 corrupt" in verify.stdout, verify
     # The source can go: ckptd holds its own links.
     for name in files:
         (src / name).unlink()

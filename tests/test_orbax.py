@@ -179,3 +179,53 @@ def test_a_half_uploaded_step_is_invisible_to_orbax(
     ckptd_orbax.wait(d.client(JOB), 0, "durable", timeout=60)
     assert worker("steps", path, env=env) == {"steps": [0]}
     assert not [k for k in remote.object_keys() if "/tree/" in k]
+
+
+def readme_example() -> str:
+    """The MaxText-style example from the README, exactly as printed there."""
+    text = (REPO / "README.md").read_text()
+    return text.split("<!-- orbax-example -->\n```python\n", 1)[1].split("```", 1)[0]
+
+
+README_PRELUDE = """
+import json, os
+import jax.numpy as jnp
+run_name = "readme"
+num_steps = int(os.environ["NUM_STEPS"])
+state = {"w": jnp.zeros((256, 512), jnp.float32), "n": jnp.asarray(0, jnp.int32)}
+abstract_state = state
+def train_step(s):
+    return {"w": s["w"] + 1.0, "n": s["n"] + 1}
+"""
+README_EPILOGUE = """
+assert float(state["w"][0, 0]) == int(state["n"])
+print(json.dumps({"start": start, "n": int(state["n"]), "latest": mngr.latest_step()}))
+"""
+
+
+def test_readme_orbax_example_runs_and_resumes_on_a_new_node(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    script = tmp_path / "example.py"
+    script.write_text(README_PRELUDE + readme_example() + README_EPILOGUE)
+
+    def run(d: Daemon, steps: int) -> dict[str, Any]:
+        env = {**os.environ, "CKPTD_SOCKET": str(d.socket), "NUM_STEPS": str(steps)}
+        proc = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+        )
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return result
+
+    d: Daemon = remote_daemon(make_daemon, remote)
+    first = run(d, 5)
+    assert first["start"] is None and first["n"] == 5 and first["latest"] is not None
+    d.kill()
+    shutil.rmtree(d.root)  # the node is replaced: only the bucket has the steps
+    second = run(remote_daemon(make_daemon, remote), 8)
+    # Resumed from the newest step of the first run (fetched from the bucket), with
+    # the state that step saved, and trained on to step 7.
+    assert second == {"start": first["latest"], "n": 8, "latest": second["latest"]}
+    assert second["latest"] is not None and second["latest"] > first["latest"]
