@@ -38,6 +38,7 @@ from .layout import (
 )
 from .node import Node, StepState
 from .remote import Remote, is_transient
+from .restore import verify_step
 
 log = logging.getLogger("ckptd.drain")
 
@@ -180,7 +181,10 @@ class Drain:
                     st.state = pb.SAVE_STATE_LOCAL
                     return
                 reason = f"upload to {self.remote.url} failed: {exc}"
-                if not is_transient(exc):
+                changed = await self._adopted_changed(st) if attempt >= 2 else ""
+                if changed:
+                    reason = changed
+                if changed or not is_transient(exc):
                     log.error("%s/%d: %s (not retrying)", st.job, st.step, reason)
                     st.state, st.error, self.last_error = pb.SAVE_STATE_FAILED, reason, reason
                     st.notify()
@@ -204,6 +208,21 @@ class Drain:
         st.notify()
         for callback in self.on_durable:
             callback(st)
+
+    async def _adopted_changed(self, st: StepState) -> str:
+        """Why an adopted step can never upload, if its files changed since adoption
+        (they are hard links to the framework's files); empty otherwise."""
+        if not st.adopted or st.manifest is None:
+            return ""
+        local_dir = self.node.store.step_dir(st.job, st.step)
+        bad = await self.node.run_io(verify_step, local_dir, st.manifest)
+        if not bad:
+            return ""
+        return (
+            f"{len(bad)} adopted files changed after adoption (e.g. {bad[0]}): ckptd holds hard "
+            "links to them, so a directory must not be modified once adopted; adopt the new "
+            "version under a new step"
+        )
 
     def _newer_pending(self, st: StepState) -> bool:
         return any(

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptd.client import CkptdError
-from ckptd.daemon.adopt import finished_steps, link_tree, orbax_metrics, tree_files
+from ckptd.client import CkptdError, SaveFailed
+from ckptd.daemon.adopt_tree import finished_steps, link_tree, orbax_metrics, tree_files
 from ckptd.daemon.errors import InvalidArgument
 from ckptd.daemon.localstore import crc32c_file
 
@@ -190,3 +190,21 @@ def test_watch_refuses_directories_it_cannot_link_from(daemon: Daemon) -> None:
     default = ckptd_orbax.directory(client)
     assert default == daemon.root / ".orbax" / "job"
     assert ckptd_orbax.bucket_directory(client) == ""  # no remote tier
+
+
+def test_an_adopted_file_changed_afterwards_fails_the_step_with_the_reason(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    # Each part read waits 1 s: time to modify the source after adoption.
+    d: Daemon = remote_daemon(make_daemon, remote, "drain.part=sleep(1)")
+    src = tmp_path / "ckpt"
+    dcp_like(src)
+    client = d.client("job")
+    handle = client.adopt(5, src)
+    with open(src / "__1_0.distcp", "r+b") as f:  # same size, other bytes: a hard link
+        f.write(b"x" * 10)
+    with pytest.raises(SaveFailed, match="changed after adoption"):
+        handle.wait("durable", timeout=120)
+    [row] = client.list()
+    assert row.state == "FAILED" and not (tmp_path / "bucket" / "job" / "5").exists()
