@@ -81,3 +81,11 @@ def test_two_processes_save_to_a_shared_bucket_and_restore_on_new_nodes(
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert f"alone on {devices} devices: restored" in out.stdout
     assert "fetched node node-1's part" in daemons[0].log_text()
+    # Mixed tiers: node-0 holds step 2 locally now, node-1 loses its disk once more.
+    # The processes still agree on step 2; only node-1 goes to the bucket.
+    daemons[1].stop()
+    shutil.rmtree(daemons[1].root)
+    daemons[1].start()
+    run_job([d.socket for d in daemons], "restore")
+    fetched = [d.log_text().count("and committed locally") for d in daemons]
+    assert fetched == [1, 2], fetched
