@@ -209,7 +209,7 @@ def test_coalescing_uploads_newest_and_milestones_only(
         4: "SUPERSEDED",
         5: "DURABLE",
     }
-    with pytest.raises(SaveFailed, match="superseded by step 5|removed from the remote tier"):
+    with pytest.raises(SaveFailed, match=r"superseded by step 5|removed from the remote tier"):
         handles[2].wait("durable", 10)
     handles[2].wait("local", 10)  # still a fine local checkpoint
 
