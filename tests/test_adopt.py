@@ -196,8 +196,8 @@ def test_an_adopted_file_changed_afterwards_fails_the_step_with_the_reason(
     make_daemon: Any, tmp_path: Path
 ) -> None:
     remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
-    # Each part read waits 1 s: time to modify the source after adoption.
-    d: Daemon = remote_daemon(make_daemon, remote, "drain.part=sleep(1)")
+    # Each part read waits 3 s: time to modify the source after adoption.
+    d: Daemon = remote_daemon(make_daemon, remote, "drain.part=sleep(3)")
     src = tmp_path / "ckpt"
     dcp_like(src)
     client = d.client("job")
