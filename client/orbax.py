@@ -53,8 +53,9 @@ def bucket_directory(client: Client) -> str:
     ``ocp.CheckpointManager`` accepts (``file://`` becomes a plain path); empty
     without a remote tier. Orbax reads ``gs://`` and local paths, not ``s3://``:
     restore S3 copies with :func:`ensure_local`."""
-    resp = client._call(client._stub.Watch, pb.WatchRequest(job=client.job))
-    return str(resp.remote_directory).removeprefix("file://")
+    # GetStatus, not Watch: asking where the bucket is must not change what is watched.
+    remote = client._call(client._stub.GetStatus, pb.GetStatusRequest()).remote
+    return f"{remote.rstrip('/')}/{client.job}".removeprefix("file://") if remote else ""
 
 
 def ensure_local(

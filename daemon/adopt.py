@@ -58,9 +58,9 @@ class Watch:
 class Adopter:
     """Adoption, watched directories, and putting adopted steps back for a restore."""
 
-    def __init__(self, node: Node, poll_seconds: float = 1.0) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
-        self.poll_seconds = poll_seconds
+        self.poll_seconds = node.config.adopt_poll_seconds
         self.watches: dict[str, Watch] = {}
         self.path = node.config.root / WATCH_FILE
         self._lock = asyncio.Lock()
@@ -140,8 +140,7 @@ class Adopter:
                     "adopt finished directories only"
                 ) from None
             raise
-        st.manifest, st.state, st.local_at = manifest, pb.SAVE_STATE_LOCAL, time.time()
-        st.created_unix = manifest.created_unix
+        node.mark_local(st, manifest)
         self.adopted += 1
         log.info(
             "%s/%d adopted from %s: %d files, %d bytes, LOCAL in %.3f s",
@@ -152,9 +151,6 @@ class Adopter:
             manifest.size_bytes,
             st.local_at - st.handoff_at,
         )
-        st.notify()
-        for callback in node.on_local:
-            callback(st)
         return st
 
     # -- watched directories ------------------------------------------------------------
@@ -226,19 +222,18 @@ class Adopter:
                 del w.seen[gone]
                 changed = True
             count = 0
-            for step, path, ino in found:
+            for step, path, commit in found:
                 if self._stop.is_set():
                     break
-                if w.seen.get(path.name) == ino:
+                if w.seen.get(path.name) == commit.st_ino:
                     continue
-                w.seen[path.name] = ino
+                w.seen[path.name] = commit.st_ino
                 changed = True
                 if (job, step) in self.node.steps:
                     continue  # ckptd has it already (e.g. put back for a restore)
                 try:
-                    created = os.stat(path / COMMIT_FILE).st_mtime
                     metrics = await self.node.run_io(orbax_metrics, path)
-                    await self.adopt(job, step, path, created, metrics)
+                    await self.adopt(job, step, path, commit.st_mtime, metrics)
                     count += 1
                 except (NotFound, InvalidArgument, Conflict) as exc:
                     log.warning("not adopting %s: %s", path, exc)
@@ -247,39 +242,17 @@ class Adopter:
             return count
 
     # -- restore side ---------------------------------------------------------------
-    def choose(self, job: str, step: int | None) -> StepState:
-        """The newest (or given) adopted step with a copy in some tier."""
-        if step is not None:
-            st = self.node.get_step(job, step)
-            if not st.adopted:
-                raise FailedPrecondition(
-                    f"step {step} of job {job!r} was saved with Client.save, not adopted; "
-                    "restore it with Client.restore()"
-                )
-            if st.manifest is None and not st.in_remote:
-                raise FailedPrecondition(
-                    f"step {step} of job {job!r} has no complete copy yet "
-                    f"({pb.SaveState.Name(st.state)}): {st.error or 'wait for it'}"
-                )
-            return st
-        found = [
-            s for s in self.node.list(job) if s.adopted and (s.manifest is not None or s.in_remote)
-        ]
-        if not found:
-            raise NotFound(f"job {job!r} has no adopted step on this node or in the bucket")
-        return found[0]
-
     async def ensure_local(
         self, job: str, st: StepState, directory: str, verify: bool = True
     ) -> tuple[Path, bool]:
         """Put an adopted step with a local copy in ckptd's store back into the watched
-        (or given) directory; returns the step's path there and whether it was linked."""
+        (or given) directory; returns the step's path there and whether it was linked.
+        ``verify``: re-check every file's crc32c first (not needed right after a
+        download, which checked each one)."""
         node = self.node
         assert st.manifest is not None
         w = self.watches.get(job)
-        base = Path(directory) if directory else (w.directory if w else None)
-        if base is None:
-            base = self.default_directory(job)
+        base = Path(directory) if directory else w.directory if w else self.default_directory(job)
         dest = base / str(st.step)
         if await node.run_io(dest.exists):
             return dest, False

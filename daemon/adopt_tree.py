@@ -18,8 +18,10 @@ from .manifest import Manifest, RankRecord
 MAX_FILES = 1_000_000
 
 
-def finished_steps(directory: Path) -> list[tuple[int, Path, int]]:
-    """``(step, path, commit-file inode)`` of each finished step directory, oldest first."""
+def finished_steps(directory: Path) -> list[tuple[int, Path, os.stat_result]]:
+    """``(step, path, stat of its commit file)`` of each finished step directory, oldest
+    first (the commit file's inode tells a re-saved step apart, its mtime is the step's
+    time)."""
     found = []
     try:
         entries = list(os.scandir(directory))
@@ -34,11 +36,11 @@ def finished_steps(directory: Path) -> list[tuple[int, Path, int]]:
         if not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            ino = os.stat(Path(entry.path) / COMMIT_FILE).st_ino
+            commit = os.stat(Path(entry.path) / COMMIT_FILE)
         except (FileNotFoundError, NotADirectoryError):
             continue
-        found.append((int(name), Path(entry.path), ino))
-    return sorted(found)
+        found.append((int(name), Path(entry.path), commit))
+    return sorted(found, key=lambda t: t[0])
 
 
 def tree_files(src: Path) -> list[str]:

@@ -26,10 +26,10 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from . import faults
 from .layout import (
+    complete_steps_in,
     file_key,
     manifest_key,
     marker_key,
-    parse_marker,
     parse_pin,
     record_prefix,
     step_prefix,
@@ -79,31 +79,22 @@ class Drain:
 
     async def resume(self) -> None:
         """Match the local index against the bucket's markers (start-up)."""
-        markers: dict[tuple[str, int], set[str]] = {}
-        adopted: set[tuple[str, int]] = set()
-        pins: set[tuple[str, int]] = set()
-        for key in await self.remote.list_keys(""):
-            parsed = parse_marker(key)
-            if parsed is not None:
-                markers.setdefault((parsed.job, parsed.step), set()).add(parsed.node)
-                if parsed.adopted:
-                    adopted.add((parsed.job, parsed.step))
-            pin = parse_pin(key)
-            if pin is not None:
-                pins.add(pin)
+        keys = await self.remote.list_keys("")
+        markers = complete_steps_in(keys)
+        pins = {pin for pin in map(parse_pin, keys) if pin is not None}
         node_id = self.node.config.node_id
         remote_only = []
-        for (job, step), nodes in markers.items():
+        for (job, step), found in markers.items():
             st = self.node.steps.get((job, step))
             if st is None:
                 st = StepState(job, step, pb.SAVE_STATE_DURABLE)
                 self.node.steps[(job, step)] = st
-            st.remote_nodes |= nodes
+            st.remote_nodes |= found.nodes
             st.pinned = st.pinned or (job, step) in pins
-            st.adopted = st.adopted or (job, step) in adopted
-            if st.manifest is not None and node_id in nodes:
+            st.adopted = st.adopted or found.adopted
+            if st.manifest is not None and node_id in found.nodes:
                 st.state = pb.SAVE_STATE_DURABLE
-            elif st.manifest is None and node_id in nodes:
+            elif st.manifest is None and node_id in found.nodes:
                 remote_only.append(st)
         # Retention needs the time, milestone flag and metrics of steps that are
         # only in the bucket: our markers carry them.
@@ -243,9 +234,11 @@ class Drain:
         staging = self.remote.tree_staging(tree, record_prefix(st.job, st.step, True), node_id)
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
-            key = file_key(st.job, st.step, node_id, rank_file, adopted)
-            if adopted:
-                key = f"{staging}/{tree_path(rank_file)}"
+            key = (
+                f"{staging}/{tree_path(rank_file)}"
+                if adopted
+                else file_key(st.job, st.step, node_id, rank_file)
+            )
             with contextlib.suppress(FileNotFoundError):
                 if await self.remote.native_crc32c(key) == crc32c:
                     log.info(

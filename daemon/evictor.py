@@ -204,13 +204,12 @@ class Evictor:
             # The marker first: from then on the step is not complete, never listed.
             await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
             st.remote_nodes.discard(node_id)
-            if st.adopted:
-                tree, records = step_prefix(job, step), record_prefix(job, step, True)
+            tree, records = step_prefix(job, step), record_prefix(job, step, st.adopted)
+            prefixes = [f"{records}/{node_id}/"]
+            if st.adopted:  # out of the framework's view first, then deleted
                 await self.remote.retract_tree(tree, records, node_id)
-                await self.remote.delete(await self.remote.list_keys(f"{tree}/"))
-                await self.remote.delete(await self.remote.list_keys(f"{records}/{node_id}/"))
-            else:
-                prefix = f"{step_prefix(job, step)}/{node_id}/"
+                prefixes.append(f"{tree}/")
+            for prefix in prefixes:
                 await self.remote.delete(await self.remote.list_keys(prefix))
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)

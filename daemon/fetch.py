@@ -8,36 +8,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DataLoss, NotFound
-from .layout import file_key, manifest_key, parse_marker
+from .layout import RemoteStep, complete_steps_in, file_key, manifest_key
 from .localstore import write_synced
 from .manifest import Manifest
 from .remote import Remote
 
 
-@dataclass
-class RemoteStep:
-    """A step with at least one ``_complete`` marker in the bucket."""
-
-    nodes: set[str] = field(default_factory=set)
-    """The nodes whose marker is there."""
-    adopted: bool = False
-    """An adopted directory tree (see layout.py)."""
-
-
 async def complete_steps(remote: Remote, job: str) -> dict[int, RemoteStep]:
     """Steps of ``job`` with at least one ``_complete`` marker, and the nodes that have one."""
-    steps: dict[int, RemoteStep] = {}
-    for key in await remote.list_keys(job + "/"):
-        parsed = parse_marker(key)
-        if parsed is not None and parsed.job == job:
-            found = steps.setdefault(parsed.step, RemoteStep())
-            found.nodes.add(parsed.node)
-            found.adopted = found.adopted or parsed.adopted
-    return steps
+    found = complete_steps_in(await remote.list_keys(job + "/"))
+    return {step: info for (j, step), info in found.items() if j == job}
 
 
 async def node_manifest(

@@ -23,6 +23,8 @@ if Orbax had written them there.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 ADOPTED_SUFFIX = ".ckptd"
@@ -91,6 +93,28 @@ def parse_marker(key: str) -> MarkerKey | None:
     if step is None:
         return None
     return MarkerKey(parts[0], step, parts[3], adopted)
+
+
+@dataclass
+class RemoteStep:
+    """A step with at least one ``_complete`` marker in the bucket."""
+
+    nodes: set[str] = field(default_factory=set)
+    """The nodes whose marker is there."""
+    adopted: bool = False
+    """An adopted directory tree."""
+
+
+def complete_steps_in(keys: Iterable[str]) -> dict[tuple[str, int], RemoteStep]:
+    """``(job, step)`` -> its markers, for every marker among ``keys`` (a listing)."""
+    steps: dict[tuple[str, int], RemoteStep] = {}
+    for key in keys:
+        parsed = parse_marker(key)
+        if parsed is not None:
+            found = steps.setdefault((parsed.job, parsed.step), RemoteStep())
+            found.nodes.add(parsed.node)
+            found.adopted = found.adopted or parsed.adopted
+    return steps
 
 
 def pin_key(job: str, step: int, adopted: bool = False) -> str:

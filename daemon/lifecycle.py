@@ -121,7 +121,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
             evictor.kick()
 
         drain.on_durable.append(durable)
-    adopter = Adopter(node, config.adopt_poll_seconds)
+    adopter = Adopter(node)
     await adopter.load()
     servicer = Servicer(node, remote, drain, evictor, adopter)
     pb_grpc.add_CkptdServicer_to_server(servicer, server)

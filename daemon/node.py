@@ -303,14 +303,8 @@ class Node:
             log.exception("committing %s/%d failed", st.job, st.step)
             self._fail(st, f"local commit failed: {exc}")
             return
-        st.manifest, st.state, st.local_at, st.staging_dir = (
-            manifest,
-            pb.SAVE_STATE_LOCAL,
-            time.time(),
-            None,
-        )
-        st.created_unix = manifest.created_unix
         st.ranks.clear()
+        self.mark_local(st, manifest)
         log.info(
             "%s/%d LOCAL in %.3f s (%d bytes)",
             st.job,
@@ -318,6 +312,17 @@ class Node:
             st.local_at - st.handoff_at,
             manifest.size_bytes,
         )
+
+    def mark_local(self, st: StepState, manifest: Manifest) -> None:
+        """A step just committed to the local tier (a save or an adoption): LOCAL, waiters
+        woken, and the drain and the evictor told."""
+        st.manifest, st.state, st.local_at, st.staging_dir = (
+            manifest,
+            pb.SAVE_STATE_LOCAL,
+            time.time(),
+            None,
+        )
+        st.created_unix = manifest.created_unix
         st.notify()
         for callback in self.on_local:
             callback(st)

@@ -88,9 +88,8 @@ class FileRemote(Remote):
     def _publish(self, src: Path, dst: Path) -> None:
         if not src.is_dir():
             raise RemoteError(f"{src} vanished before it was published", transient=True)
-        for d, _, files in os.walk(src):
-            for name in files:
-                _fsync_path(Path(d) / name, os.O_RDONLY)
+        # put_file fsynced each file before its rename; the directory entries remain.
+        for d, _, _ in os.walk(src):
             _fsync_path(Path(d), os.O_RDONLY | os.O_DIRECTORY)
         if dst.exists():
             # An earlier attempt published it and died before its marker: swap.

@@ -63,8 +63,11 @@ class Restorer:
         self._prefetched: dict[tuple[str, int, int], Lease] = {}
         """Verified restore leases of other ranks, filled by a fetch from the bucket."""
 
-    def choose(self, job: str, step: int | None, rank: int) -> StepState:
-        """The newest (or given) step with a verified copy in some tier."""
+    def choose(
+        self, job: str, step: int | None, rank: int | None, adopted: bool = False
+    ) -> StepState:
+        """The newest (or given) step with a verified copy in some tier: a step of
+        ckptd arrays holding ``rank``, or with ``adopted`` an adopted directory."""
         node = self.node
         if step is not None:
             st = node.get_step(job, step)
@@ -74,26 +77,31 @@ class Restorer:
                 )
             if st.manifest is None and not st.in_remote:
                 raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
-            if st.adopted:
+            if st.adopted and not adopted:
                 raise FailedPrecondition(
                     f"step {step} of job {job!r} is a directory adopted from "
                     f"{st.manifest.source if st.manifest else 'another framework'}, not "
                     "ckptd arrays: make it local with ckptd.client.orbax.ensure_local() "
                     "(or `ckptd pull`) and restore it with the framework that wrote it"
                 )
+            if adopted and not st.adopted:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} was saved with Client.save, not adopted; "
+                    "restore it with Client.restore()"
+                )
         else:
             candidates = [
                 s
                 for s in node.list(job)
-                if (s.manifest is not None or s.in_remote) and not s.adopted
+                if (s.manifest is not None or s.in_remote) and s.adopted == adopted
             ]
             if not candidates:
                 where = "on this node or in the bucket" if self.remote else "on this node"
-                raise NotFound(
-                    f"job {job!r} has no restorable checkpoint {where}; start from scratch"
-                )
+                what = "adopted step" if adopted else "restorable checkpoint"
+                raise NotFound(f"job {job!r} has no {what} {where}; start from scratch")
             st = candidates[0]
-        if st.manifest is not None and rank not in {r.rank for r in st.manifest.ranks}:
+        held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
+        if rank is not None and held is not None and rank not in held:
             raise NotFound(
                 f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
             )

@@ -328,10 +328,12 @@ class Servicer(pb_grpc.CkptdServicer):
         if request.directory and not Path(request.directory).is_absolute():
             raise InvalidArgument(f"{request.directory!r} is not an absolute path")
         await self.restorer.refresh_remote(job)
-        st = self.adopter.choose(job, step)
+        st = self.restorer.choose(job, step, None, adopted=True)
         st.read_at = time.monotonic()  # the evictor leaves it alone while it is put back
         fetched = st.manifest is None
         if fetched:
             await self.restorer.fetch_to_local(st, 0, shared_memory=False)
-        path, linked = await self.adopter.ensure_local(job, st, request.directory)
+        path, linked = await self.adopter.ensure_local(
+            job, st, request.directory, verify=not fetched
+        )
         return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import CkptdError, SaveFailed
+from ckptd.client import orbax as ckptd_orbax
 from ckptd.daemon.adopt_tree import finished_steps, link_tree, orbax_metrics, tree_files
 from ckptd.daemon.errors import InvalidArgument
 from ckptd.daemon.localstore import crc32c_file
@@ -154,32 +156,22 @@ def test_ckptd_adopt_drains_a_directory_byte_identical(make_daemon: Any, tmp_pat
     dcp_like(src2)
     client.adopt(200, src2, metrics={"loss": 1.0}).wait("durable", timeout=60)
     d.kill()
-    import shutil
-
     shutil.rmtree(d.root)
     fresh: Daemon = remote_daemon(make_daemon, remote)
-    from ckptd.client import orbax as ckptd_orbax
-
     c2 = fresh.client("job")
     target_dir = tmp_path / "restored"
     assert ckptd_orbax.ensure_local(c2, directory=target_dir) == 200
     for name, data in files.items():
         assert (target_dir / "200" / name).read_bytes() == data
-    assert (
-        json.loads(
-            subprocess.run(
-                [CKPTD, "ls", "job", "--json", *["--socket", str(fresh.socket)]],
-                capture_output=True,
-                text=True,
-            ).stdout
-        )[0]["adopted"]
-        is True
+    listed = subprocess.run(
+        [CKPTD, "ls", "job", "--json", "--socket", str(fresh.socket)],
+        capture_output=True,
+        text=True,
     )
+    assert json.loads(listed.stdout)[0]["adopted"] is True
 
 
 def test_watch_refuses_directories_it_cannot_link_from(daemon: Daemon) -> None:
-    from ckptd.client import orbax as ckptd_orbax
-
     client = daemon.client("job")
     with pytest.raises(CkptdError, match="own store"):
         ckptd_orbax.directory(client, daemon.root / "job")
@@ -190,6 +182,11 @@ def test_watch_refuses_directories_it_cannot_link_from(daemon: Daemon) -> None:
     default = ckptd_orbax.directory(client)
     assert default == daemon.root / ".orbax" / "job"
     assert ckptd_orbax.bucket_directory(client) == ""  # no remote tier
+    custom = daemon.root.parent / "orbax-elsewhere"
+    assert ckptd_orbax.directory(client, custom) == custom
+    ckptd_orbax.bucket_directory(client)  # asking where the bucket is changes no watch
+    watched = json.loads((daemon.root / ".watched.json").read_text())
+    assert watched["job"]["directory"] == str(custom)
 
 
 def test_an_adopted_file_changed_afterwards_fails_the_step_with_the_reason(

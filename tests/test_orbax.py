@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckptd.client import orbax as ckptd_orbax
 from ckptd.daemon.localstore import crc32c_file
 
 from .conftest import Daemon, RemoteTarget
@@ -120,8 +121,6 @@ def test_orbax_steps_reach_the_bucket_and_plain_orbax_restores_them(
     assert mine.stat().st_ino == (orbax_dir / "5" / "_CHECKPOINT_METADATA").stat().st_ino
 
     # Orbax deleted step 3 itself; ckptd still holds it locally and links it back.
-    from ckptd.client import orbax as ckptd_orbax
-
     assert not (orbax_dir / "3").exists()
     assert ckptd_orbax.ensure_local(client, 3) == 3
     assert crc32c_file(orbax_dir / "3" / "commit_success.txt") == crc32c_file(
@@ -129,9 +128,10 @@ def test_orbax_steps_reach_the_bucket_and_plain_orbax_restores_them(
     )
 
     # The node is lost: plain Orbax restores straight from the bucket.
+    path, env = reader(remote)
+    assert ckptd_orbax.bucket_directory(client) == path
     d.kill()
     shutil.rmtree(d.root)
-    path, env = reader(remote)
     assert worker("restore", path, env=env) == {"steps": [3, 4, 5], "restored": 5}
 
 
@@ -174,8 +174,6 @@ def test_a_half_uploaded_step_is_invisible_to_orbax(
     d.env.pop("CKPTD_FAILPOINTS")
     d.restart()
     d.client(JOB).list()
-    from ckptd.client import orbax as ckptd_orbax
-
     ckptd_orbax.wait(d.client(JOB), 0, "durable", timeout=60)
     assert worker("steps", path, env=env) == {"steps": [0]}
     assert not [k for k in remote.object_keys() if "/tree/" in k]
