@@ -38,10 +38,11 @@ proto: venv
 # so it checks a tree of symlinks that mirrors the import names.
 typecheck: venv
 	@rm -rf .typecheck && mkdir -p .typecheck/ckptd
+	@ln -s ../../core .typecheck/ckptd/core
 	@ln -s ../../daemon .typecheck/ckptd/daemon
 	@ln -s ../../client .typecheck/ckptd/client
 	@ln -s ../../proto/python .typecheck/ckptd/proto
-	cd .typecheck && ../$(PY) -m mypy --config-file ../pyproject.toml -p ckptd.daemon -p ckptd.client
+	cd .typecheck && ../$(PY) -m mypy --config-file ../pyproject.toml -p ckptd.core -p ckptd.daemon -p ckptd.client
 
 lint: venv typecheck
 	$(PY) -m ruff check .

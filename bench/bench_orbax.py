@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def adopt_floor(step_dir: Path) -> float:
     """Seconds to fsync every file of a step Orbax just finished (Orbax does not fsync)
     and read it once for its crc32c: what adoption must do at least."""
-    from ckptd.daemon.localstore import crc32c_file
+    from ckptd.core.checksum import of_file as crc32c_file
 
     t0 = time.perf_counter()
     for p in step_dir.rglob("*"):

@@ -9,33 +9,21 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from ckptd.core.errors import CapacityExhausted, CkptdError
+from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout, round_up
+from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
-from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ckptd.proto import state_name
 
 from . import restore as restore_mod
 from . import restoring
-from .errors import (
-    CapacityExhausted,
-    CheckpointCorrupt,
-    CkptdError,
-    SaveFailed,
-)
-from .format import TensorEntry, dtype_to_str, plan_layout, round_up
-from .handle import (
-    DEFAULT_SOCKET,
-    CheckpointInfo,
-    SaveHandle,
-    open_channel,
-    rpc_call,
-    watch_stage,
-)
+from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .jax_arrays import (
     ShardPlan,
     is_jax_array,
@@ -48,7 +36,6 @@ log = logging.getLogger("ckptd.client")
 
 _MAPPED_SEGMENTS = 2  # segments kept mapped between saves (the daemon reuses them)
 _COPY_CHUNK = 16 * 2**20  # bytes per parallel copy task
-T = TypeVar("T")
 
 
 class Client:
@@ -82,13 +69,13 @@ class Client:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
         self.job = job
-        self.socket = os.fspath(socket or os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET)
+        self.connection = Connection(socket, timeout)
+        """The connection to the daemon: adapters (orbax.py, distributed.py) call RPCs on it."""
+        self.socket = self.connection.socket
         self.rank = rank
         self.node_ranks = list(node_ranks) if node_ranks is not None else [rank]
         self.world_size = world_size or max(self.node_ranks) + 1
         self.timeout = timeout
-        self._channel = open_channel(self.socket)
-        self._stub = pb_grpc.CkptdStub(self._channel)
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
         # numpy releases the GIL while copying, so a few threads copy into the
         # lease faster than one (memory bandwidth, not CPU, is the limit).
@@ -110,9 +97,6 @@ class Client:
         self._copy_job: Future[None] | None = None
 
     # -- plumbing ------------------------------------------------------------
-    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
-        return rpc_call(method, request, timeout or self.timeout, self.socket)
-
     def _map_segment(self, name: str, size: int) -> mmap.mmap:
         mm = self._segments.get(name)
         if mm is not None and len(mm) >= size:
@@ -186,9 +170,8 @@ class Client:
             return False
         self.last_refusal = ""
         if self._last_bytes:
-            cap = self._call(
-                self._stub.CheckCapacity,
-                pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes),
+            cap = self.connection.call(
+                "CheckCapacity", pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes)
             )
             if not cap.ok:
                 self.last_refusal = cap.reason
@@ -198,7 +181,7 @@ class Client:
 
     def pin(self, step: int, pinned: bool = True) -> None:
         """Pin a step: no tier evicts it until :meth:`unpin` (``ckptd pin`` does the same)."""
-        self._call(self._stub.Pin, pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
+        self.connection.call("Pin", pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
 
     def unpin(self, step: int) -> None:
         """Undo :meth:`pin`; the retention policies decide again."""
@@ -226,8 +209,8 @@ class Client:
             milestone=milestone,
             metrics=_check_metrics(metrics),
         )
-        self._call(self._stub.Adopt, req, max(self.timeout, 600.0))
-        return SaveHandle(self, int(step))
+        self.connection.call("Adopt", req, max(self.timeout, 600.0))
+        return SaveHandle(self.connection, self.job, int(step))
 
     # -- public API ------------------------------------------------------------
     def save(
@@ -280,8 +263,8 @@ class Client:
         data_len = sum(e.length for e in entries)
         started = time.monotonic()
         try:
-            lease = self._call(
-                self._stub.AcquireLease,
+            lease = self.connection.call(
+                "AcquireLease",
                 pb.AcquireLeaseRequest(
                     job=self.job, size_bytes=round_up(data_len), wait_seconds=wait
                 ),
@@ -331,19 +314,17 @@ class Client:
                     self._copy_device_and_commit, mm, todo, device, req
                 )
             else:
-                self._call(self._stub.CommitShards, req)
+                self.connection.call("CommitShards", req)
             committed = True
         finally:
             if not committed:
                 try:
-                    self._call(
-                        self._stub.ReleaseLease,
-                        pb.ReleaseLeaseRequest(lease_id=lease.lease_id),
-                        10.0,
+                    self.connection.call(
+                        "ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease.lease_id), 10.0
                     )
                 except CkptdError as exc:
                     log.debug("could not release lease after a failed save: %s", exc)
-        handle = SaveHandle(self, step, self._copy_job if device else None)
+        handle = SaveHandle(self.connection, self.job, step, self._copy_job if device else None)
         self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
         self._last_reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next
@@ -358,11 +339,11 @@ class Client:
         try:
             for e in entries:
                 self._copy_into(mm, [e], {e.key: np.asarray(device[e.key].data)})
-            self._call(self._stub.CommitShards, req)
+            self.connection.call("CommitShards", req)
         except BaseException:
             try:
                 release = pb.ReleaseLeaseRequest(lease_id=req.lease_id)
-                self._call(self._stub.ReleaseLease, release, 10.0)
+                self.connection.call("ReleaseLease", release, 10.0)
             except CkptdError as exc:
                 log.debug("could not release lease after a failed copy: %s", exc)
             raise
@@ -393,11 +374,11 @@ class Client:
         assembled from the saved shards that overlap it, so another mesh,
         sharding or device count works.
         """
-        return restoring.restore(self, step, target, shared_memory)
+        return restoring.restore(self.connection, self.job, self.rank, step, target, shared_memory)
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""
-        resp = self._call(self._stub.ListCheckpoints, pb.ListCheckpointsRequest(job=self.job))
+        resp = self.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=self.job))
         return [
             CheckpointInfo(
                 c.job,
@@ -428,7 +409,7 @@ class Client:
         for mm in self._segments.values():
             mm.close()
         self._segments.clear()
-        self._channel.close()
+        self.connection.close()
 
     def __enter__(self) -> Client:
         return self
@@ -453,4 +434,4 @@ def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
     return out
 
 
-__all__ = ["CheckpointCorrupt", "CheckpointInfo", "Client", "SaveFailed", "SaveHandle"]
+__all__ = ["CheckpointInfo", "Client", "SaveHandle"]

@@ -1,50 +1,20 @@
-"""Plumbing shared by the client and the CLI: the channel, RPC calls with the
-protocol header, save handles and the checkpoint listing type."""
+"""Save handles and the checkpoint listing type (the connection itself is
+:class:`ckptd.core.wire.Connection`)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
 
-import grpc
-
-from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION, state_name
+from ckptd.core.errors import CkptdError, CkptdUnavailable, SaveFailed
+from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import state_name
 
-from .errors import CkptdError, CkptdUnavailable, SaveFailed, from_rpc_error
-
-if TYPE_CHECKING:
-    from .client import Client
-
-DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 STAGES = {"local": pb.SAVE_STATE_LOCAL, "durable": pb.SAVE_STATE_DURABLE}
-T = TypeVar("T")
-
-
-def open_channel(socket: str) -> grpc.Channel:
-    """A gRPC channel to the daemon's unix socket."""
-    return grpc.insecure_channel(
-        f"unix:{socket}",
-        options=[
-            ("grpc.max_receive_message_length", 256 * 2**20),
-            ("grpc.max_send_message_length", 256 * 2**20),
-        ],
-    )
-
-
-def rpc_call(method: Callable[..., T], request: Any, timeout: float, socket: str) -> T:
-    """Call one RPC with the protocol header; gRPC errors become :class:`CkptdError`."""
-    try:
-        return method(
-            request, timeout=timeout, metadata=((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
-        )
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc, socket) from None
 
 
 @dataclass(frozen=True)
@@ -74,9 +44,11 @@ class CheckpointInfo:
 class SaveHandle:
     """Returned by :meth:`Client.save`: the bytes are the daemon's; wait for a stage."""
 
-    def __init__(self, client: Client, step: int, copy: Future[None] | None = None) -> None:
-        self.client = client
-        self.job = client.job
+    def __init__(
+        self, connection: Connection, job: str, step: int, copy: Future[None] | None = None
+    ) -> None:
+        self.connection = connection
+        self.job = job
         self.step = step
         self._copy = copy
         """jax arrays' device-to-host copy and the handoff, running after save() returned."""
@@ -156,9 +128,7 @@ class SaveHandle:
             wait_for=target,  # type: ignore[arg-type]
             timeout_seconds=timeout,
         )
-        status: pb.SaveStatus = self.client._call(
-            self.client._stub.GetSaveStatus, req, timeout + 30.0
-        )
+        status: pb.SaveStatus = self.connection.call("GetSaveStatus", req, timeout + 30.0)
         return status
 
     def __repr__(self) -> str:

@@ -26,10 +26,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
-from .format import str_to_dtype
+from ckptd.core import checksum
+from ckptd.core.format import str_to_dtype
 
 
 def is_jax_array(node: Any) -> bool:
@@ -133,7 +133,7 @@ class ShardReader:
             self._maps[s["path"]] = mm
         flat = np.frombuffer(mm, np.uint8, count=s["length"], offset=s["offset"])
         if (s["path"], s["key"]) not in self._verified:
-            crc = google_crc32c.extend(0, flat)
+            crc = checksum.value(flat)
             if crc != s["crc32c"]:
                 raise CorruptShard(
                     f"shard {s['key']!r} in {s['path']} has crc32c {crc:#010x}, "

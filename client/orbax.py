@@ -29,10 +29,10 @@ import os
 import time
 from pathlib import Path
 
+from ckptd.core.errors import CheckpointNotFound
 from ckptd.proto import ckptd_pb2 as pb
 
 from .client import Client
-from .errors import CheckpointNotFound
 from .handle import SaveHandle
 
 
@@ -44,7 +44,7 @@ def directory(client: Client, path: str | os.PathLike[str] | None = None) -> Pat
     Calling it again is harmless.
     """
     req = pb.WatchRequest(job=client.job, directory=os.path.abspath(path) if path else "")
-    resp = client._call(client._stub.Watch, req)
+    resp = client.connection.call("Watch", req)
     return Path(resp.directory)
 
 
@@ -54,7 +54,7 @@ def bucket_directory(client: Client) -> str:
     without a remote tier. Orbax reads ``gs://`` and local paths, not ``s3://``:
     restore S3 copies with :func:`ensure_local`."""
     # GetStatus, not Watch: asking where the bucket is must not change what is watched.
-    remote = client._call(client._stub.GetStatus, pb.GetStatusRequest()).remote
+    remote = client.connection.call("GetStatus", pb.GetStatusRequest()).remote
     return f"{remote.rstrip('/')}/{client.job}".removeprefix("file://") if remote else ""
 
 
@@ -79,7 +79,7 @@ def ensure_local(
     if step is not None:
         req.step = int(step)
     try:
-        resp = client._call(client._stub.EnsureLocal, req, timeout)
+        resp = client.connection.call("EnsureLocal", req, timeout)
     except CheckpointNotFound:
         if step is not None:
             raise
@@ -102,4 +102,5 @@ def wait(client: Client, step: int, stage: str = "durable", timeout: float = 600
                 "it finished in the directory ckptd_orbax.directory() returned?"
             )
         time.sleep(0.1)
-    SaveHandle(client, step).wait(stage, timeout=max(0.0, deadline - time.monotonic()))
+    handle = SaveHandle(client.connection, client.job, step)
+    handle.wait(stage, timeout=max(0.0, deadline - time.monotonic()))

@@ -15,10 +15,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
-from .format import str_to_dtype
+from ckptd.core import checksum
+from ckptd.core.format import str_to_dtype
+
 from .tree import unflatten
 
 SHM_DIR = "/dev/shm"
@@ -67,11 +68,11 @@ def map_file_verified(directory: str, manifest: dict[str, Any], rank: int) -> mm
             f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
     mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
-    flat = np.frombuffer(mm, np.uint8)  # a view; google-crc32c takes arrays, not memoryviews
-    for s in manifest["shards"]:
-        if s["rank"] != rank:
-            continue
-        crc = google_crc32c.extend(0, flat[s["offset"] : s["offset"] + s["length"]])
+    shards = [s for s in manifest["shards"] if s["rank"] == rank]
+    crcs = checksum.of_ranges(
+        np.frombuffer(mm, np.uint8), [(s["offset"], s["length"]) for s in shards]
+    )
+    for s, crc in zip(shards, crcs, strict=True):
         if crc != s["crc32c"]:
             raise Corrupt(
                 f"shard {s['key']!r} in {path} has crc32c {crc:#010x}, expected {s['crc32c']:#010x}"

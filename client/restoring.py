@@ -8,32 +8,30 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound
+from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import restore as restore_mod
-from .errors import CheckpointCorrupt, CheckpointNotFound
 from .jax_arrays import CorruptShard, MissingShards, ShardReader, build_leaf
-
-if TYPE_CHECKING:
-    from .client import Client
 
 log = logging.getLogger("ckptd.client")
 
 
 def restore(
-    client: Client, step: int | None, target: Any, shared_memory: bool
+    conn: Connection, job: str, rank: int, step: int | None, target: Any, shared_memory: bool
 ) -> tuple[Any, dict[str, Any]]:
-    """See :meth:`Client.restore`."""
+    """See :meth:`ckptd.client.Client.restore`."""
     for attempt in range(8):
-        req = pb.RestoreRequest(job=client.job, rank=client.rank, shared_memory=shared_memory)
+        req = pb.RestoreRequest(job=job, rank=rank, shared_memory=shared_memory)
         if step is not None:
             req.step = int(step)
         try:
-            resp = client._call(client._stub.Restore, req)
+            resp = conn.call("Restore", req)
         except CheckpointNotFound as exc:
             if attempt:
                 raise CheckpointCorrupt(
@@ -42,32 +40,32 @@ def restore(
             raise
         manifest = json.loads(resp.manifest_json)
         reader = ShardReader(resp.directory, manifest)
-        leaf_builder = jax_leaf_builder(client, reader, resp)
+        leaf_builder = jax_leaf_builder(conn, job, reader, resp)
 
         def adopt(arrays: dict[str, np.ndarray], rd: ShardReader = reader) -> None:
-            rd.adopt(client.rank, arrays)
+            rd.adopt(rank, arrays)
 
         try:
             if resp.HasField("lease"):
-                return adopt_segment(client, resp, manifest, leaf_builder, target, adopt)
-            mm = restore_mod.map_file_verified(resp.directory, manifest, client.rank)
-            return restore_mod.build_tree(mm, manifest, client.rank, 0, leaf_builder, target, adopt)
+                return adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
+            mm = restore_mod.map_file_verified(resp.directory, manifest, rank)
+            return restore_mod.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
         except (restore_mod.Corrupt, CorruptShard) as bad:
-            log.error("step %d of job %s: %s; asking for another copy", resp.step, client.job, bad)
+            log.error("step %d of job %s: %s; asking for another copy", resp.step, job, bad)
             report = pb.ReportCorruptRequest(
-                job=client.job, step=resp.step, tier=resp.tier, detail=str(bad)
+                job=job, step=resp.step, tier=resp.tier, detail=str(bad)
             )
-            client._call(client._stub.ReportCorrupt, report)
+            conn.call("ReportCorrupt", report)
             continue
         finally:
             reader.close()
     raise CheckpointCorrupt(
-        f"every copy the daemon offered for job {client.job!r} was corrupt", "DATA_LOSS"
+        f"every copy the daemon offered for job {job!r} was corrupt", "DATA_LOSS"
     )
 
 
 def jax_leaf_builder(
-    client: Client, reader: ShardReader, resp: pb.RestoreResponse
+    conn: Connection, job: str, reader: ShardReader, resp: pb.RestoreResponse
 ) -> Callable[[dict[str, Any], Any], Any]:
     """Builds saved jax leaves; fetches other nodes' parts the first time a
     target needs shards this node did not save."""
@@ -81,9 +79,7 @@ def jax_leaf_builder(
             if fetched:
                 raise
         fetched = True
-        peers = client._call(
-            client._stub.FetchPeers, pb.FetchPeersRequest(job=client.job, step=resp.step)
-        )
+        peers = conn.call("FetchPeers", pb.FetchPeersRequest(job=job, step=resp.step))
         for part in peers.parts:
             reader.add_part(part.directory, json.loads(part.manifest_json))
         return build_leaf(reader, spec, target)
@@ -92,7 +88,8 @@ def jax_leaf_builder(
 
 
 def adopt_segment(
-    client: Client,
+    conn: Connection,
+    rank: int,
     resp: pb.RestoreResponse,
     manifest: dict[str, Any],
     jax_leaf: Callable[[dict[str, Any], Any], Any],
@@ -103,16 +100,14 @@ def adopt_segment(
     try:
         mm = restore_mod.map_segment_locked(resp.lease.segment, resp.lease.size_bytes)
     except OSError:
-        client._call(
-            client._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id)
-        )
+        conn.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
         raise
     try:
         held = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, client_holds=True)
-        client._call(client._stub.ReleaseLease, held)
+        conn.call("ReleaseLease", held)
     except BaseException:
         mm.close()
         raise
     return restore_mod.build_tree(
-        mm, manifest, client.rank, resp.data_offset_in_file, jax_leaf, target, adopt
+        mm, manifest, rank, resp.data_offset_in_file, jax_leaf, target, adopt
     )

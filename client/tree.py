@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .format import dtype_to_str
+from ckptd.core.format import dtype_to_str
+
 from .jax_arrays import is_jax_array
 
 MAX_KEY_BYTES = 1024

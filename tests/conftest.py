@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +17,11 @@ import pytest
 # Four CPU devices for the jax tests; must be set before anything imports jax.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-from ckptd.client import CkptdUnavailable, Client
-from ckptd.client.handle import open_channel
-from ckptd.daemon.staging import segment_prefix
-from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.client import Client
+from ckptd.core.wire import METADATA
+from ckptd.daemon.app.launcher import DaemonProcess
+from ckptd.daemon.local.staging import segment_prefix
+from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 CKPTD = str(Path(sys.executable).with_name("ckptd"))
@@ -33,65 +32,22 @@ def short_tmpdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="ck", dir="/tmp"))
 
 
-@dataclass
-class Daemon:
-    """A ``ckptd serve`` subprocess that tests can stop, kill and restart."""
+class Daemon(DaemonProcess):
+    """The shared launcher plus what tests need: clients and raw stubs."""
 
-    root: Path
-    socket: Path
-    log: Path
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen[bytes] | None = None
-    clients: list[Client] = field(default_factory=list)
-
-    def start(self, wait: bool = True) -> Daemon:
-        """Start the process and wait until it answers on its socket."""
-        env = {**os.environ, **self.env}
-        env.pop("CKPTD_CONFIG", None)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    CKPTD,
-                    "serve",
-                    "--root",
-                    str(self.root),
-                    "--socket",
-                    str(self.socket),
-                    "--node-id",
-                    "test-node",
-                    "--staging-budget-bytes",
-                    "512MiB",
-                    *self.extra_args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Poll the socket until the daemon answers."""
-        probe = Client("probe", socket=self.socket, timeout=5)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    probe.list()
-                    return
-                except CkptdUnavailable:
-                    assert self.proc is not None
-                    if self.proc.poll() is not None:
-                        raise RuntimeError(
-                            f"daemon exited {self.proc.returncode}:\n{self.log_text()}"
-                        ) from None
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"daemon not ready:\n{self.log_text()}") from None
-                    time.sleep(0.05)
-        finally:
-            probe.close()
+    def __init__(
+        self, root: Path, socket: Path, log: Path, extra_args: list[str], env: dict[str, str]
+    ):
+        super().__init__(
+            root,
+            socket,
+            node_id="test-node",
+            staging_budget="512MiB",
+            extra_args=extra_args,
+            env=env,
+            log_path=log,
+        )
+        self.clients: list[Client] = []
 
     def client(self, job: str = "job", **kw: Any) -> Client:
         """A client bound to this daemon (closed at teardown)."""
@@ -101,31 +57,19 @@ class Daemon:
 
     def stub(self) -> Any:
         """A raw gRPC stub, for requests the client library would never send."""
-        return pb_grpc.CkptdStub(open_channel(str(self.socket)))
+        import grpc
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        from ckptd.core.wire import CHANNEL_OPTIONS
 
-    def kill(self) -> None:
-        """SIGKILL: no chance to clean up."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
+        channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+        return pb_grpc.CkptdStub(channel)
 
-    def restart(self) -> Daemon:
-        """Start a fresh process on the same root and socket."""
-        return self.start()
-
-    def log_text(self) -> str:
-        """What the daemon logged so far."""
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+    def events_of(self, kind: int, job: str = "", step: int | None = None) -> list[pb.EventRecord]:
+        """Every recorded event of ``kind`` (of ``job`` and ``step`` if given)."""
+        return [e for e in self.events(job) if e.kind == kind and step in (None, e.step)]
 
 
-META = ((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
+META = METADATA
 """Metadata a well-behaved client sends with every call."""
 
 
@@ -153,19 +97,21 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
             env or {},
         )
         made.append(d)
-        return d.start() if start else d
+        return d.start() if start else d  # type: ignore[return-value]
 
     yield make
     for d in made:
         for c in d.clients:
             c.close()
-        if d.proc is not None and d.proc.poll() is None:
+        if d.running():
+            assert d.proc is not None
             d.proc.terminate()  # graceful: the daemon unlinks its shared memory
             try:
                 d.proc.wait(30)
             except subprocess.TimeoutExpired:
                 d.proc.kill()
                 d.proc.wait(10)
+        d.close()
         # A daemon a test SIGKILLed cannot clean up; its segments carry its root's prefix.
         for seg in Path("/dev/shm").glob(segment_prefix(d.root) + "*"):
             seg.unlink(missing_ok=True)
@@ -211,7 +157,7 @@ class RemoteTarget:
         """Run ``await body(remote)`` on a fresh adapter, with this target's environment set."""
         import asyncio
 
-        from ckptd.daemon.remote_backends import open_remote
+        from ckptd.daemon.remote.backends import open_remote
 
         async def main() -> Any:
             r = open_remote(self.url, "", part_size, 4)

@@ -53,7 +53,7 @@ def check(restored: Any, step: int) -> None:
 
 
 def file_crcs(step_dir: Path) -> dict[str, int]:
-    from ckptd.daemon.localstore import crc32c_file
+    from ckptd.core.checksum import of_file as crc32c_file
 
     return {
         str(p.relative_to(step_dir)): crc32c_file(p)

@@ -14,9 +14,9 @@ import pytest
 
 from ckptd.client import CkptdError, SaveFailed
 from ckptd.client import orbax as ckptd_orbax
-from ckptd.daemon.adopt_tree import finished_steps, link_tree, orbax_metrics, tree_files
-from ckptd.daemon.errors import InvalidArgument
-from ckptd.daemon.localstore import crc32c_file
+from ckptd.core.checksum import of_file as crc32c_file
+from ckptd.core.errors import InvalidArgument
+from ckptd.daemon.adopt.tree import finished_steps, link_tree, orbax_metrics, tree_files
 
 from .conftest import CKPTD, Daemon, RemoteTarget
 from .test_remote_tier import remote_daemon

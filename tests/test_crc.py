@@ -6,7 +6,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from ckptd.daemon import crc
+from ckptd.core import checksum as crc
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def test_base64_round_trip_matches_store_format() -> None:
     ],
 )
 def test_file_and_shard_crcs_in_one_pass(ranges: list[tuple[int, int]]) -> None:
-    from ckptd.daemon.localstore import crc32c_file_and_shards
+    from ckptd.core.checksum import of_file_and_shards as crc32c_file_and_shards
 
     data = np.random.default_rng(0).integers(0, 256, 12 * 2**20, dtype=np.uint8)
     length = max([o + n for o, n in ranges] + [123]) + 7  # a tail after the last shard

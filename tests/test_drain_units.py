@@ -6,8 +6,11 @@ import errno
 
 import pytest
 
-from ckptd.daemon.drain import Backoff
-from ckptd.daemon.layout import (
+from ckptd.daemon.remote.base import RemoteError
+from ckptd.daemon.remote.drain import Backoff
+from ckptd.daemon.remote.file import FileRemote
+from ckptd.daemon.remote.gcs import GCSRemote
+from ckptd.daemon.remote.layout import (
     file_key,
     manifest_key,
     marker_key,
@@ -16,7 +19,13 @@ from ckptd.daemon.layout import (
     pin_key,
     upload_order,
 )
-from ckptd.daemon.remote import RemoteError, is_transient
+from ckptd.daemon.remote.s3 import S3Remote
+
+
+def is_transient(exc: BaseException, backend: type = S3Remote) -> bool:
+    """Each backend classifies its own errors; the filesystem is not needed for that."""
+    remote = backend.__new__(backend)
+    return bool(remote.is_transient(exc))
 
 
 def test_backoff_is_exponential_capped_and_jittered() -> None:
@@ -50,6 +59,20 @@ class _ClientError(Exception):
 )
 def test_error_classification(exc: BaseException, transient: bool) -> None:
     assert is_transient(exc) is transient
+
+
+class _HttpError(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"HTTP {code}")
+        self.code = code
+
+
+def test_each_backend_knows_its_own_codes() -> None:
+    assert is_transient(_HttpError(503), GCSRemote)
+    assert is_transient(_HttpError(429), GCSRemote)
+    assert not is_transient(_HttpError(403), GCSRemote)
+    assert not is_transient(_ClientError("SlowDown"), FileRemote)  # not an S3 error there
+    assert is_transient(ConnectionResetError(), FileRemote)
 
 
 def test_wrapped_transient_cause_is_transient() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ckptd.client import orbax as ckptd_orbax
-from ckptd.daemon.localstore import crc32c_file
+from ckptd.core.checksum import of_file as crc32c_file
 
 from .conftest import Daemon, RemoteTarget
 from .test_remote_tier import remote_daemon, s3_target

@@ -10,7 +10,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from ckptd.daemon.remote import Remote, RemoteError
+from ckptd.daemon.remote.base import Remote, RemoteError
 
 from .conftest import RemoteTarget
 

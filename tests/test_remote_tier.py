@@ -285,7 +285,7 @@ def test_upload_resumes_after_a_daemon_restart(make_daemon: Any, s3_server: Any)
     daemon.env = dict(remote.env)
     daemon.restart()
     client = daemon.client("res")
-    SaveHandle(client, 4).wait("durable", 120)
+    SaveHandle(client.connection, client.job, 4).wait("durable", 120)
     assert "not sent again" in daemon.log_text()
     assert remote.object_keys() == expected_layout("res", [4])
 

@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 from ckptd.client.policies import AnyOf, Continuous, FixedInterval, SaveContext, SpecificSteps
-from ckptd.daemon.config import ConfigError, load, parse_space
-from ckptd.daemon.evict_plan import StepView, plan_job
-from ckptd.daemon.retention import (
+from ckptd.daemon.app.config import ConfigError, load
+from ckptd.daemon.local.admission import SpaceMark
+from ckptd.daemon.retention.plan import StepView, plan_job
+from ckptd.daemon.retention.policies import (
     Checkpoint,
     KeepAll,
     KeepAny,
@@ -168,7 +169,8 @@ def test_parse_policy_errors_say_what_to_write(text: str, match: str) -> None:
 
 def test_config_retention_and_marks(tmp_path: Any) -> None:
     cfg = load(env={"CKPTD_RETENTION_LOCAL": "LatestN(5)", "CKPTD_LOCAL_FLOOR": "5%"})
-    assert cfg.retention_local == "LatestN(5)" and cfg.local_floor == "5%"
+    # Parsed once into typed values (Orbax's alias becomes ckptd's policy).
+    assert cfg.retention_local.describe() == "KeepLatest(5)" and cfg.local_floor.bytes(1000) == 50
     with pytest.raises(ConfigError, match=r"'retention_remote'.*unknown policy"):
         load(env={}, flags={"retention_remote": "KeepSome(2)"})
     with pytest.raises(ConfigError, match=r"'local_low_watermark'.*percentage"):
@@ -176,10 +178,10 @@ def test_config_retention_and_marks(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match=r"'local_evict_unuploaded'.*true or false"):
         load(env={}, flags={"local_evict_unuploaded": "maybe"})
     assert load(env={"CKPTD_LOCAL_EVICT_UNUPLOADED": "true"}).local_evict_unuploaded is True
-    assert parse_space("10%", 1000) == 100
-    assert parse_space("2KiB", 10) == 2048
+    assert SpaceMark.parse("10%").bytes(1000) == 100
+    assert SpaceMark.parse("2KiB").bytes(10) == 2048
     with pytest.raises(ValueError, match="between 0% and 100%"):
-        parse_space("150%", 1000)
+        SpaceMark.parse("150%").bytes(1000)
 
 
 # -- the eviction plan ------------------------------------------------------------------

@@ -10,7 +10,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ckptd.client.format import (
+from ckptd.client.tree import flatten, unflatten
+from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from ckptd.core.format import (
     ALIGN,
     TensorEntry,
     build_header,
@@ -19,11 +21,10 @@ from ckptd.client.format import (
     plan_layout,
     str_to_dtype,
 )
-from ckptd.client.tree import flatten, unflatten
-from ckptd.daemon import config
-from ckptd.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
-from ckptd.daemon.names import check_name, check_shard_key, check_step
-from ckptd.daemon.staging import Staging
+from ckptd.core.names import check_name, check_shard_key, check_step
+from ckptd.daemon.app import config
+from ckptd.daemon.local.admission import parse_size
+from ckptd.daemon.local.staging import Staging
 
 
 @pytest.mark.parametrize(
@@ -175,11 +176,11 @@ def test_config_errors_name_the_key(
 
 
 def test_config_sizes() -> None:
-    assert config.parse_size("512 MiB") == 512 * 2**20
-    assert config.parse_size("1.5GB") == 1_500_000_000
-    assert config.parse_size(4096) == 4096
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(4096) == 4096
     with pytest.raises(ValueError):
-        config.parse_size("12 parsecs")
+        parse_size("12 parsecs")
 
 
 def test_staging_reuses_segments_and_enforces_budget(tmp_path: Path) -> None:
@@ -217,13 +218,16 @@ def test_example_config_in_deploy_is_valid() -> None:
     example = Path(__file__).resolve().parent.parent / "deploy" / "ckptd.toml.example"
     cfg = config.load(example, env={})
     assert cfg.staging_budget_bytes == 16 * 2**30 and cfg.socket == Path("/run/ckptd/ckptd.sock")
-    assert cfg.retention_local == "KeepLatest(2)" and cfg.local_floor == "20GiB"
+    # Parsed once, into typed values.
+    assert cfg.retention_local.describe() == "KeepLatest(2)"
+    assert cfg.local_floor.bytes(2**40) == 20 * 2**30 and str(cfg.local_floor) == "20GiB"
 
 
 def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Path) -> None:
     import mmap
 
-    from ckptd.daemon.localstore import LocalStore, write_file_direct
+    from ckptd.daemon.local.files import write_file_direct
+    from ckptd.daemon.local.store import LocalStore
 
     store = LocalStore(tmp_path / "root", spare_max_bytes=10 * 2**20)
     store.recover()

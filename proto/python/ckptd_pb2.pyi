@@ -17,6 +17,28 @@ class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAVE_STATE_FAILED: _ClassVar[SaveState]
     SAVE_STATE_SUPERSEDED: _ClassVar[SaveState]
 
+class StepEvent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_EVENT_UNSPECIFIED: _ClassVar[StepEvent]
+    STEP_EVENT_STAGED: _ClassVar[StepEvent]
+    STEP_EVENT_LOCAL: _ClassVar[StepEvent]
+    STEP_EVENT_FAILED: _ClassVar[StepEvent]
+    STEP_EVENT_DRAINING: _ClassVar[StepEvent]
+    STEP_EVENT_RETRYING: _ClassVar[StepEvent]
+    STEP_EVENT_REQUEUED: _ClassVar[StepEvent]
+    STEP_EVENT_DURABLE: _ClassVar[StepEvent]
+    STEP_EVENT_SUPERSEDED: _ClassVar[StepEvent]
+    STEP_EVENT_RECOVERED: _ClassVar[StepEvent]
+    STEP_EVENT_DISCOVERED: _ClassVar[StepEvent]
+    STEP_EVENT_FETCHED: _ClassVar[StepEvent]
+    STEP_EVENT_PEERS_FETCHED: _ClassVar[StepEvent]
+    STEP_EVENT_EVICTED_LOCAL: _ClassVar[StepEvent]
+    STEP_EVENT_EVICTED_REMOTE: _ClassVar[StepEvent]
+    STEP_EVENT_SET_ASIDE: _ClassVar[StepEvent]
+    STEP_EVENT_PINNED: _ClassVar[StepEvent]
+    STEP_EVENT_UNPINNED: _ClassVar[StepEvent]
+    STEP_EVENT_ABANDONED: _ClassVar[StepEvent]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
@@ -29,6 +51,25 @@ SAVE_STATE_DRAINING: SaveState
 SAVE_STATE_DURABLE: SaveState
 SAVE_STATE_FAILED: SaveState
 SAVE_STATE_SUPERSEDED: SaveState
+STEP_EVENT_UNSPECIFIED: StepEvent
+STEP_EVENT_STAGED: StepEvent
+STEP_EVENT_LOCAL: StepEvent
+STEP_EVENT_FAILED: StepEvent
+STEP_EVENT_DRAINING: StepEvent
+STEP_EVENT_RETRYING: StepEvent
+STEP_EVENT_REQUEUED: StepEvent
+STEP_EVENT_DURABLE: StepEvent
+STEP_EVENT_SUPERSEDED: StepEvent
+STEP_EVENT_RECOVERED: StepEvent
+STEP_EVENT_DISCOVERED: StepEvent
+STEP_EVENT_FETCHED: StepEvent
+STEP_EVENT_PEERS_FETCHED: StepEvent
+STEP_EVENT_EVICTED_LOCAL: StepEvent
+STEP_EVENT_EVICTED_REMOTE: StepEvent
+STEP_EVENT_SET_ASIDE: StepEvent
+STEP_EVENT_PINNED: StepEvent
+STEP_EVENT_UNPINNED: StepEvent
+STEP_EVENT_ABANDONED: StepEvent
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_REMOTE: Tier
@@ -403,7 +444,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +472,9 @@ class DaemonStatus(_message.Message):
     EVICTED_REMOTE_FIELD_NUMBER: _ClassVar[int]
     WATCHED_DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -458,4 +502,68 @@ class DaemonStatus(_message.Message):
     evicted_remote: int
     watched_directories: int
     adopted: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ...) -> None: ...
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskHealth]
+    job_errors: int
+    last_event_seq: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ...) -> None: ...
+
+class TaskHealth(_message.Message):
+    __slots__ = ("name", "state", "restarts", "last_error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    restarts: int
+    last_error: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class ListEventsRequest(_message.Message):
+    __slots__ = ("job", "after_seq", "wait_seconds", "limit")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    after_seq: int
+    wait_seconds: float
+    limit: int
+    def __init__(self, job: _Optional[str] = ..., after_seq: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class EventRecord(_message.Message):
+    __slots__ = ("seq", "time_unix", "kind", "job", "step", "state", "tiers", "detail", "attributes")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time_unix: float
+    kind: StepEvent
+    job: str
+    step: int
+    state: SaveState
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    detail: str
+    attributes: _containers.ScalarMap[str, str]
+    def __init__(self, seq: _Optional[int] = ..., time_unix: _Optional[float] = ..., kind: _Optional[_Union[StepEvent, str]] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., detail: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListEventsResponse(_message.Message):
+    __slots__ = ("events", "last_seq")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[EventRecord]
+    last_seq: int
+    def __init__(self, events: _Optional[_Iterable[_Union[EventRecord, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...

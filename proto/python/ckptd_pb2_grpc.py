@@ -104,6 +104,11 @@ class CkptdStub:
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.SerializeToString,
                 response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.FromString,
                 _registered_method=True)
+        self.ListEvents = channel.unary_unary(
+                '/ckptd.v1.Ckptd/ListEvents',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.ListEventsResponse.FromString,
+                _registered_method=True)
 
 
 class CkptdServicer:
@@ -216,6 +221,14 @@ class CkptdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEvents(self, request, context):
+        """Step transitions recorded by the daemon since `after_seq`, oldest first;
+        optionally waits (bounded) until there is one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CkptdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +301,11 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.EnsureLocal,
                     request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.FromString,
                     response_serializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.SerializeToString,
+            ),
+            'ListEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvents,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.ListEventsRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.ListEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -668,6 +686,33 @@ class Ckptd:
             '/ckptd.v1.Ckptd/EnsureLocal',
             ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.SerializeToString,
             ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/ListEvents',
+            ckptd_dot_proto_dot_ckptd__pb2.ListEventsRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.ListEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

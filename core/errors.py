@@ -1,0 +1,111 @@
+"""The one error table: domain error -> gRPC status -> client exception -> CLI line.
+
+The daemon raises these; the servicer turns one into the gRPC status named by its
+``status``; the client turns a status back into the same class (``from_status``);
+the CLI prints ``ckptd: error: <message>`` and exits with ``exit_code``. Every
+message says what went wrong and what the caller can do about it.
+
+The public client names (``CheckpointNotFound``, ``CapacityExhausted``, ...) are
+the same classes under the names trainers know.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+
+
+class CkptdError(Exception):
+    """A failure the caller can act on; ``str(exc)`` says what and what to do.
+
+    ``code`` is the gRPC status name the error travelled with (``"NOT_FOUND"``),
+    or a stage name for errors the client raises itself (``"FAILED"``).
+    """
+
+    status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    exit_code: ClassVar[int] = 2
+    """What ``ckptd`` exits with after printing the error."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code or self.status.name
+
+
+class InvalidArgument(CkptdError):
+    """The request is malformed (a bad name, offsets outside the lease, a bad value)."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(CkptdError):
+    """No such lease, job or step (or no restorable step at all)."""
+
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class Conflict(CkptdError):
+    """The thing already exists (a second commit of the same step and rank)."""
+
+    status = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(CkptdError):
+    """No room: staging memory held by earlier saves, or the local disk below its floor."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(CkptdError):
+    """Not possible in the current state (no remote tier, a step still being written...)."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLoss(CkptdError):
+    """Every copy of the requested checkpoint is corrupt or incomplete."""
+
+    status = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(CkptdError):
+    """The daemon cannot be reached (not running, wrong socket, restarting)."""
+
+    status = grpc.StatusCode.UNAVAILABLE
+
+
+class SaveFailed(CkptdError):
+    """An acknowledged save could not reach the stage waited for; the reason says why."""
+
+    status = grpc.StatusCode.ABORTED
+
+
+# The names the client library has always exported: the same classes.
+CheckpointNotFound = NotFound
+CheckpointCorrupt = DataLoss
+CapacityExhausted = ResourceExhausted
+CkptdUnavailable = Unavailable
+
+_BY_STATUS: dict[grpc.StatusCode, type[CkptdError]] = {
+    cls.status: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        Conflict,
+        ResourceExhausted,
+        FailedPrecondition,
+        DataLoss,
+        Unavailable,
+        SaveFailed,
+    )
+}
+
+
+def from_status(status: grpc.StatusCode, message: str) -> CkptdError:
+    """The error a gRPC status stands for (a plain :class:`CkptdError` for other codes)."""
+    return _BY_STATUS.get(status, CkptdError)(message or status.name, status.name)
+
+
+def cli_line(exc: CkptdError) -> str:
+    """How the CLI prints an error: one line, no traceback."""
+    return f"ckptd: error: {exc}"

@@ -1,0 +1,78 @@
+"""The connection to a daemon: the socket, the channel, calls with the protocol header.
+
+Shared by the trainer's client, its framework adapters and the ``ckptd`` CLI, so
+each speaks to the daemon the same way and gets the same errors
+(:mod:`ckptd.core.errors`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+
+from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from .errors import CkptdError, from_status
+
+DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
+"""Where ``ckptd serve`` listens unless configured otherwise (one default for both sides)."""
+MAX_MESSAGE_BYTES = 256 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+METADATA = ((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
+"""Sent with every call: the daemon refuses a client of another protocol version."""
+
+
+def socket_path(socket: str | os.PathLike[str] | None = None) -> str:
+    """The socket to use: the one given, else ``$CKPTD_SOCKET``, else the default."""
+    return os.fspath(socket or os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET)
+
+
+def error_from_rpc(exc: grpc.RpcError, socket: str) -> CkptdError:
+    """Convert a gRPC error into the matching :class:`CkptdError`."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and "ckptd" not in (details or ""):
+        details = (
+            f"cannot reach the ckptd daemon at {socket}: is `ckptd serve` running there? "
+            f"(set CKPTD_SOCKET or pass socket=...; gRPC said: {details})"
+        )
+    return from_status(code, details or "")
+
+
+class Connection:
+    """A channel to one daemon; ``call("Restore", request)`` makes one RPC.
+
+    Every call carries the protocol header; gRPC errors come back as the
+    :class:`CkptdError` subclass of the daemon's domain error, with its message.
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None, timeout: float = 120.0):
+        self.socket = socket_path(socket)
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CkptdStub(self._channel)
+
+    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """Call RPC ``method`` (``"GetStatus"``...) and return its response message."""
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout or self.timeout, metadata=METADATA
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.socket) from None
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Adoption of checkpoint directories other frameworks write (Orbax, DCP, ...)."""

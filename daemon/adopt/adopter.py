@@ -1,0 +1,305 @@
+"""Adopting checkpoint directories that another framework wrote (Orbax, DCP, ...).
+
+An adopted step is hard-linked file by file into ckptd's own store (a copy when
+the source is on another filesystem), so the framework's own deletions (Orbax's
+``max_to_keep``) cannot race the drain. Each file is fsynced and its crc32c
+recorded in a manifest of kind ``directory``; the step then commits like any
+other (LOCAL), drains byte-identical to ``<remote>/<job>/<step>/`` (layout.py)
+and is kept or evicted by the same retention.
+
+A watched directory (the job's Orbax directory, ``<root>/.orbax/<job>`` unless
+the trainer names another on the same filesystem) is scanned every
+``adopt_poll_seconds``: a step directory is adopted once it is finished, which
+for Orbax means a plain numeric name (Orbax's default step names; no
+``.orbax-checkpoint-tmp`` suffix) holding ``commit_success.txt``. Orbax writes
+that file and then renames the tmp directory, so the tree is whole by then.
+
+Watches and the step directories already seen persist in ``<root>/.watched.json``,
+so a step ckptd has since evicted is not adopted again after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptd.core.checksum import verify_step
+from ckptd.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from ckptd.core.manifest import KIND_DIRECTORY, Manifest
+
+from ..catalog import Catalog, Step
+from ..commit import RenameCommit
+from ..io import IoPool
+from ..local.files import replace_synced
+from ..local.store import LocalStore
+from ..remote.layout import COMMIT_FILE
+from ..restore.fetcher import Fetcher
+from ..restore.restorer import Restorer
+from .tree import finished_steps, link_out, link_tree, orbax_metrics
+
+log = logging.getLogger("ckptd.adopt")
+
+ORBAX_DIR = ".orbax"
+WATCH_FILE = ".watched.json"
+
+
+@dataclass
+class Watch:
+    """One watched directory and the step directories in it already dealt with."""
+
+    job: str
+    directory: Path
+    seen: dict[str, int] = field(default_factory=dict)
+    """Step directory name -> inode of its commit file when it was adopted or skipped."""
+
+
+class Adopter:
+    """Adoption, watched directories, and putting adopted steps back for a restore."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: LocalStore,
+        io: IoPool,
+        restorer: Restorer,
+        fetcher: Fetcher,
+        poll_seconds: float,
+    ) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.io = io
+        self.restorer = restorer
+        self.fetcher = fetcher
+        self.root = store.root
+        self.poll_seconds = poll_seconds
+        self.watches: dict[str, Watch] = {}
+        self.path = store.root / WATCH_FILE
+        self._lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self.adopted = 0
+
+    def default_directory(self, job: str) -> Path:
+        """The job's Orbax directory in the local tier."""
+        return self.root / ORBAX_DIR / job
+
+    def _outside_store(self, path: Path) -> None:
+        """Refuse paths inside ckptd's own store (its watched Orbax directories excepted)."""
+        root = self.root.resolve()
+        real = path.resolve()
+        if real.is_relative_to(root) and not real.is_relative_to(root / ORBAX_DIR):
+            raise InvalidArgument(
+                f"{path} is inside the daemon's own store {root}; adopt directories written "
+                f"elsewhere, or let Orbax write into {root / ORBAX_DIR}/<job>"
+            )
+
+    # -- adoption ---------------------------------------------------------------------
+    async def adopt(
+        self,
+        job: str,
+        step: int,
+        src: Path,
+        created_unix: float = 0.0,
+        metrics: dict[str, float] | None = None,
+        milestone: bool = False,
+    ) -> Step:
+        """Adopt one finished directory as step ``step`` of ``job`` (LOCAL when this returns)."""
+        if not src.is_absolute():
+            raise InvalidArgument(f"{src} is not an absolute path; give the daemon one")
+        if not src.is_dir():
+            raise NotFound(f"{src} is not a directory the daemon can read")
+        self._outside_store(src)
+        st = self.catalog.begin(
+            job, step, adopted=True, milestone=milestone, metrics=dict(metrics or {})
+        )
+        commit = await self.io.run(self.store.begin_step, job, step, self.io.run)
+        try:
+            records = await self.io.run(link_tree, src, commit.path)
+            manifest = Manifest(
+                job=job,
+                step=step,
+                node=self.catalog.node_id,
+                world_size=1,
+                created_unix=created_unix or time.time(),
+                ranks=records,
+                shards=[],
+                kind=KIND_DIRECTORY,
+                source=str(src),
+                milestone=milestone,
+                metrics=dict(metrics or {}),
+            )
+            await commit.finalize(manifest.to_json().encode())
+        except BaseException as exc:
+            await commit.abort()
+            self.catalog.abandoned(st, f"adopting {src} failed: {exc}")
+            if isinstance(exc, FileNotFoundError):
+                raise NotFound(
+                    f"{src} changed while ckptd adopted it ({exc.filename} vanished); "
+                    "adopt finished directories only"
+                ) from None
+            raise
+        self.catalog.committed(st, manifest)
+        self.adopted += 1
+        log.info(
+            "%s/%d adopted from %s: %d files, %d bytes, LOCAL in %.3f s",
+            job,
+            step,
+            src,
+            len(records),
+            manifest.size_bytes,
+            st.local_at - st.handoff_at,
+        )
+        return st
+
+    # -- watched directories ------------------------------------------------------------
+    async def load(self) -> None:
+        """Read the persisted watches (start-up)."""
+        try:
+            raw = json.loads(await self.io.run(self.path.read_text))
+            for job, w in raw.items():
+                seen = {str(k): int(v) for k, v in w.get("seen", {}).items()}
+                self.watches[job] = Watch(job, Path(w["directory"]), seen)
+        except FileNotFoundError:
+            return
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.error("ignoring unreadable %s: %s", self.path, exc)
+
+    async def _save(self) -> None:
+        data = {j: {"directory": str(w.directory), "seen": w.seen} for j, w in self.watches.items()}
+        payload = json.dumps(data, sort_keys=True).encode()
+        await self.io.run(replace_synced, self.path, payload)
+
+    async def watch(self, job: str, directory: str) -> Path:
+        """Watch ``directory`` (default: the job's Orbax directory) for finished steps."""
+        root = self.root
+        path = Path(directory) if directory else self.default_directory(job)
+        if not path.is_absolute():
+            raise InvalidArgument(f"{directory!r} is not an absolute path")
+        await self.io.run(lambda: path.mkdir(parents=True, exist_ok=True, mode=0o750))
+        if os.stat(path).st_dev != os.stat(root).st_dev:
+            raise FailedPrecondition(
+                f"{path} is on another filesystem than the local tier {root}: ckptd adopts "
+                "steps by hard link, so watch a directory on the same disk (the default, "
+                f"{self.default_directory(job)}, is)"
+            )
+        self._outside_store(path)
+        async with self._lock:
+            old = self.watches.get(job)
+            if old is None or old.directory != path:
+                self.watches[job] = Watch(job, path)
+                await self._save()
+                log.info("watching %s for finished steps of job %r", path, job)
+        await self.scan_job(job)
+        return path
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the adoption under way."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Scan every watched directory until stopped."""
+        while not self._stop.is_set():
+            for job in list(self.watches):
+                try:
+                    await self.scan_job(job)
+                except Exception:
+                    log.exception("scanning the watched directory of job %r failed", job)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.poll_seconds)
+
+    async def scan_job(self, job: str) -> int:
+        """Adopt the finished steps of one watched directory; returns how many."""
+        async with self._lock:
+            w = self.watches.get(job)
+            if w is None:
+                return 0
+            found = await self.io.run(finished_steps, w.directory)
+            names = {str(s) for s, _, _ in found}
+            changed = False
+            for gone in set(w.seen) - names:  # the framework deleted it: forget it
+                del w.seen[gone]
+                changed = True
+            count = 0
+            for step, path, commit in found:
+                if self._stop.is_set():
+                    break
+                if w.seen.get(path.name) == commit.st_ino:
+                    continue
+                w.seen[path.name] = commit.st_ino
+                changed = True
+                if self.catalog.get(job, step) is not None:
+                    continue  # ckptd has it already (e.g. put back for a restore)
+                try:
+                    metrics = await self.io.run(orbax_metrics, path)
+                    await self.adopt(job, step, path, commit.st_mtime, metrics)
+                    count += 1
+                except (NotFound, InvalidArgument, Conflict) as exc:
+                    log.warning("not adopting %s: %s", path, exc)
+            if changed:
+                await self._save()
+            return count
+
+    # -- restore side ---------------------------------------------------------------
+    async def ensure_local(
+        self, job: str, step: int | None, directory: str
+    ) -> tuple[Step, Path, bool, bool]:
+        """Make sure an adopted step (default: the newest in any tier) is in the watched
+        (or given) directory, verified, fetching it from the bucket if need be:
+        ``(step, its path there, fetched, linked)``."""
+        if directory and not Path(directory).is_absolute():
+            raise InvalidArgument(f"{directory!r} is not an absolute path")
+        await self.fetcher.refresh(job)
+        st = self.restorer.choose(job, step, None, adopted=True)
+        self.catalog.served(st)  # the evictor leaves it alone while it is put back
+        fetched = not st.local
+        if fetched:
+            await self.fetcher.to_local(st, 0, shared_memory=False)
+        path, linked = await self._put_back(job, st, directory, verify=not fetched)
+        return st, path, fetched, linked
+
+    async def _put_back(
+        self, job: str, st: Step, directory: str, verify: bool
+    ) -> tuple[Path, bool]:
+        """Hard-link an adopted step's files from ckptd's store back into the watched (or
+        given) directory, committed by one rename; ``verify``: re-check every file's
+        crc32c first (not needed right after a download, which checked each one)."""
+        assert st.manifest is not None
+        manifest = st.manifest
+        w = self.watches.get(job)
+        base = Path(directory) if directory else w.directory if w else self.default_directory(job)
+        dest = base / str(st.step)
+        if await self.io.run(dest.exists):
+            return dest, False
+        store_dir = self.store.step_dir(job, st.step)
+        with self.catalog.in_use(st):
+            if verify:
+                bad = await self.io.run(verify_step, store_dir, manifest)
+                if bad:
+                    raise FailedPrecondition(
+                        f"the local copy of step {st.step} of job {job!r} failed its checksum "
+                        f"({bad[0]}); `ckptd verify` shows the damage"
+                    )
+            await self.io.run(lambda: base.mkdir(parents=True, exist_ok=True))
+            # Under a hidden name first, then one rename: the framework never sees a
+            # partial step.
+            commit = RenameCommit(
+                dest, base / f".ckptd-{dest.name}.{time.time_ns()}", run=self.io.run
+            )
+            try:
+                await self.io.run(link_out, store_dir, manifest, commit.path)
+                await commit.finalize()
+            except BaseException:
+                await commit.abort()
+                raise
+        if w is not None and w.directory == base:
+            async with self._lock:
+                with contextlib.suppress(OSError):
+                    w.seen[dest.name] = os.stat(dest / COMMIT_FILE).st_ino
+                    await self._save()
+        log.info("%s/%d put back into %s", job, st.step, dest)
+        return dest, True

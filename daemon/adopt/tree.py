@@ -1,0 +1,127 @@
+"""The filesystem side of adoption: which step directories are finished, and
+hard-linking trees into ckptd's store and back out (see adopter.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ckptd.core import checksum
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.manifest import Manifest, RankRecord
+
+from ..remote.layout import COMMIT_FILE, FILES_DIR
+
+MAX_FILES = 1_000_000
+
+
+def finished_steps(directory: Path) -> list[tuple[int, Path, os.stat_result]]:
+    """``(step, path, stat of its commit file)`` of each finished step directory, oldest
+    first (the commit file's inode tells a re-saved step apart, its mtime is the step's
+    time)."""
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        name = entry.name
+        # str(int(name)) == name: Orbax's default names; zero-padded or prefixed names
+        # would not match the bucket's <job>/<step> and are left alone.
+        if not (name.isdigit() and str(int(name)) == name):
+            continue
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            commit = os.stat(Path(entry.path) / COMMIT_FILE)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        found.append((int(name), Path(entry.path), commit))
+    return sorted(found, key=lambda t: t[0])
+
+
+def tree_files(src: Path) -> list[str]:
+    """Relative paths of every regular file under ``src``; anything else is refused."""
+    files: list[str] = []
+    for d, dirs, names in os.walk(src, onerror=_raise):
+        for name in dirs + names:
+            path = Path(d) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise InvalidArgument(
+                    f"{path} is a symlink or special file; ckptd adopts trees of regular "
+                    "files and directories only (copy it into a plain directory first)"
+                )
+            if stat.S_ISREG(mode):
+                files.append(str(path.relative_to(src)))
+        if len(files) > MAX_FILES:
+            raise InvalidArgument(f"{src} holds over {MAX_FILES} files; adopt a smaller tree")
+    if not files:
+        raise InvalidArgument(f"{src} holds no files; there is nothing to adopt")
+    return sorted(files)
+
+
+def orbax_metrics(step_dir: Path) -> dict[str, float]:
+    """The numeric metrics Orbax saved with a step (``save(..., metrics=...)`` with a
+    ``best_fn``: the ``metrics`` item), so ckptd's ``KeepBest`` / ``BestN`` retention
+    can rank adopted steps too."""
+    for path, field_name in (
+        (step_dir / "metrics" / "metrics", None),
+        (step_dir / "_CHECKPOINT_METADATA", "metrics"),
+    ):
+        try:
+            raw = json.loads(path.read_text())
+            metrics = raw.get(field_name) if field_name else raw
+            found = {
+                str(k): float(v)
+                for k, v in (metrics or {}).items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return {}
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def link_tree(src: Path, staging: Path) -> list[RankRecord]:
+    """Hard-link (or copy) every file of ``src`` under ``staging/files``, fsync each,
+    and record its size and crc32c (one read). The directories are fsynced by the
+    commit (:class:`~ckptd.daemon.commit.RenameCommit`)."""
+    same_fs = os.stat(src).st_dev == os.stat(staging).st_dev
+    records = []
+    made: set[Path] = set()
+    for i, rel in enumerate(tree_files(src)):
+        dst = staging / FILES_DIR / rel
+        if dst.parent not in made:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            made.add(dst.parent)
+        if same_fs:
+            os.link(src / rel, dst)
+        else:
+            shutil.copyfile(src / rel, dst)
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the framework may not have (Orbax does not)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        crc = checksum.of_file(dst)
+        records.append(RankRecord(i, f"{FILES_DIR}/{rel}", size, crc, None))
+    return records  # the commit fsyncs every directory of the tree
+
+
+def link_out(store_dir: Path, manifest: Manifest, dest: Path) -> None:
+    """Hard-link an adopted step's files from ckptd's store into ``dest`` (a commit's
+    temporary directory: adopter.py renames it into place)."""
+    for r in manifest.ranks:
+        target = dest / r.file.removeprefix(FILES_DIR + "/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(store_dir / r.file, target)

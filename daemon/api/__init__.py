@@ -1,0 +1,1 @@
+"""The wire API: a thin gRPC servicer, request validation, domain-to-message conversion."""

@@ -1,0 +1,121 @@
+"""Validation of ``CommitShards`` requests into a typed domain object.
+
+Nothing a client sends reaches the filesystem or the shard header before it
+passes here: names, dtypes, shapes, indexes, JSON payloads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.format import TensorEntry, str_to_dtype
+from ckptd.core.names import check_name, check_shard_key, check_step
+from ckptd.proto import ckptd_pb2 as pb
+
+from ..local.saver import CommitRequest
+
+MAX_JSON_BYTES = 64 * 2**20
+MAX_SHARDS = 1_000_000
+MAX_RANKS = 65536
+MAX_NDIM = 64
+
+
+def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
+    """Check every field of a commit; raise InvalidArgument naming the bad one."""
+    job = check_name("job", req.job)
+    step = check_step(req.step)
+    node_ranks = tuple(sorted(req.node_ranks)) or (req.rank,)
+    if len(set(node_ranks)) != len(node_ranks) or len(node_ranks) > MAX_RANKS:
+        raise InvalidArgument(
+            f"node_ranks {list(req.node_ranks)[:16]} has duplicates or is too long"
+        )
+    if req.rank not in node_ranks:
+        raise InvalidArgument(f"rank {req.rank} is not in node_ranks {list(node_ranks)[:16]}")
+    world_size = req.world_size or max(node_ranks) + 1
+    if world_size <= max(node_ranks):
+        raise InvalidArgument(
+            f"world_size {world_size} must exceed every rank (max {max(node_ranks)})"
+        )
+    if len(req.shards) > MAX_SHARDS:
+        raise InvalidArgument(f"{len(req.shards)} shards in one commit; the limit is {MAX_SHARDS}")
+    entries: list[TensorEntry] = []
+    dtype_names: dict[str, str] = {}
+    global_shapes: dict[str, tuple[int, ...]] = {}
+    indexes: dict[str, list[tuple[int, int]]] = {}
+    for sd in req.shards:
+        key = check_shard_key(sd.key)
+        if key in dtype_names:
+            raise InvalidArgument(
+                f"duplicate shard key {key!r}; every shard of a rank needs its own key"
+            )
+        try:
+            dt = str_to_dtype(sd.dtype)
+        except ValueError as exc:
+            raise InvalidArgument(f"shard {key!r}: {exc}") from None
+        shape = tuple(int(d) for d in sd.shape)
+        gshape = tuple(int(d) for d in sd.global_shape) or shape
+        if len(shape) > MAX_NDIM or len(gshape) != len(shape):
+            raise InvalidArgument(
+                f"shard {key!r}: global_shape {list(gshape)} does not match shape {list(shape)}"
+            )
+        index = [(int(s.start), int(s.stop)) for s in sd.index] or [(0, d) for d in shape]
+        if len(index) != len(shape) or any(
+            not (0 <= a <= b <= g) or b - a != d
+            for (a, b), d, g in zip(index, shape, gshape, strict=False)
+        ):
+            raise InvalidArgument(
+                f"shard {key!r}: index {index} does not place shape {list(shape)} inside "
+                f"global shape {list(gshape)}"
+            )
+        if math.prod(shape) * dt.itemsize != sd.length:
+            raise InvalidArgument(
+                f"shard {key!r}: length {sd.length} != {math.prod(shape) * dt.itemsize} bytes "
+                f"for shape {list(shape)} of {sd.dtype}"
+            )
+        entries.append(TensorEntry(key, dt, shape, int(sd.offset), int(sd.length)))
+        dtype_names[key] = sd.dtype
+        global_shapes[key] = gshape
+        indexes[key] = index
+    return CommitRequest(
+        lease_id=req.lease_id,
+        job=job,
+        step=step,
+        rank=req.rank,
+        node_ranks=node_ranks,
+        world_size=world_size,
+        data_offset=req.data_offset,
+        entries=entries,
+        dtype_names=dtype_names,
+        global_shapes=global_shapes,
+        indexes=indexes,
+        tree=_json("tree_json", req.tree_json, None),
+        metadata=_json("metadata_json", req.metadata_json, {}),
+        milestone=req.milestone,
+        metrics=_metrics(req.metrics),
+    )
+
+
+def _metrics(raw: Any) -> dict[str, float]:
+    if len(raw) > 256:
+        raise InvalidArgument(f"{len(raw)} metrics in one save; the limit is 256")
+    for name in raw:
+        if not name or len(name) > 255:
+            raise InvalidArgument(f"metric name {name[:40]!r} must have 1 to 255 characters")
+    return {str(k): float(v) for k, v in raw.items()}
+
+
+def _json(field: str, text: str, default: Any) -> Any:
+    if not text:
+        return default
+    if len(text) > MAX_JSON_BYTES:
+        raise InvalidArgument(f"{field} is {len(text)} bytes; the limit is {MAX_JSON_BYTES}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{field} is not valid JSON: {exc}") from None
+    if default is not None and not isinstance(value, type(default)):
+        raise InvalidArgument(f"{field} must be a JSON {type(default).__name__}")
+    return value

@@ -1,0 +1,253 @@
+"""The gRPC servicer: the wire API over the daemon's services, and nothing more.
+
+Each RPC checks the protocol version, validates its request (names, steps,
+fields: :mod:`ckptd.core.names`, requests.py), calls one service and converts
+the result (messages.py). Domain errors become gRPC statuses in one place
+(:func:`_rpc`, by :mod:`ckptd.core.errors`); anything else is a bug, logged with
+its traceback and returned as INTERNAL. The services are built once by the
+composition root (app/compose.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from ckptd.core.errors import CkptdError, FailedPrecondition, InvalidArgument
+from ckptd.core.names import check_name, check_step
+from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from ..adopt.adopter import Adopter
+from ..catalog import Catalog
+from ..local.admission import Admission
+from ..local.saver import Saver
+from ..restore.fetcher import Fetcher
+from ..restore.restorer import Restorer
+from ..retention.pins import Pins
+from ..retention.planner import Retention
+from . import messages
+from .requests import parse_commit
+
+log = logging.getLogger("ckptd.server")
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+def _rpc(fn: Handler[R]) -> Handler[R]:
+    @functools.wraps(fn)
+    async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            _check_protocol(context)
+            return await fn(self, request, context)
+        except CkptdError as exc:
+            await context.abort(exc.status, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {fn.__name__}: {exc!r}; see the daemon log",
+            )
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper
+
+
+def _check_protocol(context: grpc.aio.ServicerContext) -> None:
+    sent = dict(context.invocation_metadata() or ()).get(PROTOCOL_HEADER)
+    if sent is None:
+        raise FailedPrecondition(
+            f"the client sent no {PROTOCOL_HEADER} header; use ckptd.client.Client of a "
+            f"release speaking protocol {PROTOCOL_VERSION}"
+        )
+    if str(sent) != str(PROTOCOL_VERSION):
+        raise FailedPrecondition(
+            f"client speaks ckptd protocol {sent} but this daemon speaks {PROTOCOL_VERSION}; "
+            "install matching ckptd versions for the trainer and the daemon"
+        )
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the API calls; built once by the composition root."""
+
+    catalog: Catalog
+    saver: Saver
+    admission: Admission
+    retention: Retention
+    restorer: Restorer
+    fetcher: Fetcher
+    adopter: Adopter
+    pins: Pins
+    remote_url: str
+    status: Callable[[], pb.DaemonStatus]
+
+
+class Servicer(pb_grpc.CkptdServicer):
+    """gRPC front of the daemon's services."""
+
+    def __init__(self, services: Services) -> None:
+        self.s = services
+
+    @_rpc
+    async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
+        job = check_name("job", request.job)
+        self.s.saver.staging.check_fits(request.size_bytes)
+        await self.s.admission.check_space(request.size_bytes)
+        lease = await self.s.saver.acquire_lease(job, request.size_bytes, request.wait_seconds)
+        return messages.lease(lease)
+
+    @_rpc
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: Any
+    ) -> pb.ReleaseLeaseResponse:
+        if request.client_holds:
+            self.s.restorer.lend(request.lease_id)
+        else:
+            self.s.saver.release_lease(request.lease_id)
+        return pb.ReleaseLeaseResponse()
+
+    @_rpc
+    async def CommitShards(
+        self, request: pb.CommitShardsRequest, context: Any
+    ) -> pb.CommitShardsResponse:
+        state = self.s.saver.commit(parse_commit(request))
+        return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
+
+    @_rpc
+    async def GetSaveStatus(self, request: pb.GetSaveStatusRequest, context: Any) -> pb.SaveStatus:
+        job, step = check_name("job", request.job), check_step(request.step)
+        if request.wait_for == pb.SAVE_STATE_DURABLE and not self.s.remote_url:
+            raise FailedPrecondition(
+                "this daemon has no remote tier configured, so no save becomes DURABLE; "
+                "wait('local') instead"
+            )
+        st = await self.s.catalog.wait(job, step, request.wait_for, request.timeout_seconds)
+        return messages.save_status(st, request.wait_for, self.s.saver.ranks_written(st))
+
+    @_rpc
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: Any
+    ) -> pb.ListCheckpointsResponse:
+        job = check_name("job", request.job) if request.job else ""
+        rows = self.s.catalog.list(job)
+        plans = {j: self.s.retention.plan(j) for j in {s.job for s in rows}}
+        return pb.ListCheckpointsResponse(
+            checkpoints=[messages.checkpoint_info(s, plans[s.job]) for s in rows]
+        )
+
+    @_rpc
+    async def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
+        job = check_name("job", request.job)
+        step = check_step(request.step) if request.HasField("step") else None
+        plan = await self.s.restorer.restore(job, step, request.rank, request.shared_memory)
+        self.s.catalog.served(plan.step)  # the client opens the files next: keep them
+        resp = pb.RestoreResponse(
+            job=job,
+            step=plan.step.step,
+            tier=pb.TIER_LOCAL,
+            directory=str(plan.directory),
+            manifest_json=plan.manifest.to_json(),
+        )
+        if plan.lease is not None:
+            resp.lease.CopyFrom(messages.lease(plan.lease))
+            resp.data_offset_in_file = plan.data_offset
+        return resp
+
+    @_rpc
+    async def ReportCorrupt(
+        self, request: pb.ReportCorruptRequest, context: Any
+    ) -> pb.ReportCorruptResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        if request.tier not in (pb.TIER_LOCAL, pb.TIER_UNSPECIFIED):
+            raise InvalidArgument("only local copies can be reported corrupt in this version")
+        await self.s.restorer.report_corrupt(job, step, request.detail)
+        return pb.ReportCorruptResponse()
+
+    @_rpc
+    async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        await self.s.pins.set(job, step, request.pinned)
+        return pb.PinResponse()
+
+    @_rpc
+    async def CheckCapacity(self, request: pb.CheckCapacityRequest, context: Any) -> pb.Capacity:
+        check_name("job", request.job)
+        reason = self.s.admission.capacity_reason(request.size_bytes)
+        staging = self.s.saver.staging
+        return pb.Capacity(
+            ok=not reason,
+            reason=reason,
+            staging_free_bytes=max(0, staging.budget_bytes - staging.in_use_bytes),
+            local_free_bytes=self.s.admission.disk.space().free,
+        )
+
+    @_rpc
+    async def FetchPeers(
+        self, request: pb.FetchPeersRequest, context: Any
+    ) -> pb.FetchPeersResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        parts = await self.s.fetcher.peers(job, step)
+        return pb.FetchPeersResponse(
+            parts=[pb.PeerPart(node=n, directory=str(d), manifest_json=m) for n, d, m in parts]
+        )
+
+    @_rpc
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.DaemonStatus:
+        return self.s.status()
+
+    @_rpc
+    async def Adopt(self, request: pb.AdoptRequest, context: Any) -> pb.AdoptResponse:
+        job, step = check_name("job", request.job), check_step(request.step)
+        if not request.path:
+            raise InvalidArgument("no path given; name the finished directory to adopt")
+        st = await self.s.adopter.adopt(
+            job,
+            step,
+            Path(request.path),
+            metrics=dict(request.metrics),
+            milestone=request.milestone,
+        )
+        assert st.manifest is not None
+        return pb.AdoptResponse(
+            state=st.state,  # type: ignore[arg-type]
+            files=len(st.manifest.ranks),
+            size_bytes=st.manifest.size_bytes,
+        )
+
+    @_rpc
+    async def Watch(self, request: pb.WatchRequest, context: Any) -> pb.WatchResponse:
+        job = check_name("job", request.job)
+        path = await self.s.adopter.watch(job, request.directory)
+        remote = f"{self.s.remote_url}/{job}" if self.s.remote_url else ""
+        return pb.WatchResponse(directory=str(path), remote_directory=remote)
+
+    @_rpc
+    async def EnsureLocal(
+        self, request: pb.EnsureLocalRequest, context: Any
+    ) -> pb.EnsureLocalResponse:
+        job = check_name("job", request.job)
+        step = check_step(request.step) if request.HasField("step") else None
+        st, path, fetched, linked = await self.s.adopter.ensure_local(job, step, request.directory)
+        return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)
+
+    @_rpc
+    async def ListEvents(
+        self, request: pb.ListEventsRequest, context: Any
+    ) -> pb.ListEventsResponse:
+        job = check_name("job", request.job) if request.job else ""
+        catalog = self.s.catalog
+        if request.wait_seconds > 0 and not catalog.events(request.after_seq, job, 1):
+            await catalog.wait_for_event(request.after_seq, job, request.wait_seconds)
+        rows = catalog.events(request.after_seq, job, request.limit or 2**31)
+        return pb.ListEventsResponse(
+            events=[messages.event(e) for e in rows], last_seq=catalog.last_seq
+        )

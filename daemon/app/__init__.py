@@ -1,0 +1,1 @@
+"""The process: typed config, the composition root, supervision, ``ckptd serve`` and the CLI."""

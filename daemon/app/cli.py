@@ -1,0 +1,335 @@
+"""The ``ckptd`` command: serve, ls, status, events, pin, unpin, adopt, demo (pull, verify:
+cli_tiers).
+
+Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptd.core.errors import CkptdError, cli_line
+from ckptd.core.wire import DEFAULT_SOCKET, Connection
+from ckptd.proto import ckptd_pb2 as pb
+
+from . import cli_tiers
+from . import config as config_mod
+from .serve import serve
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _plain(msg: Any) -> dict[str, Any]:
+    """A message as a JSON-ready dict with real ints and enum names (LOCAL, not 2)."""
+    out: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.enum_type is not None:
+            prefix = f.enum_type.values[0].name.removesuffix("UNSPECIFIED")
+            names = {v.number: v.name.removeprefix(prefix) for v in f.enum_type.values}
+            value = [names[v] for v in value] if f.is_repeated else names[value]
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value = dict(value)
+        elif f.message_type is not None:
+            value = [_plain(v) for v in value] if f.is_repeated else _plain(value)
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--socket", default=None, help=f"daemon socket (default: $CKPTD_SOCKET or {DEFAULT_SOCKET})"
+    )
+
+
+def _admin(args: argparse.Namespace) -> Connection:
+    return Connection(args.socket, timeout=30.0)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    flags = {k: getattr(args, k) for k in config_mod.flag_names()}
+    cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
+    # gcsfs logs every exhausted retry with a traceback; the drain reports those errors itself.
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import uvloop
+
+    uvloop.run(serve(cfg))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    resp = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=args.job or ""))
+    if args.json:
+        print(json.dumps([_plain(c) for c in resp.checkpoints], indent=1))
+        return 0
+    rows = [
+        [
+            c.job,
+            str(c.step),
+            pb.SaveState.Name(c.state).removeprefix("SAVE_STATE_"),
+            ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in c.tiers) or "-",
+            _human_bytes(c.size_bytes) if c.size_bytes else "-",
+            str(c.num_shards),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
+            _kept_by(c),
+            ("milestone " if c.milestone else "")
+            + ("pinned " if c.pinned else "")
+            + ("adopted " if c.adopted else "")
+            + (c.error[:60] if c.error else ""),
+        ]
+        for c in resp.checkpoints
+    ]
+    if not rows:
+        print("no checkpoints" + (f" for job {args.job!r}" if args.job else ""))
+        return 0
+    headers = ["JOB", "STEP", "STATE", "TIERS", "SIZE", "SHARDS", "CREATED", "KEPT BY", "NOTE"]
+    print(_table(headers, rows))
+    return 0
+
+
+def _kept_by(c: pb.CheckpointInfo) -> str:
+    """``local=latest remote=latest,every-10-steps``: why each tier holds the step."""
+    parts = [
+        f"{tier}={','.join(reasons)}"
+        for tier, reasons in (("local", c.local_reasons), ("remote", c.remote_reasons))
+        if reasons
+    ]
+    return " ".join(parts) or "-"
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    pinned = args.command == "pin"
+    req = pb.PinRequest(job=args.job, step=args.step, pinned=pinned)
+    _admin(args).call("Pin", req, 60.0)
+    what = "pinned: no tier evicts it" if pinned else "unpinned: retention applies again"
+    print(f"{args.job}/{args.step} {what}")
+    return 0
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    conn = _admin(args)
+    path = os.path.abspath(args.path)
+    req = pb.AdoptRequest(job=args.job, step=args.step, path=path, milestone=args.milestone)
+    resp = conn.call("Adopt", req, 3600.0)
+    print(
+        f"{args.job}/{args.step} adopted from {path}: {resp.files} files, "
+        f"{_human_bytes(resp.size_bytes)}, LOCAL"
+    )
+    if args.wait == "durable":
+        status = conn.call(
+            "GetSaveStatus",
+            pb.GetSaveStatusRequest(
+                job=args.job,
+                step=args.step,
+                wait_for=pb.SAVE_STATE_DURABLE,
+                timeout_seconds=args.timeout,
+            ),
+            args.timeout + 30.0,
+        )
+        if not status.reached:
+            state = pb.SaveState.Name(status.state).removeprefix("SAVE_STATE_")
+            print(f"ckptd: error: not DURABLE ({state}): {status.error}", file=sys.stderr)
+            return 1
+        print(f"{args.job}/{args.step} DURABLE")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _admin(args).call("GetStatus", pb.GetStatusRequest())
+    if args.json:
+        print(json.dumps(_plain(st), indent=1))
+        return 0
+    rows = [
+        ["version", f"{st.version} (protocol {st.protocol_version}, pid {st.pid})"],
+        ["node", st.node_id],
+        ["socket", st.socket],
+        ["root", st.root],
+        ["remote", st.remote or "(none: local tier only)"],
+        ["uptime", f"{st.uptime_seconds:.0f} s"],
+        ["checkpoints", f"{st.checkpoints} in {st.jobs} jobs, {_human_bytes(st.local_used_bytes)}"],
+        ["local free", _human_bytes(st.local_free_bytes)],
+        [
+            "staging",
+            f"{_human_bytes(st.staging_in_use_bytes)} in use, "
+            f"{_human_bytes(st.staging_allocated_bytes)} allocated of "
+            f"{_human_bytes(st.staging_budget_bytes)} budget",
+        ],
+        ["leases held", str(st.leases_held)],
+        [
+            "retention",
+            f"local {st.retention_local}"
+            + (f"; remote {st.retention_remote}" if st.retention_remote else ""),
+        ],
+        [
+            "free-space marks",
+            f"evict below {_human_bytes(st.local_low_watermark_bytes)}, refuse saves below "
+            f"{_human_bytes(st.local_floor_bytes)}",
+        ],
+        ["evicted", f"{st.evicted_local} local, {st.evicted_remote} remote copies"],
+        ["adopted", f"{st.adopted} steps; {st.watched_directories} watched directories"],
+        ["saves in flight", str(st.saves_in_flight)],
+        [
+            "drain",
+            (f"{st.drain_queue} steps queued" if st.remote else "-")
+            + (f"; last error: {st.drain_error}" if st.drain_error else ""),
+        ],
+        ["background", _tasks(st)],
+    ]
+    print(_table(["FIELD", "VALUE"], rows))
+    return 0
+
+
+def _tasks(st: pb.DaemonStatus) -> str:
+    """``drain running, evictor restarting (2 restarts: ValueError: ...)``."""
+    parts = []
+    for t in st.tasks:
+        text = f"{t.name} {t.state}"
+        if t.restarts or t.last_error:
+            text += f" ({t.restarts} restarts" + (f": {t.last_error}" if t.last_error else "") + ")"
+        parts.append(text)
+    if st.job_errors:
+        parts.append(f"{st.job_errors} failed background jobs (see the log)")
+    return ", ".join(parts) or "-"
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    conn = _admin(args)
+    after = 0
+    while True:
+        req = pb.ListEventsRequest(
+            job=args.job or "", after_seq=after, wait_seconds=25.0 if args.follow else 0.0
+        )
+        resp = conn.call("ListEvents", req, 60.0)
+        for e in resp.events:
+            if args.json:
+                print(json.dumps(_plain(e)), flush=args.follow)
+                continue
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time_unix))
+            kind = pb.StepEvent.Name(e.kind).removeprefix("STEP_EVENT_")
+            state = pb.SaveState.Name(e.state).removeprefix("SAVE_STATE_")
+            attrs = " ".join(f"{k}={v}" for k, v in sorted(e.attributes.items()))
+            note = " ".join(x for x in (attrs, e.detail) if x)
+            print(
+                f"{when} #{e.seq} {e.job}/{e.step} {kind} -> {state} {note}".rstrip(),
+                flush=args.follow,
+            )
+            after = e.seq
+        after = max(after, resp.events[-1].seq if resp.events else after)
+        if not args.follow:
+            return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=args.steps, save_every=args.save_every, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used to generate the README's CLI reference)."""
+    parser = argparse.ArgumentParser(
+        prog="ckptd", description="Per-node checkpoint daemon for ML training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the daemon")
+    p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
+    for key in config_mod.flag_names():
+        p.add_argument(
+            f"--{key.replace('_', '-')}",
+            dest=key,
+            default=None,
+            metavar="VALUE",
+            help=f"config key {key} (env CKPTD_{key.upper()})",
+        )
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("ls", help="list checkpoints and their states")
+    p.add_argument("job", nargs="?", help="only this job")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser("events", help="step transitions the daemon recorded (newest last)")
+    p.add_argument("job", nargs="?", help="only this job")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_events)
+    p = sub.add_parser("status", help="daemon health and resource use")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_status)
+    for name, text in (
+        ("pin", "keep a step in every tier whatever the retention"),
+        ("unpin", "let the retention policies decide about a step again"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("job")
+        p.add_argument("step", type=int)
+        _socket_arg(p)
+        p.set_defaults(fn=cmd_pin)
+    p = sub.add_parser(
+        "adopt", help="hand a finished checkpoint directory (DCP, Orbax, HF...) to the daemon"
+    )
+    p.add_argument("job")
+    p.add_argument("step", type=int)
+    p.add_argument("path", help="the finished directory (not modified afterwards)")
+    p.add_argument("--milestone", action="store_true", help="keep it as a milestone")
+    p.add_argument("--wait", choices=["local", "durable"], default="local")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for DURABLE")
+    _socket_arg(p)
+    p.set_defaults(fn=cmd_adopt)
+    cli_tiers.add_parsers(sub)
+    p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ckptd`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except CkptdError as exc:  # the one family every user-facing error belongs to
+        print(cli_line(exc), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `ckptd ls | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

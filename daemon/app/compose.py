@@ -1,0 +1,227 @@
+"""The composition root: every service of the daemon built once, wired, started, stopped.
+
+Nothing else constructs a service or reaches into another's fields: the
+services get what they need here, talk through the step catalog's transitions
+and events, and run their background loops under the :class:`Supervisor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from ckptd.core.errors import FailedPrecondition
+from ckptd.proto import PROTOCOL_VERSION
+from ckptd.proto import ckptd_pb2 as pb
+
+from .. import __version__
+from ..adopt.adopter import Adopter
+from ..api.servicer import Services
+from ..catalog import Catalog
+from ..io import IoPool
+from ..local.admission import Admission, DiskSpace, Space, statvfs_space
+from ..local.saver import Saver
+from ..local.staging import Staging, segment_prefix
+from ..local.store import LocalStore
+from ..remote.backends import open_remote
+from ..remote.base import Remote
+from ..remote.drain import Drain
+from ..restore.fetcher import Fetcher
+from ..restore.restorer import Restorer
+from ..retention.evictor import Evictor
+from ..retention.pins import Pins, load_pins
+from ..retention.planner import Retention
+from .config import Config
+from .supervisor import Supervisor
+
+log = logging.getLogger("ckptd.server")
+
+
+class StartupError(FailedPrecondition):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+class Daemon:
+    """All services of one ``ckptd serve``. :meth:`start`, then :meth:`stop`."""
+
+    def __init__(
+        self,
+        config: Config,
+        on_fatal: Callable[[str], None],
+        measure_space: Callable[..., Space] = statvfs_space,
+    ) -> None:
+        cfg = self.config = config
+        self.started_at = time.time()
+        self.supervisor = Supervisor(on_fatal)
+        self.catalog = Catalog(cfg.node_id)
+        self.io = IoPool(2 * cfg.write_workers)
+        # Spare files: at most what the staging budget lets be in flight at once.
+        self.store = LocalStore(cfg.root, cfg.staging_budget_bytes)
+        self.staging = Staging(
+            segment_prefix(cfg.root), cfg.staging_budget_bytes, cfg.lease_timeout_seconds
+        )
+        self.remote: Remote | None = None
+        self.saver = Saver(
+            self.catalog, self.staging, self.store, self.io, cfg.node_id, self.supervisor.spawn
+        )
+        self.disk = DiskSpace(cfg.root, cfg.local_low_watermark, cfg.local_floor, measure_space)
+        self.admission = Admission(
+            self.disk, self.staging, self.store, self.io.run, cfg.retention_local.describe()
+        )
+        self.drain: Drain | None = None
+
+    async def start(self) -> None:
+        """Recover the local tier, open the remote tier, build the services on top."""
+        cfg = self.config
+        recovery = await self.io.run(self.store.recover)
+        removed_segments = self.staging.remove_leftovers()
+        pins = await self.io.run(load_pins, cfg.root)
+        for m in recovery.manifests:
+            self.catalog.recovered(m, pinned=(m.job, m.step) in pins)
+        for line in recovery.skipped:
+            log.warning("ignoring step directory that is not a ckptd commit: %s", line)
+        log.info(
+            "recovered %d committed steps; removed %d staging leftovers and %d stale segments",
+            len(recovery.manifests),
+            recovery.removed_staging,
+            removed_segments,
+        )
+        self.remote = await self._open_remote()
+        self.retention = Retention(
+            self.catalog,
+            cfg.retention_local,
+            cfg.retention_remote if self.remote is not None else None,
+            evict_unuploaded=cfg.local_evict_unuploaded,
+        )
+        self.evictor = Evictor(
+            self.catalog, self.retention, self.store, self.disk, self.io, self.remote
+        )
+        self.admission.relieve = self.evictor.relieve_local
+        self.fetcher = Fetcher(self.catalog, self.store, self.staging, self.io, self.remote)
+        self.restorer = Restorer(self.catalog, self.store, self.staging, self.io, self.fetcher)
+        self.adopter = Adopter(
+            self.catalog, self.store, self.io, self.restorer, self.fetcher, cfg.adopt_poll_seconds
+        )
+        self.pins = Pins(self.catalog, cfg.root, self.io, self.remote)
+        await self.adopter.load()
+        if self.remote is not None:
+            self.drain = Drain(
+                self.catalog,
+                self.remote,
+                self.store,
+                self.io,
+                self.retention,
+                cfg.drain_retry_max_seconds,
+            )
+            try:
+                await asyncio.wait_for(self.drain.resume(), 120)
+            except Exception as exc:
+                raise StartupError(f"cannot use remote {cfg.remote}: {_reason(exc)}") from None
+            self.supervisor.service("drain", self.drain.run)
+        self.evictor.kick()  # apply the retention to what recovery found
+        self.supervisor.service("evictor", self.evictor.run)
+        self.supervisor.service("adopter", self.adopter.run)
+
+    async def _open_remote(self) -> Remote | None:
+        """Open and check the remote tier: one clear error at start-up, not a stack of retries."""
+        cfg = self.config
+        if not cfg.remote:
+            log.warning(
+                "no remote tier configured: checkpoints live only on this node's disk "
+                'and die with it (set remote = "s3://..." or "gs://...")'
+            )
+            return None
+        try:
+            remote = open_remote(
+                cfg.remote, cfg.remote_endpoint_url, cfg.part_size_bytes, cfg.drain_concurrency
+            )
+            await asyncio.wait_for(remote.check(), 30)
+        except Exception as exc:
+            raise StartupError(f"cannot use remote {cfg.remote}: {_reason(exc)}") from None
+        return remote
+
+    def services(self) -> Services:
+        """What the wire API calls."""
+        return Services(
+            catalog=self.catalog,
+            saver=self.saver,
+            admission=self.admission,
+            retention=self.retention,
+            restorer=self.restorer,
+            fetcher=self.fetcher,
+            adopter=self.adopter,
+            pins=self.pins,
+            remote_url=self.remote.url if self.remote is not None else "",
+            status=self.status,
+        )
+
+    async def stop(self) -> None:
+        """Stop the loops, finish every acknowledged save, release shared memory."""
+        self.catalog.stopping.set()
+        self.evictor.stop()
+        self.adopter.stop()
+        if self.drain is not None:
+            self.drain.stop()
+        await self.supervisor.stop_services()
+        if self.remote is not None:
+            await self.remote.close()
+        if self.supervisor.jobs_running:
+            log.info("finishing %d acknowledged saves before exit", self.supervisor.jobs_running)
+        await self.supervisor.finish_jobs()
+        self.staging.close()
+        self.io.close()
+
+    def status(self) -> pb.DaemonStatus:
+        """Health, configuration summary and resource use (``ckptd status``)."""
+        cfg, staging, steps = self.config, self.staging, self.catalog.steps()
+        space = self.disk.space()
+        low, floor = self.disk.marks(space)
+        manifests = [s.manifest for s in steps if s.manifest is not None]
+        return pb.DaemonStatus(
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            node_id=cfg.node_id,
+            root=str(cfg.root),
+            socket=str(cfg.socket),
+            remote=cfg.remote,
+            drain_queue=self.drain.queue_length if self.drain else 0,
+            drain_error=self.drain.last_error if self.drain else "",
+            uptime_seconds=time.time() - self.started_at,
+            staging_budget_bytes=staging.budget_bytes,
+            staging_allocated_bytes=staging.allocated_bytes,
+            staging_in_use_bytes=staging.in_use_bytes,
+            leases_held=staging.leases_held,
+            saves_in_flight=self.catalog.count(pb.SAVE_STATE_STAGING),
+            local_free_bytes=space.free,
+            local_used_bytes=sum(m.size_bytes for m in manifests),
+            jobs=len(self.catalog.jobs()),
+            checkpoints=len(manifests),
+            pid=os.getpid(),
+            retention_local=self.retention.local_policy.describe(),
+            retention_remote=(
+                self.retention.remote_policy.describe() if self.retention.remote_policy else ""
+            ),
+            local_low_watermark_bytes=low,
+            local_floor_bytes=floor,
+            evicted_local=self.evictor.evicted_local,
+            evicted_remote=self.evictor.evicted_remote,
+            watched_directories=len(self.adopter.watches),
+            adopted=self.adopter.adopted,
+            tasks=[
+                pb.TaskHealth(
+                    name=h.name, state=h.state, restarts=h.restarts, last_error=h.last_error
+                )
+                for h in self.supervisor.health.values()
+            ],
+            job_errors=self.supervisor.job_errors,
+            last_event_seq=self.catalog.last_seq,
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer within the time allowed (check the endpoint and the network)"
+    return str(exc) or type(exc).__name__

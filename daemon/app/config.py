@@ -1,0 +1,223 @@
+"""Typed, validated daemon configuration: embedded defaults < file < ``CKPTD_*`` env < flags.
+
+Every error names the offending key and its source, and says what is accepted.
+Values are never silently rewritten: a bad value stops start-up. Retention
+policies and free-space marks are parsed here, once, into typed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import socket as _socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.names import check_name
+from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
+
+from ..local.admission import SpaceMark, parse_size
+from ..retention.policies import Policy, PolicyError, parse_policy
+
+DEFAULT_ROOT = "/var/lib/ckptd"
+ENV_PREFIX = "CKPTD_"
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is missing, unknown or invalid."""
+
+
+def _default_node_id() -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", _socket.gethostname()) or "node"
+    return name.lstrip(".")[:63] or "node"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything ``ckptd serve`` needs; see the README's configuration reference."""
+
+    root: Path = Path(DEFAULT_ROOT)
+    """Local tier directory (on NVMe). Holds ``<job>/<step>/`` and ``.staging``."""
+    socket: Path = Path(DEFAULT_SOCKET)
+    """Unix socket the gRPC API listens on (mode 0660)."""
+    node_id: str = field(default_factory=_default_node_id)
+    """This node's name in manifests and remote markers (defaults to the host name)."""
+    staging_budget_bytes: int = 4 * 2**30
+    """Most shared memory the daemon may hold in leases at once."""
+    lease_timeout_seconds: float = 600.0
+    """A lease held this long without a commit is reclaimed."""
+    write_workers: int = 2
+    """Threads writing shard files to the local tier in parallel."""
+    log_level: str = "info"
+    """One of debug, info, warning, error."""
+    remote: str = ""
+    """Remote tier: ``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX`` or ``file:///PATH``.
+    Empty: local tier only (a warning at start-up)."""
+    remote_endpoint_url: str = ""
+    """Endpoint override for S3-compatible stores or the GCS emulator (else the
+    standard AWS_ENDPOINT_URL_S3 / STORAGE_EMULATOR_HOST variables apply)."""
+    drain_concurrency: int = 8
+    """Parts uploaded (and ranged reads downloaded) in parallel."""
+    part_size_bytes: int = 16 * 2**20
+    """Size of one upload part / ranged read (S3 needs at least 5 MiB)."""
+    drain_retry_max_seconds: float = 30.0
+    """Longest pause between retries of a transient remote error (backoff doubles up to it)."""
+    retention_local: Policy = field(default_factory=lambda: parse_policy("KeepLatest(3)"))
+    """Which checkpoints the local tier keeps (see daemon/retention/policies.py)."""
+    retention_remote: Policy = field(
+        default_factory=lambda: parse_policy("KeepAny([KeepLatest(3), KeepMilestones()])")
+    )
+    """Which checkpoints the remote tier keeps; milestones are always kept there."""
+    local_evict_unuploaded: bool = False
+    """Let the local retention evict a copy whose remote copy is not complete yet
+    (milestones excepted). Off: such copies wait for the drain."""
+    local_low_watermark: SpaceMark = field(default_factory=lambda: SpaceMark.parse("10%"))
+    """Free space (bytes, '20GiB' or '10%' of the disk) below which the evictor also
+    removes local copies the local policy keeps but the bucket holds, oldest first."""
+    local_floor: SpaceMark = field(default_factory=lambda: SpaceMark.parse("1GiB"))
+    """Free space a save must leave on the local disk; saves that would go below it
+    are refused with RESOURCE_EXHAUSTED."""
+    adopt_poll_seconds: float = 0.25
+    """How often watched directories (a job's Orbax directory) are scanned for
+    finished steps to adopt."""
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _coerce(key: str, value: object, source: str) -> Any:
+    kind = _FIELDS[key].type
+    try:
+        if kind == "Path":
+            if not str(value):
+                raise ValueError("expected a path, got an empty string")
+            return Path(str(value)).expanduser()
+        if kind == "Policy":
+            try:
+                return parse_policy(str(value))
+            except PolicyError as exc:
+                raise ValueError(str(exc)) from None
+        if kind == "SpaceMark":
+            return SpaceMark.parse(value)
+        if key.endswith("_bytes"):
+            size = parse_size(value)
+            if size <= 0:
+                raise ValueError("must be positive")
+            return size
+        if kind == "bool":
+            text = str(value).lower()
+            if text not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError("expected true or false")
+            return text in ("true", "1", "yes")
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError("expected an integer, got a boolean")
+            n = int(str(value))
+            if n <= 0:
+                raise ValueError("must be a positive integer")
+            return n
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError("expected a number, got a boolean")
+            x = float(str(value))
+            if not x > 0:
+                raise ValueError("must be a positive number of seconds")
+            return x
+        return str(value)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for {key!r} from {source}: {exc}") from None
+
+
+def _check_key(key: str, source: str) -> None:
+    if key not in _FIELDS:
+        close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"unknown config key {key!r} in {source}{hint} (valid keys: {', '.join(_FIELDS)})"
+        )
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Read a TOML config file into raw key/value pairs."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+
+
+def load(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> Config:
+    """Merge the sources (later wins) and validate the result."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if config_file is None and env.get(ENV_PREFIX + "CONFIG"):
+        config_file = Path(env[ENV_PREFIX + "CONFIG"])
+    if config_file is not None:
+        source = f"config file {config_file}"
+        for key, value in load_file(config_file).items():
+            _check_key(key, source)
+            values[key] = _coerce(key, value, source)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key in _FIELDS:
+            values[key] = _coerce(key, value, f"environment variable {name}")
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _check_key(key, "flags")
+            values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+    cfg = Config(**values)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    try:
+        check_name("node_id", cfg.node_id)
+    except InvalidArgument as exc:
+        raise ConfigError(f"invalid value for 'node_id': {exc}") from None
+    if cfg.remote and not re.match(r"^(s3|gs)://[^/]+|^file:///", cfg.remote):
+        raise ConfigError(
+            f"invalid value for 'remote': {cfg.remote!r}; use s3://BUCKET/PREFIX, "
+            "gs://BUCKET/PREFIX or file:///ABSOLUTE/PATH"
+        )
+    if cfg.part_size_bytes < 5 * 2**20 or cfg.part_size_bytes % 4096:
+        raise ConfigError(
+            f"invalid value for 'part_size_bytes': {cfg.part_size_bytes}; use a multiple of "
+            "4 KiB of at least 5 MiB (the minimum part size of S3 multipart uploads)"
+        )
+    if not 0.05 <= cfg.adopt_poll_seconds <= 3600:
+        raise ConfigError(
+            f"invalid value for 'adopt_poll_seconds': {cfg.adopt_poll_seconds}; "
+            "use 0.05 to 3600 seconds"
+        )
+    if cfg.log_level not in _LOG_LEVELS:
+        raise ConfigError(
+            f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}"
+        )
+    if len(str(cfg.socket).encode()) > 107:
+        raise ConfigError(
+            f"invalid value for 'socket': {cfg.socket} is longer than the 107 bytes a unix "
+            "socket path may have; choose a shorter path"
+        )
+
+
+def flag_names() -> list[str]:
+    """Config keys that ``ckptd serve`` exposes as ``--flags``."""
+    return list(_FIELDS)

@@ -1,0 +1,117 @@
+"""``ckptd serve``: the process lifecycle around the servicer.
+
+Takes the socket and root locks, builds the daemon (compose.py: recovery, the
+remote tier, every service), listens on a 0660 unix socket and on SIGTERM stops
+taking requests, finishes acknowledged work and exits. A background service
+that keeps crashing stops the daemon the same way, with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from .. import __version__
+from ..api.servicer import Servicer
+from .compose import Daemon, StartupError
+from .config import Config
+
+log = logging.getLogger("ckptd.server")
+
+__all__ = ["StartupError", "serve"]
+
+
+def _take_lock(path: Path, what: str) -> int:
+    """flock ``path`` for the daemon's lifetime; refuse to start if a live daemon holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(
+            f"another ckptd (pid {holder}) is already serving {what}; stop it first or "
+            "choose another --socket/--root"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _prepare_socket_dir(socket: Path) -> None:
+    parent = socket.parent
+    if not parent.exists():
+        parent.mkdir(parents=True, mode=0o750)
+        os.chmod(parent, 0o750)  # mkdir's mode is narrowed by the umask; set it exactly
+
+
+async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT, then finish acknowledged saves and exit.
+
+    Raises :class:`StartupError` if it cannot start, or if a background service
+    kept crashing (after finishing the saves it had acknowledged).
+    """
+    try:
+        _prepare_socket_dir(config.socket)
+        config.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create {exc.filename}: {exc.strerror}") from None
+    sock_lock = _take_lock(
+        config.socket.with_name(config.socket.name + ".lock"), str(config.socket)
+    )
+    root_lock = _take_lock(config.root / ".lock", f"root {config.root}")
+    stop = asyncio.Event()
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        log.error("%s", reason)
+        fatal.append(reason)
+        stop.set()
+
+    daemon = Daemon(config, on_fatal)
+    await daemon.start()
+    # The lock proves no live daemon owns the socket: a file there is stale.
+    config.socket.unlink(missing_ok=True)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    pb_grpc.add_CkptdServicer_to_server(Servicer(daemon.services()), server)
+    old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
+    try:
+        server.add_insecure_port(f"unix:{config.socket}")
+        await server.start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(config.socket, 0o660)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "ckptd %s serving on %s (root %s, node %s, pid %d)",
+        __version__,
+        config.socket,
+        config.root,
+        config.node_id,
+        os.getpid(),
+    )
+    if on_ready:
+        on_ready()
+    await stop.wait()
+    log.info("stopping: no new requests; finishing acknowledged saves")
+    daemon.catalog.stopping.set()  # waiters answer at once; clients ask the next daemon
+    await server.stop(grace=5)
+    await daemon.stop()
+    config.socket.unlink(missing_ok=True)
+    os.close(root_lock)
+    os.close(sock_lock)
+    log.info("stopped")
+    if fatal:
+        raise StartupError(fatal[0])

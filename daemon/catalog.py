@@ -1,0 +1,603 @@
+"""The step catalog: the one owner of every step's state on this node.
+
+Every service (the saver, the drain, the evictor, restore, adoption, pins) asks
+the catalog for a transition; none assigns a step's fields. Each transition is
+checked against :data:`TRANSITIONS`, wakes the step's waiters and emits one
+:class:`Event`, which ``ckptd events``, the status, the metrics and the tests
+read. Runs on the event loop: no locks, no I/O.
+
+A step's ``state`` is its lifecycle (``SaveState`` in the proto); which tiers
+hold a copy is separate (``manifest`` for the local copy, ``remote_nodes`` for
+the bucket's markers), because copies come and go under any state: a DURABLE
+step is evicted locally and fetched back, a LOCAL step has another node's marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from ckptd.core.manifest import Manifest
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import state_name
+
+log = logging.getLogger("ckptd.catalog")
+
+MAX_WAIT_SECONDS = 3600.0
+HISTORY = 8192
+"""Events kept for ``ListEvents`` (older ones are dropped; their seq numbers stay counted)."""
+
+STAGING, LOCAL, DRAINING = pb.SAVE_STATE_STAGING, pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING
+DURABLE, FAILED = pb.SAVE_STATE_DURABLE, pb.SAVE_STATE_FAILED
+SUPERSEDED = pb.SAVE_STATE_SUPERSEDED
+NEW = pb.SAVE_STATE_UNSPECIFIED
+"""Not in the catalog (yet, or any more)."""
+
+TRANSITIONS: Mapping[int, frozenset[int]] = {
+    # A save or an adoption begins; a step found on disk at start-up; one only the
+    # bucket holds.
+    NEW: frozenset({STAGING, LOCAL, DURABLE}),
+    # Committed locally; failed; an adoption that never committed is forgotten (NEW).
+    STAGING: frozenset({LOCAL, FAILED, NEW}),
+    # The drain takes it; a newer step went up instead; found complete in the bucket
+    # at start-up; evicted (NEW) when no tier keeps it.
+    LOCAL: frozenset({DRAINING, SUPERSEDED, DURABLE, NEW}),
+    # Uploaded; put back in the queue (a newer step first, or the daemon stops);
+    # failed for good.
+    DRAINING: frozenset({DURABLE, LOCAL, FAILED}),
+    # Retention removed the remote copy while the local one stays; no copy left.
+    DURABLE: frozenset({SUPERSEDED, NEW}),
+    SUPERSEDED: frozenset({NEW}),
+    # Saved again under the same number (a new STAGING); no copy left.
+    FAILED: frozenset({STAGING, NEW}),
+}
+"""Which lifecycle states may follow which. Anything else is a bug and raises."""
+
+
+class IllegalTransition(RuntimeError):
+    """A service asked for a transition the table does not allow (a bug in ckptd)."""
+
+
+_FIELDS = frozenset(
+    {
+        "job",
+        "step",
+        "state",
+        "error",
+        "node_ranks",
+        "world_size",
+        "manifest",
+        "milestone",
+        "metrics",
+        "created_unix",
+        "handoff_at",
+        "local_at",
+        "durable_at",
+        "remote_nodes",
+        "peers",
+        "pinned",
+        "adopted",
+        "busy",
+        "read_at",
+        "changed",
+    }
+)
+
+
+class Step:
+    """One step of one job on this node. Read it anywhere; change it only through
+    the :class:`Catalog` (assigning a field elsewhere raises ``AttributeError``)."""
+
+    __slots__ = tuple(sorted(_FIELDS))
+
+    job: str
+    step: int
+    state: int
+    error: str
+    node_ranks: tuple[int, ...]
+    world_size: int
+    manifest: Manifest | None
+    """The local copy's manifest; None while the local tier holds no copy."""
+    milestone: bool
+    metrics: dict[str, float]
+    created_unix: float
+    """When the checkpoint was committed (the time retention policies see)."""
+    handoff_at: float
+    local_at: float
+    durable_at: float
+    remote_nodes: frozenset[str]
+    """Nodes whose ``_complete`` marker for this step is in the bucket."""
+    peers: frozenset[str]
+    """Other nodes whose part of this step is fetched into ``<root>/.peers``."""
+    pinned: bool
+    adopted: bool
+    """An adopted directory tree (its remote layout differs: see remote/layout.py)."""
+    busy: int
+    """Operations reading a copy right now (a fetch); the evictor leaves it alone."""
+    read_at: float
+    """time.monotonic() of the last Restore served from it."""
+    changed: asyncio.Event
+
+    def __init__(self, job: str, step: int, **values: Any) -> None:
+        defaults: dict[str, Any] = {
+            "state": NEW,
+            "error": "",
+            "node_ranks": (),
+            "world_size": 1,
+            "manifest": None,
+            "milestone": False,
+            "metrics": {},
+            "created_unix": 0.0,
+            "handoff_at": 0.0,
+            "local_at": 0.0,
+            "durable_at": 0.0,
+            "remote_nodes": frozenset(),
+            "peers": frozenset(),
+            "pinned": False,
+            "adopted": False,
+            "busy": 0,
+            "read_at": -1e18,
+            "changed": asyncio.Event(),
+        }
+        for name, value in {"job": job, "step": step, **defaults, **values}.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"Step.{name} is owned by the Catalog: ask it for a transition instead"
+        )
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            if name not in _FIELDS:
+                raise AttributeError(f"Step has no field {name!r}")
+            object.__setattr__(self, name, value)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(job, step)``."""
+        return self.job, self.step
+
+    @property
+    def local(self) -> bool:
+        """The local tier holds a committed copy."""
+        return self.manifest is not None
+
+    @property
+    def in_remote(self) -> bool:
+        """A complete copy (some node's part) is in the remote tier."""
+        return self.state == DURABLE or bool(self.remote_nodes)
+
+    @property
+    def time(self) -> float:
+        """The step's time for retention: committed, else handed off."""
+        return self.created_unix or self.handoff_at
+
+    def tiers(self) -> list[pb.Tier]:
+        """The tiers holding a copy (``pb.Tier`` values)."""
+        return [pb.TIER_LOCAL] * self.local + [pb.TIER_REMOTE] * self.in_remote
+
+    def reached(self, target: int) -> bool:
+        """Has the save reached ``target`` (LOCAL or DURABLE)?"""
+        if target == LOCAL:
+            return self.manifest is not None or self.local_at > 0
+        return self.in_remote
+
+    def final(self, target: int) -> bool:
+        """Will it never reach ``target``?"""
+        if self.reached(target):
+            return False
+        if target == LOCAL:
+            return self.state == FAILED
+        return self.state in (FAILED, SUPERSEDED)
+
+    def __repr__(self) -> str:
+        return f"Step({self.job!r}, {self.step}, {state_name(self.state)})"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One transition of one step, as ``ListEvents`` and the metrics see it."""
+
+    seq: int
+    time: float
+    kind: int
+    """A ``pb.StepEvent`` value."""
+    job: str
+    step: int
+    state: int
+    """The step's state after the transition (UNSPECIFIED: it left the catalog)."""
+    tiers: tuple[int, ...]
+    detail: str = ""
+    attributes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def kind_name(self) -> str:
+        """``LOCAL``, ``EVICTED_LOCAL``, ... (the enum name without its prefix)."""
+        return pb.StepEvent.Name(self.kind).removeprefix("STEP_EVENT_")
+
+
+Listener = Callable[[Event], None]
+_Steps = list[Step]  # aliases: inside Catalog, ``list`` is a method
+_Names = list[str]
+_Events = list[Event]
+
+
+class Catalog:
+    """Every step of every job on this node, and the one place their state changes."""
+
+    def __init__(
+        self,
+        node_id: str,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self._clock = clock
+        self._monotonic = monotonic
+        self._steps: dict[tuple[str, int], Step] = {}
+        self._listeners: list[Listener] = []
+        self._history: collections.deque[Event] = collections.deque(maxlen=HISTORY)
+        self._seq = 0
+        self._appended = asyncio.Event()
+        self.stopping = asyncio.Event()
+        """Set when the daemon stops: waits return at once (the client asks again)."""
+
+    # -- queries -----------------------------------------------------------------
+    def get(self, job: str, step: int) -> Step | None:
+        """The step, or None."""
+        return self._steps.get((job, step))
+
+    def require(self, job: str, step: int) -> Step:
+        """The step, or NotFound."""
+        st = self._steps.get((job, step))
+        if st is None:
+            raise NotFound(
+                f"no save of step {step} for job {job!r} on this node; `ckptd ls {job}` lists them"
+            )
+        return st
+
+    def steps(self) -> _Steps:
+        """Every step (a copy of the list: safe to transition while iterating)."""
+        return list(self._steps.values())
+
+    def list(self, job: str = "") -> _Steps:
+        """Steps of one job (or all), newest first within each job."""
+        rows = [s for s in self._steps.values() if not job or s.job == job]
+        return sorted(rows, key=lambda s: (s.job, -s.step))
+
+    def jobs(self) -> _Names:
+        """Every job with a step here, sorted."""
+        return sorted({s.job for s in self._steps.values()})
+
+    def count(self, state: int) -> int:
+        """Steps in ``state``."""
+        return sum(1 for s in self._steps.values() if s.state == state)
+
+    # -- events ------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(event)`` after every transition (on the loop; keep it short)."""
+        self._listeners.append(listener)
+
+    def events(self, after: int = 0, job: str = "", limit: int = HISTORY) -> _Events:
+        """Events with ``seq > after`` still in the history, oldest first."""
+        rows = [e for e in self._history if e.seq > after and (not job or e.job == job)]
+        return rows[:limit]
+
+    @property
+    def last_seq(self) -> int:
+        """The newest event's sequence number (0: none yet)."""
+        return self._seq
+
+    async def wait_for_event(self, after: int, job: str, timeout: float) -> None:
+        """Return once an event newer than ``after`` (of ``job``, if given) exists, the
+        daemon stops, or ``timeout`` passes."""
+        deadline = self._monotonic() + min(max(timeout, 0.0), MAX_WAIT_SECONDS)
+        while not self.events(after, job, 1) and not self.stopping.is_set():
+            left = deadline - self._monotonic()
+            if left <= 0:
+                return
+            await self._either(self._appended, left)
+
+    def _emit(self, st: Step, kind: int, detail: str = "", **attributes: str) -> Event:
+        self._seq += 1
+        event = Event(
+            self._seq,
+            self._clock(),
+            kind,
+            st.job,
+            st.step,
+            st.state,
+            tuple(st.tiers()),
+            detail,
+            attributes,
+        )
+        self._history.append(event)
+        st.changed.set()
+        st._set(changed=asyncio.Event())
+        self._appended.set()
+        self._appended = asyncio.Event()
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not break a transition
+                log.exception("catalog listener %r failed on %s", listener, event)
+        return event
+
+    def _move(self, st: Step, to: int, **values: Any) -> None:
+        if to not in TRANSITIONS[st.state]:
+            raise IllegalTransition(
+                f"{st.job}/{st.step}: {state_name(st.state)} -> {state_name(to)} is not a "
+                "transition ckptd makes"
+            )
+        st._set(state=to, **values)
+
+    def _add(self, st: Step) -> Step:
+        self._steps[st.key] = st
+        return st
+
+    def _drop(self, st: Step) -> None:
+        self._move(st, NEW)
+        if self._steps.get(st.key) is st:
+            del self._steps[st.key]
+
+    # -- the local tier --------------------------------------------------------------
+    def recovered(self, manifest: Manifest, pinned: bool) -> Step:
+        """A committed step found in the local tier at start-up: LOCAL."""
+        st = Step(
+            manifest.job,
+            manifest.step,
+            milestone=manifest.milestone,
+            node_ranks=tuple(r.rank for r in manifest.ranks),
+            world_size=manifest.world_size,
+            handoff_at=manifest.created_unix,
+            local_at=manifest.created_unix,
+            created_unix=manifest.created_unix,
+            metrics=dict(manifest.metrics),
+            adopted=manifest.adopted,
+            pinned=pinned,
+        )
+        self._move(st, LOCAL, manifest=manifest)
+        self._emit(self._add(st), pb.STEP_EVENT_RECOVERED)
+        return st
+
+    def begin(
+        self,
+        job: str,
+        step: int,
+        *,
+        node_ranks: tuple[int, ...] = (),
+        world_size: int = 1,
+        adopted: bool = False,
+        milestone: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> Step:
+        """The first handoff of a save (or an adoption) of a new step: STAGING.
+
+        A step that FAILED may be saved again under its number: it starts over.
+        """
+        old = self._steps.get((job, step))
+        if old is not None and old.state != FAILED:
+            raise Conflict(
+                f"step {step} of job {job!r} already exists here ({state_name(old.state)}); "
+                "save under a new step number"
+            )
+        if old is not None:
+            self._drop(old)
+        st = Step(
+            job,
+            step,
+            node_ranks=node_ranks,
+            world_size=world_size,
+            adopted=adopted,
+            milestone=milestone,
+            metrics=dict(metrics or {}),
+            handoff_at=self._clock(),
+        )
+        self._move(st, STAGING)
+        self._emit(self._add(st), pb.STEP_EVENT_STAGED, "adopted" if adopted else "")
+        return st
+
+    def joined(self, st: Step, milestone: bool, metrics: Mapping[str, float]) -> None:
+        """Another rank of a STAGING save handed off (its flags and metrics count too)."""
+        if st.state != STAGING:
+            raise IllegalTransition(f"{st!r} is not STAGING: no rank can join it")
+        st._set(milestone=st.milestone or milestone, metrics={**st.metrics, **metrics})
+
+    def committed(self, st: Step, manifest: Manifest) -> None:
+        """Every rank is written and the step renamed into place: LOCAL."""
+        now = self._clock()
+        self._move(st, LOCAL, manifest=manifest, local_at=now, created_unix=manifest.created_unix)
+        self._emit(st, pb.STEP_EVENT_LOCAL, f"{manifest.size_bytes} bytes")
+
+    def failed(self, st: Step, reason: str, stage: str) -> None:
+        """The save (``stage`` = "local") or its upload ("remote") failed for good."""
+        if st.state == FAILED:
+            return
+        self._move(st, FAILED, error=reason)
+        self._emit(st, pb.STEP_EVENT_FAILED, reason, stage=stage)
+
+    def abandoned(self, st: Step, reason: str) -> None:
+        """An adoption that never committed: the step is forgotten."""
+        self._drop(st)
+        self._emit(st, pb.STEP_EVENT_ABANDONED, reason)
+
+    def fetched(self, st: Step, manifest: Manifest, **attributes: str) -> None:
+        """A copy from the bucket was verified and committed locally."""
+        if st.local:
+            raise IllegalTransition(f"{st!r} already has a local copy")
+        st._set(
+            manifest=manifest,
+            local_at=self._clock(),
+            milestone=st.milestone or manifest.milestone,
+            created_unix=manifest.created_unix,
+            metrics=dict(manifest.metrics),
+        )
+        self._emit(st, pb.STEP_EVENT_FETCHED, **attributes)
+
+    def peers_fetched(self, st: Step, node: str) -> None:
+        """Another node's part of the step is verified in ``<root>/.peers``."""
+        st._set(peers=st.peers | {node})
+        self._emit(st, pb.STEP_EVENT_PEERS_FETCHED, node=node)
+
+    def local_removed(self, st: Step, why: int, detail: str) -> None:
+        """The local copy is gone (``why``: STEP_EVENT_EVICTED_LOCAL or _SET_ASIDE).
+        A step with no copy left in any tier leaves the catalog."""
+        if not st.local:
+            raise IllegalTransition(f"{st!r} has no local copy to remove")
+        st._set(manifest=None, peers=frozenset())
+        if not st.in_remote:
+            self._drop(st)
+        self._emit(st, why, detail)
+
+    # -- the remote tier -------------------------------------------------------------
+    def draining(self, st: Step) -> None:
+        """The drain starts uploading it."""
+        self._move(st, DRAINING, error="")
+        self._emit(st, pb.STEP_EVENT_DRAINING)
+
+    def retrying(self, st: Step, reason: str) -> None:
+        """A transient upload error; the drain tries again after a pause."""
+        if st.state != DRAINING:
+            raise IllegalTransition(f"{st!r} is not DRAINING")
+        st._set(error=reason)
+        self._emit(st, pb.STEP_EVENT_RETRYING, reason)
+
+    def requeued(self, st: Step, reason: str) -> None:
+        """Back in the queue: a newer step goes first, or the daemon stops."""
+        self._move(st, LOCAL)
+        self._emit(st, pb.STEP_EVENT_REQUEUED, reason)
+
+    def durable(self, st: Step) -> None:
+        """This node's part is complete in the bucket (its marker is written)."""
+        self._move(
+            st,
+            DURABLE,
+            error="",
+            durable_at=self._clock(),
+            remote_nodes=st.remote_nodes | {self.node_id},
+        )
+        self._emit(st, pb.STEP_EVENT_DURABLE)
+
+    def superseded(self, st: Step, reason: str) -> None:
+        """The bucket will not hold this step (a newer one went up, or retention removed it)."""
+        self._move(st, SUPERSEDED, error=reason)
+        self._emit(st, pb.STEP_EVENT_SUPERSEDED, reason)
+
+    def discovered(
+        self,
+        job: str,
+        step: int,
+        nodes: frozenset[str] | set[str],
+        adopted: bool,
+        *,
+        pinned: bool = False,
+        created_unix: float = 0.0,
+        milestone: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> Step:
+        """Complete copies of ``step`` found in the bucket (markers of ``nodes``).
+
+        A step not known here enters as DURABLE (remote only; ``created_unix``,
+        ``milestone`` and ``metrics`` come from its marker, for retention); a LOCAL
+        step whose marker from this node is there is DURABLE too.
+        """
+        st = self._steps.get((job, step))
+        if st is None:
+            st = Step(
+                job,
+                step,
+                created_unix=created_unix,
+                milestone=milestone,
+                metrics=dict(metrics or {}),
+            )
+            self._move(st, DURABLE)
+            self._add(st)
+        new_nodes = frozenset(nodes) - st.remote_nodes
+        new_pin = pinned and not st.pinned
+        st._set(
+            remote_nodes=st.remote_nodes | frozenset(nodes),
+            adopted=st.adopted or adopted,
+            pinned=st.pinned or pinned,
+        )
+        if st.state == LOCAL and self.node_id in st.remote_nodes:
+            self._move(st, DURABLE)
+        if new_nodes or new_pin:
+            self._emit(st, pb.STEP_EVENT_DISCOVERED, nodes=",".join(sorted(new_nodes)))
+        return st
+
+    def remote_removed(self, st: Step, detail: str) -> None:
+        """Retention deleted this node's copy from the bucket (its marker first)."""
+        st._set(remote_nodes=st.remote_nodes - {self.node_id})
+        if not st.local and not st.remote_nodes:
+            self._drop(st)
+        elif st.local and st.state == DURABLE:
+            self._move(st, SUPERSEDED, error=detail)
+        self._emit(st, pb.STEP_EVENT_EVICTED_REMOTE, detail)
+
+    # -- pins and use ------------------------------------------------------------
+    def check_pinnable(self, st: Step) -> None:
+        """Raise unless the step has a complete copy that a pin could keep."""
+        if not st.local and not st.in_remote:
+            raise FailedPrecondition(
+                f"step {st.step} of job {st.job!r} has no complete copy to pin "
+                f"({state_name(st.state)})"
+            )
+
+    def set_pinned(self, st: Step, pinned: bool) -> None:
+        """Pin (no tier evicts it) or unpin a step that has a complete copy."""
+        self.check_pinnable(st)
+        st._set(pinned=pinned)
+        self._emit(st, pb.STEP_EVENT_PINNED if pinned else pb.STEP_EVENT_UNPINNED)
+
+    @contextlib.contextmanager
+    def in_use(self, st: Step) -> Iterator[Step]:
+        """Mark a copy as being read (a fetch, a put-back): the evictor leaves it alone."""
+        st._set(busy=st.busy + 1)
+        try:
+            yield st
+        finally:
+            st._set(busy=st.busy - 1)
+
+    def served(self, st: Step) -> None:
+        """A Restore (or put-back) is reading it now: no eviction for a grace period."""
+        st._set(read_at=self._monotonic())
+
+    def read_recently(self, st: Step, grace_seconds: float) -> bool:
+        """Whether a Restore read it less than ``grace_seconds`` ago."""
+        return self._monotonic() - st.read_at < grace_seconds
+
+    # -- waiting -----------------------------------------------------------------
+    async def wait(self, job: str, step: int, target: int, timeout: float) -> Step:
+        """Wait until a step reaches ``target`` (LOCAL or DURABLE), fails for good,
+        or ``timeout`` passes; a stopping daemon answers at once."""
+        if target not in (LOCAL, DURABLE):
+            if target == NEW:
+                return self.require(job, step)
+            raise InvalidArgument(
+                f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE"
+            )
+        deadline = self._monotonic() + min(max(timeout, 0.0), MAX_WAIT_SECONDS)
+        while True:
+            st = self.require(job, step)
+            if st.reached(target) or st.final(target):
+                return st
+            left = deadline - self._monotonic()
+            if left <= 0 or self.stopping.is_set():
+                return st
+            await self._either(st.changed, left)
+
+    async def _either(self, event: asyncio.Event, timeout: float) -> None:
+        """Wait until ``event`` or :attr:`stopping` is set, at most ``timeout`` seconds."""
+        changed = asyncio.ensure_future(event.wait())
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((changed, stopping), timeout=timeout, return_when="FIRST_COMPLETED")
+        changed.cancel()
+        stopping.cancel()

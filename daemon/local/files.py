@@ -1,0 +1,163 @@
+"""Blocking file helpers of the local tier: fsynced writes, atomic replace, and large
+aligned ``O_DIRECT`` reads and writes between files and page-aligned memory.
+
+These VMs are slow to hand out fresh page cache (DESIGN.md, Performance notes),
+so checkpoint bytes move with ``O_DIRECT`` through memory that is already
+faulted in; filesystems that refuse it (tmpfs, some overlays) get plain I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+from ckptd.core.format import round_up
+
+from .. import faults
+
+WRITE_CHUNK = 64 * 2**20
+"""Bytes per write call: large enough for full NVMe queues, small enough to stay interruptible."""
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so the entries in it (new files, renames) are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_synced(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``: temp file, fsync, rename, fsync the dir."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    write_synced(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def open_direct(path: Path, flags: int, mode: int = 0o640, want: bool = True) -> tuple[int, bool]:
+    """Open with ``O_DIRECT`` when ``want`` and the filesystem allows it (tmpfs and some
+    overlays refuse it with EINVAL: then a plain open); returns ``(fd, direct)``."""
+    direct = getattr(os, "O_DIRECT", 0) if want else 0
+    if direct:
+        try:
+            return os.open(path, flags | direct, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
+def write_file_direct(
+    path: Path, header: bytes, data: memoryview, data_length: int, spare: Path | None = None
+) -> None:
+    """Write ``header`` then the first ``data_length`` bytes of ``data``, fsync, close.
+
+    ``header`` is a multiple of 4 KiB and ``data`` is page-aligned memory at
+    least ``round_up(data_length)`` long, so the whole file goes out in aligned
+    ``O_DIRECT`` writes (no page-cache allocation, which is slow on these VMs);
+    the padding past the true end is truncated away. Falls back to buffered
+    writes where the filesystem refuses O_DIRECT (tmpfs, some overlays).
+    ``spare``: an old file to overwrite in place instead of creating one (its
+    blocks are already allocated, which makes the write and fsync faster);
+    every byte up to the new size is overwritten and the rest truncated.
+    """
+    if spare is not None:  # first: whatever fails next, the staging dir's cleanup has it
+        os.rename(spare, path)
+    faults.hit("write.begin")
+    padded = round_up(data_length)
+    if len(data) < padded:
+        raise ValueError("lease view shorter than the padded data section")
+    if spare is not None:
+        fd, direct = open_direct(path, os.O_WRONLY)
+    else:
+        fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        if direct:
+            try:
+                _write_all(fd, header, data, padded, aligned=True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(fd)
+                fd = os.open(path, os.O_WRONLY | os.O_TRUNC, 0o640)
+                _write_all(fd, header, data, data_length, aligned=False)
+        else:
+            _write_all(fd, header, data, data_length, aligned=False)
+        os.ftruncate(fd, len(header) + data_length)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, header: bytes, data: memoryview, length: int, aligned: bool) -> None:
+    if aligned:
+        # O_DIRECT needs an aligned source buffer; anonymous mmaps are page-aligned.
+        with mmap.mmap(-1, len(header)) as buf:
+            buf.write(header)
+            _pwrite_all(fd, memoryview(buf), 0)
+    else:
+        _pwrite_all(fd, memoryview(header), 0)
+    pos = 0
+    while pos < length:
+        n = min(WRITE_CHUNK, length - pos)
+        _pwrite_all(fd, data[pos : pos + n], len(header) + pos)
+        pos += n
+        if pos < length:
+            faults.hit("write.mid")
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf = buf[n:]
+        offset += n
+
+
+def read_data_direct(path: Path, offset: int, length: int, dest: memoryview) -> None:
+    """Read ``length`` bytes at ``offset`` (a multiple of 4 KiB) into page-aligned ``dest``.
+
+    The mirror of :func:`write_file_direct`: large aligned ``O_DIRECT`` reads into
+    memory that is already faulted in, so no page cache is allocated. Raises
+    ``ValueError`` if the file is shorter than expected.
+    """
+    if len(dest) < round_up(length):
+        raise ValueError("destination shorter than the padded read")
+    fd, _ = open_direct(path, os.O_RDONLY)
+    try:
+        pos = 0
+        while pos < length:
+            # Whole blocks even past the end of the file: O_DIRECT needs them; the
+            # kernel stops at EOF.
+            n = min(WRITE_CHUNK, round_up(length) - pos)
+            got = os.preadv(fd, [dest[pos : pos + n]], offset + pos)
+            if got <= 0:
+                raise ValueError(f"{path} ends {length - pos} bytes early")
+            pos += got
+    finally:
+        os.close(fd)
+
+
+def data_offset(path: Path) -> int:
+    """Where the data section of a safetensors file starts (8 + header length)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError(f"{path} is too short to be a safetensors file")
+    return 8 + int.from_bytes(raw, "little")

@@ -1,0 +1,278 @@
+"""The save path: leases granted, handoffs taken, rank files written, steps committed LOCAL.
+
+``CommitShards`` is the acknowledgement point: :meth:`Saver.commit` checks the
+request against its lease, records the handoff in the catalog (STAGING) and
+starts the rank's write in the background; the reply goes out at once. Each
+rank's shards are written from the lease into one safetensors file in the
+step's staging directory with ``O_DIRECT``, crc32c computed over the same memory
+in parallel; when every rank of the node is written the step commits
+(``manifest.json`` last, then the rename: :class:`~ckptd.daemon.commit.RenameCommit`)
+and becomes LOCAL. Runs on the event loop; file work goes to the I/O threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.core import checksum
+from ckptd.core.errors import Conflict, InvalidArgument
+from ckptd.core.format import ALIGN, TensorEntry, build_header, check_layout, round_up
+from ckptd.core.manifest import Manifest, RankRecord, ShardRecord, rank_file_name
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import state_name
+
+from ..catalog import Catalog, Step
+from ..commit import RenameCommit
+from ..io import IoPool
+from .files import write_file_direct
+from .staging import Lease, Staging
+from .store import LocalStore
+
+log = logging.getLogger("ckptd.node")
+
+MAX_WAIT_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """A validated ``CommitShardsRequest`` (api/requests.py builds it)."""
+
+    lease_id: str
+    job: str
+    step: int
+    rank: int
+    node_ranks: tuple[int, ...]
+    world_size: int
+    data_offset: int
+    entries: list[TensorEntry]
+    dtype_names: dict[str, str]
+    global_shapes: dict[str, tuple[int, ...]]
+    indexes: dict[str, list[tuple[int, int]]]
+    tree: Any
+    metadata: dict[str, Any]
+    milestone: bool
+    metrics: dict[str, float]
+
+
+@dataclass
+class _Pending:
+    """A save being written: its staging directory and the ranks handed off so far."""
+
+    step: Step
+    commit: RenameCommit
+    ranks: dict[int, tuple[RankRecord, list[ShardRecord], dict[str, Any]]] = field(
+        default_factory=dict
+    )
+    writing: set[int] = field(default_factory=set)
+
+
+Spawn = Callable[[str, Coroutine[Any, Any, None]], None]
+"""Starts background work that shutdown waits for (``Supervisor.spawn``)."""
+
+
+class Saver:
+    """Handoffs of one daemon: owns the saves in progress (the catalog owns their states)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        staging: Staging,
+        store: LocalStore,
+        io: IoPool,
+        node_id: str,
+        spawn: Spawn,
+    ) -> None:
+        self.catalog = catalog
+        self.staging = staging
+        self.store = store
+        self.io = io
+        self.node_id = node_id
+        self._spawn = spawn
+        self._pending: dict[tuple[str, int], _Pending] = {}
+
+    # -- leases --------------------------------------------------------------
+    async def acquire_lease(self, job: str, size_bytes: int, wait_seconds: float = 0.0) -> Lease:
+        """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it."""
+        return await self.staging.acquire(
+            job, size_bytes, wait_seconds=min(max(wait_seconds, 0.0), MAX_WAIT_SECONDS)
+        )
+
+    def release_lease(self, lease_id: str) -> None:
+        """Give back a lease the client will not commit."""
+        if self.staging.get(lease_id).committed:
+            raise Conflict(f"lease {lease_id!r} was committed; the daemon returns it when written")
+        self.staging.release(lease_id)
+
+    # -- handoffs ----------------------------------------------------------------
+    def commit(self, req: CommitRequest) -> int:
+        """Take ownership of a lease's shards; the write runs in the background."""
+        lease = self.staging.get(req.lease_id)
+        if lease.job != req.job:
+            raise InvalidArgument(
+                f"lease {req.lease_id!r} was granted to job {lease.job!r}, not {req.job!r}"
+            )
+        if lease.committed:
+            raise Conflict(f"lease {req.lease_id!r} was already committed; acquire a new lease")
+        if lease.restore:
+            raise InvalidArgument(
+                f"lease {req.lease_id!r} holds restored data; acquire a save lease instead"
+            )
+        data_len = _check_layout(req.entries)
+        if req.data_offset % ALIGN or req.data_offset + round_up(data_len) > lease.segment.size:
+            raise InvalidArgument(
+                f"shards span bytes {req.data_offset}..{req.data_offset + data_len} but lease "
+                f"{req.lease_id!r} holds {lease.segment.size} bytes (data_offset must be a "
+                f"multiple of {ALIGN}); acquire a lease large enough for the save"
+            )
+        key = (req.job, req.step)
+        st = self.catalog.get(*key)
+        pending = self._pending.get(key)
+        if st is None or (st.state == pb.SAVE_STATE_FAILED and not (pending and pending.writing)):
+            st = self.catalog.begin(
+                req.job,
+                req.step,
+                node_ranks=req.node_ranks,
+                world_size=req.world_size,
+                milestone=req.milestone,
+                metrics=req.metrics,
+            )
+            commit = self.store.begin_step(req.job, req.step, self.io.run)
+            pending = self._pending[key] = _Pending(st, commit)
+        elif st.state != pb.SAVE_STATE_STAGING or pending is None:
+            raise Conflict(
+                f"step {req.step} of job {req.job!r} already exists here ({state_name(st.state)}); "
+                "save under a new step number"
+            )
+        elif st.node_ranks != req.node_ranks:
+            raise InvalidArgument(
+                f"rank {req.rank} names node ranks {list(req.node_ranks)} but step {req.step} was "
+                f"started with {list(st.node_ranks)}; every rank must pass the same node_ranks"
+            )
+        else:
+            self.catalog.joined(st, req.milestone, req.metrics)
+        if req.rank in pending.ranks or req.rank in pending.writing:
+            raise Conflict(f"rank {req.rank} already committed step {req.step} of job {req.job!r}")
+        self.staging.begin_commit(req.lease_id)
+        pending.writing.add(req.rank)
+        self._spawn(
+            f"write {req.job}/{req.step} rank {req.rank}",
+            self._write_rank(pending, req, lease, data_len),
+        )
+        return st.state
+
+    def ranks_written(self, st: Step) -> list[int]:
+        """Ranks of a step whose files are written (all of them once it is LOCAL)."""
+        pending = self._pending.get(st.key)
+        if pending is not None and pending.step is st:
+            return sorted(pending.ranks)
+        return list(st.node_ranks) if st.local else []
+
+    async def _write_rank(
+        self, pending: _Pending, req: CommitRequest, lease: Lease, data_len: int
+    ) -> None:
+        st = pending.step
+        name = rank_file_name(req.rank)
+        try:
+            header = build_header(
+                req.entries,
+                {
+                    "format": "ckptd",
+                    "dtypes": json.dumps(
+                        {e.key: [req.dtype_names[e.key], list(e.shape)] for e in req.entries}
+                    ),
+                },
+            )
+            data = lease.segment.view(req.data_offset, round_up(data_len))
+            ranges = [(e.offset, e.length) for e in req.entries]
+            spare = self.store.take_spare(len(header) + data_len)
+            _, (file_crc, crcs) = await asyncio.gather(
+                self.io.run(
+                    write_file_direct, pending.commit.path / name, header, data, data_len, spare
+                ),
+                self.io.run(checksum.of_file_and_shards, header, data, data_len, ranges),
+            )
+            shards = [
+                ShardRecord(
+                    e.key,
+                    req.rank,
+                    req.dtype_names[e.key],
+                    list(e.shape),
+                    list(req.global_shapes[e.key]),
+                    [list(s) for s in req.indexes[e.key]],
+                    name,
+                    len(header) + e.offset,
+                    e.length,
+                    crc,
+                )
+                for e, crc in zip(req.entries, crcs, strict=True)
+            ]
+            record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
+            pending.ranks[req.rank] = (record, shards, req.metadata)
+        except Exception as exc:  # any failure fails the step, never the daemon
+            log.exception("writing rank %d of %s/%d failed", req.rank, req.job, req.step)
+            await self._fail(pending, f"writing rank {req.rank} failed: {exc}")
+            return
+        finally:
+            pending.writing.discard(req.rank)
+            self.staging.release(req.lease_id)
+            self._forget_if_done(pending)
+        if st.state == pb.SAVE_STATE_STAGING and set(pending.ranks) == set(st.node_ranks):
+            await self._commit_step(pending)
+
+    async def _commit_step(self, pending: _Pending) -> None:
+        st = pending.step
+        ranks = [pending.ranks[r] for r in sorted(pending.ranks)]
+        manifest = Manifest(
+            job=st.job,
+            step=st.step,
+            node=self.node_id,
+            world_size=st.world_size,
+            created_unix=time.time(),
+            ranks=[r for r, _, _ in ranks],
+            shards=[s for _, shards, _ in ranks for s in shards],
+            metadata=next((m for _, _, m in ranks if m), {}),
+            milestone=st.milestone,
+            metrics=dict(st.metrics),
+        )
+        try:
+            await pending.commit.finalize(manifest.to_json().encode())
+        except Exception as exc:
+            log.exception("committing %s/%d failed", st.job, st.step)
+            await self._fail(pending, f"local commit failed: {exc}")
+            return
+        finally:
+            self._forget_if_done(pending, force=True)
+        self.catalog.committed(st, manifest)
+        log.info(
+            "%s/%d LOCAL in %.3f s (%d bytes)",
+            st.job,
+            st.step,
+            st.local_at - st.handoff_at,
+            manifest.size_bytes,
+        )
+
+    async def _fail(self, pending: _Pending, reason: str) -> None:
+        if pending.step.state == pb.SAVE_STATE_FAILED:
+            return
+        self.catalog.failed(pending.step, reason, "local")
+        await pending.commit.abort()
+
+    def _forget_if_done(self, pending: _Pending, force: bool = False) -> None:
+        """Drop the bookkeeping of a save that committed, or failed with no write left."""
+        failed = pending.step.state == pb.SAVE_STATE_FAILED and not pending.writing
+        if (force or failed) and self._pending.get(pending.step.key) is pending:
+            del self._pending[pending.step.key]
+
+
+def _check_layout(entries: list[TensorEntry]) -> int:
+    """Validate a client's layout, converting ValueError to InvalidArgument."""
+    try:
+        return check_layout(entries)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None

@@ -1,0 +1,338 @@
+"""Shared-memory leases: named segments under /dev/shm, pre-faulted once, reused.
+
+Touching fresh memory is the slowest part of a save on these machines (see
+DESIGN.md, Performance notes), so segments are allocated once, faulted in by
+``posix_fallocate`` when created, and handed out again for later saves. The
+total held is bounded by ``staging_budget_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.core.errors import Conflict, NotFound, ResourceExhausted
+from ckptd.core.format import round_up
+
+log = logging.getLogger("ckptd.staging")
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_GRANULE = 2 * 2**20
+"""Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
+
+
+@dataclass
+class Segment:
+    """One shared-memory file mapped into the daemon."""
+
+    name: str
+    size: int
+    mm: mmap.mmap
+    lease_id: str | None = None
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A zero-copy view of ``length`` bytes at ``offset``."""
+        return memoryview(self.mm)[offset : offset + length]
+
+
+@dataclass
+class Lease:
+    """A segment granted to one save of one rank."""
+
+    lease_id: str
+    job: str
+    segment: Segment
+    granted_at: float
+    committed: bool = False
+    restore: bool = False
+    """A restore lease: holds verified checkpoint data for the client."""
+    borrowed: bool = False
+    """The client mapped the restore lease and flocks it while its arrays live."""
+
+
+def segment_prefix(root: Path) -> str:
+    """Segment-name prefix unique to a local-tier root, so daemons never clash."""
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return f"ckptd-{digest}-"
+
+
+class StagingBusy(ResourceExhausted):
+    """The budget is held by in-flight saves right now; waiting may help."""
+
+
+class Staging:
+    """Lease pool with a byte budget. Methods run on the daemon's event loop."""
+
+    def __init__(
+        self,
+        prefix: str,
+        budget_bytes: int,
+        lease_timeout_seconds: float,
+        shm_dir: Path = SHM_DIR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prefix = prefix
+        self.budget_bytes = budget_bytes
+        self.lease_timeout_seconds = lease_timeout_seconds
+        self.shm_dir = shm_dir
+        self._clock = clock
+        self._segments: dict[str, Segment] = {}
+        self._leases: dict[str, Lease] = {}
+        self._reserved = 0  # bytes being allocated right now, not yet in _segments
+        self._counter = itertools.count()
+        self._freed = asyncio.Event()
+
+    # -- accounting --------------------------------------------------------
+    @property
+    def allocated_bytes(self) -> int:
+        """Shared memory held in segments (free or leased)."""
+        return sum(s.size for s in self._segments.values()) + self._reserved
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Shared memory in leases (held by clients or being written)."""
+        return sum(s.size for s in self._segments.values() if s.lease_id is not None)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Shared memory of saves handed off and not yet written to disk."""
+        return sum(lease.segment.size for lease in self._leases.values() if lease.committed)
+
+    @property
+    def leases_held(self) -> int:
+        """Leases granted and not yet returned to the pool."""
+        return len(self._leases)
+
+    # -- lifecycle ---------------------------------------------------------
+    def remove_leftovers(self) -> int:
+        """Delete segments a previous (crashed) daemon on this root left behind."""
+        removed = 0
+        for path in self.shm_dir.glob(self.prefix + "*"):
+            if path.name not in self._segments:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Unmap and unlink every segment."""
+        for seg in self._segments.values():
+            seg.mm.close()
+            (self.shm_dir / seg.name).unlink(missing_ok=True)
+        self._segments.clear()
+        self._leases.clear()
+
+    # -- leases ------------------------------------------------------------
+    def check_fits(self, size_bytes: int) -> int:
+        """Segment size for ``size_bytes``; ResourceExhausted if the budget can never hold it."""
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        if need > self.budget_bytes:
+            raise ResourceExhausted(
+                f"a save of {size_bytes} bytes does not fit the staging budget of "
+                f"{self.budget_bytes} bytes; raise staging_budget_bytes "
+                "(CKPTD_STAGING_BUDGET_BYTES)"
+            )
+        return need
+
+    def could_grant(self, size_bytes: int) -> bool:
+        """Whether :meth:`acquire` would grant ``size_bytes`` now without waiting."""
+        self.reclaim_expired()
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        free = [s for s in self._segments.values() if s.lease_id is None]
+        if any(s.size >= need for s in free):
+            return True
+        return self.allocated_bytes - sum(s.size for s in free) + need <= self.budget_bytes
+
+    async def acquire(
+        self, job: str, size_bytes: int, restore: bool = False, wait_seconds: float = 0.0
+    ) -> Lease:
+        """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
+
+        ``restore``: a lease to fill with checkpoint data for the client (see
+        :meth:`take_free`), allocated if no free segment fits. ``wait_seconds``:
+        while in-flight saves hold the budget, wait up to this long for them to
+        finish (backpressure) before raising :class:`StagingBusy`.
+        """
+        deadline = time.monotonic() + max(0.0, wait_seconds)
+        while True:
+            try:
+                return await self._acquire_now(job, size_bytes, restore)
+            except StagingBusy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                # Borrowed restore segments come back when a client drops its lock,
+                # which nothing signals: poll for those too.
+                freed = self._freed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(freed.wait(), min(left, 0.5))
+
+    async def _acquire_now(self, job: str, size_bytes: int, restore: bool) -> Lease:
+        self.reclaim_expired()
+        need = self.check_fits(size_bytes)
+        free = sorted(
+            (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
+        )
+        seg = next((s for s in free if s.size >= need), None)
+        if seg is None:
+            # Drop free segments that are too small until the new one fits the budget.
+            for small in free:
+                if self.allocated_bytes + need <= self.budget_bytes:
+                    break
+                self._destroy(small)
+            if self.allocated_bytes + need > self.budget_bytes:
+                raise StagingBusy(
+                    f"staging budget exhausted: {self.in_use_bytes} of {self.budget_bytes} bytes "
+                    f"are held by {self.leases_held} in-flight saves and {size_bytes} more are "
+                    "needed; wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
+                )
+            self._reserved += need
+            try:
+                seg = await asyncio.to_thread(self._create, need)
+            finally:
+                self._reserved -= need
+            self._segments[seg.name] = seg
+        return self._grant(job, seg, restore)
+
+    def _grant(self, job: str, seg: Segment, restore: bool = False) -> Lease:
+        lease = Lease(secrets.token_hex(12), job, seg, self._clock(), restore=restore)
+        seg.lease_id = lease.lease_id
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def take_free(self, job: str, size_bytes: int) -> Lease | None:
+        """A restore lease on an already faulted free segment, or None (never allocates).
+
+        Lends a segment only if a save of the same size could still get memory
+        afterwards (another free segment, or budget to allocate one), so a client
+        that keeps its restored arrays for the whole run never starves its saves.
+        """
+        self.reclaim_expired()
+        free = sorted(
+            (s for s in self._segments.values() if s.lease_id is None and s.size >= size_bytes),
+            key=lambda s: s.size,
+        )
+        if not free:
+            return None
+        need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        if len(free) < 2 and self.allocated_bytes + need > self.budget_bytes:
+            return None
+        return self._grant(job, free[0], restore=True)
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still granted (not expired and reclaimed)."""
+        return self._leases.get(lease.lease_id) is lease
+
+    def lend(self, lease_id: str) -> None:
+        """The client confirmed it mapped a restore lease and holds its lock."""
+        lease = self.get(lease_id)
+        if not lease.restore:
+            raise Conflict(
+                f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
+            )
+        lease.borrowed = True
+
+    def reclaim_returned(self) -> list[str]:
+        """Take back borrowed segments whose client lock is gone (arrays freed or client dead)."""
+        returned = []
+        for lid, lease in list(self._leases.items()):
+            if lease.borrowed and not _locked_by_others(self.shm_dir / lease.segment.name):
+                self.release(lid)
+                returned.append(lid)
+        return returned
+
+    def get(self, lease_id: str) -> Lease:
+        """The live lease with this id, or NotFound."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(
+                f"unknown lease {lease_id[:40]!r}: it was never granted, was already committed, "
+                "or expired after lease_timeout_seconds; acquire a new lease"
+            )
+        return lease
+
+    def begin_commit(self, lease_id: str) -> Lease:
+        """Mark a lease as handed off: from now on the daemon owns its bytes."""
+        lease = self.get(lease_id)
+        if lease.committed:
+            raise Conflict(f"lease {lease_id!r} was already committed; acquire a new lease")
+        lease.committed = True
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """Return a lease to the pool (after its commit finished, or if the client gave up)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            lease.segment.lease_id = None
+            self._freed.set()  # wake saves waiting for memory
+            self._freed = asyncio.Event()
+
+    def reclaim_expired(self) -> list[str]:
+        """Return leases that clients held past the timeout without committing."""
+        self.reclaim_returned()
+        now = self._clock()
+        expired = [
+            lid
+            for lid, lease in self._leases.items()
+            if not lease.committed
+            and not lease.borrowed
+            and now - lease.granted_at > self.lease_timeout_seconds
+        ]
+        for lid in expired:
+            log.warning("lease %s for job %s expired without a commit", lid, self._leases[lid].job)
+            self.release(lid)
+        return expired
+
+    # -- segments ----------------------------------------------------------
+    def _create(self, size: int) -> Segment:
+        name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
+        path = self.shm_dir / name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+        try:
+            os.fchmod(fd, 0o660)  # the umask must not narrow it: clients share the group
+            os.ftruncate(fd, size)
+            try:
+                # Allocates and zeroes every page now, in the kernel, so no save pays for it.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                raise ResourceExhausted(
+                    f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: "
+                    f"{exc.strerror}; free space there or lower staging_budget_bytes"
+                ) from None
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        log.info("allocated staging segment %s (%d bytes)", name, size)
+        return Segment(name, size, mm)
+
+    def _destroy(self, seg: Segment) -> None:
+        self._segments.pop(seg.name, None)
+        seg.mm.close()
+        (self.shm_dir / seg.name).unlink(missing_ok=True)
+
+
+def _locked_by_others(path: Path) -> bool:
+    """True while some process holds a flock on ``path`` (a client using restored memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also drops our probe lock
+    return False

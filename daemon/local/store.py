@@ -1,0 +1,189 @@
+"""The local tier on NVMe: where steps live, start-up recovery, eviction, spare files.
+
+Layout::
+
+    <root>/<job>/<step>/manifest.json
+    <root>/<job>/<step>/rank-00000.safetensors
+    <root>/.staging/<job>.<step>.<token>/   a save in progress; deleted at start-up
+    <root>/.cache/                         remote downloads in progress; deleted at start-up
+    <root>/.corrupt/                       copies that failed a checksum; deleted at start-up
+    <root>/.peers/                         other nodes' parts of steps (for resharding)
+    <root>/.spare/                         evicted rank files that later saves overwrite
+
+Commit point: the rename of a staging directory to ``<root>/<job>/<step>``
+(:class:`~ckptd.daemon.commit.RenameCommit`, ``manifest.json`` written last).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.core.manifest import MANIFEST, Manifest
+
+from ..commit import RenameCommit, Runner
+from .files import fsync_dir
+
+log = logging.getLogger("ckptd.localstore")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What start-up recovery found."""
+
+    manifests: list[Manifest]
+    removed_staging: int
+    skipped: list[str]
+
+
+class LocalStore:
+    """Filesystem operations of the local tier. Blocking: call from worker threads."""
+
+    def __init__(self, root: Path, spare_max_bytes: int = 0) -> None:
+        self.root = root
+        self.spare_root = root / ".spare"
+        self.spare_max_bytes = spare_max_bytes
+        """Evicted rank files kept (up to this many bytes) for new saves to overwrite."""
+        self._spares: dict[Path, int] = {}
+        self._spare_lock = threading.Lock()
+        self.staging_root = root / ".staging"
+        self.cache_root = root / ".cache"
+        self.corrupt_root = root / ".corrupt"
+        self.trash_root = root / ".trash"
+        self.peers_root = root / ".peers"
+        """Other nodes' parts of steps, fetched for restores that reshard across nodes."""
+
+    def step_dir(self, job: str, step: int) -> Path:
+        """Where a committed step lives."""
+        return self.root / job / str(step)
+
+    def recover(self) -> Recovery:
+        """Remove staging/cache leftovers and rescan committed steps."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        removed = 0
+        leftover_dirs = (
+            self.staging_root,
+            self.cache_root,
+            self.corrupt_root,
+            self.trash_root,
+            self.spare_root,
+            self.peers_root,
+        )
+        for leftovers in leftover_dirs:
+            if leftovers.exists():
+                removed += sum(1 for _ in leftovers.iterdir())
+                shutil.rmtree(leftovers)
+            leftovers.mkdir(mode=0o750)
+        fsync_dir(self.root)
+        manifests: list[Manifest] = []
+        skipped: list[str] = []
+        for job_dir in sorted(self.root.iterdir()):
+            if job_dir.name.startswith(".") or not job_dir.is_dir():
+                continue
+            for step_dir in job_dir.iterdir():
+                if not step_dir.name.isdigit():
+                    continue
+                try:
+                    manifest = Manifest.from_json((step_dir / MANIFEST).read_text())
+                    if manifest.job != job_dir.name or manifest.step != int(step_dir.name):
+                        raise ValueError("manifest names another job or step")
+                except (OSError, ValueError) as exc:
+                    skipped.append(f"{step_dir}: {exc}")
+                    continue
+                manifests.append(manifest)
+        return Recovery(manifests, removed, skipped)
+
+    def begin_step(self, job: str, step: int, run: Runner) -> RenameCommit:
+        """A commit of a new step: its files go in a fresh staging directory on the same
+        filesystem; ``finalize(manifest bytes)`` renames it to :meth:`step_dir`."""
+        return RenameCommit.beside(
+            self.step_dir(job, step),
+            self.staging_root,
+            f"{job}.{step}",
+            marker=MANIFEST,
+            run=run,
+            fault="commit.before_rename",
+        )
+
+    def begin_fetch(self, job: str, step: int, run: Runner) -> RenameCommit:
+        """A commit of a step downloaded from the bucket (through ``.cache``)."""
+        return RenameCommit.beside(
+            self.step_dir(job, step),
+            self.cache_root,
+            f"{job}.{step}",
+            marker=MANIFEST,
+            run=run,
+            fault="commit.before_rename",
+        )
+
+    def peer_dir(self, job: str, step: int, node: str) -> Path:
+        """Where another node's part of a step lives once fetched."""
+        return self.peers_root / f"{job}.{step}.{node}"
+
+    def begin_peer(self, job: str, step: int, node: str, run: Runner) -> RenameCommit:
+        """A commit of another node's part of a step, downloaded into :meth:`peer_dir`."""
+        return RenameCommit.beside(
+            self.peer_dir(job, step, node),
+            self.cache_root,
+            f"{job}.{step}.{node}",
+            marker=MANIFEST,
+            run=run,
+        )
+
+    def evict(self, job: str, step: int) -> None:
+        """Remove a committed step: renamed out of view first (durably), then deleted.
+
+        Its rank files become spares (up to ``spare_max_bytes``) that later
+        saves overwrite in place.
+        """
+        final = self.step_dir(job, step)
+        gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
+        os.rename(final, gone)
+        fsync_dir(final.parent)
+        for peer in self.peers_root.glob(f"{job}.{step}.*"):
+            shutil.rmtree(peer, ignore_errors=True)
+        for f in sorted(gone.glob("rank-*.safetensors")):
+            size = f.stat().st_size
+            with self._spare_lock:
+                if sum(self._spares.values()) + size > self.spare_max_bytes:
+                    break
+                spare = self.spare_root / secrets.token_hex(8)
+                os.rename(f, spare)
+                self._spares[spare] = size
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def set_aside(self, job: str, step: int) -> None:
+        """Move a corrupt copy out of view into ``.corrupt`` (removed at the next start)."""
+        shutil.move(
+            str(self.step_dir(job, step)), str(self.corrupt_root / f"{job}.{step}.{time.time_ns()}")
+        )
+
+    def take_spare(self, size: int) -> Path | None:
+        """The smallest spare file of at least ``size`` bytes, removed from the pool."""
+        with self._spare_lock:
+            fits = [(n, p) for p, n in self._spares.items() if n >= size]
+            if not fits:
+                return None
+            _, path = min(fits)
+            del self._spares[path]
+            return path
+
+    @property
+    def spare_bytes(self) -> int:
+        """Disk space held by spare files (given back by :meth:`drop_spares`)."""
+        with self._spare_lock:
+            return sum(self._spares.values())
+
+    def drop_spares(self) -> int:
+        """Delete every spare file (the disk is short of space); returns the bytes freed."""
+        with self._spare_lock:
+            spares, self._spares = self._spares, {}
+        for path in spares:
+            path.unlink(missing_ok=True)
+        return sum(spares.values())

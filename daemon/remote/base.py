@@ -1,0 +1,338 @@
+"""The remote tier's one adapter: fsspec for ``s3://`` (s3fs), ``gs://`` (gcsfs), ``file://``.
+
+Every backend runs on fsspec's async API on the daemon's event loop
+(``skip_instance_cache=True`` so rotated credentials are picked up), reads
+local files in parts with ``O_DIRECT`` into a small pool of reused buffers, and
+checks each upload against the crc32c recorded at local commit:
+
+- S3: multipart upload with ``ChecksumAlgorithm=CRC32C`` and each part's
+  checksum sent along, so the store verifies every part it receives; the parts'
+  checksums, combined, must equal the file's commit-time crc32c.
+- GCS: the object's native ``crc32c`` must equal the commit-time crc32c.
+- file://: each part's crc32c is computed from the bytes written; the file is
+  written under a temporary name, fsynced and renamed.
+
+Each backend (file.py, gcs.py, s3.py: registered in backends.py) writes objects
+and classifies its own errors (:meth:`Remote.is_transient`); everything else is
+here. Credentials come from each library's standard provider chain and are
+never logged.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import errno
+import logging
+import mmap
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptd.core import checksum
+from ckptd.core.errors import CkptdError
+from ckptd.core.format import round_up
+
+from .. import faults
+from ..commit import Commit, MarkerCommit
+from ..local.files import open_direct
+from .layout import COMMIT_FILE
+
+log = logging.getLogger("ckptd.remote")
+
+
+class RemoteError(CkptdError):
+    """A remote operation failed; ``transient`` says whether retrying may help."""
+
+    def __init__(self, message: str, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+_CONNECTION_ERRORS = frozenset(
+    {
+        # aiohttp (gcsfs, s3fs through aiobotocore) and botocore
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EIO,
+        errno.EREMOTEIO,  # s3fs's translation of a server-side S3 error (InternalError, 5xx)
+        errno.EAGAIN,
+    }
+)
+
+
+def transient_http_status(code: object) -> bool:
+    """HTTP statuses worth retrying: 5xx, request timeout, too many requests."""
+    text = str(code)
+    return text.isdigit() and (int(text) >= 500 or int(text) in (408, 429))
+
+
+class BufferPool:
+    """``count`` page-aligned buffers of ``size`` bytes, touched once and reused."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: asyncio.Queue[mmap.mmap] = asyncio.Queue()
+        self._count = count
+        self._made = 0
+
+    @contextlib.asynccontextmanager
+    async def buffer(self) -> AsyncIterator[mmap.mmap]:
+        """Borrow a buffer (waits if all are in use)."""
+        if self._free.empty() and self._made < self._count:
+            self._made += 1
+            buf = mmap.mmap(-1, self.size)
+            np.frombuffer(buf, np.uint8)[:: mmap.PAGESIZE] = 0  # fault it in once
+            self._free.put_nowait(buf)
+        buf = await self._free.get()
+        try:
+            yield buf
+        finally:
+            self._free.put_nowait(buf)
+
+
+def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int, int]:
+    """Read ``length`` bytes at ``offset`` into ``buf`` (O_DIRECT if aligned); -> (n, crc32c)."""
+    faults.hit("drain.part")
+    fd, direct = open_direct(path, os.O_RDONLY, want=offset % 4096 == 0)
+    try:
+        view = memoryview(buf)
+        want = round_up(length) if direct else length
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:want]], offset + got)
+            if n <= 0:
+                raise RemoteError(f"{path} ended early at byte {offset + got}", transient=False)
+            got += n
+    finally:
+        os.close(fd)
+    return length, checksum.extend(0, np.frombuffer(buf, np.uint8, length))
+
+
+def _checksum_and_write(
+    fd: int, direct: bool, src: memoryview, start: int, length: int, at: int
+) -> int:
+    """crc32c of ``src[start:start+length]``, written to the file at ``at``."""
+    value = checksum.extend(0, np.frombuffer(src, np.uint8, length, start))
+    _write_part(fd, direct, src, start, length, at)
+    return value
+
+
+def _write_part(
+    fd: int, direct: bool, src: memoryview, start: int, length: int, at: int | None = None
+) -> None:
+    """Write ``src[start:start+length]`` at file offset ``at`` (default ``start``); with
+    O_DIRECT the length is padded to a whole block (the file is truncated afterwards)."""
+    at = start if at is None else at
+    n = round_up(length) if direct else length
+    view = src[start : start + n]
+    while len(view):
+        done = os.pwrite(fd, view, at)
+        view, at = view[done:], at + done
+
+
+def parts(size: int, part_size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each part of a file (at least one, even if empty)."""
+    return [(o, min(part_size, size - o)) for o in range(0, size, part_size)] or [(0, 0)]
+
+
+class Remote(abc.ABC):
+    """Operations the drain and restore need, on top of an fsspec async filesystem."""
+
+    scheme = ""
+
+    def __init__(self, url: str, fs: Any, root: str, part_size: int, concurrency: int) -> None:
+        self.url = url.rstrip("/")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.buffers = BufferPool(concurrency, part_size)
+        self._limit = asyncio.Semaphore(concurrency)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Errors worth retrying: connection trouble, timeouts, throttling, 5xx, bad
+        checksums. Backends add their own codes in :meth:`_transient`."""
+        if isinstance(exc, RemoteError):
+            return exc.transient
+        cause = exc.__cause__ or exc.__context__
+        # Libraries wrap their errors (s3fs: botocore's InternalError -> OSError(EREMOTEIO)).
+        wrapped = cause is not None and cause is not exc and not isinstance(exc, FileNotFoundError)
+        if wrapped and cause is not None and self.is_transient(cause):
+            return True
+        if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+            return False
+        if isinstance(exc, ConnectionError | TimeoutError | asyncio.TimeoutError):
+            return True
+        if type(exc).__name__ in _CONNECTION_ERRORS or self._transient(exc):
+            return True
+        return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+    def _transient(self, exc: BaseException) -> bool:
+        """The backend's own transient errors (its error codes); none by default."""
+        return False
+
+    def path(self, key: str) -> str:
+        """The fsspec path of a key relative to the remote root."""
+        return f"{self.root}/{key}" if key else self.root
+
+    async def _bounded(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        async with self._limit:
+            return await fn()
+
+    # -- reads and listings (shared by all backends) --------------------------------
+    async def check(self) -> None:
+        """Fail fast at start-up if the remote is unreachable or the credentials are refused."""
+        await self.fs._ls(self.root.split("/")[0] if self.scheme != "file" else self.root)
+
+    async def get_bytes(self, key: str) -> bytes:
+        """A whole (small) object."""
+        data: bytes = await self.fs._cat_file(self.path(key))
+        return data
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object."""
+        data: bytes = await self.fs._cat_file(self.path(key), start=start, end=end)
+        return data
+
+    async def read_range_into(self, key: str, start: int, length: int, dst: memoryview) -> None:
+        """Read ``length`` bytes of an object at ``start`` into ``dst`` (backends may stream)."""
+        data = await self.get_range(key, start, start + length)
+        if len(data) != length:
+            raise RemoteError(f"{key}: short read at {start}", transient=True)
+        dst[:length] = data
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (recursive), relative to the remote root."""
+        self.fs.invalidate_cache()
+        try:
+            found = await self.fs._find(self.path(prefix), detail=True)
+        except FileNotFoundError:
+            return []
+        base = self.root + "/"
+        # Only objects: stores that emulate directories (SeaweedFS) list those too.
+        return sorted(
+            p[len(base) :]
+            for p, info in found.items()
+            if info.get("type") == "file" and p.startswith(base) and not p.endswith("/")
+        )
+
+    async def exists(self, key: str) -> bool:
+        """Whether an object exists."""
+        return bool(await self.fs._exists(self.path(key)))
+
+    async def delete(self, keys: list[str]) -> None:
+        """Delete objects (missing ones are ignored)."""
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                await self.fs._rm_file(self.path(key))
+
+    async def download(
+        self, key: str, dest: Path, size: int, into: memoryview | None = None
+    ) -> int:
+        """Download an object into ``dest`` with parallel ranged reads; returns its crc32c.
+
+        Each part is copied into page-aligned memory (``into``, a page-aligned view
+        of at least ``round_up(size)`` bytes that keeps the whole object, or else a
+        pooled buffer) and written from there with ``O_DIRECT``, as it arrives: no
+        page cache is allocated and the disk write overlaps the network.
+        """
+        fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+
+            async def one(offset: int, length: int) -> int:
+                if length == 0:
+                    return 0  # s3fs reads the whole object for an empty range
+                async with contextlib.AsyncExitStack() as stack:
+                    if into is not None:
+                        dst, start = into, offset
+                    else:
+                        dst, start = (
+                            memoryview(await stack.enter_async_context(self.buffers.buffer())),
+                            0,
+                        )
+                    await self._bounded(
+                        lambda: self.read_range_into(key, offset, length, dst[start:])
+                    )
+                    # Checksum and write on a worker thread: the loop only moves bytes.
+                    return await asyncio.to_thread(
+                        _checksum_and_write, fd, direct, dst, start, length, offset
+                    )
+
+            pieces = parts(size, self.part_size)
+            crcs = await asyncio.gather(*(one(o, n) for o, n in pieces))
+            await asyncio.to_thread(os.ftruncate, fd, size)  # drop the O_DIRECT padding
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            os.close(fd)
+        return checksum.combine_all([(c, n) for c, (_, n) in zip(crcs, pieces, strict=True)])
+
+    # -- backend-specific ----------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, url: str, endpoint_url: str, part_size: int, concurrency: int) -> Remote:
+        """The backend for ``url`` (its library's filesystem, configured)."""
+
+    @abc.abstractmethod
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object whole, verified against its crc32c."""
+
+    @abc.abstractmethod
+    async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
+        """Upload a local file, verified end to end against ``crc32c`` (commit-time value)."""
+
+    @abc.abstractmethod
+    async def native_crc32c(self, key: str) -> int | None:
+        """The store's own crc32c of an object, if it keeps one."""
+
+    # -- adopted trees (see layout.py) ------------------------------------------------
+    def tree_commit(self, tree: str, records: str, node: str) -> Commit:
+        """The commit of an adopted tree published at ``tree`` (its framework's commit
+        file, ``commit_success.txt``, is the marker). Object stores: written in place,
+        the commit file last (Orbax on ``gs://`` counts a step only once it exists)."""
+        return MarkerCommit(self, tree, f"{tree}/{COMMIT_FILE}")
+
+    async def retract_tree(self, tree: str, records: str, node: str) -> None:
+        """Hide an adopted tree from its framework before its objects are deleted:
+        its commit file goes first, so no reader sees a half-deleted step."""
+        await self.delete([f"{tree}/{COMMIT_FILE}"])
+
+    async def close(self) -> None:
+        """Close the library's HTTP session (s3fs / gcsfs keep one open)."""
+        s3 = getattr(self.fs, "_s3", None)
+        if s3 is not None:
+            await s3.close()
+        session = getattr(self.fs, "_session", None)
+        if session is not None and not session.closed:
+            await session.close()
+
+    async def cleanup_incomplete(self, prefix: str) -> int:
+        """Remove upload leftovers under ``prefix`` that are not objects (S3 multipart
+        uploads a killed daemon left open); returns how many. Nothing to do elsewhere:
+        file:// renames into place and GCS expires abandoned resumable sessions."""
+        return 0
+
+    def mismatch(self, key: str, what: str, got: int, want: int) -> RemoteError:
+        """The error for an upload whose checksum disagrees (retried: the next try re-sends)."""
+        return RemoteError(
+            f"{self.url}/{key}: {what} crc32c {got:#010x} != {want:#010x} recorded at local commit",
+            transient=True,
+        )

@@ -1,0 +1,345 @@
+"""The drain: uploads LOCAL steps to the remote tier in the background.
+
+Newest first and coalescing: when the uploader is free it takes each job's
+newest LOCAL step; an older pending step goes up only if the remote retention
+would keep it (the retention plan's ``remote_wants``), otherwise it becomes
+SUPERSEDED once a newer step is DURABLE. Each step's objects are uploaded in
+parallel parts and verified against the crc32c recorded at local commit, then
+committed with the ``_complete/<node>`` marker last
+(:class:`~ckptd.daemon.commit.MarkerCommit`). Transient errors (as the backend
+classifies them) are retried with exponential backoff and full jitter; a
+permanent one marks the step FAILED (its local copy stays restorable). At
+start-up, steps whose marker is already in the bucket are DURABLE and the others
+are queued again; files already in the bucket with the right crc32c are not
+sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from ckptd.core import checksum
+from ckptd.core.checksum import verify_step
+from ckptd.proto import ckptd_pb2 as pb
+
+from .. import faults
+from ..catalog import Catalog, Event, Step
+from ..commit import MarkerCommit
+from ..io import IoPool
+from ..local.store import LocalStore
+from ..retention.planner import Retention
+from .base import Remote
+from .layout import (
+    COMMIT_FILE,
+    FILES_DIR,
+    complete_steps_in,
+    file_key,
+    manifest_key,
+    marker_key,
+    parse_pin,
+    record_prefix,
+    step_prefix,
+    tree_path,
+    upload_order,
+)
+
+log = logging.getLogger("ckptd.drain")
+
+_WOKEN_BY = frozenset(
+    {
+        pb.STEP_EVENT_LOCAL,
+        pb.STEP_EVENT_PINNED,
+        pb.STEP_EVENT_UNPINNED,
+        pb.STEP_EVENT_EVICTED_REMOTE,
+        pb.STEP_EVENT_REQUEUED,
+    }
+)
+"""Transitions that can put a step in the queue or change what the bucket wants."""
+
+
+class Backoff:
+    """Exponential backoff with full jitter; ``rand`` is injectable for tests."""
+
+    def __init__(
+        self, initial: float, maximum: float, rand: Callable[[], float] = random.random
+    ) -> None:
+        self.initial, self.maximum, self.rand = initial, maximum, rand
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        return float(self.rand() * min(self.maximum, self.initial * 2**attempt))
+
+
+class Drain:
+    """One background uploader per daemon."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        remote: Remote,
+        store: LocalStore,
+        io: IoPool,
+        retention: Retention,
+        retry_max_seconds: float,
+    ) -> None:
+        self.catalog = catalog
+        self.remote = remote
+        self.store = store
+        self.io = io
+        self.retention = retention
+        self.node_id = catalog.node_id
+        self.backoff = Backoff(0.5, retry_max_seconds)
+        self.last_error = ""
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        catalog.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind in _WOKEN_BY:
+            self._wake.set()
+
+    @property
+    def queue_length(self) -> int:
+        """Steps waiting to be uploaded (or being uploaded)."""
+        return self.catalog.count(pb.SAVE_STATE_LOCAL) + self.catalog.count(pb.SAVE_STATE_DRAINING)
+
+    async def resume(self) -> None:
+        """Match the local index against the bucket's markers (start-up)."""
+        keys = await self.remote.list_keys("")
+        markers = complete_steps_in(keys)
+        pins = {pin for pin in map(parse_pin, keys) if pin is not None}
+        # Retention needs the time, milestone flag and metrics of steps that are only in
+        # the bucket: this node's markers carry them.
+        limit = asyncio.Semaphore(16)
+
+        async def info(job: str, step: int, adopted: bool) -> dict[str, object]:
+            async with limit:
+                try:
+                    raw = await self.remote.get_bytes(marker_key(job, step, self.node_id, adopted))
+                    found = json.loads(raw)
+                    return found if isinstance(found, dict) else {}
+                except Exception:
+                    return {}
+
+        remote_only = [
+            key
+            for key, found in markers.items()
+            if self.node_id in found.nodes
+            and not ((st := self.catalog.get(*key)) is not None and st.local)
+        ]
+        infos = await asyncio.gather(*(info(j, s, markers[j, s].adopted) for j, s in remote_only))
+        described = dict(zip(remote_only, infos, strict=True))
+        for (job, step), found in markers.items():
+            meta = described.get((job, step), {})
+            self.catalog.discovered(
+                job,
+                step,
+                found.nodes,
+                found.adopted,
+                pinned=(job, step) in pins,
+                created_unix=float(meta.get("created_unix") or meta.get("time") or 0),  # type: ignore[arg-type]
+                milestone=bool(meta.get("milestone", False)),
+                metrics={
+                    str(k): float(v)
+                    for k, v in (meta.get("metrics") or {}).items()  # type: ignore[attr-defined]
+                },
+            )
+        await self.remote.cleanup_incomplete("")
+        log.info(
+            "remote %s: %d complete steps; %d local steps to upload",
+            self.remote.url,
+            len(markers),
+            self.queue_length,
+        )
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current attempt (the step is retried next start)."""
+        self._stop.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Upload until stopped (supervised: an unexpected error restarts the loop)."""
+        while not self._stop.is_set():
+            self.supersede_unwanted()
+            st = self.pick()
+            if st is None:
+                self._wake.clear()
+                if self.pick() is None:
+                    await self._wake.wait()
+                continue
+            await self._drain(st)
+
+    def supersede_unwanted(self) -> None:
+        """Pending steps the bucket will never want become SUPERSEDED: a newer step of
+        their job is complete there and the remote retention does not keep them."""
+        for job in self.catalog.jobs():
+            supersede = self.retention.plan(job).supersede
+            if not supersede:
+                continue
+            newest = max(
+                (s.step for s in self.catalog.list(job) if self.node_id in s.remote_nodes),
+                default=-1,
+            )
+            for step in supersede:
+                st = self.catalog.get(job, step)
+                if st is not None and st.state == pb.SAVE_STATE_LOCAL:
+                    self.catalog.superseded(
+                        st,
+                        f"superseded by step {newest}, uploaded first (coalescing drain); "
+                        "the remote retention does not keep this step",
+                    )
+
+    def pick(self) -> Step | None:
+        """Each job's newest pending step first (most recently committed job first), then
+        older steps the remote retention keeps, newest first."""
+        by_job: dict[str, list[Step]] = {}
+        for s in self.catalog.steps():
+            if s.state == pb.SAVE_STATE_LOCAL and s.local:
+                by_job.setdefault(s.job, []).append(s)
+        newest = [max(steps, key=lambda s: s.step) for steps in by_job.values()]
+        fresh = [s for s in newest if not self._newer_in_remote(s)]
+        if fresh:
+            return max(fresh, key=lambda s: s.local_at)
+        older = [
+            s
+            for job, steps in by_job.items()
+            for s in steps
+            if s.step in self.retention.plan(job).remote_wants
+        ]
+        return max(older, key=lambda s: s.step) if older else None
+
+    def _newer_in_remote(self, st: Step) -> bool:
+        return any(
+            s.step > st.step and self.node_id in s.remote_nodes for s in self.catalog.list(st.job)
+        )
+
+    def _newer_pending(self, st: Step) -> bool:
+        return any(
+            s.step > st.step and s.state == pb.SAVE_STATE_LOCAL for s in self.catalog.list(st.job)
+        )
+
+    async def _drain(self, st: Step) -> None:
+        self.catalog.draining(st)
+        attempt = 0
+        while True:
+            try:
+                await self._upload(st)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._stop.is_set():
+                    self.catalog.requeued(st, "the daemon is stopping")
+                    return
+                reason = f"upload to {self.remote.url} failed: {exc}"
+                changed = await self._adopted_changed(st) if attempt >= 2 else ""
+                if changed:
+                    reason = changed
+                if changed or not self.remote.is_transient(exc):
+                    log.error("%s/%d: %s (not retrying)", st.job, st.step, reason)
+                    self.last_error = reason
+                    self.catalog.failed(st, reason, "remote")
+                    return
+                delay = self.backoff.delay(attempt)
+                attempt += 1
+                self.last_error = f"retrying in {delay:.1f} s: {reason}"
+                log.warning("%s/%d: %s", st.job, st.step, self.last_error)
+                self.catalog.retrying(st, self.last_error)
+                if (
+                    self._newer_pending(st)
+                    and st.step not in self.retention.plan(st.job).remote_wants
+                ):
+                    self.catalog.requeued(st, "a newer step goes first (coalescing)")
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+        self.last_error = ""
+        self.catalog.durable(st)
+        log.info(
+            "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
+        )
+
+    async def _adopted_changed(self, st: Step) -> str:
+        """Why an adopted step can never upload, if its files changed since adoption
+        (they are hard links to the framework's files); empty otherwise."""
+        if not st.adopted or st.manifest is None:
+            return ""
+        local_dir = self.store.step_dir(st.job, st.step)
+        bad = await self.io.run(verify_step, local_dir, st.manifest)
+        if not bad:
+            return ""
+        return (
+            f"{len(bad)} adopted files changed after adoption (e.g. {bad[0]}): ckptd holds hard "
+            "links to them, so a directory must not be modified once adopted; adopt the new "
+            "version under a new step"
+        )
+
+    async def _upload(self, st: Step) -> None:
+        manifest = st.manifest
+        assert manifest is not None
+        node = self.node_id
+        local_dir = self.store.step_dir(st.job, st.step)
+        adopted = manifest.adopted
+        tree = step_prefix(st.job, st.step)
+        records = record_prefix(st.job, st.step, adopted)
+        # An adopted tree is published where its framework reads it (its own commit
+        # file last); ckptd's records of the step are committed beside it.
+        tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
+
+        async def one(rank_file: str, size: int, crc32c: int) -> None:
+            if tree_commit is not None:
+                key = f"{tree_commit.location}/{tree_path(rank_file)}"
+            else:
+                key = file_key(st.job, st.step, node, rank_file)
+            with contextlib.suppress(FileNotFoundError):
+                if await self.remote.native_crc32c(key) == crc32c:
+                    log.info(
+                        "%s is already in the bucket with the right crc32c: not sent again", key
+                    )
+                    return
+            await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
+
+        records_by_file = {r.file: r for r in manifest.ranks}
+        top_commit = f"{FILES_DIR}/{COMMIT_FILE}"
+        for wave in upload_order([f for f in records_by_file if f != top_commit]):
+            await asyncio.gather(
+                *(one(f, records_by_file[f].size, records_by_file[f].crc32c) for f in wave)
+            )
+        if tree_commit is not None:
+            await asyncio.to_thread(faults.hit, "drain.before_tree_commit")
+            marker = None
+            if top_commit in records_by_file:
+                marker = await self.io.run((local_dir / top_commit).read_bytes)
+                want = records_by_file[top_commit].crc32c
+                if checksum.value(marker) != want:
+                    raise self.remote.mismatch(
+                        top_commit, "read back", checksum.value(marker), want
+                    )
+            await tree_commit.finalize(marker)
+        part = MarkerCommit(
+            self.remote, f"{records}/{node}", marker_key(st.job, st.step, node, adopted)
+        )
+        manifest_bytes = await self.io.run((local_dir / "manifest.json").read_bytes)
+        await self.remote.put_bytes(manifest_key(st.job, st.step, node, adopted), manifest_bytes)
+        await asyncio.to_thread(faults.hit, "drain.before_marker")
+        marker_info = {
+            "node": node,
+            "job": st.job,
+            "step": st.step,
+            "time": time.time(),
+            "files": [r.file for r in manifest.ranks] + ["manifest.json"],
+            # What retention needs once the local copy is gone.
+            "created_unix": manifest.created_unix,
+            "milestone": st.milestone,
+            "metrics": st.metrics,
+        }
+        await part.finalize(json.dumps(marker_info).encode())
+        # Attempts cut by an outage could not abort their multipart uploads: do it now.
+        with contextlib.suppress(Exception):
+            await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node}/")

@@ -1,0 +1,109 @@
+"""The ``file://`` backend: a local or shared (NFS, Lustre) directory as the remote tier."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ckptd.core import checksum
+
+from ..commit import Commit, RenameCommit
+from ..local.files import fsync_dir
+from .base import Remote, parts, read_part
+from .layout import COMMIT_FILE
+
+
+class FileRemote(Remote):
+    """``file:///path``: a local or shared (NFS, Lustre) directory."""
+
+    scheme = "file"
+
+    async def check(self) -> None:
+        """The directory must exist (or be creatable) and be writable."""
+        await asyncio.to_thread(os.makedirs, self.root, exist_ok=True)
+        if not os.access(self.root, os.W_OK):
+            raise PermissionError(f"{self.root} is not writable")
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """Write via a temporary name, fsync, rename: readers never see a partial object."""
+        await asyncio.to_thread(self._write_atomic, key, [data])
+
+    def _write_atomic(self, key: str, chunks: list[bytes]) -> None:
+        final = Path(self.path(key))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+
+    async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
+        """Copy part by part (O_DIRECT reads), checking the bytes read against ``crc32c``."""
+        final = Path(self.path(key))
+        await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+        fd = await asyncio.to_thread(os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            pieces = []
+            for offset, length in parts(size, self.part_size):
+                async with self.buffers.buffer() as buf:
+                    n, part_crc = await asyncio.to_thread(read_part, local, offset, length, buf)
+                    await asyncio.to_thread(os.pwrite, fd, memoryview(buf)[:n], offset)
+                pieces.append((part_crc, n))
+            got = checksum.combine_all(pieces)
+            if got != crc32c:
+                raise self.mismatch(key, "copied", got, crc32c)
+            await asyncio.to_thread(os.fsync, fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        await asyncio.to_thread(os.rename, tmp, final)
+
+    async def native_crc32c(self, key: str) -> int | None:
+        """A filesystem keeps no checksum: computed by reading the file (streamed)."""
+        return await asyncio.to_thread(checksum.of_file, Path(self.path(key)))
+
+    def tree_commit(self, tree: str, records: str, node: str) -> Commit:
+        """Built under ckptd's records of the step and renamed into place whole: Orbax
+        reads any local step directory without a tmp suffix as finished."""
+        staging = f"{records}/{node}/tree"
+        return RenameCommit(
+            Path(self.path(tree)),
+            Path(self.path(staging)),
+            COMMIT_FILE,
+            replace=True,
+            location=staging,
+        )
+
+    async def retract_tree(self, tree: str, records: str, node: str) -> None:
+        """Move the tree out of view in one rename, then delete it."""
+        src = Path(self.path(tree))
+        gone = Path(self.path(f"{records}/{node}/deleting-{secrets.token_hex(4)}"))
+
+        def retract() -> None:
+            if not src.exists():
+                return
+            gone.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, gone)
+            fsync_dir(src.parent)
+            shutil.rmtree(gone, ignore_errors=True)
+
+        await asyncio.to_thread(retract)
+
+    @classmethod
+    def open(cls, url: str, endpoint_url: str, part_size: int, concurrency: int) -> FileRemote:
+        """A ``file:///path`` remote (fsspec's local filesystem, wrapped async)."""
+        from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+        from fsspec.implementations.local import LocalFileSystem
+
+        path = "/" + urlparse(url).path.strip("/")
+        return cls(url, AsyncFileSystemWrapper(LocalFileSystem()), path, part_size, concurrency)

@@ -1,0 +1,170 @@
+"""Fetches from the bucket for restores: which steps it holds, a step made local
+again, and other nodes' parts of a step for restores that reshard across nodes.
+
+Every file is checked against its crc32c as it arrives and the copy is
+committed locally (``manifest.json`` last, one rename) before anything reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from ckptd.core.errors import ResourceExhausted
+from ckptd.core.format import round_up
+from ckptd.core.manifest import MANIFEST
+
+from ..catalog import Catalog, Step
+from ..io import IoPool
+from ..local.staging import Lease, Staging
+from ..local.store import LocalStore
+from ..remote import fetch
+from ..remote.base import Remote
+
+log = logging.getLogger("ckptd.restore")
+
+
+class Fetcher:
+    """Bucket-to-local transfers for restores (``remote`` None: nothing to fetch from)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: LocalStore,
+        staging: Staging,
+        io: IoPool,
+        remote: Remote | None,
+    ) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.staging = staging
+        self.io = io
+        self.remote = remote
+        self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
+        self._prefetched: dict[tuple[str, int, int], Lease] = {}
+        """Verified restore leases of other ranks, filled by a fetch from the bucket."""
+
+    async def refresh(self, job: str) -> None:
+        """Learn which steps of ``job`` the bucket holds complete (other nodes' too)."""
+        if self.remote is None:
+            return
+        for step, found in (await fetch.complete_steps(self.remote, job)).items():
+            self.catalog.discovered(job, step, found.nodes, found.adopted)
+
+    def take_prefetched(self, job: str, step: int, rank: int) -> Lease | None:
+        """The verified lease a fetch filled for ``rank``, if it is still granted."""
+        lease = self._prefetched.pop((job, step, rank), None)
+        return lease if lease is not None and self.staging.holds(lease) else None
+
+    async def to_local(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
+        """Download a remote-only step into the cache dir, verify it, commit it locally.
+
+        With ``shared_memory``, every rank file of the node is downloaded through a
+        segment when the budget allows: ``rank``'s lease is returned, the others are
+        kept for those ranks' own Restore calls (which usually arrive together), so
+        serving them needs no read back from disk. Unclaimed ones expire like any
+        lease a client never used.
+        """
+        assert self.remote is not None
+        lock = self._fetching.setdefault(st.key, asyncio.Lock())
+        async with lock:
+            if st.local:
+                return None  # another restore fetched it meanwhile
+            with self.catalog.in_use(st):  # the evictor leaves the bucket copy alone
+                return await self._fetch(st, rank, shared_memory)
+
+    async def _fetch(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
+        assert self.remote is not None
+        node, raw, manifest = await fetch.node_manifest(
+            self.remote,
+            st.job,
+            st.step,
+            set(st.remote_nodes),
+            None if st.adopted else rank,
+            self.catalog.node_id,
+            st.adopted,
+        )
+        shared_memory = shared_memory and not manifest.adopted
+        leases: dict[int, Lease] = {}
+        by_file = {r.file: r for r in manifest.ranks}
+
+        async def memory_for(name: str) -> memoryview | None:
+            record = by_file[name]
+            got = await self._restore_lease(st.job, record.size) if shared_memory else None
+            if got is None:
+                return None
+            leases[record.rank] = got
+            return got.segment.view(0, round_up(record.size))
+
+        commit = await self.io.run(self.store.begin_fetch, st.job, st.step, self.io.run)
+        try:
+            await fetch.download_files(
+                self.remote, st.job, st.step, node, manifest, commit.path, memory_for=memory_for
+            )
+            await commit.finalize(raw)
+        except BaseException:
+            for held in leases.values():
+                self.staging.release(held.lease_id)
+            await commit.abort()
+            raise
+        via = "shared memory" if leases else "disk"
+        self.catalog.fetched(st, manifest, node=node, via=via)
+        log.info(
+            "%s/%d fetched from %s (node %s)%s and committed locally",
+            st.job,
+            st.step,
+            self.remote.url,
+            node,
+            " through shared memory" if leases else "",
+        )
+        lease = leases.pop(rank, None)
+        for other, held in leases.items():
+            self._prefetched[(st.job, st.step, other)] = held
+        return lease
+
+    async def peers(self, job: str, step: int) -> list[tuple[str, Path, str]]:
+        """Other nodes' parts of ``step``, downloaded and verified once into
+        ``<root>/.peers``: ``(node, directory, manifest json)`` each."""
+        if self.remote is None:
+            return []
+        await self.refresh(job)
+        st = self.catalog.require(job, step)
+        parts = []
+        lock = self._fetching.setdefault((job, -1 - step), asyncio.Lock())
+        async with lock:
+            with self.catalog.in_use(st):
+                for node in sorted(st.remote_nodes - {self.catalog.node_id}):
+                    dest = self.store.peer_dir(job, step, node)
+                    if not await self.io.run((dest / MANIFEST).exists):
+                        await self._fetch_part(st, node)
+                    raw = await self.io.run((dest / MANIFEST).read_text)
+                    parts.append((node, dest, raw))
+        return parts
+
+    async def _fetch_part(self, st: Step, node: str) -> None:
+        assert self.remote is not None
+        _, raw, manifest = await fetch.node_manifest(
+            self.remote, st.job, st.step, {node}, None, node, st.adopted
+        )
+        commit = await self.io.run(self.store.begin_peer, st.job, st.step, node, self.io.run)
+        try:
+            await fetch.download_files(self.remote, st.job, st.step, node, manifest, commit.path)
+            await commit.finalize(raw)
+        except BaseException:
+            await commit.abort()
+            raise
+        self.catalog.peers_fetched(st, node)
+        log.info("%s/%d: fetched node %s's part from %s", st.job, st.step, node, self.remote.url)
+
+    async def _restore_lease(self, job: str, size: int) -> Lease | None:
+        """A segment to download into: a free one, else a new one if the budget has room
+        for it and for a save of the same size after it (the client may keep it)."""
+        lease = self.staging.take_free(job, round_up(size))
+        budget = self.staging.budget_bytes
+        if lease is None and self.staging.allocated_bytes + 2 * round_up(size) <= budget:
+            try:
+                lease = await self.staging.acquire(job, round_up(size), restore=True)
+            except ResourceExhausted:
+                return None
+        return lease

@@ -1,0 +1,201 @@
+"""Restore: choose the newest verified copy and hand it to the client.
+
+Two ways to hand over a rank's data, both verified against the crc32c recorded
+at commit before the client sees a byte:
+
+- into shared memory (preferred): the daemon reads the rank file's data section
+  with aligned ``O_DIRECT`` reads into one of its free, already faulted staging
+  segments, checks every shard's crc32c, and lends the segment to the client,
+  whose arrays are views over it. No page cache is allocated, which is what
+  makes cold restores fast on these VMs (see DESIGN.md, Performance notes).
+  The client holds a shared flock on the segment while any array uses it; the
+  daemon takes it back for later saves only once that lock is gone.
+- the file: when no free segment fits, the client maps the file copy-on-write
+  and checks the crc32c itself, reporting a mismatch with ReportCorrupt.
+
+A copy that fails its check is moved to ``<root>/.corrupt`` (removed at the next
+start) and the next newest intact step is offered instead, unless the caller
+asked for that exact step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.core import checksum
+from ckptd.core.checksum import verify_step
+from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound
+from ckptd.core.format import round_up
+from ckptd.core.manifest import Manifest, ShardRecord
+from ckptd.proto import ckptd_pb2 as pb
+
+from ..catalog import Catalog, Step
+from ..io import IoPool
+from ..local.files import data_offset, read_data_direct
+from ..local.staging import Lease, Staging
+from ..local.store import LocalStore
+from .fetcher import Fetcher
+
+log = logging.getLogger("ckptd.restore")
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What the client gets: the step, and the shared-memory lease holding its data if any."""
+
+    step: Step
+    manifest: Manifest
+    directory: Path
+    lease: Lease | None
+    data_offset: int
+
+
+class Restorer:
+    """Chooses what to restore and hands it to the client, verified."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: LocalStore,
+        staging: Staging,
+        io: IoPool,
+        fetcher: Fetcher,
+    ) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.staging = staging
+        self.io = io
+        self.fetcher = fetcher
+
+    def choose(self, job: str, step: int | None, rank: int | None, adopted: bool = False) -> Step:
+        """The newest (or given) step with a verified copy in some tier: a step of
+        ckptd arrays holding ``rank``, or with ``adopted`` an adopted directory."""
+        if step is not None:
+            st = self.catalog.require(job, step)
+            if st.state == pb.SAVE_STATE_STAGING:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} is still being written; wait('local') first"
+                )
+            if st.manifest is None and not st.in_remote:
+                raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
+            if st.adopted and not adopted:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} is a directory adopted from "
+                    f"{st.manifest.source if st.manifest else 'another framework'}, not "
+                    "ckptd arrays: make it local with ckptd.client.orbax.ensure_local() "
+                    "(or `ckptd pull`) and restore it with the framework that wrote it"
+                )
+            if adopted and not st.adopted:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} was saved with Client.save, not adopted; "
+                    "restore it with Client.restore()"
+                )
+        else:
+            candidates = [
+                s
+                for s in self.catalog.list(job)
+                if (s.local or s.in_remote) and s.adopted == adopted
+            ]
+            if not candidates:
+                where = "on this node or in the bucket" if self.fetcher.remote else "on this node"
+                what = "adopted step" if adopted else "restorable checkpoint"
+                raise NotFound(f"job {job!r} has no {what} {where}; start from scratch")
+            st = candidates[0]
+        held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
+        if rank is not None and held is not None and rank not in held:
+            raise NotFound(
+                f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
+            )
+        return st
+
+    async def restore(
+        self, job: str, step: int | None, rank: int, shared_memory: bool
+    ) -> RestorePlan:
+        """Pick a step and, if asked and a segment is free, read it into shared memory."""
+        await self.fetcher.refresh(job)
+        while True:
+            st = self.choose(job, step, rank)
+            self.catalog.served(st)  # the evictor leaves it alone while it is served
+            if st.manifest is None:
+                lease = await self.fetcher.to_local(st, rank, shared_memory)
+                assert st.manifest is not None
+                if lease is not None:  # the whole verified file is in the lease already
+                    directory = self.store.step_dir(job, st.step)
+                    return RestorePlan(st, st.manifest, directory, lease, 0)
+            assert st.manifest is not None
+            directory = self.store.step_dir(job, st.step)
+            prefetched = self.fetcher.take_prefetched(job, st.step, rank)
+            if prefetched is not None:
+                return RestorePlan(st, st.manifest, directory, prefetched, 0)
+            if not shared_memory:
+                return RestorePlan(st, st.manifest, directory, None, 0)
+            record = next(r for r in st.manifest.ranks if r.rank == rank)
+            path = directory / record.file
+            try:
+                offset = await self.io.run(data_offset, path)
+                lease = self.staging.take_free(job, round_up(record.size - offset))
+            except (OSError, ValueError) as exc:
+                await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
+                continue
+            if lease is None:
+                return RestorePlan(st, st.manifest, directory, None, 0)
+            shards = [s for s in st.manifest.shards if s.rank == rank]
+            try:
+                bad = await self.io.run(
+                    _read_and_verify, path, offset, record.size - offset, lease, shards
+                )
+            except BaseException:
+                self.staging.release(lease.lease_id)
+                raise
+            if not bad:
+                return RestorePlan(st, st.manifest, directory, lease, offset)
+            self.staging.release(lease.lease_id)
+            await self._set_aside(st, bad, explicit=step is not None)
+
+    def lend(self, lease_id: str) -> None:
+        """The client mapped a restore lease and locked it; it comes back when unlocked."""
+        self.staging.lend(lease_id)
+
+    async def report_corrupt(self, job: str, step: int, detail: str) -> None:
+        """Re-verify a copy a client found corrupt; if bad, set it aside."""
+        st = self.catalog.require(job, step)
+        if st.manifest is None:
+            raise FailedPrecondition(f"step {step} of job {job!r} has no local copy")
+        bad = await self.io.run(verify_step, self.store.step_dir(job, step), st.manifest)
+        if not bad:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} re-read with matching checksums; the client's "
+                f"mismatch ({detail[:200]}) was not reproduced"
+            )
+        await self._set_aside(st, bad, explicit=False)
+
+    async def _set_aside(self, st: Step, bad: list[str], explicit: bool) -> None:
+        log.error(
+            "local copy of %s/%d is corrupt (%s); setting it aside in .corrupt",
+            st.job,
+            st.step,
+            "; ".join(bad[:5]),
+        )
+        await self.io.run(self.store.set_aside, st.job, st.step)
+        # With a remote copy the bucket's is fetched and served instead.
+        self.catalog.local_removed(st, pb.STEP_EVENT_SET_ASIDE, "; ".join(bad[:5]))
+        if explicit and not st.in_remote:
+            raise DataLoss(
+                f"the local copy of step {st.step} of job {st.job!r} failed its checksum "
+                f"({bad[0]}) and was set aside; no other copy exists on this node. "
+                "restore() without a step picks the newest intact one"
+            )
+
+
+def _read_and_verify(
+    path: Path, offset: int, length: int, lease: Lease, shards: list[ShardRecord]
+) -> list[str]:
+    view = lease.segment.view(0, round_up(length))
+    try:
+        read_data_direct(path, offset, length, view)
+    except ValueError as exc:
+        return [str(exc)]
+    crcs = checksum.of_ranges(view, [(s.offset - offset, s.length) for s in shards])
+    return [f"{s.file}:{s.key}" for s, c in zip(shards, crcs, strict=True) if c != s.crc32c]

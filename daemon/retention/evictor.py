@@ -1,0 +1,168 @@
+"""The evictor: applies each job's retention plan (planner.py) to the tiers.
+
+It runs after every transition that can change a plan (a commit, an upload, a
+pin, a fetch), and every 30 s (time-based policies, free space). Local copies
+are renamed into ``<root>/.trash`` (their commit point in reverse: gone from
+view at once) and then deleted; a remote copy loses its ``_complete`` marker
+before its objects, so a half-deleted step is never listed. Below the low
+watermark it also removes local copies the bucket holds, oldest first, until the
+mark is met. Admission asks it for :meth:`relieve_local` (local only) before
+refusing a save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ckptd.proto import ckptd_pb2 as pb
+
+from ..catalog import Catalog, Event
+from ..io import IoPool
+from ..local.admission import DiskSpace, gib
+from ..local.store import LocalStore
+from ..remote.base import Remote
+from ..remote.layout import marker_key, record_prefix, step_prefix
+from .planner import READ_GRACE_SECONDS, Retention
+
+log = logging.getLogger("ckptd.evictor")
+
+PERIOD_SECONDS = 30.0
+_KICKED_BY = frozenset(
+    {
+        pb.STEP_EVENT_LOCAL,
+        pb.STEP_EVENT_DURABLE,
+        pb.STEP_EVENT_FETCHED,
+        pb.STEP_EVENT_PINNED,
+        pb.STEP_EVENT_UNPINNED,
+        pb.STEP_EVENT_DISCOVERED,
+        pb.STEP_EVENT_RECOVERED,
+    }
+)
+"""Transitions after which a plan may have changed."""
+
+
+class Evictor:
+    """One per daemon; ``remote`` is None without a remote tier."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        retention: Retention,
+        store: LocalStore,
+        disk: DiskSpace,
+        io: IoPool,
+        remote: Remote | None,
+    ) -> None:
+        self.catalog = catalog
+        self.retention = retention
+        self.store = store
+        self.disk = disk
+        self.io = io
+        self.remote = remote
+        self.evicted_local = 0
+        self.evicted_remote = 0
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._lock = asyncio.Lock()
+        catalog.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind in _KICKED_BY:
+            self.kick()
+
+    def kick(self) -> None:
+        """Ask for a pass soon."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop after the current pass."""
+        self._stop.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Pass after every kick, and every PERIOD_SECONDS (supervised: errors restart it)."""
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), PERIOD_SECONDS)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            await self.run_once()
+
+    async def run_once(self) -> None:
+        """One pass: every job's plan in both tiers, then the low watermark."""
+        async with self._lock:
+            for job in self.catalog.jobs():
+                plan = self.retention.plan(job)
+                for step in plan.evict_remote:
+                    await self._evict_remote(job, step, "retention")
+                for step in plan.evict_local:
+                    await self._evict_local(job, step, "retention")
+            await self._relieve_pressure()
+
+    async def relieve_local(self) -> None:
+        """A pass over the local tier only (admission, inside an RPC: no bucket I/O)."""
+        async with self._lock:
+            for job in self.catalog.jobs():
+                for step in self.retention.plan(job).evict_local:
+                    await self._evict_local(job, step, "retention")
+            await self._relieve_pressure()
+
+    async def _relieve_pressure(self) -> None:
+        space = self.disk.space()
+        low, _ = self.disk.marks(space)
+        if space.free >= low:
+            return
+        if await self.io.run(self.store.drop_spares) and self.disk.space().free >= low:
+            return  # spare files were enough
+        candidates: list[tuple[float, str, int]] = []
+        for job in self.catalog.jobs():
+            for step in self.retention.plan(job).pressure:
+                st = self.catalog.get(job, step)
+                if st is not None:
+                    candidates.append((st.time, job, step))
+        for _, job, step in sorted(candidates):
+            if self.disk.space().free >= low:
+                break
+            await self._evict_local(job, step, f"free space below the low watermark {gib(low)}")
+
+    async def _evict_local(self, job: str, step: int, why: str) -> None:
+        st = self.catalog.get(job, step)
+        if st is None or not st.local:
+            return
+        if st.busy or self.catalog.read_recently(st, READ_GRACE_SECONDS):
+            return  # a restore chose it after the plan was made
+        await self.io.run(self.store.evict, job, step)
+        self.evicted_local += 1
+        log.info("evicted %s/%d from the local tier (%s)", job, step, why)
+        self.catalog.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, why)
+
+    async def _evict_remote(self, job: str, step: int, why: str) -> None:
+        st = self.catalog.get(job, step)
+        if st is None or self.remote is None:
+            return
+        node_id = self.catalog.node_id
+        try:
+            # The marker first: from then on the step is not complete, never listed.
+            await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
+        except Exception as exc:
+            log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
+            return
+        self.catalog.remote_removed(st, "removed from the remote tier by its retention policy")
+        try:
+            tree, records = step_prefix(job, step), record_prefix(job, step, st.adopted)
+            prefixes = [f"{records}/{node_id}/"]
+            if st.adopted:  # out of the framework's view first, then deleted
+                await self.remote.retract_tree(tree, records, node_id)
+                prefixes.append(f"{tree}/")
+            for prefix in prefixes:
+                await self.remote.delete(await self.remote.list_keys(prefix))
+        except Exception as exc:  # the marker is gone: what is left is never listed
+            log.warning(
+                "could not remove %s/%d's objects from %s: %s", job, step, self.remote.url, exc
+            )
+            return
+        self.evicted_remote += 1
+        log.info("evicted %s/%d from the remote tier (%s)", job, step, why)

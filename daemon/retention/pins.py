@@ -1,0 +1,68 @@
+"""Pins: a pinned step is never evicted from any tier.
+
+A pin is kept in two places so it outlives both the daemon and the node:
+``<root>/.pins.json`` (read at start-up) and a ``_pinned`` object beside the
+step's records in the bucket (read when the drain lists the bucket).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ..catalog import Catalog
+from ..io import IoPool
+from ..local.files import replace_synced
+from ..remote.base import Remote
+from ..remote.layout import pin_key
+
+log = logging.getLogger("ckptd.pins")
+
+PINS_FILE = ".pins.json"
+
+
+def load_pins(root: Path) -> set[tuple[str, int]]:
+    """The pins persisted under ``root`` (blocking; start-up). Unreadable: none, logged."""
+    path = root / PINS_FILE
+    try:
+        raw = json.loads(path.read_text())
+        return {(str(job), int(step)) for job, steps in raw.items() for step in steps}
+    except FileNotFoundError:
+        return set()
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.error("ignoring unreadable %s: %s", path, exc)
+        return set()
+
+
+class Pins:
+    """Pin and unpin steps: the bucket's pin object, the local file, the catalog."""
+
+    def __init__(self, catalog: Catalog, root: Path, io: IoPool, remote: Remote | None) -> None:
+        self.catalog = catalog
+        self.path = root / PINS_FILE
+        self.io = io
+        self.remote = remote
+
+    async def set(self, job: str, step: int, pinned: bool) -> None:
+        """Pin (or unpin) a step that has a complete copy in some tier."""
+        st = self.catalog.require(job, step)
+        self.catalog.check_pinnable(st)
+        if self.remote is not None:
+            key = pin_key(job, step, st.adopted)
+            if pinned:
+                await self.remote.put_bytes(key, b"pinned by ckptd pin\n")
+            else:
+                await self.remote.delete([key])
+        self.catalog.set_pinned(st, pinned)
+        await self._save()
+        log.info("%s/%d %s", job, step, "pinned" if pinned else "unpinned")
+
+    async def _save(self) -> None:
+        """Persist every pin (atomically: temp file, fsync, rename)."""
+        pins: dict[str, list[int]] = {}
+        for st in self.catalog.steps():
+            if st.pinned:
+                pins.setdefault(st.job, []).append(st.step)
+        data = json.dumps({j: sorted(s) for j, s in sorted(pins.items())}).encode()
+        await self.io.run(replace_synced, self.path, data)

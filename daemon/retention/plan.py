@@ -1,0 +1,148 @@
+"""The evictor's decisions for one job, as a pure function of what each tier holds.
+
+Safety rules on top of the tiers' policies (DESIGN.md, Retention):
+
+- the newest complete checkpoint of a job in a tier is never evicted from it,
+  whatever the policy (``KeepLatest(0)`` included);
+- pinned steps are never evicted from any tier;
+- a local copy whose remote copy is not complete is kept while the remote tier
+  may still want it (``awaiting-upload``), unless the operator opted in with
+  ``local_evict_unuploaded``. Milestones are always wanted by the remote tier,
+  so a milestone leaves the local tier only once its remote copy is complete
+  (without a remote tier, never);
+- steps being uploaded, fetched or read are not touched (``in-use``).
+
+"Pending" steps wait for the drain. The remote policy applied to the remote
+tier plus the pending steps says which of them the bucket will want: the drain
+uploads only those, and a pending step it will not want becomes SUPERSEDED once
+a newer step is complete remotely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .policies import Checkpoint, KeepAny, KeepMilestones, Kept, Policy
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What the evictor knows about one step of a job."""
+
+    step: int
+    time: float
+    milestone: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    pinned: bool = False
+    local: bool = False
+    """A complete local copy exists."""
+    remote: bool = False
+    """This node's part is complete in the bucket (its marker is there)."""
+    pending: bool = False
+    """Local, waiting for (or in) the drain."""
+    busy: bool = False
+    """Being uploaded, fetched or restored right now."""
+
+    def checkpoint(self) -> Checkpoint:
+        """The policy-facing view."""
+        return Checkpoint(self.step, self.time, self.milestone, self.metrics)
+
+
+@dataclass
+class Plan:
+    """What to do for one job, and why each copy stays."""
+
+    evict_local: list[int] = field(default_factory=list)
+    evict_remote: list[int] = field(default_factory=list)
+    supersede: list[int] = field(default_factory=list)
+    """Pending steps the bucket will not want (a newer step is complete there)."""
+    remote_wants: set[int] = field(default_factory=set)
+    """Pending steps the drain should upload."""
+    pressure: list[int] = field(default_factory=list)
+    """Local copies that may go when disk space is short, oldest first: kept by the
+    local policy, but complete in the bucket, not pinned, not the newest."""
+    local_reasons: dict[int, list[str]] = field(default_factory=dict)
+    remote_reasons: dict[int, list[str]] = field(default_factory=dict)
+
+
+def _kept(policy: Policy, views: Sequence[StepView], now: float) -> Kept:
+    kept = policy.keep([v.checkpoint() for v in views], now)
+    if views:
+        newest = max(v.step for v in views)
+        kept.setdefault(newest, set()).add("newest")
+    for v in views:
+        if v.pinned:
+            kept.setdefault(v.step, set()).add("pinned")
+    return kept
+
+
+def plan_job(
+    views: Sequence[StepView],
+    local_policy: Policy,
+    remote_policy: Policy | None,
+    now: float,
+    *,
+    evict_unuploaded: bool = False,
+) -> Plan:
+    """Decide evictions for one job. ``remote_policy`` is None without a remote tier."""
+    plan = Plan()
+    local = [v for v in views if v.local]
+    remote = [v for v in views if v.remote]
+    local_kept = _kept(local_policy, local, now)
+    remote_kept: Kept = {}
+    future_kept: Kept = {}
+    if remote_policy is not None:
+        # The remote tier always keeps milestones, whatever its configured policy.
+        wants = KeepAny((remote_policy, KeepMilestones()))
+        remote_kept = _kept(wants, remote, now)
+        future = remote + [v for v in views if v.pending and not v.remote]
+        future_kept = _kept(wants, future, now)
+    newest_remote = max((v.step for v in remote), default=-1)
+    # Local-only steps the bucket will never want: a newer step is complete there
+    # and the remote policy would not keep them (failed uploads included).
+    superseded: set[int] = set()
+    for v in views:
+        if v.local and not v.remote and remote_policy is not None:
+            if v.step in future_kept:
+                if v.pending:
+                    plan.remote_wants.add(v.step)
+            elif v.step < newest_remote:
+                superseded.add(v.step)
+                if v.pending:
+                    plan.supersede.append(v.step)
+    for v in sorted(local, key=lambda v: v.step):
+        reasons = local_kept.get(v.step)
+        if reasons:
+            plan.local_reasons[v.step] = sorted(reasons)
+            if v.remote and not v.busy and not ({"newest", "pinned"} & reasons):
+                plan.pressure.append(v.step)
+            continue
+        held = _local_hold(v, remote_policy is not None, superseded, evict_unuploaded)
+        if held:
+            plan.local_reasons[v.step] = [held]
+        else:
+            plan.evict_local.append(v.step)
+    for v in sorted(remote, key=lambda v: v.step):
+        reasons = remote_kept.get(v.step)
+        if reasons:
+            plan.remote_reasons[v.step] = sorted(reasons)
+        elif v.busy:
+            plan.remote_reasons[v.step] = ["in-use"]
+        else:
+            plan.evict_remote.append(v.step)
+    return plan
+
+
+def _local_hold(v: StepView, has_remote: bool, superseded: set[int], evict_unuploaded: bool) -> str:
+    """Why a local copy the local policy does not keep must stay anyway ("" if it may go)."""
+    if v.busy:
+        return "in-use"
+    if not has_remote:
+        # The local tier is the durable one: it keeps milestones like a bucket would.
+        return "milestone" if v.milestone else ""
+    if v.remote or v.step in superseded:
+        return ""
+    if v.milestone:
+        return "awaiting-upload"  # a milestone's only copy, even with the opt-in
+    return "" if evict_unuploaded else "awaiting-upload"
