@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import gc
 import json
 import os
-import re
 import resource
 import shutil
 import signal
@@ -47,6 +45,7 @@ from common import (
 from floors import touch
 
 from ckptd.client import Client, SaveHandle
+from ckptd.proto import ckptd_pb2 as pb
 
 JOB = "bench"
 BUCKET = "ckptd-bench"
@@ -59,13 +58,13 @@ ARM_ROWS: list[tuple[str, str]] = [
     ("drain", "ckptd LOCAL -> DURABLE (headline)"),
     ("handoff_durable", "ckptd save() x ranks start -> DURABLE"),
     ("handoff_local", "ckptd save() x ranks start -> LOCAL"),
-    ("drain_daemon", "info: daemon log, DURABLE - LOCAL"),
+    ("drain_daemon", "info: daemon events, DURABLE - LOCAL"),
     ("up_s5cmd", "peer: s5cmd cp 'DIR/*' s3://..."),
     ("up_aws", "peer: aws s3 cp --recursive DIR s3://..."),
     ("up_s3fs", "peer: s3fs put (in-process)"),
     ("restore_bucket", "ckptd restore() x ranks, from bucket (headline)"),
     ("restore_bucket_touch", "ckptd restore() x ranks + touch every byte"),
-    ("fetch_daemon", "info: restore start -> daemon log 'fetched'"),
+    ("fetch_daemon", "info: restore start -> daemon event FETCHED"),
     ("down_s5cmd", "peer: s5cmd cp 's3://.../*' DIR/"),
     ("down_s5cmd_fsync", "peer: s5cmd download + fsync each file"),
 ]
@@ -77,7 +76,6 @@ RATIOS: list[tuple[str, str, str, float | None]] = [
     ("ckptd restore+touch / s5cmd download", "restore_bucket_touch", "down_s5cmd", None),
     ("ckptd restore / s5cmd download+fsync", "restore_bucket", "down_s5cmd_fsync", None),
 ]
-_LOG_TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,11 +119,6 @@ def aws_command() -> list[str]:
     """The AWS CLI of this interpreter's environment."""
     script = BIN / "aws"
     return [str(script)] if script.exists() else [sys.executable, "-m", "awscli"]
-
-
-def log_time(stamp: str) -> float:
-    """A ``logging`` asctime (local time, milliseconds) as a Unix time."""
-    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def run_tool(cmd: list[str], env: dict[str, str]) -> None:
@@ -294,11 +287,6 @@ class DrainBench:
         except OSError:
             return ""
 
-    def log_seconds(self, step: int, what: str) -> float | None:
-        """The seconds in the daemon's ``bench/<step> LOCAL|DURABLE in X s`` line."""
-        m = re.search(rf"{JOB}/{step} {what} in ([0-9.]+) s", self.log_text())
-        return float(m.group(1)) if m else None
-
     # -- ckptd arms --------------------------------------------------------------------
     def save_step(self, step: int) -> dict[str, float]:
         """Every rank saves its part of ``step`` in its own thread; wait for LOCAL, DURABLE."""
@@ -319,7 +307,8 @@ class DrainBench:
         t_saved = time.perf_counter()
         if errors:
             raise errors[0]
-        handle = SaveHandle(self.clients[0], step)  # the step's state, whichever rank asks
+        # The step's state, whichever rank asks.
+        handle = SaveHandle(self.clients[0].connection, JOB, step)
         handle.wait("local", timeout=600)
         t_local = time.perf_counter()
         assert self.daemon is not None and self.daemon.proc is not None
@@ -330,8 +319,8 @@ class DrainBench:
         meter.stop()
         self.last_drain_cpu = (meter.client, meter.server)
         self.last_drain_anon = anon.stop()
-        local_log = self.log_seconds(step, "LOCAL")
-        durable_log = self.log_seconds(step, "DURABLE")
+        local_log = self.daemon.event_time(JOB, step, pb.STEP_EVENT_LOCAL)
+        durable_log = self.daemon.event_time(JOB, step, pb.STEP_EVENT_DURABLE)
         out = {
             "save": t_saved - t0,
             "handoff_local": t_local - t0,
@@ -415,9 +404,9 @@ class DrainBench:
         self.cpu.setdefault("restore_bucket_touch", []).append((meter.client, meter.server))
         self.samples["restore_bucket"].append(max(returned) - t0)
         self.samples["restore_bucket_touch"].append(max(touched) - t0)
-        m = re.search(rf"{_LOG_TIME} \S+ \S+ {JOB}/{step} fetched from", self.log_text())
-        if m:
-            self.samples["fetch_daemon"].append(log_time(m.group(1)) - wall0)
+        fetched = self.daemon.event_time(JOB, step, pb.STEP_EVENT_FETCHED)
+        if fetched is not None:
+            self.samples["fetch_daemon"].append(fetched - wall0)
         maps = Path("/proc/self/maps").read_text()
         via = [k for k, hit in (("file", str(self.root)), ("shm", "/dev/shm/")) if hit in maps]
         self.restore_paths.append("+".join(via) or "?")

@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts under ``bench/``.
 
-- :class:`Daemon`: a real ``ckptd serve`` subprocess on a private root and socket.
+- :class:`Daemon`: a real ``ckptd serve`` subprocess on a private root and socket (the
+  launcher the tests and ``ckptd demo`` use too).
 - Timing: :func:`timed`, :func:`median_of`, :func:`summarize`, :func:`settle`.
 - Page cache: :func:`drop_caches` (fsync + ``POSIX_FADV_DONTNEED`` on every file).
 - Output: :func:`print_table` (stdout) and :func:`write_results`
@@ -18,15 +19,14 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
+
+from ckptd.daemon.app.launcher import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -34,7 +34,6 @@ RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_WORK_DIR = REPO_ROOT / ".bench-tmp"
 """Scratch space on the same disk as the repo (gitignored); never /dev/shm."""
 SETTLE_SECONDS = 0.5
-_MAX_SOCKET_PATH = 100  # unix socket paths are limited to 107 bytes
 
 T = TypeVar("T")
 
@@ -58,21 +57,9 @@ def run_directory(work_dir: Path, name: str) -> Iterator[Path]:
 
 
 # -- daemon --------------------------------------------------------------------
-def ckptd_command() -> list[str]:
-    """The command that runs the ``ckptd`` CLI of the interpreter running this script."""
-    script = Path(sys.executable).parent / "ckptd"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "ckptd.daemon.cli"]
-
-
-class Daemon:
-    """A real ``ckptd serve`` process on ``root`` and ``socket``; use as a context manager.
-
-    ``extra_args`` are appended to ``ckptd serve`` (``--remote s3://...``), ``env`` is
-    added to this process's environment (bucket credentials). Its log is appended to
-    ``log_path`` (default ``<root>.log``); the tail is included in start-up errors.
-    """
+class Daemon(DaemonProcess):
+    """The shared launcher (``ckptd.daemon.app.launcher``) with the benchmarks' defaults:
+    a 6 GiB staging budget and the log beside the root; ``stop()`` also cleans up."""
 
     def __init__(
         self,
@@ -85,98 +72,26 @@ class Daemon:
         log_path: Path | None = None,
         start_timeout: float = 30.0,
     ) -> None:
-        self.root = Path(root)
-        if socket is None:
-            socket = self.root.parent / "ckptd.sock"
-        if len(str(socket).encode()) > _MAX_SOCKET_PATH:
-            self._sock_dir: Path | None = Path(tempfile.mkdtemp(prefix="ckptd-bench-"))
-            socket = self._sock_dir / "ckptd.sock"
-        else:
-            self._sock_dir = None
-        self.socket = Path(socket)
-        self.log_path = Path(log_path) if log_path else self.root.parent / (self.root.name + ".log")
-        self.env = {**os.environ, **env} if env else None
-        self.args = [
-            *ckptd_command(),
-            "serve",
-            "--root",
-            str(self.root),
-            "--socket",
-            str(self.socket),
-            "--staging-budget-bytes",
-            staging_budget,
-            *extra_args,
-        ]
-        self.start_timeout = start_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    def start(self) -> Daemon:
-        """Start the process and wait until its socket answers ``ListCheckpoints``."""
-        from ckptd.client import CkptdUnavailable, Client
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Appended to, so a daemon restarted on the same log keeps its earlier lines.
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        super().__init__(
+            root,
+            socket,
+            staging_budget=staging_budget,
+            extra_args=extra_args,
+            env=env,
+            log_path=log_path,
+            start_timeout=start_timeout,
         )
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"ckptd serve exited with status {self.proc.returncode} during start-up:\n"
-                    + self.log_tail()
-                )
-            client = Client("bench-probe", socket=self.socket, timeout=5.0)
-            try:
-                client.list()
-                return self
-            except CkptdUnavailable:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        f"ckptd serve did not answer on {self.socket} within "
-                        f"{self.start_timeout:.0f} s:\n" + self.log_tail()
-                    ) from None
-                time.sleep(0.1)
-            finally:
-                client.close()
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM the daemon and wait for it (SIGKILL after ``timeout``); returns its status."""
-        rc = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            rc = self.proc.returncode
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        if self._sock_dir is not None:
-            shutil.rmtree(self._sock_dir, ignore_errors=True)
-            self._sock_dir = None
+        rc = super().stop(timeout)
+        self.close()
         return rc
 
-    def log_tail(self, lines: int = 30) -> str:
-        """The last ``lines`` lines of the daemon's log."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no daemon log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> Daemon:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def event_time(self, job: str, step: int, kind: int) -> float | None:
+        """When the daemon recorded ``kind`` (a ``StepEvent``) for ``job``/``step``."""
+        found = [e.time_unix for e in self.events(job) if e.step == step and e.kind == kind]
+        return found[-1] if found else None
 
 
 # -- timing --------------------------------------------------------------------

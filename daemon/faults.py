@@ -46,6 +46,12 @@ def _parse(text: str) -> dict[str, str]:
 _POINTS = _parse(os.environ.get("CKPTD_FAILPOINTS", ""))
 
 
+def armed(name: str) -> bool:
+    """Whether a test armed this failpoint (so code on the event loop can skip the
+    thread hop that :func:`hit` needs when it is not)."""
+    return name in _POINTS
+
+
 def hit(name: str) -> None:
     """Act here if a test armed this failpoint (blocking: call from worker threads)."""
     action = _POINTS.get(name)

@@ -193,14 +193,16 @@ def test_an_adopted_file_changed_afterwards_fails_the_step_with_the_reason(
     make_daemon: Any, tmp_path: Path
 ) -> None:
     remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
-    # Each part read waits 3 s: time to modify the source after adoption.
-    d: Daemon = remote_daemon(make_daemon, remote, "drain.part=sleep(3)")
+    # The drain is held before it reads a byte: time to modify the source after adoption.
+    d: Daemon = remote_daemon(make_daemon, remote, "drain.upload=pause")
     src = tmp_path / "ckpt"
     dcp_like(src)
     client = d.client("job")
     handle = client.adopt(5, src)
+    d.wait_failpoint("drain.upload")
     with open(src / "__1_0.distcp", "r+b") as f:  # same size, other bytes: a hard link
         f.write(b"x" * 10)
+    d.release("drain.upload")
     with pytest.raises(SaveFailed, match="changed after adoption"):
         handle.wait("durable", timeout=120)
     [row] = client.list()

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from .conftest import CKPTD, Daemon
 
@@ -68,6 +69,7 @@ def test_bad_config_names_the_key(tmp_path: Path) -> None:
     assert out.returncode == 2 and "flag --write-workers" in out.stderr
 
 
+@pytest.mark.slow  # three trainer processes and a daemon
 def test_demo_runs_end_to_end() -> None:
     out = run("demo", "--steps", "20", "--save-every", "4")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +31,19 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def wait_for(pred: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def test_trainer_sigkilled_after_save_returns_still_commits(make_daemon: Any) -> None:
-    # The daemon stalls before writing, so the trainer is dead long before the write starts.
-    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=sleep(1.5)"})
+    # The daemon holds the write back until the trainer is dead.
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
     script = TRAINER.format(tests=str(Path(__file__).parent), socket=str(daemon.socket), mib=32)
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert trainer.stdout is not None
     assert trainer.stdout.readline().strip() == "ACK"
     os.kill(trainer.pid, signal.SIGKILL)
     trainer.wait(10)
+    daemon.wait_failpoint("write.begin")
     client = daemon.client("killed")
     assert client.list()[0].state == "STAGING"  # acknowledged, not yet written
+    daemon.release("write.begin")
     SaveHandle(client.connection, client.job, 7).wait("local", timeout=60)
     tree, meta = client.restore()
     assert meta == {"step": 7}
@@ -59,25 +53,17 @@ def test_trainer_sigkilled_after_save_returns_still_commits(make_daemon: Any) ->
 
 @pytest.mark.parametrize("failpoint", ["write.mid", "commit.before_rename"])
 def test_daemon_sigkilled_mid_save_leaves_no_partial_step(make_daemon: Any, failpoint: str) -> None:
-    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{failpoint}=sleep(60)"})
+    daemon: Daemon = make_daemon()
+    daemon.client("crashy").save(1, {"x": np.arange(1000)}).wait("local")
+    # Armed only now, so step 2 is the save that stops there.
+    daemon.stop()
+    daemon.env = {"CKPTD_FAILPOINTS": f"{failpoint}=pause"}
+    daemon.restart()
     client = daemon.client("crashy")
-    # Step 1 is small (one write chunk, so write.mid never fires); commit.before_rename
-    # would stall it too, so in that case arm the failpoint only after step 1 via a restart.
-    if failpoint == "commit.before_rename":
-        daemon.stop()
-        daemon.env = {}
-        daemon.restart()
-        client = daemon.client("crashy")
-    client.save(1, {"x": np.arange(1000)}).wait("local")
-    if failpoint == "commit.before_rename":
-        daemon.stop()
-        daemon.env = {"CKPTD_FAILPOINTS": f"{failpoint}=sleep(60)"}
-        daemon.restart()
-        client = daemon.client("crashy")
     segments_before = {p.name for p in Path("/dev/shm").glob("ckptd-*")}
     client.save(2, state_for(2, 96))  # 96 MiB: more than one 64 MiB write chunk
     staging = daemon.root / ".staging"
-    wait_for(lambda: f"failpoint {failpoint}" in daemon.log_text())
+    daemon.wait_failpoint(failpoint)
     leftovers = list(staging.rglob("*"))
     assert leftovers, "the save should be in progress in .staging"
     daemon.kill()
@@ -97,11 +83,14 @@ def test_daemon_sigkilled_mid_save_leaves_no_partial_step(make_daemon: Any, fail
 
 
 def test_sigterm_finishes_acknowledged_saves_before_exit(make_daemon: Any) -> None:
-    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=sleep(1)"})
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
     client = daemon.client("term")
     client.save(4, state_for(4, 8), metadata={"ok": True})
+    daemon.wait_failpoint("write.begin")
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)  # while the acknowledged save is not written
+    daemon.release("write.begin")
     assert daemon.stop() == 0
-    assert "finishing 1 acknowledged saves" in daemon.log_text()
     assert (daemon.root / "term" / "4" / "manifest.json").exists()
     assert not daemon.socket.exists()
     daemon.env = {}

@@ -11,8 +11,12 @@ from typing import Any
 
 import pytest
 
+from ckptd.proto import ckptd_pb2 as pb
+
 from .conftest import RemoteTarget
 from .test_remote_tier import remote_daemon
+
+pytestmark = pytest.mark.slow  # multi-process jax jobs with gloo
 
 pytest.importorskip("jax")
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +70,7 @@ def test_two_processes_save_to_a_shared_bucket_and_restore_on_new_nodes(
         d.start()
     run_job([d.socket for d in daemons], "restore")
     for d in daemons:
-        assert "fetched from" in d.log_text()
+        assert [e.step for e in d.events_of(pb.STEP_EVENT_FETCHED)] == [2]
     # One process with another device count: it needs rows node-1 saved, which its
     # daemon fetches from the bucket.
     for devices in ("4", "1"):
@@ -80,12 +84,14 @@ def test_two_processes_save_to_a_shared_bucket_and_restore_on_new_nodes(
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert f"alone on {devices} devices: restored" in out.stdout
-    assert "fetched node node-1's part" in daemons[0].log_text()
+    peers = daemons[0].events_of(pb.STEP_EVENT_PEERS_FETCHED)
+    assert [(e.step, e.attributes["node"]) for e in peers] == [(2, "node-1")]
     # Mixed tiers: node-0 holds step 2 locally now, node-1 loses its disk once more.
     # The processes still agree on step 2; only node-1 goes to the bucket.
     daemons[1].stop()
     shutil.rmtree(daemons[1].root)
     daemons[1].start()
+    already = len(daemons[0].events_of(pb.STEP_EVENT_FETCHED))
     run_job([d.socket for d in daemons], "restore")
-    fetched = [d.log_text().count("and committed locally") for d in daemons]
-    assert fetched == [1, 2], fetched
+    fetched = [len(d.events_of(pb.STEP_EVENT_FETCHED)) for d in daemons]
+    assert fetched == [already, 1], fetched  # node-0 fetched nothing new

@@ -19,9 +19,12 @@ import pytest
 
 from ckptd.client import orbax as ckptd_orbax
 from ckptd.core.checksum import of_file as crc32c_file
+from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon, RemoteTarget
 from .test_remote_tier import remote_daemon, s3_target
+
+pytestmark = pytest.mark.slow  # Orbax training loops in jax subprocesses
 
 pytest.importorskip("orbax.checkpoint")
 REPO = Path(__file__).resolve().parent.parent
@@ -150,7 +153,8 @@ def test_s3_copies_come_back_through_ckptd(
     assert got == {"steps": [3], "restored": 3, "ensured": 3}
     rows = {c.step: c for c in fresh.client(JOB).list()}
     assert rows[3].tiers == ("LOCAL", "REMOTE")
-    assert "put back into" in fresh.log_text()
+    assert [e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)] == [3]
+    assert (fresh.root / ".orbax" / JOB / "3" / "commit_success.txt").exists()  # put back
 
 
 @pytest.mark.parametrize("kind", ["file", "gcs"])
@@ -158,9 +162,9 @@ def test_a_half_uploaded_step_is_invisible_to_orbax(
     kind: str, make_daemon: Any, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     remote = target(kind, request, tmp_path)
-    d: Daemon = remote_daemon(make_daemon, remote, "drain.before_tree_commit=sleep(120)")
+    d: Daemon = remote_daemon(make_daemon, remote, "drain.before_tree_commit=pause")
     worker("train", str(d.socket), JOB, "1", str(tmp_path / "t.json"), "fixed", "local")
-    wait_until(lambda: "failpoint drain.before_tree_commit" in d.log_text(), True)
+    d.wait_failpoint("drain.before_tree_commit")
     keys = remote.object_keys()
     path, env = reader(remote)
     assert worker("steps", path, env=env) == {"steps": []}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import CapacityExhausted, Client, Continuous, FixedInterval
+from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import CKPTD, Daemon, RemoteTarget
 from .test_remote_tier import expected_layout, remote_daemon, s3_target
@@ -78,26 +81,52 @@ def test_coalescing_drain_still_uploads_what_the_bucket_keeps(
 ) -> None:
     remote = s3_target(s3_server, "ckptd-retco")
     daemon = remote_daemon(
-        make_daemon, remote, "drain.before_marker=sleep(0.3)", extra_args=LOCAL2 + REMOTE_3_10
+        make_daemon,
+        remote,
+        "drain.before_marker=pause",
+        extra_args=["--retention-local", "KeepAll()", *REMOTE_3_10],
     )
     client = daemon.client("rco")
-    handles = [client.save(step, small(step)) for step in range(25)]
+    handles = [client.save(0, small(0))]
+    daemon.wait_failpoint("drain.before_marker")  # step 0 is held at its marker...
+    handles += [client.save(step, small(step)) for step in range(1, 25)]  # ...while 1..24 come
+    for h in handles:
+        h.wait("local", 60)
+    daemon.release("drain.before_marker")
     handles[-1].wait("durable", 120)
-    settled(client, [23, 24], [0, 10, 20, 22, 23, 24], timeout=120)
+    settled(client, list(range(25)), [0, 10, 20, 22, 23, 24], timeout=120)
     assert remote.object_keys() == expected_layout("rco", [0, 10, 20, 22, 23, 24])
     states = {c.step: c.state for c in client.list()}
     assert {states[s] for s in (0, 10, 20, 22, 23, 24)} == {"DURABLE"}
-    uploads = daemon.log_text().count("DURABLE in")
-    assert uploads < 25, f"{uploads} uploads: the drain did not coalesce"
-    assert "SUPERSEDED" in {c.state for c in client.list()} or uploads < 25
+    # Coalesced: only what the bucket keeps went up, the newest first after step 0.
+    uploaded = [e.step for e in daemon.events_of(pb.STEP_EVENT_DURABLE, "rco")]
+    assert uploaded == [0, 24, 23, 22, 20, 10]
+    assert {states[s] for s in set(range(25)) - set(uploaded)} == {"SUPERSEDED"}
 
 
-def test_floor_refuses_saves_and_keeps_serving(make_daemon: Any, tmp_path: Path) -> None:
+@pytest.fixture
+def own_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 512 MiB filesystem of the test's own (tmpfs), so its free space is known and no
+    other process on the machine changes it. Unmounted after the daemons stopped."""
+    path = tmp_path / "own-disk"
+    path.mkdir()
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()}")
+    yield path
+    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_floor_refuses_saves_and_keeps_serving(own_disk: Path, make_daemon: Any) -> None:
     size = 200 * 2**20
-    root = tmp_path / "root-floor"
-    root.mkdir()
-    st = os.statvfs(root)
-    free = st.f_bavail * st.f_frsize
+    root = own_disk / "root"
+    st = os.statvfs(own_disk)
+    free = st.f_bavail * st.f_frsize  # 512 MiB, and nothing else writes here
     floor = free - size * 3 // 2  # one save fits, a second does not (100 MiB margins)
     daemon = make_daemon(
         root=root, extra_args=["--retention-local", "KeepAll()", "--local-floor", str(floor)]
@@ -135,7 +164,9 @@ def test_low_watermark_evicts_uploaded_copies(make_daemon: Any, tmp_path: Path) 
     for step in range(5):
         client.save(step, small(step)).wait("durable", 60)
     settled(client, [4], [0, 1, 2, 3, 4])  # always below the mark: only the newest stays
-    assert "below the low watermark" in daemon.log_text()
+    evicted = daemon.events_of(pb.STEP_EVENT_EVICTED_LOCAL, "low")
+    assert {e.step for e in evicted} == {0, 1, 2, 3}
+    assert all("below the low watermark" in e.detail for e in evicted)
 
 
 @pytest.mark.parametrize("with_remote", [False, True])
@@ -208,29 +239,35 @@ def test_keep_best_uses_metrics_even_after_the_local_copy_is_gone(
 
 
 def test_staging_backpressure(make_daemon: Any) -> None:
-    daemon = make_daemon(extra_args=["--staging-budget-bytes", "24MiB"])
-    daemon.stop()
-    daemon.env["CKPTD_FAILPOINTS"] = "write.begin=sleep(3)"
-    daemon.start()
+    daemon = make_daemon(
+        extra_args=["--staging-budget-bytes", "24MiB"],
+        env={"CKPTD_FAILPOINTS": "write.begin=pause"},
+    )
     client = daemon.client("bp", policy=FixedInterval(1))
     state = {"w": np.ones(16 * 2**20 // 8)}  # 16 MiB: one lease holds most of the budget
     first = client.save(1, state)
+    daemon.wait_failpoint("write.begin")  # step 1's lease stays held until released
     assert client.should_save(2) is False and "staging memory" in client.last_refusal
     with pytest.raises(CapacityExhausted, match="staging budget exhausted"):
         client.save(2, state, staging_timeout=0.5)
     # With time to wait, the save goes through once step 1's write returns its lease.
-    client.save(3, state, staging_timeout=30).wait("local", 30)
+    with ThreadPoolExecutor(1) as pool:
+        third = pool.submit(client.save, 3, state, staging_timeout=30)
+        daemon.release("write.begin")
+        third.result(60).wait("local", 30)
     first.wait("local", 30)
     assert [c.step for c in client.list()] == [3, 1]
 
 
 def test_continuous_should_save_follows_the_daemon(make_daemon: Any) -> None:
-    daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=sleep(1)"})
+    daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
     client = daemon.client("cont")  # Continuous() by default
     assert client.should_save(0) is True  # nothing saved yet
     handle = client.save(0, small(0))
+    daemon.wait_failpoint("write.begin")
     assert client.should_save(0) is False  # that step is saved already
     assert client.should_save(1) is False  # step 0 is still being written
+    daemon.release("write.begin")
     handle.wait("local", 30)
     deadline = time.monotonic() + 10
     while not client.should_save(2):  # the watcher thread sees LOCAL within moments

@@ -63,6 +63,7 @@ def test_free_port() -> None:
     assert free_port() != port
 
 
+@pytest.mark.slow  # restarts the S3 server
 def test_s3_roundtrip_and_restart(
     s3: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -166,6 +166,8 @@ class Drain:
     async def run(self) -> None:
         """Upload until stopped (supervised: an unexpected error restarts the loop)."""
         while not self._stop.is_set():
+            if faults.armed("drain.loop"):
+                await asyncio.to_thread(faults.hit, "drain.loop")
             self.supersede_unwanted()
             st = self.pick()
             if st is None:
@@ -229,7 +231,7 @@ class Drain:
         attempt = 0
         while True:
             try:
-                await self._upload(st)
+                sent, skipped = await self._upload(st)
                 break
             except asyncio.CancelledError:
                 raise
@@ -260,7 +262,7 @@ class Drain:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
         self.last_error = ""
-        self.catalog.durable(st)
+        self.catalog.durable(st, files_sent=str(sent), files_skipped=str(skipped))
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
@@ -280,7 +282,10 @@ class Drain:
             "version under a new step"
         )
 
-    async def _upload(self, st: Step) -> None:
+    async def _upload(self, st: Step) -> tuple[int, int]:
+        """Upload one step, its marker last; returns (files sent, files already there)."""
+        if faults.armed("drain.upload"):
+            await asyncio.to_thread(faults.hit, "drain.upload")
         manifest = st.manifest
         assert manifest is not None
         node = self.node_id
@@ -291,6 +296,7 @@ class Drain:
         # An adopted tree is published where its framework reads it (its own commit
         # file last); ckptd's records of the step are committed beside it.
         tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
+        skipped: list[str] = []
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
             if tree_commit is not None:
@@ -302,7 +308,10 @@ class Drain:
                     log.info(
                         "%s is already in the bucket with the right crc32c: not sent again", key
                     )
+                    skipped.append(rank_file)
                     return
+            if faults.armed("drain.file"):
+                await asyncio.to_thread(faults.hit, "drain.file")
             await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
 
         records_by_file = {r.file: r for r in manifest.ranks}
@@ -343,3 +352,4 @@ class Drain:
         # Attempts cut by an outage could not abort their multipart uploads: do it now.
         with contextlib.suppress(Exception):
             await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node}/")
+        return len(records_by_file) - len(skipped), len(skipped)

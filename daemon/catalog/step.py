@@ -1,0 +1,201 @@
+"""A step and its lifecycle: the fields the catalog owns, the transition table, events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.core.manifest import Manifest
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import state_name
+
+STAGING, LOCAL, DRAINING = pb.SAVE_STATE_STAGING, pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING
+DURABLE, FAILED = pb.SAVE_STATE_DURABLE, pb.SAVE_STATE_FAILED
+SUPERSEDED = pb.SAVE_STATE_SUPERSEDED
+NEW = pb.SAVE_STATE_UNSPECIFIED
+"""Not in the catalog (yet, or any more)."""
+
+TRANSITIONS: Mapping[int, frozenset[int]] = {
+    # A save or an adoption begins; a step found on disk at start-up; one only the
+    # bucket holds.
+    NEW: frozenset({STAGING, LOCAL, DURABLE}),
+    # Committed locally; failed; an adoption that never committed is forgotten (NEW).
+    STAGING: frozenset({LOCAL, FAILED, NEW}),
+    # The drain takes it; a newer step went up instead; found complete in the bucket
+    # at start-up; evicted (NEW) when no tier keeps it.
+    LOCAL: frozenset({DRAINING, SUPERSEDED, DURABLE, NEW}),
+    # Uploaded; put back in the queue (a newer step first, or the daemon stops);
+    # failed for good.
+    DRAINING: frozenset({DURABLE, LOCAL, FAILED}),
+    # Retention removed the remote copy while the local one stays; no copy left.
+    DURABLE: frozenset({SUPERSEDED, NEW}),
+    SUPERSEDED: frozenset({NEW}),
+    # Saved again under the same number (a new STAGING); no copy left.
+    FAILED: frozenset({STAGING, NEW}),
+}
+"""Which lifecycle states may follow which. Anything else is a bug and raises."""
+
+
+class IllegalTransition(RuntimeError):
+    """A service asked for a transition the table does not allow (a bug in ckptd)."""
+
+
+_FIELDS = frozenset(
+    {
+        "job",
+        "step",
+        "state",
+        "error",
+        "node_ranks",
+        "world_size",
+        "manifest",
+        "milestone",
+        "metrics",
+        "created_unix",
+        "handoff_at",
+        "local_at",
+        "durable_at",
+        "remote_nodes",
+        "peers",
+        "pinned",
+        "adopted",
+        "busy",
+        "read_at",
+        "changed",
+    }
+)
+
+
+class Step:
+    """One step of one job on this node. Read it anywhere; change it only through
+    the :class:`Catalog` (assigning a field elsewhere raises ``AttributeError``)."""
+
+    __slots__ = tuple(sorted(_FIELDS))
+
+    job: str
+    step: int
+    state: int
+    error: str
+    node_ranks: tuple[int, ...]
+    world_size: int
+    manifest: Manifest | None
+    """The local copy's manifest; None while the local tier holds no copy."""
+    milestone: bool
+    metrics: dict[str, float]
+    created_unix: float
+    """When the checkpoint was committed (the time retention policies see)."""
+    handoff_at: float
+    local_at: float
+    durable_at: float
+    remote_nodes: frozenset[str]
+    """Nodes whose ``_complete`` marker for this step is in the bucket."""
+    peers: frozenset[str]
+    """Other nodes whose part of this step is fetched into ``<root>/.peers``."""
+    pinned: bool
+    adopted: bool
+    """An adopted directory tree (its remote layout differs: see remote/layout.py)."""
+    busy: int
+    """Operations reading a copy right now (a fetch); the evictor leaves it alone."""
+    read_at: float
+    """time.monotonic() of the last Restore served from it."""
+    changed: asyncio.Event
+
+    def __init__(self, job: str, step: int, **values: Any) -> None:
+        defaults: dict[str, Any] = {
+            "state": NEW,
+            "error": "",
+            "node_ranks": (),
+            "world_size": 1,
+            "manifest": None,
+            "milestone": False,
+            "metrics": {},
+            "created_unix": 0.0,
+            "handoff_at": 0.0,
+            "local_at": 0.0,
+            "durable_at": 0.0,
+            "remote_nodes": frozenset(),
+            "peers": frozenset(),
+            "pinned": False,
+            "adopted": False,
+            "busy": 0,
+            "read_at": -1e18,
+            "changed": asyncio.Event(),
+        }
+        for name, value in {"job": job, "step": step, **defaults, **values}.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"Step.{name} is owned by the Catalog: ask it for a transition instead"
+        )
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            if name not in _FIELDS:
+                raise AttributeError(f"Step has no field {name!r}")
+            object.__setattr__(self, name, value)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(job, step)``."""
+        return self.job, self.step
+
+    @property
+    def local(self) -> bool:
+        """The local tier holds a committed copy."""
+        return self.manifest is not None
+
+    @property
+    def in_remote(self) -> bool:
+        """A complete copy (some node's part) is in the remote tier."""
+        return self.state == DURABLE or bool(self.remote_nodes)
+
+    @property
+    def time(self) -> float:
+        """The step's time for retention: committed, else handed off."""
+        return self.created_unix or self.handoff_at
+
+    def tiers(self) -> list[pb.Tier]:
+        """The tiers holding a copy (``pb.Tier`` values)."""
+        return [pb.TIER_LOCAL] * self.local + [pb.TIER_REMOTE] * self.in_remote
+
+    def reached(self, target: int) -> bool:
+        """Has the save reached ``target`` (LOCAL or DURABLE)?"""
+        if target == LOCAL:
+            return self.manifest is not None or self.local_at > 0
+        return self.in_remote
+
+    def final(self, target: int) -> bool:
+        """Will it never reach ``target``?"""
+        if self.reached(target):
+            return False
+        if target == LOCAL:
+            return self.state == FAILED
+        return self.state in (FAILED, SUPERSEDED)
+
+    def __repr__(self) -> str:
+        return f"Step({self.job!r}, {self.step}, {state_name(self.state)})"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One transition of one step, as ``ListEvents`` and the metrics see it."""
+
+    seq: int
+    time: float
+    kind: int
+    """A ``pb.StepEvent`` value."""
+    job: str
+    step: int
+    state: int
+    """The step's state after the transition (UNSPECIFIED: it left the catalog)."""
+    tiers: tuple[int, ...]
+    detail: str = ""
+    attributes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def kind_name(self) -> str:
+        """``LOCAL``, ``EVICTED_LOCAL``, ... (the enum name without its prefix)."""
+        return pb.StepEvent.Name(self.kind).removeprefix("STEP_EVENT_")

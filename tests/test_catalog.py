@@ -1,0 +1,296 @@
+"""The step catalog alone (no daemon process): its transition table, its events, its waiters."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from ckptd.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.daemon.catalog import (
+    DRAINING,
+    DURABLE,
+    FAILED,
+    LOCAL,
+    NEW,
+    STAGING,
+    SUPERSEDED,
+    TRANSITIONS,
+    Catalog,
+    Event,
+    IllegalTransition,
+    Step,
+)
+from ckptd.proto import ckptd_pb2 as pb
+
+NODE = "node-a"
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+def manifest(job: str = "j", step: int = 1, milestone: bool = False) -> Manifest:
+    return Manifest(
+        job=job,
+        step=step,
+        node=NODE,
+        world_size=1,
+        created_unix=1000.0 + step,
+        ranks=[RankRecord(0, "rank-00000.safetensors", 4096, 7, None)],
+        shards=[],
+        milestone=milestone,
+        metrics={"loss": 0.5},
+    )
+
+
+def catalog() -> Catalog:
+    clock = itertools.count(100.0)
+    return Catalog(NODE, clock=lambda: float(next(clock)))
+
+
+def kinds(c: Catalog) -> list[str]:
+    return [e.kind_name for e in c.events()]
+
+
+def test_a_save_walks_the_table_and_emits_one_event_per_transition() -> None:
+    async def body() -> None:
+        c = catalog()
+        seen: list[Event] = []
+        c.subscribe(seen.append)
+        st = c.begin("j", 1, node_ranks=(0,), world_size=1, metrics={"loss": 1.0})
+        assert (st.state, st.handoff_at) == (STAGING, 100.0)
+        c.committed(st, manifest())
+        assert st.state == LOCAL and st.local and st.tiers() == [pb.TIER_LOCAL]
+        c.draining(st)
+        c.retrying(st, "retrying in 0.5 s: reset")
+        assert (st.state, st.error) == (DRAINING, "retrying in 0.5 s: reset")
+        c.durable(st, files_sent="1")
+        assert st.state == DURABLE and st.error == "" and st.remote_nodes == {NODE}
+        assert st.tiers() == [pb.TIER_LOCAL, pb.TIER_REMOTE]
+        assert kinds(c) == ["STAGED", "LOCAL", "DRAINING", "RETRYING", "DURABLE"]
+        assert [e.seq for e in c.events()] == [1, 2, 3, 4, 5] and c.last_seq == 5
+        assert seen == c.events()  # listeners see every event, in order
+        assert [e.state for e in seen] == [STAGING, LOCAL, DRAINING, DRAINING, DURABLE]
+        assert dict(seen[-1].attributes) == {"files_sent": "1"}
+
+    run(body())
+
+
+def test_only_the_catalog_changes_a_step() -> None:
+    async def body() -> None:
+        st = catalog().begin("j", 1)
+        with pytest.raises(AttributeError, match="owned by the Catalog"):
+            st.state = LOCAL  # type: ignore[misc]
+        with pytest.raises(AttributeError, match="owned by the Catalog"):
+            st.manifest = manifest()  # type: ignore[misc]
+        assert st.state == STAGING
+
+    run(body())
+
+
+def test_every_transition_outside_the_table_is_refused() -> None:
+    async def body() -> None:
+        c = catalog()
+        states = [NEW, STAGING, LOCAL, DRAINING, DURABLE, SUPERSEDED, FAILED]
+        for start, to in itertools.product(states, states):
+            st = Step("j", 1, state=start)
+            if to in TRANSITIONS[start]:
+                c._move(st, to)
+                assert st.state == to
+            else:
+                with pytest.raises(IllegalTransition):
+                    c._move(st, to)
+                assert st.state == start
+
+    run(body())
+
+
+def test_requests_out_of_order_are_bugs_not_silent_changes() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.begin("j", 1)
+        with pytest.raises(IllegalTransition):
+            c.durable(st)  # STAGING cannot become DURABLE
+        with pytest.raises(IllegalTransition):
+            c.draining(st)
+        with pytest.raises(IllegalTransition):
+            c.retrying(st, "x")
+        with pytest.raises(IllegalTransition):
+            c.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, "no copy yet")
+        c.committed(st, manifest())
+        with pytest.raises(IllegalTransition):
+            c.committed(st, manifest())
+        with pytest.raises(IllegalTransition):
+            c.fetched(st, manifest())  # it has a local copy already
+        assert kinds(c) == ["STAGED", "LOCAL"]
+
+    run(body())
+
+
+def test_a_step_number_is_taken_until_its_save_failed() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.begin("j", 1)
+        with pytest.raises(Conflict, match="already exists here \\(STAGING\\)"):
+            c.begin("j", 1)
+        c.failed(st, "writing rank 0 failed: ENOSPC", "local")
+        assert (st.state, st.error) == (FAILED, "writing rank 0 failed: ENOSPC")
+        again = c.begin("j", 1)  # a failed save may be retried under its number
+        assert again is not st and again.state == STAGING and c.require("j", 1) is again
+        failed = next(e for e in c.events() if e.kind == pb.STEP_EVENT_FAILED)
+        assert dict(failed.attributes) == {"stage": "local"}
+
+    run(body())
+
+
+def test_coalescing_and_retention_moves() -> None:
+    async def body() -> None:
+        c = catalog()
+        old, new = c.begin("j", 1), c.begin("j", 2)
+        c.committed(old, manifest(step=1))
+        c.committed(new, manifest(step=2))
+        c.draining(old)
+        c.requeued(old, "a newer step goes first (coalescing)")
+        assert old.state == LOCAL
+        c.draining(new)
+        c.durable(new)
+        c.superseded(old, "superseded by step 2")
+        assert (old.state, old.error) == (SUPERSEDED, "superseded by step 2")
+        # Retention removes step 2 from the bucket: its local copy stays, SUPERSEDED.
+        c.remote_removed(new, "removed from the remote tier by its retention policy")
+        assert new.state == SUPERSEDED and not new.in_remote and new.local
+        # Evicting the last copy of a step removes it from the catalog.
+        c.local_removed(old, pb.STEP_EVENT_EVICTED_LOCAL, "retention")
+        assert c.get("j", 1) is None
+        assert c.events()[-1].state == NEW and c.events()[-1].tiers == ()
+
+    run(body())
+
+
+def test_bucket_discoveries_fetches_and_set_asides() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.discovered(
+            "j",
+            5,
+            {NODE, "node-b"},
+            False,
+            pinned=True,
+            created_unix=7.0,
+            milestone=True,
+            metrics={"loss": 0.1},
+        )
+        assert (st.state, st.local, st.pinned, st.time) == (DURABLE, False, True, 7.0)
+        assert st.tiers() == [pb.TIER_REMOTE] and st.milestone
+        again = c.discovered("j", 5, {NODE}, False)
+        assert again is st and len(c.events()) == 1  # nothing new: no event
+        c.fetched(st, manifest(step=5), node=NODE, via="shared memory")
+        assert st.local and st.tiers() == [pb.TIER_LOCAL, pb.TIER_REMOTE]
+        assert c.events()[-1].attributes["via"] == "shared memory"
+        c.peers_fetched(st, "node-b")
+        assert st.peers == {"node-b"}
+        c.local_removed(st, pb.STEP_EVENT_SET_ASIDE, "rank-00000.safetensors:x")
+        assert c.get("j", 5) is st and not st.local and st.peers == frozenset()
+        # A LOCAL step whose own marker turns up in the bucket is DURABLE.
+        local = c.begin("j", 6)
+        c.committed(local, manifest(step=6))
+        c.discovered("j", 6, {NODE}, False)
+        assert local.state == DURABLE
+        assert kinds(c)[-1] == "DISCOVERED"
+
+    run(body())
+
+
+def test_pins_need_a_complete_copy() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.begin("j", 1)
+        with pytest.raises(FailedPrecondition, match="no complete copy to pin"):
+            c.set_pinned(st, True)
+        c.committed(st, manifest())
+        c.set_pinned(st, True)
+        c.set_pinned(st, False)
+        assert kinds(c)[-2:] == ["PINNED", "UNPINNED"] and not st.pinned
+
+    run(body())
+
+
+def test_adoption_that_never_committed_is_forgotten() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.begin("j", 3, adopted=True)
+        c.abandoned(st, "adopting /x failed: gone")
+        assert c.get("j", 3) is None
+        assert kinds(c) == ["STAGED", "ABANDONED"]
+
+    run(body())
+
+
+def test_waiters_wake_on_transitions_failures_timeouts_and_stop() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.begin("j", 1)
+        waiter = asyncio.create_task(c.wait("j", 1, LOCAL, 30))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        c.committed(st, manifest())
+        assert (await waiter) is st
+        durable = asyncio.create_task(c.wait("j", 1, DURABLE, 30))
+        await asyncio.sleep(0)
+        c.draining(st)
+        c.failed(st, "upload failed: AccessDenied", "remote")
+        done = await durable
+        assert done.final(DURABLE) and not done.reached(DURABLE)
+        assert (await c.wait("j", 1, LOCAL, 0)).reached(LOCAL)  # already there
+        other = c.begin("j", 2)
+        assert (await c.wait("j", 2, LOCAL, 0.01)) is other  # timed out: as it is
+        stopping = asyncio.create_task(c.wait("j", 2, LOCAL, 30))
+        await asyncio.sleep(0)
+        c.stopping.set()
+        assert (await stopping).state == STAGING
+        with pytest.raises(InvalidArgument, match="wait for LOCAL or DURABLE"):
+            await c.wait("j", 2, SUPERSEDED, 1)
+        with pytest.raises(NotFound, match="no save of step 9"):
+            await c.wait("j", 9, LOCAL, 1)
+
+    run(body())
+
+
+def test_event_history_filters_and_long_polls() -> None:
+    async def body() -> None:
+        c = catalog()
+        c.begin("a", 1)
+        c.begin("b", 1)
+        assert [e.job for e in c.events(job="b")] == ["b"]
+        assert c.events(after=1) == c.events()[1:]
+        assert len(c.events(limit=1)) == 1
+        poll = asyncio.create_task(c.wait_for_event(c.last_seq, "a", 30))
+        await asyncio.sleep(0)
+        c.begin("b", 2)  # another job: the poll waits on
+        await asyncio.sleep(0)
+        assert not poll.done()
+        c.begin("a", 2)
+        await asyncio.wait_for(poll, 5)
+        await c.wait_for_event(c.last_seq, "", 0.01)  # nothing new: returns at the timeout
+
+    run(body())
+
+
+def test_a_failing_listener_does_not_break_transitions() -> None:
+    async def body() -> None:
+        c = catalog()
+
+        def broken(event: Event) -> None:
+            raise RuntimeError("listener bug")
+
+        c.subscribe(broken)
+        st = c.begin("j", 1)
+        c.committed(st, manifest())
+        assert st.state == LOCAL and kinds(c) == ["STAGED", "LOCAL"]
+
+    run(body())
