@@ -61,7 +61,7 @@ class LocalHarness(Harness):
         if self.kind == "local-step":
             return self.store.begin_step("job", 7, asyncio.to_thread)
         if self.kind == "local-fetch":
-            return self.store.begin_fetch("job", 7, asyncio.to_thread)
+            return self.store.begin_step("job", 7, asyncio.to_thread, fetch=True)
         tmp = self.final.with_name(f".ckptd-7.{time.time_ns()}")
         return RenameCommit(self.final, tmp, "commit_success.txt")
 

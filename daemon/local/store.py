@@ -99,23 +99,13 @@ class LocalStore:
                 manifests.append(manifest)
         return Recovery(manifests, removed, skipped)
 
-    def begin_step(self, job: str, step: int, run: Runner) -> RenameCommit:
-        """A commit of a new step: its files go in a fresh staging directory on the same
-        filesystem; ``finalize(manifest bytes)`` renames it to :meth:`step_dir`."""
+    def begin_step(self, job: str, step: int, run: Runner, fetch: bool = False) -> RenameCommit:
+        """A commit of a step: its files go in a fresh directory on the same filesystem
+        (``.staging`` for a save, ``.cache`` for a download from the bucket), and
+        ``finalize(manifest bytes)`` renames it to :meth:`step_dir`."""
         return RenameCommit.beside(
             self.step_dir(job, step),
-            self.staging_root,
-            f"{job}.{step}",
-            marker=MANIFEST,
-            run=run,
-            fault="commit.before_rename",
-        )
-
-    def begin_fetch(self, job: str, step: int, run: Runner) -> RenameCommit:
-        """A commit of a step downloaded from the bucket (through ``.cache``)."""
-        return RenameCommit.beside(
-            self.step_dir(job, step),
-            self.cache_root,
+            self.cache_root if fetch else self.staging_root,
             f"{job}.{step}",
             marker=MANIFEST,
             run=run,

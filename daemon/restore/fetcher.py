@@ -97,7 +97,7 @@ class Fetcher:
             leases[record.rank] = got
             return got.segment.view(0, round_up(record.size))
 
-        commit = await self.io.run(self.store.begin_fetch, st.job, st.step, self.io.run)
+        commit = await self.io.run(self.store.begin_step, st.job, st.step, self.io.run, True)
         try:
             await fetch.download_files(
                 self.remote, st.job, st.step, node, manifest, commit.path, memory_for=memory_for
