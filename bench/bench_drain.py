@@ -308,7 +308,7 @@ class DrainBench:
         if errors:
             raise errors[0]
         # The step's state, whichever rank asks.
-        handle = SaveHandle(self.clients[0].connection, JOB, step)
+        handle = SaveHandle(self.clients[0], step)
         handle.wait("local", timeout=600)
         t_local = time.perf_counter()
         assert self.daemon is not None and self.daemon.proc is not None

@@ -75,7 +75,6 @@ class Client:
         self.rank = rank
         self.node_ranks = list(node_ranks) if node_ranks is not None else [rank]
         self.world_size = world_size or max(self.node_ranks) + 1
-        self.timeout = timeout
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
         # numpy releases the GIL while copying, so a few threads copy into the
         # lease faster than one (memory bandwidth, not CPU, is the limit).
@@ -97,6 +96,15 @@ class Client:
         self._copy_job: Future[None] | None = None
 
     # -- plumbing ------------------------------------------------------------
+    @property
+    def timeout(self) -> float:
+        """Default deadline of one RPC, in seconds."""
+        return self.connection.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.connection.timeout = seconds
+
     def _map_segment(self, name: str, size: int) -> mmap.mmap:
         mm = self._segments.get(name)
         if mm is not None and len(mm) >= size:
@@ -210,7 +218,7 @@ class Client:
             metrics=_check_metrics(metrics),
         )
         self.connection.call("Adopt", req, max(self.timeout, 600.0))
-        return SaveHandle(self.connection, self.job, int(step))
+        return SaveHandle(self, int(step))
 
     # -- public API ------------------------------------------------------------
     def save(
@@ -324,7 +332,7 @@ class Client:
                     )
                 except CkptdError as exc:
                     log.debug("could not release lease after a failed save: %s", exc)
-        handle = SaveHandle(self.connection, self.job, step, self._copy_job if device else None)
+        handle = SaveHandle(self, step, self._copy_job if device else None)
         self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
         self._last_reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Protocol
 
 from ckptd.core.errors import CkptdError, CkptdUnavailable, SaveFailed
 from ckptd.core.wire import Connection
@@ -41,14 +42,23 @@ class CheckpointInfo:
     source: str = ""
 
 
-class SaveHandle:
-    """Returned by :meth:`Client.save`: the bytes are the daemon's; wait for a stage."""
+class Owner(Protocol):
+    """What a handle needs of its client: the job and the connection to the daemon."""
 
-    def __init__(
-        self, connection: Connection, job: str, step: int, copy: Future[None] | None = None
-    ) -> None:
-        self.connection = connection
-        self.job = job
+    job: str
+    connection: Connection
+
+
+class SaveHandle:
+    """Returned by :meth:`Client.save`: the bytes are the daemon's; wait for a stage.
+
+    ``SaveHandle(client, step)`` also makes a handle for a step saved earlier (by
+    another process, or before a restart), to wait for it.
+    """
+
+    def __init__(self, client: Owner, step: int, copy: Future[None] | None = None) -> None:
+        self.connection = client.connection
+        self.job = client.job
         self.step = step
         self._copy = copy
         """jax arrays' device-to-host copy and the handoff, running after save() returned."""

@@ -102,5 +102,4 @@ def wait(client: Client, step: int, stage: str = "durable", timeout: float = 600
                 "it finished in the directory ckptd_orbax.directory() returned?"
             )
         time.sleep(0.1)
-    handle = SaveHandle(client.connection, client.job, step)
-    handle.wait(stage, timeout=max(0.0, deadline - time.monotonic()))
+    SaveHandle(client, step).wait(stage, timeout=max(0.0, deadline - time.monotonic()))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
 import os
 import secrets
 import shutil
@@ -81,6 +82,7 @@ class RenameCommit(Commit):
         run: Runner = asyncio.to_thread,
         fault: str = "",
         location: str = "",
+        marker_mode: int = 0o640,
     ) -> None:
         self.path = tmp
         self.final_path = final
@@ -89,6 +91,7 @@ class RenameCommit(Commit):
         self.replace = replace
         self._run = run
         self._fault = fault
+        self._marker_mode = marker_mode
 
     @classmethod
     def beside(cls, final: Path, tmp_dir: Path, name: str, **kw: Any) -> RenameCommit:
@@ -103,10 +106,14 @@ class RenameCommit(Commit):
         await self._run(self._finalize, marker)
 
     def _finalize(self, marker: bytes | None) -> None:
-        self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if not self.path.is_dir():  # never publish an empty tree in its place
+            raise OSError(
+                errno.EAGAIN,
+                f"{self.path} vanished before its commit; the next attempt rewrites it",
+            )
         if marker is not None:
             (self.path / self.marker).unlink(missing_ok=True)  # an earlier attempt's
-            write_synced(self.path / self.marker, marker)
+            write_synced(self.path / self.marker, marker, self._marker_mode)
         for d, _, _ in sorted(os.walk(self.path), key=lambda t: -len(Path(t[0]).parts)):
             fsync_dir(Path(d))
         parent = self.final_path.parent
@@ -117,7 +124,7 @@ class RenameCommit(Commit):
         if self.final_path.exists():
             if not self.replace:
                 raise Conflict(f"{self.final_path} is already committed")
-            old = self.path.with_name(f"{self.path.name}.replaced")
+            old = self.path.with_name(f"{self.path.name}.replaced-{secrets.token_hex(4)}")
             os.rename(self.final_path, old)
         if self._fault:
             faults.hit(self._fault)

@@ -61,3 +61,17 @@ def test_every_daemon_package_says_what_it_is_and_modules_stay_small() -> None:
         if (n := len(p.read_text().splitlines())) > 450
     ]
     assert big == []
+
+
+def test_the_image_copies_every_package_the_wheel_needs() -> None:
+    """`docker build` cannot run here: check that the Dockerfile copies each source
+    folder pyproject.toml maps to a package (a missing one fails the wheel build)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    folders = {d.split("/")[0] for d in project["tool"]["setuptools"]["package-dir"].values()}
+    copied = {
+        m.group(1)
+        for m in re.finditer(r"^COPY (\S+) \./\S+$", (REPO / "Dockerfile").read_text(), re.M)
+    }
+    assert folders <= copied, f"the Dockerfile does not copy {sorted(folders - copied)}"

@@ -294,3 +294,17 @@ def test_a_failing_listener_does_not_break_transitions() -> None:
         assert st.state == LOCAL and kinds(c) == ["STAGED", "LOCAL"]
 
     run(body())
+
+
+def test_a_copy_set_aside_while_it_uploads_leaves_the_step_to_the_drain() -> None:
+    async def body() -> None:
+        c = catalog()
+        st = c.begin("j", 1)
+        c.committed(st, manifest())
+        c.draining(st)
+        c.local_removed(st, pb.STEP_EVENT_SET_ASIDE, "rank-00000.safetensors:x")
+        assert c.get("j", 1) is st and st.state == DRAINING and not st.local
+        c.failed(st, "its local copy failed a checksum and was set aside", "remote")
+        assert st.state == FAILED and st.final(DURABLE)
+
+    run(body())

@@ -44,7 +44,7 @@ def test_trainer_sigkilled_after_save_returns_still_commits(make_daemon: Any) ->
     client = daemon.client("killed")
     assert client.list()[0].state == "STAGING"  # acknowledged, not yet written
     daemon.release("write.begin")
-    SaveHandle(client.connection, client.job, 7).wait("local", timeout=60)
+    SaveHandle(client, 7).wait("local", timeout=60)
     tree, meta = client.restore()
     assert meta == {"step": 7}
     for k, v in state_for(7, 32).items():

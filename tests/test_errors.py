@@ -145,7 +145,7 @@ def test_second_commit_of_same_step_and_rank_conflicts(daemon: Daemon) -> None:
     stub = daemon.stub()
     stub.CommitShards(good_request(stub, step=5), metadata=META)
     expect(grpc.StatusCode.ALREADY_EXISTS, "already", stub.CommitShards, good_request(stub, step=5))
-    SaveHandle(daemon.client("errs").connection, "errs", 5).wait("local", timeout=30)
+    SaveHandle(daemon.client("errs"), 5).wait("local", timeout=30)
     expect(
         grpc.StatusCode.ALREADY_EXISTS,
         "already exists here (LOCAL)",
@@ -157,7 +157,7 @@ def test_second_commit_of_same_step_and_rank_conflicts(daemon: Daemon) -> None:
     with pytest.raises(grpc.RpcError) as info:  # still being written, or already back in the pool
         stub.CommitShards(mutate(reused, step=7), metadata=META)
     assert info.value.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
-    SaveHandle(daemon.client("errs").connection, "errs", 6).wait("local", timeout=30)
+    SaveHandle(daemon.client("errs"), 6).wait("local", timeout=30)
     # once written, the lease is back in the pool and its id is dead
     expect(grpc.StatusCode.NOT_FOUND, "unknown lease", stub.CommitShards, mutate(reused, step=7))
     still_serving(daemon)

@@ -297,7 +297,7 @@ def test_upload_resumes_after_a_daemon_restart(make_daemon: Any, s3_server: Any)
     daemon.env = dict(remote.env)
     daemon.restart()
     client = daemon.client("res")
-    SaveHandle(client.connection, client.job, 4).wait("durable", 120)
+    SaveHandle(client, 4).wait("durable", 120)
     (durable,) = daemon.events_of(pb.STEP_EVENT_DURABLE, "res", 4)
     assert dict(durable.attributes) == {"files_sent": "0", "files_skipped": "1"}
     assert remote.object_keys() == expected_layout("res", [4])

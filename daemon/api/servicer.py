@@ -49,6 +49,8 @@ def _rpc(fn: Handler[R]) -> Handler[R]:
             _check_protocol(context)
             return await fn(self, request, context)
         except CkptdError as exc:
+            if exc.status == grpc.StatusCode.INTERNAL:  # not the caller's doing (a bucket error)
+                log.exception("%s failed", fn.__name__)
             await context.abort(exc.status, str(exc))
         except Exception as exc:
             log.exception("%s failed", fn.__name__)

@@ -241,8 +241,9 @@ class Catalog:
         self._emit(st, pb.STEP_EVENT_LOCAL, f"{manifest.size_bytes} bytes")
 
     def failed(self, st: Step, reason: str, stage: str) -> None:
-        """The save (``stage`` = "local") or its upload ("remote") failed for good."""
-        if st.state == FAILED:
+        """The save (``stage`` = "local") or its upload ("remote") failed for good.
+        A step that already failed, or left the catalog meanwhile, stays as it is."""
+        if st.state in (FAILED, NEW):
             return
         self._move(st, FAILED, error=reason)
         self._emit(st, pb.STEP_EVENT_FAILED, reason, stage=stage)
@@ -258,6 +259,7 @@ class Catalog:
             raise IllegalTransition(f"{st!r} already has a local copy")
         st._set(
             manifest=manifest,
+            read_at=self._monotonic(),  # fetched to be read: the evictor leaves it alone
             local_at=self._clock(),
             milestone=st.milestone or manifest.milestone,
             created_unix=manifest.created_unix,
@@ -272,11 +274,12 @@ class Catalog:
 
     def local_removed(self, st: Step, why: int, detail: str) -> None:
         """The local copy is gone (``why``: STEP_EVENT_EVICTED_LOCAL or _SET_ASIDE).
-        A step with no copy left in any tier leaves the catalog."""
+        A step with no copy left in any tier leaves the catalog, unless the drain is
+        uploading it right now (a copy set aside as corrupt): the drain ends it."""
         if not st.local:
             raise IllegalTransition(f"{st!r} has no local copy to remove")
         st._set(manifest=None, peers=frozenset())
-        if not st.in_remote:
+        if not st.in_remote and st.state != DRAINING:
             self._drop(st)
         self._emit(st, why, detail)
 

@@ -31,9 +31,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
     """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         view = memoryview(data)
         while len(view):

@@ -134,6 +134,8 @@ class Saver:
         st = self.catalog.get(*key)
         pending = self._pending.get(key)
         if st is None or (st.state == pb.SAVE_STATE_FAILED and not (pending and pending.writing)):
+            # The staging directory first: if it cannot be made, no step is left STAGING.
+            commit = self.store.begin_step(req.job, req.step, self.io.run)
             st = self.catalog.begin(
                 req.job,
                 req.step,
@@ -142,7 +144,6 @@ class Saver:
                 milestone=req.milestone,
                 metrics=req.metrics,
             )
-            commit = self.store.begin_step(req.job, req.step, self.io.run)
             pending = self._pending[key] = _Pending(st, commit)
         elif st.state != pb.SAVE_STATE_STAGING or pending is None:
             raise Conflict(
@@ -154,10 +155,10 @@ class Saver:
                 f"rank {req.rank} names node ranks {list(req.node_ranks)} but step {req.step} was "
                 f"started with {list(st.node_ranks)}; every rank must pass the same node_ranks"
             )
+        elif req.rank in pending.ranks or req.rank in pending.writing:
+            raise Conflict(f"rank {req.rank} already committed step {req.step} of job {req.job!r}")
         else:
             self.catalog.joined(st, req.milestone, req.metrics)
-        if req.rank in pending.ranks or req.rank in pending.writing:
-            raise Conflict(f"rank {req.rank} already committed step {req.step} of job {req.job!r}")
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
         self._spawn(
@@ -216,6 +217,7 @@ class Saver:
             pending.ranks[req.rank] = (record, shards, req.metadata)
         except Exception as exc:  # any failure fails the step, never the daemon
             log.exception("writing rank %d of %s/%d failed", req.rank, req.job, req.step)
+            pending.writing.discard(req.rank)  # FAILED, with nothing in flight: a retry may begin
             await self._fail(pending, f"writing rank {req.rank} failed: {exc}")
             return
         finally:

@@ -134,7 +134,11 @@ class LocalStore:
         """
         final = self.step_dir(job, step)
         gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
-        os.rename(final, gone)
+        try:
+            os.rename(final, gone)
+        except FileNotFoundError:  # removed by hand: nothing left to evict
+            log.warning("%s was already gone when evicted", final)
+            return
         fsync_dir(final.parent)
         for peer in self.peers_root.glob(f"{job}.{step}.*"):
             shutil.rmtree(peer, ignore_errors=True)

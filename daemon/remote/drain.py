@@ -51,6 +51,8 @@ from .layout import (
 
 log = logging.getLogger("ckptd.drain")
 
+PERIOD_SECONDS = 30.0
+
 _WOKEN_BY = frozenset(
     {
         pb.STEP_EVENT_LOCAL,
@@ -173,9 +175,17 @@ class Drain:
             if st is None:
                 self._wake.clear()
                 if self.pick() is None:
-                    await self._wake.wait()
+                    # Woken by new work; every PERIOD_SECONDS anyway, because time-based
+                    # remote policies change what the bucket wants as time passes.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), PERIOD_SECONDS)
                 continue
-            await self._drain(st)
+            try:
+                await self._drain(st)
+            except BaseException:
+                if st.state == pb.SAVE_STATE_DRAINING:  # not stuck DRAINING after a restart
+                    self.catalog.requeued(st, "the drain stopped on an error; it goes again")
+                raise
 
     def supersede_unwanted(self) -> None:
         """Pending steps the bucket will never want become SUPERSEDED: a newer step of
@@ -202,7 +212,7 @@ class Drain:
         older steps the remote retention keeps, newest first."""
         by_job: dict[str, list[Step]] = {}
         for s in self.catalog.steps():
-            if s.state == pb.SAVE_STATE_LOCAL and s.local:
+            if s.state == pb.SAVE_STATE_LOCAL and s.local and not s.busy:
                 by_job.setdefault(s.job, []).append(s)
         newest = [max(steps, key=lambda s: s.step) for steps in by_job.values()]
         fresh = [s for s in newest if not self._newer_in_remote(s)]
@@ -230,6 +240,11 @@ class Drain:
         self.catalog.draining(st)
         attempt = 0
         while True:
+            if st.manifest is None:  # set aside as corrupt by a restore meanwhile
+                self.catalog.failed(
+                    st, "its local copy failed a checksum and was set aside", "remote"
+                )
+                return
             try:
                 sent, skipped = await self._upload(st)
                 break
@@ -253,6 +268,7 @@ class Drain:
                 self.last_error = f"retrying in {delay:.1f} s: {reason}"
                 log.warning("%s/%d: %s", st.job, st.step, self.last_error)
                 self.catalog.retrying(st, self.last_error)
+                self.supersede_unwanted()  # other steps may be unwanted by now
                 if (
                     self._newer_pending(st)
                     and st.step not in self.retention.plan(st.job).remote_wants

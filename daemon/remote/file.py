@@ -82,6 +82,7 @@ class FileRemote(Remote):
             COMMIT_FILE,
             replace=True,
             location=staging,
+            marker_mode=0o644,  # like every other object put here
         )
 
     async def retract_tree(self, tree: str, records: str, node: str) -> None:

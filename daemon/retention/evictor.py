@@ -24,7 +24,7 @@ from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore
 from ..remote.base import Remote
 from ..remote.layout import marker_key, record_prefix, step_prefix
-from .planner import READ_GRACE_SECONDS, Retention
+from .planner import Retention
 
 log = logging.getLogger("ckptd.evictor")
 
@@ -65,7 +65,8 @@ class Evictor:
         self.evicted_remote = 0
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        self._lock = asyncio.Lock()
+        self._local = asyncio.Lock()
+        """Held for local-tier work only, so admission never waits behind bucket I/O."""
         catalog.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
@@ -89,22 +90,22 @@ class Evictor:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            await self.run_once()
+            try:
+                await self.run_once()
+            except Exception:  # one bad step must not stop retention: the next pass retries
+                log.exception("eviction pass failed")
 
     async def run_once(self) -> None:
-        """One pass: every job's plan in both tiers, then the low watermark."""
-        async with self._lock:
-            for job in self.catalog.jobs():
-                plan = self.retention.plan(job)
-                for step in plan.evict_remote:
-                    await self._evict_remote(job, step, "retention")
-                for step in plan.evict_local:
-                    await self._evict_local(job, step, "retention")
-            await self._relieve_pressure()
+        """One pass: every job's plan in the bucket, then the local tier."""
+        for job in self.catalog.jobs():
+            for step in self.retention.plan(job).evict_remote:
+                await self._evict_remote(job, step, "retention")
+        await self.relieve_local()
 
     async def relieve_local(self) -> None:
-        """A pass over the local tier only (admission, inside an RPC: no bucket I/O)."""
-        async with self._lock:
+        """A pass over the local tier only: every job's plan, then the low watermark.
+        Admission runs it inside an RPC: it does no bucket I/O."""
+        async with self._local:
             for job in self.catalog.jobs():
                 for step in self.retention.plan(job).evict_local:
                     await self._evict_local(job, step, "retention")
@@ -132,9 +133,10 @@ class Evictor:
         st = self.catalog.get(job, step)
         if st is None or not st.local:
             return
-        if st.busy or self.catalog.read_recently(st, READ_GRACE_SECONDS):
-            return  # a restore chose it after the plan was made
-        await self.io.run(self.store.evict, job, step)
+        if self.retention.busy(st):
+            return  # a restore or the drain took it after the plan was made
+        with self.catalog.in_use(st):  # the drain does not take it meanwhile
+            await self.io.run(self.store.evict, job, step)
         self.evicted_local += 1
         log.info("evicted %s/%d from the local tier (%s)", job, step, why)
         self.catalog.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, why)
