@@ -82,6 +82,11 @@ class Daemon(DaemonProcess):
             start_timeout=start_timeout,
         )
 
+    @property
+    def args(self) -> list[str]:
+        """The ``ckptd serve`` command line (recorded in the results)."""
+        return self.command()
+
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM the daemon and wait for it (SIGKILL after ``timeout``); returns its status."""
         rc = super().stop(timeout)

@@ -43,10 +43,10 @@ def write_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
         os.close(fd)
 
 
-def replace_synced(path: Path, data: bytes) -> None:
+def replace_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
     """Atomically replace ``path`` with ``data``: temp file, fsync, rename, fsync the dir."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    write_synced(tmp, data)
+    write_synced(tmp, data, mode)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

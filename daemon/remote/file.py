@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 from ckptd.core import checksum
 
 from ..commit import Commit, RenameCommit
-from ..local.files import fsync_dir
+from ..local.files import fsync_dir, replace_synced
 from .base import Remote, parts, read_part
 from .layout import COMMIT_FILE
 
@@ -30,19 +30,9 @@ class FileRemote(Remote):
 
     async def put_bytes(self, key: str, data: bytes) -> None:
         """Write via a temporary name, fsync, rename: readers never see a partial object."""
-        await asyncio.to_thread(self._write_atomic, key, [data])
-
-    def _write_atomic(self, key: str, chunks: list[bytes]) -> None:
         final = Path(self.path(key))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
+        await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(replace_synced, final, data, 0o644)
 
     async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
         """Copy part by part (O_DIRECT reads), checking the bytes read against ``crc32c``."""
