@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.core.errors import CapacityExhausted, CkptdError
+from ckptd.core.errors import CapacityExhausted, CkptdUnavailable
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
-from ckptd.proto import state_name
 
 from . import restore as restore_mod
 from . import restoring
 from .handle import CheckpointInfo, SaveHandle, watch_stage
+from .handoff import Handoff
 from .jax_arrays import (
     ShardPlan,
     is_jax_array,
@@ -49,7 +49,9 @@ class Client:
     ``staging_timeout`` is how long :meth:`save` waits for staging memory held
     by earlier saves before it raises :class:`CapacityExhausted`.
     ``save_replicas``: save every replica of a replicated jax array shard, not
-    only ``replica_id == 0``.
+    only ``replica_id == 0``. ``reconnect_timeout``: while the daemon is
+    unreachable (its sidecar restarting), :meth:`should_save` says False and
+    :meth:`save` keeps trying this long before it raises :class:`CkptdUnavailable`.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class Client:
         policy: SavePolicy | None = None,
         staging_timeout: float = 60.0,
         save_replicas: bool = False,
+        reconnect_timeout: float = 60.0,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -94,6 +97,8 @@ class Client:
         self.save_replicas = save_replicas
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._copy_job: Future[None] | None = None
+        self._handoff = Handoff(self.connection, job, reconnect_timeout, self._map_segment)
+        self._unreachable = False
 
     # -- plumbing ------------------------------------------------------------
     @property
@@ -178,9 +183,19 @@ class Client:
             return False
         self.last_refusal = ""
         if self._last_bytes:
-            cap = self.connection.call(
-                "CheckCapacity", pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes)
-            )
+            try:
+                cap = self.connection.call(
+                    "CheckCapacity",
+                    pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes),
+                )
+            except CkptdUnavailable as exc:
+                # The sidecar is restarting: skip this save, never stop training.
+                self.last_refusal = f"the ckptd daemon is unreachable: {exc}"
+                if not self._unreachable:
+                    log.warning("step %d: not saving while %s", step, self.last_refusal)
+                self._unreachable = True
+                return False
+            self._unreachable = False
             if not cap.ok:
                 self.last_refusal = cap.reason
                 log.debug("step %d: not saving now: %s", step, cap.reason)
@@ -270,25 +285,18 @@ class Client:
         entries = plan_layout(layout)
         data_len = sum(e.length for e in entries)
         started = time.monotonic()
+        what = f"step {step} of job {self.job!r} was not saved"
+        self._finish_copy()  # one background copy at a time: it may use a mapped segment
         try:
-            lease = self.connection.call(
-                "AcquireLease",
-                pb.AcquireLeaseRequest(
-                    job=self.job, size_bytes=round_up(data_len), wait_seconds=wait
-                ),
-                wait + self.timeout,
-            )
+            lease, mm = self._handoff.acquire(round_up(data_len), wait, what)
         except CapacityExhausted as exc:
-            raise CapacityExhausted(
-                f"step {step} of job {self.job!r} was not saved: {exc}", exc.code
-            ) from None
+            raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
         committed = False
+        req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         try:
-            self._finish_copy()  # one background copy at a time: it may use a mapped segment
-            mm = self._map_segment(lease.segment, lease.size_bytes)
             self._copy_into(mm, [e for e in entries if e.key in host], host)
             req = pb.CommitShardsRequest(
-                lease_id=lease.lease_id,
+                lease_id=req.lease_id,
                 job=self.job,
                 step=step,
                 rank=self.rank,
@@ -319,19 +327,14 @@ class Client:
                 # jax arrays are immutable: copy them to host and hand off after returning.
                 todo = [e for e in entries if e.key in device]
                 self._copy_job = self._background.submit(
-                    self._copy_device_and_commit, mm, todo, device, req
+                    self._copy_device_and_commit, mm, todo, device, req, round_up(data_len)
                 )
             else:
-                self.connection.call("CommitShards", req)
+                self._handoff.commit(req, mm, round_up(data_len), what)
             committed = True
         finally:
             if not committed:
-                try:
-                    self.connection.call(
-                        "ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease.lease_id), 10.0
-                    )
-                except CkptdError as exc:
-                    log.debug("could not release lease after a failed save: %s", exc)
+                self._handoff.release(req.lease_id)  # the lease of the last attempt
         handle = SaveHandle(self, step, self._copy_job if device else None)
         self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
         self._last_reached, self._watch = set(), {}
@@ -341,19 +344,21 @@ class Client:
         return handle
 
     def _copy_device_and_commit(
-        self, mm: mmap.mmap, entries: list[TensorEntry], device: dict[str, ShardPlan], req: Any
+        self,
+        mm: mmap.mmap,
+        entries: list[TensorEntry],
+        device: dict[str, ShardPlan],
+        req: Any,
+        size: int,
     ) -> None:
         """Background: device-to-host copies into the lease, then the handoff."""
         try:
             for e in entries:
                 self._copy_into(mm, [e], {e.key: np.asarray(device[e.key].data)})
-            self.connection.call("CommitShards", req)
+            what = f"step {req.step} of job {self.job!r} was not saved"
+            self._handoff.commit(req, mm, size, what)
         except BaseException:
-            try:
-                release = pb.ReleaseLeaseRequest(lease_id=req.lease_id)
-                self.connection.call("ReleaseLease", release, 10.0)
-            except CkptdError as exc:
-                log.debug("could not release lease after a failed copy: %s", exc)
+            self._handoff.release(req.lease_id)
             raise
 
     def _finish_copy(self) -> None:
@@ -387,26 +392,7 @@ class Client:
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""
         resp = self.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=self.job))
-        return [
-            CheckpointInfo(
-                c.job,
-                c.step,
-                state_name(c.state),
-                tuple(pb.Tier.Name(t).removeprefix("TIER_") for t in c.tiers),
-                c.created_unix,
-                c.size_bytes,
-                c.num_shards,
-                c.milestone,
-                c.error,
-                tuple(c.local_reasons),
-                tuple(c.remote_reasons),
-                c.pinned,
-                dict(c.metrics),
-                c.adopted,
-                c.source,
-            )
-            for c in resp.checkpoints
-        ]
+        return [CheckpointInfo.of(c) for c in resp.checkpoints]
 
     def close(self) -> None:
         """Close the channel and unmap shared memory."""
@@ -417,6 +403,7 @@ class Client:
         for mm in self._segments.values():
             mm.close()
         self._segments.clear()
+        self._handoff.close()
         self.connection.close()
 
     def __enter__(self) -> Client:

@@ -41,6 +41,27 @@ class CheckpointInfo:
     """A directory tree adopted from another framework (an Orbax step, ``adopt``)."""
     source: str = ""
 
+    @classmethod
+    def of(cls, c: pb.CheckpointInfo) -> CheckpointInfo:
+        """From the daemon's ``ListCheckpoints`` row."""
+        return cls(
+            c.job,
+            c.step,
+            state_name(c.state),
+            tuple(pb.Tier.Name(t).removeprefix("TIER_") for t in c.tiers),
+            c.created_unix,
+            c.size_bytes,
+            c.num_shards,
+            c.milestone,
+            c.error,
+            tuple(c.local_reasons),
+            tuple(c.remote_reasons),
+            c.pinned,
+            dict(c.metrics),
+            c.adopted,
+            c.source,
+        )
+
 
 class Owner(Protocol):
     """What a handle needs of its client: the job and the connection to the daemon."""

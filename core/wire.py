@@ -24,6 +24,13 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+RECONNECT_OPTIONS = [
+    # A restarted daemon is back within seconds: retry the socket every 0.1-1 s
+    # instead of gRPC's default backoff (up to 120 s), so a trainer resumes at once.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 METADATA = ((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
 """Sent with every call: the daemon refuses a client of another protocol version."""
 
@@ -55,14 +62,22 @@ class Connection:
     def __init__(self, socket: str | os.PathLike[str] | None = None, timeout: float = 120.0):
         self.socket = socket_path(socket)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(
+            f"unix:{self.socket}", options=CHANNEL_OPTIONS + RECONNECT_OPTIONS
+        )
         self._stub = pb_grpc.CkptdStub(self._channel)
 
-    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Any:
         """Call RPC ``method`` (``"GetStatus"``...) and return its response message."""
         try:
             return getattr(self._stub, method)(
-                request, timeout=timeout or self.timeout, metadata=METADATA
+                request, timeout=timeout or self.timeout, metadata=METADATA + metadata
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.socket) from None

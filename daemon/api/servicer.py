@@ -29,6 +29,7 @@ from ..adopt.adopter import Adopter
 from ..catalog import Catalog
 from ..local.admission import Admission
 from ..local.saver import Saver
+from ..local.staging import HOLDER_HEADER
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
 from ..retention.pins import Pins
@@ -104,7 +105,10 @@ class Servicer(pb_grpc.CkptdServicer):
         job = check_name("job", request.job)
         self.s.saver.staging.check_fits(request.size_bytes)
         await self.s.admission.check_space(request.size_bytes)
-        lease = await self.s.saver.acquire_lease(job, request.size_bytes, request.wait_seconds)
+        holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
+        lease = await self.s.saver.acquire_lease(
+            job, request.size_bytes, request.wait_seconds, holder
+        )
         return messages.lease(lease)
 
     @_rpc
@@ -121,7 +125,8 @@ class Servicer(pb_grpc.CkptdServicer):
     async def CommitShards(
         self, request: pb.CommitShardsRequest, context: Any
     ) -> pb.CommitShardsResponse:
-        state = self.s.saver.commit(parse_commit(request))
+        # The request itself is journaled: a restarted daemon replays it as received.
+        state = await self.s.saver.commit(parse_commit(request), request.SerializeToString())
         return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
 
     @_rpc

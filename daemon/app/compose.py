@@ -19,11 +19,13 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .. import __version__
 from ..adopt.adopter import Adopter
+from ..api.requests import parse_commit
 from ..api.servicer import Services
 from ..catalog import Catalog
 from ..io import IoPool
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
-from ..local.saver import Saver
+from ..local.journal import Journal
+from ..local.saver import CommitRequest, Saver
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
 from ..remote.backends import open_remote
@@ -64,8 +66,16 @@ class Daemon:
             segment_prefix(cfg.root), cfg.staging_budget_bytes, cfg.lease_timeout_seconds
         )
         self.remote: Remote | None = None
+        self.journal = Journal(cfg.root)
         self.saver = Saver(
-            self.catalog, self.staging, self.store, self.io, cfg.node_id, self.supervisor.spawn
+            self.catalog,
+            self.staging,
+            self.store,
+            self.io,
+            cfg.node_id,
+            self.supervisor.spawn,
+            self.journal,
+            cfg.step_timeout_seconds,
         )
         self.disk = DiskSpace(cfg.root, cfg.local_low_watermark, cfg.local_floor, measure_space)
         self.admission = Admission(
@@ -77,10 +87,24 @@ class Daemon:
         """Recover the local tier, open the remote tier, build the services on top."""
         cfg = self.config
         recovery = await self.io.run(self.store.recover)
-        removed_segments = self.staging.remove_leftovers()
+        try:
+            handoffs = await self.io.run(self.journal.load)
+        except OSError as exc:
+            raise StartupError(f"cannot open the journal {self.journal.path}: {exc}") from None
         pins = await self.io.run(load_pins, cfg.root)
         for m in recovery.manifests:
             self.catalog.recovered(m, pinned=(m.job, m.step) in pins)
+        # Acknowledged handoffs the last daemon had not made LOCAL: finish them now,
+        # before any client can ask about them.
+        replayed = await self.saver.replay(handoffs, _parse_record)
+        if handoffs:
+            log.warning(
+                "journal: %d acknowledged handoffs were not LOCAL at the last exit; "
+                "%d are being written now",
+                len(handoffs),
+                replayed,
+            )
+        removed_segments = self.staging.remove_leftovers()
         for line in recovery.skipped:
             log.warning("ignoring step directory that is not a ckptd commit: %s", line)
         log.info(
@@ -172,6 +196,7 @@ class Daemon:
             log.info("finishing %d acknowledged saves before exit", self.supervisor.jobs_running)
         await self.supervisor.finish_jobs()
         self.staging.close()
+        self.journal.close()
         self.io.close()
 
     def status(self) -> pb.DaemonStatus:
@@ -219,6 +244,11 @@ class Daemon:
             job_errors=self.supervisor.job_errors,
             last_event_seq=self.catalog.last_seq,
         )
+
+
+def _parse_record(body: bytes) -> CommitRequest:
+    """A journaled ``CommitShards`` request, validated again as if it had just arrived."""
+    return parse_commit(pb.CommitShardsRequest.FromString(body))
 
 
 def _reason(exc: BaseException) -> str:

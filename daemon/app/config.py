@@ -51,7 +51,11 @@ class Config:
     staging_budget_bytes: int = 4 * 2**30
     """Most shared memory the daemon may hold in leases at once."""
     lease_timeout_seconds: float = 600.0
-    """A lease held this long without a commit is reclaimed."""
+    """A lease held this long without a commit is reclaimed (clients of this release
+    are watched directly: their leases come back as soon as they exit)."""
+    step_timeout_seconds: float = 600.0
+    """A multi-rank step some of whose ranks never hand off fails after this long
+    (counted from its first handoff, or from a restart that replayed it)."""
     write_workers: int = 2
     """Threads writing shard files to the local tier in parallel."""
     log_level: str = "info"

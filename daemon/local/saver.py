@@ -1,8 +1,12 @@
 """The save path: leases granted, handoffs taken, rank files written, steps committed LOCAL.
 
 ``CommitShards`` is the acknowledgement point: :meth:`Saver.commit` checks the
-request against its lease, records the handoff in the catalog (STAGING) and
-starts the rank's write in the background; the reply goes out at once. Each
+request against its lease, records the handoff in the catalog (STAGING), starts
+the rank's write in the background and appends the handoff to the journal
+(journal.py); the reply goes out once that record is fsynced, so an
+acknowledged save survives a daemon crash. The lease stays granted until the
+step is LOCAL or FAILED; a step whose other ranks never hand off fails after
+``step_timeout_seconds``, and its memory comes back. Each
 rank's shards are written from the lease into one safetensors file in the
 step's staging directory with ``O_DIRECT``, crc32c computed over the same memory
 in parallel; when every rank of the node is written the step commits
@@ -13,6 +17,7 @@ and becomes LOCAL. Runs on the event loop; file work goes to the I/O threads.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import time
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.core import checksum
-from ckptd.core.errors import Conflict, InvalidArgument
+from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, TensorEntry, build_header, check_layout, round_up
 from ckptd.core.manifest import Manifest, RankRecord, ShardRecord, rank_file_name
 from ckptd.proto import ckptd_pb2 as pb
@@ -29,8 +34,9 @@ from ckptd.proto import state_name
 
 from ..catalog import Catalog, Step
 from ..commit import RenameCommit
-from ..io import IoPool
+from ..io import IoPool, gather_all
 from .files import write_file_direct
+from .journal import Entry, Journal
 from .staging import Lease, Staging
 from .store import LocalStore
 
@@ -70,6 +76,9 @@ class _Pending:
         default_factory=dict
     )
     writing: set[int] = field(default_factory=set)
+    leases: dict[int, Lease] = field(default_factory=dict)
+    """Each handed-off rank's lease, held until the step is LOCAL or FAILED."""
+    timer: asyncio.TimerHandle | None = None
 
 
 Spawn = Callable[[str, Coroutine[Any, Any, None]], None]
@@ -87,6 +96,8 @@ class Saver:
         io: IoPool,
         node_id: str,
         spawn: Spawn,
+        journal: Journal,
+        step_timeout_seconds: float = 600.0,
     ) -> None:
         self.catalog = catalog
         self.staging = staging
@@ -94,13 +105,20 @@ class Saver:
         self.io = io
         self.node_id = node_id
         self._spawn = spawn
+        self.journal = journal
+        self.step_timeout_seconds = step_timeout_seconds
         self._pending: dict[tuple[str, int], _Pending] = {}
 
     # -- leases --------------------------------------------------------------
-    async def acquire_lease(self, job: str, size_bytes: int, wait_seconds: float = 0.0) -> Lease:
+    async def acquire_lease(
+        self, job: str, size_bytes: int, wait_seconds: float = 0.0, holder: str = ""
+    ) -> Lease:
         """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it."""
         return await self.staging.acquire(
-            job, size_bytes, wait_seconds=min(max(wait_seconds, 0.0), MAX_WAIT_SECONDS)
+            job,
+            size_bytes,
+            wait_seconds=min(max(wait_seconds, 0.0), MAX_WAIT_SECONDS),
+            holder=holder,
         )
 
     def release_lease(self, lease_id: str) -> None:
@@ -110,8 +128,12 @@ class Saver:
         self.staging.release(lease_id)
 
     # -- handoffs ----------------------------------------------------------------
-    def commit(self, req: CommitRequest) -> int:
-        """Take ownership of a lease's shards; the write runs in the background."""
+    async def commit(self, req: CommitRequest, record: bytes | None) -> int:
+        """Take ownership of a lease's shards; returns once the handoff is journaled.
+
+        ``record``: the request as received, for the journal (None: a replay of a
+        handoff the journal already holds). The write runs in the background.
+        """
         lease = self.staging.get(req.lease_id)
         if lease.job != req.job:
             raise InvalidArgument(
@@ -145,6 +167,9 @@ class Saver:
                 metrics=req.metrics,
             )
             pending = self._pending[key] = _Pending(st, commit)
+            pending.timer = asyncio.get_running_loop().call_later(
+                self.step_timeout_seconds, self._check_complete, pending
+            )
         elif st.state != pb.SAVE_STATE_STAGING or pending is None:
             raise Conflict(
                 f"step {req.step} of job {req.job!r} already exists here ({state_name(st.state)}); "
@@ -161,11 +186,67 @@ class Saver:
             self.catalog.joined(st, req.milestone, req.metrics)
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
+        pending.leases[req.rank] = lease
+        # The write starts now; the reply waits only for the journal's fsync.
         self._spawn(
             f"write {req.job}/{req.step} rank {req.rank}",
             self._write_rank(pending, req, lease, data_len),
         )
+        if record is not None:
+            try:
+                await self.journal.commit(lease.lease_id, lease.segment.name, req.job, record)
+            except Exception as exc:
+                reason = f"the handoff could not be recorded in {self.journal.path}: {exc}"
+                await self._fail(pending, reason)
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ResourceExhausted(f"{reason}; free space on the local tier") from None
+                raise CkptdError(reason) from None
         return st.state
+
+    async def replay(self, entries: list[Entry], parse: Callable[[bytes], CommitRequest]) -> int:
+        """Finish the handoffs a crashed daemon acknowledged (the journal's live records):
+        each whose segment survived is written and committed as if it had just arrived."""
+        replayed = 0
+        for entry in entries:
+            try:
+                self.staging.adopt(entry.segment, entry.lease_id, entry.job)
+            except (OSError, ValueError) as exc:
+                log.error(
+                    "journal: an acknowledged save of job %s is lost: its shared memory %s "
+                    "is gone (%s; shared memory does not survive a reboot)",
+                    entry.job,
+                    entry.segment,
+                    exc,
+                )
+                await self.journal.done([entry.lease_id])
+                continue
+            try:
+                req = parse(entry.body)
+                st = self.catalog.get(req.job, req.step)
+                if st is not None and st.local:
+                    raise Conflict(f"{req.job}/{req.step} was committed before the crash")
+                await self.commit(req, None)
+                replayed += 1
+                log.info(
+                    "journal: replaying the handoff of %s/%d rank %d", req.job, req.step, req.rank
+                )
+            except CkptdError as exc:
+                log.info("journal: record of lease %s needs nothing: %s", entry.lease_id, exc)
+                await self.journal.done([entry.lease_id])
+                self.staging.release(entry.lease_id)
+        return replayed
+
+    def _check_complete(self, pending: _Pending) -> None:
+        """``step_timeout_seconds`` after a step began: fail it if ranks are missing."""
+        st = pending.step
+        missing = set(st.node_ranks) - set(pending.ranks) - pending.writing
+        if st.state == pb.SAVE_STATE_STAGING and missing:
+            reason = (
+                f"ranks {sorted(missing)} of this node never handed off step {st.step} within "
+                f"{self.step_timeout_seconds:.0f} s (step_timeout_seconds); the ranks that did "
+                "were discarded"
+            )
+            self._spawn(f"expire {st.job}/{st.step}", self._fail(pending, reason))
 
     def ranks_written(self, st: Step) -> list[int]:
         """Ranks of a step whose files are written (all of them once it is LOCAL)."""
@@ -192,7 +273,7 @@ class Saver:
             data = lease.segment.view(req.data_offset, round_up(data_len))
             ranges = [(e.offset, e.length) for e in req.entries]
             spare = self.store.take_spare(len(header) + data_len)
-            _, (file_crc, crcs) = await asyncio.gather(
+            _, (file_crc, crcs) = await gather_all(
                 self.io.run(
                     write_file_direct, pending.commit.path / name, header, data, data_len, spare
                 ),
@@ -222,8 +303,7 @@ class Saver:
             return
         finally:
             pending.writing.discard(req.rank)
-            self.staging.release(req.lease_id)
-            self._forget_if_done(pending)
+            await self._settle(pending)
         if st.state == pb.SAVE_STATE_STAGING and set(pending.ranks) == set(st.node_ranks):
             await self._commit_step(pending)
 
@@ -250,6 +330,9 @@ class Saver:
             return
         finally:
             self._forget_if_done(pending, force=True)
+        # The memory goes back before LOCAL is announced, so whoever sees LOCAL can
+        # save again at once (the journal's fsync is small and shared).
+        await self._settle(pending, committed=True)
         self.catalog.committed(st, manifest)
         log.info(
             "%s/%d LOCAL in %.3f s (%d bytes)",
@@ -264,6 +347,31 @@ class Saver:
             return
         self.catalog.failed(pending.step, reason, "local")
         await pending.commit.abort()
+        await self._settle(pending)
+
+    async def _settle(self, pending: _Pending, committed: bool = False) -> None:
+        """Once the step is committed (renamed into place), LOCAL or FAILED, give back
+        every lease no write still reads: journaled as done first, so a replay never
+        reads a reused segment."""
+        if pending.step.state == pb.SAVE_STATE_STAGING and not committed:
+            return
+        if pending.timer is not None:
+            pending.timer.cancel()
+        done = {r: lease for r, lease in pending.leases.items() if r not in pending.writing}
+        if not done:
+            return
+        for rank in done:
+            del pending.leases[rank]
+        ids = [lease.lease_id for lease in done.values()]
+        try:
+            await self.journal.done(ids)
+        except Exception:
+            # The records stay live on disk, so the segments must not be reused:
+            # they are kept until a restart replays (and retires) them.
+            log.exception("journal: cannot retire leases %s; keeping their memory", ids)
+            return
+        for lease_id in ids:
+            self.staging.release(lease_id)
 
     def _forget_if_done(self, pending: _Pending, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""

@@ -3,7 +3,17 @@
 Touching fresh memory is the slowest part of a save on these machines (see
 DESIGN.md, Performance notes), so segments are allocated once, faulted in by
 ``posix_fallocate`` when created, and handed out again for later saves. The
-total held is bounded by ``staging_budget_bytes``.
+total held is bounded by ``staging_budget_bytes``. Segments are mapped without
+keeping a file descriptor (:mod:`.shm`), so a pool of many small segments never
+runs into the process's fd limit.
+
+A save lease stays granted from ``AcquireLease`` until its step is LOCAL or
+FAILED (the saver releases it), so the journal's record of a handoff always
+names a segment nobody else writes into. A lease the client never commits comes
+back as soon as the client is gone: the client holds a shared flock on a small
+liveness file for its whole life and names it when it asks for a lease
+(:data:`HOLDER_HEADER`); no lock, no client. ``lease_timeout_seconds`` is only the
+backstop for clients that name no such file.
 """
 
 from __future__ import annotations
@@ -14,22 +24,27 @@ import fcntl
 import hashlib
 import itertools
 import logging
-import mmap
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.core.errors import Conflict, NotFound, ResourceExhausted
+from ckptd.core.errors import Conflict, InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
+
+from .shm import SharedMapping
 
 log = logging.getLogger("ckptd.staging")
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_GRANULE = 2 * 2**20
 """Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
+HOLDER_HEADER = "ckptd-holder"
+"""gRPC metadata: the name of the calling client's liveness file in the shm dir."""
+HOLDER_PATTERN = re.compile(r"ckptd-client-[0-9]{1,10}-[0-9a-f]{8,32}")
 
 
 @dataclass
@@ -38,12 +53,12 @@ class Segment:
 
     name: str
     size: int
-    mm: mmap.mmap
+    mapping: SharedMapping
     lease_id: str | None = None
 
     def view(self, offset: int, length: int) -> memoryview:
         """A zero-copy view of ``length`` bytes at ``offset``."""
-        return memoryview(self.mm)[offset : offset + length]
+        return self.mapping.view(offset, length)
 
 
 @dataclass
@@ -59,6 +74,8 @@ class Lease:
     """A restore lease: holds verified checkpoint data for the client."""
     borrowed: bool = False
     """The client mapped the restore lease and flocks it while its arrays live."""
+    holder: str = ""
+    """The client's liveness file (see :data:`HOLDER_HEADER`); empty: unknown client."""
 
 
 def segment_prefix(root: Path) -> str:
@@ -125,12 +142,20 @@ class Staging:
         return removed
 
     def close(self) -> None:
-        """Unmap and unlink every segment."""
-        for seg in self._segments.values():
-            seg.mm.close()
-            (self.shm_dir / seg.name).unlink(missing_ok=True)
-        self._segments.clear()
+        """Unlink every segment, and unmap those no view uses any more."""
+        for seg in list(self._segments.values()):
+            self._destroy(seg)
         self._leases.clear()
+
+    def adopt(self, name: str, lease_id: str, job: str) -> Lease:
+        """Take over a segment a crashed daemon granted, for the journal's replay."""
+        if not name.startswith(self.prefix) or "/" in name:
+            raise ValueError(f"segment {name!r} is not one of this root's")
+        path = self.shm_dir / name
+        size = path.stat().st_size
+        seg = Segment(name, size, SharedMapping.open(path, size))
+        self._segments[name] = seg
+        return self._grant(job, seg, lease_id=lease_id)
 
     # -- leases ------------------------------------------------------------
     def check_fits(self, size_bytes: int) -> int:
@@ -154,19 +179,27 @@ class Staging:
         return self.allocated_bytes - sum(s.size for s in free) + need <= self.budget_bytes
 
     async def acquire(
-        self, job: str, size_bytes: int, restore: bool = False, wait_seconds: float = 0.0
+        self,
+        job: str,
+        size_bytes: int,
+        restore: bool = False,
+        wait_seconds: float = 0.0,
+        holder: str = "",
     ) -> Lease:
         """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
 
         ``restore``: a lease to fill with checkpoint data for the client (see
         :meth:`take_free`), allocated if no free segment fits. ``wait_seconds``:
         while in-flight saves hold the budget, wait up to this long for them to
-        finish (backpressure) before raising :class:`StagingBusy`.
+        finish (backpressure) before raising :class:`StagingBusy`. ``holder``: the
+        client's liveness file; the lease comes back once it is no longer locked.
         """
+        if holder and not HOLDER_PATTERN.fullmatch(holder):
+            raise InvalidArgument(f"malformed {HOLDER_HEADER} {holder[:80]!r}")
         deadline = time.monotonic() + max(0.0, wait_seconds)
         while True:
             try:
-                return await self._acquire_now(job, size_bytes, restore)
+                return await self._acquire_now(job, size_bytes, restore, holder)
             except StagingBusy:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -177,7 +210,7 @@ class Staging:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), min(left, 0.5))
 
-    async def _acquire_now(self, job: str, size_bytes: int, restore: bool) -> Lease:
+    async def _acquire_now(self, job: str, size_bytes: int, restore: bool, holder: str) -> Lease:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
         free = sorted(
@@ -192,9 +225,9 @@ class Staging:
                 self._destroy(small)
             if self.allocated_bytes + need > self.budget_bytes:
                 raise StagingBusy(
-                    f"staging budget exhausted: {self.in_use_bytes} of {self.budget_bytes} bytes "
-                    f"are held by {self.leases_held} in-flight saves and {size_bytes} more are "
-                    "needed; wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
+                    f"staging budget exhausted: {size_bytes} bytes are needed and "
+                    f"{self.in_use_bytes} of {self.budget_bytes} are held: {self.holders()}; "
+                    "wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
                 )
             self._reserved += need
             try:
@@ -202,10 +235,46 @@ class Staging:
             finally:
                 self._reserved -= need
             self._segments[seg.name] = seg
-        return self._grant(job, seg, restore)
+        return self._grant(job, seg, restore, holder)
 
-    def _grant(self, job: str, seg: Segment, restore: bool = False) -> Lease:
-        lease = Lease(secrets.token_hex(12), job, seg, self._clock(), restore=restore)
+    def holders(self) -> str:
+        """What holds the leased memory right now, in words (for capacity errors)."""
+        kinds: dict[str, list[Lease]] = {}
+        for lease in self._leases.values():
+            if lease.committed:
+                kind = "handed-off saves being written to disk"
+            elif lease.borrowed:
+                kind = "restored arrays a client still uses"
+            elif lease.restore:
+                kind = "restores not yet mapped by their client"
+            else:
+                kind = "leases granted to clients that have not committed yet"
+            kinds.setdefault(kind, []).append(lease)
+        if not kinds:
+            return "nothing (free segments too small to reuse)"
+        now = self._clock()
+        parts = []
+        for kind, leases in kinds.items():
+            jobs = sorted({lease.job for lease in leases})
+            oldest = max(now - lease.granted_at for lease in leases)
+            parts.append(
+                f"{sum(lease.segment.size for lease in leases)} bytes in {len(leases)} {kind} "
+                f"(jobs {', '.join(jobs[:4])}{'...' if len(jobs) > 4 else ''}; "
+                f"oldest {oldest:.0f} s)"
+            )
+        return "; ".join(parts)
+
+    def _grant(
+        self, job: str, seg: Segment, restore: bool = False, holder: str = "", lease_id: str = ""
+    ) -> Lease:
+        lease = Lease(
+            lease_id or secrets.token_hex(12),
+            job,
+            seg,
+            self._clock(),
+            restore=restore,
+            holder=holder,
+        )
         seg.lease_id = lease.lease_id
         self._leases[lease.lease_id] = lease
         return lease
@@ -278,19 +347,35 @@ class Staging:
             self._freed = asyncio.Event()
 
     def reclaim_expired(self) -> list[str]:
-        """Return leases that clients held past the timeout without committing."""
+        """Return leases whose client died (its liveness file is unlocked) or that
+        were held past the timeout without a commit."""
         self.reclaim_returned()
         now = self._clock()
-        expired = [
-            lid
-            for lid, lease in self._leases.items()
-            if not lease.committed
-            and not lease.borrowed
-            and now - lease.granted_at > self.lease_timeout_seconds
-        ]
+        expired = []
+        dead: dict[str, bool] = {}
+        for lid, lease in list(self._leases.items()):
+            if lease.committed or lease.borrowed:
+                continue
+            if lease.holder:
+                if lease.holder not in dead:
+                    dead[lease.holder] = not _locked_by_others(self.shm_dir / lease.holder)
+                if dead[lease.holder]:
+                    log.warning(
+                        "lease %s of job %s reclaimed: its client exited without committing",
+                        lid,
+                        lease.job,
+                    )
+                    expired.append(lid)
+                    continue
+            if now - lease.granted_at > self.lease_timeout_seconds:
+                log.warning("lease %s for job %s expired without a commit", lid, lease.job)
+                expired.append(lid)
         for lid in expired:
-            log.warning("lease %s for job %s expired without a commit", lid, self._leases[lid].job)
             self.release(lid)
+        for holder, gone in dead.items():
+            if gone:  # a crashed client leaves its file behind; tidy it if we may
+                with contextlib.suppress(OSError):
+                    (self.shm_dir / holder).unlink()
         return expired
 
     # -- segments ----------------------------------------------------------
@@ -304,23 +389,25 @@ class Staging:
             try:
                 # Allocates and zeroes every page now, in the kernel, so no save pays for it.
                 os.posix_fallocate(fd, 0, size)
+                mapping = SharedMapping(fd, size)
             except OSError as exc:
                 path.unlink(missing_ok=True)
                 raise ResourceExhausted(
                     f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: "
                     f"{exc.strerror}; free space there or lower staging_budget_bytes"
                 ) from None
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         log.info("allocated staging segment %s (%d bytes)", name, size)
-        return Segment(name, size, mm)
+        return Segment(name, size, mapping)
 
     def _destroy(self, seg: Segment) -> None:
         self._segments.pop(seg.name, None)
-        seg.mm.close()
         (self.shm_dir / seg.name).unlink(missing_ok=True)
+        if not seg.mapping.close():
+            # A thread still reads or writes through a view (a failed transfer being
+            # wound down): unmapping now would crash it, so the pages go at exit.
+            log.warning("segment %s is still in use; it is unmapped at exit", seg.name)
 
 
 def _locked_by_others(path: Path) -> bool:

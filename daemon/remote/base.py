@@ -39,6 +39,7 @@ from ckptd.core.format import round_up
 
 from .. import faults
 from ..commit import Commit, MarkerCommit
+from ..io import gather_all, in_thread
 from ..local.files import open_direct
 from .layout import COMMIT_FILE
 
@@ -273,14 +274,15 @@ class Remote(abc.ABC):
                         lambda: self.read_range_into(key, offset, length, dst[start:])
                     )
                     # Checksum and write on a worker thread: the loop only moves bytes.
-                    return await asyncio.to_thread(
+                    return await in_thread(
                         _checksum_and_write, fd, direct, dst, start, length, offset
                     )
 
             pieces = parts(size, self.part_size)
-            crcs = await asyncio.gather(*(one(o, n) for o, n in pieces))
-            await asyncio.to_thread(os.ftruncate, fd, size)  # drop the O_DIRECT padding
-            await asyncio.to_thread(os.fsync, fd)
+            # A failed part stops its siblings before the memory (a lease) is given back.
+            crcs = await gather_all(*(one(o, n) for o, n in pieces))
+            await in_thread(os.ftruncate, fd, size)  # drop the O_DIRECT padding
+            await in_thread(os.fsync, fd)
         finally:
             os.close(fd)
         return checksum.combine_all([(c, n) for c, (_, n) in zip(crcs, pieces, strict=True)])

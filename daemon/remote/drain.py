@@ -31,7 +31,7 @@ from ckptd.proto import ckptd_pb2 as pb
 from .. import faults
 from ..catalog import Catalog, Event, Step
 from ..commit import MarkerCommit
-from ..io import IoPool
+from ..io import IoPool, gather_all
 from ..local.store import LocalStore
 from ..retention.planner import Retention
 from .base import Remote
@@ -333,7 +333,7 @@ class Drain:
         records_by_file = {r.file: r for r in manifest.ranks}
         top_commit = f"{FILES_DIR}/{COMMIT_FILE}"
         for wave in upload_order([f for f in records_by_file if f != top_commit]):
-            await asyncio.gather(
+            await gather_all(
                 *(one(f, records_by_file[f].size, records_by_file[f].crc32c) for f in wave)
             )
         if tree_commit is not None:

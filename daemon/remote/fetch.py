@@ -6,13 +6,13 @@ other nodes' parts, and by ``ckptd pull`` (bucket -> any directory).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ckptd.core.errors import DataLoss, NotFound
 from ckptd.core.manifest import Manifest
 
+from ..io import gather_all, in_thread
 from .base import Remote
 from .layout import RemoteStep, complete_steps_in, file_key, manifest_key
 
@@ -64,7 +64,7 @@ async def download_files(
         memory = await memory_for(name) if memory_for is not None else None
         key = file_key(job, step, node, name, manifest.adopted)
         if "/" in name:  # an adopted tree's sub-directories
-            await asyncio.to_thread((dest / name).parent.mkdir, parents=True, exist_ok=True)
+            await in_thread(lambda: (dest / name).parent.mkdir(parents=True, exist_ok=True))
         got = await remote.download(key, dest / name, size, memory)
         if got != want:
             raise DataLoss(
@@ -74,4 +74,6 @@ async def download_files(
         if progress is not None:
             progress(size)
 
-    await asyncio.gather(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
+    # One failed file cancels the others and waits for them: the caller gives their
+    # memory back only when nothing writes into it any more.
+    await gather_all(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 from ckptd.core import checksum
 
+from ..io import gather_all, in_thread
 from .base import Remote, RemoteError, parts, read_part, transient_http_status
 
 log = logging.getLogger("ckptd.remote")
@@ -113,7 +114,7 @@ class S3Remote(Remote):
         pieces = parts(size, self.part_size)
         if len(pieces) == 1:
             async with self.buffers.buffer() as buf:
-                body, part_crc = await asyncio.to_thread(_read_body, local, 0, size, buf)
+                body, part_crc = await in_thread(_read_body, local, 0, size, buf)
             if part_crc != crc32c:
                 raise self.mismatch(key, "read back", part_crc, crc32c)
             await self.put_bytes(key, body)
@@ -135,7 +136,7 @@ class S3Remote(Remote):
                 # The slot is held from the read to the end of the upload, so at most
                 # drain_concurrency parts are in memory whatever the checkpoint's size.
                 async with self._limit, self.buffers.buffer() as buf:
-                    body, part_crc = await asyncio.to_thread(_read_body, local, offset, length, buf)
+                    body, part_crc = await in_thread(_read_body, local, offset, length, buf)
                     out = await self._s3(
                         "upload_part",
                         Bucket=bucket,
@@ -153,7 +154,7 @@ class S3Remote(Remote):
                     "ChecksumCRC32C": checksum.to_base64(part_crc),
                 }, part_crc
 
-            done = await asyncio.gather(*(one(i + 1, o, n) for i, (o, n) in enumerate(pieces)))
+            done = await gather_all(*(one(i + 1, o, n) for i, (o, n) in enumerate(pieces)))
             part_crcs = [c for _, c in done]
             whole = checksum.combine_all(
                 [(c, n) for c, (_, n) in zip(part_crcs, pieces, strict=True)]

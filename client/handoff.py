@@ -1,0 +1,180 @@
+"""Leases and commits of one client, riding out restarts of the daemon.
+
+The trainer must survive its sidecar: while the daemon is unreachable, a save
+keeps trying for ``reconnect_timeout`` seconds and then raises
+:class:`CkptdUnavailable` saying what to do. A commit whose answer was lost (the
+daemon died after journaling it, or before) is sent again; its bytes are copied
+from the old segment, which this process still maps even after the daemon
+removed its name, so the caller's arrays are never read again after
+:meth:`Client.save` returned. A commit the daemon already journaled comes back
+as a conflict on the retry and counts as done.
+
+The liveness file: a small file in the shm directory on which this process
+holds a shared flock for its whole life. Its name goes with every lease
+request, and the daemon takes a lease back as soon as nobody holds that lock:
+a trainer killed between lease and commit no longer pins memory for
+``lease_timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ckptd.core.errors import CkptdUnavailable, Conflict, NotFound
+from ckptd.core.wire import Connection
+from ckptd.proto import ckptd_pb2 as pb
+
+from . import restore as restore_mod
+
+log = logging.getLogger("ckptd.client")
+
+HOLDER_HEADER = "ckptd-holder"
+"""gRPC metadata naming the liveness file (the daemon's staging.HOLDER_HEADER)."""
+T = TypeVar("T")
+
+
+class Liveness:
+    """The liveness file of this process (created on first use, removed on close)."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._pid = 0
+        self.name = ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The header naming the file; creates and locks it on first use (or after a fork)."""
+        if self._fd < 0 or self._pid != os.getpid():
+            self._create()
+        return ((HOLDER_HEADER, self.name),)
+
+    def _create(self) -> None:
+        name = f"ckptd-client-{os.getpid()}-{secrets.token_hex(8)}"
+        path = os.path.join(restore_mod.SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._fd, self._pid, self.name = fd, os.getpid(), name
+
+    def close(self) -> None:
+        """Drop the lock and the file (only the process that made them)."""
+        if self._fd >= 0 and self._pid == os.getpid():
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(restore_mod.SHM_DIR, self.name))
+            os.close(self._fd)
+        self._fd = -1
+
+
+class Handoff:
+    """Lease, copy and commit for one client; see the module docstring."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        job: str,
+        reconnect_timeout: float,
+        map_segment: Callable[[str, int], mmap.mmap],
+    ) -> None:
+        self.connection = connection
+        self.job = job
+        self.reconnect_timeout = reconnect_timeout
+        self.liveness = Liveness()
+        self._map_segment = map_segment
+        self._warned = False
+
+    def retrying(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, called again while the daemon is unreachable, up to the timeout."""
+        since: float | None = None
+        while True:
+            try:
+                result = fn()
+            except CkptdUnavailable as exc:
+                now = time.monotonic()
+                since = now if since is None else since
+                if now - since >= self.reconnect_timeout:
+                    raise CkptdUnavailable(
+                        f"{what}: the ckptd daemon at {self.connection.socket} has been "
+                        f"unreachable for {now - since:.0f} s (reconnect_timeout); check that "
+                        "the sidecar is running (`ckptd status`, its logs); training can go "
+                        f"on and save later. Last error: {exc}"
+                    ) from None
+                if not self._warned:
+                    log.warning("%s: daemon unreachable, retrying: %s", what, exc)
+                    self._warned = True
+                time.sleep(0.2)
+                continue
+            if self._warned:
+                log.warning("the ckptd daemon is reachable again")
+                self._warned = False
+            return result
+
+    def acquire(self, size: int, wait: float, what: str) -> tuple[Any, mmap.mmap]:
+        """A lease of ``size`` bytes, mapped: ``(lease, mapping)``."""
+
+        def once() -> Any:
+            req = pb.AcquireLeaseRequest(job=self.job, size_bytes=size, wait_seconds=wait)
+            return self.connection.call(
+                "AcquireLease", req, wait + self.connection.timeout, self.liveness.metadata()
+            )
+
+        lease = self.retrying(what, once)
+        try:
+            return lease, self._map_segment(lease.segment, lease.size_bytes)
+        except BaseException:
+            self.release(lease.lease_id)
+            raise
+
+    def commit(self, req: pb.CommitShardsRequest, mm: mmap.mmap, size: int, what: str) -> None:
+        """Commit ``req``; if the daemon went away meanwhile, copy the bytes into a new
+        lease of the daemon that came back and commit again."""
+        lost = False
+        since = time.monotonic()
+        while True:
+            try:
+                self.connection.call("CommitShards", req)
+                return
+            except CkptdUnavailable:
+                lost = True  # the daemon may or may not have journaled it
+                if time.monotonic() - since >= self.reconnect_timeout:
+                    raise
+                self.retrying(
+                    what, lambda: self.connection.call("GetStatus", pb.GetStatusRequest())
+                )
+            except NotFound:
+                if not lost:
+                    raise
+                # A new daemon: the old lease is gone. Its bytes are still in our mapping.
+                lease, new = self.acquire(size, 60.0, what)
+                np.copyto(np.frombuffer(new, np.uint8, size), np.frombuffer(mm, np.uint8, size))
+                req.lease_id, mm = lease.lease_id, new
+            except Conflict:
+                if lost and self._handed_off(req):
+                    return  # the first try was journaled before the answer was lost
+                raise
+
+    def _handed_off(self, req: pb.CommitShardsRequest) -> bool:
+        status = self.connection.call(
+            "GetSaveStatus",
+            pb.GetSaveStatusRequest(job=req.job, step=req.step, timeout_seconds=0.0),
+        )
+        return req.rank in status.ranks_committed or status.state not in (
+            pb.SAVE_STATE_FAILED,
+            pb.SAVE_STATE_UNSPECIFIED,
+        )
+
+    def release(self, lease_id: str) -> None:
+        """Give a lease back after a failed save (best effort: the daemon also reclaims it)."""
+        with contextlib.suppress(Exception):
+            self.connection.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), 10.0)
+
+    def close(self) -> None:
+        """Remove the liveness file: the daemon takes back anything still leased."""
+        self.liveness.close()
