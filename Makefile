@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: venv demo test test-fast test-slow bench proto lint typecheck clean
+.PHONY: venv demo test test-fast test-slow faults soak bench proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -18,14 +18,22 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/ckptd demo
 
+# The full fault-injection suite is `make faults`; `make test` runs a representative subset.
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not faults" tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not faults" tests
 
 test-slow: venv
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m "slow and not faults" tests
+
+faults: venv
+	$(PY) -m pytest -q -m faults tests
+
+# Soak: 8 clients saving for 10 minutes against one daemon; SOAK_ARGS=--quick for 30 s.
+soak: venv
+	$(PY) bench/soak/soak.py $(SOAK_ARGS)
 
 # The test extra includes jax and Orbax, which the benchmarks compare against.
 bench: venv

@@ -387,7 +387,19 @@ class Client:
         assembled from the saved shards that overlap it, so another mesh,
         sharding or device count works.
         """
-        return restoring.restore(self.connection, self.job, self.rank, step, target, shared_memory)
+        # A restarting daemon is waited for (reconnect_timeout), like a save.
+        return self._handoff.retrying(
+            f"job {self.job!r} was not restored",
+            lambda: restoring.restore(
+                self.connection,
+                self.job,
+                self.rank,
+                step,
+                target,
+                shared_memory,
+                self._handoff.liveness.metadata(),
+            ),
+        )
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""

@@ -107,7 +107,10 @@ class Handoff:
                         f"on and save later. Last error: {exc}"
                     ) from None
                 if not self._warned:
-                    log.warning("%s: daemon unreachable, retrying: %s", what, exc)
+                    # str(exc), not exc: a logged exception keeps its traceback, and so
+                    # this frame, alive in log handlers that store records, and with it
+                    # the restored arrays this frame returns later.
+                    log.warning("%s: daemon unreachable, retrying: %s", what, str(exc))
                     self._warned = True
                 time.sleep(0.2)
                 continue
@@ -136,6 +139,7 @@ class Handoff:
         """Commit ``req``; if the daemon went away meanwhile, copy the bytes into a new
         lease of the daemon that came back and commit again."""
         lost = False
+        renewed = 0
         since = time.monotonic()
         while True:
             try:
@@ -149,15 +153,20 @@ class Handoff:
                     what, lambda: self.connection.call("GetStatus", pb.GetStatusRequest())
                 )
             except NotFound:
-                if not lost:
+                renewed += 1
+                if renewed > 3:
                     raise
-                # A new daemon: the old lease is gone. Its bytes are still in our mapping.
+                # A new daemon (a lease of a live client is never taken back otherwise):
+                # the old lease is gone, its bytes are still in our mapping.
                 lease, new = self.acquire(size, 60.0, what)
                 np.copyto(np.frombuffer(new, np.uint8, size), np.frombuffer(mm, np.uint8, size))
                 req.lease_id, mm = lease.lease_id, new
             except Conflict:
                 if lost and self._handed_off(req):
-                    return  # the first try was journaled before the answer was lost
+                    # The first try was journaled before its answer was lost; a lease
+                    # taken for the retry is not needed (a committed one is refused).
+                    self.release(req.lease_id)
+                    return
                 raise
 
     def _handed_off(self, req: pb.CommitShardsRequest) -> bool:

@@ -23,15 +23,21 @@ log = logging.getLogger("ckptd.client")
 
 
 def restore(
-    conn: Connection, job: str, rank: int, step: int | None, target: Any, shared_memory: bool
+    conn: Connection,
+    job: str,
+    rank: int,
+    step: int | None,
+    target: Any,
+    shared_memory: bool,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> tuple[Any, dict[str, Any]]:
-    """See :meth:`ckptd.client.Client.restore`."""
+    """See :meth:`ckptd.client.Client.restore` (``metadata``: the liveness header)."""
     for attempt in range(8):
         req = pb.RestoreRequest(job=job, rank=rank, shared_memory=shared_memory)
         if step is not None:
             req.step = int(step)
         try:
-            resp = conn.call("Restore", req)
+            resp = conn.call("Restore", req, None, metadata)
         except CheckpointNotFound as exc:
             if attempt:
                 raise CheckpointCorrupt(
@@ -51,7 +57,7 @@ def restore(
             mm = restore_mod.map_file_verified(resp.directory, manifest, rank)
             return restore_mod.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
         except (restore_mod.Corrupt, CorruptShard) as bad:
-            log.error("step %d of job %s: %s; asking for another copy", resp.step, job, bad)
+            log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))
             report = pb.ReportCorruptRequest(
                 job=job, step=resp.step, tier=resp.tier, detail=str(bad)
             )

@@ -186,11 +186,38 @@ def verify_step(directory: Path, manifest: Manifest) -> list[str]:
     by_file: dict[str, list[tuple[str, int, int, int]]] = {}
     for s in manifest.shards:
         by_file.setdefault(s.file, []).append((s.key, s.offset, s.length, s.crc32c))
-    for name, shards in by_file.items():
-        try:
-            got = of_file_ranges(directory / name, [(o, n) for _, o, n, _ in shards])
-        except (OSError, ValueError) as exc:
-            bad.append(f"{name}: {exc}")
-            continue
-        bad += [f"{name}:{k}" for (k, _, _, want), c in zip(shards, got, strict=True) if c != want]
+    for r in manifest.ranks:
+        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, by_file.get(r.file, []))
+    return bad
+
+
+def _verify_rank_file(
+    path: Path, size: int, file_crc: int, shards: list[tuple[str, int, int, int]]
+) -> list[str]:
+    """One pass over a rank file: each shard's crc32c, and the whole file's (which
+    also covers the header and the padding between shards)."""
+    pieces: list[tuple[int, int, int | None]] = []  # offset, length, index into shards
+    at = 0
+    for i, (_, offset, length, _) in sorted(enumerate(shards), key=lambda x: x[1][1]):
+        if offset > at:
+            pieces.append((at, offset - at, None))
+        pieces.append((offset, length, i))
+        at = max(at, offset + length)
+    if size > at:
+        pieces.append((at, size - at, None))
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            return [f"{path.name}: {actual} bytes, {size} recorded at commit"]
+        crcs = of_file_ranges(path, [(o, n) for o, n, _ in pieces])
+    except (OSError, ValueError) as exc:
+        return [f"{path.name}: {exc}"]
+    bad = [
+        f"{path.name}:{shards[i][0]}"
+        for (_, _, i), c in zip(pieces, crcs, strict=True)
+        if i is not None and c != shards[i][3]
+    ]
+    whole = combine_all([(c, n) for c, (_, n, _) in zip(crcs, pieces, strict=True)])
+    if not bad and whole != file_crc:
+        bad.append(f"{path.name}: header or padding differs from the commit")
     return bad

@@ -130,6 +130,8 @@ class RenameCommit(Commit):
             faults.hit(self._fault)
         os.rename(self.path, self.final_path)
         fsync_dir(parent)
+        if self._fault:
+            faults.hit(self._fault.replace(".before_", ".after_"))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 

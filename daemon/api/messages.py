@@ -28,7 +28,7 @@ def checkpoint_info(st: Step, plan: Plan | None) -> pb.CheckpointInfo:
         size_bytes=m.size_bytes if m else 0,
         num_shards=len(m.shards) if m else 0,
         milestone=st.milestone,
-        error=st.error,
+        error=st.error or (f"unusable: {st.unusable}" if st.unusable else ""),
     )
 
 

@@ -28,8 +28,8 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ..adopt.adopter import Adopter
 from ..catalog import Catalog
 from ..local.admission import Admission
+from ..local.liveness import HOLDER_HEADER
 from ..local.saver import Saver
-from ..local.staging import HOLDER_HEADER
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
 from ..retention.pins import Pins
@@ -155,7 +155,8 @@ class Servicer(pb_grpc.CkptdServicer):
     async def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
         job = check_name("job", request.job)
         step = check_step(request.step) if request.HasField("step") else None
-        plan = await self.s.restorer.restore(job, step, request.rank, request.shared_memory)
+        holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
+        plan = await self.s.restorer.restore(job, step, request.rank, request.shared_memory, holder)
         self.s.catalog.served(plan.step)  # the client opens the files next: keep them
         resp = pb.RestoreResponse(
             job=job,

@@ -139,6 +139,7 @@ class Daemon:
                 self.io,
                 self.retention,
                 cfg.drain_retry_max_seconds,
+                cfg.drain_stall_seconds,
             )
             try:
                 await asyncio.wait_for(self.drain.resume(), 120)

@@ -71,7 +71,11 @@ class Config:
     part_size_bytes: int = 16 * 2**20
     """Size of one upload part / ranged read (S3 needs at least 5 MiB)."""
     drain_retry_max_seconds: float = 30.0
-    """Longest pause between retries of a transient remote error (backoff doubles up to it)."""
+    """Longest pause between retries of a transient remote error (backoff doubles up to it);
+    also the first pause before a failed upload is tried again (doubling to ten minutes)."""
+    drain_stall_seconds: float = 45.0
+    """An upload with no file finished for this long shows as the drain's error in
+    status (a store that hangs without answering)."""
     retention_local: Policy = field(default_factory=lambda: parse_policy("KeepLatest(3)"))
     """Which checkpoints the local tier keeps (see daemon/retention/policies.py)."""
     retention_remote: Policy = field(

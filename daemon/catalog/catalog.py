@@ -297,7 +297,10 @@ class Catalog:
         self._emit(st, pb.STEP_EVENT_RETRYING, reason)
 
     def requeued(self, st: Step, reason: str) -> None:
-        """Back in the queue: a newer step goes first, or the daemon stops."""
+        """Back in the queue: a newer step goes first, the daemon stops, or a failed
+        upload (its local copy intact) is tried again."""
+        if st.state == FAILED and not st.local:
+            raise IllegalTransition(f"{st!r} has no local copy to upload")
         self._move(st, LOCAL)
         self._emit(st, pb.STEP_EVENT_REQUEUED, reason)
 
@@ -358,6 +361,12 @@ class Catalog:
         if new_nodes or new_pin:
             self._emit(st, pb.STEP_EVENT_DISCOVERED, nodes=",".join(sorted(new_nodes)))
         return st
+
+    def unusable(self, st: Step, reason: str) -> None:
+        """No copy of the step verifies in any tier (the local one set aside, the
+        bucket's corrupt): restore serves an older step; ``ls`` shows why."""
+        st._set(unusable=reason)
+        self._emit(st, pb.STEP_EVENT_SET_ASIDE, reason, tier="remote")
 
     def remote_removed(self, st: Step, detail: str) -> None:
         """Retention deleted this node's copy from the bucket (its marker first)."""

@@ -32,8 +32,9 @@ TRANSITIONS: Mapping[int, frozenset[int]] = {
     # Retention removed the remote copy while the local one stays; no copy left.
     DURABLE: frozenset({SUPERSEDED, NEW}),
     SUPERSEDED: frozenset({NEW}),
-    # Saved again under the same number (a new STAGING); no copy left.
-    FAILED: frozenset({STAGING, NEW}),
+    # Saved again under the same number (a new STAGING); no copy left; a failed
+    # upload whose local copy is intact goes back in the queue (LOCAL).
+    FAILED: frozenset({STAGING, NEW, LOCAL}),
 }
 """Which lifecycle states may follow which. Anything else is a bug and raises."""
 
@@ -64,6 +65,7 @@ _FIELDS = frozenset(
         "busy",
         "read_at",
         "changed",
+        "unusable",
     }
 )
 
@@ -101,6 +103,8 @@ class Step:
     read_at: float
     """time.monotonic() of the last Restore served from it."""
     changed: asyncio.Event
+    unusable: str
+    """Why no copy of this step verifies in any tier (restore skips it); empty if fine."""
 
     def __init__(self, job: str, step: int, **values: Any) -> None:
         defaults: dict[str, Any] = {
@@ -122,6 +126,7 @@ class Step:
             "busy": 0,
             "read_at": -1e18,
             "changed": asyncio.Event(),
+            "unusable": "",
         }
         for name, value in {"job": job, "step": step, **defaults, **values}.items():
             object.__setattr__(self, name, value)

@@ -33,6 +33,7 @@ from typing import Any
 
 from ckptd.core import checksum
 
+from .. import faults
 from .files import fsync_dir
 
 log = logging.getLogger("ckptd.journal")
@@ -177,7 +178,8 @@ class Journal:
             # Once this batch is on disk nothing earlier in the file is live.
             compact = not (self._live - resolved) and self._size > _COMPACT_BYTES
             try:
-                await loop.run_in_executor(self._thread, self._write, data, compact)
+                commits = any(not r for _, r, _ in batch)
+                await loop.run_in_executor(self._thread, self._write, data, compact, commits)
             except Exception as exc:
                 for _, _, fut in batch:
                     if not fut.done():
@@ -187,9 +189,10 @@ class Journal:
                 if not fut.done():
                     fut.set_result(None)
 
-    def _write(self, data: bytes, compact: bool) -> None:
+    def _write(self, data: bytes, compact: bool, commits: bool) -> None:
         if self._fd < 0:
             raise RuntimeError("the journal is closed")
+        faults.hit("journal.write" if commits else "journal.done")
         if compact:
             # Nothing live: the records on file describe finished steps only.
             os.ftruncate(self._fd, 0)
@@ -198,6 +201,8 @@ class Journal:
         while view:
             view = view[os.write(self._fd, view) :]
         os.fdatasync(self._fd)
+        if commits:
+            faults.hit("journal.synced")  # on disk, not yet acknowledged
         self._size += len(data)
         self.appends += 1
         self.fsyncs += 1

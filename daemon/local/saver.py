@@ -155,7 +155,8 @@ class Saver:
         key = (req.job, req.step)
         st = self.catalog.get(*key)
         pending = self._pending.get(key)
-        if st is None or (st.state == pb.SAVE_STATE_FAILED and not (pending and pending.writing)):
+        failed = st is not None and st.state == pb.SAVE_STATE_FAILED
+        if st is None or (failed and not st.local and not (pending and pending.writing)):
             # The staging directory first: if it cannot be made, no step is left STAGING.
             commit = self.store.begin_step(req.job, req.step, self.io.run)
             st = self.catalog.begin(
@@ -169,6 +170,11 @@ class Saver:
             pending = self._pending[key] = _Pending(st, commit)
             pending.timer = asyncio.get_running_loop().call_later(
                 self.step_timeout_seconds, self._check_complete, pending
+            )
+        elif failed and st.local:
+            raise Conflict(
+                f"step {req.step} of job {req.job!r} is committed here and restorable; only its "
+                f"upload failed ({st.error}) and it is retried; save under a new step number"
             )
         elif st.state != pb.SAVE_STATE_STAGING or pending is None:
             raise Conflict(

@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
 import itertools
 import logging
 import os
-import re
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.core.errors import Conflict, InvalidArgument, NotFound, ResourceExhausted
+from ckptd.core.errors import Conflict, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
 
+from .liveness import (
+    SWEEP_SECONDS,
+    check_holder,
+    locked_by_others,
+    sweep_dead_clients,
+)
 from .shm import SharedMapping
 
 log = logging.getLogger("ckptd.staging")
@@ -42,9 +46,6 @@ log = logging.getLogger("ckptd.staging")
 SHM_DIR = Path("/dev/shm")
 SEGMENT_GRANULE = 2 * 2**20
 """Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
-HOLDER_HEADER = "ckptd-holder"
-"""gRPC metadata: the name of the calling client's liveness file in the shm dir."""
-HOLDER_PATTERN = re.compile(r"ckptd-client-[0-9]{1,10}-[0-9a-f]{8,32}")
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Staging:
         self._reserved = 0  # bytes being allocated right now, not yet in _segments
         self._counter = itertools.count()
         self._freed = asyncio.Event()
+        self._swept_at = clock()
 
     # -- accounting --------------------------------------------------------
     @property
@@ -132,8 +134,14 @@ class Staging:
         return len(self._leases)
 
     # -- lifecycle ---------------------------------------------------------
+    def sweep_dead_clients(self) -> int:
+        """Remove liveness files of clients that died (nobody holds their lock)."""
+        self._swept_at = self._clock()
+        return sweep_dead_clients(self.shm_dir)
+
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed) daemon on this root left behind."""
+        self.sweep_dead_clients()
         removed = 0
         for path in self.shm_dir.glob(self.prefix + "*"):
             if path.name not in self._segments:
@@ -194,8 +202,7 @@ class Staging:
         finish (backpressure) before raising :class:`StagingBusy`. ``holder``: the
         client's liveness file; the lease comes back once it is no longer locked.
         """
-        if holder and not HOLDER_PATTERN.fullmatch(holder):
-            raise InvalidArgument(f"malformed {HOLDER_HEADER} {holder[:80]!r}")
+        check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
         while True:
             try:
@@ -298,6 +305,12 @@ class Staging:
             return None
         return self._grant(job, free[0], restore=True)
 
+    def hold(self, lease: Lease, holder: str) -> None:
+        """The client ``holder`` receives this (restore) lease: it comes back at once
+        if that client dies before it maps and locks the segment."""
+        check_holder(holder)
+        lease.holder = holder
+
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` is still granted (not expired and reclaimed)."""
         return self._leases.get(lease.lease_id) is lease
@@ -315,7 +328,7 @@ class Staging:
         """Take back borrowed segments whose client lock is gone (arrays freed or client dead)."""
         returned = []
         for lid, lease in list(self._leases.items()):
-            if lease.borrowed and not _locked_by_others(self.shm_dir / lease.segment.name):
+            if lease.borrowed and not locked_by_others(self.shm_dir / lease.segment.name):
                 self.release(lid)
                 returned.append(lid)
         return returned
@@ -351,6 +364,8 @@ class Staging:
         were held past the timeout without a commit."""
         self.reclaim_returned()
         now = self._clock()
+        if now - self._swept_at > SWEEP_SECONDS:
+            self.sweep_dead_clients()
         expired = []
         dead: dict[str, bool] = {}
         for lid, lease in list(self._leases.items()):
@@ -358,7 +373,7 @@ class Staging:
                 continue
             if lease.holder:
                 if lease.holder not in dead:
-                    dead[lease.holder] = not _locked_by_others(self.shm_dir / lease.holder)
+                    dead[lease.holder] = not locked_by_others(self.shm_dir / lease.holder)
                 if dead[lease.holder]:
                     log.warning(
                         "lease %s of job %s reclaimed: its client exited without committing",
@@ -366,7 +381,9 @@ class Staging:
                         lease.job,
                     )
                     expired.append(lid)
-                    continue
+                # A live client keeps its lease however slow it is (a device copy):
+                # taking it back could let two writers share a segment.
+                continue
             if now - lease.granted_at > self.lease_timeout_seconds:
                 log.warning("lease %s for job %s expired without a commit", lid, lease.job)
                 expired.append(lid)
@@ -408,18 +425,3 @@ class Staging:
             # A thread still reads or writes through a view (a failed transfer being
             # wound down): unmapping now would crash it, so the pages go at exit.
             log.warning("segment %s is still in use; it is unmapped at exit", seg.name)
-
-
-def _locked_by_others(path: Path) -> bool:
-    """True while some process holds a flock on ``path`` (a client using restored memory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing also drops our probe lock
-    return False

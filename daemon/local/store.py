@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ckptd.core.manifest import MANIFEST, Manifest
 
+from .. import faults
 from ..commit import RenameCommit, Runner
 from .files import fsync_dir
 
@@ -94,7 +95,14 @@ class LocalStore:
                     if manifest.job != job_dir.name or manifest.step != int(step_dir.name):
                         raise ValueError("manifest names another job or step")
                 except (OSError, ValueError) as exc:
-                    skipped.append(f"{step_dir}: {exc}")
+                    # Not a commit we can read: set it aside, so the bucket's copy (if
+                    # any) can be fetched into its place and restores go on.
+                    self.corrupt_root.mkdir(exist_ok=True)
+                    shutil.move(
+                        str(step_dir),
+                        str(self.corrupt_root / f"{job_dir.name}.{step_dir.name}.{time.time_ns()}"),
+                    )
+                    skipped.append(f"{step_dir}: {exc}; set aside in {self.corrupt_root}")
                     continue
                 manifests.append(manifest)
         return Recovery(manifests, removed, skipped)
@@ -132,6 +140,7 @@ class LocalStore:
         Its rank files become spares (up to ``spare_max_bytes``) that later
         saves overwrite in place.
         """
+        faults.hit("evict.begin")
         final = self.step_dir(job, step)
         gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
         try:

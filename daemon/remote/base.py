@@ -260,6 +260,8 @@ class Remote(abc.ABC):
         try:
 
             async def one(offset: int, length: int) -> int:
+                if faults.armed("fetch.part"):
+                    await in_thread(faults.hit, "fetch.part")
                 if length == 0:
                     return 0  # s3fs reads the whole object for an empty range
                 async with contextlib.AsyncExitStack() as stack:

@@ -8,7 +8,12 @@ parallel parts and verified against the crc32c recorded at local commit, then
 committed with the ``_complete/<node>`` marker last
 (:class:`~ckptd.daemon.commit.MarkerCommit`). Transient errors (as the backend
 classifies them) are retried with exponential backoff and full jitter; a
-permanent one marks the step FAILED (its local copy stays restorable). At
+permanent one marks the step FAILED, but its local copy stays restorable and
+its upload is tried again later (backoff from ``retry_max_seconds`` doubling to
+ten minutes), so it goes up once the store is fixed. A local copy whose bytes no
+longer match their checksums is set aside and the step FAILED for good. An
+upload that makes no progress for ``stall_seconds`` (a store that hangs without
+an error) shows as the drain's error in status while it keeps waiting. At
 start-up, steps whose marker is already in the bucket are DURABLE and the others
 are queued again; files already in the bucket with the right crc32c are not
 sent twice.
@@ -52,6 +57,8 @@ from .layout import (
 log = logging.getLogger("ckptd.drain")
 
 PERIOD_SECONDS = 30.0
+REVIVE_MAX_SECONDS = 600.0
+"""Longest pause before a FAILED upload (local copy intact) is tried again."""
 
 _WOKEN_BY = frozenset(
     {
@@ -89,6 +96,7 @@ class Drain:
         io: IoPool,
         retention: Retention,
         retry_max_seconds: float,
+        stall_seconds: float = 45.0,
     ) -> None:
         self.catalog = catalog
         self.remote = remote
@@ -97,7 +105,12 @@ class Drain:
         self.retention = retention
         self.node_id = catalog.node_id
         self.backoff = Backoff(0.5, retry_max_seconds)
+        self.retry_max_seconds = retry_max_seconds
+        self.stall_seconds = stall_seconds
         self.last_error = ""
+        self._failed_uploads: dict[tuple[str, int], tuple[int, float]] = {}
+        """FAILED uploads with an intact local copy: (failures so far, next try at)."""
+        self._progress_at = 0.0
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         catalog.subscribe(self._on_event)
@@ -171,6 +184,7 @@ class Drain:
             if faults.armed("drain.loop"):
                 await asyncio.to_thread(faults.hit, "drain.loop")
             self.supersede_unwanted()
+            next_revival = self._revive_failed()
             st = self.pick()
             if st is None:
                 self._wake.clear()
@@ -178,7 +192,7 @@ class Drain:
                     # Woken by new work; every PERIOD_SECONDS anyway, because time-based
                     # remote policies change what the bucket wants as time passes.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), PERIOD_SECONDS)
+                        await asyncio.wait_for(self._wake.wait(), min(PERIOD_SECONDS, next_revival))
                 continue
             try:
                 await self._drain(st)
@@ -186,6 +200,21 @@ class Drain:
                 if st.state == pb.SAVE_STATE_DRAINING:  # not stuck DRAINING after a restart
                     self.catalog.requeued(st, "the drain stopped on an error; it goes again")
                 raise
+
+    def _revive_failed(self) -> float:
+        """Put FAILED uploads whose time has come back in the queue; returns the seconds
+        until the next one is due."""
+        now = time.monotonic()
+        due = PERIOD_SECONDS
+        for key, (failures, at) in list(self._failed_uploads.items()):
+            st = self.catalog.get(*key)
+            if st is None or st.state != pb.SAVE_STATE_FAILED or not st.local:
+                del self._failed_uploads[key]
+            elif at <= now:
+                self.catalog.requeued(st, f"upload failed {failures} times; trying again")
+            else:
+                due = min(due, at - now)
+        return due
 
     def supersede_unwanted(self) -> None:
         """Pending steps the bucket will never want become SUPERSEDED: a newer step of
@@ -246,7 +275,7 @@ class Drain:
                 )
                 return
             try:
-                sent, skipped = await self._upload(st)
+                sent, skipped = await self._upload_watched(st)
                 break
             except asyncio.CancelledError:
                 raise
@@ -255,11 +284,22 @@ class Drain:
                     self.catalog.requeued(st, "the daemon is stopping")
                     return
                 reason = f"upload to {self.remote.url} failed: {exc}"
-                changed = await self._adopted_changed(st) if attempt >= 2 else ""
+                # A checksum mismatch may mean the local bytes changed: check once.
+                suspect = attempt == 2 or "crc32c" in str(exc)
+                changed = await self._local_changed(st) if suspect else ""
                 if changed:
-                    reason = changed
-                if changed or not self.remote.is_transient(exc):
-                    log.error("%s/%d: %s (not retrying)", st.job, st.step, reason)
+                    log.error("%s/%d: %s", st.job, st.step, changed)
+                    self.last_error = changed
+                    await self.io.run(self.store.set_aside, st.job, st.step)
+                    self.catalog.local_removed(st, pb.STEP_EVENT_SET_ASIDE, changed)
+                    self.catalog.failed(st, changed, "remote")
+                    return
+                if not self.remote.is_transient(exc):
+                    failures = self._failed_uploads.get(st.key, (0, 0.0))[0] + 1
+                    wait = min(REVIVE_MAX_SECONDS, self.retry_max_seconds * 2 ** (failures - 1))
+                    self._failed_uploads[st.key] = (failures, time.monotonic() + wait)
+                    reason += f"; the local copy stays restorable, next try in {wait:.0f} s"
+                    log.error("%s/%d: %s", st.job, st.step, reason)
                     self.last_error = reason
                     self.catalog.failed(st, reason, "remote")
                     return
@@ -278,24 +318,55 @@ class Drain:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
         self.last_error = ""
+        self._failed_uploads.pop(st.key, None)
         self.catalog.durable(st, files_sent=str(sent), files_skipped=str(skipped))
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
 
-    async def _adopted_changed(self, st: Step) -> str:
-        """Why an adopted step can never upload, if its files changed since adoption
-        (they are hard links to the framework's files); empty otherwise."""
-        if not st.adopted or st.manifest is None:
+    async def _upload_watched(self, st: Step) -> tuple[int, int]:
+        """:meth:`_upload`, reporting in status (and as a RETRYING event) when it makes
+        no progress for ``stall_seconds``: a store that hangs never raises."""
+        self._progress_at = time.monotonic()
+        task = asyncio.ensure_future(self._upload(st))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.stall_seconds / 3)
+                if done:
+                    return task.result()
+                idle = time.monotonic() - self._progress_at
+                if idle >= self.stall_seconds:
+                    self.last_error = (
+                        f"no progress uploading {st.job}/{st.step} to {self.remote.url} for "
+                        f"{idle:.0f} s: the store is not answering (still waiting on it)"
+                    )
+                    log.warning("%s", self.last_error)
+                    self.catalog.retrying(st, self.last_error)
+                    self._progress_at = time.monotonic()  # report again after as long
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({task})  # its part uploads end before we go on
+
+    async def _local_changed(self, st: Step) -> str:
+        """Why the step can never upload, if its local bytes no longer match the
+        checksums recorded at commit; empty otherwise."""
+        if st.manifest is None:
             return ""
         local_dir = self.store.step_dir(st.job, st.step)
         bad = await self.io.run(verify_step, local_dir, st.manifest)
         if not bad:
             return ""
+        if st.adopted:
+            return (
+                f"{len(bad)} adopted files changed after adoption (e.g. {bad[0]}): ckptd holds "
+                "hard links to them, so a directory must not be modified once adopted; adopt "
+                "the new version under a new step"
+            )
         return (
-            f"{len(bad)} adopted files changed after adoption (e.g. {bad[0]}): ckptd holds hard "
-            "links to them, so a directory must not be modified once adopted; adopt the new "
-            "version under a new step"
+            f"the local copy no longer matches the checksums recorded at commit ({bad[0]}"
+            f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): it was set aside"
         )
 
     async def _upload(self, st: Step) -> tuple[int, int]:
@@ -329,6 +400,7 @@ class Drain:
             if faults.armed("drain.file"):
                 await asyncio.to_thread(faults.hit, "drain.file")
             await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
+            self._progress_at = time.monotonic()
 
         records_by_file = {r.file: r for r in manifest.ranks}
         top_commit = f"{FILES_DIR}/{COMMIT_FILE}"

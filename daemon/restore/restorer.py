@@ -31,6 +31,7 @@ from ckptd.core.format import round_up
 from ckptd.core.manifest import Manifest, ShardRecord
 from ckptd.proto import ckptd_pb2 as pb
 
+from .. import faults
 from ..catalog import Catalog, Step
 from ..io import IoPool
 from ..local.files import data_offset, read_data_direct
@@ -80,6 +81,8 @@ class Restorer:
                 )
             if st.manifest is None and not st.in_remote:
                 raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
+            if st.unusable:
+                raise DataLoss(f"step {step} of job {job!r} cannot be restored: {st.unusable}")
             if st.adopted and not adopted:
                 raise FailedPrecondition(
                     f"step {step} of job {job!r} is a directory adopted from "
@@ -96,7 +99,7 @@ class Restorer:
             candidates = [
                 s
                 for s in self.catalog.list(job)
-                if (s.local or s.in_remote) and s.adopted == adopted
+                if (s.local or s.in_remote) and s.adopted == adopted and not s.unusable
             ]
             if not candidates:
                 where = "on this node or in the bucket" if self.fetcher.remote else "on this node"
@@ -111,15 +114,36 @@ class Restorer:
         return st
 
     async def restore(
+        self, job: str, step: int | None, rank: int, shared_memory: bool, holder: str = ""
+    ) -> RestorePlan:
+        """Pick a step and, if asked and a segment is free, read it into shared memory.
+        ``holder``: the client's liveness file; its lease comes back if it dies."""
+        plan = await self._restore(job, step, rank, shared_memory)
+        if plan.lease is not None:
+            self.staging.hold(plan.lease, holder)
+        return plan
+
+    async def _restore(
         self, job: str, step: int | None, rank: int, shared_memory: bool
     ) -> RestorePlan:
-        """Pick a step and, if asked and a segment is free, read it into shared memory."""
         await self.fetcher.refresh(job)
         while True:
             st = self.choose(job, step, rank)
             self.catalog.served(st)  # the evictor leaves it alone while it is served
             if st.manifest is None:
-                lease = await self.fetcher.to_local(st, rank, shared_memory)
+                try:
+                    lease = await self.fetcher.to_local(st, rank, shared_memory)
+                except (DataLoss, ValueError, KeyError, FileNotFoundError) as exc:
+                    # The bucket's copy is corrupt (or its manifest unreadable) and
+                    # there is no local one: skip this step, unless it was asked for.
+                    reason = f"its bucket copy does not verify: {exc}"
+                    log.error("%s/%d: %s; restoring an older step", job, st.step, reason)
+                    self.catalog.unusable(st, reason)
+                    if step is not None:
+                        raise DataLoss(
+                            f"step {step} of job {job!r} cannot be restored: {reason}"
+                        ) from None
+                    continue
                 assert st.manifest is not None
                 if lease is not None:  # the whole verified file is in the lease already
                     directory = self.store.step_dir(job, st.step)
@@ -192,6 +216,7 @@ class Restorer:
 def _read_and_verify(
     path: Path, offset: int, length: int, lease: Lease, shards: list[ShardRecord]
 ) -> list[str]:
+    faults.hit("restore.read")
     view = lease.segment.view(0, round_up(length))
     try:
         read_data_direct(path, offset, length, view)

@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.client import Client, SaveFailed
+from ckptd.client import CheckpointNotFound, Client, SaveFailed
 from ckptd.client.handle import SaveHandle
 from ckptd.daemon.app.launcher import ckptd_command
 from ckptd.daemon.local.staging import segment_prefix
 
 SHM = Path("/dev/shm")
+_probe_steps = itertools.count(int(time.time()))  # a new step for every probe
 
 
 def proc_counts(pid: int) -> tuple[int, int]:
@@ -52,6 +55,8 @@ class Ledger:
     make: Callable[[int], dict[str, np.ndarray]]
     """The state saved at each step (deterministic, so it can be rebuilt to compare)."""
     acknowledged: list[int] = field(default_factory=list)
+    evictable: set[int] = field(default_factory=set)
+    """Steps the retention may have evicted meanwhile (gone is fine for them)."""
 
     def save(self, client: Client, step: int, **kw: Any) -> SaveHandle:
         """Save step ``step`` and record it once ``save()`` returned (acknowledged)."""
@@ -64,13 +69,20 @@ def check_saves(client: Client, ledger: Ledger, timeout: float = 120.0) -> dict[
     """Invariant 1: each acknowledged save becomes LOCAL or FAILED with a reason.
     Returns ``{step: "LOCAL" | "FAILED: reason"}``."""
     outcome: dict[int, str] = {}
+    remote_only = {c.step for c in client.list() if c.tiers == ("REMOTE",) and c.state == "DURABLE"}
     for step in ledger.acknowledged:
+        if step in remote_only:  # committed, its local copy evicted or never fetched back
+            outcome[step] = "DURABLE"
+            continue
         try:
             SaveHandle(client, step).wait("local", timeout=timeout)
             outcome[step] = "LOCAL"
         except SaveFailed as exc:
             assert str(exc).strip(), f"step {step} failed without a reason"
             outcome[step] = f"FAILED: {exc}"
+        except CheckpointNotFound:
+            assert step in ledger.evictable, f"acknowledged step {step} was lost"
+            outcome[step] = "EVICTED"
     return outcome
 
 
@@ -104,7 +116,8 @@ def check_no_leaks(daemon: Any, baseline: tuple[int, int] | None = None) -> None
     Call with no restored arrays alive in this process."""
     gc.collect()
     # One more save takes back segments clients returned (the daemon notices on use).
-    daemon.client("leak-probe").save(0, {"p": np.zeros(8)}).wait("local", timeout=60)
+    probe = daemon.client("leak-probe")
+    probe.save(next(_probe_steps), {"p": np.zeros(8)}).wait("local", timeout=60)
     status = daemon.status()
     assert status.leases_held == 0, f"{status.leases_held} leases still held"
     assert status.saves_in_flight == 0
@@ -128,7 +141,7 @@ def check_all(
 ) -> dict[int, str]:
     """All four invariants; returns each acknowledged step's outcome."""
     outcome = check_saves(client, ledger)
-    committed = {s for s, o in outcome.items() if o == "LOCAL"}
+    committed = {s for s, o in outcome.items() if o in ("LOCAL", "DURABLE")}
     check_visible(daemon, remote_url, env)
     if committed:
         check_newest_restores(client, ledger, committed)
