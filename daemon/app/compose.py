@@ -120,8 +120,11 @@ class Daemon:
             cfg.retention_remote if self.remote is not None else None,
             evict_unuploaded=cfg.local_evict_unuploaded,
         )
+        # Evictions get threads of their own: behind a queue of rank-file writes they
+        # fell behind a sustained save rate and the disk filled (bench/soak).
+        self.evict_io = IoPool(2)
         self.evictor = Evictor(
-            self.catalog, self.retention, self.store, self.disk, self.io, self.remote
+            self.catalog, self.retention, self.store, self.disk, self.evict_io, self.remote
         )
         self.admission.relieve = self.evictor.relieve_local
         self.fetcher = Fetcher(self.catalog, self.store, self.staging, self.io, self.remote)
@@ -198,6 +201,7 @@ class Daemon:
         await self.supervisor.finish_jobs()
         self.staging.close()
         self.journal.close()
+        self.evict_io.close()
         self.io.close()
 
     def status(self) -> pb.DaemonStatus:

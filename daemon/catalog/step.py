@@ -178,7 +178,8 @@ class Step:
             return False
         if target == LOCAL:
             return self.state == FAILED
-        return self.state in (FAILED, SUPERSEDED)
+        # A FAILED upload with its local copy is tried again later (the drain).
+        return self.state == SUPERSEDED or (self.state == FAILED and not self.local)
 
     def __repr__(self) -> str:
         return f"Step({self.job!r}, {self.step}, {state_name(self.state)})"

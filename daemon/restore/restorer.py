@@ -126,7 +126,10 @@ class Restorer:
     async def _restore(
         self, job: str, step: int | None, rank: int, shared_memory: bool
     ) -> RestorePlan:
-        await self.fetcher.refresh(job)
+        try:
+            await self.fetcher.refresh(job)
+        except Exception as exc:  # the bucket is down: restore from what is known
+            log.warning("cannot list the bucket for job %s (%s); using the copies known", job, exc)
         while True:
             st = self.choose(job, step, rank)
             self.catalog.served(st)  # the evictor leaves it alone while it is served

@@ -96,11 +96,11 @@ class Evictor:
                 log.exception("eviction pass failed")
 
     async def run_once(self) -> None:
-        """One pass: every job's plan in the bucket, then the local tier."""
+        """One pass: the local tier first (the disk saves need), then the bucket."""
+        await self.relieve_local()
         for job in self.catalog.jobs():
             for step in self.retention.plan(job).evict_remote:
                 await self._evict_remote(job, step, "retention")
-        await self.relieve_local()
 
     async def relieve_local(self) -> None:
         """A pass over the local tier only: every job's plan, then the low watermark.

@@ -83,7 +83,8 @@ REPRESENTATIVE = {"journal.synced", "write.begin", "drain.part", "fetch.part"}
 
 def _mark(points: list[str]) -> list[Any]:
     return [
-        pytest.param(p, marks=() if p in REPRESENTATIVE else pytest.mark.faults, id=p) for p in points
+        pytest.param(p, marks=() if p in REPRESENTATIVE else pytest.mark.faults, id=p)
+        for p in points
     ]
 
 
