@@ -135,20 +135,33 @@ class LocalStore:
         )
 
     def evict(self, job: str, step: int) -> None:
-        """Remove a committed step: renamed out of view first (durably), then deleted.
+        """Remove a committed step (see :meth:`evict_many`)."""
+        self.evict_many([(job, step)])
 
-        Its rank files become spares (up to ``spare_max_bytes``) that later
+    def evict_many(self, keys: list[tuple[str, int]]) -> None:
+        """Remove committed steps: each renamed out of view first, the renames made
+        durable with one fsync per job directory, then the files deleted.
+
+        Their rank files become spares (up to ``spare_max_bytes``) that later
         saves overwrite in place.
         """
         faults.hit("evict.begin")
-        final = self.step_dir(job, step)
-        gone = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
-        try:
-            os.rename(final, gone)
-        except FileNotFoundError:  # removed by hand: nothing left to evict
-            log.warning("%s was already gone when evicted", final)
-            return
-        fsync_dir(final.parent)
+        gone: list[tuple[str, int, Path]] = []
+        for job, step in keys:
+            final = self.step_dir(job, step)
+            trash = self.trash_root / f"{job}.{step}.{secrets.token_hex(4)}"
+            try:
+                os.rename(final, trash)
+            except FileNotFoundError:  # removed by hand: nothing left to evict
+                log.warning("%s was already gone when evicted", final)
+                continue
+            gone.append((job, step, trash))
+        for parent in {self.step_dir(job, step).parent for job, step, _ in gone}:
+            fsync_dir(parent)
+        for job, step, trash in gone:
+            self._delete(job, step, trash)
+
+    def _delete(self, job: str, step: int, gone: Path) -> None:
         for peer in self.peers_root.glob(f"{job}.{step}.*"):
             shutil.rmtree(peer, ignore_errors=True)
         for f in sorted(gone.glob("rank-*.safetensors")):

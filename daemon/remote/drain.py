@@ -6,7 +6,7 @@ would keep it (the retention plan's ``remote_wants``), otherwise it becomes
 SUPERSEDED once a newer step is DURABLE. Each step's objects are uploaded in
 parallel parts and verified against the crc32c recorded at local commit, then
 committed with the ``_complete/<node>`` marker last
-(:class:`~ckptd.daemon.commit.MarkerCommit`). Transient errors (as the backend
+(publish.py). Transient errors (as the backend
 classifies them) are retried with exponential backoff and full jitter; a
 permanent one marks the step FAILED, but its local copy stays restorable and
 its upload is tried again later (backoff from ``retry_max_seconds`` doubling to
@@ -29,30 +29,20 @@ import random
 import time
 from collections.abc import Callable
 
-from ckptd.core import checksum
-from ckptd.core.checksum import verify_step
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
 from ..catalog import Catalog, Event, Step
-from ..commit import MarkerCommit
-from ..io import IoPool, gather_all
+from ..io import IoPool
 from ..local.store import LocalStore
 from ..retention.planner import Retention
 from .base import Remote
 from .layout import (
-    COMMIT_FILE,
-    FILES_DIR,
     complete_steps_in,
-    file_key,
-    manifest_key,
     marker_key,
     parse_pin,
-    record_prefix,
-    step_prefix,
-    tree_path,
-    upload_order,
 )
+from .publish import Publisher
 
 log = logging.getLogger("ckptd.drain")
 
@@ -110,7 +100,7 @@ class Drain:
         self.last_error = ""
         self._failed_uploads: dict[tuple[str, int], tuple[int, float]] = {}
         """FAILED uploads with an intact local copy: (failures so far, next try at)."""
-        self._progress_at = 0.0
+        self.publisher = Publisher(remote, store, io, self.node_id, stall_seconds, self._stalled)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         catalog.subscribe(self._on_event)
@@ -201,6 +191,11 @@ class Drain:
                     self.catalog.requeued(st, "the drain stopped on an error; it goes again")
                 raise
 
+    def _stalled(self, st: Step, reason: str) -> None:
+        self.last_error = reason
+        log.warning("%s", reason)
+        self.catalog.retrying(st, reason)
+
     def _revive_failed(self) -> float:
         """Put FAILED uploads whose time has come back in the queue; returns the seconds
         until the next one is due."""
@@ -275,7 +270,7 @@ class Drain:
                 )
                 return
             try:
-                sent, skipped = await self._upload_watched(st)
+                sent, skipped = await self.publisher.publish(st)
                 break
             except asyncio.CancelledError:
                 raise
@@ -286,7 +281,7 @@ class Drain:
                 reason = f"upload to {self.remote.url} failed: {exc}"
                 # A checksum mismatch may mean the local bytes changed: check once.
                 suspect = attempt == 2 or "crc32c" in str(exc)
-                changed = await self._local_changed(st) if suspect else ""
+                changed = await self.publisher.local_changed(st) if suspect else ""
                 if changed:
                     log.error("%s/%d: %s", st.job, st.step, changed)
                     self.last_error = changed
@@ -323,121 +318,3 @@ class Drain:
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
-
-    async def _upload_watched(self, st: Step) -> tuple[int, int]:
-        """:meth:`_upload`, reporting in status (and as a RETRYING event) when it makes
-        no progress for ``stall_seconds``: a store that hangs never raises."""
-        self._progress_at = time.monotonic()
-        task = asyncio.ensure_future(self._upload(st))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.stall_seconds / 3)
-                if done:
-                    return task.result()
-                idle = time.monotonic() - self._progress_at
-                if idle >= self.stall_seconds:
-                    self.last_error = (
-                        f"no progress uploading {st.job}/{st.step} to {self.remote.url} for "
-                        f"{idle:.0f} s: the store is not answering (still waiting on it)"
-                    )
-                    log.warning("%s", self.last_error)
-                    self.catalog.retrying(st, self.last_error)
-                    self._progress_at = time.monotonic()  # report again after as long
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({task})  # its part uploads end before we go on
-
-    async def _local_changed(self, st: Step) -> str:
-        """Why the step can never upload, if its local bytes no longer match the
-        checksums recorded at commit; empty otherwise."""
-        if st.manifest is None:
-            return ""
-        local_dir = self.store.step_dir(st.job, st.step)
-        bad = await self.io.run(verify_step, local_dir, st.manifest)
-        if not bad:
-            return ""
-        if st.adopted:
-            return (
-                f"{len(bad)} adopted files changed after adoption (e.g. {bad[0]}): ckptd holds "
-                "hard links to them, so a directory must not be modified once adopted; adopt "
-                "the new version under a new step"
-            )
-        return (
-            f"the local copy no longer matches the checksums recorded at commit ({bad[0]}"
-            f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): it was set aside"
-        )
-
-    async def _upload(self, st: Step) -> tuple[int, int]:
-        """Upload one step, its marker last; returns (files sent, files already there)."""
-        if faults.armed("drain.upload"):
-            await asyncio.to_thread(faults.hit, "drain.upload")
-        manifest = st.manifest
-        assert manifest is not None
-        node = self.node_id
-        local_dir = self.store.step_dir(st.job, st.step)
-        adopted = manifest.adopted
-        tree = step_prefix(st.job, st.step)
-        records = record_prefix(st.job, st.step, adopted)
-        # An adopted tree is published where its framework reads it (its own commit
-        # file last); ckptd's records of the step are committed beside it.
-        tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
-        skipped: list[str] = []
-
-        async def one(rank_file: str, size: int, crc32c: int) -> None:
-            if tree_commit is not None:
-                key = f"{tree_commit.location}/{tree_path(rank_file)}"
-            else:
-                key = file_key(st.job, st.step, node, rank_file)
-            with contextlib.suppress(FileNotFoundError):
-                if await self.remote.native_crc32c(key) == crc32c:
-                    log.info(
-                        "%s is already in the bucket with the right crc32c: not sent again", key
-                    )
-                    skipped.append(rank_file)
-                    return
-            if faults.armed("drain.file"):
-                await asyncio.to_thread(faults.hit, "drain.file")
-            await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
-            self._progress_at = time.monotonic()
-
-        records_by_file = {r.file: r for r in manifest.ranks}
-        top_commit = f"{FILES_DIR}/{COMMIT_FILE}"
-        for wave in upload_order([f for f in records_by_file if f != top_commit]):
-            await gather_all(
-                *(one(f, records_by_file[f].size, records_by_file[f].crc32c) for f in wave)
-            )
-        if tree_commit is not None:
-            await asyncio.to_thread(faults.hit, "drain.before_tree_commit")
-            marker = None
-            if top_commit in records_by_file:
-                marker = await self.io.run((local_dir / top_commit).read_bytes)
-                want = records_by_file[top_commit].crc32c
-                if checksum.value(marker) != want:
-                    raise self.remote.mismatch(
-                        top_commit, "read back", checksum.value(marker), want
-                    )
-            await tree_commit.finalize(marker)
-        part = MarkerCommit(
-            self.remote, f"{records}/{node}", marker_key(st.job, st.step, node, adopted)
-        )
-        manifest_bytes = await self.io.run((local_dir / "manifest.json").read_bytes)
-        await self.remote.put_bytes(manifest_key(st.job, st.step, node, adopted), manifest_bytes)
-        await asyncio.to_thread(faults.hit, "drain.before_marker")
-        marker_info = {
-            "node": node,
-            "job": st.job,
-            "step": st.step,
-            "time": time.time(),
-            "files": [r.file for r in manifest.ranks] + ["manifest.json"],
-            # What retention needs once the local copy is gone.
-            "created_unix": manifest.created_unix,
-            "milestone": st.milestone,
-            "metrics": st.metrics,
-        }
-        await part.finalize(json.dumps(marker_info).encode())
-        # Attempts cut by an outage could not abort their multipart uploads: do it now.
-        with contextlib.suppress(Exception):
-            await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node}/")
-        return len(records_by_file) - len(skipped), len(skipped)

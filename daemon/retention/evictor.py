@@ -38,6 +38,7 @@ _KICKED_BY = frozenset(
         pb.STEP_EVENT_UNPINNED,
         pb.STEP_EVENT_DISCOVERED,
         pb.STEP_EVENT_RECOVERED,
+        pb.STEP_EVENT_SUPERSEDED,
     }
 )
 """Transitions after which a plan may have changed."""
@@ -65,12 +66,15 @@ class Evictor:
         self.evicted_remote = 0
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._local_due = False
+        """A transition since the last local pass: bucket deletions pause for one."""
         self._local = asyncio.Lock()
         """Held for local-tier work only, so admission never waits behind bucket I/O."""
         catalog.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
         if event.kind in _KICKED_BY:
+            self._local_due = True
             self.kick()
 
     def kick(self) -> None:
@@ -97,19 +101,51 @@ class Evictor:
 
     async def run_once(self) -> None:
         """One pass: the local tier first (the disk saves need), then the bucket."""
+        self._local_due = False
         await self.relieve_local()
         for job in self.catalog.jobs():
             for step in self.retention.plan(job).evict_remote:
+                if self._local_due:
+                    # Bucket deletions are slow and many under a high save rate; the
+                    # disk must not wait for them to finish: a local pass first.
+                    self._local_due = False
+                    await self.relieve_local()
                 await self._evict_remote(job, step, "retention")
 
     async def relieve_local(self) -> None:
         """A pass over the local tier only: every job's plan, then the low watermark.
         Admission runs it inside an RPC: it does no bucket I/O."""
         async with self._local:
-            for job in self.catalog.jobs():
-                for step in self.retention.plan(job).evict_local:
-                    await self._evict_local(job, step, "retention")
+            await self._evict_local_batch(
+                [
+                    (job, step)
+                    for job in self.catalog.jobs()
+                    for step in self.retention.plan(job).evict_local
+                ],
+                "retention",
+            )
             await self._relieve_pressure()
+
+    async def _evict_local_batch(self, keys: list[tuple[str, int]], why: str) -> None:
+        """Evict many local copies in one go: one fsync per job directory, not one per
+        step (under a heavy write load each fsync waits behind the writes)."""
+        steps = [
+            st
+            for key in keys
+            if (st := self.catalog.get(*key)) is not None
+            and st.local
+            and not self.retention.busy(st)  # a restore or the drain took it meanwhile
+        ]
+        if not steps:
+            return
+        with contextlib.ExitStack() as held:
+            for st in steps:
+                held.enter_context(self.catalog.in_use(st))  # the drain leaves them alone
+            await self.io.run(self.store.evict_many, [st.key for st in steps])
+        for st in steps:
+            self.evicted_local += 1
+            log.info("evicted %s/%d from the local tier (%s)", st.job, st.step, why)
+            self.catalog.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, why)
 
     async def _relieve_pressure(self) -> None:
         space = self.disk.space()
@@ -130,16 +166,7 @@ class Evictor:
             await self._evict_local(job, step, f"free space below the low watermark {gib(low)}")
 
     async def _evict_local(self, job: str, step: int, why: str) -> None:
-        st = self.catalog.get(job, step)
-        if st is None or not st.local:
-            return
-        if self.retention.busy(st):
-            return  # a restore or the drain took it after the plan was made
-        with self.catalog.in_use(st):  # the drain does not take it meanwhile
-            await self.io.run(self.store.evict, job, step)
-        self.evicted_local += 1
-        log.info("evicted %s/%d from the local tier (%s)", job, step, why)
-        self.catalog.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, why)
+        await self._evict_local_batch([(job, step)], why)
 
     async def _evict_remote(self, job: str, step: int, why: str) -> None:
         st = self.catalog.get(job, step)
