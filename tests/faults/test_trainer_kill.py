@@ -15,7 +15,6 @@ and save more.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import subprocess
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+
+from ckptd.daemon.local.liveness import locked_by_others
 
 from ..conftest import Daemon
 from ..helpers import state_for
@@ -165,28 +166,13 @@ class Trainer:
         return sorted({value for tag, value in self.lines if tag in tags})
 
 
-def _locked(path: Path) -> bool:
-    """Whether some process holds a flock on ``path``."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def _check_liveness_files(pid: int) -> None:
     """A dead trainer's liveness file is gone (the daemon tidied it when it reclaimed a
     lease) or harmless: empty and locked by nobody, so no lease can be pinned by it."""
     for path in SHM.glob(f"ckptd-client-{pid}-*"):
         with contextlib.suppress(FileNotFoundError):
             assert path.stat().st_size == 0, f"{path} holds data"
-            assert not _locked(path), f"{path} is still locked after its trainer died"
+            assert not locked_by_others(path), f"{path} is still locked after its trainer died"
             # The daemon removes it only when it reclaims a lease named by it; a trainer
             # killed while it held none leaves it behind. Tidy up after ourselves.
             path.unlink()
