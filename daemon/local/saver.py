@@ -193,20 +193,22 @@ class Saver:
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
         pending.leases[req.rank] = lease
-        # The write starts now; the reply waits only for the journal's fsync.
-        self._spawn(
-            f"write {req.job}/{req.step} rank {req.rank}",
-            self._write_rank(pending, req, lease, data_len),
-        )
         if record is not None:
+            # The journal's fsync first, alone: started beside a large rank-file write
+            # it waited for the filesystem's metadata commit, and so did the trainer.
             try:
                 await self.journal.commit(lease.lease_id, lease.segment.name, req.job, record)
             except Exception as exc:
+                pending.writing.discard(req.rank)
                 reason = f"the handoff could not be recorded in {self.journal.path}: {exc}"
                 await self._fail(pending, reason)
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise ResourceExhausted(f"{reason}; free space on the local tier") from None
                 raise CkptdError(reason) from None
+        self._spawn(
+            f"write {req.job}/{req.step} rank {req.rank}",
+            self._write_rank(pending, req, lease, data_len),
+        )
         return st.state
 
     async def replay(self, entries: list[Entry], parse: Callable[[bytes], CommitRequest]) -> int:
