@@ -353,6 +353,11 @@ class Saver:
     async def _fail(self, pending: _Pending, reason: str) -> None:
         if pending.step.state == pb.SAVE_STATE_FAILED:
             return
+        # The memory of ranks no write still reads goes back before FAILED is
+        # announced, so whoever sees FAILED can save again at once.
+        await self._settle(pending, committed=True)
+        if pending.step.state == pb.SAVE_STATE_FAILED:
+            return  # failed meanwhile by another rank
         self.catalog.failed(pending.step, reason, "local")
         await pending.commit.abort()
         await self._settle(pending)
