@@ -74,6 +74,18 @@ class Unavailable(CkptdError):
     status = grpc.StatusCode.UNAVAILABLE
 
 
+class PermissionDenied(CkptdError):
+    """The calling process may not do this (another uid's job, a path it cannot read)."""
+
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(CkptdError):
+    """The call carried no valid session: the daemon does not know who is calling."""
+
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
 class SaveFailed(CkptdError):
     """An acknowledged save could not reach the stage waited for; the reason says why."""
 
@@ -96,6 +108,8 @@ _BY_STATUS: dict[grpc.StatusCode, type[CkptdError]] = {
         FailedPrecondition,
         DataLoss,
         Unavailable,
+        PermissionDenied,
+        Unauthenticated,
         SaveFailed,
     )
 }
