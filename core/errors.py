@@ -11,6 +11,7 @@ the same classes under the names trainers know.
 
 from __future__ import annotations
 
+import errno
 from typing import ClassVar
 
 import grpc
@@ -118,6 +119,29 @@ _BY_STATUS: dict[grpc.StatusCode, type[CkptdError]] = {
 def from_status(status: grpc.StatusCode, message: str) -> CkptdError:
     """The error a gRPC status stands for (a plain :class:`CkptdError` for other codes)."""
     return _BY_STATUS.get(status, CkptdError)(message or status.name, status.name)
+
+
+def from_os_error(exc: OSError, doing: str) -> CkptdError:
+    """The error a failed system call stands for when the cause is outside ckptd (a full
+    disk, a path the caller named): ``doing`` says what failed ("cannot write /x/y").
+
+    A plain :class:`CkptdError` (INTERNAL) for errnos that point at a bug instead.
+    """
+    reason = f"{doing}: {exc.strerror or exc}"
+    code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{reason}; free space on that filesystem and try again")
+    if code in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"{reason}; the daemon's user may not do that there")
+    if code == errno.ENOENT:
+        return NotFound(f"{reason}; check that the path exists")
+    if code in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY):
+        return FailedPrecondition(f"{reason}; something of another kind is in the way")
+    if code in (errno.ENAMETOOLONG, errno.ELOOP):
+        return InvalidArgument(f"{reason}; use a shorter path without symlink loops")
+    if code == errno.EROFS:
+        return FailedPrecondition(f"{reason}; that filesystem is mounted read-only")
+    return CkptdError(f"{reason}; see the daemon log")
 
 
 def cli_line(exc: CkptdError) -> str:

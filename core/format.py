@@ -81,8 +81,8 @@ def str_to_dtype(name: str) -> np.dtype:
             dt = np.dtype([tuple(f) for f in json.loads(name[len("descr:") :])])
         else:
             dt = np.dtype(name)
-    except (TypeError, ValueError, json.JSONDecodeError) as exc:
-        raise ValueError(f"unknown dtype {name!r}: {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"unknown dtype {name[:200]!r}: {str(exc)[:200]}") from None
     if dt.hasobject:
         raise ValueError(f"dtype {name!r} holds Python objects and cannot be stored")
     return dt

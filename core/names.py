@@ -1,12 +1,24 @@
-"""Validation of every name that can reach a filesystem path or a file header."""
+"""Validation of every name that can reach a filesystem path or a file header, and of
+the numbers that bound how long the daemon waits for a caller."""
 
 from __future__ import annotations
 
+import math
+
 from .errors import InvalidArgument
 
-MAX_NAME_BYTES = 255
+MAX_NODE_BYTES = 64
+"""Longest node name (``node_id``): host names are cut to 63 bytes by default."""
+MAX_NAME_BYTES = 128
+"""Longest job name. The daemon derives file names from it that must stay within the
+255 bytes a file name may have: the longest is a peer's download directory,
+``<job>.<step>.<node>.<8 hex>`` (128 + 1 + 19 + 1 + 64 + 1 + 8 = 222 bytes), then a
+replaced step's ``<job>.<step>.<8 hex>.replaced-<8 hex>`` (175 bytes)."""
 MAX_SHARD_KEY_BYTES = 1024
 MAX_STEP = 2**62
+MAX_PATH_BYTES = 4095
+"""Longest path the kernel takes (PATH_MAX less the NUL); each component has 255 bytes."""
+MAX_COMPONENT_BYTES = 255
 
 
 def check_name(kind: str, value: str, max_bytes: int = MAX_NAME_BYTES) -> str:
@@ -22,7 +34,8 @@ def check_name(kind: str, value: str, max_bytes: int = MAX_NAME_BYTES) -> str:
         bad = "starts with '.' (names starting with a dot are reserved for ckptd)"
     if bad:
         raise InvalidArgument(
-            f"{kind} name {value[:80]!r} {bad}; use letters, digits, '-', '_' and '.' only"
+            f"{kind} name {value[:80]!r} {bad}; use at most {max_bytes} bytes of letters, "
+            "digits, '-', '_' and '.'"
         )
     return value
 
@@ -46,9 +59,51 @@ def check_step(step: int) -> int:
     return step
 
 
+def check_path(field: str, value: str, *, optional: bool = False) -> str:
+    """Accept an absolute path a client names (a directory to adopt, watch or fill).
+
+    ``optional``: an empty value is accepted (the daemon's default applies).
+    Refuses relative paths, NUL bytes, and paths the kernel would refuse as too
+    long, so none of those reaches a system call.
+    """
+    if not value:
+        if optional:
+            return value
+        raise InvalidArgument(f"no {field} given; name an absolute path")
+    if "\x00" in value:
+        raise InvalidArgument(f"{field} {value[:80]!r} contains a NUL byte; no path can")
+    if not value.startswith("/"):
+        raise InvalidArgument(
+            f"{field} {value[:80]!r} is not an absolute path; give the daemon one"
+        )
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_PATH_BYTES:
+        raise InvalidArgument(
+            f"{field} is {size} bytes long; paths have at most {MAX_PATH_BYTES} bytes"
+        )
+    for part in value.split("/"):
+        if len(part.encode("utf-8", "surrogatepass")) > MAX_COMPONENT_BYTES:
+            raise InvalidArgument(
+                f"{field} has a component of more than {MAX_COMPONENT_BYTES} bytes "
+                f"({part[:40]!r}...); shorten that file or directory name"
+            )
+    return value
+
+
+def check_wait(field: str, seconds: float, cap: float) -> float:
+    """Accept a wait in seconds: NaN and negative values are refused; longer waits
+    than ``cap`` (infinity included) wait ``cap`` seconds, as the API documents."""
+    if math.isnan(seconds) or seconds < 0:
+        raise InvalidArgument(
+            f"{field} is {seconds}; give a number of seconds from 0 (do not wait) to "
+            f"{cap:.0f} (longer waits are cut to {cap:.0f})"
+        )
+    return min(seconds, cap)
+
+
 def _why_bad(value: str, max_bytes: int) -> str | None:
     if len(value.encode("utf-8", "surrogatepass")) > max_bytes:
-        return f"is longer than {max_bytes} bytes"
+        return f"is longer than {max_bytes} bytes in UTF-8 (ckptd derives file names from it)"
     if "/" in value or "\\" in value:
         return "contains a path separator"
     if ".." in value:

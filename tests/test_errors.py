@@ -74,7 +74,7 @@ BAD_COMMITS = [
     ("job with slash", {"job": "a/b"}, grpc.StatusCode.INVALID_ARGUMENT, "path separator"),
     ("job with dotdot", {"job": ".."}, grpc.StatusCode.INVALID_ARGUMENT, "'..'"),
     ("job with NUL", {"job": "a\x00b"}, grpc.StatusCode.INVALID_ARGUMENT, "NUL"),
-    ("job too long", {"job": LONG}, grpc.StatusCode.INVALID_ARGUMENT, "longer than 255"),
+    ("job too long", {"job": LONG}, grpc.StatusCode.INVALID_ARGUMENT, "longer than 128"),
     ("job hidden", {"job": ".staging"}, grpc.StatusCode.INVALID_ARGUMENT, "reserved"),
     ("negative step", {"step": -1}, grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
     ("shard key slash", {"s0__key": "../x"}, grpc.StatusCode.INVALID_ARGUMENT, "path separator"),

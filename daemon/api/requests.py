@@ -18,6 +18,10 @@ from ckptd.proto import ckptd_pb2 as pb
 from ..local.saver import CommitRequest
 
 MAX_JSON_BYTES = 64 * 2**20
+MAX_JSON_DEPTH = 256
+"""Deepest nesting of tree_json and metadata_json: a tree spec takes three levels per
+level of the saved pytree, and the manifest that holds them must stay far below the
+interpreter's recursion limit wherever it is read."""
 MAX_SHARDS = 1_000_000
 MAX_RANKS = 65536
 MAX_NDIM = 64
@@ -112,10 +116,31 @@ def _json(field: str, text: str, default: Any) -> Any:
         return default
     if len(text) > MAX_JSON_BYTES:
         raise InvalidArgument(f"{field} is {len(text)} bytes; the limit is {MAX_JSON_BYTES}")
+    too_deep = InvalidArgument(
+        f"{field} nests deeper than {MAX_JSON_DEPTH} levels; flatten the structure"
+    )
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"{field} is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recursed past the interpreter's limit
+        raise too_deep from None
     if default is not None and not isinstance(value, type(default)):
         raise InvalidArgument(f"{field} must be a JSON {type(default).__name__}")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
     return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                todo.extend(
+                    (v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)
+                )
+    return deepest

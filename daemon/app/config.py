@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.names import check_name
+from ckptd.core.names import MAX_NODE_BYTES, check_name
 from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
@@ -197,7 +197,7 @@ def load(
 
 def _validate(cfg: Config) -> None:
     try:
-        check_name("node_id", cfg.node_id)
+        check_name("node_id", cfg.node_id, MAX_NODE_BYTES)
     except InvalidArgument as exc:
         raise ConfigError(f"invalid value for 'node_id': {exc}") from None
     if cfg.remote and not re.match(r"^(s3|gs)://[^/]+|^file:///", cfg.remote):

@@ -24,6 +24,7 @@ from typing import Any
 
 from ckptd.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from ckptd.core.manifest import Manifest
+from ckptd.core.names import check_wait
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
@@ -122,7 +123,7 @@ class Catalog:
     async def wait_for_event(self, after: int, job: str, timeout: float) -> None:
         """Return once an event newer than ``after`` (of ``job``, if given) exists, the
         daemon stops, or ``timeout`` passes."""
-        deadline = self._monotonic() + min(max(timeout, 0.0), MAX_WAIT_SECONDS)
+        deadline = self._monotonic() + check_wait("wait_seconds", timeout, MAX_WAIT_SECONDS)
         while not self.events(after, job, 1) and not self.stopping.is_set():
             left = deadline - self._monotonic()
             if left <= 0:
@@ -417,9 +418,10 @@ class Catalog:
             if target == NEW:
                 return self.require(job, step)
             raise InvalidArgument(
-                f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE"
+                f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE "
+                "(or leave wait_for unset to ask without waiting)"
             )
-        deadline = self._monotonic() + min(max(timeout, 0.0), MAX_WAIT_SECONDS)
+        deadline = self._monotonic() + check_wait("timeout_seconds", timeout, MAX_WAIT_SECONDS)
         while True:
             st = self.require(job, step)
             if st.reached(target) or st.final(target):

@@ -46,8 +46,12 @@ def write_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
 def replace_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
     """Atomically replace ``path`` with ``data``: temp file, fsync, rename, fsync the dir."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    write_synced(tmp, data, mode)
-    os.replace(tmp, path)
+    try:
+        write_synced(tmp, data, mode)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: leave no partial temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -29,6 +29,7 @@ from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, TensorEntry, build_header, check_layout, round_up
 from ckptd.core.manifest import Manifest, RankRecord, ShardRecord, rank_file_name
+from ckptd.core.names import check_wait
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
@@ -117,7 +118,7 @@ class Saver:
         return await self.staging.acquire(
             job,
             size_bytes,
-            wait_seconds=min(max(wait_seconds, 0.0), MAX_WAIT_SECONDS),
+            wait_seconds=check_wait("wait_seconds", wait_seconds, MAX_WAIT_SECONDS),
             holder=holder,
         )
 

@@ -11,6 +11,8 @@ import json
 import logging
 from pathlib import Path
 
+from ckptd.core.errors import from_os_error
+
 from ..catalog import Catalog
 from ..io import IoPool
 from ..local.files import replace_synced
@@ -54,15 +56,23 @@ class Pins:
                 await self.remote.put_bytes(key, b"pinned by ckptd pin\n")
             else:
                 await self.remote.delete([key])
+        try:
+            await self._save(changed=(job, step, pinned))
+        except OSError as exc:  # a full disk, mostly: the catalog keeps the old pin
+            raise from_os_error(
+                exc, f"cannot record the pin of {job}/{step} in {self.path}"
+            ) from None
         self.catalog.set_pinned(st, pinned)
-        await self._save()
         log.info("%s/%d %s", job, step, "pinned" if pinned else "unpinned")
 
-    async def _save(self) -> None:
-        """Persist every pin (atomically: temp file, fsync, rename)."""
+    async def _save(self, changed: tuple[str, int, bool]) -> None:
+        """Persist every pin, with ``changed`` (job, step, pinned) applied (atomically:
+        temp file, fsync, rename), before the catalog shows it."""
         pins: dict[str, list[int]] = {}
         for st in self.catalog.steps():
-            if st.pinned:
+            if (st.job, st.step) == changed[:2] and not changed[2]:
+                continue
+            if st.pinned or (st.job, st.step) == changed[:2]:
                 pins.setdefault(st.job, []).append(st.step)
         data = json.dumps({j: sorted(s) for j, s in sorted(pins.items())}).encode()
         await self.io.run(replace_synced, self.path, data)

@@ -11,7 +11,10 @@ PROTOCOL_HEADER = "ckptd-protocol-version"
 
 
 def state_name(state: int) -> str:
-    """A SaveState without its prefix (``LOCAL``, ``FAILED``), as logs and tables show it."""
+    """A SaveState without its prefix (``LOCAL``, ``FAILED``), as logs and tables show it;
+    a number no SaveState has (a newer or broken client's) as ``UNKNOWN(7)``."""
     from . import ckptd_pb2
 
+    if state not in ckptd_pb2.SaveState.values():
+        return f"UNKNOWN({state})"
     return ckptd_pb2.SaveState.Name(state).removeprefix("SAVE_STATE_")
