@@ -145,5 +145,7 @@ def from_os_error(exc: OSError, doing: str) -> CkptdError:
 
 
 def cli_line(exc: CkptdError) -> str:
-    """How the CLI prints an error: one line, no traceback."""
-    return f"ckptd: error: {exc}"
+    """How the CLI prints an error: one line, no traceback, no credential."""
+    from .redact import redact
+
+    return redact(f"ckptd: error: {exc}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckptd.core.format import ALIGN
+from ckptd.core.redact import redact
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Event, Step
@@ -28,7 +29,7 @@ def checkpoint_info(st: Step, plan: Plan | None) -> pb.CheckpointInfo:
         size_bytes=m.size_bytes if m else 0,
         num_shards=len(m.shards) if m else 0,
         milestone=st.milestone,
-        error=st.error or (f"unusable: {st.unusable}" if st.unusable else ""),
+        error=redact(st.error or (f"unusable: {st.unusable}" if st.unusable else "")),
     )
 
 
@@ -38,7 +39,7 @@ def save_status(st: Step, wait_for: int, ranks_written: list[int]) -> pb.SaveSta
         job=st.job,
         step=st.step,
         state=st.state,  # type: ignore[arg-type]
-        error=st.error,
+        error=redact(st.error),
         ranks_committed=ranks_written,
         node_ranks=list(st.node_ranks),
         handoff_to_local_seconds=max(0.0, st.local_at - st.handoff_at) if st.local_at else 0.0,
@@ -71,6 +72,6 @@ def event(e: Event) -> pb.EventRecord:
         step=e.step,
         state=e.state,  # type: ignore[arg-type]
         tiers=list(e.tiers),  # type: ignore[arg-type]
-        detail=e.detail,
+        detail=redact(e.detail),
         attributes=dict(e.attributes),
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ from ckptd.core.errors import CkptdError, cli_line
 from ckptd.core.wire import DEFAULT_SOCKET, Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import cli_tiers
+from . import cli_tiers, logs
 from . import config as config_mod
 from .serve import serve
 
@@ -74,13 +73,7 @@ def _admin(args: argparse.Namespace) -> Connection:
 def cmd_serve(args: argparse.Namespace) -> int:
     flags = {k: getattr(args, k) for k in config_mod.flag_names()}
     cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
-    # gcsfs logs every exhausted retry with a traceback; the drain reports those errors itself.
-    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.setup(cfg.log_level)  # third-party request logging capped, credentials masked
     import uvloop
 
     uvloop.run(serve(cfg))

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from ckptd.core.errors import FailedPrecondition
+from ckptd.core.redact import redact
 from ckptd.proto import PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -147,7 +148,9 @@ class Daemon:
             try:
                 await asyncio.wait_for(self.drain.resume(), 120)
             except Exception as exc:
-                raise StartupError(f"cannot use remote {cfg.remote}: {_reason(exc)}") from None
+                raise StartupError(
+                    redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")
+                ) from None
             self.supervisor.service("drain", self.drain.run)
         self.evictor.kick()  # apply the retention to what recovery found
         self.supervisor.service("evictor", self.evictor.run)
@@ -168,7 +171,7 @@ class Daemon:
             )
             await asyncio.wait_for(remote.check(), 30)
         except Exception as exc:
-            raise StartupError(f"cannot use remote {cfg.remote}: {_reason(exc)}") from None
+            raise StartupError(redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")) from None
         return remote
 
     def services(self) -> Services:
@@ -216,9 +219,9 @@ class Daemon:
             node_id=cfg.node_id,
             root=str(cfg.root),
             socket=str(cfg.socket),
-            remote=cfg.remote,
+            remote=redact(cfg.remote),
             drain_queue=self.drain.queue_length if self.drain else 0,
-            drain_error=self.drain.last_error if self.drain else "",
+            drain_error=redact(self.drain.last_error) if self.drain else "",
             uptime_seconds=time.time() - self.started_at,
             staging_budget_bytes=staging.budget_bytes,
             staging_allocated_bytes=staging.allocated_bytes,
@@ -242,7 +245,10 @@ class Daemon:
             adopted=self.adopter.adopted,
             tasks=[
                 pb.TaskHealth(
-                    name=h.name, state=h.state, restarts=h.restarts, last_error=h.last_error
+                    name=h.name,
+                    state=h.state,
+                    restarts=h.restarts,
+                    last_error=redact(h.last_error),
                 )
                 for h in self.supervisor.health.values()
             ],

@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.names import MAX_NODE_BYTES, check_name
+from ckptd.core.redact import has_credentials, redact
 from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
@@ -200,6 +201,13 @@ def _validate(cfg: Config) -> None:
         check_name("node_id", cfg.node_id, MAX_NODE_BYTES)
     except InvalidArgument as exc:
         raise ConfigError(f"invalid value for 'node_id': {exc}") from None
+    for key in ("remote", "remote_endpoint_url"):
+        if has_credentials(getattr(cfg, key)):
+            raise ConfigError(
+                f"invalid value for {key!r}: {redact(getattr(cfg, key))} carries credentials; "
+                "remove them from the URL and give them the standard way (AWS_* environment "
+                "variables, ~/.aws, GOOGLE_APPLICATION_CREDENTIALS or the instance's role)"
+            )
     if cfg.remote and not re.match(r"^(s3|gs)://[^/]+|^file:///", cfg.remote):
         raise ConfigError(
             f"invalid value for 'remote': {cfg.remote!r}; use s3://BUCKET/PREFIX, "
