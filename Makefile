@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: venv demo test test-fast test-slow faults soak bench proto lint typecheck clean
+.PHONY: venv demo test test-fast test-slow faults fuzz soak bench proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -18,18 +18,25 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/ckptd demo
 
-# The full fault-injection suite is `make faults`; `make test` runs a representative subset.
+# The full fault-injection suite is `make faults`, the full gRPC fuzz run `make fuzz`;
+# `make test` runs a representative subset of the first and a 200-case sample of the second.
 test: venv
-	$(PY) -m pytest -q -m "not faults" tests
+	$(PY) -m pytest -q -m "not faults and not fuzz" tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow and not faults" tests
+	$(PY) -m pytest -q -m "not slow and not faults and not fuzz" tests
 
 test-slow: venv
-	$(PY) -m pytest -q -m "slow and not faults" tests
+	$(PY) -m pytest -q -m "slow and not faults and not fuzz" tests
 
 faults: venv
 	$(PY) -m pytest -q -m faults tests
+
+# Every RPC against one live daemon, CKPTD_FUZZ_EXAMPLES cases (default 10,000, the same
+# ones each run; CKPTD_FUZZ_SEED=N for others); the summary goes to CKPTD_FUZZ_REPORT.
+CKPTD_FUZZ_REPORT ?= bench/results/fuzz.json
+fuzz: venv
+	CKPTD_FUZZ_REPORT=$(CKPTD_FUZZ_REPORT) $(PY) -m pytest -q -m fuzz tests/fuzz
 
 # Soak: 8 clients saving for 10 minutes against one daemon; SOAK_ARGS=--quick for 30 s.
 soak: venv
