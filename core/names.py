@@ -71,7 +71,9 @@ def check_path(field: str, value: str, *, optional: bool = False) -> str:
             return value
         raise InvalidArgument(f"no {field} given; name an absolute path")
     if "\x00" in value:
-        raise InvalidArgument(f"{field} {value[:80]!r} contains a NUL byte; no path can")
+        raise InvalidArgument(
+            f"{field} {value[:80]!r} contains a NUL byte, which no path can hold; remove it"
+        )
     if not value.startswith("/"):
         raise InvalidArgument(
             f"{field} {value[:80]!r} is not an absolute path; give the daemon one"

@@ -22,6 +22,7 @@ import pytest
 from ckptd.core.errors import CkptdError, from_os_error
 from ckptd.core.names import MAX_NAME_BYTES, check_path, check_wait
 from ckptd.core.wire import Connection
+from ckptd.daemon.adopt.tree import finished_steps
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
@@ -187,3 +188,12 @@ def test_os_errors_map_to_statuses(code: int, status: str) -> None:
     err = from_os_error(OSError(code, os.strerror(code)), "cannot write /x")
     assert err.code == status
     assert str(err).startswith(f"cannot write /x: {os.strerror(code)}; ")
+
+
+def test_watched_directory_with_unicode_digits(tmp_path: Path) -> None:
+    """'¹8'.isdigit() is true and int('¹8') raises: a watched directory holding such a
+    name once failed every Watch and every scan of that job (found by the fuzzer)."""
+    for name in ("¹8", "٣", "8"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "commit_success.txt").write_text("ok")
+    assert [step for step, _, _ in finished_steps(tmp_path)] == [8]

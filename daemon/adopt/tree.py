@@ -30,8 +30,9 @@ def finished_steps(directory: Path) -> list[tuple[int, Path, os.stat_result]]:
     for entry in entries:
         name = entry.name
         # str(int(name)) == name: Orbax's default names; zero-padded or prefixed names
-        # would not match the bucket's <job>/<step> and are left alone.
-        if not (name.isdigit() and str(int(name)) == name):
+        # would not match the bucket's <job>/<step> and are left alone. isascii: "¹8"
+        # is isdigit() too, and int() refuses it.
+        if not (name.isascii() and name.isdigit() and str(int(name)) == name):
             continue
         if not entry.is_dir(follow_symlinks=False):
             continue

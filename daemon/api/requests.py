@@ -58,7 +58,10 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
         try:
             dt = str_to_dtype(sd.dtype)
         except ValueError as exc:
-            raise InvalidArgument(f"shard {key!r}: {exc}") from None
+            raise InvalidArgument(
+                f"shard {key!r}: {exc}; use a numpy dtype string (np.dtype(x).str, e.g. '<f4') "
+                "or an ml_dtypes name such as 'bfloat16'"
+            ) from None
         shape = tuple(int(d) for d in sd.shape)
         gshape = tuple(int(d) for d in sd.global_shape) or shape
         if len(shape) > MAX_NDIM or len(gshape) != len(shape):

@@ -88,8 +88,8 @@ class LocalStore:
             if job_dir.name.startswith(".") or not job_dir.is_dir():
                 continue
             for step_dir in job_dir.iterdir():
-                if not step_dir.name.isdigit():
-                    continue
+                if not (step_dir.name.isascii() and step_dir.name.isdigit()):
+                    continue  # not a step ("¹8" is isdigit() too): leave it alone
                 try:
                     manifest = Manifest.from_json((step_dir / MANIFEST).read_text())
                     if manifest.job != job_dir.name or manifest.step != int(step_dir.name):
