@@ -7,10 +7,11 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptd.core import checksum
-from ckptd.core.errors import InvalidArgument
+from ckptd.core.errors import InvalidArgument, PermissionDenied
 from ckptd.core.manifest import Manifest, RankRecord
 
 from ..remote.layout import COMMIT_FILE, FILES_DIR
@@ -91,10 +92,17 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def link_tree(src: Path, staging: Path) -> list[RankRecord]:
+def link_tree(
+    src: Path, staging: Path, may_read: Callable[[os.stat_result], bool] = lambda st: True
+) -> list[RankRecord]:
     """Hard-link (or copy) every file of ``src`` under ``staging/files``, fsync each,
     and record its size and crc32c (one read). The directories are fsynced by the
-    commit (:class:`~ckptd.daemon.commit.RenameCommit`)."""
+    commit (:class:`~ckptd.daemon.commit.RenameCommit`).
+
+    ``may_read`` judges the inode actually adopted (opened without following a
+    symlink, and for a link, the very inode linked), so a path swapped after the
+    caller's permission check cannot smuggle in a file the caller could not read.
+    """
     same_fs = os.stat(src).st_dev == os.stat(staging).st_dev
     records = []
     made: set[Path] = set()
@@ -103,10 +111,21 @@ def link_tree(src: Path, staging: Path) -> list[RankRecord]:
         if dst.parent not in made:
             dst.parent.mkdir(parents=True, exist_ok=True)
             made.add(dst.parent)
-        if same_fs:
-            os.link(src / rel, dst)
-        else:
-            shutil.copyfile(src / rel, dst)
+        src_fd = os.open(src / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(src_fd)
+            if not stat.S_ISREG(st.st_mode) or not may_read(st):
+                raise PermissionDenied(f"{src / rel} is not a regular file the caller may read")
+            if same_fs:
+                os.link(src / rel, dst)
+                got = os.lstat(dst)
+                if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+                    raise InvalidArgument(f"{src / rel} changed while ckptd adopted it")
+            else:
+                with open(dst, "xb") as out, os.fdopen(os.dup(src_fd), "rb") as inp:
+                    shutil.copyfileobj(inp, out, 8 * 2**20)
+        finally:
+            os.close(src_fd)
         fd = os.open(dst, os.O_RDONLY)
         try:
             os.fsync(fd)  # the framework may not have (Orbax does not)

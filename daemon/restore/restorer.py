@@ -21,7 +21,7 @@ asked for that exact step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd.core import checksum
@@ -114,17 +114,25 @@ class Restorer:
         return st
 
     async def restore(
-        self, job: str, step: int | None, rank: int, shared_memory: bool, holder: str = ""
+        self,
+        job: str,
+        step: int | None,
+        rank: int,
+        shared_memory: bool,
+        holder: str = "",
+        owner: tuple[int, int] | None = None,
     ) -> RestorePlan:
         """Pick a step and, if asked and a segment is free, read it into shared memory.
-        ``holder``: the client's liveness file; its lease comes back if it dies."""
-        plan = await self._restore(job, step, rank, shared_memory)
-        if plan.lease is not None:
-            self.staging.hold(plan.lease, holder)
+        ``holder``: the client's liveness file; its lease comes back if it dies.
+        ``owner``: ``(uid, pid)`` of the client, the only process that may map it."""
+        plan = await self._restore(job, step, rank, shared_memory, owner[0] if owner else None)
+        if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
+            # Another uid mapped that segment before: serve the verified file instead.
+            plan = replace(plan, lease=None, data_offset=0)
         return plan
 
     async def _restore(
-        self, job: str, step: int | None, rank: int, shared_memory: bool
+        self, job: str, step: int | None, rank: int, shared_memory: bool, uid: int | None
     ) -> RestorePlan:
         try:
             await self.fetcher.refresh(job)
@@ -162,7 +170,7 @@ class Restorer:
             path = directory / record.file
             try:
                 offset = await self.io.run(data_offset, path)
-                lease = self.staging.take_free(job, round_up(record.size - offset))
+                lease = self.staging.take_free(job, round_up(record.size - offset), uid)
             except (OSError, ValueError) as exc:
                 await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
                 continue
