@@ -40,7 +40,6 @@ from ckptd.core.errors import (
 from ckptd.core.manifest import KIND_DIRECTORY, Manifest
 
 from ..catalog import Catalog, Step
-from ..commit import RenameCommit
 from ..io import IoPool
 from ..local.files import replace_synced
 from ..local.store import LocalStore
@@ -55,10 +54,11 @@ from .paths import (
     check_writable,
     make_dirs_for,
     nearest_device,
+    open_dir,
     permitted,
     resolve_inside,
 )
-from .tree import finished_steps, link_out, link_tree, orbax_metrics
+from .tree import finished_steps, link_tree, orbax_metrics, put_back
 
 log = logging.getLogger("ckptd.adopt")
 
@@ -329,6 +329,7 @@ class Adopter:
         manifest = st.manifest
         w = self.watches.get(job)
         base = Path(directory) if directory else w.directory if w else self.default_directory(job)
+        base = Path(os.path.realpath(base))  # a path checked on the way in, or the daemon's
         dest = base / str(st.step)
         if await self.io.run(dest.exists):
             return dest, False
@@ -341,18 +342,12 @@ class Adopter:
                         f"the local copy of step {st.step} of job {job!r} failed its checksum "
                         f"({bad[0]}); `ckptd verify` shows the damage"
                     )
-            await self.io.run(make_dirs_for, caller, base)
-            # Under a hidden name first, then one rename: the framework never sees a
-            # partial step.
-            commit = RenameCommit(
-                dest, base / f".ckptd-{dest.name}.{time.time_ns()}", run=self.io.run
-            )
+            base_fd = await self.io.run(open_dir, base, caller, True)
             try:
-                await self.io.run(link_out, store_dir, manifest, commit.path)
-                await commit.finalize()
-            except BaseException:
-                await commit.abort()
-                raise
+                owner = caller.uid if os.geteuid() == 0 and not caller.privileged else -1
+                await self.io.run(put_back, store_dir, manifest, base_fd, dest.name, owner)
+            finally:
+                os.close(base_fd)
         if w is not None and w.directory == base:
             async with self._lock:
                 with contextlib.suppress(OSError):

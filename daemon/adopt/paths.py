@@ -16,6 +16,8 @@ The files adopted are checked again on the inode actually linked or copied
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -113,18 +115,44 @@ def nearest_device(path: Path) -> int:
     return os.stat(path).st_dev
 
 
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir(path: Path, caller: Caller, create: bool = False) -> int:
+    """A descriptor of directory ``path`` (absolute, resolved), reached from ``/`` one
+    component at a time without following a symlink: what the daemon then writes
+    relative to it lands there even if a component is swapped for a symlink later.
+
+    ``create``: make missing components (0750); when the daemon is root they
+    belong to ``caller``, who writes into them (Orbax into a watched directory).
+    """
+    fd = os.open("/", DIR_FLAGS)
+    try:
+        for part in path.parts[1:]:
+            try:
+                nfd = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o750, dir_fd=fd)
+                nfd = os.open(part, DIR_FLAGS, dir_fd=fd)
+                if os.geteuid() == 0 and not caller.privileged:
+                    os.fchown(nfd, caller.uid, -1)
+            except (NotADirectoryError, OSError) as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise PermissionDenied(
+                    f"{path}: {part!r} is a symlink or not a directory; give a plain directory"
+                ) from None
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def make_dirs_for(caller: Caller, path: Path) -> None:
-    """``mkdir -p path`` (0750); when the daemon is root, the new directories belong to
-    the caller, who writes into them (Orbax into a watched directory)."""
-    missing = []
-    probe = path
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o750)
-        except FileExistsError:
-            continue
-        if os.geteuid() == 0 and not caller.privileged:
-            os.chown(d, caller.uid, -1, follow_symlinks=False)
+    """``mkdir -p path`` without following symlinks (see :func:`open_dir`)."""
+    os.close(open_dir(path, caller, create=True))

@@ -3,10 +3,12 @@ hard-linking trees into ckptd's store and back out (see adopter.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from ckptd.core.errors import InvalidArgument, PermissionDenied
 from ckptd.core.manifest import Manifest, RankRecord
 
 from ..remote.layout import COMMIT_FILE, FILES_DIR
+from .paths import DIR_FLAGS
 
 MAX_FILES = 1_000_000
 
@@ -137,10 +140,44 @@ def link_tree(
     return records  # the commit fsyncs every directory of the tree
 
 
-def link_out(store_dir: Path, manifest: Manifest, dest: Path) -> None:
-    """Hard-link an adopted step's files from ckptd's store into ``dest`` (a commit's
-    temporary directory: adopter.py renames it into place)."""
-    for r in manifest.ranks:
-        target = dest / r.file.removeprefix(FILES_DIR + "/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.link(store_dir / r.file, target)
+def put_back(store_dir: Path, manifest: Manifest, base_fd: int, name: str, owner: int = -1) -> None:
+    """Hard-link an adopted step's files from ckptd's store into directory ``name``
+    under ``base_fd`` (see paths.open_dir): built under a hidden name relative to
+    directory descriptors, never following a symlink, then one rename, fsynced, so
+    the framework never sees a partial step and a swapped path cannot redirect a
+    link out of the directory. ``owner`` (a uid, -1: leave as is): the uid the
+    directories and files are given to, so a trainer of another user than the
+    daemon can read what was put back for it (its job's own files)."""
+    tmp = f".ckptd-{name}.{time.time_ns()}"
+    os.mkdir(tmp, 0o750, dir_fd=base_fd)
+    try:
+        top = os.open(tmp, DIR_FLAGS, dir_fd=base_fd)
+        opened: dict[tuple[str, ...], int] = {(): top}
+        try:
+            for r in manifest.ranks:
+                *dirs, leaf = r.file.removeprefix(FILES_DIR + "/").split("/")
+                if any(p in ("", ".", "..") for p in (*dirs, leaf)):
+                    raise InvalidArgument(f"manifest names {r.file!r}; refusing to put it back")
+                for depth in range(1, len(dirs) + 1):
+                    key = tuple(dirs[:depth])
+                    if key not in opened:
+                        parent = opened[key[:-1]]
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(key[-1], 0o750, dir_fd=parent)
+                        opened[key] = os.open(key[-1], DIR_FLAGS, dir_fd=parent)
+                os.link(store_dir / r.file, leaf, dst_dir_fd=opened[tuple(dirs)])
+                if owner >= 0:
+                    os.chown(leaf, owner, -1, dir_fd=opened[tuple(dirs)], follow_symlinks=False)
+            for fd in opened.values():
+                if owner >= 0:
+                    os.fchown(fd, owner, -1)
+                os.fsync(fd)
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+        os.rename(tmp, name, src_dir_fd=base_fd, dst_dir_fd=base_fd)
+        os.fsync(base_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp, dir_fd=base_fd)
+        raise
