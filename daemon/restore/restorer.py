@@ -144,16 +144,13 @@ class Restorer:
             if st.manifest is None:
                 try:
                     lease = await self.fetcher.to_local(st, rank, shared_memory)
-                except (DataLoss, ValueError, KeyError, FileNotFoundError) as exc:
-                    # The bucket's copy is corrupt (or its manifest unreadable) and
-                    # there is no local one: skip this step, unless it was asked for.
-                    reason = f"its bucket copy does not verify: {exc}"
-                    log.error("%s/%d: %s; restoring an older step", job, st.step, reason)
-                    self.catalog.unusable(st, reason)
+                except DataLoss:
+                    # The bucket's copy is corrupt (or its manifest unreadable or unsafe)
+                    # and there is no local one: the fetcher marked the step unusable;
+                    # restore an older one, unless this one was asked for.
                     if step is not None:
-                        raise DataLoss(
-                            f"step {step} of job {job!r} cannot be restored: {reason}"
-                        ) from None
+                        raise
+                    log.error("%s/%d cannot be fetched; restoring an older step", job, st.step)
                     continue
                 assert st.manifest is not None
                 if lease is not None:  # the whole verified file is in the lease already
