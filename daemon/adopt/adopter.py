@@ -32,6 +32,7 @@ from pathlib import Path
 from ckptd.core.checksum import verify_step
 from ckptd.core.errors import (
     Conflict,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -311,11 +312,22 @@ class Adopter:
             # Another user's watched directory: only its owner's files go there.
             check_writable(caller, self.watches[job].directory)
         await self.fetcher.refresh(job)
-        st = self.restorer.choose(job, step, None, adopted=True)
-        self.catalog.served(st)  # the evictor leaves it alone while it is put back
-        fetched = not st.local
-        if fetched:
-            await self.fetcher.to_local(st, 0, shared_memory=False)
+        while True:
+            st = self.restorer.choose(job, step, None, adopted=True)
+            self.catalog.served(st)  # the evictor leaves it alone while it is put back
+            fetched = not st.local
+            if not fetched:
+                break
+            try:
+                await self.fetcher.to_local(st, 0, shared_memory=False)
+                break
+            except DataLoss:
+                if step is not None or not st.unusable:
+                    raise
+                # The fetcher marked the bucket copy unusable: the next older step.
+                log.warning(
+                    "%s/%d does not verify in the bucket; trying an older step", job, st.step
+                )
         path, linked = await self._put_back(job, st, directory, not fetched, caller)
         return st, path, fetched, linked
 

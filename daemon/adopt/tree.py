@@ -15,6 +15,7 @@ from pathlib import Path
 from ckptd.core import checksum
 from ckptd.core.errors import InvalidArgument, PermissionDenied
 from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.core.names import check_tree_path
 
 from ..remote.layout import COMMIT_FILE, FILES_DIR
 from .paths import DIR_FLAGS
@@ -60,7 +61,10 @@ def tree_files(src: Path) -> list[str]:
                     "files and directories only (copy it into a plain directory first)"
                 )
             if stat.S_ISREG(mode):
-                files.append(str(path.relative_to(src)))
+                rel = str(path.relative_to(src))
+                # Refused now, not when the upload or a restore meets the name.
+                check_tree_path("file", f"{FILES_DIR}/{rel}")
+                files.append(rel)
         if len(files) > MAX_FILES:
             raise InvalidArgument(f"{src} holds over {MAX_FILES} files; adopt a smaller tree")
     if not files:
