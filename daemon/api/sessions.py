@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import secrets
 import socket
 import struct
@@ -42,8 +43,12 @@ from ckptd.core.session import MAX_LINE, session_path
 
 log = logging.getLogger("ckptd.sessions")
 
-MAX_SESSIONS = 4096
-"""Connections beyond this are refused: a local process cannot exhaust the daemon's fds."""
+def session_limit() -> int:
+    """Sessions open at once: a quarter of the fd limit (raised to its hard limit at
+    start-up, serve.py), so callers opening connections cannot exhaust the daemon's
+    descriptors for its own files."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, soft // 4)
 
 Opener = Callable[["Peer", dict[str, Any]], int]
 
@@ -104,6 +109,7 @@ class SessionServer:
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._accepting: asyncio.Task[None] | None = None
+        self.max_sessions = session_limit()
 
     def peer(self, token: str) -> Peer | None:
         """The live session with this token, or None."""
@@ -144,7 +150,7 @@ class SessionServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._sock)
-            if len(self._tasks) >= MAX_SESSIONS:
+            if len(self._tasks) >= self.max_sessions:
                 log.warning("refusing a session: %d are open already", len(self._tasks))
                 conn.close()
                 continue

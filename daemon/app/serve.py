@@ -9,9 +9,11 @@ that keeps crashing stops the daemon the same way, with an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -70,12 +72,21 @@ def _prepare_root(root: Path) -> None:
         os.chmod(root, st.st_mode & 0o750)
 
 
+def _raise_fd_limit() -> None:
+    """Soft fd limit up to the hard one: sessions, rank files and sockets share it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT, then finish acknowledged saves and exit.
 
     Raises :class:`StartupError` if it cannot start, or if a background service
     kept crashing (after finishing the saves it had acknowledged).
     """
+    _raise_fd_limit()
     group = int(config.socket_group) if config.socket_group else -1
     try:
         _prepare_socket_dir(config.socket, group)
