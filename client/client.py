@@ -20,7 +20,6 @@ from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restore as restore_mod
 from . import restoring
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
@@ -110,12 +109,15 @@ class Client:
     def timeout(self, seconds: float) -> None:
         self.connection.timeout = seconds
 
-    def _map_segment(self, name: str, size: int) -> mmap.mmap:
+    def _map_segment(self, lease: pb.Lease) -> mmap.mmap:
+        # A segment mapped for an earlier lease is mapped still: the daemon grants a
+        # segment again only to the uid it was granted to, so reusing it is safe.
+        name, size = lease.segment, lease.size_bytes
         mm = self._segments.get(name)
         if mm is not None and len(mm) >= size:
             self._segments.move_to_end(name)
             return mm
-        fd = os.open(os.path.join(restore_mod.SHM_DIR, name), os.O_RDWR)
+        fd = self.connection.session.open_lease(lease.lease_id)
         try:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:

@@ -81,7 +81,7 @@ class Handoff:
         connection: Connection,
         job: str,
         reconnect_timeout: float,
-        map_segment: Callable[[str, int], mmap.mmap],
+        map_segment: Callable[[Any], mmap.mmap],
     ) -> None:
         self.connection = connection
         self.job = job
@@ -130,7 +130,7 @@ class Handoff:
 
         lease = self.retrying(what, once)
         try:
-            return lease, self._map_segment(lease.segment, lease.size_bytes)
+            return lease, self._map_segment(lease)
         except BaseException:
             self.release(lease.lease_id)
             raise

@@ -23,6 +23,7 @@ import math
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,14 @@ class ShardReader:
     """Maps the rank files of a step (this node's part, and other nodes' parts
     when added) and serves verified shard views."""
 
-    def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        opener: Callable[[str], int] = lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC),
+    ) -> None:
+        self.opener = opener
+        """Opens a rank file read-only (the session hands over ones this user may not)."""
         self.by_leaf: dict[str, list[dict[str, Any]]] = {}
         self.parts = 0
         self.add_part(directory, manifest)
@@ -128,8 +136,11 @@ class ShardReader:
             return adopted
         mm = self._maps.get(s["path"])
         if mm is None:
-            with open(s["path"], "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            fd = self.opener(s["path"])
+            try:
+                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
             self._maps[s["path"]] = mm
         flat = np.frombuffer(mm, np.uint8, count=s["length"], offset=s["offset"])
         if (s["path"], s["key"]) not in self._verified:

@@ -34,14 +34,14 @@ def rank_record(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
     return next(r for r in manifest["ranks"] if r["rank"] == rank)
 
 
-def map_segment_locked(name: str, size: int) -> mmap.mmap:
-    """Map a daemon segment read-write and hold a shared flock on it while mapped.
+def map_segment_locked(fd: int, size: int) -> mmap.mmap:
+    """Map a daemon segment (``fd``, handed over by the session; owned by the mapping
+    from now on) read-write and hold a shared flock on it while mapped.
 
     The daemon lends the segment for as long as the lock is held: the lock is
     released when the mapping is garbage collected (every array viewing it is
     gone) or when this process dies, and only then may the daemon reuse it.
     """
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -52,11 +52,14 @@ def map_segment_locked(name: str, size: int) -> mmap.mmap:
     return mm
 
 
-def map_file_verified(directory: str, manifest: dict[str, Any], rank: int) -> mmap.mmap:
-    """Map a rank file copy-on-write and check every shard's crc32c (raises Corrupt)."""
+def map_file_verified(
+    directory: str, manifest: dict[str, Any], rank: int, opener: Callable[[str], int]
+) -> mmap.mmap:
+    """Map a rank file copy-on-write and check every shard's crc32c (raises Corrupt);
+    ``opener`` opens it read-only (the session hands over files this user may not)."""
     record = rank_record(manifest, rank)
     path = os.path.join(directory, record["file"])
-    with open(path, "rb") as f:
+    with os.fdopen(opener(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size != record["size"]:
             raise Corrupt(f"{path} is {size} bytes, expected {record['size']}")

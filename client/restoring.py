@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound
+from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, CkptdError
+from ckptd.core.session import open_readable
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -32,6 +33,10 @@ def restore(
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> tuple[Any, dict[str, Any]]:
     """See :meth:`ckptd.client.Client.restore` (``metadata``: the liveness header)."""
+
+    def opener(path: str) -> int:
+        return open_readable(conn.session, path)
+
     for attempt in range(8):
         req = pb.RestoreRequest(job=job, rank=rank, shared_memory=shared_memory)
         if step is not None:
@@ -45,7 +50,7 @@ def restore(
                 ) from None
             raise
         manifest = json.loads(resp.manifest_json)
-        reader = ShardReader(resp.directory, manifest)
+        reader = ShardReader(resp.directory, manifest, opener)
         leaf_builder = jax_leaf_builder(conn, job, reader, resp)
 
         def adopt(arrays: dict[str, np.ndarray], rd: ShardReader = reader) -> None:
@@ -54,7 +59,7 @@ def restore(
         try:
             if resp.HasField("lease"):
                 return adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
-            mm = restore_mod.map_file_verified(resp.directory, manifest, rank)
+            mm = restore_mod.map_file_verified(resp.directory, manifest, rank, opener)
             return restore_mod.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
         except (restore_mod.Corrupt, CorruptShard) as bad:
             log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))
@@ -104,8 +109,9 @@ def adopt_segment(
 ) -> tuple[Any, dict[str, Any]]:
     """Map and lock the verified segment, then tell the daemon we hold it."""
     try:
-        mm = restore_mod.map_segment_locked(resp.lease.segment, resp.lease.size_bytes)
-    except OSError:
+        fd = conn.session.open_lease(resp.lease.lease_id)
+        mm = restore_mod.map_segment_locked(fd, resp.lease.size_bytes)
+    except (OSError, CkptdError):
         conn.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
         raise
     try:

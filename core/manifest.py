@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .errors import DataLoss, InvalidArgument
+from .names import check_name, check_shard_key, check_step, check_tree_path
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 """The file name of a step's manifest: the last file written before its commit point."""
 KIND_ARRAYS = "arrays"
 KIND_DIRECTORY = "directory"
+TREE_PREFIX = "files/"
+"""Every file of an adopted tree is recorded as ``files/<its path in the tree>``."""
+MAX_WORLD_SIZE = 2**24
+MAX_FILE_BYTES = 2**62
+
+
+class ManifestInvalid(DataLoss, ValueError):
+    """A manifest ckptd could not have written: a file name that would leave its step
+    directory, a name or step that is not valid, offsets outside their file, ranks out
+    of range. The copy it describes is corrupt (a :class:`DataLoss`: restore serves an
+    older step); a ``ValueError`` too, which is what readers that set aside unreadable
+    manifests catch."""
 
 
 def rank_file_name(rank: int) -> str:
@@ -103,8 +119,128 @@ class Manifest:
                 kind=str(raw.get("kind", KIND_ARRAYS)),
                 source=str(raw.get("source", "")),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"malformed manifest: {exc!r}") from None
-        if manifest.kind not in (KIND_ARRAYS, KIND_DIRECTORY):
-            raise ValueError(f"unknown manifest kind {manifest.kind!r}; upgrade ckptd")
-        return manifest
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+            raise ManifestInvalid(f"malformed manifest: {exc!r}") from None
+        return manifest.check()
+
+    def check(self) -> Manifest:
+        """Check every field a path, an offset or a rank is made from (returns ``self``).
+
+        Manifests come from disk and from the bucket, so nothing in one is trusted:
+        a file name must be one path component (``rank-00000.safetensors``) or, in
+        an adopted tree, a relative path under ``files/`` whose every component is
+        a plain name; shard ranges must lie inside their file. Raises
+        :class:`ManifestInvalid` naming the field.
+        """
+        where = f"manifest of {str(self.job)[:80]!r} step {str(self.step)[:40]}"
+        try:
+            _check(self)
+        except InvalidArgument as exc:
+            raise ManifestInvalid(f"{where}: {exc}") from None
+        return self
+
+
+def _field(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    """``value`` must be of ``kind`` (a bool is not an int here)."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise InvalidArgument(f"{name} is {type(value).__name__}, not {kind}")
+
+
+def _count(name: str, value: Any, below: int) -> int:
+    """An integer in ``[0, below)``."""
+    _field(name, value, int)
+    if not 0 <= value < below:
+        raise InvalidArgument(f"{name} = {value} is outside [0, {below})")
+    return int(value)
+
+
+def _named(name: str, check: Any, value: Any) -> None:
+    _field(name, value, str)
+    try:
+        check(value)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
+
+
+def _check(m: Manifest) -> None:
+    if m.format_version != FORMAT_VERSION:
+        raise InvalidArgument(f"unsupported format_version {m.format_version!r}; upgrade ckptd")
+    if m.kind not in (KIND_ARRAYS, KIND_DIRECTORY):
+        raise InvalidArgument(f"unknown kind {m.kind!r}; upgrade ckptd")
+    _named("job", lambda v: check_name("job", v), m.job)
+    _named("node", lambda v: check_name("node", v), m.node)
+    _field("step", m.step, int)
+    check_step(m.step)
+    world = _count("world_size", m.world_size, MAX_WORLD_SIZE + 1)
+    if world < 1:
+        raise InvalidArgument("world_size is 0")
+    if not math.isfinite(m.created_unix):
+        raise InvalidArgument(f"created_unix = {m.created_unix} is not a time")
+    _field("ranks", m.ranks, list)
+    _field("shards", m.shards, list)
+    files: dict[str, RankRecord] = {}
+    ranks: set[int] = set()
+    for i, r in enumerate(m.ranks):
+        at = f"ranks[{i}]"
+        # An adopted tree numbers its files; ckptd's own rank files are one per rank.
+        _count(f"{at}.rank", r.rank, MAX_FILE_BYTES if m.adopted else world)
+        _count(f"{at}.size", r.size, MAX_FILE_BYTES)
+        _count(f"{at}.crc32c", r.crc32c, 2**32)
+        if m.adopted:
+            _named(f"{at}.file", _tree_file, r.file)
+        else:
+            _named(f"{at}.file", lambda v: check_name("file", v), r.file)
+            if r.rank in ranks:
+                raise InvalidArgument(f"{at}.rank {r.rank} appears twice")
+            ranks.add(r.rank)
+        if r.file in files:
+            raise InvalidArgument(f"{at}.file {r.file!r} appears twice")
+        files[r.file] = r
+    if m.adopted:
+        _no_file_is_a_directory(files)
+        if m.shards:
+            raise InvalidArgument("an adopted tree has no shards")
+    for i, s in enumerate(m.shards):
+        at = f"shards[{i}]"
+        _named(f"{at}.key", check_shard_key, s.key)
+        _field(f"{at}.file", s.file, str)
+        record = files.get(s.file)
+        if record is None or record.rank != s.rank:
+            raise InvalidArgument(f"{at} names {s.file!r} of rank {s.rank!r}, not a file here")
+        offset = _count(f"{at}.offset", s.offset, MAX_FILE_BYTES)
+        length = _count(f"{at}.length", s.length, MAX_FILE_BYTES)
+        if offset + length > record.size:
+            raise InvalidArgument(
+                f"{at} [{offset}, {offset + length}) ends past {s.file} ({record.size} bytes)"
+            )
+        _count(f"{at}.crc32c", s.crc32c, 2**32)
+        _field(f"{at}.dtype", s.dtype, str)
+        for name in ("shape", "global_shape"):
+            dims = getattr(s, name)
+            _field(f"{at}.{name}", dims, list)
+            for d in dims:
+                _count(f"{at}.{name}", d, MAX_FILE_BYTES)
+        _field(f"{at}.index", s.index, list)
+        for pair in s.index:
+            _field(f"{at}.index", pair, list)
+            if len(pair) != 2:
+                raise InvalidArgument(f"{at}.index holds {pair!r}, not [start, stop]")
+            for v in pair:
+                _field(f"{at}.index", v, int)
+
+
+def _tree_file(value: str) -> None:
+    """``files/<relative path>``: where an adopted file sits in the step directory."""
+    if not value.startswith(TREE_PREFIX):
+        raise InvalidArgument(f"adopted file {value[:80]!r} is not under {TREE_PREFIX}")
+    check_tree_path("adopted file", value)
+
+
+def _no_file_is_a_directory(files: dict[str, RankRecord]) -> None:
+    """No file of a tree is also a directory of another (``files/a`` and ``files/a/b``)."""
+    for name in files:
+        parent = name.rsplit("/", 1)[0]
+        while "/" in parent:
+            if parent in files:
+                raise InvalidArgument(f"{parent!r} is both a file and the directory of {name!r}")
+            parent = parent.rsplit("/", 1)[0]

@@ -7,26 +7,34 @@ import math
 
 from .errors import InvalidArgument
 
-MAX_NODE_BYTES = 64
-"""Longest node name (``node_id``): host names are cut to 63 bytes by default."""
-MAX_NAME_BYTES = 128
-"""Longest job name. The daemon derives file names from it that must stay within the
-255 bytes a file name may have: the longest is a peer's download directory,
-``<job>.<step>.<node>.<8 hex>`` (128 + 1 + 19 + 1 + 64 + 1 + 8 = 222 bytes), then a
+MAX_NAME_BYTES = 255
+"""Longest file name the kernel takes: the limit of a name no file name is derived from."""
+MAX_JOB_BYTES = 128
+"""Longest job name. The daemon derives file names from it (and from node names) that
+must stay within MAX_NAME_BYTES: the longest is a peer's download directory,
+``<job>.<step>.<node>.<8 hex>`` (128 + 1 + 19 + 1 + 96 + 1 + 8 = 254 bytes), then a
 replaced step's ``<job>.<step>.<8 hex>.replaced-<8 hex>`` (175 bytes)."""
+MAX_NODE_BYTES = 96
+"""Longest node name (``node_id``; host names are cut to 63 bytes by default)."""
 MAX_SHARD_KEY_BYTES = 1024
 MAX_STEP = 2**62
 MAX_PATH_BYTES = 4095
-"""Longest path the kernel takes (PATH_MAX less the NUL); each component has 255 bytes."""
-MAX_COMPONENT_BYTES = 255
+"""Longest path the kernel takes (PATH_MAX less the terminating NUL), also the longest
+relative path inside an adopted tree."""
+MAX_PATH_DEPTH = 64
+"""Deepest relative path inside an adopted tree (Orbax trees are a few levels deep)."""
+_LIMITS = {"job": MAX_JOB_BYTES, "node": MAX_NODE_BYTES, "node_id": MAX_NODE_BYTES}
 
 
-def check_name(kind: str, value: str, max_bytes: int = MAX_NAME_BYTES) -> str:
+def check_name(kind: str, value: str, max_bytes: int | None = None) -> str:
     """Accept a job, node or segment name that is safe as one path component.
 
     Rejects empty names, separators, ``..``, NUL and other control characters,
-    a leading dot (reserved for ``.staging`` and ``.cache``) and over-long names.
+    a leading dot (reserved for ``.staging`` and ``.cache``) and over-long names:
+    ``max_bytes``, by default MAX_JOB_BYTES for a job, MAX_NODE_BYTES for a node
+    and MAX_NAME_BYTES for anything else.
     """
+    max_bytes = max_bytes if max_bytes is not None else _LIMITS.get(kind, MAX_NAME_BYTES)
     if not value:
         raise InvalidArgument(f"{kind} name is empty; give a non-empty {kind} name")
     bad = _why_bad(value, max_bytes)
@@ -49,6 +57,36 @@ def check_shard_key(value: str) -> str:
         bad = "is reserved by the safetensors format"
     if bad:
         raise InvalidArgument(f"shard key {value[:80]!r} {bad}; rename the shard")
+    return value
+
+
+def check_tree_path(kind: str, value: str) -> str:
+    """Accept a relative POSIX path inside an adopted tree (``files/default/.zarray``).
+
+    Every component must be a plain name: no empty component (``a//b``, a trailing
+    ``/``), no ``.`` or ``..``, no NUL or control character, at most 255 bytes;
+    the path is not absolute and is bounded in length and depth. Unlike
+    :func:`check_name`, a component may start with a dot (zarr's ``.zarray``) and
+    hold ``..`` inside it: frameworks write such files, and neither can leave the tree.
+    """
+    if not value:
+        raise InvalidArgument(f"{kind} is empty")
+    bad = None
+    parts = value.split("/")
+    if value.startswith("/"):
+        bad = "is an absolute path"
+    elif len(value.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        bad = f"is longer than {MAX_PATH_BYTES} bytes"
+    elif len(parts) > MAX_PATH_DEPTH:
+        bad = f"is deeper than {MAX_PATH_DEPTH} directories"
+    elif any(p in ("", ".", "..") for p in parts):
+        bad = "has an empty, '.' or '..' component"
+    elif any(len(p.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for p in parts):
+        bad = f"has a component longer than {MAX_NAME_BYTES} bytes"
+    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        bad = "contains a NUL or control character"
+    if bad:
+        raise InvalidArgument(f"{kind} {value[:80]!r} {bad}; it must stay inside its tree")
     return value
 
 
@@ -84,9 +122,9 @@ def check_path(field: str, value: str, *, optional: bool = False) -> str:
             f"{field} is {size} bytes long; paths have at most {MAX_PATH_BYTES} bytes"
         )
     for part in value.split("/"):
-        if len(part.encode("utf-8", "surrogatepass")) > MAX_COMPONENT_BYTES:
+        if len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise InvalidArgument(
-                f"{field} has a component of more than {MAX_COMPONENT_BYTES} bytes "
+                f"{field} has a component of more than {MAX_NAME_BYTES} bytes "
                 f"({part[:40]!r}...); shorten that file or directory name"
             )
     return value

@@ -15,7 +15,8 @@ import grpc
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
-from .errors import CkptdError, from_status
+from .errors import CkptdError, Unauthenticated, Unavailable, from_status
+from .session import Session
 
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 """Where ``ckptd serve`` listens unless configured otherwise (one default for both sides)."""
@@ -66,6 +67,7 @@ class Connection:
             f"unix:{self.socket}", options=CHANNEL_OPTIONS + RECONNECT_OPTIONS
         )
         self._stub = pb_grpc.CkptdStub(self._channel)
+        self.session = Session(self.socket)
 
     def call(
         self,
@@ -74,17 +76,30 @@ class Connection:
         timeout: float | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Any:
-        """Call RPC ``method`` (``"GetStatus"``...) and return its response message."""
-        try:
-            return getattr(self._stub, method)(
-                request, timeout=timeout or self.timeout, metadata=METADATA + metadata
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.socket) from None
+        """Call RPC ``method`` (``"GetStatus"``...) and return its response message.
+
+        Every call carries this process's session token; a daemon that restarted
+        does not know it, so the session is opened again and the call repeated once.
+        """
+        for attempt in (0, 1):
+            session = self.session.metadata()
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=timeout or self.timeout, metadata=METADATA + session + metadata
+                )
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, self.socket)
+            if isinstance(error, Unavailable):
+                self.session.reset()  # a daemon that comes back issues new sessions
+            if not (isinstance(error, Unauthenticated) and attempt == 0):
+                raise error
+            self.session.reset()
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the channel and end the session."""
         self._channel.close()
+        self.session.close()
 
     def __enter__(self) -> Connection:
         return self

@@ -48,6 +48,7 @@ class Daemon(DaemonProcess):
             log_path=log,
         )
         self.clients: list[Client] = []
+        self.sessions: list[Any] = []
 
     def client(self, job: str = "job", **kw: Any) -> Client:
         """A client bound to this daemon (closed at teardown)."""
@@ -56,17 +57,36 @@ class Daemon(DaemonProcess):
         return c
 
     def stub(self) -> Any:
-        """A raw gRPC stub, for requests the client library would never send."""
+        """A raw gRPC stub, for requests the client library would never send; every
+        call carries this process's session (the daemon knows who calls)."""
         import grpc
 
+        from ckptd.core.session import Session
         from ckptd.core.wire import CHANNEL_OPTIONS
 
         channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
-        return pb_grpc.CkptdStub(channel)
+        session = Session(str(self.socket))
+        self.sessions.append(session)
+        return SessionStub(pb_grpc.CkptdStub(channel), session)
 
     def events_of(self, kind: int, job: str = "", step: int | None = None) -> list[pb.EventRecord]:
         """Every recorded event of ``kind`` (of ``job`` and ``step`` if given)."""
         return [e for e in self.events(job) if e.kind == kind and step in (None, e.step)]
+
+
+class SessionStub:
+    """A stub whose calls add the session header to the metadata given."""
+
+    def __init__(self, stub: Any, session: Any) -> None:
+        self._stub, self._session = stub, session
+
+    def __getattr__(self, method: str) -> Any:
+        fn = getattr(self._stub, method)
+
+        def call(request: Any, metadata: Any = (), **kw: Any) -> Any:
+            return fn(request, metadata=(*metadata, *self._session.metadata()), **kw)
+
+        return call
 
 
 META = METADATA
@@ -93,7 +113,8 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
             root or tmp_path / f"root{len(made)}",
             socket,
             tmp_path / f"daemon{len(made)}.log",
-            extra_args or [],
+            # Tests adopt from and put back into their own tmp dirs (later flags win).
+            ["--adopt-dirs", str(tmp_path), *(extra_args or [])],
             env or {},
         )
         made.append(d)
@@ -103,6 +124,8 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
     for d in made:
         for c in d.clients:
             c.close()
+        for s in d.sessions:
+            s.close()
         if d.running():
             assert d.proc is not None
             d.proc.terminate()  # graceful: the daemon unlinks its shared memory

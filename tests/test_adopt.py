@@ -171,13 +171,16 @@ def test_ckptd_adopt_drains_a_directory_byte_identical(make_daemon: Any, tmp_pat
     assert json.loads(listed.stdout)[0]["adopted"] is True
 
 
-def test_watch_refuses_directories_it_cannot_link_from(daemon: Daemon) -> None:
+def test_watch_refuses_directories_it_cannot_link_from(make_daemon: Any, tmp_path: Path) -> None:
+    shm = f"/dev/shm/ckptd-test-{os.getpid()}"
+    daemon = make_daemon(extra_args=["--adopt-dirs", f"{tmp_path},{shm}"])
     client = daemon.client("job")
     with pytest.raises(CkptdError, match="own store"):
         ckptd_orbax.directory(client, daemon.root / "job")
     if os.path.exists("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat(daemon.root).st_dev:
         with pytest.raises(CkptdError, match="another filesystem"):
-            ckptd_orbax.directory(client, f"/dev/shm/ckptd-test-{os.getpid()}")
+            ckptd_orbax.directory(client, shm)
+        assert not os.path.exists(shm)  # refused before anything was created
     assert ckptd_orbax.ensure_local(client) is None  # nothing adopted: a fresh start
     default = ckptd_orbax.directory(client)
     assert default == daemon.root / ".orbax" / "job"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import grpc
@@ -264,3 +266,42 @@ def test_restore_lease_cannot_be_committed(daemon: Daemon) -> None:
         mutate(req, lease_id=resp.lease.lease_id),
     )
     still_serving(daemon)
+
+
+def test_a_call_without_a_live_session_is_refused(daemon: Daemon) -> None:
+    from ckptd.core.session import SESSION_HEADER
+    from ckptd.core.wire import CHANNEL_OPTIONS
+    from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(f"unix:{daemon.socket}", options=CHANNEL_OPTIONS)
+    bare = pb_grpc.CkptdStub(channel)
+    for metadata in (META, (*META, (SESSION_HEADER, "forged-token"))):
+        with pytest.raises(grpc.RpcError) as info:
+            bare.GetStatus(pb.GetStatusRequest(), metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "session" in (info.value.details() or "")
+    channel.close()
+    daemon.stub().GetStatus(pb.GetStatusRequest(), metadata=META)  # with one: served
+
+
+def test_the_session_socket_refuses_requests_it_does_not_know(daemon: Daemon) -> None:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(daemon.socket) + ".session")
+    f = sock.makefile("rwb")
+    hello = json.loads(f.readline())
+    assert hello["uid"] == os.geteuid() and hello["session"]
+    for line in (
+        b"not json\n",
+        b'{"op": "rm -rf"}\n',
+        b'{"op": "lease", "lease_id": "nope"}\n',
+        b'{"op": "file", "path": "/etc/shadow"}\n',
+    ):
+        f.write(line)
+        f.flush()
+        answer = json.loads(f.readline())
+        assert answer["error"] in ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED"), answer
+        assert answer["message"]
+    sock.close()
+    daemon.stub().GetStatus(pb.GetStatusRequest(), metadata=META)  # still serving

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ckptd.core.errors import CkptdError, from_os_error
-from ckptd.core.names import MAX_NAME_BYTES, check_path, check_wait
+from ckptd.core.names import MAX_JOB_BYTES, check_path, check_wait
 from ckptd.core.wire import Connection
 from ckptd.daemon.adopt.tree import finished_steps
 from ckptd.proto import ckptd_pb2 as pb
@@ -51,13 +51,13 @@ def commit_request(d: Daemon, job: str, step: int, **fields: Any) -> pb.CommitSh
 def test_longest_job_name_saves_drains_and_restores(make_daemon: Any, tmp_path: Path) -> None:
     """Every file name derived from a job name of the maximum length fits in 255 bytes."""
     d = make_daemon(extra_args=["--remote", f"file://{tmp_path}/bucket"])
-    job = "j" * MAX_NAME_BYTES
+    job = "j" * MAX_JOB_BYTES
     client = d.client(job)
     client.save(1, {"x": np.arange(5)}).wait("durable", timeout=60)
     tree, _ = client.restore()
     assert tree["x"].tolist() == list(range(5))
     code, message = call(d, "AcquireLease", pb.AcquireLeaseRequest(job=job + "j", size_bytes=1))
-    assert code == "INVALID_ARGUMENT" and f"longer than {MAX_NAME_BYTES} bytes" in message
+    assert code == "INVALID_ARGUMENT" and f"longer than {MAX_JOB_BYTES} bytes" in message
 
 
 @pytest.mark.parametrize("bad", [math.nan, -1.0, -math.inf])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -251,3 +253,48 @@ def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Pa
     store.evict("j", 1)
     assert store.spare_bytes == 0 and list(store.trash_root.iterdir()) == []
     buf.close()
+
+
+def test_liveness_probe_never_follows_a_symlink_nor_blocks_on_a_fifo(tmp_path: Path) -> None:
+    from ckptd.daemon.local.liveness import locked_by_others
+
+    fifo = tmp_path / "ckptd-client-1-aaaaaaaa"
+    os.mkfifo(fifo)
+    assert locked_by_others(fifo) is False  # opening it plainly would block the daemon
+    target = tmp_path / "held"
+    target.write_text("")
+    fd = os.open(target, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    link = tmp_path / "ckptd-client-2-bbbbbbbb"
+    link.symlink_to(target)
+    assert locked_by_others(target) is True
+    assert locked_by_others(link) is False  # a name that is not a plain file: no client
+    os.close(fd)
+
+
+def test_staging_grants_a_segment_again_only_to_the_uid_that_used_it(tmp_path: Path) -> None:
+    owners = {"ja": 1000}
+    st = Staging("ckptd-test-", 8 * 2**20, 10.0, shm_dir=tmp_path, uid_of=owners.get)
+
+    async def scenario() -> None:
+        a = await st.acquire("ja", 2**20, owner=(1000, 11))
+        seg = a.segment
+        assert seg.uid == 1000 and oct(os.stat(tmp_path / seg.name).st_mode & 0o777) == "0o600"
+        st.release(a.lease_id)
+        b = await st.acquire("jb", 2**20, owner=(1001, 12))  # another user: a new segment
+        assert b.segment is not seg and b.segment.uid == 1001
+        st.release(b.lease_id)
+        again = await st.acquire("ja", 2**20, owner=(1000, 13))  # the same user: reused
+        assert again.segment is seg and again.owner == (1000, 13)
+        st.release(again.lease_id)
+        assert st.take_free("jb", 2**20) is None  # nobody owns jb: no used segment for it
+        restore = st.take_free("ja", 2**20)  # the job's owner: its own segment
+        assert restore is not None and restore.segment.uid == 1000
+        assert not st.hold(restore, "", (1001, 14))  # handed to another uid: refused
+        assert not st.holds(restore)
+        # Under budget pressure, another uid's free segments are dropped, never lent.
+        big = await st.acquire("jc", 7 * 2**20, owner=(1002, 15))
+        assert big.segment.uid == 1002 and seg.name not in {s.name for s in st._segments.values()}
+        st.close()
+
+    asyncio.run(scenario())

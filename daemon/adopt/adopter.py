@@ -30,18 +30,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.core.checksum import verify_step
-from ckptd.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from ckptd.core.errors import (
+    Conflict,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from ckptd.core.manifest import KIND_DIRECTORY, Manifest
 
 from ..catalog import Catalog, Step
-from ..commit import RenameCommit
 from ..io import IoPool
 from ..local.files import replace_synced
 from ..local.store import LocalStore
 from ..remote.layout import COMMIT_FILE
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
-from .tree import finished_steps, link_out, link_tree, orbax_metrics
+from .paths import (
+    DAEMON,
+    READ,
+    Caller,
+    check_tree_readable,
+    check_writable,
+    make_dirs_for,
+    nearest_device,
+    open_dir,
+    permitted,
+    resolve_inside,
+)
+from .tree import finished_steps, link_tree, orbax_metrics, put_back
 
 log = logging.getLogger("ckptd.adopt")
 
@@ -57,6 +75,8 @@ class Watch:
     directory: Path
     seen: dict[str, int] = field(default_factory=dict)
     """Step directory name -> inode of its commit file when it was adopted or skipped."""
+    caller: Caller = DAEMON
+    """Who asked for the watch: its steps are adopted only if that user could read them."""
 
 
 class Adopter:
@@ -70,6 +90,7 @@ class Adopter:
         restorer: Restorer,
         fetcher: Fetcher,
         poll_seconds: float,
+        adopt_dirs: tuple[Path, ...] = (),
     ) -> None:
         self.catalog = catalog
         self.store = store
@@ -78,6 +99,7 @@ class Adopter:
         self.fetcher = fetcher
         self.root = store.root
         self.poll_seconds = poll_seconds
+        self.adopt_dirs = list(adopt_dirs)
         self.watches: dict[str, Watch] = {}
         self.path = store.root / WATCH_FILE
         self._lock = asyncio.Lock()
@@ -87,6 +109,19 @@ class Adopter:
     def default_directory(self, job: str) -> Path:
         """The job's Orbax directory in the local tier."""
         return self.root / ORBAX_DIR / job
+
+    def source(self, caller: Caller, path: str) -> Path:
+        """The directory an Adopt call names, resolved, if adoption may read there."""
+        return resolve_inside(path, self.adopt_dirs, "adopting")
+
+    def _writable(self, caller: Caller, job: str, directory: str, what: str) -> Path:
+        """Where a watch or put-back may write: resolved, inside ``adopt_dirs`` or the
+        job's own Orbax directory, and writable by the caller."""
+        own = Path(os.path.realpath(self.default_directory(job)))
+        path = resolve_inside(directory, [own, *self.adopt_dirs], what) if directory else own
+        if path != own:
+            check_writable(caller, path)
+        return path
 
     def _outside_store(self, path: Path) -> None:
         """Refuse paths inside ckptd's own store (its watched Orbax directories excepted)."""
@@ -107,19 +142,24 @@ class Adopter:
         created_unix: float = 0.0,
         metrics: dict[str, float] | None = None,
         milestone: bool = False,
+        caller: Caller = DAEMON,
     ) -> Step:
-        """Adopt one finished directory as step ``step`` of ``job`` (LOCAL when this returns)."""
+        """Adopt one finished directory as step ``step`` of ``job`` (LOCAL when this returns),
+        if ``caller`` could read every file of it."""
         if not src.is_absolute():
             raise InvalidArgument(f"{src} is not an absolute path; give the daemon one")
         if not src.is_dir():
             raise NotFound(f"{src} is not a directory the daemon can read")
         self._outside_store(src)
+        await self.io.run(check_tree_readable, caller, src)
         st = self.catalog.begin(
             job, step, adopted=True, milestone=milestone, metrics=dict(metrics or {})
         )
         commit = await self.io.run(self.store.begin_step, job, step, self.io.run)
         try:
-            records = await self.io.run(link_tree, src, commit.path)
+            records = await self.io.run(
+                link_tree, src, commit.path, lambda st: permitted(caller, st, READ)
+            )
             manifest = Manifest(
                 job=job,
                 step=step,
@@ -163,35 +203,48 @@ class Adopter:
             raw = json.loads(await self.io.run(self.path.read_text))
             for job, w in raw.items():
                 seen = {str(k): int(v) for k, v in w.get("seen", {}).items()}
-                self.watches[job] = Watch(job, Path(w["directory"]), seen)
+                who = w.get("caller")
+                caller = (
+                    Caller(int(who["uid"]), frozenset(int(g) for g in who["groups"]))
+                    if who
+                    else DAEMON  # written by a release without callers: the operator's
+                )
+                self.watches[job] = Watch(job, Path(w["directory"]), seen, caller)
         except FileNotFoundError:
             return
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.error("ignoring unreadable %s: %s", self.path, exc)
 
     async def _save(self) -> None:
-        data = {j: {"directory": str(w.directory), "seen": w.seen} for j, w in self.watches.items()}
+        data = {
+            j: {
+                "directory": str(w.directory),
+                "seen": w.seen,
+                "caller": None
+                if w.caller.privileged
+                else {"uid": w.caller.uid, "groups": sorted(w.caller.groups)},
+            }
+            for j, w in self.watches.items()
+        }
         payload = json.dumps(data, sort_keys=True).encode()
         await self.io.run(replace_synced, self.path, payload)
 
-    async def watch(self, job: str, directory: str) -> Path:
+    async def watch(self, job: str, directory: str, caller: Caller = DAEMON) -> Path:
         """Watch ``directory`` (default: the job's Orbax directory) for finished steps."""
         root = self.root
-        path = Path(directory) if directory else self.default_directory(job)
-        if not path.is_absolute():
-            raise InvalidArgument(f"{directory!r} is not an absolute path")
-        await self.io.run(lambda: path.mkdir(parents=True, exist_ok=True, mode=0o750))
-        if os.stat(path).st_dev != os.stat(root).st_dev:
+        path = await self.io.run(self._writable, caller, job, directory, "watching")
+        if await self.io.run(nearest_device, path) != os.stat(root).st_dev:
             raise FailedPrecondition(
                 f"{path} is on another filesystem than the local tier {root}: ckptd adopts "
                 "steps by hard link, so watch a directory on the same disk (the default, "
                 f"{self.default_directory(job)}, is)"
             )
         self._outside_store(path)
+        await self.io.run(make_dirs_for, caller, path)
         async with self._lock:
             old = self.watches.get(job)
-            if old is None or old.directory != path:
-                self.watches[job] = Watch(job, path)
+            if old is None or old.directory != path or old.caller != caller:
+                self.watches[job] = Watch(job, path, caller=caller)
                 await self._save()
                 log.info("watching %s for finished steps of job %r", path, job)
         await self.scan_job(job)
@@ -236,9 +289,9 @@ class Adopter:
                     continue  # ckptd has it already (e.g. put back for a restore)
                 try:
                     metrics = await self.io.run(orbax_metrics, path)
-                    await self.adopt(job, step, path, commit.st_mtime, metrics)
+                    await self.adopt(job, step, path, commit.st_mtime, metrics, caller=w.caller)
                     count += 1
-                except (NotFound, InvalidArgument, Conflict) as exc:
+                except (NotFound, InvalidArgument, Conflict, PermissionDenied) as exc:
                     log.warning("not adopting %s: %s", path, exc)
             if changed:
                 await self._save()
@@ -246,24 +299,40 @@ class Adopter:
 
     # -- restore side ---------------------------------------------------------------
     async def ensure_local(
-        self, job: str, step: int | None, directory: str
+        self, job: str, step: int | None, directory: str, caller: Caller = DAEMON
     ) -> tuple[Step, Path, bool, bool]:
         """Make sure an adopted step (default: the newest in any tier) is in the watched
         (or given) directory, verified, fetching it from the bucket if need be:
         ``(step, its path there, fetched, linked)``."""
-        if directory and not Path(directory).is_absolute():
-            raise InvalidArgument(f"{directory!r} is not an absolute path")
+        if directory:
+            directory = str(
+                await self.io.run(self._writable, caller, job, directory, "putting back")
+            )
+        elif job in self.watches and self.watches[job].caller.uid != caller.uid:
+            # Another user's watched directory: only its owner's files go there.
+            check_writable(caller, self.watches[job].directory)
         await self.fetcher.refresh(job)
-        st = self.restorer.choose(job, step, None, adopted=True)
-        self.catalog.served(st)  # the evictor leaves it alone while it is put back
-        fetched = not st.local
-        if fetched:
-            await self.fetcher.to_local(st, 0, shared_memory=False)
-        path, linked = await self._put_back(job, st, directory, verify=not fetched)
+        while True:
+            st = self.restorer.choose(job, step, None, adopted=True)
+            self.catalog.served(st)  # the evictor leaves it alone while it is put back
+            fetched = not st.local
+            if not fetched:
+                break
+            try:
+                await self.fetcher.to_local(st, 0, shared_memory=False)
+                break
+            except DataLoss:
+                if step is not None or not st.unusable:
+                    raise
+                # The fetcher marked the bucket copy unusable: the next older step.
+                log.warning(
+                    "%s/%d does not verify in the bucket; trying an older step", job, st.step
+                )
+        path, linked = await self._put_back(job, st, directory, not fetched, caller)
         return st, path, fetched, linked
 
     async def _put_back(
-        self, job: str, st: Step, directory: str, verify: bool
+        self, job: str, st: Step, directory: str, verify: bool, caller: Caller
     ) -> tuple[Path, bool]:
         """Hard-link an adopted step's files from ckptd's store back into the watched (or
         given) directory, committed by one rename; ``verify``: re-check every file's
@@ -272,6 +341,7 @@ class Adopter:
         manifest = st.manifest
         w = self.watches.get(job)
         base = Path(directory) if directory else w.directory if w else self.default_directory(job)
+        base = Path(os.path.realpath(base))  # a path checked on the way in, or the daemon's
         dest = base / str(st.step)
         if await self.io.run(dest.exists):
             return dest, False
@@ -284,18 +354,12 @@ class Adopter:
                         f"the local copy of step {st.step} of job {job!r} failed its checksum "
                         f"({bad[0]}); `ckptd verify` shows the damage"
                     )
-            await self.io.run(lambda: base.mkdir(parents=True, exist_ok=True))
-            # Under a hidden name first, then one rename: the framework never sees a
-            # partial step.
-            commit = RenameCommit(
-                dest, base / f".ckptd-{dest.name}.{time.time_ns()}", run=self.io.run
-            )
+            base_fd = await self.io.run(open_dir, base, caller, True)
             try:
-                await self.io.run(link_out, store_dir, manifest, commit.path)
-                await commit.finalize()
-            except BaseException:
-                await commit.abort()
-                raise
+                owner = caller.uid if os.geteuid() == 0 and not caller.privileged else -1
+                await self.io.run(put_back, store_dir, manifest, base_fd, dest.name, owner)
+            finally:
+                os.close(base_fd)
         if w is not None and w.directory == base:
             async with self._lock:
                 with contextlib.suppress(OSError):

@@ -3,17 +3,22 @@ hard-linking trees into ckptd's store and back out (see adopter.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptd.core import checksum
-from ckptd.core.errors import InvalidArgument
+from ckptd.core.errors import InvalidArgument, PermissionDenied
 from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.core.names import check_tree_path
 
 from ..remote.layout import COMMIT_FILE, FILES_DIR
+from .paths import DIR_FLAGS
 
 MAX_FILES = 1_000_000
 
@@ -57,7 +62,10 @@ def tree_files(src: Path) -> list[str]:
                     "files and directories only (copy it into a plain directory first)"
                 )
             if stat.S_ISREG(mode):
-                files.append(str(path.relative_to(src)))
+                rel = str(path.relative_to(src))
+                # Refused now, not when the upload or a restore meets the name.
+                check_tree_path("file", f"{FILES_DIR}/{rel}")
+                files.append(rel)
         if len(files) > MAX_FILES:
             raise InvalidArgument(f"{src} holds over {MAX_FILES} files; adopt a smaller tree")
     if not files:
@@ -92,10 +100,17 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def link_tree(src: Path, staging: Path) -> list[RankRecord]:
+def link_tree(
+    src: Path, staging: Path, may_read: Callable[[os.stat_result], bool] = lambda st: True
+) -> list[RankRecord]:
     """Hard-link (or copy) every file of ``src`` under ``staging/files``, fsync each,
     and record its size and crc32c (one read). The directories are fsynced by the
-    commit (:class:`~ckptd.daemon.commit.RenameCommit`)."""
+    commit (:class:`~ckptd.daemon.commit.RenameCommit`).
+
+    ``may_read`` judges the inode actually adopted (opened without following a
+    symlink, and for a link, the very inode linked), so a path swapped after the
+    caller's permission check cannot smuggle in a file the caller could not read.
+    """
     same_fs = os.stat(src).st_dev == os.stat(staging).st_dev
     records = []
     made: set[Path] = set()
@@ -104,10 +119,21 @@ def link_tree(src: Path, staging: Path) -> list[RankRecord]:
         if dst.parent not in made:
             dst.parent.mkdir(parents=True, exist_ok=True)
             made.add(dst.parent)
-        if same_fs:
-            os.link(src / rel, dst)
-        else:
-            shutil.copyfile(src / rel, dst)
+        src_fd = os.open(src / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(src_fd)
+            if not stat.S_ISREG(st.st_mode) or not may_read(st):
+                raise PermissionDenied(f"{src / rel} is not a regular file the caller may read")
+            if same_fs:
+                os.link(src / rel, dst)
+                got = os.lstat(dst)
+                if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+                    raise InvalidArgument(f"{src / rel} changed while ckptd adopted it")
+            else:
+                with open(dst, "xb") as out, os.fdopen(os.dup(src_fd), "rb") as inp:
+                    shutil.copyfileobj(inp, out, 8 * 2**20)
+        finally:
+            os.close(src_fd)
         fd = os.open(dst, os.O_RDONLY)
         try:
             os.fsync(fd)  # the framework may not have (Orbax does not)
@@ -119,10 +145,44 @@ def link_tree(src: Path, staging: Path) -> list[RankRecord]:
     return records  # the commit fsyncs every directory of the tree
 
 
-def link_out(store_dir: Path, manifest: Manifest, dest: Path) -> None:
-    """Hard-link an adopted step's files from ckptd's store into ``dest`` (a commit's
-    temporary directory: adopter.py renames it into place)."""
-    for r in manifest.ranks:
-        target = dest / r.file.removeprefix(FILES_DIR + "/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.link(store_dir / r.file, target)
+def put_back(store_dir: Path, manifest: Manifest, base_fd: int, name: str, owner: int = -1) -> None:
+    """Hard-link an adopted step's files from ckptd's store into directory ``name``
+    under ``base_fd`` (see paths.open_dir): built under a hidden name relative to
+    directory descriptors, never following a symlink, then one rename, fsynced, so
+    the framework never sees a partial step and a swapped path cannot redirect a
+    link out of the directory. ``owner`` (a uid, -1: leave as is): the uid the
+    directories and files are given to, so a trainer of another user than the
+    daemon can read what was put back for it (its job's own files)."""
+    tmp = f".ckptd-{name}.{time.time_ns()}"
+    os.mkdir(tmp, 0o750, dir_fd=base_fd)
+    try:
+        top = os.open(tmp, DIR_FLAGS, dir_fd=base_fd)
+        opened: dict[tuple[str, ...], int] = {(): top}
+        try:
+            for r in manifest.ranks:
+                *dirs, leaf = r.file.removeprefix(FILES_DIR + "/").split("/")
+                if any(p in ("", ".", "..") for p in (*dirs, leaf)):
+                    raise InvalidArgument(f"manifest names {r.file!r}; refusing to put it back")
+                for depth in range(1, len(dirs) + 1):
+                    key = tuple(dirs[:depth])
+                    if key not in opened:
+                        parent = opened[key[:-1]]
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(key[-1], 0o750, dir_fd=parent)
+                        opened[key] = os.open(key[-1], DIR_FLAGS, dir_fd=parent)
+                os.link(store_dir / r.file, leaf, dst_dir_fd=opened[tuple(dirs)])
+                if owner >= 0:
+                    os.chown(leaf, owner, -1, dir_fd=opened[tuple(dirs)], follow_symlinks=False)
+            for fd in opened.values():
+                if owner >= 0:
+                    os.fchown(fd, owner, -1)
+                os.fsync(fd)
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+        os.rename(tmp, name, src_dir_fd=base_fd, dst_dir_fd=base_fd)
+        os.fsync(base_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp, dir_fd=base_fd)
+        raise

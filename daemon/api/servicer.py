@@ -6,6 +6,10 @@ the result (messages.py). Domain errors become gRPC statuses in one place
 (:func:`_rpc`, by :mod:`ckptd.core.errors`); anything else is a bug, logged with
 its traceback and returned as INTERNAL. The services are built once by the
 composition root (app/compose.py).
+
+Every call names its session (sessions.py): the kernel-verified uid and pid of
+the caller. Job-scoped calls pass :meth:`Access.check_job` first; leases are
+granted to, and only usable by, the calling process (access.py).
 """
 
 from __future__ import annotations
@@ -14,13 +18,19 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from ckptd.core.errors import CkptdError, FailedPrecondition, InvalidArgument
+from ckptd.core.errors import (
+    CkptdError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+)
 from ckptd.core.names import check_name, check_step
+from ckptd.core.session import SESSION_HEADER
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -35,7 +45,9 @@ from ..restore.restorer import Restorer
 from ..retention.pins import Pins
 from ..retention.planner import Retention
 from . import messages
+from .access import Access
 from .requests import parse_commit
+from .sessions import Peer, SessionServer
 
 log = logging.getLogger("ckptd.server")
 
@@ -90,6 +102,7 @@ class Services:
     fetcher: Fetcher
     adopter: Adopter
     pins: Pins
+    access: Access
     remote_url: str
     status: Callable[[], pb.DaemonStatus]
 
@@ -97,17 +110,45 @@ class Services:
 class Servicer(pb_grpc.CkptdServicer):
     """gRPC front of the daemon's services."""
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, sessions: SessionServer) -> None:
         self.s = services
+        self.sessions = sessions
+
+    def _peer(self, context: Any) -> Peer:
+        """The caller, from its session token (UNAUTHENTICATED without a live one)."""
+        token = str(dict(context.invocation_metadata() or ()).get(SESSION_HEADER, ""))
+        peer = self.sessions.peer(token) if token else None
+        if peer is None:
+            raise Unauthenticated(
+                f"the call carried no live ckptd session ({SESSION_HEADER} metadata); use "
+                "ckptd.client of this release, which opens one on the daemon's session socket "
+                f"({self.sessions.path}) and opens a new one after a daemon restart"
+            )
+        return peer
+
+    def _job(self, context: Any, name: str, claim: bool = False) -> tuple[Peer, str]:
+        """The caller and a validated job name it may use (``claim``: and now owns)."""
+        peer, job = self._peer(context), check_name("job", name)
+        self.s.access.check_job(peer, job, claim)
+        return peer, job
+
+    def _own_lease(self, peer: Peer, lease_id: str) -> None:
+        lease = self.s.saver.staging.get(lease_id)
+        # A lease replayed from the journal is nobody's: it is committed already, and
+        # the saver answers a retried commit of it with a conflict.
+        if lease.owner not in (None, peer.process) and not self.s.access.privileged(peer):
+            raise PermissionDenied(
+                f"lease {lease_id[:40]!r} was granted to another process; acquire your own"
+            )
 
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
-        job = check_name("job", request.job)
+        peer, job = self._job(context, request.job, claim=True)
         self.s.saver.staging.check_fits(request.size_bytes)
         await self.s.admission.check_space(request.size_bytes)
         holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
         lease = await self.s.saver.acquire_lease(
-            job, request.size_bytes, request.wait_seconds, holder
+            job, request.size_bytes, request.wait_seconds, holder, peer.process
         )
         return messages.lease(lease)
 
@@ -115,6 +156,7 @@ class Servicer(pb_grpc.CkptdServicer):
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: Any
     ) -> pb.ReleaseLeaseResponse:
+        self._own_lease(self._peer(context), request.lease_id)
         if request.client_holds:
             self.s.restorer.lend(request.lease_id)
         else:
@@ -125,13 +167,16 @@ class Servicer(pb_grpc.CkptdServicer):
     async def CommitShards(
         self, request: pb.CommitShardsRequest, context: Any
     ) -> pb.CommitShardsResponse:
+        peer, _ = self._job(context, request.job, claim=True)
+        self._own_lease(peer, request.lease_id)
         # The request itself is journaled: a restarted daemon replays it as received.
         state = await self.s.saver.commit(parse_commit(request), request.SerializeToString())
         return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
 
     @_rpc
     async def GetSaveStatus(self, request: pb.GetSaveStatusRequest, context: Any) -> pb.SaveStatus:
-        job, step = check_name("job", request.job), check_step(request.step)
+        _, job = self._job(context, request.job)
+        step = check_step(request.step)
         if request.wait_for == pb.SAVE_STATE_DURABLE and not self.s.remote_url:
             raise FailedPrecondition(
                 "this daemon has no remote tier configured, so no save becomes DURABLE; "
@@ -144,8 +189,9 @@ class Servicer(pb_grpc.CkptdServicer):
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: Any
     ) -> pb.ListCheckpointsResponse:
-        job = check_name("job", request.job) if request.job else ""
-        rows = self.s.catalog.list(job)
+        peer = self._peer(context)
+        job = self._job(context, request.job)[1] if request.job else ""
+        rows = [s for s in self.s.catalog.list(job) if self.s.access.may_use(peer, s.job)]
         plans = {j: self.s.retention.plan(j) for j in {s.job for s in rows}}
         return pb.ListCheckpointsResponse(
             checkpoints=[messages.checkpoint_info(s, plans[s.job]) for s in rows]
@@ -153,11 +199,14 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
-        job = check_name("job", request.job)
+        peer, job = self._job(context, request.job)
         step = check_step(request.step) if request.HasField("step") else None
         holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
-        plan = await self.s.restorer.restore(job, step, request.rank, request.shared_memory, holder)
+        plan = await self.s.restorer.restore(
+            job, step, request.rank, request.shared_memory, holder, peer.process
+        )
         self.s.catalog.served(plan.step)  # the client opens the files next: keep them
+        self.s.access.grant(peer, plan.directory)
         resp = pb.RestoreResponse(
             job=job,
             step=plan.step.step,
@@ -174,7 +223,8 @@ class Servicer(pb_grpc.CkptdServicer):
     async def ReportCorrupt(
         self, request: pb.ReportCorruptRequest, context: Any
     ) -> pb.ReportCorruptResponse:
-        job, step = check_name("job", request.job), check_step(request.step)
+        _, job = self._job(context, request.job)
+        step = check_step(request.step)
         if request.tier not in (pb.TIER_LOCAL, pb.TIER_UNSPECIFIED):
             raise InvalidArgument("only local copies can be reported corrupt in this version")
         await self.s.restorer.report_corrupt(job, step, request.detail)
@@ -182,13 +232,13 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        job, step = check_name("job", request.job), check_step(request.step)
-        await self.s.pins.set(job, step, request.pinned)
+        _, job = self._job(context, request.job, claim=True)
+        await self.s.pins.set(job, check_step(request.step), request.pinned)
         return pb.PinResponse()
 
     @_rpc
     async def CheckCapacity(self, request: pb.CheckCapacityRequest, context: Any) -> pb.Capacity:
-        check_name("job", request.job)
+        self._job(context, request.job)
         reason = self.s.admission.capacity_reason(request.size_bytes)
         staging = self.s.saver.staging
         return pb.Capacity(
@@ -202,27 +252,32 @@ class Servicer(pb_grpc.CkptdServicer):
     async def FetchPeers(
         self, request: pb.FetchPeersRequest, context: Any
     ) -> pb.FetchPeersResponse:
-        job, step = check_name("job", request.job), check_step(request.step)
-        parts = await self.s.fetcher.peers(job, step)
+        peer, job = self._job(context, request.job)
+        parts = await self.s.fetcher.peers(job, check_step(request.step))
+        for _, directory, _ in parts:
+            self.s.access.grant(peer, directory)
         return pb.FetchPeersResponse(
             parts=[pb.PeerPart(node=n, directory=str(d), manifest_json=m) for n, d, m in parts]
         )
 
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.DaemonStatus:
+        self._peer(context)
         return self.s.status()
 
     @_rpc
     async def Adopt(self, request: pb.AdoptRequest, context: Any) -> pb.AdoptResponse:
-        job, step = check_name("job", request.job), check_step(request.step)
+        peer, job = self._job(context, request.job, claim=True)
+        step = check_step(request.step)
         if not request.path:
             raise InvalidArgument("no path given; name the finished directory to adopt")
         st = await self.s.adopter.adopt(
             job,
             step,
-            Path(request.path),
+            self.s.adopter.source(self.s.access.caller(peer), request.path),
             metrics=dict(request.metrics),
             milestone=request.milestone,
+            caller=self.s.access.caller(peer),
         )
         assert st.manifest is not None
         return pb.AdoptResponse(
@@ -233,8 +288,8 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def Watch(self, request: pb.WatchRequest, context: Any) -> pb.WatchResponse:
-        job = check_name("job", request.job)
-        path = await self.s.adopter.watch(job, request.directory)
+        peer, job = self._job(context, request.job, claim=True)
+        path = await self.s.adopter.watch(job, request.directory, self.s.access.caller(peer))
         remote = f"{self.s.remote_url}/{job}" if self.s.remote_url else ""
         return pb.WatchResponse(directory=str(path), remote_directory=remote)
 
@@ -242,20 +297,27 @@ class Servicer(pb_grpc.CkptdServicer):
     async def EnsureLocal(
         self, request: pb.EnsureLocalRequest, context: Any
     ) -> pb.EnsureLocalResponse:
-        job = check_name("job", request.job)
+        peer, job = self._job(context, request.job, claim=True)
         step = check_step(request.step) if request.HasField("step") else None
-        st, path, fetched, linked = await self.s.adopter.ensure_local(job, step, request.directory)
+        st, path, fetched, linked = await self.s.adopter.ensure_local(
+            job, step, request.directory, self.s.access.caller(peer)
+        )
         return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)
 
     @_rpc
     async def ListEvents(
         self, request: pb.ListEventsRequest, context: Any
     ) -> pb.ListEventsResponse:
-        job = check_name("job", request.job) if request.job else ""
+        peer = self._peer(context)
+        job = self._job(context, request.job)[1] if request.job else ""
         catalog = self.s.catalog
         if request.wait_seconds > 0 and not catalog.events(request.after_seq, job, 1):
             await catalog.wait_for_event(request.after_seq, job, request.wait_seconds)
-        rows = catalog.events(request.after_seq, job, request.limit or 2**31)
+        rows = [
+            e
+            for e in catalog.events(request.after_seq, job, request.limit or 2**31)
+            if self.s.access.may_use(peer, e.job)
+        ]
         return pb.ListEventsResponse(
             events=[messages.event(e) for e in rows], last_seq=catalog.last_seq
         )

@@ -135,9 +135,9 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
         j, step, node, adopted = parsed
         base = f"{j}/{step}/{node}"
         try:
-            manifest = Manifest.from_json(
-                (await remote.get_bytes(manifest_key(j, step, node, adopted))).decode()
-            )
+            key = manifest_key(j, step, node, adopted)
+            raw = await remote.get_bytes(key)
+            manifest = fetch.parse_remote_manifest(raw, key, j, step, node, adopted)
             bad = [
                 r.file
                 for r in manifest.ranks

@@ -20,6 +20,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .. import __version__
 from ..adopt.adopter import Adopter
+from ..api.access import Access
 from ..api.requests import parse_commit
 from ..api.servicer import Services
 from ..catalog import Catalog
@@ -66,6 +67,10 @@ class Daemon:
         self.staging = Staging(
             segment_prefix(cfg.root), cfg.staging_budget_bytes, cfg.lease_timeout_seconds
         )
+        self.access = Access(
+            cfg.root, self.staging, cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs
+        )
+        self.staging.uid_of = self.access.owner_of
         self.remote: Remote | None = None
         self.journal = Journal(cfg.root)
         self.saver = Saver(
@@ -88,6 +93,7 @@ class Daemon:
         """Recover the local tier, open the remote tier, build the services on top."""
         cfg = self.config
         recovery = await self.io.run(self.store.recover)
+        await self.io.run(self.access.load)
         try:
             handoffs = await self.io.run(self.journal.load)
         except OSError as exc:
@@ -131,7 +137,13 @@ class Daemon:
         self.fetcher = Fetcher(self.catalog, self.store, self.staging, self.io, self.remote)
         self.restorer = Restorer(self.catalog, self.store, self.staging, self.io, self.fetcher)
         self.adopter = Adopter(
-            self.catalog, self.store, self.io, self.restorer, self.fetcher, cfg.adopt_poll_seconds
+            self.catalog,
+            self.store,
+            self.io,
+            self.restorer,
+            self.fetcher,
+            cfg.adopt_poll_seconds,
+            cfg.adopt_dirs,
         )
         self.pins = Pins(self.catalog, cfg.root, self.io, self.remote)
         await self.adopter.load()
@@ -185,6 +197,7 @@ class Daemon:
             fetcher=self.fetcher,
             adopter=self.adopter,
             pins=self.pins,
+            access=self.access,
             remote_url=self.remote.url if self.remote is not None else "",
             status=self.status,
         )

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import grp
 import os
+import pwd
 import re
 import socket as _socket
 import tomllib
@@ -21,6 +23,7 @@ from typing import Any
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.names import MAX_NODE_BYTES, check_name
 from ckptd.core.redact import has_credentials, redact
+from ckptd.core.session import session_path
 from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
@@ -95,15 +98,57 @@ class Config:
     adopt_poll_seconds: float = 0.25
     """How often watched directories (a job's Orbax directory) are scanned for
     finished steps to adopt."""
+    adopt_dirs: tuple[Path, ...] = ()
+    """Directories (absolute; symlinks resolved at start-up) in which Adopt, Watch and
+    EnsureLocal may act, on files the calling process could read or write itself.
+    Empty: only each job's own Orbax directory under the root (``<root>/.orbax/<job>``)."""
+    socket_group: str = ""
+    """Group (name or gid) given to the socket, its session socket and its directory:
+    the users who may call the daemon. Empty: the daemon's own group."""
+    allow_uids: tuple[int, ...] = ()
+    """Users (uids or names) who may use every job; a job otherwise belongs to the uid
+    that first used it (root and the daemon's uid may use every job)."""
+    allow_gids: tuple[int, ...] = ()
+    """Groups (gids or names) whose members may use every job."""
+    shared_jobs: tuple[str, ...] = ()
+    """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _items(value: object) -> list[str]:
+    """A TOML array, or a comma-separated string (environment, flags)."""
+    raw = value if isinstance(value, list | tuple) else str(value).split(",")
+    return [str(v).strip() for v in raw if str(v).strip()]
+
+
+def _principal(text: str, kind: str) -> int:
+    """A uid or gid given as a number or a name."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid if kind == "user" else grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"no {kind} named {text!r} on this host") from None
+
+
 def _coerce(key: str, value: object, source: str) -> Any:
     kind = _FIELDS[key].type
     try:
+        if kind == "tuple[Path, ...]":
+            paths = [Path(v).expanduser() for v in _items(value)]
+            if not all(p.is_absolute() for p in paths):
+                raise ValueError("expected absolute paths")
+            return tuple(Path(os.path.realpath(p)) for p in paths)
+        if kind == "tuple[int, ...]":
+            who = "user" if key.endswith("uids") else "group"
+            return tuple(_principal(v, who) for v in _items(value))
+        if kind == "tuple[str, ...]":
+            return tuple(_items(value))
+        if key == "socket_group" and str(value):
+            return str(_principal(str(value), "group"))
         if kind == "Path":
             if not str(value):
                 raise ValueError("expected a path, got an empty string")
@@ -227,11 +272,15 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"invalid value for 'log_level': {cfg.log_level!r}; use one of {_LOG_LEVELS}"
         )
-    if len(str(cfg.socket).encode()) > 107:
+    if len(session_path(str(cfg.socket)).encode()) > 107:
         raise ConfigError(
-            f"invalid value for 'socket': {cfg.socket} is longer than the 107 bytes a unix "
-            "socket path may have; choose a shorter path"
+            f"invalid value for 'socket': {cfg.socket} plus '.session' (the session socket "
+            "beside it) is longer than the 107 bytes a unix socket path may have; choose a "
+            "shorter path"
         )
+    for pattern in cfg.shared_jobs:
+        if "/" in pattern or not pattern:
+            raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")
 
 
 def flag_names() -> list[str]:

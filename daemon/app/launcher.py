@@ -27,8 +27,9 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
 
-MAX_SOCKET_PATH = 100
-"""Unix socket paths are limited to 107 bytes; longer ones go to a short temp dir."""
+MAX_SOCKET_PATH = 99
+"""Unix socket paths are limited to 107 bytes (the session socket's name adds 8); longer
+ones go to a short temp dir."""
 
 
 def ckptd_command() -> list[str]:

@@ -9,9 +9,11 @@ that keeps crashing stops the daemon the same way, with an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +25,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .. import __version__
 from ..api.servicer import Servicer
+from ..api.sessions import SessionServer
 from .compose import Daemon, StartupError
 from .config import Config
 
@@ -48,11 +51,33 @@ def _take_lock(path: Path, what: str) -> int:
     return fd
 
 
-def _prepare_socket_dir(socket: Path) -> None:
+def _prepare_socket_dir(socket: Path, group: int) -> None:
     parent = socket.parent
     if not parent.exists():
         parent.mkdir(parents=True, mode=0o750)
         os.chmod(parent, 0o750)  # mkdir's mode is narrowed by the umask; set it exactly
+        if group >= 0:
+            os.chown(parent, -1, group)
+
+
+def _prepare_root(root: Path) -> None:
+    """Create the root 0750; narrow an existing one that every user may enter."""
+    if not root.exists():
+        root.mkdir(parents=True, mode=0o750)
+        os.chmod(root, 0o750)
+        return
+    st = root.stat()
+    if st.st_mode & 0o007 and st.st_uid == os.geteuid():
+        log.warning("root %s was open to every user; narrowing it to 0750", root)
+        os.chmod(root, st.st_mode & 0o750)
+
+
+def _raise_fd_limit() -> None:
+    """Soft fd limit up to the hard one: sessions, rank files and sockets share it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
@@ -61,9 +86,11 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     Raises :class:`StartupError` if it cannot start, or if a background service
     kept crashing (after finishing the saves it had acknowledged).
     """
+    _raise_fd_limit()
+    group = int(config.socket_group) if config.socket_group else -1
     try:
-        _prepare_socket_dir(config.socket)
-        config.root.mkdir(parents=True, exist_ok=True)
+        _prepare_socket_dir(config.socket, group)
+        _prepare_root(config.root)
     except OSError as exc:
         raise StartupError(f"cannot create {exc.filename}: {exc.strerror}") from None
     sock_lock = _take_lock(
@@ -82,8 +109,16 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     await daemon.start()
     # The lock proves no live daemon owns the socket: a file there is stale.
     config.socket.unlink(missing_ok=True)
+    access = daemon.access
+    sessions = SessionServer(
+        config.socket, {"lease": access.open_lease, "file": access.open_file}, access.forget
+    )
+    try:
+        await sessions.start(group)  # before the gRPC socket: every call needs a session
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {sessions.path}: {exc.strerror}") from None
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    pb_grpc.add_CkptdServicer_to_server(Servicer(daemon.services()), server)
+    pb_grpc.add_CkptdServicer_to_server(Servicer(daemon.services(), sessions), server)
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
     try:
         server.add_insecure_port(f"unix:{config.socket}")
@@ -91,6 +126,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     finally:
         os.umask(old_umask)
     os.chmod(config.socket, 0o660)
+    if group >= 0:
+        os.chown(config.socket, -1, group)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -108,6 +145,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     log.info("stopping: no new requests; finishing acknowledged saves")
     daemon.catalog.stopping.set()  # waiters answer at once; clients ask the next daemon
     await server.stop(grace=5)
+    await sessions.stop()
     await daemon.stop()
     config.socket.unlink(missing_ok=True)
     os.close(root_lock)

@@ -8,6 +8,7 @@ faulted in; filesystems that refuse it (tmpfs, some overlays) get plain I/O.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -32,8 +33,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
-    """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    """Create ``path`` (it must not exist, not even as a symlink) holding ``data``, and
+    fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         view = memoryview(data)
         while len(view):
@@ -55,17 +57,60 @@ def replace_synced(path: Path, data: bytes, mode: int = 0o640) -> None:
     fsync_dir(path.parent)
 
 
-def open_direct(path: Path, flags: int, mode: int = 0o640, want: bool = True) -> tuple[int, bool]:
+def read_small(path: Path) -> bytes:
+    """A small file's bytes (a manifest), refusing a symlink in its place."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def open_direct(
+    path: Path | str,
+    flags: int,
+    mode: int = 0o640,
+    want: bool = True,
+    dir_fd: int | None = None,
+) -> tuple[int, bool]:
     """Open with ``O_DIRECT`` when ``want`` and the filesystem allows it (tmpfs and some
-    overlays refuse it with EINVAL: then a plain open); returns ``(fd, direct)``."""
+    overlays refuse it with EINVAL: then a plain open); returns ``(fd, direct)``.
+
+    Always ``O_NOFOLLOW``: ckptd never makes symlinks in its tier, so one in place of a
+    checkpoint file was planted there and must not redirect a read or a write.
+    ``dir_fd``: ``path`` is relative to this open directory (see :func:`open_dir_beneath`).
+    """
+    flags |= os.O_NOFOLLOW
     direct = getattr(os, "O_DIRECT", 0) if want else 0
     if direct:
         try:
-            return os.open(path, flags | direct, mode), True
+            return os.open(path, flags | direct, mode, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, mode), False
+    return os.open(path, flags, mode, dir_fd=dir_fd), False
+
+
+def open_dir_beneath(root_fd: int, rel: str, make: bool = False) -> int:
+    """An fd of the directory ``rel`` (``a/b``; ``""`` is ``root_fd`` itself, duplicated)
+    under the open directory ``root_fd``, walked one component at a time with
+    ``O_NOFOLLOW``, so a symlink on the way (even one planted while we walk) fails the
+    open (ELOOP / ENOTDIR) instead of leading out of the tree. ``make``: create missing
+    directories (mode 0750). ``rel`` must be checked already (no ``..``, not absolute):
+    this guards against symlinks, not against names."""
+    fd = os.dup(root_fd)
+    try:
+        for part in filter(None, rel.split("/")):
+            if make:
+                # Made already by a sibling file's download (or a planted link: the
+                # O_NOFOLLOW open below refuses that).
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o750, dir_fd=fd)
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def write_file_direct(
@@ -100,7 +145,7 @@ def write_file_direct(
                 if exc.errno != errno.EINVAL:
                     raise
                 os.close(fd)
-                fd = os.open(path, os.O_WRONLY | os.O_TRUNC, 0o640)
+                fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
                 _write_all(fd, header, data, data_length, aligned=False)
         else:
             _write_all(fd, header, data, data_length, aligned=False)
@@ -160,7 +205,7 @@ def read_data_direct(path: Path, offset: int, length: int, dest: memoryview) -> 
 
 def data_offset(path: Path) -> int:
     """Where the data section of a safetensors file starts (8 + header length)."""
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         raw = f.read(8)
     if len(raw) != 8:
         raise ValueError(f"{path} is too short to be a safetensors file")

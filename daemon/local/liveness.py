@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 import re
+import stat
 from pathlib import Path
 
 from ckptd.core.errors import InvalidArgument
@@ -45,10 +46,14 @@ def check_holder(holder: str) -> None:
 def locked_by_others(path: Path) -> bool:
     """True while some process holds a flock on ``path`` (a client using restored memory)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+        # No symlink, no blocking open (a FIFO planted under a holder's name): a
+        # name that is not a plain file stands for no live client.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True

@@ -112,14 +112,21 @@ class Saver:
 
     # -- leases --------------------------------------------------------------
     async def acquire_lease(
-        self, job: str, size_bytes: int, wait_seconds: float = 0.0, holder: str = ""
+        self,
+        job: str,
+        size_bytes: int,
+        wait_seconds: float = 0.0,
+        holder: str = "",
+        owner: tuple[int, int] | None = None,
     ) -> Lease:
-        """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it."""
+        """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it;
+        ``owner``: the ``(uid, pid)`` of the process that may map it."""
         return await self.staging.acquire(
             job,
             size_bytes,
             wait_seconds=check_wait("wait_seconds", wait_seconds, MAX_WAIT_SECONDS),
             holder=holder,
+            owner=owner,
         )
 
     def release_lease(self, lease_id: str) -> None:

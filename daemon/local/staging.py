@@ -1,5 +1,9 @@
 """Shared-memory leases: named segments under /dev/shm, pre-faulted once, reused.
 
+Segments are 0600: only the daemon opens them by name, and the one process a
+lease is granted to gets a file descriptor over its session (api/access.py). A
+free segment is granted again only to the uid it was granted to before.
+
 Touching fresh memory is the slowest part of a save on these machines (see
 DESIGN.md, Performance notes), so segments are allocated once, faulted in by
 ``posix_fallocate`` when created, and handed out again for later saves. The
@@ -20,19 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.core.errors import Conflict, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
 
+from .lease import Lease, Segment, segment_prefix
 from .liveness import (
     SWEEP_SECONDS,
     check_holder,
@@ -41,48 +44,13 @@ from .liveness import (
 )
 from .shm import SharedMapping
 
+__all__ = ["Lease", "Segment", "Staging", "StagingBusy", "segment_prefix"]
+
 log = logging.getLogger("ckptd.staging")
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_GRANULE = 2 * 2**20
 """Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
-
-
-@dataclass
-class Segment:
-    """One shared-memory file mapped into the daemon."""
-
-    name: str
-    size: int
-    mapping: SharedMapping
-    lease_id: str | None = None
-
-    def view(self, offset: int, length: int) -> memoryview:
-        """A zero-copy view of ``length`` bytes at ``offset``."""
-        return self.mapping.view(offset, length)
-
-
-@dataclass
-class Lease:
-    """A segment granted to one save of one rank."""
-
-    lease_id: str
-    job: str
-    segment: Segment
-    granted_at: float
-    committed: bool = False
-    restore: bool = False
-    """A restore lease: holds verified checkpoint data for the client."""
-    borrowed: bool = False
-    """The client mapped the restore lease and flocks it while its arrays live."""
-    holder: str = ""
-    """The client's liveness file (see :data:`HOLDER_HEADER`); empty: unknown client."""
-
-
-def segment_prefix(root: Path) -> str:
-    """Segment-name prefix unique to a local-tier root, so daemons never clash."""
-    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    return f"ckptd-{digest}-"
 
 
 class StagingBusy(ResourceExhausted):
@@ -99,8 +67,11 @@ class Staging:
         lease_timeout_seconds: float,
         shm_dir: Path = SHM_DIR,
         clock: Callable[[], float] = time.monotonic,
+        uid_of: Callable[[str], int | None] = lambda job: None,
     ) -> None:
         self.prefix = prefix
+        self.uid_of = uid_of
+        """The uid owning a job (access.py): its leases reuse only its segments."""
         self.budget_bytes = budget_bytes
         self.lease_timeout_seconds = lease_timeout_seconds
         self.shm_dir = shm_dir
@@ -193,6 +164,7 @@ class Staging:
         restore: bool = False,
         wait_seconds: float = 0.0,
         holder: str = "",
+        owner: tuple[int, int] | None = None,
     ) -> Lease:
         """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
 
@@ -201,12 +173,13 @@ class Staging:
         while in-flight saves hold the budget, wait up to this long for them to
         finish (backpressure) before raising :class:`StagingBusy`. ``holder``: the
         client's liveness file; the lease comes back once it is no longer locked.
+        ``owner``: the ``(uid, pid)`` the lease is granted to.
         """
         check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
         while True:
             try:
-                return await self._acquire_now(job, size_bytes, restore, holder)
+                return await self._acquire_now(job, size_bytes, restore, holder, owner)
             except StagingBusy:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -217,16 +190,20 @@ class Staging:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), min(left, 0.5))
 
-    async def _acquire_now(self, job: str, size_bytes: int, restore: bool, holder: str) -> Lease:
+    async def _acquire_now(
+        self, job: str, size_bytes: int, restore: bool, holder: str, owner: tuple[int, int] | None
+    ) -> Lease:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
+        uid = owner[0] if owner else self.uid_of(job)
         free = sorted(
             (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
         )
-        seg = next((s for s in free if s.size >= need), None)
+        seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
         if seg is None:
-            # Drop free segments that are too small until the new one fits the budget.
-            for small in free:
+            # Drop free segments another uid used, then those too small, until the new
+            # one fits the budget.
+            for small in sorted(free, key=lambda s: s.uid in (None, uid)):
                 if self.allocated_bytes + need <= self.budget_bytes:
                     break
                 self._destroy(small)
@@ -242,7 +219,7 @@ class Staging:
             finally:
                 self._reserved -= need
             self._segments[seg.name] = seg
-        return self._grant(job, seg, restore, holder)
+        return self._grant(job, seg, restore, holder, owner=owner)
 
     def holders(self) -> str:
         """What holds the leased memory right now, in words (for capacity errors)."""
@@ -272,7 +249,13 @@ class Staging:
         return "; ".join(parts)
 
     def _grant(
-        self, job: str, seg: Segment, restore: bool = False, holder: str = "", lease_id: str = ""
+        self,
+        job: str,
+        seg: Segment,
+        restore: bool = False,
+        holder: str = "",
+        lease_id: str = "",
+        owner: tuple[int, int] | None = None,
     ) -> Lease:
         lease = Lease(
             lease_id or secrets.token_hex(12),
@@ -281,21 +264,32 @@ class Staging:
             self._clock(),
             restore=restore,
             holder=holder,
+            owner=owner,
         )
         seg.lease_id = lease.lease_id
+        uid = owner[0] if owner is not None else self.uid_of(job)
+        if uid is not None:  # never None again once someone could have mapped it
+            seg.uid = uid
         self._leases[lease.lease_id] = lease
         return lease
 
-    def take_free(self, job: str, size_bytes: int) -> Lease | None:
+    def take_free(self, job: str, size_bytes: int, uid: int | None = None) -> Lease | None:
         """A restore lease on an already faulted free segment, or None (never allocates).
 
         Lends a segment only if a save of the same size could still get memory
         afterwards (another free segment, or budget to allocate one), so a client
         that keeps its restored arrays for the whole run never starves its saves.
+        Only a segment ``uid`` (default: the job's owner) used before, or nobody
+        did, is taken: the lease goes to one of its processes (:meth:`hold`).
         """
         self.reclaim_expired()
+        uid = self.uid_of(job) if uid is None else uid
         free = sorted(
-            (s for s in self._segments.values() if s.lease_id is None and s.size >= size_bytes),
+            (
+                s
+                for s in self._segments.values()
+                if s.lease_id is None and s.size >= size_bytes and s.uid in (None, uid)
+            ),
             key=lambda s: s.size,
         )
         if not free:
@@ -305,11 +299,18 @@ class Staging:
             return None
         return self._grant(job, free[0], restore=True)
 
-    def hold(self, lease: Lease, holder: str) -> None:
-        """The client ``holder`` receives this (restore) lease: it comes back at once
-        if that client dies before it maps and locks the segment."""
+    def hold(self, lease: Lease, holder: str, owner: tuple[int, int] | None) -> bool:
+        """The client ``holder`` (process ``owner``) receives this (restore) lease: it
+        comes back at once if that client dies before it maps and locks the segment.
+        False (and the lease released) if another uid used the segment before."""
         check_holder(holder)
-        lease.holder = holder
+        if owner is not None and lease.segment.uid not in (None, owner[0]):
+            self.release(lease.lease_id)
+            return False
+        lease.holder, lease.owner = holder, owner
+        if owner is not None:
+            lease.segment.uid = owner[0]
+        return True
 
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` is still granted (not expired and reclaimed)."""
@@ -399,9 +400,10 @@ class Staging:
     def _create(self, size: int) -> Segment:
         name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
         path = self.shm_dir / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+        # 0600: only the daemon opens it by name; the process a lease is granted to
+        # gets a descriptor over its session (access.py).
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
-            os.fchmod(fd, 0o660)  # the umask must not narrow it: clients share the group
             os.ftruncate(fd, size)
             try:
                 # Allocates and zeroes every page now, in the kernel, so no save pays for it.

@@ -29,7 +29,7 @@ from ckptd.core.manifest import MANIFEST, Manifest
 
 from .. import faults
 from ..commit import RenameCommit, Runner
-from .files import fsync_dir
+from .files import fsync_dir, read_small
 
 log = logging.getLogger("ckptd.localstore")
 
@@ -91,8 +91,10 @@ class LocalStore:
                 if not (step_dir.name.isascii() and step_dir.name.isdigit()):
                     continue  # not a step ("¹8" is isdigit() too): leave it alone
                 try:
-                    manifest = Manifest.from_json((step_dir / MANIFEST).read_text())
-                    if manifest.job != job_dir.name or manifest.step != int(step_dir.name):
+                    # Checked like a bucket's (Manifest.check): a manifest naming files
+                    # outside its step is set aside, never served.
+                    manifest = Manifest.from_json(read_small(step_dir / MANIFEST).decode())
+                    if manifest.job != job_dir.name or str(manifest.step) != step_dir.name:
                         raise ValueError("manifest names another job or step")
                 except (OSError, ValueError) as exc:
                     # Not a commit we can read: set it aside, so the bucket's copy (if

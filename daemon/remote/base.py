@@ -247,7 +247,12 @@ class Remote(abc.ABC):
                 await self.fs._rm_file(self.path(key))
 
     async def download(
-        self, key: str, dest: Path, size: int, into: memoryview | None = None
+        self,
+        key: str,
+        dest: Path | str,
+        size: int,
+        into: memoryview | None = None,
+        dir_fd: int | None = None,
     ) -> int:
         """Download an object into ``dest`` with parallel ranged reads; returns its crc32c.
 
@@ -255,8 +260,10 @@ class Remote(abc.ABC):
         of at least ``round_up(size)`` bytes that keeps the whole object, or else a
         pooled buffer) and written from there with ``O_DIRECT``, as it arrives: no
         page cache is allocated and the disk write overlaps the network.
+        ``dest`` is a new file (``O_EXCL | O_NOFOLLOW``: never an existing file or a
+        symlink's target), relative to the directory ``dir_fd`` if given.
         """
-        fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
         try:
 
             async def one(offset: int, length: int) -> int:

@@ -75,6 +75,21 @@ class Backoff:
         return float(self.rand() * min(self.maximum, self.initial * 2**attempt))
 
 
+def marker_info(meta: dict[str, object]) -> tuple[float, bool, dict[str, float]]:
+    """``(created_unix, milestone, metrics)`` from a marker's JSON: bucket content, so a
+    field of the wrong type is ignored (a bad marker must not stop the daemon's start)."""
+    try:
+        created = float(meta.get("created_unix") or meta.get("time") or 0)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        created = 0.0
+    raw = meta.get("metrics")
+    metrics: dict[str, float] = {}
+    for k, v in raw.items() if isinstance(raw, dict) else ():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            metrics[str(k)] = float(v)
+    return created, bool(meta.get("milestone", False)), metrics
+
+
 class Drain:
     """One background uploader per daemon."""
 
@@ -141,19 +156,16 @@ class Drain:
         infos = await asyncio.gather(*(info(j, s, markers[j, s].adopted) for j, s in remote_only))
         described = dict(zip(remote_only, infos, strict=True))
         for (job, step), found in markers.items():
-            meta = described.get((job, step), {})
+            created, milestone, metrics = marker_info(described.get((job, step), {}))
             self.catalog.discovered(
                 job,
                 step,
                 found.nodes,
                 found.adopted,
                 pinned=(job, step) in pins,
-                created_unix=float(meta.get("created_unix") or meta.get("time") or 0),  # type: ignore[arg-type]
-                milestone=bool(meta.get("milestone", False)),
-                metrics={
-                    str(k): float(v)
-                    for k, v in (meta.get("metrics") or {}).items()  # type: ignore[attr-defined]
-                },
+                created_unix=created,
+                milestone=milestone,
+                metrics=metrics,
             )
         await self.remote.cleanup_incomplete("")
         log.info(

@@ -6,13 +6,17 @@ other nodes' parts, and by ``ckptd pull`` (bucket -> any directory).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from ckptd.core.errors import DataLoss, NotFound
-from ckptd.core.manifest import Manifest
+from ckptd.core.errors import DataLoss, InvalidArgument, NotFound
+from ckptd.core.manifest import Manifest, ManifestInvalid
+from ckptd.core.names import check_name
 
-from ..io import gather_all, in_thread
+from ..io import gather_all
+from ..local.files import open_dir_beneath
 from .base import Remote
 from .layout import RemoteStep, complete_steps_in, file_key, manifest_key
 
@@ -34,11 +38,32 @@ async def node_manifest(
 ) -> tuple[str, bytes, Manifest]:
     """The manifest (raw bytes, parsed) of the node whose part of ``step`` holds ``rank``."""
     for node in sorted(nodes, key=lambda n: (n != prefer, n)):
-        raw = await remote.get_bytes(manifest_key(job, step, node, adopted))
-        manifest = Manifest.from_json(raw.decode())
+        key = manifest_key(job, step, check_name("node", node), adopted)
+        raw = await remote.get_bytes(key)
+        manifest = parse_remote_manifest(raw, key, job, step, node, adopted)
         if rank is None or rank in {r.rank for r in manifest.ranks}:
             return node, raw, manifest
     raise NotFound(f"no node's copy of step {step} of job {job!r} in the bucket holds rank {rank}")
+
+
+def parse_remote_manifest(
+    raw: bytes, key: str, job: str, step: int, node: str, adopted: bool
+) -> Manifest:
+    """A manifest read from ``key`` in the bucket, checked (:meth:`Manifest.check`) and
+    about the step it was read for: one naming another job, step, node or kind, or a
+    file outside its step, is :class:`ManifestInvalid` (the copy is corrupt)."""
+    try:
+        manifest = Manifest.from_json(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ManifestInvalid(f"the bucket's {key} is not a valid manifest: {exc}") from None
+    said = (manifest.job, manifest.step, manifest.node, manifest.adopted)
+    if said != (job, step, node, adopted):
+        raise ManifestInvalid(
+            f"the bucket's {key} describes job {manifest.job!r} step {manifest.step} "
+            f"node {manifest.node!r}{' (adopted)' if manifest.adopted else ''}, "
+            "not the step it is filed under"
+        )
+    return manifest
 
 
 async def download_files(
@@ -60,12 +85,26 @@ async def download_files(
     soon as its memory is ready.
     """
 
+    try:
+        # Checked when the manifest was parsed; again here, as no name may ever reach
+        # a path unchecked (a manifest could have been built by other code).
+        keys = {r.file: file_key(job, step, node, r.file, manifest.adopted) for r in manifest.ranks}
+    except InvalidArgument as exc:
+        raise ManifestInvalid(f"manifest of {job}/{step} node {node}: {exc}") from None
+    # Every file is opened beneath ``dest``'s fd, component by component with
+    # O_NOFOLLOW and created O_EXCL: no symlink in the tree can redirect a write.
+    # On the loop, not in a thread: a few syscalls, and a cancelled thread would leak fds.
+    root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+
     async def one(name: str, size: int, want: int) -> None:
         memory = await memory_for(name) if memory_for is not None else None
-        key = file_key(job, step, node, name, manifest.adopted)
-        if "/" in name:  # an adopted tree's sub-directories
-            await in_thread(lambda: (dest / name).parent.mkdir(parents=True, exist_ok=True))
-        got = await remote.download(key, dest / name, size, memory)
+        key = keys[name]
+        parent, _, base = name.rpartition("/")  # an adopted tree's sub-directories
+        dir_fd = open_dir_beneath(root_fd, parent, make=True)
+        try:
+            got = await remote.download(key, base, size, memory, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
         if got != want:
             raise DataLoss(
                 f"the bucket's copy of {key} has crc32c {got:#010x}, "
@@ -74,6 +113,10 @@ async def download_files(
         if progress is not None:
             progress(size)
 
-    # One failed file cancels the others and waits for them: the caller gives their
-    # memory back only when nothing writes into it any more.
-    await gather_all(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
+    try:
+        # One failed file cancels the others and waits for them: the caller gives their
+        # memory back only when nothing writes into it any more.
+        await gather_all(*(one(r.file, r.size, r.crc32c) for r in manifest.ranks))
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(root_fd)

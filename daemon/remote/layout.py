@@ -23,9 +23,17 @@ if Orbax had written them there.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.manifest import TREE_PREFIX
+from ckptd.core.names import check_name, check_step, check_tree_path
+
+log = logging.getLogger("ckptd.remote")
 
 ADOPTED_SUFFIX = ".ckptd"
 FILES_DIR = "files"
@@ -64,15 +72,20 @@ def manifest_key(job: str, step: int, node: str, adopted: bool = False) -> str:
 
 
 def file_key(job: str, step: int, node: str, file: str, adopted: bool = False) -> str:
-    """Where a file of a node's part goes: under the node, or (adopted) at its tree path."""
+    """Where a file of a node's part goes: under the node, or (adopted) at its tree path.
+    ``file`` must be a plain name (a relative path under ``files/`` if adopted): a
+    manifest's names never make a key outside the step (InvalidArgument)."""
     if adopted:
         return f"{step_prefix(job, step)}/{tree_path(file)}"
-    return f"{step_prefix(job, step)}/{node}/{file}"
+    return f"{step_prefix(job, step)}/{node}/{check_name('file', file)}"
 
 
 def tree_path(file: str) -> str:
-    """An adopted file's path inside the adopted tree (the manifest records ``files/<path>``)."""
-    return file.removeprefix(FILES_DIR + "/")
+    """An adopted file's path inside the adopted tree (the manifest records ``files/<path>``);
+    InvalidArgument if ``file`` is not such a record or its path could leave the tree."""
+    if not file.startswith(TREE_PREFIX):
+        raise InvalidArgument(f"adopted file {file[:80]!r} is not under {TREE_PREFIX}")
+    return check_tree_path("adopted file", file).removeprefix(TREE_PREFIX)
 
 
 def upload_order(files: list[str]) -> list[list[str]]:
@@ -85,12 +98,13 @@ def upload_order(files: list[str]) -> list[list[str]]:
 
 
 def parse_marker(key: str) -> MarkerKey | None:
-    """The marker's job, step, node and kind if ``key`` is a ``_complete`` marker."""
+    """The marker's job, step, node and kind if ``key`` is a ``_complete`` marker whose
+    job, step and node are valid names (others are skipped, with one warning each)."""
     parts = key.split("/")
     if len(parts) != 4 or parts[2] != "_complete":
         return None
     step, adopted = _parse_step(parts[1])
-    if step is None:
+    if step is None or not _valid_names(key, job=parts[0], node=parts[3]):
         return None
     return MarkerKey(parts[0], step, parts[3], adopted)
 
@@ -128,10 +142,42 @@ def parse_pin(key: str) -> tuple[str, int] | None:
     if len(parts) != 3 or parts[2] != "_pinned":
         return None
     step, _ = _parse_step(parts[1])
-    return None if step is None else (parts[0], step)
+    if step is None or not _valid_names(key, job=parts[0]):
+        return None
+    return parts[0], step
 
 
 def _parse_step(name: str) -> tuple[int | None, bool]:
+    """A step directory's number as ckptd writes it (``str(step)``, ASCII digits, no
+    leading zero, in range) and whether it is an adopted step's records."""
     adopted = name.endswith(ADOPTED_SUFFIX)
     digits = name.removesuffix(ADOPTED_SUFFIX) if adopted else name
-    return (int(digits) if digits.isdigit() else None), adopted
+    # isdigit() alone admits '²' (int() then raises) and other scripts' digits.
+    if not (digits.isascii() and digits.isdigit() and str(int(digits)) == digits):
+        return None, adopted
+    try:
+        return check_step(int(digits)), adopted
+    except InvalidArgument:
+        return None, adopted
+
+
+_WARNED_MAX = 10_000
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _valid_names(key: str, **names: str) -> bool:
+    """Whether each name in a listed key is valid; a bad one is logged once per key
+    (listings repeat at every refresh) and the key is skipped, never used in a path."""
+    for kind, value in names.items():
+        try:
+            check_name(kind, value)
+        except InvalidArgument as exc:
+            with _warned_lock:
+                first = key not in _warned and len(_warned) < _WARNED_MAX
+                if first:
+                    _warned.add(key)
+            if first:
+                log.warning("skipping bucket key %r: %s", key[:300], exc)
+            return False
+    return True

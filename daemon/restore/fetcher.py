@@ -11,12 +11,13 @@ import asyncio
 import logging
 from pathlib import Path
 
-from ckptd.core.errors import ResourceExhausted
+from ckptd.core.errors import DataLoss, ResourceExhausted
 from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST
 
 from ..catalog import Catalog, Step
 from ..io import IoPool
+from ..local.files import read_small
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
 from ..remote import fetch
@@ -59,6 +60,7 @@ class Fetcher:
 
     async def to_local(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
         """Download a remote-only step into the cache dir, verify it, commit it locally.
+        A copy that does not verify marks the step unusable and raises DataLoss.
 
         With ``shared_memory``, every rank file of the node is downloaded through a
         segment when the budget allows: ``rank``'s lease is returned, the others are
@@ -72,7 +74,18 @@ class Fetcher:
             if st.local:
                 return None  # another restore fetched it meanwhile
             with self.catalog.in_use(st):  # the evictor leaves the bucket copy alone
-                return await self._fetch(st, rank, shared_memory)
+                try:
+                    return await self._fetch(st, rank, shared_memory)
+                except (DataLoss, ValueError, KeyError, FileNotFoundError) as exc:
+                    # The bucket's copy is corrupt, its manifest unreadable or naming
+                    # files outside its step: marked here, for every caller (restore,
+                    # ensure_local), so the next choice is an older step.
+                    reason = f"its bucket copy does not verify: {exc}"
+                    log.error("%s/%d: %s", st.job, st.step, reason)
+                    self.catalog.unusable(st, reason)
+                    raise DataLoss(
+                        f"step {st.step} of job {st.job!r} cannot be restored: {reason}"
+                    ) from None
 
     async def _fetch(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
         assert self.remote is not None
@@ -138,7 +151,7 @@ class Fetcher:
                     dest = self.store.peer_dir(job, step, node)
                     if not await self.io.run((dest / MANIFEST).exists):
                         await self._fetch_part(st, node)
-                    raw = await self.io.run((dest / MANIFEST).read_text)
+                    raw = (await self.io.run(read_small, dest / MANIFEST)).decode()
                     parts.append((node, dest, raw))
         return parts
 

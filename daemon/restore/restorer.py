@@ -21,7 +21,7 @@ asked for that exact step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd.core import checksum
@@ -114,17 +114,25 @@ class Restorer:
         return st
 
     async def restore(
-        self, job: str, step: int | None, rank: int, shared_memory: bool, holder: str = ""
+        self,
+        job: str,
+        step: int | None,
+        rank: int,
+        shared_memory: bool,
+        holder: str = "",
+        owner: tuple[int, int] | None = None,
     ) -> RestorePlan:
         """Pick a step and, if asked and a segment is free, read it into shared memory.
-        ``holder``: the client's liveness file; its lease comes back if it dies."""
-        plan = await self._restore(job, step, rank, shared_memory)
-        if plan.lease is not None:
-            self.staging.hold(plan.lease, holder)
+        ``holder``: the client's liveness file; its lease comes back if it dies.
+        ``owner``: ``(uid, pid)`` of the client, the only process that may map it."""
+        plan = await self._restore(job, step, rank, shared_memory, owner[0] if owner else None)
+        if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
+            # Another uid mapped that segment before: serve the verified file instead.
+            plan = replace(plan, lease=None, data_offset=0)
         return plan
 
     async def _restore(
-        self, job: str, step: int | None, rank: int, shared_memory: bool
+        self, job: str, step: int | None, rank: int, shared_memory: bool, uid: int | None
     ) -> RestorePlan:
         try:
             await self.fetcher.refresh(job)
@@ -136,16 +144,13 @@ class Restorer:
             if st.manifest is None:
                 try:
                     lease = await self.fetcher.to_local(st, rank, shared_memory)
-                except (DataLoss, ValueError, KeyError, FileNotFoundError) as exc:
-                    # The bucket's copy is corrupt (or its manifest unreadable) and
-                    # there is no local one: skip this step, unless it was asked for.
-                    reason = f"its bucket copy does not verify: {exc}"
-                    log.error("%s/%d: %s; restoring an older step", job, st.step, reason)
-                    self.catalog.unusable(st, reason)
+                except DataLoss:
+                    # The bucket's copy is corrupt (or its manifest unreadable or unsafe)
+                    # and there is no local one: the fetcher marked the step unusable;
+                    # restore an older one, unless this one was asked for.
                     if step is not None:
-                        raise DataLoss(
-                            f"step {step} of job {job!r} cannot be restored: {reason}"
-                        ) from None
+                        raise
+                    log.error("%s/%d cannot be fetched; restoring an older step", job, st.step)
                     continue
                 assert st.manifest is not None
                 if lease is not None:  # the whole verified file is in the lease already
@@ -162,7 +167,7 @@ class Restorer:
             path = directory / record.file
             try:
                 offset = await self.io.run(data_offset, path)
-                lease = self.staging.take_free(job, round_up(record.size - offset))
+                lease = self.staging.take_free(job, round_up(record.size - offset), uid)
             except (OSError, ValueError) as exc:
                 await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
                 continue

@@ -8,6 +8,7 @@ ends with the store healthy again, the step DURABLE, and the shared invariants.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ FAST = ["--drain-retry-max-seconds", "1", "--drain-stall-seconds", "2"]
 @pytest.fixture
 def s3_via_proxy(s3_server: Any) -> Iterator[tuple[FaultProxy, str, dict[str, str]]]:
     """A fresh bucket on the session's SeaweedFS, reached through a proxy."""
-    bucket = s3_server.make_bucket(f"ckptd-faults-{os.getpid()}-{id(object())}")
+    bucket = s3_server.make_bucket(f"ckptd-faults-{os.getpid()}-{secrets.token_hex(4)}")
     with FaultProxy(("127.0.0.1", s3_server.s3_port)) as proxy:
         env = {**s3_server.env(), "AWS_ENDPOINT_URL_S3": proxy.url, "AWS_ENDPOINT_URL": proxy.url}
         yield proxy, f"s3://{bucket}/ckpt", env

@@ -22,7 +22,7 @@ import numpy as np
 
 from ckptd.client import Client
 from ckptd.core.errors import CkptdError
-from ckptd.core.names import MAX_NAME_BYTES
+from ckptd.core.names import MAX_JOB_BYTES
 from ckptd.core.wire import Connection
 from ckptd.daemon.app.launcher import DaemonProcess
 from ckptd.proto import ckptd_pb2 as pb
@@ -51,7 +51,7 @@ LONG_WAIT_DEADLINE = 1.0
 """Client deadline of a call whose wait field asks for more than LONG_WAIT seconds."""
 CHECK_EVERY = 250
 """Cases between liveness checks."""
-JOBS = ["fz-a", "fz-b", "fz.c_d", "L" * MAX_NAME_BYTES]
+JOBS = ["fz-a", "fz-b", "fz.c_d", "L" * MAX_JOB_BYTES]
 """Jobs with real checkpoints; the last is as long as a job name may be."""
 TRACEBACK = "Traceback (most recent call last)"
 PENDING = (

@@ -1,0 +1,158 @@
+"""Who may do what: jobs belong to a uid, memory to a process, paths to their readers.
+
+- **Jobs.** A job belongs to the uid that first acted on it (saved, restored,
+  adopted, watched, pinned); the owner is recorded in ``<root>/.owners/<job>``
+  before the first byte of the job is written, so it survives restarts. Another
+  uid is refused with PERMISSION_DENIED unless the operator allows it: uids in
+  ``allow_uids`` and members of a group in ``allow_gids`` may use every job;
+  jobs matching a pattern in ``shared_jobs`` may be used by anyone who reaches
+  the socket. The daemon's own uid and root are operators and may use every job.
+- **Memory.** A lease is bound to the process it was granted to (uid and pid of
+  its session); its segment is 0600 and only that process gets a descriptor of
+  it (:meth:`Access.open_lease`). Free segments are reused only for the uid
+  that used them before (staging.py), so a process that kept a mapping can never
+  write into another user's lease.
+- **Restore files.** A session may open, read-only, the files under directories
+  the daemon handed it in a Restore or FetchPeers answer (:meth:`Access.grant`).
+- **Paths.** Adopt, Watch and EnsureLocal act only inside ``adopt_dirs`` (and the
+  job's own watched directory under the root), on resolved paths, and only where
+  the calling process could read (adopt) or write (watch, put back) itself
+  (:func:`ckptd.daemon.adopt.paths.check_access`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ckptd.core.errors import InvalidArgument, NotFound, PermissionDenied
+from ckptd.core.names import check_name
+
+from ..adopt.paths import Caller
+from ..local.files import write_synced
+from ..local.staging import Staging
+from .sessions import Peer
+
+log = logging.getLogger("ckptd.access")
+
+OWNERS_DIR = ".owners"
+MAX_GRANTS = 256
+"""Restore directories remembered per session (the newest)."""
+
+
+class Access:
+    """The daemon's access decisions; methods run on the event loop."""
+
+    def __init__(
+        self,
+        root: Path,
+        staging: Staging,
+        allow_uids: tuple[int, ...] = (),
+        allow_gids: tuple[int, ...] = (),
+        shared_jobs: tuple[str, ...] = (),
+    ) -> None:
+        self.root = root
+        self.staging = staging
+        self.operators = frozenset({0, os.geteuid()})
+        self.allow_uids = frozenset(allow_uids)
+        self.allow_gids = frozenset(allow_gids)
+        self.shared_jobs = shared_jobs
+        self.owners: dict[str, int] = {}
+        self._grants: dict[str, OrderedDict[Path, None]] = {}
+        self._dir = root / OWNERS_DIR
+
+    def load(self) -> None:
+        """Read the recorded owners (start-up)."""
+        self._dir.mkdir(mode=0o750, exist_ok=True)
+        for entry in os.scandir(self._dir):
+            try:
+                job = check_name("job", entry.name)
+                with open(entry.path, "rb") as f:
+                    self.owners[job] = int(f.read(32).decode().strip())
+            except (InvalidArgument, ValueError, OSError) as exc:
+                log.warning("ignoring owner record %s: %s", entry.path, exc)
+
+    # -- jobs ----------------------------------------------------------------
+    def owner_of(self, job: str) -> int | None:
+        """The uid owning ``job``, if any (staging reuses a job's segments only for it)."""
+        return self.owners.get(job)
+
+    def caller(self, peer: Peer) -> Caller:
+        """``peer`` as adoption's path checks see it."""
+        return Caller(peer.uid, peer.groups, self.privileged(peer))
+
+    def privileged(self, peer: Peer) -> bool:
+        """Operators: root and the daemon's own uid."""
+        return peer.uid in self.operators
+
+    def may_use(self, peer: Peer, job: str) -> bool:
+        """Whether ``peer`` may act on ``job`` (without claiming it)."""
+        owner = self.owners.get(job)
+        return (
+            owner is None
+            or owner == peer.uid
+            or self.privileged(peer)
+            or peer.uid in self.allow_uids
+            or bool(peer.groups & self.allow_gids)
+            or any(fnmatch.fnmatchcase(job, p) for p in self.shared_jobs)
+        )
+
+    def check_job(self, peer: Peer, job: str, claim: bool = True) -> None:
+        """Refuse ``peer`` on another uid's job; ``claim``: record it as the owner of
+        a job nobody owns yet (operators never claim: their jobs stay open to the
+        uid that saves them)."""
+        if not self.may_use(peer, job):
+            raise PermissionDenied(
+                f"job {job!r} belongs to uid {self.owners[job]}, and this process runs as "
+                f"uid {peer.uid}; use your own job name, or ask the operator to add your "
+                "uid to allow_uids (or the job to shared_jobs) in the ckptd config"
+            )
+        if claim and job not in self.owners and not self.privileged(peer):
+            write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
+            self.owners[job] = peer.uid
+            log.info("job %r belongs to uid %d from now on", job, peer.uid)
+
+    # -- memory and files ------------------------------------------------------
+    def open_lease(self, peer: Peer, request: dict[str, Any]) -> int:
+        """A descriptor of a lease's segment, for the process it was granted to."""
+        lease = self.staging.get(str(request.get("lease_id", "")))
+        if lease.owner != peer.process:
+            raise PermissionDenied(
+                f"lease {lease.lease_id!r} was granted to another process; acquire your own"
+            )
+        return os.open(
+            self.staging.shm_dir / lease.segment.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        )
+
+    def grant(self, peer: Peer, directory: Path) -> None:
+        """Let ``peer`` open the files under ``directory`` (a restore's answer)."""
+        grants = self._grants.setdefault(peer.token, OrderedDict())
+        grants[directory] = None
+        grants.move_to_end(directory)
+        while len(grants) > MAX_GRANTS:
+            grants.popitem(last=False)
+
+    def forget(self, token: str) -> None:
+        """A session ended: drop its grants."""
+        self._grants.pop(token, None)
+
+    def open_file(self, peer: Peer, request: dict[str, Any]) -> int:
+        """A read-only descriptor of a file under a directory granted to ``peer``."""
+        path = Path(os.path.normpath(str(request.get("path", ""))))
+        granted: OrderedDict[Path, None] = self._grants.get(peer.token) or OrderedDict()
+        if not any(path.is_relative_to(d) for d in granted):
+            raise PermissionDenied(
+                f"{path} is not part of a restore answered to this process; restore first"
+            )
+        # O_NOFOLLOW on the last component; the directories above are the daemon's own.
+        real = Path(os.path.realpath(path.parent)) / path.name
+        if not any(real.is_relative_to(os.path.realpath(d)) for d in granted):
+            raise PermissionDenied(f"{path} leads outside the restore's directory")
+        try:
+            return os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound(f"{path} no longer exists; restore again") from None
