@@ -197,3 +197,45 @@ def test_watched_directory_with_unicode_digits(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "commit_success.txt").write_text("ok")
     assert [step for step, _, _ in finished_steps(tmp_path)] == [8]
+
+
+def test_paths_too_long_for_the_kernel_are_refused(make_daemon: Any, tmp_path: Path) -> None:
+    """A component over 255 bytes or a path over 4095 once answered INTERNAL (ENAMETOOLONG)."""
+    allowed = tmp_path / "adoptable"
+    allowed.mkdir()
+    d = make_daemon(extra_args=["--adopt-dirs", str(allowed)])
+    long_name = str(allowed / ("é" * 130))
+    deep = str(allowed) + "/d" * 2100
+    for method, request in [
+        ("Adopt", pb.AdoptRequest(job="a", step=1, path=long_name)),
+        ("Adopt", pb.AdoptRequest(job="a", step=1, path=deep)),
+        ("Watch", pb.WatchRequest(job="a", directory=long_name)),
+        ("Watch", pb.WatchRequest(job="a", directory=deep)),
+        ("EnsureLocal", pb.EnsureLocalRequest(job="a", directory=deep)),
+    ]:
+        code, message = call(d, method, request)
+        assert code == "INVALID_ARGUMENT" and "bytes" in message, (method, code, message)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"world_size": 2**24 + 1}, "world_size"),
+        ({"rank": 2**32 - 1, "node_ranks": [2**32 - 1]}, "world_size"),
+    ],
+)
+def test_commit_the_manifest_check_would_refuse_is_refused(
+    daemon: Daemon, fields: dict[str, Any], words: str
+) -> None:
+    """Found by the fuzzer: a commit with world_size 22,362,545 was acknowledged, drained,
+    and then refused by the manifest check when read back from the bucket (DATA_LOSS)."""
+    code, message = call(daemon, "CommitShards", commit_request(daemon, "big", 1, **fields))
+    assert code == "INVALID_ARGUMENT" and words in message, message
+
+
+def test_dimension_of_2_62_is_refused(daemon: Daemon) -> None:
+    req = commit_request(daemon, "big", 1)
+    req.shards[0].global_shape[:] = [2**63]
+    req.shards[0].index.add(start=0, stop=4)
+    code, message = call(daemon, "CommitShards", req)
+    assert code == "INVALID_ARGUMENT" and "2**62" in message, message

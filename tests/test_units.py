@@ -298,3 +298,17 @@ def test_staging_grants_a_segment_again_only_to_the_uid_that_used_it(tmp_path: P
         st.close()
 
     asyncio.run(scenario())
+
+
+def test_evicting_job_star_leaves_other_jobs_peers(tmp_path: Path) -> None:
+    """A job may be named '*': evicting its step must not remove other jobs' peer parts."""
+    from ckptd.daemon.local.store import LocalStore
+
+    store = LocalStore(tmp_path)
+    store.peers_root.mkdir(parents=True, exist_ok=True)
+    for name in ("*.5.n1", "other.5.n1", "x[.5.n1"):
+        (store.peers_root / name).mkdir()
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    store._delete("*", 5, gone)
+    assert sorted(p.name for p in store.peers_root.iterdir()) == ["other.5.n1", "x[.5.n1"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from ckptd.core.names import check_path
 
 READ, WRITE, SEARCH = 4, 2, 1
 
@@ -65,6 +66,7 @@ def resolve_inside(path: str | Path, allowed: list[Path], what: str) -> Path:
         raise InvalidArgument(f"{str(path)[:200]!r} is not an absolute path; give the daemon one")
     if any(part in ("..", ".") for part in given.parts) or "\0" in str(path):
         raise InvalidArgument(f"{str(path)[:200]!r} contains '.', '..' or NUL; give a plain path")
+    check_path("path", str(path))  # too long for the kernel: refused now, not ENAMETOOLONG later
     real = Path(os.path.realpath(given))
     for base in allowed:
         if real == base or real.is_relative_to(base):

@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.format import TensorEntry, str_to_dtype
+from ckptd.core.manifest import MAX_FILE_BYTES, MAX_WORLD_SIZE
 from ckptd.core.names import check_name, check_shard_key, check_step
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -43,6 +44,11 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
         raise InvalidArgument(
             f"world_size {world_size} must exceed every rank (max {max(node_ranks)})"
         )
+    if world_size > MAX_WORLD_SIZE:  # the manifest check refuses it when read back
+        raise InvalidArgument(
+            f"world_size {world_size} is above the {MAX_WORLD_SIZE} processes a checkpoint "
+            "may have; send the number of processes that save"
+        )
     if len(req.shards) > MAX_SHARDS:
         raise InvalidArgument(f"{len(req.shards)} shards in one commit; the limit is {MAX_SHARDS}")
     entries: list[TensorEntry] = []
@@ -64,6 +70,11 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
             ) from None
         shape = tuple(int(d) for d in sd.shape)
         gshape = tuple(int(d) for d in sd.global_shape) or shape
+        if any(d >= MAX_FILE_BYTES for d in (*shape, *gshape)):
+            raise InvalidArgument(
+                f"shard {key!r}: shape {list(shape)} or global shape {list(gshape)} has a "
+                "dimension of 2**62 or more; no array that large can be stored"
+            )
         if len(shape) > MAX_NDIM or len(gshape) != len(shape):
             raise InvalidArgument(
                 f"shard {key!r}: global_shape {list(gshape)} does not match shape {list(shape)}"

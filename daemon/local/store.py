@@ -16,6 +16,7 @@ Commit point: the rename of a staging directory to ``<root>/<job>/<step>``
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import secrets
@@ -164,7 +165,8 @@ class LocalStore:
             self._delete(job, step, trash)
 
     def _delete(self, job: str, step: int, gone: Path) -> None:
-        for peer in self.peers_root.glob(f"{job}.{step}.*"):
+        # Escaped: a job may be named '*' (or hold '?', '['), which must not match others'.
+        for peer in self.peers_root.glob(f"{glob.escape(job)}.{step}.*"):
             shutil.rmtree(peer, ignore_errors=True)
         for f in sorted(gone.glob("rank-*.safetensors")):
             size = f.stat().st_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -54,23 +55,13 @@ CHECK_EVERY = 250
 JOBS = ["fz-a", "fz-b", "fz.c_d", "L" * MAX_JOB_BYTES]
 """Jobs with real checkpoints; the last is as long as a job name may be."""
 TRACEBACK = "Traceback (most recent call last)"
-PENDING = (
-    ("Adopt", "File name too long"),
-    ("Watch", "embedded null byte"),
-    ("Watch", "File name too long"),
-    ("EnsureLocal", "embedded null byte"),
-    ("EnsureLocal", "File name too long"),
-    ("Watch", "FileExistsError"),
-    ("Watch", "NotADirectoryError"),
-    ("EnsureLocal", "FileExistsError"),
-    ("EnsureLocal", "NotADirectoryError"),
-)
-"""INTERNAL statuses whose fixes belong in servicer.py and adopter.py, which this branch
-may not edit: Adopt must pass its path through ``check_path``, Watch and EnsureLocal
-their directory through ``check_path(..., optional=True)`` (core/names.py), and the
-adopter's ``mkdir`` calls must turn an OSError into ``from_os_error(...)``
-(core/errors.py). Counted under ``pending``, not failed, until then; remove the entries
-once they do."""
+DAMAGE = ("does not verify", "set aside", "is corrupt", "not a valid manifest")
+"""A fuzz run damages no file: a log line reporting damage is a bug (a step acknowledged
+that the daemon cannot read back)."""
+PENDING: tuple[tuple[str, str], ...] = ()
+"""INTERNAL statuses whose fix belongs in a file this branch may not edit, as (RPC,
+text of the message): counted under ``pending_in_servicer`` instead of failing the
+run until the fix lands. Keep it empty."""
 
 
 @dataclass
@@ -123,6 +114,8 @@ class Harness:
                 "5",
                 "--drain-retry-max-seconds",
                 "1",
+                "--adopt-dirs",
+                str(base / "sentinel"),
             ],
             log_path=base / "daemon.log",
         )
@@ -289,8 +282,11 @@ class Harness:
         wall = time.monotonic() - self.started
         alive = self.check_alive()
         status = self.quiesce() if alive else None
+        segments_running = shm_segments(self.root)
         outside = self.sentinel.check(self.ctx.generated_names)
+        restart = self.restart() if alive else None
         log = self.daemon.log_text()
+        damage = [line for line in log.splitlines() if any(b in line for b in DAMAGE)]
         s = self.summary
         result: dict[str, Any] = {
             **extra,
@@ -315,9 +311,11 @@ class Harness:
             },
             "segments": {
                 "before_start": self.facts["segments_before_start"],
-                "after_release_running": shm_segments(self.root),
+                "after_release_running": segments_running,
             },
             "daemon_log_tracebacks": log.count(TRACEBACK),
+            "restart": restart,
+            "damage_reported": damage[:20],
             "pending_in_servicer": dict(s.pending),
             "violation_count": s.violation_count,
             "violations": s.violations,
@@ -325,6 +323,22 @@ class Harness:
         self.result, self.report = result, report
         self.write()
         return result
+
+    def restart(self) -> dict[str, Any]:
+        """Stop the daemon and start it again on the same root: it must come back with
+        every committed step (a step it acknowledged but cannot read back is set aside,
+        which the damage check then reports)."""
+        listed = self.conn.call("ListCheckpoints", pb.ListCheckpointsRequest())
+        local = sum(1 for c in listed.checkpoints if pb.TIER_LOCAL in c.tiers)
+        offset = len(self.daemon.log_text())
+        self.daemon.stop()
+        self.daemon.start()
+        found = re.search(r"recovered (\d+) committed steps", self.daemon.log_text()[offset:])
+        return {
+            "local_steps_before": local,
+            "recovered": int(found.group(1)) if found else None,
+            "alive_after": self.check_alive(),
+        }
 
     def stop(self) -> int:
         """Stop the daemon; the segments it leaves (must be none)."""

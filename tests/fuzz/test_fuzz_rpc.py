@@ -86,6 +86,8 @@ def check(h: Harness, examples: int, report: Path | None) -> None:
         assert ran >= (per_method(examples) if m.input_type.fields else 1), (m.name, ran)
     assert result["daemon_alive"], h.dead
     assert result["outside_root"]["ok"], result["outside_root"]
+    assert result["restart"]["alive_after"] and result["restart"]["recovered"], result["restart"]
+    assert not result["damage_reported"], result["damage_reported"]
     after = result["staging_after_release"]
     assert after["leases_held"] == 0 and after["in_use_bytes"] == 0, after
     assert not result["violations"], "\n\n".join(result["violations"][:10])
