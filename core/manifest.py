@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import DataLoss, InvalidArgument
-from .names import check_name, check_shard_key, check_step, check_tree_path
+from .names import MAX_NAME_BYTES, check_name, check_shard_key, check_step, check_tree_path
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -167,7 +167,9 @@ def _check(m: Manifest) -> None:
         raise InvalidArgument(f"unsupported format_version {m.format_version!r}; upgrade ckptd")
     if m.kind not in (KIND_ARRAYS, KIND_DIRECTORY):
         raise InvalidArgument(f"unknown kind {m.kind!r}; upgrade ckptd")
-    _named("job", lambda v: check_name("job", v), m.job)
+    # Job names up to 255 bytes were accepted before the 128-byte limit: their copies
+    # stay readable (not set aside at start-up), though no call can name them now.
+    _named("job", lambda v: check_name("job", v, MAX_NAME_BYTES), m.job)
     _named("node", lambda v: check_name("node", v), m.node)
     _field("step", m.step, int)
     check_step(m.step)

@@ -42,8 +42,9 @@ def check_name(kind: str, value: str, max_bytes: int | None = None) -> str:
         bad = "starts with '.' (names starting with a dot are reserved for ckptd)"
     if bad:
         raise InvalidArgument(
-            f"{kind} name {value[:80]!r} {bad}; use at most {max_bytes} bytes of letters, "
-            "digits, '-', '_' and '.'"
+            f"{kind} name {value[:80]!r} {bad}; use at most {max_bytes} bytes with no '/', "
+            "'\\', '..', control character or leading '.' (letters, digits, '-', '_' and "
+            "'.' are always safe)"
         )
     return value
 

@@ -28,15 +28,17 @@ from ckptd.core.errors import (
     InvalidArgument,
     PermissionDenied,
     Unauthenticated,
+    from_os_error,
 )
-from ckptd.core.names import check_name, check_step
+from ckptd.core.names import check_name, check_step, check_wait
+from ckptd.core.redact import redact
 from ckptd.core.session import SESSION_HEADER
 from ckptd.proto import PROTOCOL_HEADER, PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from ..adopt.adopter import Adopter
-from ..catalog import Catalog
+from ..catalog import MAX_WAIT_SECONDS, Catalog
 from ..local.admission import Admission
 from ..local.liveness import HOLDER_HEADER
 from ..local.saver import Saver
@@ -65,11 +67,17 @@ def _rpc(fn: Handler[R]) -> Handler[R]:
             if exc.status == grpc.StatusCode.INTERNAL:  # not the caller's doing (a bucket error)
                 log.exception("%s failed", fn.__name__)
             await context.abort(exc.status, str(exc))
+        except OSError as exc:
+            # A full disk or a path outside ckptd is not a bug; anything else is.
+            error = from_os_error(exc, f"{fn.__name__} failed")
+            if error.status == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", fn.__name__)
+            await context.abort(error.status, redact(str(error)))
         except Exception as exc:
             log.exception("%s failed", fn.__name__)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
-                f"internal error in {fn.__name__}: {exc!r}; see the daemon log",
+                redact(f"internal error in {fn.__name__}: {exc!r}; see the daemon log"),
             )
         raise AssertionError("unreachable: abort raises")
 
@@ -311,8 +319,9 @@ class Servicer(pb_grpc.CkptdServicer):
         peer = self._peer(context)
         job = self._job(context, request.job)[1] if request.job else ""
         catalog = self.s.catalog
-        if request.wait_seconds > 0 and not catalog.events(request.after_seq, job, 1):
-            await catalog.wait_for_event(request.after_seq, job, request.wait_seconds)
+        wait = check_wait("wait_seconds", request.wait_seconds, MAX_WAIT_SECONDS)
+        if wait > 0 and not catalog.events(request.after_seq, job, 1):
+            await catalog.wait_for_event(request.after_seq, job, wait)
         rows = [
             e
             for e in catalog.events(request.after_seq, job, request.limit or 2**31)

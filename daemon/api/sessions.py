@@ -43,12 +43,14 @@ from ckptd.core.session import MAX_LINE, session_path
 
 log = logging.getLogger("ckptd.sessions")
 
+
 def session_limit() -> int:
     """Sessions open at once: a quarter of the fd limit (raised to its hard limit at
     start-up, serve.py), so callers opening connections cannot exhaust the daemon's
     descriptors for its own files."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return max(64, soft // 4)
+
 
 Opener = Callable[["Peer", dict[str, Any]], int]
 
