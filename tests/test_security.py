@@ -46,6 +46,9 @@ def _python() -> list[str]:
     (pyenv under /root): then the system's python of the same version runs the
     worker with the venv's site-packages added (same ABI).
     """
+    for needed in (WORKER, Path(__file__).resolve().parents[1] / "core" / "session.py"):
+        if not all(p.stat().st_mode & stat.S_IXOTH for p in Path(needed).resolve().parents):
+            pytest.skip(f"{needed} is not reachable by other users (a directory above it lacks o+x)")
     if _world_usable(sys.executable):
         return [sys.executable]
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -118,6 +121,7 @@ class Node:
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
     _ensure_users()
+    _python()  # skips, saying why, if the test users could not run the worker
     base = Path(tempfile.mkdtemp(prefix="cksec", dir="/tmp"))
     os.chmod(base, 0o755)  # the users reach the socket and the adopt dir through it
     adopt_dir = base / "adopt"
