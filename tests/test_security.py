@@ -48,7 +48,7 @@ def _python() -> list[str]:
     """
     for needed in (WORKER, Path(__file__).resolve().parents[1] / "core" / "session.py"):
         if not all(p.stat().st_mode & stat.S_IXOTH for p in Path(needed).resolve().parents):
-            pytest.skip(f"{needed} is not reachable by other users (a directory above it lacks o+x)")
+            pytest.skip(f"{needed} is not reachable by other users (a directory above lacks o+x)")
     if _world_usable(sys.executable):
         return [sys.executable]
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
