@@ -126,7 +126,7 @@ def _items(value: object) -> list[str]:
 
 def _principal(text: str, kind: str) -> int:
     """A uid or gid given as a number or a name."""
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return int(text)
     try:
         return pwd.getpwnam(text).pw_uid if kind == "user" else grp.getgrnam(text).gr_gid

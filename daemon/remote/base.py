@@ -83,7 +83,7 @@ _TRANSIENT_ERRNOS = frozenset(
 def transient_http_status(code: object) -> bool:
     """HTTP statuses worth retrying: 5xx, request timeout, too many requests."""
     text = str(code)
-    return text.isdigit() and (int(text) >= 500 or int(text) in (408, 429))
+    return text.isascii() and text.isdigit() and (int(text) >= 500 or int(text) in (408, 429))
 
 
 class BufferPool:
