@@ -16,7 +16,6 @@ Commit point: the rename of a staging directory to ``<root>/<job>/<step>``
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import secrets
@@ -124,8 +123,10 @@ class LocalStore:
         )
 
     def peer_dir(self, job: str, step: int, node: str) -> Path:
-        """Where another node's part of a step lives once fetched."""
-        return self.peers_root / f"{job}.{step}.{node}"
+        """Where another node's part of a step lives once fetched: one directory per
+        job and step (a flat ``<job>.<step>.<node>`` could not tell job ``a`` step 1
+        node ``1.x`` from job ``a.1`` step 1 node ``x``)."""
+        return self.peers_root / job / str(step) / node
 
     def begin_peer(self, job: str, step: int, node: str, run: Runner) -> RenameCommit:
         """A commit of another node's part of a step, downloaded into :meth:`peer_dir`."""
@@ -165,9 +166,7 @@ class LocalStore:
             self._delete(job, step, trash)
 
     def _delete(self, job: str, step: int, gone: Path) -> None:
-        # Escaped: a job may be named '*' (or hold '?', '['), which must not match others'.
-        for peer in self.peers_root.glob(f"{glob.escape(job)}.{step}.*"):
-            shutil.rmtree(peer, ignore_errors=True)
+        shutil.rmtree(self.peers_root / job / str(step), ignore_errors=True)
         for f in sorted(gone.glob("rank-*.safetensors")):
             size = f.stat().st_size
             with self._spare_lock:
