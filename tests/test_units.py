@@ -305,10 +305,12 @@ def test_evicting_job_star_leaves_other_jobs_peers(tmp_path: Path) -> None:
     from ckptd.daemon.local.store import LocalStore
 
     store = LocalStore(tmp_path)
-    store.peers_root.mkdir(parents=True, exist_ok=True)
-    for name in ("*.5.n1", "other.5.n1", "x[.5.n1"):
-        (store.peers_root / name).mkdir()
-    gone = tmp_path / "gone"
-    gone.mkdir()
-    store._delete("*", 5, gone)
-    assert sorted(p.name for p in store.peers_root.iterdir()) == ["other.5.n1", "x[.5.n1"]
+    parts = [("*", 5, "n1"), ("other", 5, "n1"), ("x[", 5, "n1"), ("a", 1, "1.x"), ("a.1", 1, "x")]
+    for job, step, node in parts:
+        store.peer_dir(job, step, node).mkdir(parents=True)
+    for job, step in (("*", 5), ("a", 1)):  # "a" 1 "1.x" once shared a flat name with "a.1"
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        store._delete(job, step, gone)
+    left = [p for p in parts if store.peer_dir(*p).exists()]
+    assert left == [("other", 5, "n1"), ("x[", 5, "n1"), ("a.1", 1, "x")]
