@@ -173,7 +173,7 @@ class Adopter:
                 milestone=milestone,
                 metrics=dict(metrics or {}),
             )
-            await commit.finalize(manifest.to_json().encode())
+            await commit.finalize((await self.io.run(manifest.to_json)).encode())
         except BaseException as exc:
             await commit.abort()
             self.catalog.abandoned(st, f"adopting {src} failed: {exc}")

@@ -339,7 +339,10 @@ class Saver:
             metrics=dict(st.metrics),
         )
         try:
-            await pending.commit.finalize(manifest.to_json().encode())
+            # Serialised once, on a thread: per-shard work never runs on the event loop,
+            # and Restore answers reuse the same text.
+            text = await self.io.run(manifest.to_json)
+            await pending.commit.finalize(text.encode())
         except Exception as exc:
             log.exception("committing %s/%d failed", st.job, st.step)
             await self._fail(pending, f"local commit failed: {exc}")
