@@ -4,6 +4,7 @@ the numbers that bound how long the daemon waits for a caller."""
 from __future__ import annotations
 
 import math
+import re
 
 from .errors import InvalidArgument
 
@@ -84,7 +85,7 @@ def check_tree_path(kind: str, value: str) -> str:
         bad = "has an empty, '.' or '..' component"
     elif any(len(p.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for p in parts):
         bad = f"has a component longer than {MAX_NAME_BYTES} bytes"
-    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    elif _CONTROL.search(value):
         bad = "contains a NUL or control character"
     if bad:
         raise InvalidArgument(f"{kind} {value[:80]!r} {bad}; it must stay inside its tree")
@@ -149,6 +150,9 @@ def _why_bad(value: str, max_bytes: int) -> str | None:
         return "contains a path separator"
     if ".." in value:
         return "contains '..'"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if _CONTROL.search(value):  # a regex: a per-character loop cost 8 us per shard key
         return "contains a NUL or control character"
     return None
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
