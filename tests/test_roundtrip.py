@@ -347,3 +347,14 @@ def test_large_arrays_copied_in_parallel_chunks_exact(daemon: Daemon, copy_threa
     client.save(1, tree).wait("local", timeout=120)
     restored, _ = client.restore()
     assert_bits_equal(tree, restored)
+
+
+def test_a_commit_of_many_shards_is_checked_off_the_loop_and_restores(daemon: Daemon) -> None:
+    from ckptd.daemon.api.servicer import INLINE_SHARDS
+
+    client = daemon.client("many")
+    state = {f"w{i:04d}": np.full(i % 7 + 1, i, np.int32) for i in range(INLINE_SHARDS + 44)}
+    client.save(1, state).wait("local")
+    restored, _ = client.restore(step=1)
+    assert set(restored) == set(state)
+    assert all(np.array_equal(restored[k], v) for k, v in state.items())
