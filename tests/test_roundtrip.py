@@ -350,7 +350,7 @@ def test_large_arrays_copied_in_parallel_chunks_exact(daemon: Daemon, copy_threa
 
 
 def test_a_commit_of_many_shards_is_checked_off_the_loop_and_restores(daemon: Daemon) -> None:
-    from ckptd.daemon.api.servicer import INLINE_SHARDS
+    from ckptd.daemon.local.records import INLINE_SHARDS
 
     client = daemon.client("many")
     state = {f"w{i:04d}": np.full(i % 7 + 1, i, np.int32) for i in range(INLINE_SHARDS + 44)}

@@ -42,6 +42,7 @@ from ..adopt.adopter import Adopter
 from ..catalog import MAX_WAIT_SECONDS, Catalog
 from ..local.admission import Admission
 from ..local.liveness import HOLDER_HEADER
+from ..local.records import INLINE_SHARDS
 from ..local.saver import Saver
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
@@ -53,9 +54,6 @@ from .requests import parse_commit
 from .sessions import Peer, SessionServer
 
 log = logging.getLogger("ckptd.server")
-
-INLINE_SHARDS = 256
-"""Commits with more shards than this are checked on a thread, not on the event loop."""
 
 R = TypeVar("R")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]

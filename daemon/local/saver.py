@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -27,7 +26,7 @@ from typing import Any
 
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
-from ckptd.core.format import ALIGN, TensorEntry, build_header, check_layout, round_up
+from ckptd.core.format import ALIGN, TensorEntry, check_layout, round_up
 from ckptd.core.manifest import Manifest, RankRecord, ShardRecord, rank_file_name
 from ckptd.core.names import check_wait
 from ckptd.proto import ckptd_pb2 as pb
@@ -38,6 +37,7 @@ from ..commit import RenameCommit
 from ..io import IoPool, gather_all
 from .files import write_file_direct
 from .journal import Entry, Journal
+from .records import INLINE_SHARDS, rank_header, shard_records
 from .staging import Lease, Staging
 from .store import LocalStore
 
@@ -276,18 +276,11 @@ class Saver:
     ) -> None:
         st = pending.step
         name = rank_file_name(req.rank)
+        # Thousands of shards are per-shard Python: on a thread, not on the loop.
+        many = len(req.entries) > INLINE_SHARDS
         try:
-            header = build_header(
-                req.entries,
-                {
-                    "format": "ckptd",
-                    "dtypes": json.dumps(
-                        {e.key: [req.dtype_names[e.key], list(e.shape)] for e in req.entries}
-                    ),
-                },
-            )
+            header, ranges = await self.io.run(rank_header, req) if many else rank_header(req)
             data = lease.segment.view(req.data_offset, round_up(data_len))
-            ranges = [(e.offset, e.length) for e in req.entries]
             spare = self.store.take_spare(len(header) + data_len)
             _, (file_crc, crcs) = await gather_all(
                 self.io.run(
@@ -295,21 +288,8 @@ class Saver:
                 ),
                 self.io.run(checksum.of_file_and_shards, header, data, data_len, ranges),
             )
-            shards = [
-                ShardRecord(
-                    e.key,
-                    req.rank,
-                    req.dtype_names[e.key],
-                    list(e.shape),
-                    list(req.global_shapes[e.key]),
-                    [list(s) for s in req.indexes[e.key]],
-                    name,
-                    len(header) + e.offset,
-                    e.length,
-                    crc,
-                )
-                for e, crc in zip(req.entries, crcs, strict=True)
-            ]
+            args = (req, name, len(header), crcs)
+            shards = await self.io.run(shard_records, *args) if many else shard_records(*args)
             record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
             pending.ranks[req.rank] = (record, shards, req.metadata)
         except Exception as exc:  # any failure fails the step, never the daemon
