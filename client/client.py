@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptd.core import shard_wire
 from ckptd.core.errors import CapacityExhausted, CkptdUnavailable
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout, round_up
 from ckptd.core.wire import Connection
@@ -305,21 +306,7 @@ class Client:
                 node_ranks=self.node_ranks,
                 world_size=self.world_size,
                 data_offset=0,
-                shards=[
-                    pb.ShardDescriptor(
-                        key=e.key,
-                        dtype=dtypes[e.key],
-                        shape=e.shape,
-                        global_shape=placed[e.key][0] if e.key in placed else e.shape,
-                        index=[
-                            pb.SliceSpec(start=a, stop=b)
-                            for a, b in (placed[e.key][1] if e.key in placed else [])
-                        ],
-                        offset=e.offset,
-                        length=e.length,
-                    )
-                    for e in entries
-                ],
+                table=shard_wire.encode(entries, dtypes, placed),
                 tree_json=tree_json,
                 metadata_json=metadata_json,
                 milestone=milestone,

@@ -31,6 +31,7 @@ import numpy as np
 
 from ckptd.core import checksum
 from ckptd.core.format import str_to_dtype
+from ckptd.core.shard_table import rows
 
 
 def is_jax_array(node: Any) -> bool:
@@ -108,7 +109,8 @@ class ShardReader:
     ) -> None:
         self.opener = opener
         """Opens a rank file read-only (the session hands over ones this user may not)."""
-        self.by_leaf: dict[str, list[dict[str, Any]]] = {}
+        self._by_leaf: dict[str, list[dict[str, Any]]] = {}
+        self._unindexed: list[tuple[str, dict[str, Any]]] = []
         self.parts = 0
         self.add_part(directory, manifest)
         self._maps: dict[str, mmap.mmap] = {}
@@ -118,9 +120,18 @@ class ShardReader:
     def add_part(self, directory: str, manifest: dict[str, Any]) -> None:
         """Make one node's part of the step readable."""
         self.parts += 1
-        for s in manifest["shards"]:
-            shard = {**s, "path": os.path.join(directory, s["file"])}
-            self.by_leaf.setdefault(leaf_of(s["key"]), []).append(shard)
+        self._unindexed.append((directory, manifest))
+
+    @property
+    def by_leaf(self) -> dict[str, list[dict[str, Any]]]:
+        """Each saved leaf's shards across the parts added; built when first asked
+        for, so a restore that needs no resharding pays nothing per shard here."""
+        while self._unindexed:
+            directory, manifest = self._unindexed.pop(0)
+            for s in rows(manifest):
+                shard = {**s, "path": os.path.join(directory, s["file"])}
+                self._by_leaf.setdefault(leaf_of(s["key"]), []).append(shard)
+        return self._by_leaf
 
     def adopt(self, rank: int, views: dict[str, np.ndarray]) -> None:
         """Already-verified views of ``rank``'s shards (the restore's own buffer):

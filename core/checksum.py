@@ -183,11 +183,12 @@ def verify_step(directory: Path, manifest: Manifest) -> list[str]:
             except (OSError, ValueError) as exc:
                 bad.append(f"{r.file}: {exc}")
         return bad
-    by_file: dict[str, list[tuple[str, int, int, int]]] = {}
-    for s in manifest.shards:
-        by_file.setdefault(s.file, []).append((s.key, s.offset, s.length, s.crc32c))
     for r in manifest.ranks:
-        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, by_file.get(r.file, []))
+        t = manifest.shards.of_rank(r.rank)
+        shards = list(
+            zip(t.keys, t.offset.tolist(), t.length.tolist(), t.crc32c.tolist(), strict=True)
+        )
+        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards)
     return bad
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_string
 
 import ml_dtypes
 import numpy as np
@@ -121,53 +122,40 @@ def plan_layout(items: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> list[
     return entries
 
 
-def check_layout(entries: Sequence[TensorEntry]) -> int:
-    """Validate a layout received from a client; returns the data-section size.
-
-    Raises ``ValueError`` with the offending key if tensors overlap, leave
-    holes, are misaligned or their length disagrees with dtype and shape.
-    """
-    end = 0
-    seen: set[str] = set()
-    for e in sorted(entries, key=lambda x: (x.offset, x.length)):
-        if e.key in seen:
-            raise ValueError(f"duplicate shard key {e.key!r}")
-        seen.add(e.key)
-        want = nbytes_of(e.dtype, e.shape)
-        if e.length != want:
-            raise ValueError(
-                f"shard {e.key!r}: length {e.length} != {want} bytes for shape {list(e.shape)} "
-                f"of {e.dtype}"
-            )
-        if e.offset != end:
-            raise ValueError(
-                f"shard {e.key!r} starts at {e.offset} but the previous shard ends at {end}: "
-                "shards must be packed back to back with no holes or overlaps"
-            )
-        if e.length and e.offset % e.dtype.alignment:
-            raise ValueError(f"shard {e.key!r} at offset {e.offset} is not aligned to its dtype")
-        end = e.offset + e.length
-    return end
-
-
-def build_header(entries: Sequence[TensorEntry], metadata: dict[str, str]) -> bytes:
-    """The safetensors header (length prefix + JSON), padded to a multiple of ALIGN."""
-    header: dict[str, object] = {"__metadata__": metadata}
-    for e in entries:
-        code = safetensors_code(e.dtype)
+def build_header_columns(
+    keys: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[list[int]],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    metadata: Callable[[dict[str, tuple[str, list[int]]]], dict[str, str]],
+) -> bytes:
+    """The safetensors header of shards given as columns (dtype names as
+    :func:`dtype_to_str` writes them). ``metadata`` makes ``__metadata__`` from the
+    shards stored as raw ``U8`` bytes ({key: (dtype name, shape)})."""
+    codes: dict[str, str | None] = {d: safetensors_code(str_to_dtype(d)) for d in set(dtypes)}
+    raw: dict[str, tuple[str, list[int]]] = {}
+    tensors = []
+    for key, name, shape, offset, length in zip(
+        keys, dtypes, shapes, offsets, lengths, strict=True
+    ):
+        code = codes[name]
         if code is None:
-            header[e.key] = {
-                "dtype": "U8",
-                "shape": [e.length],
-                "data_offsets": [e.offset, e.offset + e.length],
-            }
-        else:
-            header[e.key] = {
-                "dtype": code,
-                "shape": list(e.shape),
-                "data_offsets": [e.offset, e.offset + e.length],
-            }
-    body = json.dumps(header, separators=(",", ":")).encode()
+            raw[key] = (name, shape)
+            code, shape = "U8", [length]
+        # Formatted, not json.dumps of a dict per tensor: 1.1 vs 2.5 us a tensor. The
+        # key is the only string that needs escaping; the rest are codes and integers.
+        tensors.append(
+            f'{_json_string(key)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
+            f'"data_offsets":[{offset},{offset + length}]}}'
+        )
+    meta = json.dumps({"__metadata__": metadata(raw)}, separators=(",", ":"))
+    body = meta[:-1] + "".join("," + t for t in tensors) + "}"
+    return _pad_header(body.encode())
+
+
+def _pad_header(body: bytes) -> bytes:
+    """Length prefix + ``body``, padded with spaces to a multiple of ALIGN."""
     total = round_up(8 + len(body))
     body += b" " * (total - 8 - len(body))
     return struct.pack("<Q", len(body)) + body

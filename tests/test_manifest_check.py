@@ -29,6 +29,27 @@ def _arrays() -> dict[str, Any]:
     return json.loads(m.to_json())
 
 
+def _arrays_v1() -> dict[str, Any]:
+    """The same manifest as format version 1 wrote it: one object per shard."""
+    raw = _arrays()
+    raw["format_version"] = 1
+    raw["shards"] = [
+        {
+            "key": "w",
+            "rank": 0,
+            "dtype": "float32",
+            "shape": [4],
+            "global_shape": [8],
+            "index": [[0, 4]],
+            "file": "rank-00000.safetensors",
+            "offset": 4096,
+            "length": 16,
+            "crc32c": 7,
+        }
+    ]
+    return raw
+
+
 def _directory() -> dict[str, Any]:
     files = ["files/.metadata", "files/a..b", "files/default/d/abc", "files/commit_success.txt"]
     ranks = [RankRecord(i, f, 10, 1, None) for i, f in enumerate(files)]
@@ -40,6 +61,15 @@ def test_valid_manifests_pass_both_kinds() -> None:
     for raw in (_arrays(), _directory()):
         text = json.dumps(raw)
         assert Manifest.from_json(text).to_json() == Manifest.from_json(text).check().to_json()
+
+
+def test_version_1_reads_as_the_same_columns() -> None:
+    old = Manifest.from_json(json.dumps(_arrays_v1()))
+    new = Manifest.from_json(json.dumps(_arrays()))
+    assert old.shards.to_plain() == new.shards.to_plain()
+    assert old.shard_records() == new.shard_records()
+    assert old.shard_records()[0].index == [[0, 4]]
+    assert old.to_json() == json.dumps(_arrays_v1())  # a copy keeps the text it came as
 
 
 BAD_ARRAYS = [
@@ -62,21 +92,50 @@ BAD_ARRAYS = [
     ("world_size", 0, "world_size"),
     ("shards.0.file", "/etc/passwd", "shards[0]"),
     ("shards.0.rank", 1, "shards[0]"),
-    ("shards.0.offset", -1, "shards[0].offset"),
-    ("shards.0.length", 17, "shards[0]"),  # 4096 + 17 > 4112: past the end of the file
+    ("shards.0.offset", -1, "offset has a value outside"),
+    ("shards.0.length", 17, "ends past the file"),  # 4096 + 17 > 4112
     ("shards.0.key", "__metadata__", "shards[0].key"),
     ("shards.0.index", [[0, 4, 5]], "shards[0].index"),
-    ("shards.0.shape", ["4"], "shards[0].shape"),
+    ("shards.0.shape", ["4"], "shards.shape must be a list of integers"),
     ("kind", "tarball", "kind"),
-    ("format_version", 2, "format_version"),
+    ("format_version", 3, "format_version"),
 ]
 
 
 @pytest.mark.parametrize(("path", "value", "field"), BAD_ARRAYS)
 def test_bad_arrays_manifest_is_refused_naming_the_field(path: str, value: Any, field: str) -> None:
-    raw = _arrays()
+    raw = _arrays_v1()
     set_field(path, value)(raw)
     with pytest.raises(ManifestInvalid, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Manifest.from_json(json.dumps(raw))
+
+
+BAD_COLUMNS = [
+    ("shards.key.0", "__metadata__", "shard key"),
+    ("shards.key.0", "../w", "shard key"),
+    ("shards.key", "w", "shards.key must be a list"),
+    ("shards.rank.0", 1, "names rank 1"),
+    ("shards.offset.0", -1, "offset has a value outside"),
+    ("shards.length.0", 17, "ends past the file of rank 0"),
+    ("shards.ndim.0", 2, "holds 1 values, not 2"),
+    ("shards.shape.0", "4", "shards.shape must be a list of integers"),
+    ("shards.shape.0", True, "shards.shape must be a list of integers"),
+    ("shards.start.0", 5, "does not place shape"),
+    ("shards.crc32c.0", 2**32, "crc32c"),
+    ("shards.length", [16, 16], "1 shard keys but 2 values of length"),
+    ("shards.global_shape.0", 2**70, "outside 64 bits"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "field"), BAD_COLUMNS)
+def test_bad_shard_columns_are_refused_naming_the_column(path: str, value: Any, field: str) -> None:
+    raw = _arrays()
+    set_field(path, value)(raw)
+    with pytest.raises(ManifestInvalid, match=field.replace("[", r"\[")):
+        Manifest.from_json(json.dumps(raw))
+    raw = _arrays()
+    del raw["shards"]["crc32c"]
+    with pytest.raises(ManifestInvalid, match="must hold the columns"):
         Manifest.from_json(json.dumps(raw))
 
 

@@ -133,7 +133,7 @@ def _file_named(name: str) -> Edit:
     def edit(raw: dict[str, Any]) -> None:
         for r in raw["ranks"]:
             r["file"] = name
-        for s in raw["shards"]:
+        for s in raw["shards"] if isinstance(raw["shards"], list) else ():  # version 1
             s["file"] = name
 
     return edit

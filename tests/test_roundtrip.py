@@ -14,13 +14,15 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from ckptd.client import CheckpointCorrupt, CheckpointNotFound
+from ckptd.core.shard_table import rows
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import META, Daemon
-from .helpers import flip_byte
+from .helpers import flip_byte, state_for
 
 RNG = np.random.default_rng(7)
 
@@ -183,12 +185,19 @@ def test_shard_files_load_with_safetensors_and_crcs_match(daemon: Daemon) -> Non
     assert manifest["ranks"][0]["crc32c"] == google_crc32c.value(data)  # what stores report
     assert manifest["ranks"][0]["size"] == len(data)
     assert manifest["job"] == "files" and manifest["step"] == 3 and manifest["node"] == "test-node"
-    assert {s["key"] for s in manifest["shards"]} == set(tree)
-    for s in manifest["shards"]:
+    assert manifest["format_version"] == 2 and isinstance(manifest["shards"]["key"], list)
+    shards = rows(manifest)
+    assert {s["key"] for s in shards} == set(tree)
+    for s in shards:
         chunk = data[s["offset"] : s["offset"] + s["length"]]
         assert google_crc32c.value(chunk) == s["crc32c"], s["key"]
         assert chunk == tree[s["key"]].tobytes()
         assert s["dtype"] in ("bfloat16", "<c16") or np.dtype(s["dtype"]) == tree[s["key"]].dtype
+    # The header names the true dtype of the tensors safetensors holds as raw bytes.
+    with safe_open(str(step_dir / "rank-00000.safetensors"), "np") as f:
+        meta = f.metadata()
+    assert meta["format"] == "ckptd"
+    assert json.loads(meta["dtypes"]) == {"bf16": ["bfloat16", [3, 3]], "c128": ["<c16", [2]]}
 
 
 def test_list_and_restore_newest_and_missing(daemon: Daemon) -> None:
@@ -234,6 +243,23 @@ def test_flipped_byte_is_detected_and_never_served(daemon: Daemon, shared_memory
     with pytest.raises(CheckpointCorrupt, match="step 1"):
         client.restore(step=1, shared_memory=shared_memory)
     assert [c.step for c in client.list()] == [2]
+
+
+def test_restore_checks_every_chunk_and_the_header(daemon: Daemon) -> None:
+    """Restore checks the whole file's crc from chunks read and checksummed side by side:
+    a flipped bit in a later chunk names its shard; one in the header's padding (no
+    shard covers it) is caught too."""
+    client = daemon.client("chunks")
+    state = state_for(0, 20)  # 20 MiB: three 8 MiB chunks
+    for step in (1, 2, 3):
+        client.save(step, state).wait("local")
+    flip_byte(daemon.root / "chunks" / "3" / "rank-00000.safetensors", where=4096 + 18 * 2**20)
+    flip_byte(daemon.root / "chunks" / "2" / "rank-00000.safetensors", where=4000)
+    tree, _ = client.restore()
+    np.testing.assert_array_equal(tree["w0"], state["w0"])
+    assert [c.step for c in client.list()] == [1]
+    details = {e.step: e.detail for e in daemon.events_of(pb.STEP_EVENT_SET_ASIDE, "chunks")}
+    assert "w3" in details[3] and "header or padding" in details[2]
 
 
 def test_truncated_file_is_corrupt(daemon: Daemon) -> None:

@@ -17,13 +17,14 @@ from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.format import (
     ALIGN,
     TensorEntry,
-    build_header,
-    check_layout,
+    build_header_columns,
     dtype_to_str,
     plan_layout,
     str_to_dtype,
 )
 from ckptd.core.names import check_name, check_shard_key, check_step
+from ckptd.core.shard_table import ShardTable
+from ckptd.core.shard_wire import decode, encode
 from ckptd.daemon.app import config
 from ckptd.daemon.local.admission import parse_size
 from ckptd.daemon.local.staging import Staging
@@ -54,7 +55,7 @@ def test_layout_is_packed_and_aligned() -> None:
         ("d", np.dtype("<c16"), (1,)),
     ]
     entries = plan_layout(items)
-    assert check_layout(entries) == 3 + 40 + 6 + 16
+    assert table_of(entries).check_layout() == 3 + 40 + 6 + 16
     for e in entries:
         assert e.offset % e.dtype.alignment == 0
     assert [e.key for e in entries][-1] == "a"  # 1-byte items last
@@ -88,15 +89,39 @@ def test_layout_is_packed_and_aligned() -> None:
     ],
 )
 def test_check_layout_rejects(entries: list[TensorEntry], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        check_layout(entries)
+    with pytest.raises(InvalidArgument, match=match):
+        table_of(entries).check_layout()
+
+
+def table_of(entries: list[TensorEntry]) -> ShardTable:
+    """Entries as the daemon receives them: encoded by the client, decoded and checked."""
+    return decode(encode(entries, {e.key: dtype_to_str(e.dtype) for e in entries}, {}))
+
+
+def header_of(entries: list[TensorEntry], meta: dict[str, str]) -> bytes:
+    t = ShardTable.from_plain(
+        {
+            "key": [e.key for e in entries],
+            "dtype": [dtype_to_str(e.dtype) for e in entries],
+            "ndim": [len(e.shape) for e in entries],
+            "shape": [d for e in entries for d in e.shape],
+            "global_shape": [d for e in entries for d in e.shape],
+            "start": [0 for e in entries for _ in e.shape],
+            "offset": [e.offset for e in entries],
+            "length": [e.length for e in entries],
+            "rank": [0] * len(entries),
+            "crc32c": [0] * len(entries),
+        }
+    )
+    off, n = t.offset.tolist(), t.length.tolist()
+    return build_header_columns(t.keys, t.dtypes, t.dims(t.shape), off, n, lambda raw: meta)
 
 
 def test_header_is_page_padded_valid_safetensors_json() -> None:
     entries = plan_layout(
         [("w", np.dtype("<f4"), (2, 2)), ("z", np.dtype(ml_dtypes.bfloat16), (3,))]
     )
-    header = build_header(entries, {"k": "v"})
+    header = header_of(entries, {"k": "v"})
     assert len(header) % ALIGN == 0
     n = int.from_bytes(header[:8], "little")
     body = json.loads(header[8 : 8 + n])
@@ -242,7 +267,7 @@ def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Pa
     assert store.take_spare(4 * 2**20) is None  # too small for this save
     buf = mmap.mmap(-1, 2 * 2**20)
     buf[:] = bytes(range(256)) * (2 * 2**20 // 256)
-    header = build_header([TensorEntry("x", np.dtype("u1"), (2**20 + 3,), 0, 2**20 + 3)], {})
+    header = header_of([TensorEntry("x", np.dtype("u1"), (2**20 + 3,), 0, 2**20 + 3)], {})
     out = tmp_path / "new.safetensors"
     write_file_direct(out, header, memoryview(buf), 2**20 + 3, store.take_spare(2**20))
     data = out.read_bytes()  # exactly the new file: no byte of the old one survives

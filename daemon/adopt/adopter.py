@@ -167,7 +167,6 @@ class Adopter:
                 world_size=1,
                 created_unix=created_unix or time.time(),
                 ranks=records,
-                shards=[],
                 kind=KIND_DIRECTORY,
                 source=str(src),
                 milestone=milestone,

@@ -7,16 +7,15 @@ passes here: names, dtypes, shapes, indexes, JSON payloads.
 from __future__ import annotations
 
 import json
-import math
-import re
 from typing import Any
 
 import numpy as np
 
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.format import TensorEntry, str_to_dtype
 from ckptd.core.manifest import MAX_FILE_BYTES, MAX_WORLD_SIZE
-from ckptd.core.names import check_name, check_shard_key, check_step
+from ckptd.core.names import check_name, check_step
+from ckptd.core.shard_table import MAX_NDIM, ShardTable
+from ckptd.core.shard_wire import decode
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..local.saver import CommitRequest
@@ -28,7 +27,6 @@ level of the saved pytree, and the manifest that holds them must stay far below 
 interpreter's recursion limit wherever it is read."""
 MAX_SHARDS = 1_000_000
 MAX_RANKS = 65536
-MAX_NDIM = 64
 
 
 def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
@@ -52,54 +50,12 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
             f"world_size {world_size} is above the {MAX_WORLD_SIZE} processes a checkpoint "
             "may have; send the number of processes that save"
         )
-    if len(req.shards) > MAX_SHARDS:
-        raise InvalidArgument(f"{len(req.shards)} shards in one commit; the limit is {MAX_SHARDS}")
-    entries: list[TensorEntry] = []
-    dtype_names: dict[str, str] = {}
-    global_shapes: dict[str, tuple[int, ...]] = {}
-    indexes: dict[str, list[tuple[int, int]]] = {}
-    for sd in req.shards:
-        key = check_shard_key(sd.key)
-        if key in dtype_names:
-            raise InvalidArgument(
-                f"duplicate shard key {key!r}; every shard of a rank needs its own key"
-            )
-        try:
-            dt = str_to_dtype(sd.dtype)
-        except ValueError as exc:
-            raise InvalidArgument(
-                f"shard {key!r}: {exc}; use a numpy dtype string (np.dtype(x).str, e.g. '<f4') "
-                "or an ml_dtypes name such as 'bfloat16'"
-            ) from None
-        shape = tuple(int(d) for d in sd.shape)
-        gshape = tuple(int(d) for d in sd.global_shape) or shape
-        if any(d >= MAX_FILE_BYTES for d in (*shape, *gshape)):
-            raise InvalidArgument(
-                f"shard {key!r}: shape {list(shape)} or global shape {list(gshape)} has a "
-                "dimension of 2**62 or more; no array that large can be stored"
-            )
-        if len(shape) > MAX_NDIM or len(gshape) != len(shape):
-            raise InvalidArgument(
-                f"shard {key!r}: global_shape {list(gshape)} does not match shape {list(shape)}"
-            )
-        index = [(int(s.start), int(s.stop)) for s in sd.index] or [(0, d) for d in shape]
-        if len(index) != len(shape) or any(
-            not (0 <= a <= b <= g) or b - a != d
-            for (a, b), d, g in zip(index, shape, gshape, strict=False)
-        ):
-            raise InvalidArgument(
-                f"shard {key!r}: index {index} does not place shape {list(shape)} inside "
-                f"global shape {list(gshape)}"
-            )
-        if math.prod(shape) * dt.itemsize != sd.length:
-            raise InvalidArgument(
-                f"shard {key!r}: length {sd.length} != {math.prod(shape) * dt.itemsize} bytes "
-                f"for shape {list(shape)} of {sd.dtype}"
-            )
-        entries.append(TensorEntry(key, dt, shape, int(sd.offset), int(sd.length)))
-        dtype_names[key] = sd.dtype
-        global_shapes[key] = gshape
-        indexes[key] = index
+    if req.shards and req.HasField("table"):
+        raise InvalidArgument("a commit sends its shards as `shards` or as `table`, not both")
+    count = len(req.table.keys) if req.HasField("table") else len(req.shards)
+    if count > MAX_SHARDS:
+        raise InvalidArgument(f"{count} shards in one commit; the limit is {MAX_SHARDS}")
+    table = decode(req.table) if req.HasField("table") else _from_descriptors(req.shards)
     return CommitRequest(
         lease_id=req.lease_id,
         job=job,
@@ -108,15 +64,69 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
         node_ranks=node_ranks,
         world_size=world_size,
         data_offset=req.data_offset,
-        entries=entries,
-        dtype_names=dtype_names,
-        global_shapes=global_shapes,
-        indexes=indexes,
+        table=table,
         tree=_json("tree_json", req.tree_json, None),
         metadata=_json("metadata_json", req.metadata_json, {}),
         milestone=req.milestone,
         metrics=_metrics(req.metrics),
     )
+
+
+def _from_descriptors(shards: Any) -> ShardTable:
+    """Shards sent one message each (older clients, journal records they left) as
+    the same checked table a client's ``table`` becomes."""
+    keys: list[str] = []
+    dtypes: list[str] = []
+    ndim: list[int] = []
+    shape: list[int] = []
+    gshape: list[int] = []
+    start: list[int] = []
+    for sd in shards:
+        dims = list(sd.shape)
+        whole = list(sd.global_shape) or dims
+        where = [(s.start, s.stop) for s in sd.index] or [(0, d) for d in dims]
+        if len(dims) > MAX_NDIM or len(whole) != len(dims) or len(where) != len(dims):
+            raise InvalidArgument(
+                f"shard {sd.key[:80]!r}: shape {dims[:16]}, global_shape {whole[:16]} and "
+                f"index {where[:16]} must have one entry per dimension"
+            )
+        if any(b - a != d for (a, b), d in zip(where, dims, strict=True)):
+            raise InvalidArgument(
+                f"shard {sd.key[:80]!r}: index {where[:16]} does not place shape {dims[:16]} "
+                f"inside global shape {whole[:16]}"
+            )
+        keys.append(sd.key)
+        dtypes.append(sd.dtype)
+        ndim.append(len(dims))
+        shape += dims
+        gshape += whole
+        start += [a for a, _ in where]
+    table = ShardTable(
+        keys,
+        dtypes,
+        *(
+            _ints(v)
+            for v in (
+                ndim,
+                shape,
+                gshape,
+                start,
+                [s.offset for s in shards],
+                [s.length for s in shards],
+            )
+        ),
+    )
+    table.check(placed=False)
+    return table
+
+
+def _ints(values: list[int]) -> Any:
+    """uint64 wire values as int64; 2**62 and above are refused before the cast."""
+    if values and max(values) >= MAX_FILE_BYTES:
+        raise InvalidArgument(
+            "a shape, offset or length of 2**62 or more; no array that large can be stored"
+        )
+    return np.array(values, np.int64)
 
 
 def _metrics(raw: Any) -> dict[str, float]:
@@ -149,18 +159,18 @@ def _json(field: str, text: str, default: Any) -> Any:
     return value
 
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
 def _depth(text: str) -> int:
     """How deeply lists and objects nest in JSON ``text``, counted on the text before
-    parsing: strings removed (a regex), then a running sum of brackets (numpy), so a
-    commit of thousands of arrays pays microseconds, not a walk of every node (0 when
-    the text has too few brackets to nest past the limit)."""
+    parsing, with array operations: escaped backslashes and quotes dropped, every
+    remaining quote toggles "inside a string", brackets outside strings summed. A
+    commit of thousands of arrays (a tree spec of ~45 bytes per leaf) pays about a
+    millisecond, not a walk of every node; 0 when the text has too few brackets to
+    nest past the limit."""
     if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
         return 0  # cannot nest deeper than it has brackets
-    brackets = np.frombuffer(_STRING.sub("", text).encode(), np.uint8)
-    step = np.zeros(len(brackets), np.int32)
-    step[(brackets == ord("[")) | (brackets == ord("{"))] = 1
-    step[(brackets == ord("]")) | (brackets == ord("}"))] = -1
-    return int(np.cumsum(step).max(initial=0))
+    plain = text.replace("\\\\", "").replace('\\"', "")
+    b = np.frombuffer(plain.encode("utf-8", "surrogatepass"), np.uint8)
+    outside = (np.cumsum(b == ord('"'), dtype=np.int64) & 1) == 0
+    opens = ((b == ord("[")) | (b == ord("{"))) & outside
+    closes = ((b == ord("]")) | (b == ord("}"))) & outside
+    return int(np.cumsum(opens.astype(np.int32) - closes).max(initial=0))

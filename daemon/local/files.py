@@ -13,6 +13,7 @@ import errno
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptd.core.format import round_up
@@ -179,12 +180,21 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         offset += n
 
 
-def read_data_direct(path: Path, offset: int, length: int, dest: memoryview) -> None:
+def read_data_direct(
+    path: Path,
+    offset: int,
+    length: int,
+    dest: memoryview,
+    chunk: int = WRITE_CHUNK,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> None:
     """Read ``length`` bytes at ``offset`` (a multiple of 4 KiB) into page-aligned ``dest``.
 
     The mirror of :func:`write_file_direct`: large aligned ``O_DIRECT`` reads into
     memory that is already faulted in, so no page cache is allocated. Raises
-    ``ValueError`` if the file is shorter than expected.
+    ``ValueError`` if the file is shorter than expected. ``on_chunk(pos, n)`` is
+    called as each ``chunk`` (a multiple of 4 KiB) lands: ``n`` bytes of the file's
+    data at ``dest[pos:]`` (a checksum can run on them while the next is read).
     """
     if len(dest) < round_up(length):
         raise ValueError("destination shorter than the padded read")
@@ -194,13 +204,28 @@ def read_data_direct(path: Path, offset: int, length: int, dest: memoryview) -> 
         while pos < length:
             # Whole blocks even past the end of the file: O_DIRECT needs them; the
             # kernel stops at EOF.
-            n = min(WRITE_CHUNK, round_up(length) - pos)
+            n = min(chunk, round_up(length) - pos)
             got = os.preadv(fd, [dest[pos : pos + n]], offset + pos)
             if got <= 0:
                 raise ValueError(f"{path} ends {length - pos} bytes early")
+            if on_chunk is not None:
+                on_chunk(pos, min(got, length - pos))
             pos += got
     finally:
         os.close(fd)
+
+
+def read_header(path: Path, length: int) -> bytes:
+    """The first ``length`` bytes of a file (a safetensors header: its crc is part
+    of the file's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, length, 0)
+    finally:
+        os.close(fd)
+    if len(head) != length:
+        raise ValueError(f"{path} ends inside its {length}-byte header")
+    return head
 
 
 def data_offset(path: Path) -> int:

@@ -1,4 +1,4 @@
-"""A rank file's header and its shard records: per-shard work, kept off the event loop.
+"""A rank file's header and its shards as the manifest records them.
 
 Both are plain functions of a validated commit, so the saver can run them on an
 I/O thread when a rank holds many shards (thousands of tensors per rank are the
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ckptd.core.format import build_header
-from ckptd.core.manifest import ShardRecord
+from ckptd.core.format import build_header_columns
+from ckptd.core.shard_table import ShardTable
 
 if TYPE_CHECKING:  # the saver imports this module
     from .saver import CommitRequest
@@ -22,34 +22,22 @@ INLINE_SHARDS = 256
 
 def rank_header(req: CommitRequest) -> tuple[bytes, list[tuple[int, int]]]:
     """The safetensors header of the rank file, and each shard's range in the data."""
-    header = build_header(
-        req.entries,
-        {
-            "format": "ckptd",
-            "dtypes": json.dumps(
-                {e.key: [req.dtype_names[e.key], list(e.shape)] for e in req.entries}
-            ),
-        },
-    )
-    return header, [(e.offset, e.length) for e in req.entries]
+    t = req.table
+    offsets, lengths = t.offset.tolist(), t.length.tolist()
+    header = build_header_columns(t.keys, t.dtypes, t.dims(t.shape), offsets, lengths, _format)
+    return header, list(zip(offsets, lengths, strict=True))
 
 
-def shard_records(
-    req: CommitRequest, name: str, header_len: int, crcs: list[int]
-) -> list[ShardRecord]:
-    """The manifest's records of the rank's shards, placed after a ``header_len`` header."""
-    return [
-        ShardRecord(
-            e.key,
-            req.rank,
-            req.dtype_names[e.key],
-            list(e.shape),
-            list(req.global_shapes[e.key]),
-            [list(s) for s in req.indexes[e.key]],
-            name,
-            header_len + e.offset,
-            e.length,
-            crc,
-        )
-        for e, crc in zip(req.entries, crcs, strict=True)
-    ]
+def _format(raw: dict[str, tuple[str, list[int]]]) -> dict[str, str]:
+    """The header's ``__metadata__``: the true dtype and shape of the tensors stored
+    as raw bytes (``U8``), which safetensors readers cannot tell from the file."""
+    meta = {"format": "ckptd"}
+    if raw:
+        meta["dtypes"] = json.dumps({k: [d, s] for k, (d, s) in raw.items()})
+    return meta
+
+
+def shard_records(req: CommitRequest, header_len: int, crcs: list[int]) -> ShardTable:
+    """The rank's shards as the manifest holds them: placed after a ``header_len``
+    header in its file, with their crc32c."""
+    return req.table.placed(req.rank, header_len, crcs)

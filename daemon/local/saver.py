@@ -26,9 +26,10 @@ from typing import Any
 
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
-from ckptd.core.format import ALIGN, TensorEntry, check_layout, round_up
-from ckptd.core.manifest import Manifest, RankRecord, ShardRecord, rank_file_name
+from ckptd.core.format import ALIGN, round_up
+from ckptd.core.manifest import Manifest, RankRecord, rank_file_name
 from ckptd.core.names import check_wait
+from ckptd.core.shard_table import ShardTable
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
@@ -57,10 +58,8 @@ class CommitRequest:
     node_ranks: tuple[int, ...]
     world_size: int
     data_offset: int
-    entries: list[TensorEntry]
-    dtype_names: dict[str, str]
-    global_shapes: dict[str, tuple[int, ...]]
-    indexes: dict[str, list[tuple[int, int]]]
+    table: ShardTable
+    """The rank's shards, checked (offsets from ``data_offset`` in the lease)."""
     tree: Any
     metadata: dict[str, Any]
     milestone: bool
@@ -73,9 +72,7 @@ class _Pending:
 
     step: Step
     commit: RenameCommit
-    ranks: dict[int, tuple[RankRecord, list[ShardRecord], dict[str, Any]]] = field(
-        default_factory=dict
-    )
+    ranks: dict[int, tuple[RankRecord, ShardTable, dict[str, Any]]] = field(default_factory=dict)
     writing: set[int] = field(default_factory=set)
     leases: dict[int, Lease] = field(default_factory=dict)
     """Each handed-off rank's lease, held until the step is LOCAL or FAILED."""
@@ -153,7 +150,7 @@ class Saver:
             raise InvalidArgument(
                 f"lease {req.lease_id!r} holds restored data; acquire a save lease instead"
             )
-        data_len = _check_layout(req.entries)
+        data_len = req.table.check_layout()
         if req.data_offset % ALIGN or req.data_offset + round_up(data_len) > lease.segment.size:
             raise InvalidArgument(
                 f"shards span bytes {req.data_offset}..{req.data_offset + data_len} but lease "
@@ -277,7 +274,7 @@ class Saver:
         st = pending.step
         name = rank_file_name(req.rank)
         # Thousands of shards are per-shard Python: on a thread, not on the loop.
-        many = len(req.entries) > INLINE_SHARDS
+        many = len(req.table) > INLINE_SHARDS
         try:
             header, ranges = await self.io.run(rank_header, req) if many else rank_header(req)
             data = lease.segment.view(req.data_offset, round_up(data_len))
@@ -288,7 +285,7 @@ class Saver:
                 ),
                 self.io.run(checksum.of_file_and_shards, header, data, data_len, ranges),
             )
-            args = (req, name, len(header), crcs)
+            args = (req, len(header), crcs)
             shards = await self.io.run(shard_records, *args) if many else shard_records(*args)
             record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
             pending.ranks[req.rank] = (record, shards, req.metadata)
@@ -313,7 +310,7 @@ class Saver:
             world_size=st.world_size,
             created_unix=time.time(),
             ranks=[r for r, _, _ in ranks],
-            shards=[s for _, shards, _ in ranks for s in shards],
+            shards=ShardTable.concat([shards for _, shards, _ in ranks]),
             metadata=next((m for _, _, m in ranks if m), {}),
             milestone=st.milestone,
             metrics=dict(st.metrics),
@@ -382,11 +379,3 @@ class Saver:
         failed = pending.step.state == pb.SAVE_STATE_FAILED and not pending.writing
         if (force or failed) and self._pending.get(pending.step.key) is pending:
             del self._pending[pending.step.key]
-
-
-def _check_layout(entries: list[TensorEntry]) -> int:
-    """Validate a client's layout, converting ValueError to InvalidArgument."""
-    try:
-        return check_layout(entries)
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from None

@@ -126,6 +126,28 @@ class ShardDescriptor(_message.Message):
     length: int
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., global_shape: _Optional[_Iterable[int]] = ..., index: _Optional[_Iterable[_Union[SliceSpec, _Mapping]]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
+class ShardTable(_message.Message):
+    __slots__ = ("keys", "dtype_names", "dtype_index", "ndim", "shape", "global_shape", "start", "offset", "length")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NDIM_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    dtype_names: _containers.RepeatedScalarFieldContainer[str]
+    dtype_index: bytes
+    ndim: bytes
+    shape: bytes
+    global_shape: bytes
+    start: bytes
+    offset: bytes
+    length: bytes
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., dtype_index: _Optional[bytes] = ..., ndim: _Optional[bytes] = ..., shape: _Optional[bytes] = ..., global_shape: _Optional[bytes] = ..., start: _Optional[bytes] = ..., offset: _Optional[bytes] = ..., length: _Optional[bytes] = ...) -> None: ...
+
 class SliceSpec(_message.Message):
     __slots__ = ("start", "stop")
     START_FIELD_NUMBER: _ClassVar[int]
@@ -135,7 +157,7 @@ class SliceSpec(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class CommitShardsRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "tree_json", "metadata_json", "milestone", "metrics")
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +173,7 @@ class CommitShardsRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     TREE_JSON_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     MILESTONE_FIELD_NUMBER: _ClassVar[int]
@@ -163,11 +186,12 @@ class CommitShardsRequest(_message.Message):
     world_size: int
     data_offset: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardDescriptor]
+    table: ShardTable
     tree_json: str
     metadata_json: str
     milestone: bool
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CommitShardsResponse(_message.Message):
     __slots__ = ("state",)

@@ -169,7 +169,12 @@ class Harness:
         """A valid CommitShards gets a lease granted for its job, big enough for its shards."""
         req = case.request
         job = req.job if req.job in self.ctx.jobs else self.ctx.jobs[0]
-        need = max([s.offset + s.length for s in req.shards] + [16]) + req.data_offset
+        ends = [s.offset + s.length for s in req.shards]
+        if req.HasField("table") and len(req.table.offset) == len(req.table.length):
+            ends += (
+                np.frombuffer(req.table.offset, "<u8") + np.frombuffer(req.table.length, "<u8")
+            ).tolist()
+        need = max([*ends, 16]) + req.data_offset
         size = need if need <= 4 * 2**20 else 4096
         lease = self._setup_call("AcquireLease", pb.AcquireLeaseRequest(job=job, size_bytes=size))
         if lease is None:  # the budget is held by leases this run left: give them back

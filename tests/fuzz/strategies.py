@@ -26,6 +26,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescri
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
+from ckptd.core.format import TensorEntry, str_to_dtype
+from ckptd.core.shard_wire import encode
 from ckptd.proto import ckptd_pb2 as pb
 
 from .values import (
@@ -261,10 +263,27 @@ def fill_field(msg: Message, f: FieldDescriptor, ctx: Context, draw: Any, hostil
         else:
             target.extend(hostile_value(f, ctx, draw) for _ in range(count))
         return
+    if f.name == "table" and not hostile:
+        # A valid commit sends its shards one way or the other: as columns half the time.
+        shards = list(getattr(msg, "shards", []))
+        valid = all(sd.dtype in VALID_DTYPES and len(sd.shape) <= 2 for sd in shards)
+        if shards and valid and draw(st.booleans()):
+            del msg.shards[:]  # type: ignore[attr-defined]
+            target.CopyFrom(as_table(shards))
+        return
     if f.message_type is not None:
         target.CopyFrom(draw(message(f.message_type, ctx, hostile)))
         return
     setattr(msg, f.name, value_of(f, ctx, draw))
+
+
+def as_table(shards: list[pb.ShardDescriptor]) -> pb.ShardTable:
+    """Valid shard descriptors as the columns a client sends."""
+    entries = [
+        TensorEntry(s.key, str_to_dtype(s.dtype), tuple(s.shape), s.offset, s.length)
+        for s in shards
+    ]
+    return encode(entries, {s.key: s.dtype for s in shards}, {})
 
 
 def valid_or_edge_int(f: FieldDescriptor) -> st.SearchStrategy[int]:
