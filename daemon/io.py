@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
+import itertools
+import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -75,15 +77,69 @@ async def gather_all(*aws: Awaitable[Any]) -> list[Any]:
 
 
 class IoPool:
-    """A bounded thread pool; ``await io.run(fn, *args)`` runs ``fn`` on it."""
+    """A bounded thread pool that runs the oldest work first: ``await io.run(fn, *args)``.
+
+    Work is queued by ``ticket`` (by default, its place in line when submitted). A
+    save takes one ticket when it is acknowledged and runs all of its work under
+    it, so when saves arrive faster than the disk takes them, an older save's last
+    steps (its records, its manifest, its rename) go before a newer save's writes,
+    and saves reach LOCAL in the order they were acknowledged. A plain FIFO pool
+    queued them behind every newer write and doubled their latency.
+    """
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max(2, threads), "ckptd-io")
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, int, concurrent.futures.Future[Any], Callable[[], Any]]] = []
+        self._order = itertools.count()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"ckptd-io_{i}", daemon=True)
+            for i in range(max(2, threads))
+        ]
+        for t in self._threads:
+            t.start()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    def ticket(self) -> int:
+        """A place in line: work run with it goes before work of any later ticket."""
+        return next(self._order)
+
+    def submit(
+        self, fn: Callable[..., T], *args: Any, ticket: int | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)``; its future. Raises RuntimeError once closed."""
+        cf: concurrent.futures.Future[T] = concurrent.futures.Future()
+        order = next(self._order)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the daemon's I/O pool is closed")
+            entry = (order if ticket is None else ticket, order, cf, lambda: fn(*args))
+            heapq.heappush(self._queue, entry)
+            self._cond.notify()
+        return cf
+
+    async def run(self, fn: Callable[..., T], *args: Any, ticket: int | None = None) -> T:
         """Run blocking ``fn(*args)`` on an I/O thread and wait for it (settled)."""
-        return await settled(self._pool.submit(fn, *args))
+        return await settled(self.submit(fn, *args, ticket=ticket))
 
     def close(self) -> None:
-        """Wait for running work, then stop the threads."""
-        self._pool.shutdown(wait=True)
+        """Run what is queued, then stop the threads."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closed, and nothing left
+                _, _, cf, call = heapq.heappop(self._queue)
+            if not cf.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                cf.set_result(call())
+            except BaseException as exc:
+                cf.set_exception(exc)

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ckptd.core import checksum
@@ -72,6 +73,8 @@ class _Pending:
 
     step: Step
     commit: RenameCommit
+    ticket: int
+    """The step's place in the I/O queue (IoPool.ticket): older saves' work goes first."""
     ranks: dict[int, tuple[RankRecord, ShardTable, dict[str, Any]]] = field(default_factory=dict)
     writing: set[int] = field(default_factory=set)
     leases: dict[int, Lease] = field(default_factory=dict)
@@ -163,7 +166,9 @@ class Saver:
         failed = st is not None and st.state == pb.SAVE_STATE_FAILED
         if st is None or (failed and not st.local and not (pending and pending.writing)):
             # The staging directory first: if it cannot be made, no step is left STAGING.
-            commit = self.store.begin_step(req.job, req.step, self.io.run)
+            # One place in the I/O queue for all of the step's work: see IoPool.
+            ticket = self.io.ticket()
+            commit = self.store.begin_step(req.job, req.step, partial(self.io.run, ticket=ticket))
             st = self.catalog.begin(
                 req.job,
                 req.step,
@@ -172,7 +177,7 @@ class Saver:
                 milestone=req.milestone,
                 metrics=req.metrics,
             )
-            pending = self._pending[key] = _Pending(st, commit)
+            pending = self._pending[key] = _Pending(st, commit, ticket)
             pending.timer = asyncio.get_running_loop().call_later(
                 self.step_timeout_seconds, self._check_complete, pending
             )
@@ -275,18 +280,17 @@ class Saver:
         name = rank_file_name(req.rank)
         # Thousands of shards are per-shard Python: on a thread, not on the loop.
         many = len(req.table) > INLINE_SHARDS
+        run = partial(self.io.run, ticket=pending.ticket)
         try:
-            header, ranges = await self.io.run(rank_header, req) if many else rank_header(req)
+            header, ranges = await run(rank_header, req) if many else rank_header(req)
             data = lease.segment.view(req.data_offset, round_up(data_len))
             spare = self.store.take_spare(len(header) + data_len)
             _, (file_crc, crcs) = await gather_all(
-                self.io.run(
-                    write_file_direct, pending.commit.path / name, header, data, data_len, spare
-                ),
-                self.io.run(checksum.of_file_and_shards, header, data, data_len, ranges),
+                run(write_file_direct, pending.commit.path / name, header, data, data_len, spare),
+                run(checksum.of_file_and_shards, header, data, data_len, ranges),
             )
             args = (req, len(header), crcs)
-            shards = await self.io.run(shard_records, *args) if many else shard_records(*args)
+            shards = await run(shard_records, *args) if many else shard_records(*args)
             record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
             pending.ranks[req.rank] = (record, shards, req.metadata)
         except Exception as exc:  # any failure fails the step, never the daemon
@@ -318,7 +322,7 @@ class Saver:
         try:
             # Serialised once, on a thread: per-shard work never runs on the event loop,
             # and Restore answers reuse the same text.
-            text = await self.io.run(manifest.to_json)
+            text = await self.io.run(manifest.to_json, ticket=pending.ticket)
             await pending.commit.finalize(text.encode())
         except Exception as exc:
             log.exception("committing %s/%d failed", st.job, st.step)
