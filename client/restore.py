@@ -8,7 +8,6 @@ here against the manifest's crc32c.
 from __future__ import annotations
 
 import fcntl
-import math
 import mmap
 import os
 import weakref
@@ -19,6 +18,7 @@ import numpy as np
 
 from ckptd.core import checksum
 from ckptd.core.format import str_to_dtype
+from ckptd.core.shard_table import table_of
 
 from .tree import unflatten
 
@@ -55,7 +55,7 @@ def map_segment_locked(fd: int, size: int) -> mmap.mmap:
 def map_file_verified(
     directory: str, manifest: dict[str, Any], rank: int, opener: Callable[[str], int]
 ) -> mmap.mmap:
-    """Map a rank file copy-on-write and check every shard's crc32c (raises Corrupt);
+    """Map a rank file copy-on-write and check it against its crc32c (raises Corrupt);
     ``opener`` opens it read-only (the session hands over files this user may not)."""
     record = rank_record(manifest, rank)
     path = os.path.join(directory, record["file"])
@@ -71,16 +71,17 @@ def map_file_verified(
             f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
     mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
-    shards = [s for s in manifest["shards"] if s["rank"] == rank]
-    crcs = checksum.of_ranges(
-        np.frombuffer(mm, np.uint8), [(s["offset"], s["length"]) for s in shards]
-    )
-    for s, crc in zip(shards, crcs, strict=True):
-        if crc != s["crc32c"]:
-            raise Corrupt(
-                f"shard {s['key']!r} in {path} has crc32c {crc:#010x}, expected {s['crc32c']:#010x}"
-            )
-    return mm
+    # One pass over the whole file against its crc (header included); only a
+    # mismatch is narrowed down to the shard that differs.
+    if checksum.value(np.frombuffer(mm, np.uint8)) == record["crc32c"]:
+        return mm
+    t = table_of(manifest).of_rank(rank)
+    ranges = list(zip(t.offset.tolist(), t.length.tolist(), strict=True))
+    crcs = checksum.of_ranges(np.frombuffer(mm, np.uint8), ranges)
+    for key, crc, want in zip(t.keys, crcs, t.crc32c.tolist(), strict=True):
+        if crc != want:
+            raise Corrupt(f"shard {key!r} in {path} has crc32c {crc:#010x}, expected {want:#010x}")
+    raise Corrupt(f"the header of {path} differs from the one committed")
 
 
 def build_tree(
@@ -94,16 +95,16 @@ def build_tree(
 ) -> tuple[Any, dict[str, Any]]:
     """Arrays as views into ``buf`` (shard offsets shifted by ``base_offset``), then the tree."""
     arrays: dict[str, np.ndarray] = {}
-    for s in manifest["shards"]:
-        if s["rank"] != rank:
-            continue
-        dt = str_to_dtype(s["dtype"])
-        if math.prod(s["shape"]) == 0:
-            arrays[s["key"]] = np.zeros(s["shape"], dt)
+    t = table_of(manifest).of_rank(rank)
+    dtypes = {name: str_to_dtype(name) for name in set(t.dtypes)}
+    offsets, lengths = (t.offset - base_offset).tolist(), t.length.tolist()
+    for key, name, shape, offset, length in zip(
+        t.keys, t.dtypes, t.dims(t.shape), offsets, lengths, strict=True
+    ):
+        if length == 0:
+            arrays[key] = np.zeros(shape, dtypes[name])
         else:
-            arrays[s["key"]] = np.ndarray(
-                s["shape"], dt, buffer=buf, offset=s["offset"] - base_offset
-            )
+            arrays[key] = np.ndarray(shape, dtypes[name], buffer=buf, offset=offset)
     if adopt is not None:
         adopt(arrays)  # jax leaves are assembled from these verified views
     tree = unflatten(rank_record(manifest, rank)["tree"], arrays, jax_leaf, target)

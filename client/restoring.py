@@ -14,7 +14,6 @@ import numpy as np
 
 from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, CkptdError
 from ckptd.core.session import open_readable
-from ckptd.core.shard_table import rows
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -51,7 +50,6 @@ def restore(
                 ) from None
             raise
         manifest = json.loads(resp.manifest_json)
-        manifest["shards"] = rows(manifest)  # one dict per shard, whichever version
         reader = ShardReader(resp.directory, manifest, opener)
         leaf_builder = jax_leaf_builder(conn, job, reader, resp)
 

@@ -323,6 +323,28 @@ def empty_table() -> ShardTable:
     return ShardTable([], [], none, none, none, none, none, none, none, none)
 
 
+def table_of(manifest: dict[str, Any]) -> ShardTable:
+    """A parsed ``manifest.json``'s shards as columns, whichever version it is (a
+    client restoring a rank; the daemon checked the manifest before handing it over)."""
+    shards = manifest["shards"]
+    if not isinstance(shards, list):
+        return ShardTable.from_plain(shards)
+    return ShardTable.from_plain(
+        {
+            "key": [s["key"] for s in shards],
+            "dtype": [s["dtype"] for s in shards],
+            "ndim": [len(s["shape"]) for s in shards],
+            "shape": [d for s in shards for d in s["shape"]],
+            "global_shape": [d for s in shards for d in s["global_shape"]],
+            "start": [p[0] for s in shards for p in s["index"]],
+            "offset": [s["offset"] for s in shards],
+            "length": [s["length"] for s in shards],
+            "rank": [s["rank"] for s in shards],
+            "crc32c": [s["crc32c"] for s in shards],
+        }
+    )
+
+
 def rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """A parsed ``manifest.json``'s shards one dict each (the fields of format version
     1: key, rank, dtype, shape, global_shape, index, file, offset, length, crc32c),
