@@ -146,6 +146,8 @@ class RangeReader:
         self._all_lock = threading.Lock()
         self.parts_read = 0
         """Parts read to the end (for status and tests)."""
+        self.parts_resumed = 0
+        """Retries that went on from a part's last whole chunk rather than its start."""
 
     def close(self) -> None:
         """Stop the threads (no transfer may be in flight) and close their connections."""
@@ -237,6 +239,9 @@ class RangeReader:
                     tries += 1
                     if not exc.transient or tries >= ATTEMPTS or transfer.stopped.is_set():
                         raise
+                    if done.pos:
+                        with self._all_lock:
+                            self.parts_resumed += 1
         except BaseException as exc:
             transfer.stop(exc)
             raise
