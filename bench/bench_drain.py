@@ -69,12 +69,14 @@ ARM_ROWS: list[tuple[str, str]] = [
     ("down_s5cmd_fsync", "peer: s5cmd download + fsync each file"),
 ]
 # (ratio, numerator arm, denominator arm, goal or None); "up_fastest" is the fastest peer upload.
+# The goals are issue 13's: drain <= 0.8x the fastest peer, restore <= 1.0x s5cmd + fsync
+# (ckptd's restore has its files fsynced, like every local commit).
 RATIOS: list[tuple[str, str, str, float | None]] = [
-    ("ckptd LOCAL->DURABLE / fastest peer upload", "drain", "up_fastest", 1.0),
+    ("ckptd LOCAL->DURABLE / fastest peer upload", "drain", "up_fastest", 0.8),
     ("ckptd handoff->DURABLE / fastest peer upload", "handoff_durable", "up_fastest", None),
-    ("ckptd restore from bucket / s5cmd download", "restore_bucket", "down_s5cmd", 1.0),
+    ("ckptd restore from bucket / s5cmd download", "restore_bucket", "down_s5cmd", None),
     ("ckptd restore+touch / s5cmd download", "restore_bucket_touch", "down_s5cmd", None),
-    ("ckptd restore / s5cmd download+fsync", "restore_bucket", "down_s5cmd_fsync", None),
+    ("ckptd restore / s5cmd download+fsync", "restore_bucket", "down_s5cmd_fsync", 1.0),
 ]
 
 
@@ -96,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="numpy default_rng seed")
     p.add_argument("--name", default="drain", help="results file name (bench/results/NAME.json)")
     p.add_argument("--keep-log", type=Path, help="copy the daemon's log here at the end")
+    p.add_argument(
+        "--only",
+        choices=("all", "restore"),
+        default="all",
+        help="'restore': only the restore arms (ckptd restore of step 0 and s5cmd download "
+        "of one untimed s5cmd upload, each rep); quicker when working on restore",
+    )
     args = p.parse_args(argv)
     if args.size_gib <= 0 or args.ranks < 1 or args.arrays < 1 or args.reps < 1:
         p.error("--size-gib, --ranks, --arrays and --reps must be positive")
@@ -455,12 +464,14 @@ class DrainBench:
         names = sorted(self.files)
         fs.put([str(self.peer_src / n) for n in names], [f"{BUCKET}/{prefix}{n}" for n in names])
 
-    def peer_download(self, rep: int) -> None:
-        """``s5cmd cp`` the files s5cmd uploaded this rep into an empty dir, then fsync them."""
+    def peer_download(self, rep: int, source_rep: int | None = None) -> None:
+        """``s5cmd cp`` the files s5cmd uploaded this rep (or ``source_rep``) into an empty
+        dir, then fsync them."""
         dest = self.run_dir / f"down-{rep}"
         dest.mkdir()
+        src_rep = rep if source_rep is None else source_rep
         cmd = [str(BIN / "s5cmd"), "--endpoint-url", self.s3.endpoint_url, "cp"]
-        cmd += [f"s3://{BUCKET}/peer-s5cmd/{rep}/*", f"{dest}/"]
+        cmd += [f"s3://{BUCKET}/peer-s5cmd/{src_rep}/*", f"{dest}/"]
         drop_caches(self.s3.data_dir)
         settle()
         meter = CpuMeter(self.s3.proc.pid).start()
@@ -495,6 +506,20 @@ class DrainBench:
     # -- one repetition ----------------------------------------------------------------
     def rep(self, rep: int) -> None:
         """Every upload arm (order rotated), then restore and download (order alternated)."""
+        if self.args.only == "restore":
+            # The newest step is DURABLE (the warm-up's, then each restore's re-warming
+            # save; retention drops older ones); the peer downloads one untimed s5cmd upload.
+            if rep == 0:
+                self.peer_upload("s5cmd", 0)
+                self.samples["up_s5cmd"].clear()
+                self.cpu.pop("up_s5cmd", None)
+            arms: list[Callable[[], None]] = [
+                lambda: self.ckptd_restore(self._step),
+                lambda: self.peer_download(rep, source_rep=0),
+            ]
+            for arm in arms if rep % 2 == 0 else arms[::-1]:
+                arm()
+            return
         uploads = ["ckptd", *PEERS]
         k = rep % len(uploads)
         for arm in uploads[k:] + uploads[:k]:

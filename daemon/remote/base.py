@@ -27,6 +27,7 @@ import errno
 import logging
 import mmap
 import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from ..commit import Commit, MarkerCommit
 from ..io import gather_all, in_thread
 from ..local.files import open_direct
 from .layout import COMMIT_FILE
+from .ranged import RangeError, RangeReader, RangeSource, Transfer, proxy_configured
 
 log = logging.getLogger("ckptd.remote")
 
@@ -150,6 +152,11 @@ def _write_part(
         view, at = view[done:], at + done
 
 
+def _truncate_and_sync(fd: int, size: int) -> None:
+    os.ftruncate(fd, size)
+    os.fsync(fd)
+
+
 def parts(size: int, part_size: int) -> list[tuple[int, int]]:
     """``(offset, length)`` of each part of a file (at least one, even if empty)."""
     return [(o, min(part_size, size - o)) for o in range(0, size, part_size)] or [(0, 0)]
@@ -168,6 +175,7 @@ class Remote(abc.ABC):
         self.concurrency = concurrency
         self.buffers = BufferPool(concurrency, part_size)
         self._limit = asyncio.Semaphore(concurrency)
+        self._ranges: RangeReader | None = None
 
     def is_transient(self, exc: BaseException) -> bool:
         """Errors worth retrying: connection trouble, timeouts, throttling, 5xx, bad
@@ -256,45 +264,87 @@ class Remote(abc.ABC):
     ) -> int:
         """Download an object into ``dest`` with parallel ranged reads; returns its crc32c.
 
-        Each part is copied into page-aligned memory (``into``, a page-aligned view
-        of at least ``round_up(size)`` bytes that keeps the whole object, or else a
-        pooled buffer) and written from there with ``O_DIRECT``, as it arrives: no
-        page cache is allocated and the disk write overlaps the network.
+        Each part lands in page-aligned memory (``into``, a page-aligned view of at
+        least ``round_up(size)`` bytes that keeps the whole object, or else a pooled
+        buffer) and is written from there with ``O_DIRECT`` as it arrives: no page
+        cache is allocated and the disk write overlaps the network. Where the backend
+        gives a :meth:`range_source`, parts are plain ranged GETs on worker threads
+        (ranged.py: nothing per byte on the event loop); otherwise through fsspec.
         ``dest`` is a new file (``O_EXCL | O_NOFOLLOW``: never an existing file or a
         symlink's target), relative to the directory ``dir_fd`` if given.
         """
         fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
         try:
-
-            async def one(offset: int, length: int) -> int:
-                if faults.armed("fetch.part"):
-                    await in_thread(faults.hit, "fetch.part")
-                if length == 0:
-                    return 0  # s3fs reads the whole object for an empty range
-                async with contextlib.AsyncExitStack() as stack:
-                    if into is not None:
-                        dst, start = into, offset
-                    else:
-                        dst, start = (
-                            memoryview(await stack.enter_async_context(self.buffers.buffer())),
-                            0,
-                        )
-                    await self._bounded(
-                        lambda: self.read_range_into(key, offset, length, dst[start:])
-                    )
-                    # Checksum and write on a worker thread: the loop only moves bytes.
-                    return await in_thread(
-                        _checksum_and_write, fd, direct, dst, start, length, offset
-                    )
-
             pieces = parts(size, self.part_size)
-            # A failed part stops its siblings before the memory (a lease) is given back.
-            crcs = await gather_all(*(one(o, n) for o, n in pieces))
-            await in_thread(os.ftruncate, fd, size)  # drop the O_DIRECT padding
-            await in_thread(os.fsync, fd)
+            source = await self.range_source(key) if size and not proxy_configured() else None
+            if source is not None:
+                crcs = await self._download_threaded(key, source, fd, direct, pieces, into)
+            else:
+                crcs = await self._download_fsspec(key, fd, direct, pieces, into)
+            await in_thread(_truncate_and_sync, fd, size)  # drop the O_DIRECT padding
         finally:
             os.close(fd)
         return checksum.combine_all([(c, n) for c, (_, n) in zip(crcs, pieces, strict=True)])
+
+    async def _download_threaded(
+        self,
+        key: str,
+        source: RangeSource,
+        fd: int,
+        direct: bool,
+        pieces: list[tuple[int, int]],
+        into: memoryview | None,
+    ) -> list[int]:
+        if self._ranges is None:
+            self._ranges = RangeReader(self.concurrency, self.ssl_context)
+        try:
+            return await self._ranges.download(
+                Transfer(key, fd, direct), pieces, into, source, self.range_source, self.buffers
+            )
+        except RangeError as exc:
+            raise RemoteError(str(exc), exc.transient) from None
+
+    async def _download_fsspec(
+        self,
+        key: str,
+        fd: int,
+        direct: bool,
+        pieces: list[tuple[int, int]],
+        into: memoryview | None,
+    ) -> list[int]:
+        async def one(offset: int, length: int) -> int:
+            if faults.armed("fetch.part"):
+                await in_thread(faults.hit, "fetch.part")
+            if length == 0:
+                return 0  # s3fs reads the whole object for an empty range
+            async with contextlib.AsyncExitStack() as stack:
+                if into is not None:
+                    dst, start = into, offset
+                else:
+                    dst, start = (
+                        memoryview(await stack.enter_async_context(self.buffers.buffer())),
+                        0,
+                    )
+                await self._bounded(lambda: self.read_range_into(key, offset, length, dst[start:]))
+                # Checksum and write on a worker thread: the loop only moves bytes.
+                return await in_thread(_checksum_and_write, fd, direct, dst, start, length, offset)
+
+        # A failed part stops its siblings before the memory (a lease) is given back.
+        return await gather_all(*(one(o, n) for o, n in pieces))
+
+    @property
+    def ranged_parts(self) -> int:
+        """Parts downloaded so far by plain ranged GETs on worker threads (ranged.py)."""
+        return self._ranges.parts_read if self._ranges is not None else 0
+
+    async def range_source(self, key: str) -> RangeSource | None:
+        """How worker threads may GET byte ranges of ``key`` with plain HTTP(S) (a URL
+        and headers), or None: downloads then go through the fsspec library."""
+        return None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS settings for :meth:`range_source` URLs (the system's CAs by default)."""
+        return ssl.create_default_context()
 
     # -- backend-specific ----------------------------------------------------------------
     @classmethod
@@ -327,7 +377,11 @@ class Remote(abc.ABC):
         await self.delete([f"{tree}/{COMMIT_FILE}"])
 
     async def close(self) -> None:
-        """Close the library's HTTP session (s3fs / gcsfs keep one open)."""
+        """Close the library's HTTP session (s3fs / gcsfs keep one open) and the
+        download threads' connections."""
+        if self._ranges is not None:
+            await asyncio.to_thread(self._ranges.close)
+            self._ranges = None
         s3 = getattr(self.fs, "_s3", None)
         if s3 is not None:
             await s3.close()

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 from ckptd.core import checksum
 
 from .base import Remote, transient_http_status
+from .ranged import RangeSource
 
 
 class GCSRemote(Remote):
@@ -38,6 +39,11 @@ class GCSRemote(Remote):
         info = await self.fs._info(self.path(key))
         value = info.get("crc32c")
         return checksum.from_base64(value) if value else None
+
+    async def range_source(self, key: str) -> RangeSource:
+        """The object's media link, with the headers (bearer token) gcsfs would send."""
+        await self.fs._set_session()
+        return RangeSource(self.fs.url(self.path(key)), dict(self.fs._get_headers(None)))
 
     def _transient(self, exc: BaseException) -> bool:
         """gcsfs raises ``HttpError`` with the response's status in ``code``."""

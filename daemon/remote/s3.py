@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -13,6 +14,7 @@ from ckptd.core import checksum
 
 from ..io import gather_all, in_thread
 from .base import Remote, RemoteError, parts, read_part, transient_http_status
+from .ranged import RangeSource
 
 log = logging.getLogger("ckptd.remote")
 
@@ -28,6 +30,8 @@ _TRANSIENT_CODES = frozenset(
         "InvalidDigest",
     }
 )
+PRESIGN_SECONDS = 3600
+"""Lifetime of a presigned download URL (a download re-signs after ranged.py's max age)."""
 META_CRC = "ckptd-crc32c"
 """User metadata holding the whole object's crc32c (multipart objects only have a composite)."""
 
@@ -195,6 +199,21 @@ class S3Remote(Remote):
                 raise self.mismatch(key, "stored (composite)", checksum.from_base64(value), expect)
         elif checksum.from_base64(stored) != whole:
             raise self.mismatch(key, "stored", checksum.from_base64(stored), whole)
+
+    async def range_source(self, key: str) -> RangeSource:
+        """A GetObject URL presigned with the client's current credentials (the signature
+        covers no ``Range``, so one URL serves every part)."""
+        bucket, obj = self._bucket_key(key)
+        await self.fs.set_session()
+        s3 = await self.fs.get_s3(bucket)
+        url = await s3.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": obj}, ExpiresIn=PRESIGN_SECONDS
+        )
+        return RangeSource(str(url))
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The system's CAs, or the bundle botocore is told to use (``AWS_CA_BUNDLE``)."""
+        return ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
 
     async def read_range_into(self, key: str, start: int, length: int, dst: memoryview) -> None:
         """Stream a ranged GET into ``dst`` in 1 MiB chunks: no whole-part ``bytes`` is
