@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: venv demo test test-fast test-slow faults fuzz soak bench proto lint typecheck clean
+.PHONY: venv demo test test-fast test-slow faults fuzz soak bench bench-deps proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -43,8 +43,22 @@ soak: venv
 	$(PY) bench/soak/soak.py $(SOAK_ARGS)
 
 # The test extra includes jax and Orbax, which the benchmarks compare against.
-bench: venv
+bench: venv bench-deps
 	$(PY) bench/run_all.py
+
+# torch for bench_transformer.py's PyTorch DCP arm, always a CPU build: the wheel in
+# TORCH_WHEEL_DIR when there is one, else torch==TORCH_VERSION from PyTorch's CPU index
+# (never PyPI's torch, which is a CUDA build). Without torch the bench skips that arm.
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+bench-deps: venv
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -c "import torch; print('torch', torch.__version__, 'already installed')"; \
+	elif ls $(TORCH_WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1; then \
+		$(PY) -m pip install -q $(TORCH_WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl; \
+	else \
+		$(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
+	fi
 
 proto: venv
 	$(PY) -m ckptd.proto.generate
