@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import mmap
@@ -23,6 +22,7 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import restoring
+from .copying import copy_into
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
 from .jax_arrays import (
@@ -36,7 +36,6 @@ from .tree import flatten
 log = logging.getLogger("ckptd.client")
 
 _MAPPED_SEGMENTS = 2  # segments kept mapped between saves (the daemon reuses them)
-_COPY_CHUNK = 16 * 2**20  # bytes per parallel copy task
 
 
 class Client:
@@ -130,30 +129,8 @@ class Client:
         return mm
 
     def _copy_into(self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]) -> None:
-        """Copy every array into its place in the lease, in chunks spread over threads."""
-        jobs = []
-        for e in entries:
-            if not e.length:
-                continue
-            src = arrays[e.key]
-            if e.length < 2 * _COPY_CHUNK and src.flags.c_contiguous and src.dtype == e.dtype:
-                # Bytes into bytes: a slice assignment costs a third of an ndarray + copyto
-                # (a transformer's state is thousands of small arrays). Dtypes the buffer
-                # protocol cannot name (bfloat16) take the numpy path.
-                with contextlib.suppress(ValueError, TypeError):
-                    mm[e.offset : e.offset + e.length] = src.data.cast("B")
-                    continue
-            dst = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset)
-            if self._copier is None or e.length < 2 * _COPY_CHUNK or src.ndim == 0:
-                np.copyto(dst, src, casting="no")
-                continue
-            # Split along the first axis into chunks of about _COPY_CHUNK bytes.
-            rows = max(1, _COPY_CHUNK * src.shape[0] // e.length)
-            for start in range(0, src.shape[0], rows):
-                piece = slice(start, start + rows)
-                jobs.append(self._copier.submit(np.copyto, dst[piece], src[piece], casting="no"))
-        for job in jobs:
-            job.result()
+        """Copy every array into its place in the lease (:func:`copy_into`)."""
+        copy_into(mm, entries, arrays, self._copier)
 
     # -- save decisions ---------------------------------------------------------
     def _previous_reached(self, stage: str) -> bool:
