@@ -179,12 +179,13 @@ class Servicer(pb_grpc.CkptdServicer):
     ) -> pb.CommitShardsResponse:
         peer, _ = self._job(context, request.job, claim=True)
         self._own_lease(peer, request.lease_id)
-        # Shards sent one message each (older clients) are per-shard Python (~10 us
-        # each): on a thread, so the loop keeps answering other ranks meanwhile. A
-        # table is checked with array operations.
+        # Thousands of shards: their table is checked with array operations, but the
+        # tree spec is parsed per leaf (and older clients send a message per shard):
+        # on a thread, so the loop keeps answering other ranks meanwhile.
+        count = max(len(request.shards), len(request.table.keys))
         parsed = (
             parse_commit(request)
-            if len(request.shards) <= INLINE_SHARDS
+            if count <= INLINE_SHARDS
             else await asyncio.to_thread(parse_commit, request)
         )
         # The request itself is journaled: a restarted daemon replays it as received.
