@@ -57,8 +57,9 @@ def hit(name: str) -> None:
     action = _POINTS.get(name)
     if action is None:
         return
+    if action in ("pause", "enospc_once") and _POINTS.pop(name, None) is None:
+        return  # a once-only point another thread took first (pop is atomic)
     if action == "pause":
-        del _POINTS[name]
         directory = Path(os.environ.get(DIR_VARIABLE, "."))
         log.warning("failpoint %s: paused until released in %s", name, directory)
         (directory / f"{name}.hit").touch()
@@ -70,8 +71,6 @@ def hit(name: str) -> None:
         log.warning("failpoint %s: sleeping %.1f s", name, delay)
         time.sleep(delay)
         return
-    if action == "enospc_once":
-        del _POINTS[name]
     log.warning("failpoint %s: raising ENOSPC", name)
     raise OSError(errno.ENOSPC, f"No space left on device (failpoint {name})")
 
