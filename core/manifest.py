@@ -103,25 +103,8 @@ class Manifest:
 
     def shard_records(self) -> list[ShardRecord]:
         """The shards one record each (built on demand: readers of a few shards)."""
-        t = self.shards
         files = {r.rank: r.file for r in self.ranks}
-        return [
-            ShardRecord(
-                k, r, d, s, g, [[a, a + n] for a, n in zip(i, s, strict=True)], files[r], o, n, c
-            )
-            for k, r, d, s, g, i, o, n, c in zip(
-                t.keys,
-                t.rank.tolist(),
-                t.dtypes,
-                t.dims(t.shape),
-                t.dims(t.global_shape),
-                t.dims(t.start),
-                t.offset.tolist(),
-                t.length.tolist(),
-                t.crc32c.tolist(),
-                strict=True,
-            )
-        ]
+        return [ShardRecord(*row) for row in self.shards.rows(files)]
 
     @property
     def size_bytes(self) -> int:

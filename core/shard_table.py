@@ -119,6 +119,25 @@ class ShardTable:
         """The shards of one rank (a manifest's table)."""
         return self.select(np.flatnonzero(self.rank == rank))
 
+    def rows(self, files: dict[int, str]) -> list[tuple[Any, ...]]:
+        """Each shard as a tuple of the fields of :data:`ROW_FIELDS` (format version 1's
+        record), ``files`` naming each rank's file."""
+        return [
+            (k, r, d, s, g, [[a, a + n] for a, n in zip(i, s, strict=True)], files[r], o, n, c)
+            for k, r, d, s, g, i, o, n, c in zip(
+                self.keys,
+                self.rank.tolist(),
+                self.dtypes,
+                self.dims(self.shape),
+                self.dims(self.global_shape),
+                self.dims(self.start),
+                self.offset.tolist(),
+                self.length.tolist(),
+                self.crc32c.tolist(),
+                strict=True,
+            )
+        ]
+
     @staticmethod
     def concat(tables: Sequence[ShardTable]) -> ShardTable:
         """One table holding every shard of ``tables``, in order."""
@@ -266,6 +285,20 @@ class ShardTable:
         return int(end[-1])
 
 
+ROW_FIELDS = (
+    "key",
+    "rank",
+    "dtype",
+    "shape",
+    "global_shape",
+    "index",
+    "file",
+    "offset",
+    "length",
+    "crc32c",
+)
+"""A shard's fields one record each (format version 1; ShardRecord's order)."""
+
 _INT_COLUMNS = (
     "ndim",
     "shape",
@@ -352,31 +385,7 @@ def rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     shards = manifest["shards"]
     if isinstance(shards, list):
         return shards
-    t = ShardTable.from_plain(shards)
     files = {r["rank"]: r["file"] for r in manifest["ranks"]}
     return [
-        {
-            "key": k,
-            "rank": r,
-            "dtype": d,
-            "shape": s,
-            "global_shape": g,
-            "index": [[a, a + n] for a, n in zip(i, s, strict=True)],
-            "file": files[r],
-            "offset": o,
-            "length": n,
-            "crc32c": c,
-        }
-        for k, r, d, s, g, i, o, n, c in zip(
-            t.keys,
-            t.rank.tolist(),
-            t.dtypes,
-            t.dims(t.shape),
-            t.dims(t.global_shape),
-            t.dims(t.start),
-            t.offset.tolist(),
-            t.length.tolist(),
-            t.crc32c.tolist(),
-            strict=True,
-        )
+        dict(zip(ROW_FIELDS, row, strict=True)) for row in ShardTable.from_plain(shards).rows(files)
     ]
