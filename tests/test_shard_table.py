@@ -131,3 +131,44 @@ def test_daemon_refuses_a_bad_table_and_keeps_serving(daemon: Daemon) -> None:
     client = daemon.client("t")
     client.save(1, {"x": np.arange(4.0)}).wait("local", timeout=60)
     assert client.restore()[0]["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def _depth_reference(text: str) -> int:
+    """JSON nesting depth by a character-at-a-time scan (the obvious, slow way)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def test_tree_depth_check_matches_a_plain_scan() -> None:
+    # The daemon's vectorised depth count (run on every commit's tree spec) agrees
+    # with a plain scan on text full of escapes, quoted brackets and deep nesting.
+    from ckptd.daemon.api.requests import MAX_JSON_DEPTH, _depth
+
+    rng = np.random.default_rng(13)
+    pieces = ["[", "{", "]", "}", '"a"', '"\\\\"', '"\\""', '"[\\"{"', '"\\\\[x"', '"]}\\\\"']
+    for _ in range(200):
+        picks = rng.choice(len(pieces), int(rng.integers(300, 3000)), p=[0.2, 0.2] + [0.075] * 8)
+        text = "".join(pieces[i] for i in picks)
+        want = _depth_reference(text)
+        got = _depth(text)
+        assert got == want or (got == 0 and text.count("[") + text.count("{") <= MAX_JSON_DEPTH)
+    spec = json.dumps({"dict": [[f"k{i}", {"list": [{"array": f"a{i}"}]}] for i in range(500)]})
+    assert _depth(spec) == _depth_reference(spec) == 6
+    deep = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
+    assert _depth(deep) == MAX_JSON_DEPTH + 1

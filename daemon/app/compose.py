@@ -27,7 +27,8 @@ from ..catalog import Catalog
 from ..io import IoPool
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
 from ..local.journal import Journal
-from ..local.saver import CommitRequest, Saver
+from ..local.pending import CommitRequest
+from ..local.saver import Saver
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
 from ..remote.backends import open_remote

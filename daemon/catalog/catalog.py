@@ -394,13 +394,14 @@ class Catalog:
         self._emit(st, pb.STEP_EVENT_PINNED if pinned else pb.STEP_EVENT_UNPINNED)
 
     @contextlib.contextmanager
-    def in_use(self, st: Step) -> Iterator[Step]:
-        """Mark a copy as being read (a fetch, a put-back): the evictor leaves it alone."""
-        st._set(busy=st.busy + 1)
+    def in_use(self, st: Step, evicting: bool = False) -> Iterator[Step]:
+        """Mark a copy as being read (a fetch, a put-back): the evictor leaves it alone.
+        ``evicting``: the evictor itself holds it while it removes the local copy."""
+        st._set(busy=st.busy + 1, evicting=st.evicting or evicting)
         try:
             yield st
         finally:
-            st._set(busy=st.busy - 1)
+            st._set(busy=st.busy - 1, evicting=st.evicting and not evicting)
 
     def served(self, st: Step) -> None:
         """A Restore (or put-back) is reading it now: no eviction for a grace period."""

@@ -63,6 +63,7 @@ _FIELDS = frozenset(
         "pinned",
         "adopted",
         "busy",
+        "evicting",
         "read_at",
         "changed",
         "unusable",
@@ -100,6 +101,9 @@ class Step:
     """An adopted directory tree (its remote layout differs: see remote/layout.py)."""
     busy: int
     """Operations reading a copy right now (a fetch); the evictor leaves it alone."""
+    evicting: bool
+    """The evictor is removing the local copy right now (a restore that chose it
+    just before finds its files gone: an eviction, not corruption)."""
     read_at: float
     """time.monotonic() of the last Restore served from it."""
     changed: asyncio.Event
@@ -124,6 +128,7 @@ class Step:
             "pinned": False,
             "adopted": False,
             "busy": 0,
+            "evicting": False,
             "read_at": -1e18,
             "changed": asyncio.Event(),
             "unusable": "",

@@ -14,7 +14,7 @@ from ckptd.core.format import build_header_columns
 from ckptd.core.shard_table import ShardTable
 
 if TYPE_CHECKING:  # the saver imports this module
-    from .saver import CommitRequest
+    from .pending import CommitRequest
 
 INLINE_SHARDS = 256
 """Ranks with more shards than this get their header and records built on a thread."""

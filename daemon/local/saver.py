@@ -21,7 +21,6 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -35,10 +34,10 @@ from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
 from ..catalog import Catalog, Step
-from ..commit import RenameCommit
 from ..io import IoPool, gather_all
 from .files import write_file_direct
 from .journal import Entry, Journal
+from .pending import CommitRequest, PendingStep
 from .records import INLINE_SHARDS, rank_header, shard_records
 from .staging import Lease, Staging
 from .store import LocalStore
@@ -46,40 +45,6 @@ from .store import LocalStore
 log = logging.getLogger("ckptd.node")
 
 MAX_WAIT_SECONDS = 3600.0
-
-
-@dataclass(frozen=True)
-class CommitRequest:
-    """A validated ``CommitShardsRequest`` (api/requests.py builds it)."""
-
-    lease_id: str
-    job: str
-    step: int
-    rank: int
-    node_ranks: tuple[int, ...]
-    world_size: int
-    data_offset: int
-    table: ShardTable
-    """The rank's shards, checked (offsets from ``data_offset`` in the lease)."""
-    tree: Any
-    metadata: dict[str, Any]
-    milestone: bool
-    metrics: dict[str, float]
-
-
-@dataclass
-class _Pending:
-    """A save being written: its staging directory and the ranks handed off so far."""
-
-    step: Step
-    commit: RenameCommit
-    ticket: int
-    """The step's place in the I/O queue (IoPool.ticket): older saves' work goes first."""
-    ranks: dict[int, tuple[RankRecord, ShardTable, dict[str, Any]]] = field(default_factory=dict)
-    writing: set[int] = field(default_factory=set)
-    leases: dict[int, Lease] = field(default_factory=dict)
-    """Each handed-off rank's lease, held until the step is LOCAL or FAILED."""
-    timer: asyncio.TimerHandle | None = None
 
 
 Spawn = Callable[[str, Coroutine[Any, Any, None]], None]
@@ -108,7 +73,7 @@ class Saver:
         self._spawn = spawn
         self.journal = journal
         self.step_timeout_seconds = step_timeout_seconds
-        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._pending: dict[tuple[str, int], PendingStep] = {}
 
     # -- leases --------------------------------------------------------------
     async def acquire_lease(
@@ -177,7 +142,7 @@ class Saver:
                 milestone=req.milestone,
                 metrics=req.metrics,
             )
-            pending = self._pending[key] = _Pending(st, commit, ticket)
+            pending = self._pending[key] = PendingStep(st, commit, ticket)
             pending.timer = asyncio.get_running_loop().call_later(
                 self.step_timeout_seconds, self._check_complete, pending
             )
@@ -254,7 +219,7 @@ class Saver:
                 self.staging.release(entry.lease_id)
         return replayed
 
-    def _check_complete(self, pending: _Pending) -> None:
+    def _check_complete(self, pending: PendingStep) -> None:
         """``step_timeout_seconds`` after a step began: fail it if ranks are missing."""
         st = pending.step
         missing = set(st.node_ranks) - set(pending.ranks) - pending.writing
@@ -274,7 +239,7 @@ class Saver:
         return list(st.node_ranks) if st.local else []
 
     async def _write_rank(
-        self, pending: _Pending, req: CommitRequest, lease: Lease, data_len: int
+        self, pending: PendingStep, req: CommitRequest, lease: Lease, data_len: int
     ) -> None:
         st = pending.step
         name = rank_file_name(req.rank)
@@ -304,7 +269,36 @@ class Saver:
         if st.state == pb.SAVE_STATE_STAGING and set(pending.ranks) == set(st.node_ranks):
             await self._commit_step(pending)
 
-    async def _commit_step(self, pending: _Pending) -> None:
+    async def _commit_step(self, pending: PendingStep) -> None:
+        try:
+            await self._after_older(pending)
+            await self._commit_in_order(pending)
+        finally:
+            pending.settled.set()
+
+    async def _after_older(self, pending: PendingStep) -> None:
+        """Wait until every older save of the job that was fully handed off is LOCAL or
+        FAILED, so a job's steps reach LOCAL in the order their saves were acknowledged.
+
+        Two steps' writes share the disk at once, and the newer (or smaller) one would
+        otherwise finish first: a reader of "the newest LOCAL step" would then skip an
+        acknowledged older one that is still in flight, and a crash in between would
+        leave a gap. An older step still waiting for ranks that never handed off is not
+        waited for: it may wait ``step_timeout_seconds``, and it fails alone.
+        """
+        me = pending.step
+        for other in list(self._pending.values()):
+            st = other.step
+            if (
+                other is not pending
+                and st.job == me.job
+                and other.ticket < pending.ticket
+                and st.state == pb.SAVE_STATE_STAGING
+                and other.handed_off()
+            ):
+                await other.settled.wait()
+
+    async def _commit_in_order(self, pending: PendingStep) -> None:
         st = pending.step
         ranks = [pending.ranks[r] for r in sorted(pending.ranks)]
         manifest = Manifest(
@@ -342,7 +336,14 @@ class Saver:
             manifest.size_bytes,
         )
 
-    async def _fail(self, pending: _Pending, reason: str) -> None:
+    async def _fail(self, pending: PendingStep, reason: str) -> None:
+        try:
+            await self._fail_step(pending, reason)
+        finally:
+            if pending.step.state == pb.SAVE_STATE_FAILED:
+                pending.settled.set()
+
+    async def _fail_step(self, pending: PendingStep, reason: str) -> None:
         if pending.step.state == pb.SAVE_STATE_FAILED:
             return
         # The memory of ranks no write still reads goes back before FAILED is
@@ -354,7 +355,7 @@ class Saver:
         await pending.commit.abort()
         await self._settle(pending)
 
-    async def _settle(self, pending: _Pending, committed: bool = False) -> None:
+    async def _settle(self, pending: PendingStep, committed: bool = False) -> None:
         """Once the step is committed (renamed into place), LOCAL or FAILED, give back
         every lease no write still reads: journaled as done first, so a replay never
         reads a reused segment."""
@@ -378,7 +379,7 @@ class Saver:
         for lease_id in ids:
             self.staging.release(lease_id)
 
-    def _forget_if_done(self, pending: _Pending, force: bool = False) -> None:
+    def _forget_if_done(self, pending: PendingStep, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""
         failed = pending.step.state == pb.SAVE_STATE_FAILED and not pending.writing
         if (force or failed) and self._pending.get(pending.step.key) is pending:

@@ -160,6 +160,8 @@ class LocalStore:
                 log.warning("%s was already gone when evicted", final)
                 continue
             gone.append((job, step, trash))
+        if gone:
+            faults.hit("evict.renamed")  # out of view; the catalog still lists them
         for parent in {self.step_dir(job, step).parent for job, step, _ in gone}:
             fsync_dir(parent)
         for job, step, trash in gone:

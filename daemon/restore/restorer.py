@@ -20,6 +20,8 @@ asked for that exact step.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -42,6 +44,10 @@ from ..local.store import LocalStore
 from .fetcher import Fetcher
 
 log = logging.getLogger("ckptd.restore")
+
+EVICTION_WAIT_SECONDS = 5.0
+"""How long a restore that lost its chosen copy to the evictor waits for the catalog
+to say so (the eviction is already under way: normally milliseconds)."""
 
 
 @dataclass(frozen=True)
@@ -167,11 +173,13 @@ class Restorer:
                 return RestorePlan(st, st.manifest, directory, None, 0)
             record = next(r for r in st.manifest.ranks if r.rank == rank)
             path = directory / record.file
+            changed = st.changed
             try:
-                offset = await self.io.run(data_offset, path)
+                offset = await self.io.run(_data_offset, path)
                 lease = self.staging.take_free(job, round_up(record.size - offset), uid)
             except (OSError, ValueError) as exc:
-                await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
+                if not await self._evicted(st, exc, changed):
+                    await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
                 continue
             if lease is None:
                 return RestorePlan(st, st.manifest, directory, None, 0)
@@ -179,13 +187,27 @@ class Restorer:
                 bad = await self.io.run(
                     _read_and_verify, path, offset, record, lease, st.manifest.shards
                 )
-            except BaseException:
+            except BaseException as exc:
                 self.staging.release(lease.lease_id)
+                if await self._evicted(st, exc, changed):
+                    continue
                 raise
             if not bad:
                 return RestorePlan(st, st.manifest, directory, lease, offset)
             self.staging.release(lease.lease_id)
             await self._set_aside(st, bad, explicit=step is not None)
+
+    async def _evicted(self, st: Step, exc: BaseException, changed: asyncio.Event) -> bool:
+        """Whether ``exc`` is the evictor removing the copy this restore chose just
+        before it was marked served (its files renamed away: not corruption). If so,
+        wait until the catalog says so (``changed``: its event when chosen), so the
+        next choice is another copy; an eviction that failed wakes us by the timeout."""
+        if not (isinstance(exc, FileNotFoundError) and (st.evicting or not st.local)):
+            return False
+        log.info("%s/%d was evicted while a restore chose it; choosing again", st.job, st.step)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), EVICTION_WAIT_SECONDS)
+        return True
 
     def lend(self, lease_id: str) -> None:
         """The client mapped a restore lease and locked it; it comes back when unlocked."""
@@ -220,6 +242,11 @@ class Restorer:
                 f"({bad[0]}) and was set aside; no other copy exists on this node. "
                 "restore() without a step picks the newest intact one"
             )
+
+
+def _data_offset(path: Path) -> int:
+    faults.hit("restore.open")  # chosen and marked served, the file not yet opened
+    return data_offset(path)
 
 
 def _read_and_verify(

@@ -140,7 +140,9 @@ class Evictor:
             return
         with contextlib.ExitStack() as held:
             for st in steps:
-                held.enter_context(self.catalog.in_use(st))  # the drain leaves them alone
+                # The drain leaves them alone; a restore that chose one just before
+                # and finds its files gone waits for this instead of setting it aside.
+                held.enter_context(self.catalog.in_use(st, evicting=True))
             await self.io.run(self.store.evict_many, [st.key for st in steps])
         for st in steps:
             self.evicted_local += 1

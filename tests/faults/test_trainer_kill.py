@@ -121,7 +121,8 @@ class Trainer:
 
     def stderr(self) -> str:
         """What the trainer printed on stderr (for failure messages)."""
-        self._err.flush()
+        if not self._err.closed:  # finish() may have reaped it already
+            self._err.flush()
         return self.log.read_text(errors="replace")[-4000:]
 
     def wait_marker(self) -> None:

@@ -1,0 +1,55 @@
+"""A save in progress as the saver sees it: the validated request, and a step's
+ranks handed off so far (split out of saver.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.core.manifest import RankRecord
+from ckptd.core.shard_table import ShardTable
+
+from ..catalog import Step
+from ..commit import RenameCommit
+from .staging import Lease
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """A validated ``CommitShardsRequest`` (api/requests.py builds it)."""
+
+    lease_id: str
+    job: str
+    step: int
+    rank: int
+    node_ranks: tuple[int, ...]
+    world_size: int
+    data_offset: int
+    table: ShardTable
+    """The rank's shards, checked (offsets from ``data_offset`` in the lease)."""
+    tree: Any
+    metadata: dict[str, Any]
+    milestone: bool
+    metrics: dict[str, float]
+
+
+@dataclass
+class PendingStep:
+    """A save being written: its staging directory and the ranks handed off so far."""
+
+    step: Step
+    commit: RenameCommit
+    ticket: int
+    """The step's place in the I/O queue (IoPool.ticket): older saves' work goes first."""
+    ranks: dict[int, tuple[RankRecord, ShardTable, dict[str, Any]]] = field(default_factory=dict)
+    writing: set[int] = field(default_factory=set)
+    leases: dict[int, Lease] = field(default_factory=dict)
+    """Each handed-off rank's lease, held until the step is LOCAL or FAILED."""
+    timer: asyncio.TimerHandle | None = None
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the step is LOCAL or FAILED: newer saves of the job commit after that."""
+
+    def handed_off(self) -> bool:
+        """Every rank of the node has handed its shards over (some may still be writing)."""
+        return set(self.step.node_ranks) <= set(self.ranks) | self.writing
