@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -34,6 +35,12 @@ class ManifestInvalid(DataLoss, ValueError):
     of range. The copy it describes is corrupt (a :class:`DataLoss`: restore serves an
     older step); a ``ValueError`` too, which is what readers that set aside unreadable
     manifests catch."""
+
+
+class RawJson(str):
+    """JSON text already parsed once and checked (a commit's tree spec): written into
+    the manifest as it came, not parsed into objects only to be written back. A
+    manifest read back from disk holds the parsed value instead."""
 
 
 def rank_file_name(rank: int) -> str:
@@ -123,14 +130,26 @@ class Manifest:
         """
         text: str | None = self.__dict__.get(_TEXT)
         if text is None:
-            text = json.dumps(self._plain(), separators=(",", ":"), sort_keys=True)
+            plain = self._plain()
+            # A tree spec that is already JSON text goes in as it is: a placeholder
+            # string (unguessable, so no value in the manifest can spell it) is
+            # replaced by the text once the rest is serialised.
+            token = f"\0{secrets.token_hex(8)}:"
+            raw: dict[str, str] = {}
+            for i, rank in enumerate(plain["ranks"]):
+                if isinstance(rank["tree"], RawJson):
+                    raw[json.dumps(f"{token}{i}")] = rank["tree"]
+                    rank["tree"] = f"{token}{i}"
+            text = json.dumps(plain, separators=(",", ":"), sort_keys=True)
+            for placeholder, tree in raw.items():
+                text = text.replace(placeholder, tree, 1)
             self.__dict__[_TEXT] = text  # a cache, not a field: frozen stays frozen
         return text
 
     def _plain(self) -> dict[str, Any]:
         """The manifest as JSON types, sharing (not copying) the records' values."""
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
-        plain["ranks"] = [vars(r) for r in self.ranks]
+        plain["ranks"] = [dict(vars(r)) for r in self.ranks]
         plain["shards"] = self.shards.to_plain()
         plain["format_version"] = FORMAT_VERSION
         return plain

@@ -238,3 +238,36 @@ def test_marker_info_ignores_fields_of_the_wrong_type() -> None:
         False,
         {"loss": 0.5},
     )
+
+
+def test_a_commits_tree_text_goes_into_the_manifest_as_written() -> None:
+    # The daemon keeps the client's tree spec text (checked JSON) instead of parsing
+    # and re-serialising it; the manifest reads back with the same tree, and text in
+    # other fields that looks like the placeholder stays as it was.
+    from ckptd.core.manifest import Manifest, RankRecord, RawJson, rank_file_name
+    from ckptd.core.shard_table import empty_table
+
+    tree_text = '{"dict": [["w", {"array": "w"}], ["lr", {"value": 0.5}], ["n", {"value": NaN}]]}'
+    ranks = [
+        RankRecord(r, rank_file_name(r), 8, 0, RawJson(tree_text) if r else {"list": []})
+        for r in range(2)
+    ]
+    m = Manifest(
+        job="j",
+        step=1,
+        node="n",
+        world_size=2,
+        created_unix=1.0,
+        ranks=ranks,
+        shards=empty_table(),
+        metadata={"note": "\u0000deadbeef:1", "tree": tree_text},
+    )
+    text = m.to_json()
+    assert tree_text in text
+    back = Manifest.from_json(text)
+    assert back.ranks[0].tree == {"list": []}
+    got = back.ranks[1].tree
+    assert got["dict"][:2] == [["w", {"array": "w"}], ["lr", {"value": 0.5}]]
+    assert got["dict"][2][1]["value"] != got["dict"][2][1]["value"]  # NaN kept
+    assert back.metadata == {"note": "\u0000deadbeef:1", "tree": tree_text}
+    assert isinstance(ranks[1].tree, RawJson)  # the records are not changed by writing

@@ -186,7 +186,17 @@ def test_store_broken_mid_part_is_one_transient_error_after_every_part_stopped(
     s3_proxy: tuple[FaultProxy, Any], chunk_pause: Path, tmp_path: Path
 ) -> None:
     proxy, run = s3_proxy
-    t, out = _in_background(lambda: run(_download_into(tmp_path)))
+    size = 12 * CHUNK + 4321
+    run.put("big", _data(size, seed=5))
+
+    async def body(r: Remote) -> int:
+        mem = mmap.mmap(-1, round_up(size))
+        return await r.download("big", tmp_path / "big.bin", size, memoryview(mem))
+
+    # Two parts of six chunks: the paused one still has five to read when the store
+    # breaks, far more than socket buffers can have swallowed already.
+    part = round_up(size // 2 + 1)
+    t, out = _in_background(lambda: run(body, part=part, threads=2))
     faults.wait_hit(chunk_pause, "fetch.chunk", timeout=60)
     proxy.set_mode("reset")  # and it stays broken
     faults.release(chunk_pause, "fetch.chunk")
