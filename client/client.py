@@ -341,7 +341,12 @@ class Client:
             self._copy_job = None
 
     def restore(
-        self, step: int | None = None, *, target: Any = None, shared_memory: bool = True
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        shared_memory: bool = True,
+        rank: int | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """Restore the newest restorable step (or ``step``): ``(tree, metadata)``.
 
@@ -360,6 +365,9 @@ class Client:
         sharding to copy), as jax arrays on that sharding: each device's slice is
         assembled from the saved shards that overlap it, so another mesh,
         sharding or device count works.
+
+        ``rank``: another rank's part of the step on this node (default: this
+        client's rank); DCP's reader reads every saving rank's items this way.
         """
         # A restarting daemon is waited for (reconnect_timeout), like a save.
         return self._handoff.retrying(
@@ -367,7 +375,7 @@ class Client:
             lambda: restoring.restore(
                 self.connection,
                 self.job,
-                self.rank,
+                self.rank if rank is None else rank,
                 step,
                 target,
                 shared_memory,

@@ -1,0 +1,114 @@
+"""torch tensors <-> numpy arrays as ckptd stores them, without copying the data.
+
+A CPU tensor becomes a numpy view of its memory (strides kept: the copy into
+the lease handles non-contiguous views, so nothing is made contiguous first).
+Dtypes numpy knows map to themselves; bfloat16 and the float8 variants map to
+their ml_dtypes types, so the manifest names the true dtype and other tools
+read them; any other dtype (complex32, float4_e2m1fn_x2, bits*, uint1-7) is
+stored as the unsigned integer of the same item size and its torch name is
+kept beside it, so it comes back as the same torch dtype.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ckptd.core.errors import InvalidArgument
+
+# Same-size unsigned integer dtypes: torch can view any dtype as one of these.
+_UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+_NATIVE: dict[torch.dtype, np.dtype] = {
+    torch.float64: np.dtype(np.float64),
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.complex128: np.dtype(np.complex128),
+    torch.complex64: np.dtype(np.complex64),
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.int16: np.dtype(np.int16),
+    torch.int8: np.dtype(np.int8),
+    torch.uint64: np.dtype(np.uint64),
+    torch.uint32: np.dtype(np.uint32),
+    torch.uint16: np.dtype(np.uint16),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
+
+
+def _ml_dtypes() -> dict[torch.dtype, np.dtype]:
+    """torch dtypes whose ml_dtypes twin has the same bits (only those both sides have)."""
+    out = {torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+        tdt, ndt = getattr(torch, name, None), getattr(ml_dtypes, name, None)
+        if tdt is not None and ndt is not None:
+            out[tdt] = np.dtype(ndt)
+    # float8_e8m0fnu: ml_dtypes and torch agree on the bits (exponent only, NaN 0xff).
+    if hasattr(torch, "float8_e8m0fnu") and hasattr(ml_dtypes, "float8_e8m0fnu"):
+        out[torch.float8_e8m0fnu] = np.dtype(ml_dtypes.float8_e8m0fnu)
+    return out
+
+
+_ML = _ml_dtypes()
+
+
+def to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A numpy view of CPU tensor ``t`` and the torch dtype name to record ("" when
+    the numpy dtype says it all). A tensor on another device is copied to the CPU."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        # The one extra copy of the non-CPU path: the lease is host memory.
+        t = t.cpu()
+    if t.is_sparse or t.layout != torch.strided:
+        raise InvalidArgument(f"a {t.layout} tensor cannot be checkpointed; convert it to dense")
+    if t.is_quantized:
+        raise InvalidArgument(f"quantized tensors ({t.dtype}) cannot be checkpointed by ckptd")
+    if t.is_conj():
+        t = t.resolve_conj()  # a lazily conjugated view: its memory holds the unconjugated value
+    if t.is_neg():
+        t = t.resolve_neg()
+    native = _NATIVE.get(t.dtype)
+    if native is not None:
+        return t.numpy(), ""
+    uint = _UINT.get(t.element_size())
+    if uint is None:
+        raise InvalidArgument(f"tensors of dtype {t.dtype} cannot be checkpointed by ckptd")
+    raw = t.view(uint).numpy()  # same item size: a view for any strides
+    ml = _ML.get(t.dtype)
+    if ml is not None:
+        return raw.view(ml), ""
+    return raw, str(t.dtype).removeprefix("torch.")
+
+
+def to_tensor(arr: np.ndarray, torch_dtype: str = "") -> torch.Tensor:
+    """A tensor sharing ``arr``'s memory; ``torch_dtype`` as :func:`to_array` recorded it.
+
+    ckptd aligns each array to numpy's alignment of its dtype (8 for complex128),
+    but torch's vectorised kernels load whole items and crash (SIGSEGV) on a
+    complex128 that is not 16-byte aligned: such an array is copied first.
+    """
+    if arr.size and arr.ctypes.data % min(arr.dtype.itemsize, 16):
+        arr = arr.copy()  # numpy allocates with 16-byte alignment
+    if torch_dtype:
+        dt = getattr(torch, torch_dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise InvalidArgument(f"the checkpoint names torch dtype {torch_dtype!r}, unknown here")
+        return torch.from_numpy(arr).view(dt)
+    if arr.dtype.type.__module__.startswith("ml_dtypes"):
+        tdt = next((k for k, v in _ML.items() if v == arr.dtype), None)
+        if tdt is None:
+            raise InvalidArgument(f"dtype {arr.dtype} has no torch equivalent here")
+        return torch.from_numpy(arr.view(f"u{arr.dtype.itemsize}")).view(tdt)
+    return torch.from_numpy(arr)
+
+
+def dtype_names() -> list[str]:
+    """Every torch dtype this module stores that DCP's planner can size (the tests walk
+    them; ``bits8``/``bits16`` are stored too, but DCP's planner rejects them)."""
+    names = [str(d).removeprefix("torch.") for d in (*_NATIVE, *_ML)]
+    for extra in ("complex32", "float4_e2m1fn_x2"):
+        if hasattr(torch, extra):
+            names.append(extra)
+    return names

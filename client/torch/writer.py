@@ -1,0 +1,201 @@
+"""``CkptdWriter``: a DCP ``StorageWriter`` that hands each rank's shards to ckptd.
+
+Every rank saves its write items as one ckptd rank of the step (``Client.save``:
+one copy into the daemon's shared-memory lease, views of the tensors, no
+serialisation). DCP knows the checkpoint's ``Metadata`` only in ``finish()``,
+on the coordinator, after every rank has written. So the coordinator keeps its
+own items until then and commits them together with the pickled metadata (a
+uint8 array: crc32c covers it like any shard). The daemon makes a step LOCAL
+only when every rank of the node has committed, so a step is never restorable
+without its metadata, and a save whose coordinator fails never becomes one
+(the daemon fails the incomplete step after its step timeout).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptd.core.errors import InvalidArgument
+
+from ..client import Client
+from ..handle import SaveHandle
+from .common import (
+    FORMAT,
+    ITEMS,
+    METADATA,
+    ClientSource,
+    checkpoint_url,
+    encode_metadata,
+    is_checkpoint_id,
+    item_key,
+    parse_checkpoint_id,
+    world,
+)
+from .tensors import to_array
+
+_STAGES = (None, "local", "durable")
+
+
+class CkptdWriter(StorageWriter):
+    """Saves a DCP checkpoint as ckptd step ``step`` of the client's job.
+
+    ``client_or_job``: a :class:`~ckptd.client.Client` whose rank is this
+    process's DCP rank, or a job name (a client is then made on first use with
+    ``rank=dist.get_rank()``, ``world_size=dist.get_world_size()`` and
+    ``node_ranks`` — default: torchrun's ranks of this node when
+    ``LOCAL_WORLD_SIZE`` says the job spans nodes, else every rank; ``socket``
+    and ``client_options`` are passed on). Only a writer made from a job name
+    can be pickled, which DCP's process executor needs.
+
+    The step comes from ``checkpoint_id`` (``dcp.save(..., checkpoint_id=N)`` or
+    ``"ckptd://<job>/<N>"``), else from ``step``. ``wait``: what ``finish()``
+    waits for on the coordinator — ``"local"`` (default: ``dcp.save`` returns
+    when the step is restorable), ``"durable"`` (in the bucket too) or None (the
+    daemon owns the bytes; a crash of the trainer no longer loses them).
+    ``metadata``, ``milestone``, ``metrics``: as for :meth:`Client.save`.
+    One save at a time per writer: wait for an ``async_save`` before the next.
+    """
+
+    def __init__(
+        self,
+        client_or_job: Client | str,
+        step: int | None = None,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        node_ranks: list[int] | None = None,
+        wait: str | None = "local",
+        timeout: float = 600.0,
+        metadata: dict[str, Any] | None = None,
+        milestone: bool = False,
+        metrics: dict[str, float] | None = None,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if wait not in _STAGES:
+            raise InvalidArgument(f"wait must be one of {_STAGES}, not {wait!r}")
+        self._source = ClientSource(client_or_job, socket, node_ranks, client_options or {})
+        self.job = self._source.job
+        self.step = None if step is None else parse_checkpoint_id(step, self.job)
+        self.wait, self.timeout = wait, timeout
+        self.user_metadata = dict(metadata or {})
+        self.milestone, self.metrics = milestone, metrics
+        self.rank = 0
+        self.is_coordinator = True
+        self.handle: SaveHandle | None = None
+        """The coordinator's handle of the last save (``handle.wait("durable")``)."""
+        self._pending: dict[str, np.ndarray] = {}
+        self._save_id = ""
+
+    # -- identity ------------------------------------------------------------
+    @property
+    def checkpoint_id(self) -> str | None:
+        """``ckptd://<job>/<step>`` of the save in progress (DCP logs it)."""
+        return checkpoint_url(self.job, self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for ``ckptd://<job>/<step>`` and step numbers."""
+        return is_checkpoint_id(checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new save begins; ``checkpoint_id`` (if given) names its step."""
+        if checkpoint_id is not None:
+            self.step = parse_checkpoint_id(checkpoint_id, self.job)
+        self._pending = {}
+        self._save_id = uuid.uuid4().hex
+        self.handle = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        """The checkpoint's URL and this save's id, recorded in DCP's metadata."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id)
+
+    # -- the protocol ----------------------------------------------------------
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Learn this process's role; make (or check) the client for its rank."""
+        if self.step is None:
+            raise InvalidArgument(
+                f"no ckptd step for this save of job {self.job!r}: pass checkpoint_id=<step> "
+                f"(or 'ckptd://{self.job}/<step>') to dcp.save, or CkptdWriter(..., step=N)"
+            )
+        if not kwargs.get("use_collectives", True) and world()[1] > 1:
+            # Then every rank would write its own metadata, and none the whole step's.
+            raise InvalidArgument("ckptd's DCP writer needs use_collectives=True")
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", world()[0]))
+        self._source.get(self.rank)
+        self._pending = {}
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Unchanged: where an item goes is fixed by its rank and index."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Unchanged (every rank saves its own items to its own ckptd rank)."""
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Hand this rank's items to the daemon (the coordinator: at ``finish()``)."""
+        items: dict[str, np.ndarray] = {}
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            key = item_key(item.index, item.type == WriteItemType.SHARD)
+            tdt = ""
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(data, io.BytesIO):
+                    raise InvalidArgument(f"{item.index.fqn}: DCP resolved bytes to {type(data)}")
+                arr = np.frombuffer(data.getvalue(), np.uint8)
+            else:
+                arr, tdt = to_array(data)  # type: ignore[arg-type]
+            if key in items:
+                raise InvalidArgument(f"two write items of rank {self.rank} share key {key!r}")
+            items[key] = arr
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=arr.nbytes,
+                    storage_data={"rank": self.rank, "key": key, "dtype": tdt},
+                )
+            )
+        if self.is_coordinator:
+            # Committed with the metadata in finish(): the step is complete with it.
+            self._pending = items
+        else:
+            self._save({ITEMS: items}, {})
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: commit its items and DCP's metadata; the step completes."""
+        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
+        tree = {ITEMS: self._pending, METADATA: encode_metadata(metadata)}
+        self._pending = {}
+        dcp = {"format": FORMAT, "world_size": len(results), "coordinator": self.rank}
+        self.handle = self._save(tree, {"dcp": dcp})
+        if self.wait is not None:
+            self.handle.wait(self.wait, timeout=self.timeout)
+
+    def _save(self, tree: dict[str, Any], extra: dict[str, Any]) -> SaveHandle:
+        assert self.step is not None
+        client = self._source.get(self.rank)
+        return client.save(
+            self.step,
+            tree,
+            {**self.user_metadata, **extra},
+            milestone=self.milestone,
+            metrics=self.metrics,
+        )
+
+    def close(self) -> None:
+        """Close the client this writer made (one given to it stays open)."""
+        self._source.close()
