@@ -184,22 +184,25 @@ class CkptdReader(StorageReader):
         client = self._source.get(world()[0])
         try:
             tree, _ = client.restore(self.step, shared_memory=self.shared_memory, rank=rank)
-        except CheckpointNotFound:
-            tree = self._from_peers(client, rank)
+        except CheckpointNotFound as exc:
+            tree = self._from_peers(client, rank, exc)
         if not isinstance(tree, dict):
             raise CheckpointCorrupt(f"{self._what()}: rank {rank}'s part is not a DCP part")
         self._parts[rank] = tree
         return tree
 
-    def _from_peers(self, client: Client, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s tree from another node's part, fetched from the bucket."""
+    def _from_peers(self, client: Client, rank: int, local: CheckpointNotFound) -> dict[str, Any]:
+        """Rank ``rank``'s tree from another node's part, fetched from the bucket
+        (``local``: why this node's daemon has none)."""
         assert self.step is not None
         try:
             peers = client.connection.call(
                 "FetchPeers", pb.FetchPeersRequest(job=self.job, step=self.step)
             )
         except CheckpointNotFound:
-            peers = pb.FetchPeersResponse()
+            raise local from None  # the daemon knows no such step at all
+        if not peers.parts:
+            raise local  # no remote tier, or no other node saved the step
         for part in peers.parts:
             manifest = json.loads(part.manifest_json)
             if not any(r["rank"] == rank for r in manifest["ranks"]):

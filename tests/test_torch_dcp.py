@@ -1,0 +1,245 @@
+"""PyTorch DCP through ckptd: dcp.save / async_save / load with CkptdWriter / CkptdReader
+against a real daemon, in one process and in gloo jobs of 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the DCP integration needs torch (make bench-deps)")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+from ckptd.client import CheckpointNotFound, CkptdError  # noqa: E402
+from ckptd.client.torch import CkptdReader, CkptdWriter  # noqa: E402
+from ckptd.client.torch.tensors import dtype_names  # noqa: E402
+
+from .conftest import Daemon, RemoteTarget  # noqa: E402
+from .test_jax_multihost import free_port  # noqa: E402
+from .test_remote_tier import remote_daemon  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# DCP warns that it saves "in a single process" whenever no process group is up.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def random_of(name: str, shape: tuple[int, ...], seed: int) -> Any:
+    """A tensor of dtype ``name`` with random bits (valid values for bool)."""
+    dt = getattr(torch, name)
+    g = torch.Generator().manual_seed(seed)
+    if dt == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    size = torch.empty(0, dtype=dt).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=g)
+    return raw.view(dt)
+
+
+def bits(t: Any) -> Any:
+    """A tensor's bytes, for bit-exact comparisons (NaN payloads included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(want: dict[str, Any], got: dict[str, Any]) -> None:
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            assert torch.equal(bits(got[k]), bits(v)), k
+        else:
+            assert got[k] == v, k
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A load target: zeroed tensors, and dicts whose leaves DCP replaces."""
+    return {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v)
+        for k, v in state.items()
+    }
+
+
+def every_dtype(seed: int) -> dict[str, Any]:
+    state: dict[str, Any] = {n: random_of(n, (3, 4), seed + i) for i, n in enumerate(dtype_names())}
+    state["transposed"] = torch.randn(6, 4).t()  # non-contiguous
+    state["sliced"] = torch.arange(40, dtype=torch.float64).reshape(8, 5)[::2, 1:4]
+    state["empty"] = torch.zeros(0, 7)
+    state["scalar"] = torch.tensor(3.25)
+    state["param"] = torch.nn.Parameter(torch.randn(5))  # requires_grad
+    state["extra"] = {"epoch": 3, "name": "every-dtype"}
+    return state
+
+
+def test_every_dtype_round_trips_bit_exact(daemon: Daemon) -> None:
+    state = every_dtype(0)
+    client = daemon.client("dcp")
+    writer = CkptdWriter(client)
+    dcp.save(state, checkpoint_id=5, storage_writer=writer)
+    assert [(c.step, c.state) for c in client.list()] == [(5, "LOCAL")]  # wait="local"
+    got = zeros_like(state)
+    got["param"] = torch.nn.Parameter(torch.zeros(5))
+    dcp.load(got, checkpoint_id="ckptd://dcp/5", storage_reader=CkptdReader(client))
+    assert_same(state, got)
+    assert got["param"].requires_grad
+
+
+def test_async_save_then_load_from_another_client(daemon: Daemon) -> None:
+    state = every_dtype(1)
+    writer = CkptdWriter("dcp-async", socket=daemon.socket)
+    try:
+        fut = dcp.async_save(state, checkpoint_id=2, storage_writer=writer)
+        fut.result(timeout=120)  # type: ignore[union-attr]
+        assert writer.handle is not None and writer.handle.step == 2
+        got = zeros_like(state)
+        reader = CkptdReader("dcp-async", socket=daemon.socket)  # newest step
+        dcp.load(got, storage_reader=reader)
+        assert reader.step == 2
+        reader.close()
+        assert_same(state, got)
+    finally:
+        writer.close()
+
+
+class Counter:
+    """A Stateful object: DCP calls state_dict() on save and load_state_dict() on load."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.t = torch.full((2,), float(n))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n, self.t = sd["n"], sd["t"]
+
+
+def test_model_and_adamw_through_get_and_set_state_dict(daemon: Daemon) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    for _ in range(2):
+        m(torch.randn(3, 5)).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(m, opt)
+    client = daemon.client("mo")
+    state = {"model": msd, "optim": osd, "counter": Counter(7)}
+    dcp.save(state, checkpoint_id=10, storage_writer=CkptdWriter(client))
+
+    torch.manual_seed(1)
+    m2 = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    msd2, osd2 = get_state_dict(m2, opt2)
+    counter = Counter(0)
+    dcp.load(
+        {"model": msd2, "optim": osd2, "counter": counter},
+        checkpoint_id=10,
+        storage_reader=CkptdReader(client),
+    )
+    set_state_dict(m2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    assert counter.n == 7 and torch.equal(counter.t, torch.full((2,), 7.0))
+    for a, b in zip(m.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s2["param_groups"][0]["lr"] == 0.1
+    for k, st in s1["state"].items():
+        for name, v in st.items():
+            assert torch.equal(v, s2["state"][k][name]), (k, name)
+
+
+def test_bad_checkpoint_ids_and_missing_steps_are_clear_errors(daemon: Daemon) -> None:
+    client = daemon.client("ids")
+    for bad in ("ckptd://other-job/3", "s3://bucket/x", -1, 2.5):
+        with pytest.raises(CkptdError, match="checkpoint_id|job"):
+            dcp.save({"a": torch.ones(2)}, checkpoint_id=bad, storage_writer=CkptdWriter(client))
+    # Errors inside DCP's phases reach the caller wrapped, with ckptd's message.
+    with pytest.raises(CheckpointException, match="no ckptd step for this save"):
+        dcp.save({"a": torch.ones(2)}, storage_writer=CkptdWriter(client))
+    with pytest.raises(CheckpointException, match="no save of step 4") as info:
+        dcp.load({"a": torch.ones(2)}, checkpoint_id=4, storage_reader=CkptdReader(client))
+    assert "ids" in str(info.value)
+    # A step saved with Client.save, not DCP: said so, not a pickle error.
+    client.save(8, {"a": torch.ones(2).numpy()}).wait("local")
+    with pytest.raises(CheckpointException, match="not saved by ckptd's DCP writer"):
+        dcp.load({"a": torch.ones(2)}, checkpoint_id=8, storage_reader=CkptdReader(client))
+    with pytest.raises(CheckpointNotFound):
+        CkptdReader(client, 8).read_metadata(rank=0)
+
+
+def test_wiped_local_tier_loads_from_the_bucket(make_daemon: Any, tmp_path: Path) -> None:
+    bucket = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    d = remote_daemon(make_daemon, bucket)
+    state = every_dtype(2)
+    writer = CkptdWriter("dcp-remote", socket=d.socket, wait="durable")
+    dcp.save(state, checkpoint_id=3, storage_writer=writer)
+    writer.close()
+    assert d.stop() == 0
+    shutil.rmtree(d.root)
+    d.restart()
+    got = zeros_like(state)
+    reader = CkptdReader("dcp-remote", socket=d.socket)
+    dcp.load(got, checkpoint_id=3, storage_reader=reader)
+    reader.close()
+    assert_same(state, got)
+
+
+def run_job(world: int, mode: str, socket: Path, step: int, expected: Path) -> None:
+    """``world`` worker processes of one gloo job; fail with their output."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.torch_dcp_worker",
+                mode,
+                str(rank),
+                str(world),
+                port,
+                str(socket),
+                str(step),
+                str(expected),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outputs.append(out)
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(f"--- rank {i}:\n{outputs[i][-4000:]}" for i in failed)
+
+
+def test_two_ranks_save_and_load(daemon: Daemon, tmp_path: Path) -> None:
+    run_job(2, "plain-save", daemon.socket, 4, tmp_path / "unused")
+    (info,) = daemon.client("dcp-mp").list()
+    assert (info.step, info.state) == (4, "LOCAL")
+    run_job(2, "plain-load", daemon.socket, 4, tmp_path / "unused")
+
+
+@pytest.mark.slow
+def test_fsdp2_on_four_ranks_loads_on_two(daemon: Daemon, tmp_path: Path) -> None:
+    expected = tmp_path / "expected.pt"
+    run_job(4, "fsdp-save", daemon.socket, 6, expected)
+    run_job(2, "fsdp-load", daemon.socket, 6, expected)
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = "import sys, ckptd.client, ckptd.client.distributed; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
