@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ckptd.client import CheckpointNotFound, CkptdError  # noqa: E402
 from ckptd.client.torch import CkptdReader, CkptdWriter  # noqa: E402
+from ckptd.client.handle import SaveHandle  # noqa: E402
 from ckptd.client.torch.tensors import dtype_names  # noqa: E402
+from ckptd.proto import ckptd_pb2 as pb  # noqa: E402
 
 from .conftest import Daemon, RemoteTarget  # noqa: E402
 from .test_jax_multihost import free_port  # noqa: E402
@@ -156,7 +158,7 @@ def test_model_and_adamw_through_get_and_set_state_dict(daemon: Daemon) -> None:
 def test_bad_checkpoint_ids_and_missing_steps_are_clear_errors(daemon: Daemon) -> None:
     client = daemon.client("ids")
     for bad in ("ckptd://other-job/3", "s3://bucket/x", -1, 2.5):
-        with pytest.raises(CkptdError, match="checkpoint_id|job"):
+        with pytest.raises(CkptdError, match=r"checkpoint_id|job"):
             dcp.save({"a": torch.ones(2)}, checkpoint_id=bad, storage_writer=CkptdWriter(client))
     # Errors inside DCP's phases reach the caller wrapped, with ckptd's message.
     with pytest.raises(CheckpointException, match="no ckptd step for this save"):
@@ -182,15 +184,18 @@ def test_wiped_local_tier_loads_from_the_bucket(make_daemon: Any, tmp_path: Path
     assert d.stop() == 0
     shutil.rmtree(d.root)
     d.restart()
+    assert d.events_of(pb.STEP_EVENT_FETCHED) == []
     got = zeros_like(state)
     reader = CkptdReader("dcp-remote", socket=d.socket)
     dcp.load(got, checkpoint_id=3, storage_reader=reader)
     reader.close()
     assert_same(state, got)
+    assert [e.step for e in d.events_of(pb.STEP_EVENT_FETCHED)] == [3]
 
 
-def run_job(world: int, mode: str, socket: Path, step: int, expected: Path) -> None:
-    """``world`` worker processes of one gloo job; fail with their output."""
+def run_job(world: int, mode: str, socket: Path | str, step: int, expected: Path) -> None:
+    """``world`` worker processes of one gloo job; fail with their output (``socket``:
+    comma-separated, one per rank, puts each rank on its own daemon)."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -243,3 +248,32 @@ def test_importing_the_client_does_not_import_torch() -> None:
     code = "import sys, ckptd.client, ckptd.client.distributed; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_rank_saved_on_another_node_loads_from_its_part_in_the_bucket(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    bucket = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    nodes = [remote_daemon(make_daemon, bucket, extra_args=["--node-id", f"n{i}"]) for i in (0, 1)]
+    run_job(2, "plain-save", f"{nodes[0].socket},{nodes[1].socket}", 9, tmp_path / "unused")
+    for d in nodes:
+        SaveHandle(d.client("dcp-mp"), 9).wait("durable", timeout=120)
+    # One process on node 0 loads both ranks' items: rank 1's come from n1's part.
+    sys.path.insert(0, str(REPO))
+    from tests.torch_dcp_worker import plain_state
+
+    want = plain_state(0, 2, 9) | {"rank1": plain_state(1, 2, 9)["rank1"]}
+    got = zeros_like(want)
+    reader = CkptdReader("dcp-mp", socket=nodes[0].socket)
+    dcp.load(got, checkpoint_id=9, storage_reader=reader)
+    reader.close()
+    assert_same(want, got)
+    assert [e.step for e in nodes[0].events_of(pb.STEP_EVENT_FETCHED)] == []  # its own part
+    assert (nodes[0].root / ".peers").exists()
+
+
+@pytest.mark.slow
+def test_async_save_with_the_process_executor(daemon: Daemon, tmp_path: Path) -> None:
+    expected = tmp_path / "expected.pt"
+    run_job(2, "fsdp-async-process", daemon.socket, 11, expected)
+    run_job(2, "fsdp-load", daemon.socket, 11, expected)

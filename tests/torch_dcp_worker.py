@@ -1,7 +1,10 @@
 """One rank of a gloo job saving or loading through ckptd's DCP storage (run by
 test_torch_dcp.py, not by pytest).
 
-    python -m tests.torch_dcp_worker MODE RANK WORLD PORT SOCKET STEP EXPECTED
+    python -m tests.torch_dcp_worker MODE RANK WORLD PORT SOCKETS STEP EXPECTED
+
+SOCKETS: one daemon socket for every rank, or one per rank (comma-separated: each
+rank is then alone on its "node").
 
 ``plain-save`` / ``plain-load``: replicated and per-rank values, bf16, bytes items.
 ``fsdp-save`` / ``fsdp-load``: an FSDP2 (``fully_shard``) model and its AdamW state
@@ -97,22 +100,34 @@ def fsdp_state(world: int, train: bool) -> tuple[Any, Any, dict[str, Any]]:
 def main() -> int:
     mode, rank_s, world_s, port, socket, step_s, expected = sys.argv[1:8]
     rank, world, step = int(rank_s), int(world_s), int(step_s)
+    sockets = socket.split(",")
+    # One socket per rank: every rank on its own node, the only rank of its daemon.
+    socket, node_ranks = (sockets[rank], [rank]) if len(sockets) > 1 else (socket, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         if mode == "plain-save":
-            dcp.save(plain_state(rank, world, step), checkpoint_id=step,
-                     storage_writer=CkptdWriter(JOB, socket=socket))
+            dcp.save(
+                plain_state(rank, world, step),
+                checkpoint_id=step,
+                storage_writer=CkptdWriter(JOB, socket=socket, node_ranks=node_ranks),
+            )
         elif mode == "plain-load":
             want = plain_state(rank, world, step)
-            got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {}) for k, v in want.items()}
+            got = {
+                k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {})
+                for k, v in want.items()
+            }
             got["extra"] = {"epoch": -1, "name": ""}
-            dcp.load(got, checkpoint_id=f"ckptd://{JOB}/{step}",
-                     storage_reader=CkptdReader(JOB, socket=socket))
+            dcp.load(
+                got,
+                checkpoint_id=f"ckptd://{JOB}/{step}",
+                storage_reader=CkptdReader(JOB, socket=socket),
+            )
             same(want, got)
         elif mode in ("fsdp-save", "fsdp-async-process"):
             _, _, state = fsdp_state(world, train=True)
-            writer = CkptdWriter(JOB, socket=socket)
+            writer = CkptdWriter(JOB, socket=socket, node_ranks=node_ranks)
             if mode == "fsdp-save":
                 dcp.save(state, checkpoint_id=step, storage_writer=writer)
             else:
