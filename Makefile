@@ -9,9 +9,12 @@ TORCH_WHEEL_DIR ?= /opt/wheels
 
 venv: $(STAMP)
 
+# torch (the test extra names it, for the DCP tests) is installed first, always a CPU
+# build (see install_torch_cpu), so pip finds it satisfied and never fetches PyPI's.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(install_torch_cpu)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
@@ -46,19 +49,24 @@ soak: venv
 bench: venv bench-deps
 	$(PY) bench/run_all.py
 
-# torch for bench_transformer.py's PyTorch DCP arm, always a CPU build: the wheel in
-# TORCH_WHEEL_DIR when there is one, else torch==TORCH_VERSION from PyTorch's CPU index
-# (never PyPI's torch, which is a CUDA build). Without torch the bench skips that arm.
+# torch for the DCP tests and bench_transformer.py's PyTorch DCP arm, always a CPU build:
+# the wheel in TORCH_WHEEL_DIR when there is one, else torch==TORCH_VERSION from PyTorch's
+# CPU index (never PyPI's torch, which is a CUDA build). Installed by the venv target
+# before the test extra; bench-deps remains for scripts that call it.
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-bench-deps: venv
-	@if $(PY) -c "import torch" 2>/dev/null; then \
+define install_torch_cpu
+@if $(PY) -c "import torch" 2>/dev/null; then \
 		$(PY) -c "import torch; print('torch', torch.__version__, 'already installed')"; \
 	elif ls $(TORCH_WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1; then \
 		$(PY) -m pip install -q $(TORCH_WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl; \
 	else \
 		$(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	fi
+endef
+
+bench-deps: venv
+	$(install_torch_cpu)
 
 proto: venv
 	$(PY) -m ckptd.proto.generate
