@@ -75,3 +75,18 @@ def test_the_image_copies_every_package_the_wheel_needs() -> None:
         for m in re.finditer(r"^COPY (\S+) \./\S+$", (REPO / "Dockerfile").read_text(), re.M)
     }
     assert folders <= copied, f"the Dockerfile does not copy {sorted(folders - copied)}"
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    """A subpackage missing from pyproject's explicit ``packages`` list works in an
+    editable install and is silently left out of the wheel."""
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for name, folder in tool["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((name, *rel)))
+    assert found - listed == set(), f"pyproject.toml's packages lack {sorted(found - listed)}"
