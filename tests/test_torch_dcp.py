@@ -18,8 +18,8 @@ from torch.distributed.checkpoint import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 from ckptd.client import CheckpointNotFound, CkptdError  # noqa: E402
-from ckptd.client.torch import CkptdReader, CkptdWriter  # noqa: E402
 from ckptd.client.handle import SaveHandle  # noqa: E402
+from ckptd.client.torch import CkptdReader, CkptdWriter  # noqa: E402
 from ckptd.client.torch.tensors import dtype_names  # noqa: E402
 from ckptd.proto import ckptd_pb2 as pb  # noqa: E402
 
