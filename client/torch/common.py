@@ -132,8 +132,9 @@ class ClientSource:
         self.node_ranks = node_ranks
         self.options = options
 
-    def get(self, rank: int) -> Client:
-        """The client, checked (or made) for DCP rank ``rank``."""
+    def get(self, rank: int, check: bool = True) -> Client:
+        """The client, checked (or made) for DCP rank ``rank`` (``check=False``: a
+        reader's client, whose rank does not matter, is not checked)."""
         if self._client is None:
             _, size = world()
             size = max(size, rank + 1)
@@ -146,7 +147,7 @@ class ClientSource:
                 world_size=size,
                 **self.options,
             )
-        elif self._client.rank != rank:
+        elif check and self._client.rank != rank:
             raise InvalidArgument(
                 f"the ckptd Client has rank {self._client.rank} but DCP runs this process as "
                 f"rank {rank}: make the client with rank=dist.get_rank()"

@@ -98,7 +98,7 @@ class CkptdReader(StorageReader):
             # DCP asks for rank-local metadata only after the global one failed;
             # ckptd never writes any, so the first error is the one to read.
             raise CheckpointNotFound(f"{self._what()} has no rank-local DCP metadata")
-        client = self._source.get(world()[0])
+        client = self._source.get(world()[0], check=False)
         if self.step is None:
             steps = restorable_steps(client)
             if not steps:
@@ -181,7 +181,7 @@ class CkptdReader(StorageReader):
         part = self._parts.get(rank)
         if part is not None:
             return part
-        client = self._source.get(world()[0])
+        client = self._source.get(world()[0], check=False)
         try:
             tree, _ = client.restore(self.step, shared_memory=self.shared_memory, rank=rank)
         except CheckpointNotFound as exc:

@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -154,8 +155,10 @@ class CkptdWriter(StorageWriter):
                 if not isinstance(data, io.BytesIO):
                     raise InvalidArgument(f"{item.index.fqn}: DCP resolved bytes to {type(data)}")
                 arr = np.frombuffer(data.getvalue(), np.uint8)
+            elif isinstance(data, torch.Tensor):
+                arr, tdt = to_array(data)
             else:
-                arr, tdt = to_array(data)  # type: ignore[arg-type]
+                raise InvalidArgument(f"{item.index.fqn}: DCP resolved a tensor to {type(data)}")
             if key in items:
                 raise InvalidArgument(f"two write items of rank {self.rank} share key {key!r}")
             items[key] = arr
