@@ -28,8 +28,10 @@ from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
 from ..retention.policies import Policy, PolicyError, parse_policy
+from .http import parse_address
 
 DEFAULT_ROOT = "/var/lib/ckptd"
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
 ENV_PREFIX = "CKPTD_"
 
 
@@ -112,6 +114,11 @@ class Config:
     """Groups (gids or names) whose members may use every job."""
     shared_jobs: tuple[str, ...] = ()
     """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
+    """``HOST:PORT`` of the HTTP endpoint with ``/metrics`` (Prometheus), ``/healthz`` and
+    ``/readyz``; ``off`` to serve none. Port 0 picks a free port (shown in status). If
+    the default port is taken (another daemon on this host) the daemon starts without
+    it and says so; an address set explicitly must be free."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -278,6 +285,10 @@ def _validate(cfg: Config) -> None:
             "beside it) is longer than the 107 bytes a unix socket path may have; choose a "
             "shorter path"
         )
+    try:
+        parse_address(cfg.metrics_address)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for 'metrics_address': {exc}") from None
     for pattern in cfg.shared_jobs:
         if "/" in pattern or not pattern:
             raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")

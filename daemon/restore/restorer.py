@@ -59,6 +59,8 @@ class RestorePlan:
     directory: Path
     lease: Lease | None
     data_offset: int
+    tier: str = "local"
+    """Where the copy came from: local, or remote (fetched from the bucket for it)."""
 
 
 class Restorer:
@@ -147,6 +149,7 @@ class Restorer:
         except Exception as exc:  # the bucket is down: restore from what is known
             log.warning("cannot list the bucket for job %s (%s); using the copies known", job, exc)
         while True:
+            tier = "local"
             st = self.choose(job, step, rank)
             self.catalog.served(st)  # the evictor leaves it alone while it is served
             if st.manifest is None:
@@ -161,16 +164,17 @@ class Restorer:
                     log.error("%s/%d cannot be fetched; restoring an older step", job, st.step)
                     continue
                 assert st.manifest is not None
+                tier = "remote"
                 if lease is not None:  # the whole verified file is in the lease already
                     directory = self.store.step_dir(job, st.step)
-                    return RestorePlan(st, st.manifest, directory, lease, 0)
+                    return RestorePlan(st, st.manifest, directory, lease, 0, tier)
             assert st.manifest is not None
             directory = self.store.step_dir(job, st.step)
             prefetched = self.fetcher.take_prefetched(job, st.step, rank)
             if prefetched is not None:
-                return RestorePlan(st, st.manifest, directory, prefetched, 0)
+                return RestorePlan(st, st.manifest, directory, prefetched, 0, tier)
             if not shared_memory:
-                return RestorePlan(st, st.manifest, directory, None, 0)
+                return RestorePlan(st, st.manifest, directory, None, 0, tier)
             record = next(r for r in st.manifest.ranks if r.rank == rank)
             path = directory / record.file
             changed = st.changed
@@ -182,7 +186,7 @@ class Restorer:
                     await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
                 continue
             if lease is None:
-                return RestorePlan(st, st.manifest, directory, None, 0)
+                return RestorePlan(st, st.manifest, directory, None, 0, tier)
             try:
                 bad = await self.io.run(
                     _read_and_verify, path, offset, record, lease, st.manifest.shards
@@ -193,7 +197,7 @@ class Restorer:
                     continue
                 raise
             if not bad:
-                return RestorePlan(st, st.manifest, directory, lease, offset)
+                return RestorePlan(st, st.manifest, directory, lease, offset, tier)
             self.staging.release(lease.lease_id)
             await self._set_aside(st, bad, explicit=step is not None)
 
