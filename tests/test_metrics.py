@@ -152,3 +152,13 @@ def test_metrics_address_is_checked_and_a_taken_one_is_a_clear_error(
     # "off" serves none; the status says so.
     quiet: Daemon = make_daemon(extra_args=["--metrics-address", "off"])
     assert quiet.status().metrics_address == ""
+
+
+def test_a_typo_in_the_job_name_gets_a_suggestion(daemon: Daemon) -> None:
+    from ckptd.client import CheckpointNotFound
+
+    daemon.client("llama-70b").save(1, {"w": np.ones(4)}).wait("local")
+    with pytest.raises(CheckpointNotFound, match=r"did you mean 'llama-70b'\?"):
+        daemon.client("llama-7b").restore()
+    with pytest.raises(CheckpointNotFound, match="start from scratch"):
+        daemon.client("unrelated").restore()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -114,7 +115,7 @@ class Restorer:
             if not candidates:
                 where = "on this node or in the bucket" if self.fetcher.remote else "on this node"
                 what = "adopted step" if adopted else "restorable checkpoint"
-                raise NotFound(f"job {job!r} has no {what} {where}; start from scratch")
+                raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job)}")
             st = candidates[0]
         held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
         if rank is not None and held is not None and rank not in held:
@@ -122,6 +123,14 @@ class Restorer:
                 f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
             )
         return st
+
+    def _did_you_mean(self, job: str) -> str:
+        """A hint for a job name that is probably a typo; else the fresh-start advice."""
+        others = [j for j in self.catalog.jobs() if j != job]
+        close = difflib.get_close_matches(job, others, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]!r}? (`ckptd ls` lists the jobs)"
+        return "; start from scratch (or check the job name: `ckptd ls` lists the jobs)"
 
     async def restore(
         self,
