@@ -13,8 +13,10 @@ import contextlib
 import fcntl
 import logging
 import os
+import pwd
 import resource
 import signal
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from ..api.sessions import SessionServer
 from .compose import Daemon, StartupError
 from .config import DEFAULT_METRICS_ADDRESS, Config
 from .http import HealthServer, parse_address
+from .notify import notify
 
 log = logging.getLogger("ckptd.server")
 
@@ -56,6 +59,30 @@ def _take_lock(path: Path, what: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _check_writable(directory: Path, key: str) -> None:
+    """Refuse, in one line that says what to fix, a directory (or, if it does not exist
+    yet, the parent it would be made in) this user cannot write: the usual cause is a
+    root-owned hostPath volume and a daemon running as another uid."""
+    target = directory
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    if os.access(target, os.W_OK | os.X_OK):
+        return
+    st = target.stat()
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        who = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        who = f"uid {uid}"
+    raise StartupError(
+        f"{key} {directory}: {target} is owned by uid {st.st_uid} gid {st.st_gid} with mode "
+        f"{stat.S_IMODE(st.st_mode):04o} and this daemon runs as {who}, so it cannot write "
+        f"there; give the directory to that user (chown {uid}:{gid} {target}; in Kubernetes "
+        f"an initContainer that does so, or runAsUser matching its owner) or set {key} to "
+        "a directory it may write"
+    )
 
 
 def _prepare_socket_dir(socket: Path, group: int) -> None:
@@ -121,6 +148,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     """
     _raise_fd_limit()
     group = int(config.socket_group) if config.socket_group else -1
+    _check_writable(config.root, "root")
+    _check_writable(config.socket.parent, "socket")
     try:
         _prepare_socket_dir(config.socket, group)
         _prepare_root(config.root)
@@ -180,9 +209,11 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     if http is not None:
         http.ready = True
+    notify(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
     if on_ready:
         on_ready()
     await stop.wait()
+    notify("STOPPING=1\nSTATUS=finishing acknowledged saves")
     log.info("stopping: no new requests; finishing acknowledged saves")
     if http is not None:
         http.ready = False
