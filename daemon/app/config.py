@@ -294,6 +294,62 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")
 
 
+_NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")
+"""``CKPTD_*`` variables that are not config keys but are read elsewhere."""
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``CKPTD_*`` variable that is no config key (a typo is
+    otherwise silently ignored), with the closest key when there is one."""
+    env = os.environ if env is None else env
+    out = []
+    for name in sorted(env):
+        key = name[len(ENV_PREFIX) :]
+        if not name.startswith(ENV_PREFIX) or key.lower() in _FIELDS:
+            continue
+        if any(key == k or (k.endswith("_") and key.startswith(k)) for k in _NOT_KEYS):
+            continue
+        close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1)
+        hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+        out.append(f"environment variable {name} is not a ckptd setting and is ignored{hint}")
+    return out
+
+
+def field_docs() -> dict[str, str]:
+    """Each key's help: the first sentence of its docstring in :class:`Config`."""
+    import ast
+    import inspect
+    import itertools
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(Config)).body[0].body  # type: ignore[attr-defined]
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            text = " ".join(str(after.value.value).split())
+            docs[node.target.id] = text.split(". ")[0].rstrip(".") + "."
+    return docs
+
+
+def default_values() -> dict[str, str]:
+    """Each key's built-in default as text (for ``--help``)."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(Config):
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if isinstance(value, Policy):
+            value = value.describe()
+        elif isinstance(value, SpaceMark):
+            value = value.text
+        elif isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        out[f.name] = str(value) if f.name != "node_id" else "the host name"
+    return out
+
+
 def flag_names() -> list[str]:
     """Config keys that ``ckptd serve`` exposes as ``--flags``."""
     return list(_FIELDS)
