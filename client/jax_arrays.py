@@ -313,7 +313,9 @@ def build_keys(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
             sharding.mesh, jax.sharding.PartitionSpec(*parts), memory_kind=sharding.memory_kind
         )
         want = jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding)
-        return jax.random.wrap_key_data(_onto(reader, leaf, dtype, shape, want), impl=impl)
+        keys = jax.random.wrap_key_data(_onto(reader, leaf, dtype, shape, want), impl=impl)
+        # wrap_key_data keeps the data's spec (P(None) for one key); state the target's.
+        return keys if keys.sharding == sharding else jax.device_put(keys, sharding)
     if sharding is None or not sharding.is_fully_addressable:
         raise TreeMismatch(
             f"target for {leaf!r}: typed keys restore onto a NamedSharding or a sharding "
