@@ -263,7 +263,7 @@ def key_data_of(array: Any, where: str) -> tuple[Any, str]:
     keys with the key's own dimensions replicated) and its implementation's name."""
     import jax
 
-    if not jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+    if not jax.numpy.issubdtype(array.dtype, jax.dtypes.prng_key):
         raise TypeError(
             f"array at {where} has dtype {array.dtype}, which ckptd cannot store (typed "
             "PRNG keys and fixed-size dtypes only)"
@@ -292,8 +292,9 @@ def build_keys(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
     shape = global_shape_of(reader, leaf)
     whole = [(0, d) for d in shape]
     if target is None:
-        return jax.random.wrap_key_data(reader.assemble(leaf, whole, dtype), impl=impl)
-    if not jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
+        data = jax.numpy.asarray(reader.assemble(leaf, whole, dtype))
+        return jax.random.wrap_key_data(data, impl=impl)
+    if not jax.numpy.issubdtype(target.dtype, jax.dtypes.prng_key):
         return _onto(reader, leaf, dtype, shape, target)
     if target.dtype != _key_dtype(jax, impl):
         raise TreeMismatch(
@@ -310,9 +311,11 @@ def build_keys(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
         # Key data is sharded like the keys, the key's own trailing dimensions whole.
         parts = (*sharding.spec, *(None,) * (len(shape) - len(sharding.spec)))
         data_sharding = jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*parts), memory_kind=sharding.memory_kind
+            sharding.mesh,
+            jax.sharding.PartitionSpec(*parts),  # type: ignore[no-untyped-call]
+            memory_kind=sharding.memory_kind,
         )
-        want = jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding)
+        want = jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding)  # type: ignore[no-untyped-call]
         keys = jax.random.wrap_key_data(_onto(reader, leaf, dtype, shape, want), impl=impl)
         # wrap_key_data keeps the data's spec (P(None) for one key); state the target's.
         return keys if keys.sharding == sharding else jax.device_put(keys, sharding)
@@ -321,5 +324,6 @@ def build_keys(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
             f"target for {leaf!r}: typed keys restore onto a NamedSharding or a sharding "
             f"of this process's devices, not {sharding!r}"
         )
-    keys = jax.random.wrap_key_data(reader.assemble(leaf, whole, dtype), impl=impl)
+    data = jax.numpy.asarray(reader.assemble(leaf, whole, dtype))
+    keys = jax.random.wrap_key_data(data, impl=impl)
     return jax.device_put(keys, sharding)

@@ -101,8 +101,8 @@ def node_of(x: Any, path: Path = ()) -> Node | None:
         base = list if isinstance(x, list) else tuple
         return Node(list(range(len(x))), list(x), False, _type_name(t), _maker(t, base, None))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        names = [f.name for f in dataclasses.fields(x)]
-        children = [getattr(x, n) for n in names]
+        names: list[Key] = [f.name for f in dataclasses.fields(x)]
+        children = [getattr(x, str(n)) for n in names]
         return Node(names, children, True, _type_name(t), _setter(x, names), True)
     return None
 
@@ -120,14 +120,14 @@ def _maker(t: type, base: type, keys: list[Key] | None) -> Callable[[list[Any]],
     return make
 
 
-def _setter(x: Any, names: list[str]) -> Callable[[list[Any]], Any]:
+def _setter(x: Any, names: list[Key]) -> Callable[[list[Any]], Any]:
     """Rebuild a plain dataclass: a shallow copy with its fields set (frozen ones too,
     as ``dataclasses`` itself does; no ``__init__`` or ``__post_init__`` rerun)."""
 
     def make(children: list[Any]) -> Any:
         out = copy.copy(x)
         for n, v in zip(names, children, strict=True):
-            object.__setattr__(out, n, v)
+            object.__setattr__(out, str(n), v)
         return out
 
     return make
