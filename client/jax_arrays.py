@@ -222,14 +222,16 @@ def global_shape_of(reader: ShardReader, leaf: str) -> tuple[int, ...]:
 
 
 def build_leaf(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
-    """A saved jax leaf: onto ``target``'s sharding, or as a numpy array without one
-    (a typed PRNG key array: as typed keys, see :func:`build_keys`)."""
+    """A saved jax leaf: onto ``target``'s sharding, or as a numpy array when the target
+    leaf is no array (None, a Python scalar); typed PRNG keys: :func:`build_keys`."""
     if "key_impl" in spec:
         return build_keys(reader, spec, target)
     leaf = spec["jax"]
     dtype = str_to_dtype(spec["dtype"])
     shape = global_shape_of(reader, leaf)
-    if target is None:
+    if not hasattr(target, "shape"):
+        # No target, or a Python scalar where the saved tree has an array (flax's
+        # TrainState.create starts with step=0 and trains on with a jax step): as saved.
         return reader.assemble(leaf, [(0, d) for d in shape], dtype)
     return _onto(reader, leaf, dtype, shape, target)
 
@@ -291,7 +293,7 @@ def build_keys(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
     dtype = str_to_dtype(spec["dtype"])
     shape = global_shape_of(reader, leaf)
     whole = [(0, d) for d in shape]
-    if target is None:
+    if not hasattr(target, "shape"):
         data = jax.numpy.asarray(reader.assemble(leaf, whole, dtype))
         return jax.random.wrap_key_data(data, impl=impl)
     if not jax.numpy.issubdtype(target.dtype, jax.dtypes.prng_key):
