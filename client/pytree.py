@@ -28,7 +28,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ckptd.core.errors import TreeMismatch
+
+from .jax_arrays import is_jax_array
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -36,6 +40,7 @@ LeafBuilder = Callable[[dict[str, Any], Any, Path], Any]
 """Builds a saved leaf from its spec node and its target leaf (None: as saved)."""
 
 CONTAINERS = ("dict", "list", "tuple")
+_LEAVES = frozenset({np.ndarray, int, float, bool, str, bytes, complex})
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +97,8 @@ def node_of(x: Any, path: Path = ()) -> Node | None:
         registry = jax.tree_util.default_registry
         if registry.is_node(t):
             return _jax_node(jax, x, path)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # ShapeDtypeStruct, torch tensors
+        return None
     if isinstance(x, Mapping):
         keys = [check_key(k, path) for k in x]
         return Node(keys, [x[k] for k in keys], True, _type_name(t), _maker(t, dict, keys))
@@ -189,15 +196,23 @@ def rebuild(spec: Any, target: Any, leaf: LeafBuilder, path: Path = ()) -> Any:
         return as_saved(spec, leaf, path)
     if not isinstance(spec, dict) or not spec:
         raise ValueError(f"malformed tree spec node at {path_str(path)}: {spec!r:.80}")
-    kind = container_kind(spec)
     t = type(target)
-    if t is dict:  # the common case, without asking jax
+    if t is dict and "dict" in spec:  # the common case, in as few steps as possible
+        saved = dict(spec["dict"])
+        if saved.keys() != target.keys():
+            _same_names(saved, list(target), path)
+        return {k: rebuild(saved[k], v, leaf, (*path, k)) for k, v in target.items()}
+    kind = container_kind(spec)
+    node: Node | None
+    if t is dict:
         keys = list(target)
-        node: Node | None = Node(
+        node = Node(
             keys, list(target.values()), True, "dict", lambda c: dict(zip(keys, c, strict=True))
         )
     elif t is list or t is tuple:
         node = Node(list(range(len(target))), list(target), False, t.__name__, t)
+    elif t in _LEAVES or is_jax_array(target):  # most targets: no need to ask further
+        node = None
     else:
         node = node_of(target, path)
     if kind is None:
@@ -233,7 +248,9 @@ def _saved_children(spec: dict[str, Any], kind: str, node: Node, path: Path) -> 
     if not entries and not node.keys:  # EmptyState(), (), {}: nothing to pair
         return {}
     if kind == "dict" and node.named:
-        saved: dict[Key, Any] = {k: v for k, v in entries}
+        saved: dict[Key, Any] = dict(entries)
+        _same_names(saved, node.keys, path)
+        return saved
     elif (kind != "dict" and (not node.named or node.fields)) or (
         kind == "dict" and "type" in spec
     ):
@@ -250,18 +267,21 @@ def _saved_children(spec: dict[str, Any], kind: str, node: Node, path: Path) -> 
             f"at {path_str(path)} the checkpoint has a {spec.get('type', kind)} and the "
             f"restore target a {node.type_name}; pass a target with the saved tree's structure"
         )
-    names = set(node.keys)
-    missing = [k for k in saved if k not in names]
+
+
+def _same_names(saved: dict[Key, Any], names: list[Key], path: Path) -> None:
+    """Raise :class:`TreeMismatch` unless the target's child ``names`` are the saved ones."""
+    known = set(names)
+    missing = [k for k in saved if k not in known]
     if missing:
         raise TreeMismatch(
             f"the restore target has no entry {missing[0]!r} at {path_str(path)} where the "
             f"checkpoint has one ({len(missing)} such); pass a target with the saved tree's "
             "structure"
         )
-    extra = [k for k in node.keys if k not in saved]
+    extra = [k for k in names if k not in saved]
     if extra:
         raise TreeMismatch(
             f"the checkpoint has no entry {extra[0]!r} at {path_str(path)} where the restore "
             f"target has one ({len(extra)} such); it was saved from another structure"
         )
-    return saved

@@ -111,10 +111,16 @@ def flatten(tree: Any) -> tuple[Any, list[tuple[str, Any]]]:
             return {"tuple" if isinstance(node, tuple) else "list": subs, "type": n.type_name}
         if hasattr(node, "__array__"):
             return _array(node, path, prefix)
+        hint = (
+            " (a function or other static part of a model: save only its arrays, e.g. "
+            "equinox's eqx.filter(model, eqx.is_array))"
+            if callable(node)
+            else ""
+        )
         raise TypeError(
             f"leaf at {path_str(path)} has type {t.__name__}, which ckptd cannot store; use "
             "arrays, pytree nodes (dict/list/tuple, NamedTuples, dataclasses, nodes "
-            "jax.tree_util flattens) or None/bool/int/float/str"
+            f"jax.tree_util flattens) or None/bool/int/float/str{hint}"
         )
 
     def _array(node: Any, path: Path, prefix: str) -> dict[str, Any]:

@@ -182,6 +182,8 @@ def test_equinox_array_part_combines_with_the_static_part(daemon: Daemon) -> Non
     model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(3))
     arrays, static = eqx.partition(model, eqx.is_array)
     client = daemon.client("eqx")
+    with pytest.raises(TypeError, match=r"\['activation'\].*eqx.filter"):
+        client.save(1, model)  # its activation functions are leaves too
     client.save(1, eqx.filter(model, eqx.is_array)).wait("local", 60)
     back, _ = client.restore(target=arrays)
     same(arrays, back)
