@@ -10,7 +10,8 @@ key jax gives them (``DictKey`` and ``GetAttrKey`` by name, ``SequenceKey`` and
 
 The spec stays the one older clients wrote: a node with named children is a
 ``{"dict": [[name, child], ...]}``, one with positional children a
-``{"list": [...]}``, each with ``"type"`` (the class's qualified name, for
+``{"list": [...]}`` (``"tuple"`` for tuple subclasses), each with ``"type"``
+(the class's qualified name, for
 people and error messages; restore never imports it). Without a target a node
 comes back as that dict or list; with one, :func:`rebuild` pairs the saved
 entries with the target's children by name (or by position) and rebuilds each
