@@ -15,10 +15,15 @@ RUN groupadd --system --gid 2000 ckptd && useradd --system --uid 2000 --gid ckpt
     && chmod 0750 /run/ckptd
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
-USER ckptd
+# Numeric, so Kubernetes' runAsNonRoot can check it (deploy/k8s runs it as 2000:2000).
+USER 2000:2000
 ENV CKPTD_ROOT=/var/lib/ckptd CKPTD_SOCKET=/run/ckptd/ckptd.sock
 VOLUME ["/var/lib/ckptd", "/run/ckptd"]
 # SIGTERM finishes acknowledged saves before exit: give it time (terminationGracePeriodSeconds).
 STOPSIGNAL SIGTERM
+# /healthz answers while the daemon's event loop runs (metrics_address, default
+# 127.0.0.1:9464 inside the container).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=4)"]
 ENTRYPOINT ["ckptd"]
 CMD ["serve"]

@@ -28,6 +28,7 @@ import numpy as np
 from common import DEFAULT_WORK_DIR, Daemon, print_table, run_directory, write_results
 
 from ckptd.client import Client
+from ckptd.proto import ckptd_pb2 as pb
 
 
 def state_of(mib: int, arrays: int) -> dict[str, np.ndarray]:
@@ -103,8 +104,15 @@ def main() -> None:
                 write = solo(client, state, step, 3)
                 step += 3
                 b = burst(client, state, step, args.saves)
+                # The order steps became LOCAL, from the daemon's events (the waiter
+                # threads' clocks cannot order two steps committed a moment apart).
+                done = [
+                    e.step
+                    for e in daemon.events("overload", after=0)
+                    if e.kind == pb.STEP_EVENT_LOCAL and step <= e.step < step + args.saves
+                ]
                 step += args.saves
-                runs.append({"write": write, **b})
+                runs.append({"write": write, "local_order": done, **b})
             client.close()
         finally:
             daemon.stop()
@@ -115,8 +123,10 @@ def main() -> None:
         explained = [w - a for w, a in zip(want, r["acked"], strict=True)]
         ratios += [x / e for x, e in zip(lat, explained, strict=True)]
         totals.append(r["local"][-1] / (args.saves * r["write"]))
-        order = sorted(range(args.saves), key=lambda i: r["local"][i])
-        late += sum(1 for pos, i in enumerate(order) if i != pos)
+        assert len(r["local_order"]) == args.saves, r["local_order"]
+        late += sum(
+            1 for a, b in zip(r["local_order"], r["local_order"][1:], strict=False) if b < a
+        )
     last = runs[-1]
     want = model(last["acked"], last["write"])
     for i in range(args.saves):

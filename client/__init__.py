@@ -8,6 +8,7 @@ from .errors import (
     CkptdError,
     CkptdUnavailable,
     SaveFailed,
+    TreeMismatch,
 )
 from .handle import CheckpointInfo, SaveHandle
 from .policies import AnyOf, Continuous, FixedInterval, SaveContext, SavePolicy, SpecificSteps
@@ -28,4 +29,5 @@ __all__ = [
     "SaveHandle",
     "SavePolicy",
     "SpecificSteps",
+    "TreeMismatch",
 ]

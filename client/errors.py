@@ -15,6 +15,7 @@ from ckptd.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     SaveFailed,
+    TreeMismatch,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "SaveFailed",
+    "TreeMismatch",
 ]

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ckptd.core import checksum
+from ckptd.core.errors import TreeMismatch
 from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import rows
 
@@ -221,21 +222,34 @@ def global_shape_of(reader: ShardReader, leaf: str) -> tuple[int, ...]:
 
 
 def build_leaf(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
-    """A saved jax leaf: onto ``target``'s sharding, or as a numpy array without one."""
+    """A saved jax leaf: onto ``target``'s sharding, or as a numpy array when the target
+    leaf is no array (None, a Python scalar); typed PRNG keys: :func:`build_keys`."""
+    if "key_impl" in spec:
+        return build_keys(reader, spec, target)
     leaf = spec["jax"]
     dtype = str_to_dtype(spec["dtype"])
     shape = global_shape_of(reader, leaf)
-    if target is None:
+    if not hasattr(target, "shape"):
+        # No target, or a Python scalar where the saved tree has an array (flax's
+        # TrainState.create starts with step=0 and trains on with a jax step): as saved.
         return reader.assemble(leaf, [(0, d) for d in shape], dtype)
+    return _onto(reader, leaf, dtype, shape, target)
+
+
+def _onto(
+    reader: ShardReader, leaf: str, dtype: np.dtype, shape: tuple[int, ...], target: Any
+) -> Any:
+    """The leaf as a jax array on ``target``'s sharding, each device's block assembled
+    from the saved shards that overlap it."""
     import jax
 
     if tuple(target.shape) != shape:
-        raise ValueError(f"target for {leaf!r} has shape {tuple(target.shape)}, saved {shape}")
+        raise TreeMismatch(f"target for {leaf!r} has shape {tuple(target.shape)}, saved {shape}")
     if np.dtype(target.dtype) != dtype:
-        raise ValueError(f"target for {leaf!r} has dtype {target.dtype}, saved {dtype}")
+        raise TreeMismatch(f"target for {leaf!r} has dtype {target.dtype}, saved {dtype}")
     sharding = getattr(target, "sharding", None)
     if sharding is None:
-        raise ValueError(
+        raise TreeMismatch(
             f"target for {leaf!r} has no sharding; use jax.ShapeDtypeStruct(..., sharding=...)"
         )
 
@@ -244,3 +258,74 @@ def build_leaf(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
         return reader.assemble(leaf, bounds or [(0, d) for d in shape], dtype, view_ok=True)
 
     return jax.make_array_from_callback(shape, sharding, block)
+
+
+def key_data_of(array: Any, where: str) -> tuple[Any, str]:
+    """A typed PRNG key array as its key data (a uint32 ``jax.Array``, sharded like the
+    keys with the key's own dimensions replicated) and its implementation's name."""
+    import jax
+
+    if not jax.numpy.issubdtype(array.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"array at {where} has dtype {array.dtype}, which ckptd cannot store (typed "
+            "PRNG keys and fixed-size dtypes only)"
+        )
+    return jax.random.key_data(array), str(jax.random.key_impl(array))
+
+
+_KEY_DTYPES: dict[str, Any] = {}
+
+
+def _key_dtype(jax: Any, impl: str) -> Any:
+    """The key dtype of implementation ``impl`` (abstractly: no key is computed)."""
+    if impl not in _KEY_DTYPES:
+        _KEY_DTYPES[impl] = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+    return _KEY_DTYPES[impl]
+
+
+def build_keys(reader: ShardReader, spec: dict[str, Any], target: Any) -> Any:
+    """A saved typed PRNG key array, rebuilt with ``jax.random.wrap_key_data`` in its
+    saved implementation: on the default device without a target, else on the
+    target's sharding (a target of raw key data, uint32, gets the saved data)."""
+    import jax
+
+    impl, leaf = spec["key_impl"], spec["jax"]
+    dtype = str_to_dtype(spec["dtype"])
+    shape = global_shape_of(reader, leaf)
+    whole = [(0, d) for d in shape]
+    if not hasattr(target, "shape"):
+        data = jax.numpy.asarray(reader.assemble(leaf, whole, dtype))
+        return jax.random.wrap_key_data(data, impl=impl)
+    if not jax.numpy.issubdtype(target.dtype, jax.dtypes.prng_key):
+        return _onto(reader, leaf, dtype, shape, target)
+    if target.dtype != _key_dtype(jax, impl):
+        raise TreeMismatch(
+            f"target for {leaf!r} holds {target.dtype} keys; the checkpoint holds {impl!r} keys"
+        )
+    n = len(target.shape)
+    if tuple(target.shape) != shape[:n] or len(shape) == n:
+        raise TreeMismatch(
+            f"target for {leaf!r} has key shape {tuple(target.shape)}, saved {shape[:-1]} "
+            f"(key data {shape})"
+        )
+    sharding = getattr(target, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        # Key data is sharded like the keys, the key's own trailing dimensions whole.
+        parts = (*sharding.spec, *(None,) * (len(shape) - len(sharding.spec)))
+        data_sharding = jax.sharding.NamedSharding(
+            sharding.mesh,
+            jax.sharding.PartitionSpec(*parts),  # type: ignore[no-untyped-call]
+            memory_kind=sharding.memory_kind,
+        )
+        want = jax.ShapeDtypeStruct(shape, dtype, sharding=data_sharding)  # type: ignore[no-untyped-call]
+        keys = jax.random.wrap_key_data(_onto(reader, leaf, dtype, shape, want), impl=impl)
+        # wrap_key_data keeps the data's spec (P(None) for one key); state the target's.
+        return keys if keys.sharding == sharding else jax.device_put(keys, sharding)
+    if sharding is None or not sharding.is_fully_addressable:
+        raise TreeMismatch(
+            f"target for {leaf!r}: typed keys restore onto a NamedSharding or a sharding "
+            f"of this process's devices, not {sharding!r}"
+        )
+    data = jax.numpy.asarray(reader.assemble(leaf, whole, dtype))
+    keys = jax.random.wrap_key_data(data, impl=impl)
+    return jax.device_put(keys, sharding)

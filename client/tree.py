@@ -1,8 +1,14 @@
-"""Pytree flattening: nested dict/list/tuple into array leaves and a JSON spec.
+"""Pytree flattening: a tree into array leaves and a JSON spec, and back.
 
-Array leaves (numpy arrays, numpy scalars, anything with ``__array__``) become
-shards with keys derived from their path; JSON-able leaves (None, bool, int,
-float, str) stay in the spec, which the daemon stores in the manifest.
+Nodes are dict/list/tuple and, through :mod:`.pytree`, every other pytree node
+(NamedTuples, dataclasses, what ``jax.tree_util`` flattens). Array leaves (numpy
+arrays and scalars, ``jax.Array`` incl. typed PRNG keys, anything with
+``__array__``) become shards with keys derived from their path; JSON-able leaves
+(None, bool, int, float, str) stay in the spec, which the daemon stores in the
+manifest. Spec nodes: ``{"dict": [[key, node], ...]}``, ``{"list": [...]}``,
+``{"tuple": [...]}`` (nodes other than builtins add ``"type"``), leaves
+``{"array": key}``, ``{"jax": key, "dtype": ...}`` (typed keys add
+``"key_impl"``), ``{"value": v}``, ``{"bigint": "..."}``.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from ckptd.core.errors import TreeMismatch
 from ckptd.core.format import dtype_to_str
 
-from .jax_arrays import is_jax_array
+from .jax_arrays import is_jax_array, key_data_of
+from .pytree import Path, check_key, node_of, path_str, rebuild
 
 MAX_KEY_BYTES = 1024
 _UNSAFE = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -27,9 +35,10 @@ def _component(k: object) -> str:
     return s.replace("..", "._")
 
 
-def _key_for(path: tuple[object, ...], used: set[str]) -> str:
-    key = ".".join(_component(p) for p in path) or "root"
-    key = key.replace("..", "._")
+def _key_for(joined: str, used: set[str]) -> str:
+    """The shard key of a leaf whose sanitized path components joined with dots are
+    ``joined``: unique in ``used``, no ``..``, bounded length."""
+    key = joined.replace("..", "._") or "root"
     if key == "__metadata__":
         key = "_metadata_"
     if len(key.encode()) > MAX_KEY_BYTES - 24:
@@ -42,59 +51,93 @@ def _key_for(path: tuple[object, ...], used: set[str]) -> str:
     return key
 
 
-def _path_str(path: tuple[object, ...]) -> str:
-    return "".join(f"[{p!r}]" for p in path) or "<root>"
+def flatten(tree: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order.
 
-
-def flatten(tree: Any) -> tuple[Any, list[tuple[str, np.ndarray]]]:
-    """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order."""
-    arrays: list[tuple[str, np.ndarray]] = []
+    The arrays are numpy arrays, or ``jax.Array`` (the client saves their
+    addressable shards; a typed PRNG key array is replaced by its key data).
+    """
+    arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
+    names: dict[object, str] = {}  # path component of each key seen (layer names repeat)
 
-    def walk(node: Any, path: tuple[object, ...]) -> Any:
-        if isinstance(node, Mapping):
+    def join(prefix: str, k: object) -> str:
+        c = names.get(k)
+        if c is None:
+            c = names[k] = _component(k)
+        return f"{prefix}.{c}" if prefix else c
+
+    # The path tuple is for error messages; the joined string builds the shard key
+    # incrementally instead of joining every component again at each leaf.
+    def walk(node: Any, path: Path, prefix: str) -> Any:
+        t = type(node)
+        if t is dict:
             items = []
             for k, v in node.items():
-                if not isinstance(k, str | int) or isinstance(k, bool):
-                    raise TypeError(
-                        f"dict key {k!r} at {_path_str(path)} is a {type(k).__name__}; "
-                        "ckptd stores dict keys that are str or int"
-                    )
-                items.append([k, walk(v, (*path, k))])
+                if type(k) is not str:
+                    check_key(k, path)
+                items.append([k, walk(v, (*path, k), join(prefix, k))])
             return {"dict": items}
-        if isinstance(node, list | tuple):
-            kind = "tuple" if isinstance(node, tuple) else "list"
-            return {kind: [walk(v, (*path, i)) for i, v in enumerate(node)]}
+        if t is list or t is tuple:
+            kind = "tuple" if t is tuple else "list"
+            return {kind: [walk(v, (*path, i), join(prefix, i)) for i, v in enumerate(node)]}
         if is_jax_array(node):
-            key = _key_for(path, used)
-            arrays.append((key, node))  # the client saves its addressable shards
-            return {"jax": key, "dtype": dtype_to_str(np.dtype(node.dtype))}
+            key = _key_for(prefix, used)
+            if isinstance(node.dtype, np.dtype):
+                arrays.append((key, node))  # the client saves its addressable shards
+                return {"jax": key, "dtype": dtype_to_str(np.dtype(node.dtype))}
+            data, impl = key_data_of(node, path_str(path))  # a typed PRNG key array
+            arrays.append((key, data))
+            return {"jax": key, "dtype": dtype_to_str(np.dtype(data.dtype)), "key_impl": impl}
         # Before the Python scalars: np.float64 is a subclass of float but is an array leaf.
-        if isinstance(node, np.ndarray | np.generic) or (
-            hasattr(node, "__array__") and not isinstance(node, bool | int | float | str)
-        ):
-            arr = np.asarray(node)
-            if arr.dtype.hasobject:
-                raise TypeError(
-                    f"array at {_path_str(path)} has dtype object; ckptd stores fixed-size "
-                    "dtypes only (convert it, or store its items as JSON leaves)"
-                )
-            key = _key_for(path, used)
-            arrays.append((key, arr))
-            spec: dict[str, Any] = {"array": key}
-            if isinstance(node, np.generic):
-                spec["scalar"] = True
-            return spec
+        if isinstance(node, np.ndarray | np.generic):
+            return _array(node, path, prefix)
         if node is None or isinstance(node, bool | int | float | str):
             if isinstance(node, int) and not isinstance(node, bool) and abs(node) >= 2**63:
                 return {"bigint": str(node)}
             return {"value": node}
+        # Before __array__: some nodes (flax nnx Variables) have one too.
+        n = node_of(node, path)
+        if n is not None:
+            subs = [
+                walk(c, (*path, k), join(prefix, k))
+                for k, c in zip(n.keys, n.children, strict=True)
+            ]
+            if n.named:
+                return {
+                    "dict": [[k, s] for k, s in zip(n.keys, subs, strict=True)],
+                    "type": n.type_name,
+                }
+            return {"tuple" if isinstance(node, tuple) else "list": subs, "type": n.type_name}
+        if hasattr(node, "__array__"):
+            return _array(node, path, prefix)
+        hint = (
+            " (a function or other static part of a model: save only its arrays, e.g. "
+            "equinox's eqx.filter(model, eqx.is_array))"
+            if callable(node)
+            else ""
+        )
         raise TypeError(
-            f"leaf at {_path_str(path)} has type {type(node).__name__}, which ckptd cannot "
-            "store; use numpy arrays, dict/list/tuple, or None/bool/int/float/str"
+            f"leaf at {path_str(path)} has type {t.__name__}, which ckptd cannot store; use "
+            "arrays, pytree nodes (dict/list/tuple, NamedTuples, dataclasses, nodes "
+            f"jax.tree_util flattens) or None/bool/int/float/str{hint}"
         )
 
-    return walk(tree, ()), arrays
+    def _array(node: Any, path: Path, prefix: str) -> dict[str, Any]:
+        arr = np.asarray(node)
+        if arr.dtype.hasobject:
+            raise TypeError(
+                f"array at {path_str(path)} has dtype object; ckptd stores fixed-size "
+                "dtypes only (convert it, or store its items as JSON leaves)"
+            )
+        key = _key_for(prefix, used)
+        arrays.append((key, arr))
+        spec: dict[str, Any] = {"array": key}
+        if isinstance(node, np.generic):
+            spec["scalar"] = True
+        return spec
+
+    return walk(tree, (), ""), arrays
 
 
 def unflatten(
@@ -105,38 +148,34 @@ def unflatten(
 ) -> Any:
     """Rebuild the tree from its spec and the restored arrays.
 
-    ``jax_leaf(spec_node, target_node)`` builds saved jax leaves; ``target`` is
-    walked alongside the spec (same structure) to hand each its target leaf.
+    Without ``target``: dicts, lists and tuples as saved (other nodes as dicts by
+    field name, or lists). With one: the target's own structure and node types
+    (:func:`ckptd.client.pytree.rebuild`), or :class:`TreeMismatch` naming the
+    path where they differ. ``jax_leaf(spec_node, target_leaf)`` builds saved jax
+    leaves.
     """
-    if not isinstance(spec, dict) or len(spec) < 1:
-        raise ValueError(f"malformed tree spec node: {spec!r:.80}")
 
-    def sub(key: Any) -> Any:
-        if target is None:
-            return None
-        try:
-            return target[key]
-        except (KeyError, IndexError, TypeError):
-            raise ValueError(
-                f"the restore target has no entry {key!r} where the checkpoint has one; "
-                "pass a target with the saved tree's structure"
-            ) from None
+    def leaf(s: dict[str, Any], t: Any, path: Path) -> Any:
+        if "jax" in s:
+            if jax_leaf is None:
+                raise ValueError("this checkpoint holds jax arrays; restore it with ckptd.client")
+            try:
+                return jax_leaf(s, t)
+            except TreeMismatch as exc:
+                raise TreeMismatch(f"at {path_str(path)}: {exc}") from None
+        if "value" in s:
+            return s["value"]
+        if "bigint" in s:
+            return int(s["bigint"])
+        if "array" in s:
+            arr = arrays[s["array"]]
+            shape = getattr(t, "shape", None)
+            if shape is not None and tuple(shape) != arr.shape:
+                raise TreeMismatch(
+                    f"at {path_str(path)} the restore target has shape {tuple(shape)} and the "
+                    f"checkpoint {arr.shape}"
+                )
+            return arr[()] if s.get("scalar") else arr
+        raise ValueError(f"malformed tree spec node at {path_str(path)}: {s!r:.80}")
 
-    if "dict" in spec:
-        return {k: unflatten(v, arrays, jax_leaf, sub(k)) for k, v in spec["dict"]}
-    if "list" in spec:
-        return [unflatten(v, arrays, jax_leaf, sub(i)) for i, v in enumerate(spec["list"])]
-    if "tuple" in spec:
-        return tuple(unflatten(v, arrays, jax_leaf, sub(i)) for i, v in enumerate(spec["tuple"]))
-    if "jax" in spec:
-        if jax_leaf is None:
-            raise ValueError("this checkpoint holds jax arrays; restore it with ckptd.client")
-        return jax_leaf(spec, target)
-    if "value" in spec:
-        return spec["value"]
-    if "bigint" in spec:
-        return int(spec["bigint"])
-    if "array" in spec:
-        arr = arrays[spec["array"]]
-        return arr[()] if spec.get("scalar") else arr
-    raise ValueError(f"malformed tree spec node: {spec!r:.80}")
+    return rebuild(spec, target, leaf)

@@ -39,6 +39,13 @@ class InvalidArgument(CkptdError):
     status = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class TreeMismatch(InvalidArgument, ValueError):
+    """A restore target whose structure differs from the saved tree's (a missing or
+    extra entry, another shape, dtype or PRNG implementation); the message names
+    the path. Raised by the client, never sent: it travels as INVALID_ARGUMENT.
+    Also a ``ValueError``, which restore raised for these before."""
+
+
 class NotFound(CkptdError):
     """No such lease, job or step (or no restorable step at all)."""
 

@@ -75,3 +75,23 @@ def test_demo_runs_end_to_end() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SIGKILLed" in out.stdout and "IDENTICAL" in out.stdout
     assert "resumed from step 11" in out.stdout
+
+
+def test_version_flag_help_and_unknown_environment_variables() -> None:
+    from ckptd.daemon import __version__
+    from ckptd.daemon.app import config
+
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"ckptd {__version__}"
+    helptext = " ".join(run("serve", "--help").stdout.split())
+    # Every flag says what it means, its default and where else it can be set.
+    assert "Local tier directory (on NVMe). Default: /var/lib/ckptd." in helptext
+    assert "Default: 10%" in helptext
+    assert helptext.count("Config key ") == len(config.flag_names())
+    warnings = config.unknown_env(
+        {"CKPTD_STAGING_BUDGET": "1GiB", "CKPTD_ROOT": "/x", "CKPTD_FAILPOINTS": "", "HOME": "/"}
+    )
+    assert warnings == [
+        "environment variable CKPTD_STAGING_BUDGET is not a ckptd setting and is ignored; "
+        "did you mean CKPTD_STAGING_BUDGET_BYTES?"
+    ]

@@ -115,6 +115,8 @@ class Services:
     access: Access
     remote_url: str
     status: Callable[[], pb.DaemonStatus]
+    restored: Callable[[str], None]
+    """Counts a Restore answered, by the tier its copy came from (the metrics)."""
 
 
 class Servicer(pb_grpc.CkptdServicer):
@@ -225,6 +227,7 @@ class Servicer(pb_grpc.CkptdServicer):
             job, step, request.rank, request.shared_memory, holder, peer.process
         )
         self.s.catalog.served(plan.step)  # the client opens the files next: keep them
+        self.s.restored(plan.tier)
         self.s.access.grant(peer, plan.directory)
         resp = pb.RestoreResponse(
             job=job,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ from ckptd.core.errors import CkptdError, cli_line
 from ckptd.core.wire import DEFAULT_SOCKET, Connection
 from ckptd.proto import ckptd_pb2 as pb
 
+from .. import __version__
 from . import cli_tiers, logs
 from . import config as config_mod
 from .serve import serve
@@ -74,6 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     flags = {k: getattr(args, k) for k in config_mod.flag_names()}
     cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
     logs.setup(cfg.log_level)  # third-party request logging capped, credentials masked
+    for warning in config_mod.unknown_env():
+        logging.getLogger("ckptd.server").warning("%s", warning)
     import uvloop
 
     uvloop.run(serve(cfg))
@@ -253,16 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptd", description="Per-node checkpoint daemon for ML training."
     )
+    parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="run the daemon")
     p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
+    docs, defaults = config_mod.field_docs(), config_mod.default_values()
     for key in config_mod.flag_names():
         p.add_argument(
             f"--{key.replace('_', '-')}",
             dest=key,
             default=None,
             metavar="VALUE",
-            help=f"config key {key} (env CKPTD_{key.upper()})",
+            # argparse formats help with %: a literal one ("10%") is doubled.
+            help=(
+                f"{docs.get(key, '')} Default: {defaults[key] or '(none)'}. "
+                f"Config key {key}, env CKPTD_{key.upper()}."
+            ).replace("%", "%%"),
         )
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("ls", help="list checkpoints and their states")

@@ -40,6 +40,7 @@ from ..retention.evictor import Evictor
 from ..retention.pins import Pins, load_pins
 from ..retention.planner import Retention
 from .config import Config
+from .metrics import Metrics, Sources
 from .supervisor import Supervisor
 
 log = logging.getLogger("ckptd.server")
@@ -89,6 +90,32 @@ class Daemon:
             self.disk, self.staging, self.store, self.io.run, cfg.retention_local.describe()
         )
         self.drain: Drain | None = None
+        self.started = False
+        self.metrics_address = ""
+        """Where /metrics is served (set by ``serve``); empty when it is not."""
+        self.metrics = Metrics(
+            Sources(self.catalog, self.status, self.drain_lag, bool(cfg.remote), self._ready)
+        )
+        self.catalog.subscribe(lambda event: self.metrics.on_event(event, self.catalog))
+
+    def _ready(self) -> bool:
+        return self.started
+
+    def drain_lag(self) -> float:
+        """Seconds the oldest step waiting for the bucket has waited since its handoff."""
+        if self.drain is None:
+            return 0.0
+        waiting = [
+            st.handoff_at or st.created_unix
+            for st in self.catalog.steps()
+            if st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
+        ]
+        return max(0.0, time.time() - min(waiting)) if waiting else 0.0
+
+    def unhealthy(self) -> str:
+        """Why the daemon is not healthy (a background service gave up); empty if it is."""
+        failed = [h.name for h in self.supervisor.health.values() if h.state == "failed"]
+        return f"background services failed: {', '.join(failed)}" if failed else ""
 
     async def start(self) -> None:
         """Recover the local tier, open the remote tier, build the services on top."""
@@ -168,6 +195,7 @@ class Daemon:
         self.evictor.kick()  # apply the retention to what recovery found
         self.supervisor.service("evictor", self.evictor.run)
         self.supervisor.service("adopter", self.adopter.run)
+        self.started = True
 
     async def _open_remote(self) -> Remote | None:
         """Open and check the remote tier: one clear error at start-up, not a stack of retries."""
@@ -201,6 +229,7 @@ class Daemon:
             access=self.access,
             remote_url=self.remote.url if self.remote is not None else "",
             status=self.status,
+            restored=self.metrics.restored,
         )
 
     async def stop(self) -> None:
@@ -268,6 +297,7 @@ class Daemon:
             ],
             job_errors=self.supervisor.job_errors,
             last_event_seq=self.catalog.last_seq,
+            metrics_address=self.metrics_address,
         )
 
 

@@ -28,8 +28,10 @@ from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
 from ..retention.policies import Policy, PolicyError, parse_policy
+from .http import parse_address
 
 DEFAULT_ROOT = "/var/lib/ckptd"
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
 ENV_PREFIX = "CKPTD_"
 
 
@@ -112,6 +114,11 @@ class Config:
     """Groups (gids or names) whose members may use every job."""
     shared_jobs: tuple[str, ...] = ()
     """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
+    """``HOST:PORT`` of the HTTP endpoint with ``/metrics`` (Prometheus), ``/healthz`` and
+    ``/readyz``; ``off`` to serve none. Port 0 picks a free port (shown in status). If
+    the default port is taken (another daemon on this host) the daemon starts without
+    it and says so; an address set explicitly must be free."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -278,9 +285,69 @@ def _validate(cfg: Config) -> None:
             "beside it) is longer than the 107 bytes a unix socket path may have; choose a "
             "shorter path"
         )
+    try:
+        parse_address(cfg.metrics_address)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for 'metrics_address': {exc}") from None
     for pattern in cfg.shared_jobs:
         if "/" in pattern or not pattern:
             raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")
+
+
+_NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")
+"""``CKPTD_*`` variables that are not config keys but are read elsewhere."""
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``CKPTD_*`` variable that is no config key (a typo is
+    otherwise silently ignored), with the closest key when there is one."""
+    env = os.environ if env is None else env
+    out = []
+    for name in sorted(env):
+        key = name[len(ENV_PREFIX) :]
+        if not name.startswith(ENV_PREFIX) or key.lower() in _FIELDS:
+            continue
+        if any(key == k or (k.endswith("_") and key.startswith(k)) for k in _NOT_KEYS):
+            continue
+        close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1)
+        hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+        out.append(f"environment variable {name} is not a ckptd setting and is ignored{hint}")
+    return out
+
+
+def field_docs() -> dict[str, str]:
+    """Each key's help: the first sentence of its docstring in :class:`Config`."""
+    import ast
+    import inspect
+    import itertools
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(Config)).body[0].body  # type: ignore[attr-defined]
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            text = " ".join(str(after.value.value).split())
+            docs[node.target.id] = text.split(". ")[0].rstrip(".") + "."
+    return docs
+
+
+def default_values() -> dict[str, str]:
+    """Each key's built-in default as text (for ``--help``)."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(Config):
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if isinstance(value, Policy):
+            value = value.describe()
+        elif isinstance(value, SpaceMark):
+            value = value.text
+        elif isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        out[f.name] = str(value) if f.name != "node_id" else "the host name"
+    return out
 
 
 def flag_names() -> list[str]:

@@ -89,6 +89,9 @@ class DaemonProcess:
             *node,
             "--staging-budget-bytes",
             self.staging_budget,
+            # Several daemons share a host here (tests, benchmarks): each its own port.
+            "--metrics-address",
+            "127.0.0.1:0",
             *self.extra_args,
         ]
 
@@ -213,6 +216,13 @@ class DaemonProcess:
                 if match(e):
                     return e
                 after = e.seq
+
+    def metrics_url(self, path: str = "/metrics") -> str:
+        """``http://HOST:PORT/metrics`` (or another path) of this daemon's HTTP endpoint."""
+        address = self.status().metrics_address
+        if not address:
+            raise RuntimeError("this daemon serves no metrics (metrics_address is off)")
+        return f"http://{address}{path}"
 
     def wait_failpoint(self, name: str, timeout: float = 60.0) -> None:
         """Block until the daemon reached failpoint ``name`` (armed with ``pause``)."""

@@ -13,23 +13,33 @@ import contextlib
 import fcntl
 import logging
 import os
+import pwd
 import resource
 import signal
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 
 from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .. import __version__
 from ..api.servicer import Servicer
 from ..api.sessions import SessionServer
 from .compose import Daemon, StartupError
-from .config import Config
+from .config import DEFAULT_METRICS_ADDRESS, Config
+from .http import HealthServer, parse_address
+from .notify import notify
 
 log = logging.getLogger("ckptd.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Ckptd"].full_name
+"""The name gRPC health checks ask about (``ckptd.v1.Ckptd``); "" is the whole server."""
 
 __all__ = ["StartupError", "serve"]
 
@@ -49,6 +59,30 @@ def _take_lock(path: Path, what: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _check_writable(directory: Path, key: str) -> None:
+    """Refuse, in one line that says what to fix, a directory (or, if it does not exist
+    yet, the parent it would be made in) this user cannot write: the usual cause is a
+    root-owned hostPath volume and a daemon running as another uid."""
+    target = directory
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    if os.access(target, os.W_OK | os.X_OK):
+        return
+    st = target.stat()
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        who = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        who = f"uid {uid}"
+    raise StartupError(
+        f"{key} {directory}: {target} is owned by uid {st.st_uid} gid {st.st_gid} with mode "
+        f"{stat.S_IMODE(st.st_mode):04o} and this daemon runs as {who}, so it cannot write "
+        f"there; give the directory to that user (chown {uid}:{gid} {target}; in Kubernetes "
+        f"an initContainer that does so, or runAsUser matching its owner) or set {key} to "
+        "a directory it may write"
+    )
 
 
 def _prepare_socket_dir(socket: Path, group: int) -> None:
@@ -80,6 +114,32 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+async def _start_http(config: Config, daemon: Daemon) -> HealthServer | None:
+    """Serve /metrics, /healthz and /readyz where configured (see Config.metrics_address)."""
+    address = parse_address(config.metrics_address)
+    if address is None:
+        return None
+    http = HealthServer(daemon.metrics.exposition, daemon.unhealthy)
+    try:
+        await http.start(*address)
+    except OSError as exc:
+        if config.metrics_address != DEFAULT_METRICS_ADDRESS:
+            raise StartupError(
+                f"cannot serve metrics on {config.metrics_address}: {exc.strerror}; set "
+                "metrics_address to a free HOST:PORT (port 0: any free port) or off"
+            ) from None
+        log.warning(
+            "metrics and health endpoints are off: %s is taken (%s), probably by another "
+            "ckptd on this host; give each daemon its own metrics_address",
+            config.metrics_address,
+            exc.strerror,
+        )
+        return None
+    daemon.metrics_address = http.address
+    log.info("metrics on http://%s/metrics (and /healthz, /readyz)", http.address)
+    return http
+
+
 async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT, then finish acknowledged saves and exit.
 
@@ -88,6 +148,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     """
     _raise_fd_limit()
     group = int(config.socket_group) if config.socket_group else -1
+    _check_writable(config.root, "root")
+    _check_writable(config.socket.parent, "socket")
     try:
         _prepare_socket_dir(config.socket, group)
         _prepare_root(config.root)
@@ -106,6 +168,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         stop.set()
 
     daemon = Daemon(config, on_fatal)
+    # Probes answer from the start: healthy (the loop runs), not ready while recovering.
+    http = await _start_http(config, daemon)
     await daemon.start()
     # The lock proves no live daemon owns the socket: a file there is stale.
     config.socket.unlink(missing_ok=True)
@@ -119,6 +183,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         raise StartupError(f"cannot listen on {sessions.path}: {exc.strerror}") from None
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     pb_grpc.add_CkptdServicer_to_server(Servicer(daemon.services(), sessions), server)
+    health = HealthServicer()  # grpc.health.v1: "" and "ckptd.v1.Ckptd"
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
     try:
         server.add_insecure_port(f"unix:{config.socket}")
@@ -139,14 +205,25 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         config.node_id,
         os.getpid(),
     )
+    for service in ("", SERVICE_NAME):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if http is not None:
+        http.ready = True
+    notify(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
     if on_ready:
         on_ready()
     await stop.wait()
+    notify("STOPPING=1\nSTATUS=finishing acknowledged saves")
     log.info("stopping: no new requests; finishing acknowledged saves")
+    if http is not None:
+        http.ready = False
+    await health.enter_graceful_shutdown()
     daemon.catalog.stopping.set()  # waiters answer at once; clients ask the next daemon
     await server.stop(grace=5)
     await sessions.stop()
     await daemon.stop()
+    if http is not None:
+        await http.stop()
     config.socket.unlink(missing_ok=True)
     os.close(root_lock)
     os.close(sock_lock)

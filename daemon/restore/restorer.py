@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -59,6 +60,8 @@ class RestorePlan:
     directory: Path
     lease: Lease | None
     data_offset: int
+    tier: str = "local"
+    """Where the copy came from: local, or remote (fetched from the bucket for it)."""
 
 
 class Restorer:
@@ -112,7 +115,7 @@ class Restorer:
             if not candidates:
                 where = "on this node or in the bucket" if self.fetcher.remote else "on this node"
                 what = "adopted step" if adopted else "restorable checkpoint"
-                raise NotFound(f"job {job!r} has no {what} {where}; start from scratch")
+                raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job)}")
             st = candidates[0]
         held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
         if rank is not None and held is not None and rank not in held:
@@ -120,6 +123,14 @@ class Restorer:
                 f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
             )
         return st
+
+    def _did_you_mean(self, job: str) -> str:
+        """A hint for a job name that is probably a typo; else the fresh-start advice."""
+        others = [j for j in self.catalog.jobs() if j != job]
+        close = difflib.get_close_matches(job, others, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]!r}? (`ckptd ls` lists the jobs)"
+        return "; start from scratch (or check the job name: `ckptd ls` lists the jobs)"
 
     async def restore(
         self,
@@ -147,6 +158,7 @@ class Restorer:
         except Exception as exc:  # the bucket is down: restore from what is known
             log.warning("cannot list the bucket for job %s (%s); using the copies known", job, exc)
         while True:
+            tier = "local"
             st = self.choose(job, step, rank)
             self.catalog.served(st)  # the evictor leaves it alone while it is served
             if st.manifest is None:
@@ -161,16 +173,17 @@ class Restorer:
                     log.error("%s/%d cannot be fetched; restoring an older step", job, st.step)
                     continue
                 assert st.manifest is not None
+                tier = "remote"
                 if lease is not None:  # the whole verified file is in the lease already
                     directory = self.store.step_dir(job, st.step)
-                    return RestorePlan(st, st.manifest, directory, lease, 0)
+                    return RestorePlan(st, st.manifest, directory, lease, 0, tier)
             assert st.manifest is not None
             directory = self.store.step_dir(job, st.step)
             prefetched = self.fetcher.take_prefetched(job, st.step, rank)
             if prefetched is not None:
-                return RestorePlan(st, st.manifest, directory, prefetched, 0)
+                return RestorePlan(st, st.manifest, directory, prefetched, 0, tier)
             if not shared_memory:
-                return RestorePlan(st, st.manifest, directory, None, 0)
+                return RestorePlan(st, st.manifest, directory, None, 0, tier)
             record = next(r for r in st.manifest.ranks if r.rank == rank)
             path = directory / record.file
             changed = st.changed
@@ -182,7 +195,7 @@ class Restorer:
                     await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
                 continue
             if lease is None:
-                return RestorePlan(st, st.manifest, directory, None, 0)
+                return RestorePlan(st, st.manifest, directory, None, 0, tier)
             try:
                 bad = await self.io.run(
                     _read_and_verify, path, offset, record, lease, st.manifest.shards
@@ -193,7 +206,7 @@ class Restorer:
                     continue
                 raise
             if not bad:
-                return RestorePlan(st, st.manifest, directory, lease, offset)
+                return RestorePlan(st, st.manifest, directory, lease, offset, tier)
             self.staging.release(lease.lease_id)
             await self._set_aside(st, bad, explicit=step is not None)
 

