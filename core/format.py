@@ -112,9 +112,17 @@ def nbytes_of(dt: np.dtype, shape: Sequence[int]) -> int:
     return math.prod(shape) * dt.itemsize
 
 
+def _alignment(dt: np.dtype) -> int:
+    return max(dt.alignment, dt.itemsize) if dt.kind == "c" else dt.alignment
+
+
 def plan_layout(items: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> list[TensorEntry]:
-    """Place tensors contiguously, largest alignment first, so none needs padding."""
-    ordered = sorted(items, key=lambda it: -it[1].alignment)
+    """Place tensors contiguously, largest alignment first, so none needs padding.
+
+    Complex numbers are aligned to their whole size (16 bytes for complex128, not
+    numpy's 8): torch reads a complex128 tensor that is only 8-aligned with a
+    16-byte load and crashes (a restored array handed to ``torch.from_numpy``)."""
+    ordered = sorted(items, key=lambda it: -_alignment(it[1]))
     entries = []
     offset = 0
     for key, dt, shape in ordered:

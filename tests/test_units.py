@@ -339,3 +339,20 @@ def test_evicting_job_star_leaves_other_jobs_peers(tmp_path: Path) -> None:
         store._delete(job, step, gone)
     left = [p for p in parts if store.peer_dir(*p).exists()]
     assert left == [("other", 5, "n1"), ("x[", 5, "n1"), ("a.1", 1, "x")]
+
+
+def test_complex_arrays_are_aligned_to_their_size() -> None:
+    # torch crashes copying a complex128 tensor that is only 8-aligned (numpy's
+    # alignment): the layout puts complex arrays at multiples of their item size.
+    from ckptd.core.format import plan_layout
+
+    items = [
+        ("f64", np.dtype("f8"), (3,)),
+        ("c128", np.dtype("c16"), (5,)),
+        ("f32", np.dtype("f4"), (1,)),
+        ("c64", np.dtype("c8"), (3,)),
+        ("c128b", np.dtype("c16"), (2,)),
+    ]
+    for e in plan_layout(items):
+        want = e.dtype.itemsize if e.dtype.kind == "c" else e.dtype.alignment
+        assert e.offset % want == 0, (e.key, e.offset)
