@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 CHUNK = 8 * 2**20
 """Bytes per read when a file is checked from disk."""
-_COMBINE_ABOVE = 2**20  # shards at least this long are combined, not checksummed twice
+_COMBINE_ABOVE = 16 * 2**10
+"""Shards at least this long are combined into their file's crc, not checksummed twice
+(a combine costs about what checksumming 16 KiB does)."""
 
 _POLY = 0x82F63B78  # Castagnoli, reflected
 
@@ -61,12 +63,34 @@ def _zeros_operator(log2_bytes: int) -> tuple[int, ...]:
     return _mul(half, half)
 
 
+@functools.cache
+def _zeros_tables(log2_bytes: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """:func:`_zeros_operator` as four 256-entry tables, one per byte of the register:
+    applying it is four lookups instead of a loop over 32 bits (a shard's crc is
+    folded into its file's once per shard, thousands of times per save)."""
+    cols = _zeros_operator(log2_bytes)
+    tables = []
+    for byte in range(4):
+        t = [0] * 256
+        for b in range(1, 256):
+            low = b & -b  # t[b] = t[b without its lowest bit] ^ that bit's column
+            t[b] = t[b ^ low] ^ cols[8 * byte + low.bit_length() - 1]
+        tables.append(t)
+    return tables[0], tables[1], tables[2], tables[3]
+
+
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """crc32c of the concatenation ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)``."""
     bit = 0
     while len_b:
         if len_b & 1:
-            crc_a = _times(_zeros_operator(bit), crc_a)
+            t0, t1, t2, t3 = _zeros_tables(bit)
+            crc_a = (
+                t0[crc_a & 0xFF]
+                ^ t1[(crc_a >> 8) & 0xFF]
+                ^ t2[(crc_a >> 16) & 0xFF]
+                ^ t3[crc_a >> 24]
+            )
         len_b >>= 1
         bit += 1
     return crc_a ^ crc_b
@@ -117,27 +141,75 @@ def of_file_and_shards(
     The whole-file value is what object stores report natively (GCS crc32c, S3
     CRC32C), so the drain can verify an upload end to end without re-reading.
     """
-    # One pass over the bytes: each shard's crc is folded into the file's with
-    # combine (a few hundred integer ops) instead of being read twice; small
-    # shards and the alignment gaps are simply fed to the running value.
-    flat = np.frombuffer(data, np.uint8)
-    whole = int(google_crc32c.value(header))
-    shard_crcs = [0] * len(ranges)
-    pos = 0
-    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
-        offset, length = ranges[i]
-        if offset > pos:
-            whole = int(google_crc32c.extend(whole, flat[pos:offset]))
-        piece = flat[offset : offset + length]
-        shard_crcs[i] = int(google_crc32c.extend(0, piece))
-        if length >= _COMBINE_ABOVE:
-            whole = combine(whole, shard_crcs[i], length)
-        else:
-            whole = int(google_crc32c.extend(whole, piece))
-        pos = max(pos, offset + length)
-    if pos < data_length:
-        whole = int(google_crc32c.extend(whole, flat[pos:data_length]))
-    return whole, shard_crcs
+    stream = FileCrc(header, ranges, data_length)
+    stream.feed(np.frombuffer(data, np.uint8), data_length)
+    return stream.result()
+
+
+class FileCrc:
+    """crc32c of a file (header + data) and of each shard in it, fed in order as the
+    data lands, so a checksum can trail a write chunk by chunk instead of racing it.
+
+    ``ranges``: each shard's ``(offset, length)`` in the data section, in any order,
+    not overlapping; bytes between and after them count only for the whole file.
+    One pass over the bytes: a large shard's crc is folded into the file's with
+    :func:`combine` (table lookups per set bit of its length) instead of being read
+    twice; small shards and the gaps are simply fed to the running value as well.
+    """
+
+    def __init__(self, header: bytes, ranges: Sequence[tuple[int, int]], data_length: int) -> None:
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+        pieces: list[tuple[int, int, int]] = []  # start, length, shard index (-1: a gap)
+        at = 0
+        for i in order:
+            offset, length = ranges[i]
+            if offset < at:
+                raise ValueError(f"shard {i} at {offset} overlaps the one before, ending at {at}")
+            if offset > at:
+                pieces.append((at, offset - at, -1))
+            pieces.append((offset, length, i))
+            at = offset + length
+        if data_length > at:
+            pieces.append((at, data_length - at, -1))
+        self._pieces = pieces
+        self._next = 0  # the piece being read
+        self._pos = 0  # data bytes consumed
+        self._shard = 0  # the running crc of the shard being read
+        self._whole = int(google_crc32c.value(header))
+        self._crcs = [0] * len(ranges)
+
+    def feed(self, data: np.ndarray, upto: int) -> None:
+        """Take in the data section's bytes up to ``upto`` (``data``: all of it, as
+        flat uint8; bytes past ``upto`` are not read). Calls must come in order;
+        one that reaches no further than the last is a no-op."""
+        pieces, extend = self._pieces, google_crc32c.extend
+        while self._next < len(pieces):
+            start, length, index = pieces[self._next]
+            end = start + length
+            lo, hi = self._pos, min(end, upto)
+            if hi < end and hi <= lo:
+                return  # this piece's bytes have not landed yet
+            if hi > lo:
+                part = data[lo:hi]
+                if index >= 0:
+                    self._shard = int(extend(self._shard, part))
+                if index < 0 or length < _COMBINE_ABOVE:
+                    self._whole = int(extend(self._whole, part))
+                self._pos = hi
+            if hi < end:
+                return
+            if index >= 0:
+                self._crcs[index] = self._shard
+                if length >= _COMBINE_ABOVE:
+                    self._whole = combine(self._whole, self._shard, length)
+                self._shard = 0
+            self._next += 1
+
+    def result(self) -> tuple[int, list[int]]:
+        """``(whole file's crc32c, [each shard's])``; raises if not all data was fed."""
+        if self._next < len(self._pieces):
+            raise ValueError(f"only {self._pos} bytes of the data were checksummed")
+        return self._whole, self._crcs
 
 
 def of_file(path: Path, chunk: int = CHUNK) -> int:

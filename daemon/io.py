@@ -19,6 +19,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+CRC = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-crc")
+"""Checksums the bytes a write or read just moved, beside the next one (google_crc32c
+releases the GIL): rank files as they are written and as they are restored."""
+
 
 async def settled(cf: concurrent.futures.Future[T]) -> T:
     """Await a thread's future; if cancelled, first wait until the thread is done."""

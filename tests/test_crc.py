@@ -49,3 +49,47 @@ def test_file_and_shard_crcs_in_one_pass(ranges: list[tuple[int, int]]) -> None:
     whole, shards = crc32c_file_and_shards(b"h" * 4096, memoryview(data), length, ranges)
     assert whole == google_crc32c.value(b"h" * 4096 + data[:length].tobytes())
     assert shards == [google_crc32c.value(data[o : o + n].tobytes()) for o, n in ranges]
+
+
+def test_combine_by_tables_matches_the_bitwise_operator_at_any_length() -> None:
+    # The byte tables are a faster form of the GF(2) matrices; lengths up to 2**50
+    # (no buffer that long is needed: the matrices themselves are the reference).
+    def bitwise(a: int, b: int, n: int) -> int:
+        bit = 0
+        while n:
+            if n & 1:
+                a = crc._times(crc._zeros_operator(bit), a)
+            n >>= 1
+            bit += 1
+        return a ^ b
+
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        a, b = (int(x) for x in rng.integers(0, 2**32, 2))
+        n = int(rng.integers(0, 2 ** int(rng.integers(1, 51))))
+        assert crc.combine(a, b, n) == bitwise(a, b, n)
+
+
+@pytest.mark.parametrize("step", [1, 4093, 2**20, 3 * 2**20 + 5])
+def test_file_crc_fed_as_data_lands_equals_one_pass(step: int) -> None:
+    # What the saver does: the crc trails the write, fed up to each chunk written.
+    data = np.random.default_rng(1).integers(0, 256, 7 * 2**20, dtype=np.uint8)
+    ranges = [(0, 0), (0, 100), (128, 20000), (20480, 3 * 2**20), (3 * 2**20 + 20480, 17)]
+    length = 3 * 2**20 + 20480 + 17 + 999  # a tail after the last shard
+    header = b"h" * 4096
+    stream = crc.FileCrc(header, ranges, length)
+    for upto in [*range(step, length, step), length, length]:
+        stream.feed(data, upto)
+    assert stream.result() == crc.of_file_and_shards(header, memoryview(data), length, ranges)
+    whole, shards = stream.result()
+    assert whole == google_crc32c.value(header + data[:length].tobytes())
+    assert shards == [google_crc32c.value(data[o : o + n].tobytes()) for o, n in ranges]
+
+
+def test_file_crc_refuses_overlapping_shards_and_an_unfinished_feed() -> None:
+    with pytest.raises(ValueError, match="overlaps"):
+        crc.FileCrc(b"", [(0, 100), (50, 100)], 200)
+    stream = crc.FileCrc(b"", [(0, 100)], 200)
+    stream.feed(np.zeros(200, np.uint8), 150)
+    with pytest.raises(ValueError, match="only 150 bytes"):
+        stream.result()

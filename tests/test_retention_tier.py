@@ -281,3 +281,27 @@ def test_continuous_should_save_follows_the_daemon(make_daemon: Any) -> None:
         assert interval.should_save(4) is False  # LOCAL, but the hour has not passed
     finally:
         interval.close()
+
+
+def test_a_step_restored_into_shared_memory_is_not_held_back_from_retention(
+    make_daemon: Any,
+) -> None:
+    # Restored into a lease, the client needs none of the step's files: it turns into
+    # a spare when retention drops it. Restored as files (shared_memory=False), the
+    # client opens them after the reply: the step is kept for a grace period.
+    daemon: Daemon = make_daemon(extra_args=["--retention-local", "KeepLatest(1)"])
+    client = daemon.client("held")
+    client.save(1, small(1)).wait("local")
+    tree, _ = client.restore(step=1)
+    assert tree["x"][0] == 1
+    del tree
+    client.save(2, small(2)).wait("local")
+    settled(client, [2], [])  # step 1 evicted although it was just restored
+    tree, _ = client.restore(step=2, shared_memory=False)
+    assert tree["x"][0] == 2
+    client.save(3, small(3)).wait("local")
+    client.save(4, small(4)).wait("local")
+    # Step 3 goes as retention says; step 2 is held for the client that opens its files.
+    settled(client, [2, 4], [])
+    assert (daemon.root / "held" / "2" / "rank-00000.safetensors").exists()
+    del tree

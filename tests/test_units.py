@@ -20,6 +20,7 @@ from ckptd.core.format import (
     build_header_columns,
     dtype_to_str,
     plan_layout,
+    round_up,
     str_to_dtype,
 )
 from ckptd.core.names import check_name, check_shard_key, check_step
@@ -278,6 +279,39 @@ def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Pa
     store.evict("j", 1)
     assert store.spare_bytes == 0 and list(store.trash_root.iterdir()) == []
     buf.close()
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_rank_file_written_with_its_checksums_trailing_the_write(
+    tmp_path: Path, where: str
+) -> None:
+    # O_DIRECT on a disk, buffered on tmpfs (which refuses O_DIRECT): either way the
+    # checksums fed chunk by chunk behind the write equal one pass over the memory.
+    import mmap
+
+    from ckptd.core import checksum
+    from ckptd.daemon.local import files
+
+    base = tmp_path if where == "disk" else Path("/dev/shm")
+    out = base / f"ckptd-test-{os.getpid()}.safetensors"
+    size = 3 * files.WRITE_CHUNK // 2 + 12345  # two data chunks, the last one partial
+    buf = mmap.mmap(-1, round_up(size))
+    data = np.frombuffer(buf, np.uint8)
+    data[:size] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    ranges = [
+        (0, 4096),
+        (4096, files.WRITE_CHUNK),
+        (files.WRITE_CHUNK + 4096, size - 4096 - files.WRITE_CHUNK),
+    ]
+    header = header_of([TensorEntry("x", np.dtype("u1"), (size,), 0, size)], {})
+    try:
+        got = files.write_file_checksummed(out, header, memoryview(buf), size, ranges)
+        assert got == checksum.of_file_and_shards(header, memoryview(buf), size, ranges)
+        assert got[0] == checksum.of_file(out) and out.stat().st_size == len(header) + size
+    finally:
+        out.unlink(missing_ok=True)
+        del data
+        buf.close()
 
 
 def test_liveness_probe_never_follows_a_symlink_nor_blocks_on_a_fifo(tmp_path: Path) -> None:

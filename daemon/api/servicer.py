@@ -226,7 +226,12 @@ class Servicer(pb_grpc.CkptdServicer):
         plan = await self.s.restorer.restore(
             job, step, request.rank, request.shared_memory, holder, peer.process
         )
-        self.s.catalog.served(plan.step)  # the client opens the files next: keep them
+        if plan.lease is None or len(plan.manifest.ranks) > 1:
+            # The client opens files of the step itself next (its own rank's, or other
+            # local ranks' to reshard): the evictor leaves them alone for a while. A
+            # rank whose whole file is in the lease needs none, and holding the step
+            # back would keep retention from turning it into a spare for later saves.
+            self.s.catalog.served(plan.step)
         self.s.restored(plan.tier)
         self.s.access.grant(peer, plan.directory)
         resp = pb.RestoreResponse(

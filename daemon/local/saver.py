@@ -8,8 +8,8 @@ acknowledged save survives a daemon crash. The lease stays granted until the
 step is LOCAL or FAILED; a step whose other ranks never hand off fails after
 ``step_timeout_seconds``, and its memory comes back. Each
 rank's shards are written from the lease into one safetensors file in the
-step's staging directory with ``O_DIRECT``, crc32c computed over the same memory
-in parallel; when every rank of the node is written the step commits
+step's staging directory with ``O_DIRECT``, crc32c computed over each chunk just
+written while the next is written; when every rank of the node is written the step commits
 (``manifest.json`` last, then the rename: :class:`~ckptd.daemon.commit.RenameCommit`)
 and becomes LOCAL. Runs on the event loop; file work goes to the I/O threads.
 """
@@ -24,7 +24,6 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
 
-from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, round_up
 from ckptd.core.manifest import Manifest, RankRecord, rank_file_name
@@ -34,8 +33,8 @@ from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
 from ..catalog import Catalog, Step
-from ..io import IoPool, gather_all
-from .files import write_file_direct
+from ..io import IoPool
+from .files import write_file_checksummed
 from .journal import Entry, Journal
 from .pending import CommitRequest, PendingStep
 from .records import INLINE_SHARDS, rank_header, shard_records
@@ -250,9 +249,9 @@ class Saver:
             header, ranges = await run(rank_header, req) if many else rank_header(req)
             data = lease.segment.view(req.data_offset, round_up(data_len))
             spare = self.store.take_spare(len(header) + data_len)
-            _, (file_crc, crcs) = await gather_all(
-                run(write_file_direct, pending.commit.path / name, header, data, data_len, spare),
-                run(checksum.of_file_and_shards, header, data, data_len, ranges),
+            path = pending.commit.path / name
+            file_crc, crcs = await run(
+                write_file_checksummed, path, header, data, data_len, ranges, spare
             )
             args = (req, len(header), crcs)
             shards = await run(shard_records, *args) if many else shard_records(*args)

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import difflib
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
 from ..catalog import Catalog, Step
-from ..io import IoPool
+from ..io import CRC, IoPool
 from ..local.files import data_offset, read_data_direct, read_header
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
@@ -158,57 +158,68 @@ class Restorer:
         except Exception as exc:  # the bucket is down: restore from what is known
             log.warning("cannot list the bucket for job %s (%s); using the copies known", job, exc)
         while True:
-            tier = "local"
             st = self.choose(job, step, rank)
-            self.catalog.served(st)  # the evictor leaves it alone while it is served
-            if st.manifest is None:
-                try:
-                    lease = await self.fetcher.to_local(st, rank, shared_memory)
-                except DataLoss:
-                    # The bucket's copy is corrupt (or its manifest unreadable or unsafe)
-                    # and there is no local one: the fetcher marked the step unusable;
-                    # restore an older one, unless this one was asked for.
-                    if step is not None:
-                        raise
-                    log.error("%s/%d cannot be fetched; restoring an older step", job, st.step)
-                    continue
-                assert st.manifest is not None
-                tier = "remote"
-                if lease is not None:  # the whole verified file is in the lease already
-                    directory = self.store.step_dir(job, st.step)
-                    return RestorePlan(st, st.manifest, directory, lease, 0, tier)
+            # Held while the daemon reads it: the evictor leaves it alone. (The grace
+            # for files the client opens itself comes from the servicer: see served.)
+            with self.catalog.in_use(st):
+                plan = await self._attempt(st, step, rank, shared_memory, uid)
+            if plan is not None:
+                return plan
+
+    async def _attempt(
+        self, st: Step, step: int | None, rank: int, shared_memory: bool, uid: int | None
+    ) -> RestorePlan | None:
+        """Serve one chosen step; None: it could not be, choose again."""
+        job, tier = st.job, "local"
+        if st.manifest is None:
+            try:
+                lease = await self.fetcher.to_local(st, rank, shared_memory)
+            except DataLoss:
+                # The bucket's copy is corrupt (or its manifest unreadable or unsafe)
+                # and there is no local one: the fetcher marked the step unusable;
+                # restore an older one, unless this one was asked for.
+                if step is not None:
+                    raise
+                log.error("%s/%d cannot be fetched; restoring an older step", job, st.step)
+                return None
             assert st.manifest is not None
-            directory = self.store.step_dir(job, st.step)
-            prefetched = self.fetcher.take_prefetched(job, st.step, rank)
-            if prefetched is not None:
-                return RestorePlan(st, st.manifest, directory, prefetched, 0, tier)
-            if not shared_memory:
-                return RestorePlan(st, st.manifest, directory, None, 0, tier)
-            record = next(r for r in st.manifest.ranks if r.rank == rank)
-            path = directory / record.file
-            changed = st.changed
-            try:
-                offset = await self.io.run(_data_offset, path)
-                lease = self.staging.take_free(job, round_up(record.size - offset), uid)
-            except (OSError, ValueError) as exc:
-                if not await self._evicted(st, exc, changed):
-                    await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
-                continue
-            if lease is None:
-                return RestorePlan(st, st.manifest, directory, None, 0, tier)
-            try:
-                bad = await self.io.run(
-                    _read_and_verify, path, offset, record, lease, st.manifest.shards
-                )
-            except BaseException as exc:
-                self.staging.release(lease.lease_id)
-                if await self._evicted(st, exc, changed):
-                    continue
-                raise
-            if not bad:
-                return RestorePlan(st, st.manifest, directory, lease, offset, tier)
+            tier = "remote"
+            if lease is not None:  # the whole verified file is in the lease already
+                directory = self.store.step_dir(job, st.step)
+                return RestorePlan(st, st.manifest, directory, lease, 0, tier)
+        assert st.manifest is not None
+        directory = self.store.step_dir(job, st.step)
+        prefetched = self.fetcher.take_prefetched(job, st.step, rank)
+        if prefetched is not None:
+            return RestorePlan(st, st.manifest, directory, prefetched, 0, tier)
+        if not shared_memory:
+            return RestorePlan(st, st.manifest, directory, None, 0, tier)
+        record = next(r for r in st.manifest.ranks if r.rank == rank)
+        path = directory / record.file
+        changed = st.changed
+        try:
+            offset = await self.io.run(_data_offset, path)
+            lease = self.staging.take_free(job, round_up(record.size - offset), uid)
+        except (OSError, ValueError) as exc:
+            if not await self._evicted(st, exc, changed):
+                await self._set_aside(st, [f"{record.file}: {exc}"], explicit=step is not None)
+            return None
+        if lease is None:
+            return RestorePlan(st, st.manifest, directory, None, 0, tier)
+        try:
+            bad = await self.io.run(
+                _read_and_verify, path, offset, record, lease, st.manifest.shards
+            )
+        except BaseException as exc:
             self.staging.release(lease.lease_id)
-            await self._set_aside(st, bad, explicit=step is not None)
+            if await self._evicted(st, exc, changed):
+                return None
+            raise
+        if not bad:
+            return RestorePlan(st, st.manifest, directory, lease, offset, tier)
+        self.staging.release(lease.lease_id)
+        await self._set_aside(st, bad, explicit=step is not None)
+        return None
 
     async def _evicted(self, st: Step, exc: BaseException, changed: asyncio.Event) -> bool:
         """Whether ``exc`` is the evictor removing the copy this restore chose just
@@ -281,7 +292,7 @@ def _read_and_verify(
     pieces: list[tuple[Future[int], int]] = []
 
     def crc_of(pos: int, n: int) -> None:
-        pieces.append((_CRC.submit(checksum.value, view[pos : pos + n]), n))
+        pieces.append((CRC.submit(checksum.value, view[pos : pos + n]), n))
 
     try:
         header = read_header(path, offset)
@@ -305,5 +316,3 @@ VERIFY_CHUNK = 8 * 2**20
 """Bytes read per call when restoring: the crc of one runs while the next is read."""
 MAX_HEADER_BYTES = 100 * 2**20
 """Largest safetensors header (the format's own limit)."""
-_CRC = ThreadPoolExecutor(1, thread_name_prefix="ckptd-crc")
-"""Checksums restored chunks beside the reads (google_crc32c releases the GIL)."""
