@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.core import shard_wire
 from ckptd.core.errors import CapacityExhausted, CkptdUnavailable
-from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout, round_up
+from ckptd.core.format import TensorEntry, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -25,13 +24,9 @@ from . import restoring
 from .copying import copy_into
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
-from .jax_arrays import (
-    ShardPlan,
-    is_jax_array,
-    leaf_shards,
-)
+from .jax_arrays import ShardPlan
+from .planning import Planner
 from .policies import Continuous, SaveContext, SavePolicy
-from .tree import flatten
 
 log = logging.getLogger("ckptd.client")
 
@@ -94,11 +89,20 @@ class Client:
         self._last_bytes = 0
         self._last_reached: set[str] = set()
         self._watch: dict[str, threading.Event] = {}
-        self.save_replicas = save_replicas
+        self._planner = Planner(save_replicas)
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._copy_job: Future[None] | None = None
         self._handoff = Handoff(self.connection, job, reconnect_timeout, self._map_segment)
         self._unreachable = False
+
+    @property
+    def save_replicas(self) -> bool:
+        """Save every replica of a replicated jax array shard, not only ``replica_id == 0``."""
+        return self._planner.save_replicas
+
+    @save_replicas.setter
+    def save_replicas(self, on: bool) -> None:
+        self._planner.save_replicas = on
 
     # -- plumbing ------------------------------------------------------------
     @property
@@ -248,30 +252,14 @@ class Client:
         step = int(step)
         metrics = _check_metrics(metrics)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
-        spec, arrays = flatten(tree)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
         try:
-            tree_json = json.dumps(spec, allow_nan=True)
             metadata_json = json.dumps(metadata or {})
         except (TypeError, ValueError) as exc:
             raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
-        if metadata is not None and not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
-        host: dict[str, np.ndarray] = {}
-        device: dict[str, ShardPlan] = {}
-        layout: list[tuple[str, np.dtype, tuple[int, ...]]] = []
-        placed: dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]] = {}
-        for key, a in arrays:
-            if is_jax_array(a):
-                for sp in leaf_shards(key, a, self.save_replicas):
-                    device[sp.key] = sp
-                    layout.append((sp.key, np.dtype(a.dtype), sp.shape))
-                    placed[sp.key] = (tuple(a.shape), sp.index)
-            else:
-                host[key] = a
-                layout.append((key, a.dtype, a.shape))
-        dtypes = {k: dtype_to_str(dt) for k, dt, _ in layout}
-        entries = plan_layout(layout)
-        data_len = sum(e.length for e in entries)
+        plan, arrays = self._planner.plan(tree)
+        host, device, data_len = arrays.host, arrays.device, plan.data_len
         started = time.monotonic()
         what = f"step {step} of job {self.job!r} was not saved"
         self._finish_copy()  # one background copy at a time: it may use a mapped segment
@@ -282,7 +270,7 @@ class Client:
         committed = False
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         try:
-            self._copy_into(mm, [e for e in entries if e.key in host], host)
+            self._copy_into(mm, plan.host_entries, host)
             req = pb.CommitShardsRequest(
                 lease_id=req.lease_id,
                 job=self.job,
@@ -291,17 +279,21 @@ class Client:
                 node_ranks=self.node_ranks,
                 world_size=self.world_size,
                 data_offset=0,
-                table=shard_wire.encode(entries, dtypes, placed),
-                tree_json=tree_json,
+                table=plan.table,
+                tree_json=plan.tree_json,
                 metadata_json=metadata_json,
                 milestone=milestone,
                 metrics=metrics,
             )
             if device:
                 # jax arrays are immutable: copy them to host and hand off after returning.
-                todo = [e for e in entries if e.key in device]
                 self._copy_job = self._background.submit(
-                    self._copy_device_and_commit, mm, todo, device, req, round_up(data_len)
+                    self._copy_device_and_commit,
+                    mm,
+                    plan.device_entries,
+                    device,
+                    req,
+                    round_up(data_len),
                 )
             else:
                 self._handoff.commit(req, mm, round_up(data_len), what)

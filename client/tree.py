@@ -38,24 +38,29 @@ def _component(k: object) -> str:
 def _key_for(joined: str, used: set[str]) -> str:
     """The shard key of a leaf whose sanitized path components joined with dots are
     ``joined``: unique in ``used``, no ``..``, bounded length."""
-    key = joined.replace("..", "._") or "root"
-    if key == "__metadata__":
+    key = joined.replace("..", "._") if ".." in joined else joined
+    if not key:
+        key = "root"
+    elif key == "__metadata__":
         key = "_metadata_"
-    if len(key.encode()) > MAX_KEY_BYTES - 24:
+    # (A str of n characters encodes to at most 4n bytes: most keys skip the encode.)
+    if len(key) * 4 > MAX_KEY_BYTES - 24 and len(key.encode()) > MAX_KEY_BYTES - 24:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         key = key.encode()[: MAX_KEY_BYTES - 40].decode(errors="ignore") + "~" + digest
-    base, n = key, 1
-    while key in used:
-        key, n = f"{base}~{n}", n + 1
+    if key in used:
+        base, n = key, 1
+        while key in used:
+            key, n = f"{base}~{n}", n + 1
     used.add(key)
     return key
 
 
-def flatten(tree: Any) -> tuple[Any, list[tuple[str, Any]]]:
+def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
     """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order.
 
     The arrays are numpy arrays, or ``jax.Array`` (the client saves their
     addressable shards; a typed PRNG key array is replaced by its key data).
+    ``values``: if given, every JSON leaf's value is appended to it in order.
     """
     arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
@@ -81,6 +86,11 @@ def flatten(tree: Any) -> tuple[Any, list[tuple[str, Any]]]:
         if t is list or t is tuple:
             kind = "tuple" if t is tuple else "list"
             return {kind: [walk(v, (*path, i), join(prefix, i)) for i, v in enumerate(node)]}
+        if t is np.ndarray and not node.dtype.hasobject:
+            # The common leaf first (is_jax_array is an ABC check).
+            key = _key_for(prefix, used)
+            arrays.append((key, node))
+            return {"array": key}
         if is_jax_array(node):
             key = _key_for(prefix, used)
             if isinstance(node.dtype, np.dtype):
@@ -93,6 +103,8 @@ def flatten(tree: Any) -> tuple[Any, list[tuple[str, Any]]]:
         if isinstance(node, np.ndarray | np.generic):
             return _array(node, path, prefix)
         if node is None or isinstance(node, bool | int | float | str):
+            if values is not None:
+                values.append(node)
             if isinstance(node, int) and not isinstance(node, bool) and abs(node) >= 2**63:
                 return {"bigint": str(node)}
             return {"value": node}

@@ -157,21 +157,14 @@ class FileCrc:
     twice; small shards and the gaps are simply fed to the running value as well.
     """
 
-    def __init__(self, header: bytes, ranges: Sequence[tuple[int, int]], data_length: int) -> None:
-        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-        pieces: list[tuple[int, int, int]] = []  # start, length, shard index (-1: a gap)
-        at = 0
-        for i in order:
-            offset, length = ranges[i]
-            if offset < at:
-                raise ValueError(f"shard {i} at {offset} overlaps the one before, ending at {at}")
-            if offset > at:
-                pieces.append((at, offset - at, -1))
-            pieces.append((offset, length, i))
-            at = offset + length
-        if data_length > at:
-            pieces.append((at, data_length - at, -1))
-        self._pieces = pieces
+    def __init__(
+        self,
+        header: bytes,
+        ranges: Sequence[tuple[int, int]],
+        data_length: int,
+        pieces: Pieces | None = None,
+    ) -> None:
+        self._pieces = pieces if pieces is not None else file_pieces(ranges, data_length)
         self._next = 0  # the piece being read
         self._pos = 0  # data bytes consumed
         self._shard = 0  # the running crc of the shard being read
@@ -182,34 +175,70 @@ class FileCrc:
         """Take in the data section's bytes up to ``upto`` (``data``: all of it, as
         flat uint8; bytes past ``upto`` are not read). Calls must come in order;
         one that reaches no further than the last is a no-op."""
-        pieces, extend = self._pieces, google_crc32c.extend
-        while self._next < len(pieces):
-            start, length, index = pieces[self._next]
-            end = start + length
-            lo, hi = self._pos, min(end, upto)
-            if hi < end and hi <= lo:
-                return  # this piece's bytes have not landed yet
-            if hi > lo:
-                part = data[lo:hi]
+        # Thousands of shards per call: locals, one branch per piece, and the file's
+        # crc extended once per run of unfolded pieces, not once per piece.
+        pieces, extend, crcs = self._pieces, google_crc32c.extend, self._crcs
+        i, pos, whole, shard = self._next, self._pos, self._whole, self._shard
+        unfolded = pos  # bytes from here to pos are not in whole yet
+        while i < len(pieces):
+            end, index, folded = pieces[i]
+            cut = end if end <= upto else upto  # the piece ends here, or what landed does
+            if folded and unfolded < pos:
+                whole = extend(whole, data[unfolded:pos])
+            if cut > pos:
                 if index >= 0:
-                    self._shard = int(extend(self._shard, part))
-                if index < 0 or length < _COMBINE_ABOVE:
-                    self._whole = int(extend(self._whole, part))
-                self._pos = hi
-            if hi < end:
-                return
+                    shard = extend(shard, data[pos:cut])
+                pos = cut
+            if folded:
+                unfolded = pos
+            if end > upto:
+                break
             if index >= 0:
-                self._crcs[index] = self._shard
-                if length >= _COMBINE_ABOVE:
-                    self._whole = combine(self._whole, self._shard, length)
-                self._shard = 0
-            self._next += 1
+                crcs[index] = shard
+                if folded:
+                    whole = combine(whole, shard, end - (pieces[i - 1][0] if i else 0))
+                shard = 0
+            i += 1
+        if unfolded < pos:
+            whole = extend(whole, data[unfolded:pos])
+        self._next, self._pos, self._whole, self._shard = i, pos, whole, shard
 
     def result(self) -> tuple[int, list[int]]:
         """``(whole file's crc32c, [each shard's])``; raises if not all data was fed."""
         if self._next < len(self._pieces):
             raise ValueError(f"only {self._pos} bytes of the data were checksummed")
         return self._whole, self._crcs
+
+
+Pieces = list[tuple[int, int, bool]]
+"""A data section in order: each piece's end, its shard's index (-1: a gap), folded."""
+
+
+def file_pieces(ranges: Sequence[tuple[int, int]], data_length: int) -> Pieces:
+    """How :class:`FileCrc` walks a data section holding shards at ``ranges`` (the same
+    for every save of an unchanged structure, so callers may keep it)."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    pieces: Pieces = []
+    at = 0
+    for i in order:
+        offset, length = ranges[i]
+        if offset < at:
+            raise ValueError(f"shard {i} at {offset} overlaps the one before, ending at {at}")
+        if offset > at:
+            pieces.append((offset, -1, False))
+        pieces.append((offset + length, i, _folded(length)))
+        at = offset + length
+    if data_length > at:
+        pieces.append((data_length, -1, False))
+    return pieces
+
+
+def _folded(length: int) -> bool:
+    """Whether a shard of ``length`` bytes is combined into its file's crc rather than
+    checksummed a second time: a combine costs ~0.5 us per set bit of the length
+    (1.5 us for a layer's 589,824 bytes, ~7 us for a length like 2**30 - 12345),
+    checksumming ~1 us per 12 KB."""
+    return length >= _COMBINE_ABOVE and length.bit_count() * 8192 <= length
 
 
 def of_file(path: Path, chunk: int = CHUNK) -> int:

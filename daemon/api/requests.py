@@ -7,6 +7,8 @@ passes here: names, dtypes, shapes, indexes, JSON payloads.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,55 @@ MAX_SHARDS = 1_000_000
 MAX_RANKS = 65536
 
 
-def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
-    """Check every field of a commit; raise InvalidArgument naming the bad one."""
+class CommitParser:
+    """:func:`parse_commit` that remembers each (job, rank)'s last shard table and tree
+    spec: a training loop commits the same structure at every step, and checking a
+    transformer's thousands of shards again was most of the daemon's per-shard work.
+
+    A table (the wire message) or spec text equal to the one checked last time is
+    taken as checked: equal bytes, equal verdict. The checked :class:`ShardTable` is
+    shared by those commits; nothing changes a table in place.
+    """
+
+    def __init__(self, keep: int = 256) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()  # big commits are parsed on threads
+        self._last: OrderedDict[tuple[str, int], tuple[Any, ShardTable, str, Any]] = OrderedDict()
+        self.hits = 0
+
+    def known(self, req: pb.CommitShardsRequest) -> tuple[ShardTable | None, Any]:
+        """The checked table and tree spec of the last commit of (job, rank), each
+        where this request sends the same one (else None)."""
+        with self._lock:
+            last = self._last.get((req.job, req.rank))
+        if last is None or not req.HasField("table") or req.shards:
+            return None, None
+        msg, table, text, tree = last
+        return (table if req.table == msg else None), (tree if req.tree_json == text else None)
+
+    def parse(
+        self, req: pb.CommitShardsRequest, known: tuple[ShardTable | None, Any] | None = None
+    ) -> CommitRequest:
+        """:func:`parse_commit`, reusing what the last commit of (job, rank) checked
+        (``known``: :meth:`known` of this request, if asked already)."""
+        known_table, known_tree = self.known(req) if known is None else known
+        parsed = parse_commit(req, known_table, known_tree)
+        key = (req.job, req.rank)
+        if req.HasField("table") and not req.shards:
+            with self._lock:
+                self.hits += known_table is not None
+                self._last[key] = (req.table, parsed.table, req.tree_json, parsed.tree)
+                self._last.move_to_end(key)
+                while len(self._last) > self._keep:
+                    self._last.popitem(last=False)
+        return parsed
+
+
+def parse_commit(
+    req: pb.CommitShardsRequest, table: ShardTable | None = None, tree: Any = None
+) -> CommitRequest:
+    """Check every field of a commit; raise InvalidArgument naming the bad one.
+    ``table``, ``tree``: the request's shard table and tree spec, checked already."""
     job = check_name("job", req.job)
     step = check_step(req.step)
     node_ranks = tuple(sorted(req.node_ranks)) or (req.rank,)
@@ -55,7 +104,8 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
     count = len(req.table.keys) if req.HasField("table") else len(req.shards)
     if count > MAX_SHARDS:
         raise InvalidArgument(f"{count} shards in one commit; the limit is {MAX_SHARDS}")
-    table = decode(req.table) if req.HasField("table") else _from_descriptors(req.shards)
+    if table is None:
+        table = decode(req.table) if req.HasField("table") else _from_descriptors(req.shards)
     return CommitRequest(
         lease_id=req.lease_id,
         job=job,
@@ -65,7 +115,7 @@ def parse_commit(req: pb.CommitShardsRequest) -> CommitRequest:
         world_size=world_size,
         data_offset=req.data_offset,
         table=table,
-        tree=_tree(req.tree_json),
+        tree=tree if tree is not None else _tree(req.tree_json),
         metadata=_json("metadata_json", req.metadata_json, {}),
         milestone=req.milestone,
         metrics=_metrics(req.metrics),

@@ -50,7 +50,7 @@ from ..retention.pins import Pins
 from ..retention.planner import Retention
 from . import messages
 from .access import Access
-from .requests import parse_commit
+from .requests import CommitParser
 from .sessions import Peer, SessionServer
 
 log = logging.getLogger("ckptd.server")
@@ -125,6 +125,7 @@ class Servicer(pb_grpc.CkptdServicer):
     def __init__(self, services: Services, sessions: SessionServer) -> None:
         self.s = services
         self.sessions = sessions
+        self.parser = CommitParser()
 
     def _peer(self, context: Any) -> Peer:
         """The caller, from its session token (UNAUTHENTICATED without a live one)."""
@@ -183,12 +184,15 @@ class Servicer(pb_grpc.CkptdServicer):
         self._own_lease(peer, request.lease_id)
         # Thousands of shards: their table is checked with array operations, but the
         # tree spec is parsed per leaf (and older clients send a message per shard):
-        # on a thread, so the loop keeps answering other ranks meanwhile.
+        # on a thread, so the loop keeps answering other ranks meanwhile. The same
+        # structure as the rank's last commit (every step of a training loop) was
+        # checked then, and is not again.
         count = max(len(request.shards), len(request.table.keys))
+        known = self.parser.known(request)
         parsed = (
-            parse_commit(request)
-            if count <= INLINE_SHARDS
-            else await asyncio.to_thread(parse_commit, request)
+            self.parser.parse(request, known)
+            if count <= INLINE_SHARDS or (known[0] is not None and known[1] is not None)
+            else await asyncio.to_thread(self.parser.parse, request, known)
         )
         # The request itself is journaled: a restarted daemon replays it as received.
         state = await self.s.saver.commit(parsed, request.SerializeToString())

@@ -126,16 +126,18 @@ def write_file_checksummed(
     data_length: int,
     ranges: Sequence[tuple[int, int]],
     spare: Path | None = None,
+    pieces: checksum.Pieces | None = None,
 ) -> tuple[int, list[int]]:
     """:func:`write_file_direct`, returning the crc32c of the whole file and of each
-    ``(offset, length)`` shard range of ``data``.
+    ``(offset, length)`` shard range of ``data`` (``pieces``: their
+    :func:`~ckptd.core.checksum.file_pieces`, if known).
 
     The checksum runs on the crc thread one chunk behind the write, over the chunk
     just written, so disk and checksum overlap. Started beside the write over the
     whole buffer at once, it raced the write for memory bandwidth and slowed it by
     a quarter here (bench_transformer; the chunked trail costs ~5%).
     """
-    stream = checksum.FileCrc(header, ranges, data_length)
+    stream = checksum.FileCrc(header, ranges, data_length, pieces)
     flat = np.frombuffer(data, np.uint8)
     pending: list[concurrent.futures.Future[None]] = []
     try:

@@ -37,7 +37,7 @@ from ..io import IoPool
 from .files import write_file_checksummed
 from .journal import Entry, Journal
 from .pending import CommitRequest, PendingStep
-from .records import INLINE_SHARDS, rank_header, shard_records
+from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
 from .staging import Lease, Staging
 from .store import LocalStore
 
@@ -73,6 +73,7 @@ class Saver:
         self.journal = journal
         self.step_timeout_seconds = step_timeout_seconds
         self._pending: dict[tuple[str, int], PendingStep] = {}
+        self._layouts = RankLayouts()
 
     # -- leases --------------------------------------------------------------
     async def acquire_lease(
@@ -246,12 +247,23 @@ class Saver:
         many = len(req.table) > INLINE_SHARDS
         run = partial(self.io.run, ticket=pending.ticket)
         try:
-            header, ranges = await run(rank_header, req) if many else rank_header(req)
+            layout = self._layouts.get(req)
+            if layout is None:
+                layout = await run(rank_layout, req) if many else rank_layout(req)
+                self._layouts.put(req, layout)
+            header = layout.header
             data = lease.segment.view(req.data_offset, round_up(data_len))
             spare = self.store.take_spare(len(header) + data_len)
             path = pending.commit.path / name
             file_crc, crcs = await run(
-                write_file_checksummed, path, header, data, data_len, ranges, spare
+                write_file_checksummed,
+                path,
+                header,
+                data,
+                data_len,
+                layout.ranges,
+                spare,
+                layout.pieces,
             )
             args = (req, len(header), crcs)
             shards = await run(shard_records, *args) if many else shard_records(*args)
