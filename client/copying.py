@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -13,8 +12,6 @@ from ckptd.core.format import TensorEntry
 
 _COPY_CHUNK = 16 * 2**20
 """Bytes per parallel copy task."""
-_BYTE_COPY = 64 * 2**10
-"""Arrays up to this size are copied as bytes (the copy holds the GIL; numpy's does not)."""
 
 
 def copy_into(
@@ -52,12 +49,34 @@ def copy_into(
 
 
 def _copy_arrays(mm: mmap.mmap, batch: list[tuple[TensorEntry, Any]]) -> None:
-    """Copy each array of ``batch`` into its place in ``mm``."""
+    """Copy each array of ``batch`` into its place in ``mm``: runs of arrays of one
+    dtype that lie back to back in the lease (the layout packs them so) in one
+    ``np.concatenate``, 0.2 us an array instead of ~1 us for a view and a copyto
+    each (a transformer's state is thousands of biases and norms of a few KiB)."""
+    run: list[tuple[TensorEntry, Any]] = []
     for e, src in batch:
-        if e.length <= _BYTE_COPY and src.flags.c_contiguous and src.dtype == e.dtype:
-            # Bytes into bytes: a slice assignment costs a third of an ndarray + copyto.
-            # Dtypes the buffer protocol cannot name (bfloat16) take the numpy path.
-            with contextlib.suppress(ValueError, TypeError):
-                mm[e.offset : e.offset + e.length] = src.data.cast("B")
-                continue
-        np.copyto(np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset), src, casting="no")
+        if not (src.flags.c_contiguous and src.dtype == e.dtype):
+            _copy_run(mm, run)
+            run = []
+            np.copyto(np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset), src, casting="no")
+            continue
+        if run:
+            last = run[-1][0]
+            if last.dtype != e.dtype or last.offset + last.length != e.offset:
+                _copy_run(mm, run)
+                run = []
+        run.append((e, src))
+    _copy_run(mm, run)
+
+
+def _copy_run(mm: mmap.mmap, run: list[tuple[TensorEntry, Any]]) -> None:
+    """Copy C-contiguous arrays of one dtype into back-to-back places in ``mm``."""
+    if not run:
+        return
+    first = run[0][0]
+    if len(run) == 1:
+        np.copyto(np.ndarray(first.shape, first.dtype, buffer=mm, offset=first.offset), run[0][1])
+        return
+    count = sum(e.length for e, _ in run) // first.dtype.itemsize
+    dst = np.ndarray((count,), first.dtype, buffer=mm, offset=first.offset)
+    np.concatenate([src for _, src in run], axis=None, out=dst)

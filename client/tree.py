@@ -81,7 +81,13 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
             for k, v in node.items():
                 if type(k) is not str:
                     check_key(k, path)
-                items.append([k, walk(v, (*path, k), join(prefix, k))])
+                if type(v) is np.ndarray and not v.dtype.hasobject:
+                    # The common leaf inline (a transformer's state is thousands).
+                    key = _key_for(join(prefix, k), used)
+                    arrays.append((key, v))
+                    items.append([k, {"array": key}])
+                else:
+                    items.append([k, walk(v, (*path, k), join(prefix, k))])
             return {"dict": items}
         if t is list or t is tuple:
             kind = "tuple" if t is tuple else "list"
