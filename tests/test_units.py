@@ -242,6 +242,44 @@ def test_staging_reuses_segments_and_enforces_budget(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_download_segment_is_allocated_as_it_fills_and_pooled_only_whole(
+    tmp_path: Path,
+) -> None:
+    # A restore from the bucket fills a fresh segment part by part: its pages are
+    # allocated chunk by chunk (no wait for the whole segment), and it goes back to
+    # the pool for saves only once every page is allocated (a client writing into a
+    # page never allocated dies of SIGBUS when /dev/shm is full).
+    from ckptd.daemon.local.shm import can_populate
+
+    if not can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    st = Staging("ckptd-test-", 64 * 2**20, 10.0, shm_dir=tmp_path)
+
+    def allocated(seg: object) -> int:
+        return os.stat(tmp_path / seg.name).st_blocks * 512  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        a = await st.acquire("j", 8 * 2**20, restore=True, populate=False)
+        assert not a.segment.populated and allocated(a.segment) == 0
+        a.segment.populate(2**20, 4096 + 1)  # rounded out to whole pages
+        assert allocated(a.segment) == 2 * 4096
+        a.segment.view(2**20, 8192)[:] = b"x" * 8192
+        a.segment.populate()
+        assert a.segment.populated and allocated(a.segment) == 8 * 2**20
+        st.release(a.lease_id)
+        b = await st.acquire("j", 8 * 2**20)
+        assert b.segment is a.segment  # whole: pooled and reused for a save
+        assert bytes(b.segment.view(2**20, 4)) == b"xxxx"
+        st.release(b.lease_id)
+        c = await st.acquire("j", 16 * 2**20, restore=True, populate=False)
+        c.segment.populate(0, 4096)  # a download that failed part way
+        st.release(c.lease_id)
+        assert c.segment.name not in {p.name for p in tmp_path.iterdir()}  # dropped
+
+    asyncio.run(scenario())
+    st.close()
+
+
 def test_example_config_in_deploy_is_valid() -> None:
     example = Path(__file__).resolve().parent.parent / "deploy" / "ckptd.toml.example"
     cfg = config.load(example, env={})

@@ -20,6 +20,21 @@ class Segment:
     uid: int | None = None
     """The uid whose processes were handed this segment: a process may keep its
     mapping, so the segment is never granted to another uid (access.py)."""
+    populated: bool = True
+    """Every page is allocated. A segment made for a download starts without (its
+    pages are allocated chunk by chunk as the data arrives, :meth:`populate`), and
+    goes back to the pool only once whole: a client writing into a page never
+    allocated would die of SIGBUS if /dev/shm were full."""
+
+    def populate(self, offset: int = 0, length: int | None = None) -> None:
+        """Allocate the pages of ``[offset, offset + length)`` (default: all); raises
+        OSError if /dev/shm cannot hold them. Marks the segment whole when asked for
+        all of it."""
+        if self.populated:
+            return
+        self.mapping.populate(offset, self.size - offset if length is None else length)
+        if offset == 0 and (length is None or length >= self.size):
+            self.populated = True
 
     def view(self, offset: int, length: int) -> memoryview:
         """A zero-copy view of ``length`` bytes at ``offset``."""

@@ -14,6 +14,7 @@ otherwise leaves the mapping for the process's exit (never a use-after-unmap).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -30,8 +31,24 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: allocate and map pages now, or fail (no SIGBUS)
+_PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@functools.cache
+def can_populate() -> bool:
+    """Whether this kernel populates ranges on request (MADV_POPULATE_WRITE, 5.14+);
+    without it a mapping must be populated whole when made."""
+    with mmap.mmap(-1, _PAGE) as probe:
+        try:
+            probe.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            return False
+    return True
 
 
 class SharedMapping:
@@ -72,6 +89,20 @@ class SharedMapping:
         # as long as it or anything made from it (slices, numpy arrays) lives, which is
         # what in_use() counts.
         return memoryview(self._array).cast("B")[offset:end]
+
+    def populate(self, offset: int, length: int) -> None:
+        """Allocate and map the pages of ``[offset, offset + length)`` now (a mapping
+        made with ``populate=False``). Raises OSError where the memory cannot be had
+        (a full /dev/shm), where touching the pages would have raised SIGBUS."""
+        if self._addr is None:
+            raise ValueError("the mapping is closed")
+        start = offset - offset % _PAGE
+        end = min(self.size, -(-(offset + length) // _PAGE) * _PAGE)
+        if end <= start:
+            return
+        if _libc.madvise(self._addr + start, end - start, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot allocate shared memory: {os.strerror(err)}")
 
     def in_use(self) -> bool:
         """Whether some view (or array over one) of the mapping is still alive."""

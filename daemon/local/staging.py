@@ -42,7 +42,7 @@ from .liveness import (
     locked_by_others,
     sweep_dead_clients,
 )
-from .shm import SharedMapping
+from .shm import SharedMapping, can_populate
 
 __all__ = ["Lease", "Segment", "Staging", "StagingBusy", "segment_prefix"]
 
@@ -165,11 +165,15 @@ class Staging:
         wait_seconds: float = 0.0,
         holder: str = "",
         owner: tuple[int, int] | None = None,
+        populate: bool = True,
     ) -> Lease:
         """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
 
         ``restore``: a lease to fill with checkpoint data for the client (see
-        :meth:`take_free`), allocated if no free segment fits. ``wait_seconds``:
+        :meth:`take_free`), allocated if no free segment fits. ``populate=False``: a
+        new segment's pages are left for the caller to allocate as it fills them
+        (:meth:`Segment.populate`; a download, so the first parts need not wait for
+        the whole segment). ``wait_seconds``:
         while in-flight saves hold the budget, wait up to this long for them to
         finish (backpressure) before raising :class:`StagingBusy`. ``holder``: the
         client's liveness file; the lease comes back once it is no longer locked.
@@ -179,7 +183,7 @@ class Staging:
         deadline = time.monotonic() + max(0.0, wait_seconds)
         while True:
             try:
-                return await self._acquire_now(job, size_bytes, restore, holder, owner)
+                return await self._acquire_now(job, size_bytes, restore, holder, owner, populate)
             except StagingBusy:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -191,7 +195,13 @@ class Staging:
                     await asyncio.wait_for(freed.wait(), min(left, 0.5))
 
     async def _acquire_now(
-        self, job: str, size_bytes: int, restore: bool, holder: str, owner: tuple[int, int] | None
+        self,
+        job: str,
+        size_bytes: int,
+        restore: bool,
+        holder: str,
+        owner: tuple[int, int] | None,
+        populate: bool = True,
     ) -> Lease:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
@@ -215,7 +225,7 @@ class Staging:
                 )
             self._reserved += need
             try:
-                seg = await asyncio.to_thread(self._create, need)
+                seg = await asyncio.to_thread(self._create, need, populate)
             finally:
                 self._reserved -= need
             self._segments[seg.name] = seg
@@ -353,10 +363,13 @@ class Staging:
         return lease
 
     def release(self, lease_id: str) -> None:
-        """Return a lease to the pool (after its commit finished, or if the client gave up)."""
+        """Return a lease to the pool (after its commit finished, or if the client gave up).
+        A segment not allocated whole (a download that failed) is dropped instead."""
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             lease.segment.lease_id = None
+            if not lease.segment.populated:
+                self._destroy(lease.segment)
             self._freed.set()  # wake saves waiting for memory
             self._freed = asyncio.Event()
 
@@ -397,8 +410,11 @@ class Staging:
         return expired
 
     # -- segments ----------------------------------------------------------
-    def _create(self, size: int) -> Segment:
+    def _create(self, size: int, populate: bool = True) -> Segment:
         name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
+        if not populate:  # only where the pages can be had later without a SIGBUS
+            st = os.statvfs(self.shm_dir)
+            populate = not can_populate() or st.f_bavail * st.f_frsize < 2 * size
         path = self.shm_dir / name
         # 0600: only the daemon opens it by name; the process a lease is granted to
         # gets a descriptor over its session (access.py).
@@ -406,9 +422,10 @@ class Staging:
         try:
             os.ftruncate(fd, size)
             try:
-                # Allocates and zeroes every page now, in the kernel, so no save pays for it.
-                os.posix_fallocate(fd, 0, size)
-                mapping = SharedMapping(fd, size)
+                if populate:
+                    # Allocates and zeroes every page now, in the kernel, so no save pays for it.
+                    os.posix_fallocate(fd, 0, size)
+                mapping = SharedMapping(fd, size, populate)
             except OSError as exc:
                 path.unlink(missing_ok=True)
                 raise ResourceExhausted(
@@ -418,7 +435,7 @@ class Staging:
         finally:
             os.close(fd)
         log.info("allocated staging segment %s (%d bytes)", name, size)
-        return Segment(name, size, mapping)
+        return Segment(name, size, mapping, populated=populate)
 
     def _destroy(self, seg: Segment) -> None:
         self._segments.pop(seg.name, None)

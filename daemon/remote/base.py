@@ -43,7 +43,14 @@ from ..commit import Commit, MarkerCommit
 from ..io import gather_all, in_thread
 from ..local.files import open_direct
 from .layout import COMMIT_FILE
-from .ranged import RangeError, RangeReader, RangeSource, Transfer, proxy_configured
+from .ranged import (
+    Populate,
+    RangeError,
+    RangeReader,
+    RangeSource,
+    Transfer,
+    proxy_configured,
+)
 
 log = logging.getLogger("ckptd.remote")
 
@@ -261,6 +268,7 @@ class Remote(abc.ABC):
         size: int,
         into: memoryview | None = None,
         dir_fd: int | None = None,
+        populate: Populate | None = None,
     ) -> int:
         """Download an object into ``dest`` with parallel ranged reads; returns its crc32c.
 
@@ -271,16 +279,19 @@ class Remote(abc.ABC):
         gives a :meth:`range_source`, parts are plain ranged GETs on worker threads
         (ranged.py: nothing per byte on the event loop); otherwise through fsspec.
         ``dest`` is a new file (``O_EXCL | O_NOFOLLOW``: never an existing file or a
-        symlink's target), relative to the directory ``dir_fd`` if given.
+        symlink's target), relative to the directory ``dir_fd`` if given. ``populate``
+        allocates each range of ``into`` just before a part lands there.
         """
         fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
         try:
             pieces = parts(size, self.part_size)
             source = await self.range_source(key) if size and not proxy_configured() else None
             if source is not None:
-                crcs = await self._download_threaded(key, source, fd, direct, pieces, into)
+                crcs = await self._download_threaded(
+                    key, source, fd, direct, pieces, into, populate
+                )
             else:
-                crcs = await self._download_fsspec(key, fd, direct, pieces, into)
+                crcs = await self._download_fsspec(key, fd, direct, pieces, into, populate)
             await in_thread(_truncate_and_sync, fd, size)  # drop the O_DIRECT padding
         finally:
             os.close(fd)
@@ -294,12 +305,19 @@ class Remote(abc.ABC):
         direct: bool,
         pieces: list[tuple[int, int]],
         into: memoryview | None,
+        populate: Populate | None,
     ) -> list[int]:
         if self._ranges is None:
             self._ranges = RangeReader(self.concurrency, self.ssl_context)
         try:
             return await self._ranges.download(
-                Transfer(key, fd, direct), pieces, into, source, self.range_source, self.buffers
+                Transfer(key, fd, direct),
+                pieces,
+                into,
+                source,
+                self.range_source,
+                self.buffers,
+                populate,
             )
         except RangeError as exc:
             raise RemoteError(str(exc), exc.transient) from None
@@ -311,6 +329,7 @@ class Remote(abc.ABC):
         direct: bool,
         pieces: list[tuple[int, int]],
         into: memoryview | None,
+        populate: Populate | None,
     ) -> list[int]:
         async def one(offset: int, length: int) -> int:
             if faults.armed("fetch.part"):
@@ -320,6 +339,8 @@ class Remote(abc.ABC):
             async with contextlib.AsyncExitStack() as stack:
                 if into is not None:
                     dst, start = into, offset
+                    if populate is not None:
+                        await in_thread(populate, offset, round_up(length))
                 else:
                     dst, start = (
                         memoryview(await stack.enter_async_context(self.buffers.buffer())),

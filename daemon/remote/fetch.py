@@ -19,6 +19,7 @@ from ..io import gather_all
 from ..local.files import open_dir_beneath
 from .base import Remote
 from .layout import RemoteStep, complete_steps_in, file_key, manifest_key
+from .ranged import Populate
 
 
 async def complete_steps(remote: Remote, job: str) -> dict[int, RemoteStep]:
@@ -74,15 +75,16 @@ async def download_files(
     manifest: Manifest,
     dest: Path,
     progress: Callable[[int], None] | None = None,
-    memory_for: Callable[[str], Awaitable[memoryview | None]] | None = None,
+    memory_for: Callable[[str], Awaitable[tuple[memoryview, Populate | None] | None]] | None = None,
 ) -> None:
     """Download one node's files of a step into ``dest`` with parallel ranged reads.
 
     Each file's crc32c must match the manifest (a corrupt bucket copy is never
     installed); files are fsynced. The caller writes the manifest last (its commit).
-    ``memory_for(name)`` may give page-aligned memory (a restore lease) where that file is also left
-    whole, so it need not be read back from disk; each file's download starts as
-    soon as its memory is ready.
+    ``memory_for(name)`` may give page-aligned memory (a restore lease) where that
+    file is also left whole, so it need not be read back from disk, and how to
+    allocate its pages as the parts arrive (None: allocated already); each file's
+    download starts as soon as its memory is ready.
     """
 
     try:
@@ -97,12 +99,12 @@ async def download_files(
     root_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
 
     async def one(name: str, size: int, want: int) -> None:
-        memory = await memory_for(name) if memory_for is not None else None
+        memory, populate = (await memory_for(name) if memory_for else None) or (None, None)
         key = keys[name]
         parent, _, base = name.rpartition("/")  # an adopted tree's sub-directories
         dir_fd = open_dir_beneath(root_fd, parent, make=True)
         try:
-            got = await remote.download(key, base, size, memory, dir_fd=dir_fd)
+            got = await remote.download(key, base, size, memory, dir_fd=dir_fd, populate=populate)
         finally:
             os.close(dir_fd)
         if got != want:

@@ -65,6 +65,11 @@ _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
 
 _fault_lock = threading.Lock()  # a "pause" failpoint is taken by one thread only
 
+Populate = Callable[[int, int], None]
+"""``populate(offset, length)``: allocate the pages of that range of the destination
+memory before it is written (a restore segment made without them: see
+:meth:`ckptd.daemon.local.lease.Segment.populate`); raises OSError if it cannot."""
+
 
 class RangeError(Exception):
     """A ranged GET failed; ``transient``: worth another try. ``status``: the HTTP status."""
@@ -165,11 +170,13 @@ class RangeReader:
         source: RangeSource,
         fresh: Callable[[str], Awaitable[RangeSource | None]],
         buffers: BufferPool,
+        populate: Populate | None = None,
     ) -> list[int]:
         """Every ``(offset, length)`` part of one object into its file (and ``into``, the
-        whole object's memory, if given; else each part through a pooled buffer);
-        returns the parts' crc32c. Parts run in submission order on the threads, so
-        the files of a step finish one after another, each as early as it can."""
+        whole object's memory, if given, each chunk's pages allocated with ``populate``
+        just before it lands; else each part through a pooled buffer); returns the
+        parts' crc32c. Parts run in submission order on the threads, so the files of a
+        step finish one after another, each as early as it can."""
         loop = asyncio.get_running_loop()
         made = loop.time()
 
@@ -178,7 +185,7 @@ class RangeReader:
             if loop.time() - made > SOURCE_MAX_AGE_SECONDS:
                 source, made = await fresh(transfer.key) or source, loop.time()
             if into is not None:
-                return await self.part(transfer, source, offset, length, into, offset)
+                return await self.part(transfer, source, offset, length, into, offset, populate)
             async with buffers.buffer() as buf:
                 return await self.part(transfer, source, offset, length, memoryview(buf), 0)
 
@@ -198,11 +205,12 @@ class RangeReader:
         length: int,
         dst: memoryview,
         start: int,
+        populate: Populate | None = None,
     ) -> int:
         """Read ``length`` bytes at ``offset`` into ``dst[start:]`` and the file at
         ``offset``, on a worker thread; returns their crc32c. Cancelled, it stops the
         transfer and returns (raising) only once the thread no longer touches ``dst``."""
-        cf = self._pool.submit(self._part, transfer, source, offset, length, dst, start)
+        cf = self._pool.submit(self._part, transfer, source, offset, length, dst, start, populate)
         waiter = asyncio.wrap_future(cf)
         try:
             return await asyncio.shield(waiter)
@@ -223,6 +231,7 @@ class RangeReader:
         length: int,
         dst: memoryview,
         start: int,
+        populate: Populate | None,
     ) -> int:
         try:
             faults.hit("fetch.part")
@@ -231,7 +240,7 @@ class RangeReader:
             while True:
                 transfer.check()
                 try:
-                    self._read(transfer, source, offset, length, dst, start, done)
+                    self._read(transfer, source, offset, length, dst, start, done, populate)
                     with self._all_lock:
                         self.parts_read += 1
                     return done.crc
@@ -255,6 +264,7 @@ class RangeReader:
         dst: memoryview,
         start: int,
         done: _Progress,
+        populate: Populate | None,
     ) -> None:
         """One GET of the part from ``done.pos`` on; ``done`` advances chunk by chunk, so
         after a failure it holds the last whole chunk's end (where a retry resumes)."""
@@ -266,6 +276,16 @@ class RangeReader:
                 transfer.check()
                 pos = done.pos
                 n = min(CHUNK, length - pos)
+                if populate is not None:
+                    try:
+                        populate(start + pos, round_up(n))
+                    except OSError as exc:
+                        raise RangeError(
+                            f"{transfer.key}: no shared memory left for the download "
+                            f"({exc.strerror}); free space in /dev/shm or lower "
+                            "staging_budget_bytes",
+                            transient=False,
+                        ) from None
                 view = dst[start + pos : start + pos + n]
                 got = 0
                 while got < n:

@@ -22,6 +22,7 @@ from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
 from ..remote import fetch
 from ..remote.base import Remote
+from ..remote.ranged import Populate
 
 log = logging.getLogger("ckptd.restore")
 
@@ -102,19 +103,23 @@ class Fetcher:
         leases: dict[int, Lease] = {}
         by_file = {r.file: r for r in manifest.ranks}
 
-        async def memory_for(name: str) -> memoryview | None:
+        async def memory_for(name: str) -> tuple[memoryview, Populate | None] | None:
             record = by_file[name]
             got = await self._restore_lease(st.job, record.size) if shared_memory else None
             if got is None:
                 return None
             leases[record.rank] = got
-            return got.segment.view(0, round_up(record.size))
+            seg = got.segment
+            return seg.view(0, round_up(record.size)), None if seg.populated else seg.populate
 
         commit = await self.io.run(self.store.begin_step, st.job, st.step, self.io.run, True)
         try:
             await fetch.download_files(
                 self.remote, st.job, st.step, node, manifest, commit.path, memory_for=memory_for
             )
+            # The pages past each file's end too: a segment goes back to the pool whole.
+            for held in leases.values():
+                await self.io.run(held.segment.populate)
             await commit.finalize(raw)
         except BaseException:
             for held in leases.values():
@@ -177,7 +182,11 @@ class Fetcher:
         budget = self.staging.budget_bytes
         if lease is None and self.staging.allocated_bytes + 2 * round_up(size) <= budget:
             try:
-                lease = await self.staging.acquire(job, round_up(size), restore=True)
+                # Its pages are allocated as the parts arrive, so the first parts need
+                # not wait for the whole segment (fresh memory is slow on these VMs).
+                lease = await self.staging.acquire(
+                    job, round_up(size), restore=True, populate=False
+                )
             except ResourceExhausted:
                 return None
         return lease
