@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -131,18 +132,24 @@ class Manifest:
         text: str | None = self.__dict__.get(_TEXT)
         if text is None:
             plain = self._plain()
-            # A tree spec that is already JSON text goes in as it is: a placeholder
+            # Parts that are JSON text already (a tree spec as the client sent it, the
+            # shard columns: ShardTable.columns_json) go in as they are: a placeholder
             # string (unguessable, so no value in the manifest can spell it) is
             # replaced by the text once the rest is serialised.
             token = f"\0{secrets.token_hex(8)}:"
-            raw: dict[str, str] = {}
-            for i, rank in enumerate(plain["ranks"]):
+            raw: list[str] = []
+
+            def hold(value: str) -> str:
+                raw.append(value)
+                return f"{token}{len(raw) - 1}"
+
+            for rank in plain["ranks"]:
                 if isinstance(rank["tree"], RawJson):
-                    raw[json.dumps(f"{token}{i}")] = rank["tree"]
-                    rank["tree"] = f"{token}{i}"
+                    rank["tree"] = hold(rank["tree"])
+            plain["shards"] = {k: hold(v) for k, v in self.shards.columns_json().items()}
             text = json.dumps(plain, separators=(",", ":"), sort_keys=True)
-            for placeholder, tree in raw.items():
-                text = text.replace(placeholder, tree, 1)
+            quoted = re.escape(json.dumps(token)[:-1]) + r'(\d+)"'  # '"\u0000...:N"'
+            text = re.sub(quoted, lambda m: raw[int(m.group(1))], text)  # one pass
             self.__dict__[_TEXT] = text  # a cache, not a field: frozen stays frozen
         return text
 
@@ -150,7 +157,7 @@ class Manifest:
         """The manifest as JSON types, sharing (not copying) the records' values."""
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
         plain["ranks"] = [dict(vars(r)) for r in self.ranks]
-        plain["shards"] = self.shards.to_plain()
+        plain["shards"] = None  # to_json writes the columns' own text
         plain["format_version"] = FORMAT_VERSION
         return plain
 

@@ -14,7 +14,10 @@ sits in a validated commit and in a manifest, and is written to ``manifest.json`
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -159,6 +162,16 @@ class ShardTable:
         plain: dict[str, list[Any]] = {"key": self.keys, "dtype": self.dtypes}
         plain.update((name, getattr(self, name).tolist()) for name in _INT_COLUMNS)
         return plain
+
+    def columns_json(self) -> dict[str, str]:
+        """``to_plain``'s columns, each as compact JSON text. Every save of an unchanged
+        structure writes the same columns but crc32c, so their text is kept by content
+        (~60 ns a value to write, a hash of its bytes to find again)."""
+        out = {"key": _cached_json(self.keys), "dtype": _cached_json(self.dtypes)}
+        for name in _INT_COLUMNS:
+            col = getattr(self, name)
+            out[name] = _json(col.tolist()) if name == "crc32c" else _cached_json(col)
+        return out
 
     @staticmethod
     def from_plain(raw: Any) -> ShardTable:
@@ -316,6 +329,35 @@ def _ramp(counts: Ints) -> Ints:
     total = int(counts.sum())
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     return np.arange(total, dtype=np.int64) - starts
+
+
+_COLUMN_TEXT: OrderedDict[tuple[str, bytes | tuple[str, ...]], str] = OrderedDict()
+_COLUMN_TEXT_KEEP = 64
+_COLUMN_CACHE_MAX = 200_000
+_column_lock = threading.Lock()
+
+
+def _json(values: list[Any]) -> str:
+    return json.dumps(values, separators=(",", ":"))
+
+
+def _cached_json(col: Ints | list[str]) -> str:
+    """``col`` as JSON text, from the cache when a column of equal content was written
+    before (keyed by its bytes, or its strings)."""
+    if len(col) > _COLUMN_CACHE_MAX:  # a rare giant: not worth its memory in the cache
+        return _json(col.tolist() if isinstance(col, np.ndarray) else col)
+    key = (col.dtype.str, col.tobytes()) if isinstance(col, np.ndarray) else ("s", tuple(col))
+    with _column_lock:
+        text = _COLUMN_TEXT.get(key)
+        if text is not None:
+            _COLUMN_TEXT.move_to_end(key)
+            return text
+    text = _json(col.tolist() if isinstance(col, np.ndarray) else col)
+    with _column_lock:
+        _COLUMN_TEXT[key] = text
+        while len(_COLUMN_TEXT) > _COLUMN_TEXT_KEEP:
+            _COLUMN_TEXT.popitem(last=False)
+    return text
 
 
 def _int_column(name: str, values: Any) -> Ints:
