@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -108,7 +109,11 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def settle(seconds: float = SETTLE_SECONDS) -> None:
-    """What every arm does before it is timed: flush dirty pages, then let the disk idle."""
+    """What every arm does before it is timed: collect the garbage earlier arms left (a
+    process that imported torch, jax and Orbax holds ~340,000 objects: a full
+    collection falling into the next arm cost it ~150 ms), flush dirty pages, then
+    let the disk idle."""
+    gc.collect()
     os.sync()
     time.sleep(seconds)
 
