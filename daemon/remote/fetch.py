@@ -15,11 +15,14 @@ from ckptd.core.errors import DataLoss, InvalidArgument, NotFound
 from ckptd.core.manifest import Manifest, ManifestInvalid
 from ckptd.core.names import check_name
 
-from ..io import gather_all
+from ..io import gather_all, in_thread
 from ..local.files import open_dir_beneath
 from .base import Remote
 from .layout import RemoteStep, complete_steps_in, file_key, manifest_key
 from .ranged import Populate
+
+INLINE_MANIFEST_BYTES = 64 * 2**10
+"""Larger manifests (~300 shards and more) are parsed on a thread."""
 
 
 async def complete_steps(remote: Remote, job: str) -> dict[int, RemoteStep]:
@@ -41,7 +44,12 @@ async def node_manifest(
     for node in sorted(nodes, key=lambda n: (n != prefer, n)):
         key = manifest_key(job, step, check_name("node", node), adopted)
         raw = await remote.get_bytes(key)
-        manifest = parse_remote_manifest(raw, key, job, step, node, adopted)
+        args = (raw, key, job, step, node, adopted)
+        # Thousands of shards are parsed and checked per shard: not on the event loop.
+        many = len(raw) > INLINE_MANIFEST_BYTES
+        manifest = (
+            await in_thread(parse_remote_manifest, *args) if many else parse_remote_manifest(*args)
+        )
         if rank is None or rank in {r.rank for r in manifest.ranks}:
             return node, raw, manifest
     raise NotFound(f"no node's copy of step {step} of job {job!r} in the bucket holds rank {rank}")
