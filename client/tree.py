@@ -8,7 +8,12 @@ arrays and scalars, ``jax.Array`` incl. typed PRNG keys, anything with
 manifest. Spec nodes: ``{"dict": [[key, node], ...]}``, ``{"list": [...]}``,
 ``{"tuple": [...]}`` (nodes other than builtins add ``"type"``), leaves
 ``{"array": key}``, ``{"jax": key, "dtype": ...}`` (typed keys add
-``"key_impl"``), ``{"value": v}``, ``{"bigint": "..."}``.
+``"key_impl"``), ``{"value": v}``, ``{"bigint": "..."}``, ``{"static": name}``.
+
+A function or class among the leaves (an equinox module's activation) is a
+static part of a model, not state: like ``equinox.tree_serialise_leaves`` it is
+not saved (``{"static": name}`` records what was there), and a restore takes it
+from the target (``None`` without one).
 """
 
 from __future__ import annotations
@@ -129,16 +134,13 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
             return {"tuple" if isinstance(node, tuple) else "list": subs, "type": n.type_name}
         if hasattr(node, "__array__"):
             return _array(node, path, prefix)
-        hint = (
-            " (a function or other static part of a model: save only its arrays, e.g. "
-            "equinox's eqx.filter(model, eqx.is_array))"
-            if callable(node)
-            else ""
-        )
+        if callable(node):
+            name = getattr(node, "__qualname__", None) or t.__qualname__
+            return {"static": f"{getattr(node, '__module__', None) or t.__module__}.{name}"}
         raise TypeError(
             f"leaf at {path_str(path)} has type {t.__name__}, which ckptd cannot store; use "
             "arrays, pytree nodes (dict/list/tuple, NamedTuples, dataclasses, nodes "
-            f"jax.tree_util flattens) or None/bool/int/float/str{hint}"
+            "jax.tree_util flattens) or None/bool/int/float/str"
         )
 
     def _array(node: Any, path: Path, prefix: str) -> dict[str, Any]:
@@ -185,6 +187,8 @@ def unflatten(
             return s["value"]
         if "bigint" in s:
             return int(s["bigint"])
+        if "static" in s:  # a function of a model: not saved; the target's (None without)
+            return t
         if "array" in s:
             arr = arrays[s["array"]]
             shape = getattr(t, "shape", None)

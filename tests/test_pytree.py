@@ -177,18 +177,33 @@ def test_flax_nnx_state_merges_back_into_a_working_model(daemon: Daemon) -> None
     assert np.array_equal(np.asarray(twin(x)), np.asarray(model(x)))  # same dropout key too
 
 
-def test_equinox_array_part_combines_with_the_static_part(daemon: Daemon) -> None:
+def test_equinox_module_saves_its_arrays_and_takes_functions_from_the_target(
+    daemon: Daemon,
+) -> None:
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(3))
-    arrays, static = eqx.partition(model, eqx.is_array)
+    x = jnp.ones(4)
     client = daemon.client("eqx")
-    with pytest.raises(TypeError, match=r"\['activation'\].*eqx.filter"):
-        client.save(1, model)  # its activation functions are leaves too
-    client.save(1, eqx.filter(model, eqx.is_array)).wait("local", 60)
-    back, _ = client.restore(target=arrays)
+    # The module as it is: its arrays are saved, its activation functions (leaves
+    # too, for jax) are not, as equinox's own tree_serialise_leaves does.
+    client.save(1, model).wait("local", 60)
+    assert saved_keys(daemon, "eqx", 1) == {
+        f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")
+    }
+    fresh = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(99))  # other values, same shape
+    back, _ = client.restore(target=fresh)
+    assert type(back) is type(model) and back.activation is fresh.activation
+    assert np.array_equal(np.asarray(back(x)), np.asarray(model(x)))
+    plain, _ = client.restore()  # no target: the functions were not saved
+    assert plain["activation"] is None and np.array_equal(
+        plain["layers"][0]["weight"], np.asarray(model.layers[0].weight)
+    )
+    # The filter/combine way works too.
+    arrays, static = eqx.partition(model, eqx.is_array)
+    client.save(2, eqx.filter(model, eqx.is_array)).wait("local", 60)
+    back, _ = client.restore(step=2, target=arrays)
     same(arrays, back)
     again = eqx.combine(back, static)
-    x = jnp.ones(4)
     assert np.array_equal(np.asarray(again(x)), np.asarray(model(x)))
 
 
