@@ -7,8 +7,14 @@ arrays and scalars, ``jax.Array`` incl. typed PRNG keys, anything with
 (None, bool, int, float, str) stay in the spec, which the daemon stores in the
 manifest. Spec nodes: ``{"dict": [[key, node], ...]}``, ``{"list": [...]}``,
 ``{"tuple": [...]}`` (nodes other than builtins add ``"type"``), leaves
-``{"array": key}``, ``{"jax": key, "dtype": ...}`` (typed keys add
-``"key_impl"``), ``{"value": v}``, ``{"bigint": "..."}``, ``{"static": name}``.
+``{"array": key}`` (a torch tensor adds ``"torch": its torch dtype name, or ""``),
+``{"jax": key, "dtype": ...}`` (typed keys add ``"key_impl"``), ``{"value": v}``,
+``{"bigint": "..."}``, ``{"static": name}``.
+
+torch tensors (when the program has imported torch) are saved from a view of
+their memory (any dtype, ``requires_grad``, strided; a CUDA tensor is copied to
+the host first) and come back as torch tensors over the restored memory, or are
+copied in place into the target's tensors (a model's state dict).
 
 A function or class among the leaves (an equinox module's activation) is a
 static part of a model, not state: like ``equinox.tree_serialise_leaves`` it is
@@ -20,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from ckptd.core.errors import TreeMismatch
+from ckptd.core.errors import InvalidArgument, TreeMismatch
 from ckptd.core.format import dtype_to_str
 
 from .jax_arrays import is_jax_array, key_data_of
@@ -60,6 +67,12 @@ def _key_for(joined: str, used: set[str]) -> str:
     return key
 
 
+def _torch_tensor_type() -> Any:
+    """``torch.Tensor`` if the program imported torch (ckptd never imports it itself)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None) if torch is not None else None
+
+
 def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
     """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order.
 
@@ -70,6 +83,7 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
     arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
     names: dict[object, str] = {}  # path component of each key seen (layer names repeat)
+    tensor_type = _torch_tensor_type()
 
     def join(prefix: str, k: object) -> str:
         c = names.get(k)
@@ -102,6 +116,16 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
             key = _key_for(prefix, used)
             arrays.append((key, node))
             return {"array": key}
+        if tensor_type is not None and isinstance(node, tensor_type):
+            from .torch.tensors import to_array  # torch is imported: the program has it
+
+            try:
+                arr, torch_dtype = to_array(node)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"at {path_str(path)}: {exc}") from None
+            key = _key_for(prefix, used)
+            arrays.append((key, arr))
+            return {"array": key, "torch": torch_dtype}
         if is_jax_array(node):
             key = _key_for(prefix, used)
             if isinstance(node.dtype, np.dtype):
@@ -197,6 +221,15 @@ def unflatten(
                     f"at {path_str(path)} the restore target has shape {tuple(shape)} and the "
                     f"checkpoint {arr.shape}"
                 )
+            tensor_type = _torch_tensor_type()
+            if tensor_type is not None and isinstance(t, tensor_type):
+                from .torch.tensors import load_into
+
+                return load_into(t, arr, s.get("torch", ""))
+            if "torch" in s:
+                from .torch.tensors import to_tensor
+
+                return to_tensor(arr, s["torch"])
             return arr[()] if s.get("scalar") else arr
         raise ValueError(f"malformed tree spec node at {path_str(path)}: {s!r:.80}")
 

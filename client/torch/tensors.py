@@ -57,12 +57,18 @@ _ML = _ml_dtypes()
 def to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
     """A numpy view of CPU tensor ``t`` and the torch dtype name to record ("" when
     the numpy dtype says it all). A tensor on another device is copied to the CPU."""
+    if type(t).__name__ == "DTensor":
+        raise InvalidArgument(
+            "a DTensor is one shard of a distributed tensor: save sharded (FSDP, "
+            "tensor-parallel) state with torch.distributed.checkpoint and "
+            "ckptd.client.torch.CkptdWriter, which records how the shards fit together"
+        )
     t = t.detach()
     if t.device.type != "cpu":
         # The one extra copy of the non-CPU path: the lease is host memory.
         t = t.cpu()
     if t.is_sparse or t.layout != torch.strided:
-        raise InvalidArgument(f"a {t.layout} tensor cannot be checkpointed; convert it to dense")
+        raise InvalidArgument(f"a {t.layout} tensor cannot be checkpointed; make it dense")
     if t.is_quantized:
         raise InvalidArgument(f"quantized tensors ({t.dtype}) cannot be checkpointed by ckptd")
     if t.is_conj():
@@ -102,6 +108,14 @@ def to_tensor(arr: np.ndarray, torch_dtype: str = "") -> torch.Tensor:
             raise InvalidArgument(f"dtype {arr.dtype} has no torch equivalent here")
         return torch.from_numpy(arr.view(f"u{arr.dtype.itemsize}")).view(tdt)
     return torch.from_numpy(arr)
+
+
+def load_into(target: torch.Tensor, arr: np.ndarray, torch_dtype: str = "") -> torch.Tensor:
+    """Copy restored ``arr`` (of ``target``'s shape) into ``target`` in place (a
+    parameter, an optimizer moment, on any device; cast to its dtype); returns it."""
+    with torch.no_grad():
+        target.copy_(to_tensor(arr, torch_dtype))
+    return target
 
 
 def dtype_names() -> list[str]:
