@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -25,7 +26,7 @@ from .copying import copy_into
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
 from .jax_arrays import ShardPlan
-from .planning import Planner
+from .planning import Planner, SavePlan, plan_in_place
 from .policies import Continuous, SaveContext, SavePolicy
 
 log = logging.getLogger("ckptd.client")
@@ -129,7 +130,11 @@ class Client:
             os.close(fd)
         self._segments[name] = mm
         while len(self._segments) > _MAPPED_SEGMENTS:
-            self._segments.popitem(last=False)[1].close()
+            old = self._segments.popitem(last=False)[1]
+            with contextlib.suppress(BufferError):
+                # A stager's tensors may still view it: then it is unmapped when the
+                # last of them goes, with the mapping object.
+                old.close()
         return mm
 
     def _copy_into(self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]) -> None:
@@ -247,17 +252,8 @@ class Client:
         If earlier saves hold all staging memory, waits up to ``staging_timeout``
         (default: the client's) and then raises :class:`CapacityExhausted`.
         """
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
-        step = int(step)
-        metrics = _check_metrics(metrics)
+        step, metrics, metadata_json = _save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
-        if metadata is not None and not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
-        try:
-            metadata_json = json.dumps(metadata or {})
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
         plan, arrays = self._planner.plan(tree)
         host, device, data_len = arrays.host, arrays.device, plan.data_len
         started = time.monotonic()
@@ -271,20 +267,7 @@ class Client:
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         try:
             self._copy_into(mm, plan.host_entries, host)
-            req = pb.CommitShardsRequest(
-                lease_id=req.lease_id,
-                job=self.job,
-                step=step,
-                rank=self.rank,
-                node_ranks=self.node_ranks,
-                world_size=self.world_size,
-                data_offset=0,
-                table=plan.table,
-                tree_json=plan.tree_json,
-                metadata_json=metadata_json,
-                milestone=milestone,
-                metrics=metrics,
-            )
+            req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             if device:
                 # jax arrays are immutable: copy them to host and hand off after returning.
                 self._copy_job = self._background.submit(
@@ -302,12 +285,76 @@ class Client:
             if not committed:
                 self._handoff.release(req.lease_id)  # the lease of the last attempt
         handle = SaveHandle(self, step, self._copy_job if device else None)
-        self._last, self._last_at, self._last_bytes = handle, started, round_up(data_len)
+        return self._saved(handle, started, round_up(data_len))
+
+    def _commit_request(
+        self,
+        lease_id: str,
+        step: int,
+        plan: SavePlan,
+        metadata_json: str,
+        milestone: bool,
+        metrics: dict[str, float],
+    ) -> pb.CommitShardsRequest:
+        return pb.CommitShardsRequest(
+            lease_id=lease_id,
+            job=self.job,
+            step=step,
+            rank=self.rank,
+            node_ranks=self.node_ranks,
+            world_size=self.world_size,
+            data_offset=0,
+            table=plan.table,
+            tree_json=plan.tree_json,
+            metadata_json=metadata_json,
+            milestone=milestone,
+            metrics=metrics,
+        )
+
+    def _saved(self, handle: SaveHandle, started: float, size: int) -> SaveHandle:
+        """Bookkeeping after a handoff: the last save, for should_save()."""
+        self._last, self._last_at, self._last_bytes = handle, started, size
         self._last_reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next
         # should_save() is seen there at once.
         self._previous_reached(getattr(self.policy, "stage", "local"))
         return handle
+
+    # -- saving memory a stager filled itself -----------------------------------
+    def lease(self, size_bytes: int, staging_timeout: float | None = None) -> tuple[Any, mmap.mmap]:
+        """A lease of at least ``size_bytes`` and its mapping, for a stager that copies
+        a state into it itself (DCP's ``async_save`` through ckptd) and then hands it
+        off with :meth:`commit_in_place` or gives it back with :meth:`release`."""
+        wait = self.staging_timeout if staging_timeout is None else staging_timeout
+        what = f"no shared memory for a save of job {self.job!r}"
+        return self._handoff.acquire(round_up(max(1, size_bytes)), wait, what)
+
+    def release(self, lease: Any) -> None:
+        """Give back a lease from :meth:`lease` that will not be committed."""
+        self._handoff.release(lease.lease_id)
+
+    def commit_in_place(
+        self,
+        step: int,
+        tree: Any,
+        lease: Any,
+        mm: mmap.mmap,
+        metadata: dict[str, Any] | None = None,
+        *,
+        milestone: bool = False,
+        metrics: dict[str, float] | None = None,
+    ) -> SaveHandle | None:
+        """Hand off ``tree`` as ``step`` with no copy: its array leaves are views of
+        ``mm`` (the mapping of ``lease``) lying back to back from its start. Returns
+        None, committing nothing (the lease is still held), if they do not lie so."""
+        step, metrics, metadata_json = _save_args(step, metrics, metadata)
+        plan = plan_in_place(tree, mm)
+        if plan is None:
+            return None
+        started = time.monotonic()
+        req = self._commit_request(lease.lease_id, step, plan, metadata_json, milestone, metrics)
+        self._handoff.commit(req, mm, len(mm), f"step {step} of job {self.job!r} was not saved")
+        return self._saved(SaveHandle(self, step), started, round_up(plan.data_len))
 
     def _copy_device_and_commit(
         self,
@@ -397,6 +444,21 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _save_args(
+    step: Any, metrics: dict[str, float] | None, metadata: dict[str, Any] | None
+) -> tuple[int, dict[str, float], str]:
+    """A save's step, metrics and metadata (as JSON), checked."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
+    try:
+        metadata_json = json.dumps(metadata or {})
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
+    return int(step), _check_metrics(metrics), metadata_json
 
 
 def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:

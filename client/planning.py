@@ -124,3 +124,44 @@ def _json(spec: Any) -> str:
         return json.dumps(spec, allow_nan=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the tree holds a value JSON cannot store: {exc}") from None
+
+
+def plan_in_place(tree: Any, mm: Any) -> SavePlan | None:
+    """The plan of saving ``tree`` whose array leaves are already in ``mm`` (a lease's
+    mapping, filled by a stager): each where it lies, not where a fresh layout would
+    put it. None unless they lie back to back from the start of ``mm`` (no hole, no
+    overlap, each C-contiguous and aligned), which a commit needs."""
+    values: list[Any] = []
+    spec, arrays = flatten(tree, values)
+    view = np.frombuffer(mm, np.uint8)
+    base, size = view.__array_interface__["data"][0], len(view)
+    del view  # (an export of the mapping: it must not outlive this call)
+    placed = []
+    for key, a in arrays:
+        if not isinstance(a, np.ndarray) or not (a.flags.c_contiguous or a.nbytes == 0):
+            return None
+        offset = a.__array_interface__["data"][0] - base if a.nbytes else -1
+        if a.nbytes and (offset < 0 or offset + a.nbytes > size or offset % a.dtype.alignment):
+            return None
+        placed.append((offset, key, a))
+    entries: list[TensorEntry] = []
+    at = 0
+    for offset, key, a in sorted(placed, key=lambda p: (p[0] < 0, p[0])):
+        if a.nbytes and offset != at:
+            return None  # a hole or an overlap
+        entries.append(TensorEntry(key, a.dtype, tuple(a.shape), at, a.nbytes))
+        at += a.nbytes
+    layout: Layout = [(e.key, e.dtype, e.shape) for e in entries]
+    dtypes = {e.key: dtype_to_str(e.dtype) for e in entries}
+    return SavePlan(
+        layout,
+        {},
+        entries,
+        [],
+        [],
+        shard_wire.encode(entries, dtypes, {}),
+        at,
+        spec,
+        _json(values),
+        _json(spec),
+    )

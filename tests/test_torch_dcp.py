@@ -104,6 +104,8 @@ def test_async_save_then_load_from_another_client(daemon: Daemon) -> None:
         fut = dcp.async_save(state, checkpoint_id=2, storage_writer=writer)
         fut.result(timeout=120)  # type: ignore[union-attr]
         assert writer.handle is not None and writer.handle.step == 2
+        # Staged by the writer straight into the daemon's memory, committed as it lay.
+        assert writer.handoff == "in place"
         got = zeros_like(state)
         reader = CkptdReader("dcp-async", socket=daemon.socket)  # newest step
         dcp.load(got, storage_reader=reader)
@@ -112,6 +114,20 @@ def test_async_save_then_load_from_another_client(daemon: Daemon) -> None:
         assert_same(state, got)
     finally:
         writer.close()
+
+
+def test_async_save_of_an_object_too_large_for_the_headroom_is_copied(daemon: Daemon) -> None:
+    # A pickled object larger than the room left after the staged tensors: the part is
+    # saved the plain way (copied into a lease of its own), and the staged lease given back.
+    state = {"w": torch.arange(1000, dtype=torch.float32), "blob": {"b": "x" * (3 * 2**20)}}
+    client = daemon.client("dcp-big")
+    writer = CkptdWriter(client)
+    dcp.async_save(state, checkpoint_id=1, storage_writer=writer).result(timeout=120)  # type: ignore[union-attr]
+    assert writer.handoff == "copied"
+    assert daemon.status().leases_held == 0
+    got = {"w": torch.zeros(1000), "blob": {"b": ""}}
+    dcp.load(got, checkpoint_id=1, storage_reader=CkptdReader(client))
+    assert torch.equal(got["w"], state["w"]) and got["blob"]["b"] == state["blob"]["b"]
 
 
 class Counter:
@@ -199,8 +215,8 @@ def test_wiped_local_tier_loads_from_the_bucket(make_daemon: Any, tmp_path: Path
     assert [e.step for e in d.events_of(pb.STEP_EVENT_FETCHED)] == [3]
 
 
-def run_job(world: int, mode: str, socket: Path | str, step: int, expected: Path) -> None:
-    """``world`` worker processes of one gloo job; fail with their output (``socket``:
+def run_job(world: int, mode: str, socket: Path | str, step: int, expected: Path) -> list[str]:
+    """``world`` worker processes of one gloo job (their outputs); fail with them (``socket``:
     comma-separated, one per rank, puts each rank on its own daemon)."""
     port = str(free_port())
     procs = [
@@ -234,6 +250,7 @@ def run_job(world: int, mode: str, socket: Path | str, step: int, expected: Path
         outputs.append(out)
     failed = [i for i, p in enumerate(procs) if p.returncode != 0]
     assert not failed, "\n".join(f"--- rank {i}:\n{outputs[i][-4000:]}" for i in failed)
+    return outputs
 
 
 def test_two_ranks_save_and_load(daemon: Daemon, tmp_path: Path) -> None:
@@ -243,11 +260,35 @@ def test_two_ranks_save_and_load(daemon: Daemon, tmp_path: Path) -> None:
     run_job(2, "plain-load", daemon.socket, 4, tmp_path / "unused")
 
 
+def test_two_ranks_async_save_in_place_despite_replicated_values(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    # DCP writes a replicated value once, from one rank: the other rank's staged copy
+    # of it is a hole its part closes before the commit (no fallback copy).
+    outputs = run_job(2, "plain-async", daemon.socket, 5, tmp_path / "unused")
+    assert all("handoff in place" in out for out in outputs), outputs
+    SaveHandle(daemon.client("dcp-mp"), 5).wait("local", timeout=60)
+    assert daemon.status().leases_held == 0  # each rank's staged lease, committed, is back
+    run_job(2, "plain-load", daemon.socket, 5, tmp_path / "unused")
+
+
 @pytest.mark.slow
 def test_fsdp2_on_four_ranks_loads_on_two(daemon: Daemon, tmp_path: Path) -> None:
     expected = tmp_path / "expected.pt"
     run_job(4, "fsdp-save", daemon.socket, 6, expected)
     run_job(2, "fsdp-load", daemon.socket, 6, expected)
+
+
+@pytest.mark.slow
+def test_fsdp2_async_save_staged_in_place_loads_on_another_rank_count(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    expected = tmp_path / "expected.pt"
+    outputs = run_job(2, "fsdp-async", daemon.socket, 7, expected)
+    assert all("handoff in place" in out for out in outputs), outputs
+    SaveHandle(daemon.client("dcp-mp"), 7).wait("local", timeout=60)
+    assert daemon.status().leases_held == 0
+    run_job(4, "fsdp-load", daemon.socket, 7, expected)
 
 
 def test_importing_the_client_does_not_import_torch() -> None:

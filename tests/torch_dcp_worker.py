@@ -11,7 +11,10 @@ rank is then alone on its "node").
 through ``get_state_dict`` / ``set_state_dict``; the save writes each full tensor
 to EXPECTED (rank 0), the load (on another rank count) compares bit for bit.
 ``fsdp-async-process``: as ``fsdp-save``, through ``async_save`` with DCP's
-process executor. Exit status 0 means every check passed.
+process executor; ``fsdp-async`` / ``plain-async``: through ``async_save`` with the
+thread executor, staged straight into the daemon's shared memory (each rank prints
+how its part was handed off: ``handoff in place`` or ``handoff copied``). Exit
+status 0 means every check passed.
 """
 
 from __future__ import annotations
@@ -106,12 +109,14 @@ def main() -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        if mode == "plain-save":
-            dcp.save(
-                plain_state(rank, world, step),
-                checkpoint_id=step,
-                storage_writer=CkptdWriter(JOB, socket=socket, node_ranks=node_ranks),
-            )
+        if mode in ("plain-save", "plain-async"):
+            writer = CkptdWriter(JOB, socket=socket, node_ranks=node_ranks)
+            if mode == "plain-save":
+                dcp.save(plain_state(rank, world, step), checkpoint_id=step, storage_writer=writer)
+            else:
+                state = plain_state(rank, world, step)
+                dcp.async_save(state, checkpoint_id=step, storage_writer=writer).result()
+                print(f"rank {rank}: handoff {writer.handoff}", flush=True)
         elif mode == "plain-load":
             want = plain_state(rank, world, step)
             got = {
@@ -125,11 +130,14 @@ def main() -> int:
                 storage_reader=CkptdReader(JOB, socket=socket),
             )
             same(want, got)
-        elif mode in ("fsdp-save", "fsdp-async-process"):
+        elif mode in ("fsdp-save", "fsdp-async", "fsdp-async-process"):
             _, _, state = fsdp_state(world, train=True)
             writer = CkptdWriter(JOB, socket=socket, node_ranks=node_ranks)
             if mode == "fsdp-save":
                 dcp.save(state, checkpoint_id=step, storage_writer=writer)
+            elif mode == "fsdp-async":
+                dcp.async_save(state, checkpoint_id=step, storage_writer=writer).result()
+                print(f"rank {rank}: handoff {writer.handoff}", flush=True)
             else:
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 

@@ -2,7 +2,9 @@
 
 Every rank saves its write items as one ckptd rank of the step (``Client.save``:
 one copy into the daemon's shared-memory lease, views of the tensors, no
-serialisation). DCP knows the checkpoint's ``Metadata`` only in ``finish()``,
+serialisation). It is also ``dcp.async_save``'s stager (staging.py): the state
+is copied once, straight into the lease, and committed from there as it lies.
+DCP knows the checkpoint's ``Metadata`` only in ``finish()``,
 on the coordinator, after every rank has written. So the coordinator keeps its
 own items until then and commits them together with the pickled metadata (a
 uint8 array: crc32c covers it like any shard). The daemon makes a step LOCAL
@@ -16,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import uuid
+import weakref
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,9 @@ from ckptd.core.errors import InvalidArgument
 
 from ..client import Client
 from ..handle import SaveHandle
+from . import staging
 from .common import (
+    COORDINATOR,
     FORMAT,
     ITEMS,
     METADATA,
@@ -95,6 +100,53 @@ class CkptdWriter(StorageWriter):
         """The coordinator's handle of the last save (``handle.wait("durable")``)."""
         self._pending: dict[str, np.ndarray] = {}
         self._save_id = ""
+        self._stage: staging.LeaseStage | None = None
+        """The lease ``stage()`` filled for the save in progress (``async_save``)."""
+        self.handoff = ""
+        """How the last save reached the daemon: ``"in place"`` (staged by async_save:
+        committed from the lease it was copied into) or ``"copied"``."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's checkpoint process gets a copy without this process's lease (its
+        # staged tensors arrive there as copies): it saves them the plain way.
+        state = self.__dict__.copy()
+        state["_stage"] = None
+        return state
+
+    # -- async_save's stager (torch.distributed.checkpoint.staging.AsyncStager) ----------
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """False: :meth:`stage` has finished its copy when it returns."""
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        """The state copied into a lease of the daemon (one copy: the write that follows
+        commits it as it lies), tensors replaced by views of it; training may go on."""
+        if self._stage is not None:
+            self._stage.release()  # the previous save of this writer never committed it
+            self._stage = None
+        rank = world()[0]
+        try:
+            staged, self._stage = staging.stage(
+                self._source.get(rank), state_dict, rank == COORDINATOR
+            )
+        except staging.Unsupported:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                return stager.stage(state_dict)
+            finally:
+                stager.close()
+        # A writer dropped before it committed (an error, a checkpoint process) gives
+        # its lease back; committed, this does nothing.
+        weakref.finalize(self, self._stage.release)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies before it returns."""
 
     # -- identity ------------------------------------------------------------
     @property
@@ -147,6 +199,7 @@ class CkptdWriter(StorageWriter):
         """Hand this rank's items to the daemon (the coordinator: at ``finish()``)."""
         items: dict[str, np.ndarray] = {}
         results = []
+        stage = self._stage
         for item in plan.items:
             data = planner.resolve_data(item)
             key = item_key(item.index, item.type == WriteItemType.SHARD)
@@ -161,6 +214,16 @@ class CkptdWriter(StorageWriter):
                 raise InvalidArgument(f"{item.index.fqn}: DCP resolved a tensor to {type(data)}")
             if key in items:
                 raise InvalidArgument(f"two write items of rank {self.rank} share key {key!r}")
+            held = (
+                stage.holds(data) if stage is not None and isinstance(data, torch.Tensor) else None
+            )
+            if stage is not None and not stage.failed and held is None:
+                # Not a staged tensor as staged (a pickled object): after the tensors.
+                placed = stage.append(arr) if arr.flags.c_contiguous else None
+                if placed is None:
+                    stage.failed = True  # no room: the plain way (_save)
+                else:
+                    arr = placed
             items[key] = arr
             results.append(
                 WriteResult(
@@ -181,7 +244,15 @@ class CkptdWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: commit its items and DCP's metadata; the step completes."""
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-        tree = {ITEMS: self._pending, METADATA: encode_metadata(metadata)}
+        encoded = encode_metadata(metadata)
+        stage = self._stage
+        if stage is not None and not stage.failed:
+            placed = stage.append(encoded)
+            if placed is None:
+                stage.failed = True
+            else:
+                encoded = placed
+        tree = {ITEMS: self._pending, METADATA: encoded}
         self._pending = {}
         dcp = {"format": FORMAT, "world_size": len(results), "coordinator": self.rank}
         self.handle = self._save(tree, {"dcp": dcp})
@@ -191,14 +262,36 @@ class CkptdWriter(StorageWriter):
     def _save(self, tree: dict[str, Any], extra: dict[str, Any]) -> SaveHandle:
         assert self.step is not None
         client = self._source.get(self.rank)
-        return client.save(
-            self.step,
-            tree,
-            {**self.user_metadata, **extra},
-            milestone=self.milestone,
-            metrics=self.metrics,
-        )
+        meta = {**self.user_metadata, **extra}
+        stage, self._stage = self._stage, None
+        packed = stage.compact(tree) if stage is not None and not stage.failed else None
+        if stage is not None and packed is not None:
+            # Staged by async_save: handed off as it lies in the lease, no copy.
+            handle = client.commit_in_place(
+                self.step,
+                packed,
+                stage.lease,
+                stage.mm,
+                meta,
+                milestone=self.milestone,
+                metrics=self.metrics,
+            )
+            if handle is not None:
+                stage.done, self.handoff = True, "in place"
+                return handle
+        self.handoff = "copied"
+        try:  # copied into a lease of its own (from the staged lease, if there is one)
+            return client.save(
+                self.step, tree, meta, milestone=self.milestone, metrics=self.metrics
+            )
+        finally:
+            if stage is not None:
+                stage.release()
 
     def close(self) -> None:
-        """Close the client this writer made (one given to it stays open)."""
+        """Give back a lease a stage left; close the client this writer made (one given
+        to it stays open)."""
+        if self._stage is not None:
+            self._stage.release()
+            self._stage = None
         self._source.close()
