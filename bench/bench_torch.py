@@ -5,8 +5,9 @@ tensors, and a transformer's parameters plus Adam's two moments (~1,500 tensors
 from 1.5 KiB biases and norms to the embedding; ``transformer_arms``). One
 process, a gloo process group of 1 (DCP's process executor needs one), one
 ``ckptd serve``. For each state, executor (``thread``, ``process``) and storage
-(``ckptd``: ``CkptdWriter(job, wait="local")``; ``dcp``: ``FileSystemWriter(dir,
-sync_files=True)``), interleaved repetitions of:
+(``ckptd``: ``CkptdWriter(client, wait="local")`` on the trainer's one client, or
+made from the job name for the process executor, which pickles it; ``dcp``:
+``FileSystemWriter(dir, sync_files=True)``), interleaved repetitions of:
 
 - ``return``: ``dcp.async_save`` until it returns (the trainer is blocked: DCP stages
   the state, or ckptd's writer copies it into the daemon's shared memory);
@@ -94,6 +95,9 @@ class Bench:
         self.nbytes = total
         self.daemon = Daemon(run / "root", extra_args=["--retention-local", "KeepLatest(2)"])
         self.daemon.start()
+        from ckptd.client import Client
+
+        self.client = Client(JOB, socket=self.daemon.socket)
         self.step = 0
         self.samples: dict[str, list[float]] = {}
 
@@ -105,6 +109,7 @@ class Bench:
     def close(self) -> None:
         import torch.distributed as dist
 
+        self.client.close()
         self.daemon.stop()
         dist.destroy_process_group()
 
@@ -112,17 +117,19 @@ class Bench:
         self.samples.setdefault(key, []).append(value)
 
     # -- one save ----------------------------------------------------------------------
-    def writer(self, storage: str, where: Path) -> tuple[Any, Any]:
-        """A fresh storage writer and reader for one checkpoint."""
+    def writer(self, storage: str, where: Path, executor: str = "thread") -> tuple[Any, Any]:
+        """A fresh storage writer and reader for one checkpoint. ckptd's writer uses the
+        trainer's one client (as README's example does), except with the process
+        executor, which needs a writer it can pickle: one made from the job name."""
         import torch.distributed.checkpoint as dcp
 
         from ckptd.client.torch import CkptdReader, CkptdWriter
 
         if storage == "ckptd":
             self.step += 1
-            sock = str(self.daemon.socket)
-            w = CkptdWriter(JOB, step=self.step, socket=sock, wait="local")
-            return w, CkptdReader(JOB, step=self.step, socket=sock)
+            owner = JOB if executor == "process" else self.client
+            w = CkptdWriter(owner, step=self.step, socket=str(self.daemon.socket), wait="local")
+            return w, CkptdReader(self.client, step=self.step)
         return dcp.FileSystemWriter(where, sync_files=True), dcp.FileSystemReader(where)
 
     def save(self, name: str, storage: str, executor: str, rep: int) -> None:
@@ -137,7 +144,7 @@ class Bench:
         state = self.tensors[name]
         tag = f"{name}:{storage}:{executor}"
         where = self.run / f"dcp-{name}-{executor}-{rep}"
-        writer, reader = self.writer(storage, where)
+        writer, reader = self.writer(storage, where, executor)
         settle()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)

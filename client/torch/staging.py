@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.core.format import round_up
+from ckptd.core.format import TensorEntry, round_up
 
 from ..client import Client
+from .tensors import to_array
 
 HEADROOM_BASE = 256 * 2**10
 HEADROOM_PER_OBJECT = 8 * 2**10
@@ -129,7 +130,20 @@ def stage(client: Client, state_dict: Any, coordinator: bool) -> tuple[Any, Leas
         headroom += HEADROOM_PER_TENSOR * len(found)
     lease, mm = client.lease(at + headroom)
     try:
-        views = [_copy_into(mm, t, off) for t, off in zip(found, offsets, strict=True)]
+        # CPU tensors as numpy views, over the client's copy threads in batches (~2x
+        # faster here than a torch copy_ each); others (a GPU's) with torch's copy.
+        entries, arrays = [], {}
+        for i, (t, off) in enumerate(zip(found, offsets, strict=True)):
+            if t.device.type == "cpu" and t.nbytes:
+                arr, _ = to_array(t)
+                key = str(i)
+                entries.append(TensorEntry(key, arr.dtype, arr.shape, off, arr.nbytes))
+                arrays[key] = arr
+        client._copy_into(mm, entries, arrays)
+        views = [
+            _copy_into(mm, t, off, copied=str(i) in arrays)
+            for i, (t, off) in enumerate(zip(found, offsets, strict=True))
+        ]
         staged = _rebuild(state_dict, iter(views))
     except BaseException:
         client.release(lease)
@@ -171,14 +185,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
-def _copy_into(mm: mmap.mmap, t: torch.Tensor, offset: int) -> torch.Tensor:
-    """``t`` copied to ``mm`` at ``offset``; a contiguous view of the copy."""
+def _copy_into(mm: mmap.mmap, t: torch.Tensor, offset: int, copied: bool) -> torch.Tensor:
+    """A contiguous view of ``t``'s place in ``mm`` at ``offset``, ``t`` copied there
+    unless ``copied`` already."""
     if t.nbytes == 0:
         return torch.empty(t.shape, dtype=t.dtype)
     raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=offset)
     dst = raw.view(t.dtype).view(t.shape)
-    with torch.no_grad():
-        dst.copy_(t)  # torch spreads large copies over its intra-op threads; from a GPU too
+    if not copied:
+        with torch.no_grad():
+            dst.copy_(t)  # from a GPU: device to host
     return dst
 
 
