@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: promtool venv demo test test-fast test-slow faults fuzz soak bench bench-deps proto lint typecheck clean
+.PHONY: promtool dashboard venv demo test test-fast test-slow faults fuzz soak bench bench-deps proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -28,7 +28,8 @@ promtool: $(VENV)/bin/promtool
 $(VENV)/bin/promtool: | venv
 	@tmp=$$(mktemp -d) && cd $$tmp && \
 	if apt-get download -q prometheus >/dev/null 2>&1 && dpkg-deb -x prometheus_*.deb x; then \
-		cp x/usr/bin/promtool $(CURDIR)/$(VENV)/bin/promtool && echo "promtool installed in $(VENV)/bin"; \
+		cp x/usr/bin/promtool x/usr/bin/prometheus $(CURDIR)/$(VENV)/bin/ && \
+		echo "promtool and prometheus installed in $(VENV)/bin"; \
 	else echo "promtool unavailable (apt-get download prometheus failed): its tests will skip"; fi; \
 	rm -rf $$tmp
 
@@ -55,6 +56,12 @@ fuzz: venv
 # Soak: 8 clients saving for 10 minutes against one daemon; SOAK_ARGS=--quick for 30 s.
 soak: venv
 	$(PY) bench/soak/soak.py $(SOAK_ARGS)
+
+# The README's dashboard screenshot: a live daemon, SeaweedFS and Prometheus, every
+# panel's own PromQL drawn by matplotlib (deploy/grafana/render.py; about 2 minutes).
+dashboard: venv promtool
+	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) deploy/grafana/render.py
 
 # The test extra includes jax and Orbax, which the benchmarks compare against.
 bench: venv bench-deps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import mmap
@@ -271,6 +272,25 @@ class Client(Saving):
         """This job's checkpoints on this node, newest first."""
         resp = self.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=self.job))
         return [CheckpointInfo.of(c) for c in resp.checkpoints]
+
+    def all_steps(self) -> builtins.list[int]:
+        """Steps with a complete copy in some tier (this node's, or the bucket's), oldest
+        first: what :meth:`restore` can be asked for (Orbax's ``all_steps``)."""
+        return sorted(c.step for c in self.list() if c.tiers and not c.adopted)
+
+    def latest_step(self) -> int | None:
+        """The newest step :meth:`restore` would return, None if there is none yet
+        (Orbax's ``latest_step``). In a multi-process job every process must restore
+        the same step: agree on one with ``ckptd.client.distributed``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def wait_until_finished(self, stage: str = "local", timeout: float | None = None) -> None:
+        """Block until the last :meth:`save` reached ``stage`` (``"local"``: restorable
+        on this node; ``"durable"``: in the bucket too), raising :class:`SaveFailed` if
+        it failed (Orbax's ``wait_until_finished``). Returns at once with no save."""
+        if self._last is not None:
+            self._last.wait(stage, timeout=timeout)
 
     def close(self) -> None:
         """Close the channel and unmap shared memory."""

@@ -221,6 +221,11 @@ def unflatten(
                     f"at {path_str(path)} the restore target has shape {tuple(shape)} and the "
                     f"checkpoint {arr.shape}"
                 )
+            if isinstance(t, np.ndarray | np.generic) and t.dtype != arr.dtype:
+                raise TreeMismatch(
+                    f"at {path_str(path)} the restore target has dtype {t.dtype} and the "
+                    f"checkpoint {arr.dtype}; pass a target of the saved dtype"
+                )
             tensor_type = _torch_tensor_type()
             if tensor_type is not None and isinstance(t, tensor_type):
                 from .torch.tensors import load_into

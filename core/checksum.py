@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -241,17 +241,21 @@ def _folded(length: int) -> bool:
     return length >= _COMBINE_ABOVE and length.bit_count() * 8192 <= length
 
 
-def of_file(path: Path, chunk: int = CHUNK) -> int:
+def of_file(path: Path, chunk: int = CHUNK, progress: Callable[[int], None] | None = None) -> int:
     """crc32c of a whole file, streamed in chunks of ``chunk`` bytes."""
-    return of_file_ranges(path, None, chunk)[0]
+    return of_file_ranges(path, None, chunk, progress)[0]
 
 
 def of_file_ranges(
-    path: Path, ranges: Sequence[tuple[int, int]] | None, chunk: int = CHUNK
+    path: Path,
+    ranges: Sequence[tuple[int, int]] | None,
+    chunk: int = CHUNK,
+    progress: Callable[[int], None] | None = None,
 ) -> list[int]:
     """crc32c of each ``(offset, length)`` range of a file (``None``: the whole file),
-    streamed through one reused buffer of ``chunk`` bytes. A range past the end of
-    the file raises ``ValueError``."""
+    streamed through one reused buffer of ``chunk`` bytes, ``progress(n)`` called
+    after each chunk of ``n`` bytes read. A range past the end of the file raises
+    ``ValueError``."""
     buf = bytearray(chunk)
     view = np.frombuffer(buf, np.uint8)
     with open(path, "rb", buffering=0) as f:
@@ -267,19 +271,23 @@ def of_file_ranges(
                     raise ValueError(f"{path} ends at byte {offset + pos}, inside a checked range")
                 crc = int(google_crc32c.extend(crc, view[:n]))
                 pos += n
+                if progress is not None:
+                    progress(n)
             out.append(crc)
     return out
 
 
-def verify_step(directory: Path, manifest: Manifest) -> list[str]:
+def verify_step(
+    directory: Path, manifest: Manifest, progress: Callable[[int], None] | None = None
+) -> list[str]:
     """Re-read a committed step's files and compare every crc32c the manifest records;
     returns what does not match (empty if intact). Adopted trees: each whole file;
-    ckptd's rank files: each shard."""
+    ckptd's rank files: each shard. ``progress(n)``: after each chunk of ``n`` bytes."""
     bad: list[str] = []
     if manifest.adopted:
         for r in manifest.ranks:
             try:
-                if of_file(directory / r.file) != r.crc32c:
+                if of_file(directory / r.file, progress=progress) != r.crc32c:
                     bad.append(r.file)
             except (OSError, ValueError) as exc:
                 bad.append(f"{r.file}: {exc}")
@@ -289,12 +297,16 @@ def verify_step(directory: Path, manifest: Manifest) -> list[str]:
         shards = list(
             zip(t.keys, t.offset.tolist(), t.length.tolist(), t.crc32c.tolist(), strict=True)
         )
-        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards)
+        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards, progress)
     return bad
 
 
 def _verify_rank_file(
-    path: Path, size: int, file_crc: int, shards: list[tuple[str, int, int, int]]
+    path: Path,
+    size: int,
+    file_crc: int,
+    shards: list[tuple[str, int, int, int]],
+    progress: Callable[[int], None] | None,
 ) -> list[str]:
     """One pass over a rank file: each shard's crc32c, and the whole file's (which
     also covers the header and the padding between shards)."""
@@ -311,7 +323,7 @@ def _verify_rank_file(
         actual = path.stat().st_size
         if actual != size:
             return [f"{path.name}: {actual} bytes, {size} recorded at commit"]
-        crcs = of_file_ranges(path, [(o, n) for o, n, _ in pieces])
+        crcs = of_file_ranges(path, [(o, n) for o, n, _ in pieces], progress=progress)
     except (OSError, ValueError) as exc:
         return [f"{path.name}: {exc}"]
     bad = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,8 +14,16 @@ STEP_FIELDS = (
 )
 
 
+def parse(path: Path) -> ast.Module:
+    """``ast.parse`` on a fresh thread: CPython 3.11 (gh-106905) can sometimes
+    raise "AST constructor recursion depth mismatch" when the calling thread's
+    recursion counter was left off by earlier code (here, other tests)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(ast.parse, path.read_text()).result()
+
+
 def imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = parse(path)
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -52,7 +61,7 @@ def test_no_step_field_is_assigned_outside_the_catalog() -> None:
 
 def test_every_daemon_package_says_what_it_is_and_modules_stay_small() -> None:
     for init in (REPO / "daemon").rglob("__init__.py"):
-        doc = ast.get_docstring(ast.parse(init.read_text()))
+        doc = ast.get_docstring(parse(init))
         assert doc, f"{init.relative_to(REPO)} has no docstring"
     big = [
         f"{p.relative_to(REPO)} ({n})"

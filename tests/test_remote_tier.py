@@ -319,7 +319,7 @@ def test_pull_and_verify_commands(make_daemon: Any, s3_server: Any, tmp_path: An
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert "pulled pl step 2" in out.stdout and "100.0%" in out.stderr
+    assert "pulled pl step 2" in out.stdout and "6.0 MiB of 6.0 MiB (100%)" in out.stderr
     local = daemon.root / "pl" / "2"
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in local.iterdir())
     for f in local.iterdir():

@@ -1,5 +1,5 @@
-"""The ``ckptd`` command: serve, ls, status, events, pin, unpin, adopt, demo (pull, verify:
-cli_tiers).
+"""The ``ckptd`` command: serve, ls, events, pin, unpin, adopt, demo (status: cli_status;
+pull, verify: cli_tiers; tables and progress bars: cli_view).
 
 Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 """
@@ -7,6 +7,7 @@ Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -14,58 +15,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ckptd.core.errors import CkptdError, cli_line
-from ckptd.core.wire import DEFAULT_SOCKET, Connection
+from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import __version__
-from . import cli_tiers, logs
+from . import cli_status, cli_tiers, logs
 from . import config as config_mod
+from .cli_status import plain
+from .cli_view import human_bytes, print_table, socket_arg
 from .serve import serve
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
-    ]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
-def _plain(msg: Any) -> dict[str, Any]:
-    """A message as a JSON-ready dict with real ints and enum names (LOCAL, not 2)."""
-    out: dict[str, Any] = {}
-    for f in msg.DESCRIPTOR.fields:
-        value = getattr(msg, f.name)
-        if f.enum_type is not None:
-            prefix = f.enum_type.values[0].name.removesuffix("UNSPECIFIED")
-            names = {v.number: v.name.removeprefix(prefix) for v in f.enum_type.values}
-            value = [names[v] for v in value] if f.is_repeated else names[value]
-        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
-            value = dict(value)
-        elif f.message_type is not None:
-            value = [_plain(v) for v in value] if f.is_repeated else _plain(value)
-        elif f.is_repeated:
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
-def _socket_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--socket", default=None, help=f"daemon socket (default: $CKPTD_SOCKET or {DEFAULT_SOCKET})"
-    )
 
 
 def _admin(args: argparse.Namespace) -> Connection:
@@ -87,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     resp = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=args.job or ""))
     if args.json:
-        print(json.dumps([_plain(c) for c in resp.checkpoints], indent=1))
+        print(json.dumps([plain(c) for c in resp.checkpoints], indent=1))
         return 0
     rows = [
         [
@@ -95,7 +55,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             str(c.step),
             pb.SaveState.Name(c.state).removeprefix("SAVE_STATE_"),
             ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in c.tiers) or "-",
-            _human_bytes(c.size_bytes) if c.size_bytes else "-",
+            human_bytes(c.size_bytes) if c.size_bytes else "-",
             str(c.num_shards),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
             _kept_by(c),
@@ -108,10 +68,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     if not rows:
         print("no checkpoints" + (f" for job {args.job!r}" if args.job else ""))
+        if args.job:
+            _suggest_job(args, args.job)
         return 0
     headers = ["JOB", "STEP", "STATE", "TIERS", "SIZE", "SHARDS", "CREATED", "KEPT BY", "NOTE"]
-    print(_table(headers, rows))
+    print_table(headers, rows)
     return 0
+
+
+def _suggest_job(args: argparse.Namespace, job: str) -> None:
+    """On stderr: the job name this one is probably a typo of, or the jobs there are."""
+    every = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=""))
+    jobs = sorted({c.job for c in every.checkpoints})
+    close = difflib.get_close_matches(job, jobs, n=1, cutoff=0.6)
+    if close:
+        print(f"did you mean {close[0]!r}?", file=sys.stderr)
+    elif jobs:
+        print(f"jobs on this daemon: {', '.join(jobs[:20])}", file=sys.stderr)
 
 
 def _kept_by(c: pb.CheckpointInfo) -> str:
@@ -140,7 +113,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     resp = conn.call("Adopt", req, 3600.0)
     print(
         f"{args.job}/{args.step} adopted from {path}: {resp.files} files, "
-        f"{_human_bytes(resp.size_bytes)}, LOCAL"
+        f"{human_bytes(resp.size_bytes)}, LOCAL"
     )
     if args.wait == "durable":
         status = conn.call(
@@ -161,64 +134,6 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    st = _admin(args).call("GetStatus", pb.GetStatusRequest())
-    if args.json:
-        print(json.dumps(_plain(st), indent=1))
-        return 0
-    rows = [
-        ["version", f"{st.version} (protocol {st.protocol_version}, pid {st.pid})"],
-        ["node", st.node_id],
-        ["socket", st.socket],
-        ["root", st.root],
-        ["remote", st.remote or "(none: local tier only)"],
-        ["uptime", f"{st.uptime_seconds:.0f} s"],
-        ["checkpoints", f"{st.checkpoints} in {st.jobs} jobs, {_human_bytes(st.local_used_bytes)}"],
-        ["local free", _human_bytes(st.local_free_bytes)],
-        [
-            "staging",
-            f"{_human_bytes(st.staging_in_use_bytes)} in use, "
-            f"{_human_bytes(st.staging_allocated_bytes)} allocated of "
-            f"{_human_bytes(st.staging_budget_bytes)} budget",
-        ],
-        ["leases held", str(st.leases_held)],
-        [
-            "retention",
-            f"local {st.retention_local}"
-            + (f"; remote {st.retention_remote}" if st.retention_remote else ""),
-        ],
-        [
-            "free-space marks",
-            f"evict below {_human_bytes(st.local_low_watermark_bytes)}, refuse saves below "
-            f"{_human_bytes(st.local_floor_bytes)}",
-        ],
-        ["evicted", f"{st.evicted_local} local, {st.evicted_remote} remote copies"],
-        ["adopted", f"{st.adopted} steps; {st.watched_directories} watched directories"],
-        ["saves in flight", str(st.saves_in_flight)],
-        [
-            "drain",
-            (f"{st.drain_queue} steps queued" if st.remote else "-")
-            + (f"; last error: {st.drain_error}" if st.drain_error else ""),
-        ],
-        ["background", _tasks(st)],
-    ]
-    print(_table(["FIELD", "VALUE"], rows))
-    return 0
-
-
-def _tasks(st: pb.DaemonStatus) -> str:
-    """``drain running, evictor restarting (2 restarts: ValueError: ...)``."""
-    parts = []
-    for t in st.tasks:
-        text = f"{t.name} {t.state}"
-        if t.restarts or t.last_error:
-            text += f" ({t.restarts} restarts" + (f": {t.last_error}" if t.last_error else "") + ")"
-        parts.append(text)
-    if st.job_errors:
-        parts.append(f"{st.job_errors} failed background jobs (see the log)")
-    return ", ".join(parts) or "-"
-
-
 def cmd_events(args: argparse.Namespace) -> int:
     conn = _admin(args)
     after = 0
@@ -229,7 +144,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         resp = conn.call("ListEvents", req, 60.0)
         for e in resp.events:
             if args.json:
-                print(json.dumps(_plain(e)), flush=args.follow)
+                print(json.dumps(plain(e)), flush=args.follow)
                 continue
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time_unix))
             kind = pb.StepEvent.Name(e.kind).removeprefix("STEP_EVENT_")
@@ -278,18 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="list checkpoints and their states")
     p.add_argument("job", nargs="?", help="only this job")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    _socket_arg(p)
+    socket_arg(p)
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("events", help="step transitions the daemon recorded (newest last)")
     p.add_argument("job", nargs="?", help="only this job")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    _socket_arg(p)
+    socket_arg(p)
     p.set_defaults(fn=cmd_events)
-    p = sub.add_parser("status", help="daemon health and resource use")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    _socket_arg(p)
-    p.set_defaults(fn=cmd_status)
+    cli_status.add_parser(sub)
     for name, text in (
         ("pin", "keep a step in every tier whatever the retention"),
         ("unpin", "let the retention policies decide about a step again"),
@@ -297,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("job")
         p.add_argument("step", type=int)
-        _socket_arg(p)
+        socket_arg(p)
         p.set_defaults(fn=cmd_pin)
     p = sub.add_parser(
         "adopt", help="hand a finished checkpoint directory (DCP, Orbax, HF...) to the daemon"
@@ -308,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--milestone", action="store_true", help="keep it as a milestone")
     p.add_argument("--wait", choices=["local", "durable"], default="local")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for DURABLE")
-    _socket_arg(p)
+    socket_arg(p)
     p.set_defaults(fn=cmd_adopt)
     cli_tiers.add_parsers(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import sys
-import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ckptd.core.checksum import verify_step
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import MANIFEST, Manifest
+from ckptd.core.wire import Connection
+from ckptd.proto import ckptd_pb2 as pb
 
 from ..local.files import write_synced
 from ..remote import fetch
@@ -18,44 +22,53 @@ from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.layout import file_key, manifest_key, parse_marker
 from . import config as config_mod
+from .cli_view import ByteProgress, print_table, socket_arg
 from .config import Config
 
+_WHERE = ("root", "remote", "remote_endpoint_url")
 
-class Progress:
-    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
 
-    def __init__(self, label: str, total: int) -> None:
-        self.label, self.total, self.done = label, max(total, 1), 0
-        self.start = time.monotonic()
-        self.tty = sys.stderr.isatty()
+class NothingToVerify(CkptdError):
+    """``ckptd verify`` found no copy to check: exit 3, not a silent success (a wrong
+    root or an unset bucket must not pass for a healthy one), nor 1 (corrupt)."""
 
-    def __call__(self, n: int) -> None:
-        """Account for ``n`` more bytes."""
-        self.done += n
-        frac = self.done / self.total
-        rate = self.done / max(time.monotonic() - self.start, 1e-6) / 2**20
-        bar = "#" * int(30 * frac)
-        line = (
-            f"{self.label} [{bar:<30}] {self.done / 2**20:8.1f}/{self.total / 2**20:.1f} MiB "
-            f"{100 * frac:5.1f}% {rate:7.1f} MiB/s"
+    exit_code = 3
+
+
+def load_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    """Where the tiers are: the flags, ``--config``/``$CKPTD_CONFIG`` and ``CKPTD_*``
+    as ``ckptd serve`` reads them; with none of those given, the running daemon's
+    root and remote (asked on ``--socket``), so ``ckptd pull JOB DIR`` on a node just
+    works; failing that, the defaults."""
+    env = os.environ if env is None else env
+    flags = {k: getattr(args, k, None) for k in _WHERE}
+    cfg = config_mod.load(Path(args.config) if args.config else None, env, flags=flags)
+    chosen = (
+        args.config
+        or env.get(config_mod.ENV_PREFIX + "CONFIG")
+        or any(v is not None for v in flags.values())
+        or any(env.get(config_mod.ENV_PREFIX + k.upper()) for k in _WHERE)
+    )
+    if chosen:
+        return cfg
+    try:
+        st = Connection(getattr(args, "socket", None), timeout=10.0).call(
+            "GetStatus", pb.GetStatusRequest()
         )
-        print(
-            ("\r" + line) if self.tty else line,
-            end="" if self.tty else "\n",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def close(self) -> None:
-        """End the progress line."""
-        if self.tty:
-            print(file=sys.stderr)
-
-
-def load_config(args: argparse.Namespace) -> Config:
-    """The daemon's configuration (file, env, flags), as `ckptd serve` would see it."""
-    flags = {k: getattr(args, k, None) for k in ("root", "remote", "remote_endpoint_url")}
-    return config_mod.load(Path(args.config) if args.config else None, flags=flags)
+    except CkptdError:
+        return cfg  # no daemon here: the defaults (said when nothing is found)
+    print(
+        f"using the running daemon's root {st.root}"
+        + (f" and bucket {st.remote}" if st.remote else " (it has no bucket)")
+        + f" (asked on {st.socket})",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(
+        cfg,
+        root=Path(st.root),
+        remote=st.remote,
+        remote_endpoint_url=st.remote_endpoint_url or cfg.remote_endpoint_url,
+    )
 
 
 def _remote(cfg: Config) -> Remote:
@@ -100,12 +113,9 @@ async def _pull_from(
         target.mkdir(parents=True, exist_ok=True)
         if any(target.iterdir()):
             raise CkptdError(f"{target} is not empty; pull into a new directory")
-        progress = Progress(f"{job}/{step}/{n}", manifest.size_bytes)
-        try:
+        with ByteProgress(f"{job}/{step}/{n}", manifest.size_bytes) as progress:
             await fetch.download_files(remote, job, step, n, manifest, target, progress)
             await asyncio.to_thread(write_synced, target / MANIFEST, raw)  # the manifest last
-        finally:
-            progress.close()
         print(
             f"pulled {job} step {step} ({n}) into {target}: {len(manifest.ranks)} files, "
             f"{manifest.size_bytes} bytes, crc32c verified"
@@ -128,11 +138,8 @@ async def _verify_remote(cfg: Config, job: str | None) -> list[tuple[str, str]]:
 
 async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, str]]:
     rows = []
-    for key in await remote.list_keys(job + "/" if job else ""):
-        parsed = parse_marker(key)
-        if parsed is None:
-            continue
-        j, step, node, adopted = parsed
+    markers = [m for m in map(parse_marker, await remote.list_keys(job + "/" if job else "")) if m]
+    for j, step, node, adopted in markers:
         base = f"{j}/{step}/{node}"
         try:
             key = manifest_key(j, step, node, adopted)
@@ -149,30 +156,60 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
     return rows
 
 
+def _local_steps(root: Path, job: str | None) -> list[tuple[Path, Manifest | None, str]]:
+    """Committed steps under ``root`` (those with a manifest), with the manifest or why
+    it could not be read."""
+    found: list[tuple[Path, Manifest | None, str]] = []
+    for job_dir in sorted(p for p in root.glob("*") if not p.name.startswith(".")):
+        if job and job_dir.name != job:
+            continue
+        for step_dir in sorted(job_dir.glob("[0-9]*"), key=lambda p: int(p.name)):
+            if not (step_dir / MANIFEST).exists():
+                continue  # never committed (a crash mid-save): not a copy
+            try:
+                found.append((step_dir, Manifest.from_json((step_dir / MANIFEST).read_text()), ""))
+            except (OSError, ValueError) as exc:
+                found.append((step_dir, None, str(exc)))
+    return found
+
+
+def _verify_local(root: Path, job: str | None) -> list[tuple[str, str]]:
+    steps = _local_steps(root, job)
+    total = sum(m.size_bytes for _, m, _ in steps if m is not None)
+    rows = []
+    with ByteProgress(f"verify {root}", total) as progress:
+        for step_dir, manifest, error in steps:
+            bad = verify_step(step_dir, manifest, progress) if manifest else [error]
+            rows.append(
+                (
+                    f"local {step_dir.parent.name}/{step_dir.name}",
+                    "OK" if not bad else "CORRUPT " + ", ".join(bad[:3]),
+                )
+            )
+    return rows
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check crc32c of local copies (re-read) and remote copies (the store's checksums)."""
     cfg = load_config(args)
     rows: list[tuple[str, str]] = []
     if not args.remote_only:
-        for job_dir in sorted(p for p in cfg.root.glob("*") if not p.name.startswith(".")):
-            if args.job and job_dir.name != args.job:
-                continue
-            for step_dir in sorted(job_dir.glob("[0-9]*"), key=lambda p: int(p.name)):
-                try:
-                    manifest = Manifest.from_json((step_dir / "manifest.json").read_text())
-                    bad = verify_step(step_dir, manifest)
-                except (OSError, ValueError) as exc:
-                    bad = [str(exc)]
-                rows.append(
-                    (
-                        f"local {job_dir.name}/{step_dir.name}",
-                        "OK" if not bad else "CORRUPT " + ", ".join(bad[:3]),
-                    )
-                )
+        rows += _verify_local(cfg.root, args.job)
     if cfg.remote and not args.local_only:
         rows += asyncio.run(_verify_remote(cfg, args.job))
-    for where, verdict in rows:
-        print(f"{verdict.split()[0]:8} {where}" + (f"  ({verdict[8:]})" if verdict != "OK" else ""))
+    if not rows:
+        where = ("" if args.remote_only else f"under {cfg.root}") + (
+            "" if args.local_only else f" or in {cfg.remote or 'a bucket (none configured)'}"
+        )
+        what = f"of job {args.job!r} " if args.job else ""
+        raise NothingToVerify(
+            f"nothing to verify: no checkpoint {what}{where.strip()}; pass --root / --remote "
+            "(or --config), or run it where `ckptd serve` runs so its root and bucket are used"
+        )
+    print_table(
+        ["RESULT", "COPY", "DETAIL"],
+        [[v.split()[0], where, v[8:] if v != "OK" else ""] for where, v in rows],
+    )
     bad_count = sum(1 for _, v in rows if v != "OK")
     print(f"{len(rows)} copies checked, {bad_count} corrupt")
     return 1 if bad_count else 0
@@ -183,10 +220,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
-        p.add_argument("--remote", help="remote URL (default: the config's)")
+        p.add_argument(
+            "--remote",
+            help="bucket URL, s3://BUCKET/PREFIX, gs://... or file://... (default: the "
+            "config's, else the running daemon's)",
+        )
         p.add_argument(
             "--remote-endpoint-url", dest="remote_endpoint_url", help="endpoint override"
         )
+        socket_arg(p)  # the daemon asked for its root and bucket when none is given
 
     p = sub.add_parser("pull", help="download a complete step from the bucket into a directory")
     p.add_argument("job")
@@ -197,7 +239,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(fn=cmd_pull)
     p = sub.add_parser("verify", help="check the crc32c of local and remote copies")
     p.add_argument("job", nargs="?", help="only this job")
-    p.add_argument("--root", help="local tier (default: the config's)")
+    p.add_argument(
+        "--root", help="local tier directory (default: the config's, else the running daemon's)"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--local-only", action="store_true")
     g.add_argument("--remote-only", action="store_true")

@@ -298,6 +298,9 @@ class Daemon:
             job_errors=self.supervisor.job_errors,
             last_event_seq=self.catalog.last_seq,
             metrics_address=self.metrics_address,
+            remote_endpoint_url=redact(cfg.remote_endpoint_url or ""),
+            fetch_in_flight_bytes=self.fetcher.in_flight_bytes,
+            fetch_done_bytes=self.fetcher.in_flight_done,
         )
 
 

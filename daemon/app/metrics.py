@@ -113,6 +113,18 @@ class Metrics:
             registry=r,
         )
         r.register(_Gauges(sources, clock))
+        # Every series exists at 0 from the start: Prometheus's increase() and rate()
+        # see nothing of a series' first sample, so a counter born at 1 on the first
+        # failure would never show in a dashboard or fire an alert.
+        for counter, values in (
+            (self.saves, _RESULTS.values()),
+            (self.bytes, ("local", "upload", "fetch")),
+            (self.evictions, ("local", "remote")),
+            (self.errors, ("local", "drain", "verify")),
+            (self.restores, ("local", "remote")),
+        ):
+            for value in values:
+                counter.labels(value)
 
     def on_event(self, event: Event, catalog: Catalog) -> None:
         """Count one catalog transition (on the loop: a few additions, no I/O)."""

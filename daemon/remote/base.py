@@ -269,6 +269,7 @@ class Remote(abc.ABC):
         into: memoryview | None = None,
         dir_fd: int | None = None,
         populate: Populate | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
         """Download an object into ``dest`` with parallel ranged reads; returns its crc32c.
 
@@ -280,7 +281,9 @@ class Remote(abc.ABC):
         (ranged.py: nothing per byte on the event loop); otherwise through fsspec.
         ``dest`` is a new file (``O_EXCL | O_NOFOLLOW``: never an existing file or a
         symlink's target), relative to the directory ``dir_fd`` if given. ``populate``
-        allocates each range of ``into`` just before a part lands there.
+        allocates each range of ``into`` just before a part lands there. ``progress(n)``
+        is called on the event loop as each part of ``n`` bytes is in (progress bars,
+        the daemon's fetch status: by bytes, not by file).
         """
         fd, direct = open_direct(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
         try:
@@ -288,10 +291,12 @@ class Remote(abc.ABC):
             source = await self.range_source(key) if size and not proxy_configured() else None
             if source is not None:
                 crcs = await self._download_threaded(
-                    key, source, fd, direct, pieces, into, populate
+                    key, source, fd, direct, pieces, into, populate, progress
                 )
             else:
-                crcs = await self._download_fsspec(key, fd, direct, pieces, into, populate)
+                crcs = await self._download_fsspec(
+                    key, fd, direct, pieces, into, populate, progress
+                )
             await in_thread(_truncate_and_sync, fd, size)  # drop the O_DIRECT padding
         finally:
             os.close(fd)
@@ -306,6 +311,7 @@ class Remote(abc.ABC):
         pieces: list[tuple[int, int]],
         into: memoryview | None,
         populate: Populate | None,
+        progress: Callable[[int], None] | None,
     ) -> list[int]:
         if self._ranges is None:
             self._ranges = RangeReader(self.concurrency, self.ssl_context)
@@ -318,6 +324,7 @@ class Remote(abc.ABC):
                 self.range_source,
                 self.buffers,
                 populate,
+                progress,
             )
         except RangeError as exc:
             raise RemoteError(str(exc), exc.transient) from None
@@ -330,8 +337,15 @@ class Remote(abc.ABC):
         pieces: list[tuple[int, int]],
         into: memoryview | None,
         populate: Populate | None,
+        progress: Callable[[int], None] | None,
     ) -> list[int]:
         async def one(offset: int, length: int) -> int:
+            crc = await part(offset, length)
+            if progress is not None:
+                progress(length)
+            return crc
+
+        async def part(offset: int, length: int) -> int:
             if faults.armed("fetch.part"):
                 await in_thread(faults.hit, "fetch.part")
             if length == 0:

@@ -92,7 +92,8 @@ async def download_files(
     ``memory_for(name)`` may give page-aligned memory (a restore lease) where that
     file is also left whole, so it need not be read back from disk, and how to
     allocate its pages as the parts arrive (None: allocated already); each file's
-    download starts as soon as its memory is ready.
+    download starts as soon as its memory is ready. ``progress(n)`` is called on the
+    loop as each part of ``n`` bytes is in (each file is checked once whole).
     """
 
     try:
@@ -112,7 +113,9 @@ async def download_files(
         parent, _, base = name.rpartition("/")  # an adopted tree's sub-directories
         dir_fd = open_dir_beneath(root_fd, parent, make=True)
         try:
-            got = await remote.download(key, base, size, memory, dir_fd=dir_fd, populate=populate)
+            got = await remote.download(
+                key, base, size, memory, dir_fd=dir_fd, populate=populate, progress=progress
+            )
         finally:
             os.close(dir_fd)
         if got != want:
@@ -120,8 +123,6 @@ async def download_files(
                 f"the bucket's copy of {key} has crc32c {got:#010x}, "
                 f"expected {want:#010x}: it is corrupt"
             )
-        if progress is not None:
-            progress(size)
 
     try:
         # One failed file cancels the others and waits for them: the caller gives their

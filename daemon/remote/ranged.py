@@ -171,12 +171,14 @@ class RangeReader:
         fresh: Callable[[str], Awaitable[RangeSource | None]],
         buffers: BufferPool,
         populate: Populate | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> list[int]:
         """Every ``(offset, length)`` part of one object into its file (and ``into``, the
         whole object's memory, if given, each chunk's pages allocated with ``populate``
         just before it lands; else each part through a pooled buffer); returns the
-        parts' crc32c. Parts run in submission order on the threads, so the files of a
-        step finish one after another, each as early as it can."""
+        parts' crc32c, calling ``progress(n)`` as each part of ``n`` bytes is in. Parts
+        run in submission order on the threads, so the files of a step finish one after
+        another, each as early as it can."""
         loop = asyncio.get_running_loop()
         made = loop.time()
 
@@ -185,9 +187,13 @@ class RangeReader:
             if loop.time() - made > SOURCE_MAX_AGE_SECONDS:
                 source, made = await fresh(transfer.key) or source, loop.time()
             if into is not None:
-                return await self.part(transfer, source, offset, length, into, offset, populate)
-            async with buffers.buffer() as buf:
-                return await self.part(transfer, source, offset, length, memoryview(buf), 0)
+                crc = await self.part(transfer, source, offset, length, into, offset, populate)
+            else:
+                async with buffers.buffer() as buf:
+                    crc = await self.part(transfer, source, offset, length, memoryview(buf), 0)
+            if progress is not None:
+                progress(length)  # on the loop: callers need no lock
+            return crc
 
         try:
             # A failed part stops its siblings before the memory (a lease) is given back.

@@ -8,7 +8,9 @@ committed locally (``manifest.json`` last, one rename) before anything reads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptd.core.errors import DataLoss, ResourceExhausted
@@ -46,6 +48,27 @@ class Fetcher:
         self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
         self._prefetched: dict[tuple[str, int, int], Lease] = {}
         """Verified restore leases of other ranks, filled by a fetch from the bucket."""
+        self.in_flight_bytes = 0
+        """Bytes of the bucket fetches under way (``ckptd status``: restore progress)."""
+        self.in_flight_done = 0
+        """Of those, bytes already downloaded (counted per part as it lands)."""
+
+    @contextlib.contextmanager
+    def _counted(self, size: int) -> Iterator[Callable[[int], None]]:
+        """Count one fetch of ``size`` bytes in the in-flight figures while it runs."""
+        done = 0
+
+        def progress(n: int) -> None:  # on the loop, like every reader of the figures
+            nonlocal done
+            done += n
+            self.in_flight_done += n
+
+        self.in_flight_bytes += size
+        try:
+            yield progress
+        finally:
+            self.in_flight_bytes -= size
+            self.in_flight_done -= done
 
     async def refresh(self, job: str) -> None:
         """Learn which steps of ``job`` the bucket holds complete (other nodes' too)."""
@@ -114,9 +137,17 @@ class Fetcher:
 
         commit = await self.io.run(self.store.begin_step, st.job, st.step, self.io.run, True)
         try:
-            await fetch.download_files(
-                self.remote, st.job, st.step, node, manifest, commit.path, memory_for=memory_for
-            )
+            with self._counted(manifest.size_bytes) as progress:
+                await fetch.download_files(
+                    self.remote,
+                    st.job,
+                    st.step,
+                    node,
+                    manifest,
+                    commit.path,
+                    progress,
+                    memory_for=memory_for,
+                )
             # The pages past each file's end too: a segment goes back to the pool whole.
             for held in leases.values():
                 await self.io.run(held.segment.populate)
@@ -167,7 +198,10 @@ class Fetcher:
         )
         commit = await self.io.run(self.store.begin_peer, st.job, st.step, node, self.io.run)
         try:
-            await fetch.download_files(self.remote, st.job, st.step, node, manifest, commit.path)
+            with self._counted(manifest.size_bytes) as progress:
+                await fetch.download_files(
+                    self.remote, st.job, st.step, node, manifest, commit.path, progress
+                )
             await commit.finalize(raw)
         except BaseException:
             await commit.abort()

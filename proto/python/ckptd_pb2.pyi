@@ -468,7 +468,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +500,9 @@ class DaemonStatus(_message.Message):
     JOB_ERRORS_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENDPOINT_URL_FIELD_NUMBER: _ClassVar[int]
+    FETCH_IN_FLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -531,7 +534,10 @@ class DaemonStatus(_message.Message):
     job_errors: int
     last_event_seq: int
     metrics_address: str
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    remote_endpoint_url: str
+    fetch_in_flight_bytes: int
+    fetch_done_bytes: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ...) -> None: ...
 
 class TaskHealth(_message.Message):
     __slots__ = ("name", "state", "restarts", "last_error")
