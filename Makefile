@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: promtool dashboard venv demo test test-fast test-slow faults fuzz soak bench bench-deps proto lint typecheck clean
+.PHONY: promtool dashboard goodput venv demo test test-fast test-slow faults fuzz soak bench bench-deps proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,12 @@ fuzz: venv
 # Soak: 8 clients saving for 10 minutes against one daemon; SOAK_ARGS=--quick for 30 s.
 soak: venv
 	$(PY) bench/soak/soak.py $(SOAK_ARGS)
+
+# Goodput under failures (bench/goodput/run.py): the short version, under 10 minutes;
+# `$(PY) bench/goodput/run.py` alone runs the full matrix (3 MTBFs x 3 schedules).
+goodput: venv
+	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) bench/goodput/run.py --quick
 
 # The README's dashboard screenshot: a live daemon, SeaweedFS and Prometheus, every
 # panel's own PromQL drawn by matplotlib (deploy/grafana/render.py; about 2 minutes).

@@ -10,6 +10,7 @@ from .errors import (
     SaveFailed,
     TreeMismatch,
 )
+from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
 from .policies import AnyOf, Continuous, FixedInterval, SaveContext, SavePolicy, SpecificSteps
 
@@ -24,6 +25,7 @@ __all__ = [
     "Client",
     "Continuous",
     "FixedInterval",
+    "Goodput",
     "SaveContext",
     "SaveFailed",
     "SaveHandle",

@@ -1,0 +1,195 @@
+"""``Goodput()``: the save interval that maximises expected goodput, from the trainer's
+own measurements.
+
+The model (Young 1974 / Daly 2006, with the costs measured rather than guessed).
+A save every ``tau`` seconds costs the trainer ``C`` seconds of progress (its
+*effective* cost: the time ``save()`` blocks plus how much slower the steps run
+while the daemon commits it, both measured here); a failure, at rate ``lambda``,
+loses the work since the newest copy that survived it: on average ``tau / 2``
+plus ``L``, the time a save takes to reach the tier the failure leaves (LOCAL for
+a trainer crash, DURABLE for a lost node). The expected goodput is then
+
+    G(tau) = (1 - C / tau) * (1 - lambda_t * (tau / 2 + L_local)
+                                 - lambda_n * (tau / 2 + L_durable))
+
+and setting dG/dtau = 0 gives
+
+    tau* = sqrt(2 * C * A / (lambda_t + lambda_n)),
+    A    = 1 - lambda_t * L_local - lambda_n * L_durable
+
+(``A`` is the fraction of time not lost to commit latency; ``tau*`` reduces to
+Young's ``sqrt(2 C M)`` when the latencies are small). The restart cost does not
+move ``tau*``: it is paid per failure whatever the interval.
+
+Measured online, re-estimated as conditions change:
+
+- the base step time: the median of the last 64 steps with no save in flight;
+- ``C``: for each of the last 8 saves, the sum over the steps from the one that
+  called ``save()`` until the save reached ``stage`` of (step time - base);
+  ``C`` is their median, so a one-off stall does not swing the interval;
+- ``L``: the median time from a save's start to it reaching LOCAL (and, with
+  ``node_mtbf_seconds``, DURABLE).
+
+The failure rates are configured: ``mtbf_seconds`` is the mean time between
+failures that restart the trainer (job-wide: with N nodes failing independently,
+the node MTBF divided by N); ``node_mtbf_seconds`` those that also lose the node's
+disk (restored from the bucket). With neither tier measured yet the policy saves
+as soon as the previous save is in (``Continuous()``), then widens the interval
+to ``tau*`` once one save has been measured.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from .policies import SaveContext, SavePolicy
+
+_BASE_WINDOW = 64
+_COST_WINDOW = 8
+
+
+def optimal_interval(
+    cost: float,
+    mtbf: float,
+    local_latency: float = 0.0,
+    node_mtbf: float | None = None,
+    durable_latency: float = 0.0,
+) -> float:
+    """``tau*`` of the module's model, in seconds (0 when a save costs nothing)."""
+    rate_t = 1.0 / mtbf
+    rate_n = 1.0 / node_mtbf if node_mtbf else 0.0
+    available = max(1.0 - rate_t * local_latency - rate_n * durable_latency, 0.05)
+    return math.sqrt(2.0 * max(cost, 0.0) * available / (rate_t + rate_n))
+
+
+def expected_goodput(
+    interval: float,
+    cost: float,
+    mtbf: float,
+    local_latency: float = 0.0,
+    node_mtbf: float | None = None,
+    durable_latency: float = 0.0,
+) -> float:
+    """``G(tau)`` of the module's model (clipped at 0)."""
+    rate_n = 1.0 / node_mtbf if node_mtbf else 0.0
+    lost = (interval / 2 + local_latency) / mtbf + rate_n * (interval / 2 + durable_latency)
+    return max((1.0 - cost / interval) * (1.0 - lost), 0.0) if interval > 0 else 0.0
+
+
+@dataclass
+class Goodput(SavePolicy):
+    """Save every ``tau*`` seconds (see the module's model), with ``C`` and ``L``
+    measured from this trainer's own step times, once the previous save reached
+    ``stage``. ``interval_seconds`` is the interval now in force (read it to log it).
+
+    ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide).
+    ``node_mtbf_seconds``: those that lose the node too (None: not counted).
+    ``min_interval_seconds`` / ``max_interval_seconds`` clamp ``tau*``.
+    ``warmup_steps``: steps timed before the first save (a base step time to measure
+    the first save's cost against; the first steps' compilation is outvoted by the
+    median).
+    """
+
+    mtbf_seconds: float = 3600.0
+    node_mtbf_seconds: float | None = None
+    stage: str = "local"
+    min_interval_seconds: float = 0.0
+    max_interval_seconds: float | None = None
+    warmup_steps: int = 3
+
+    interval_seconds: float = field(default=0.0, init=False)
+    _prev_now: float | None = field(default=None, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
+    _quiet: deque[float] = field(default_factory=lambda: deque(maxlen=_BASE_WINDOW), init=False)
+    _costs: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
+    _to_local: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
+    _to_durable: deque[float] = field(
+        default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False
+    )
+    _seen_save_at: float | None = field(default=None, init=False, repr=False)
+    _extra: float | None = field(default=None, init=False, repr=False)
+    """Extra seconds the open save has cost so far (None: no save being measured)."""
+    _durable_open: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stage not in ("local", "durable"):
+            raise ValueError(f"stage must be 'local' or 'durable', not {self.stage!r}")
+        for name in ("mtbf_seconds", "node_mtbf_seconds"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, not {value!r}")
+        if self.min_interval_seconds < 0:
+            raise ValueError("min_interval_seconds must be >= 0")
+        if self.warmup_steps < 0:
+            raise ValueError("warmup_steps must be >= 0")
+
+    # -- measurements -------------------------------------------------------------
+    @property
+    def base_step_seconds(self) -> float | None:
+        """Median step time with no save in flight (None before any)."""
+        return statistics.median(self._quiet) if self._quiet else None
+
+    @property
+    def save_cost_seconds(self) -> float | None:
+        """Median effective cost of the recent saves (None before one is measured)."""
+        return statistics.median(self._costs) if self._costs else None
+
+    def _observe(self, ctx: SaveContext) -> None:
+        """Account the step that just ended (from the previous call to this one)."""
+        dt = None if self._prev_now is None else ctx.now - self._prev_now
+        self._prev_now = ctx.now
+        self._steps += 1
+        if ctx.last_save_at is not None and ctx.last_save_at != self._seen_save_at:
+            # A save started in the step that just ended: it holds save()'s blocking
+            # part. Measure from here until the save reaches the stage.
+            if self._extra is not None:
+                self._costs.append(self._extra)  # superseded before it was in
+            self._seen_save_at = ctx.last_save_at
+            self._extra = 0.0
+            self._durable_open = self.node_mtbf_seconds is not None
+        base = self.base_step_seconds
+        if dt is None:
+            return
+        if self._extra is None:
+            self._quiet.append(dt)
+        elif base is not None:
+            self._extra += max(dt - base, 0.0)
+        if self._extra is not None and ctx.previous_reached(self.stage):
+            self._costs.append(self._extra)
+            self._to_local.append(ctx.now - (self._seen_save_at or ctx.now))
+            self._extra = None
+        if self._durable_open and ctx.previous_reached("durable"):
+            self._to_durable.append(ctx.now - (self._seen_save_at or ctx.now))
+            self._durable_open = False
+
+    def _interval(self) -> float:
+        cost = self.save_cost_seconds
+        if cost is None:
+            return self.min_interval_seconds
+        tau = optimal_interval(
+            cost,
+            self.mtbf_seconds,
+            statistics.median(self._to_local) if self._to_local else 0.0,
+            self.node_mtbf_seconds,
+            statistics.median(self._to_durable) if self._to_durable else 0.0,
+        )
+        tau = max(tau, self.min_interval_seconds)
+        if self.max_interval_seconds is not None:
+            tau = min(tau, self.max_interval_seconds)
+        return tau
+
+    # -- the decision -------------------------------------------------------------
+    def should_save(self, ctx: SaveContext) -> bool:
+        self._observe(ctx)
+        self.interval_seconds = self._interval()
+        if ctx.last_save_at is None:
+            return self._steps > self.warmup_steps
+        if self._extra is not None:
+            return False  # the previous save is not in yet (and is being measured)
+        return ctx.now - ctx.last_save_at >= self.interval_seconds
+
+
+__all__ = ["Goodput", "expected_goodput", "optimal_interval"]

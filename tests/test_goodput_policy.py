@@ -1,0 +1,112 @@
+"""``Goodput()`` (issue 17) against a simulated trainer: it measures the base step
+time and each save's effective cost from the step times it sees, and saves at the
+interval its model says maximises goodput."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from ckptd.client import Goodput
+from ckptd.client.goodput import expected_goodput, optimal_interval
+from ckptd.client.policies import SaveContext
+
+
+class Trainer:
+    """A loop whose steps take ``step`` seconds, a save adding ``block`` to the step
+    that calls it and ``slow`` to each of the ``commit_steps`` steps after, until the
+    save is LOCAL."""
+
+    def __init__(self, step: float, block: float, slow: float, commit_steps: int) -> None:
+        self.step_s, self.block, self.slow, self.commit_steps = step, block, slow, commit_steps
+        self.now = 0.0
+        self.saves: list[tuple[int, float]] = []  # (step, time)
+        self.local_at = 0  # the step at which the last save is LOCAL
+
+    def run(self, policy: Goodput, steps: int) -> None:
+        for step in range(steps):
+            last = self.saves[-1] if self.saves else None
+            ctx = SaveContext(
+                step,
+                self.now,
+                last[0] if last else None,
+                last[1] if last else None,
+                lambda _stage, step=step, last=last: last is None or step >= self.local_at,
+            )
+            dt = self.step_s
+            if last is not None and last[0] < step < self.local_at:
+                dt += self.slow
+            if policy.should_save(ctx):
+                self.saves.append((step, self.now))
+                self.local_at = step + 1 + self.commit_steps
+                dt += self.block
+            self.now += dt
+
+
+def test_the_interval_is_youngs_from_the_measured_cost() -> None:
+    # 1 s steps; a save blocks 0.2 s and slows the 3 steps after it by 0.1 s each:
+    # C = 0.5 s. It is LOCAL 4 steps (4.5 s) after it started.
+    trainer = Trainer(step=1.0, block=0.2, slow=0.1, commit_steps=3)
+    policy = Goodput(mtbf_seconds=400.0)
+    trainer.run(policy, 400)
+    assert policy.base_step_seconds == pytest.approx(1.0)
+    assert policy.save_cost_seconds == pytest.approx(0.5)
+    want = math.sqrt(2 * 0.5 * (1 - 4.5 / 400) * 400)  # ~19.9 s
+    assert policy.interval_seconds == pytest.approx(want, rel=1e-6)
+    # The first save comes after the warm-up steps; then one every ceil(tau*) steps
+    # or so (a step is 1 s, plus what the save costs).
+    gaps = [b[1] - a[1] for a, b in zip(trainer.saves[1:], trainer.saves[2:], strict=False)]
+    assert trainer.saves[0][0] == 3 and gaps
+    assert all(want <= g <= want + 2.0 for g in gaps), gaps
+
+
+def test_a_dearer_save_or_rarer_failures_widen_the_interval() -> None:
+    intervals = {}
+    for cost, mtbf in ((0.2, 100.0), (0.8, 100.0), (0.2, 1600.0)):
+        trainer = Trainer(step=0.5, block=cost, slow=0.0, commit_steps=1)
+        policy = Goodput(mtbf_seconds=mtbf)
+        trainer.run(policy, 300)
+        intervals[(cost, mtbf)] = policy.interval_seconds
+    assert intervals[(0.8, 100.0)] == pytest.approx(2 * intervals[(0.2, 100.0)], rel=0.05)
+    assert intervals[(0.2, 1600.0)] == pytest.approx(4 * intervals[(0.2, 100.0)], rel=0.05)
+
+
+def test_re_estimated_when_saves_get_cheaper() -> None:
+    trainer = Trainer(step=1.0, block=2.0, slow=0.0, commit_steps=1)
+    policy = Goodput(mtbf_seconds=200.0)
+    trainer.run(policy, 300)
+    dear = policy.interval_seconds
+    trainer.block = 0.125
+    trainer.run(policy, 600)  # 8 saves later the median is the new cost
+    assert policy.save_cost_seconds == pytest.approx(0.125)
+    assert policy.interval_seconds == pytest.approx(dear / 4, rel=0.05)
+
+
+def test_waits_for_the_previous_save_and_clamps() -> None:
+    trainer = Trainer(step=1.0, block=0.0, slow=0.0, commit_steps=20)
+    policy = Goodput(mtbf_seconds=1e9, max_interval_seconds=5.0)
+    trainer.run(policy, 100)
+    starts = [s for s, _ in trainer.saves]
+    assert all(b - a >= 21 for a, b in itertools.pairwise(starts))  # never two at once
+    free = Trainer(step=1.0, block=0.0, slow=0.0, commit_steps=0)
+    floor = Goodput(mtbf_seconds=10.0, min_interval_seconds=7.0)
+    free.run(floor, 50)
+    assert floor.interval_seconds == 7.0  # a free save still waits the minimum
+
+
+def test_the_model() -> None:
+    tau = optimal_interval(cost=1.0, mtbf=3600.0)
+    assert tau == pytest.approx(math.sqrt(2 * 3600.0))
+    # tau* is the maximum of G: nearby intervals do worse.
+    g = expected_goodput(tau, 1.0, 3600.0)
+    assert g > expected_goodput(tau * 0.8, 1.0, 3600.0)
+    assert g > expected_goodput(tau * 1.25, 1.0, 3600.0)
+    both = optimal_interval(1.0, 3600.0, 2.0, node_mtbf=3600.0, durable_latency=30.0)
+    assert both < tau  # node losses too: more failures, save more often
+    assert optimal_interval(0.0, 10.0) == 0.0
+    with pytest.raises(ValueError, match="mtbf_seconds must be > 0"):
+        Goodput(mtbf_seconds=0)
+    with pytest.raises(ValueError, match="stage must be"):
+        Goodput(stage="bucket")
