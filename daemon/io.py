@@ -13,15 +13,41 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-CRC = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-crc")
+_nice = 0
+
+
+def lower_priority() -> None:
+    """Give the calling thread (a Linux task of its own) the configured nice value.
+
+    The daemon shares the host's cores with the trainer: its write, read and
+    checksum threads yield to it (each save then reaches LOCAL a little later,
+    the trainer's steps slow less). No-op where not allowed or not Linux."""
+    if _nice > 0 and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _nice)
+        except OSError:
+            pass  # a sandbox without the right: run at the process's priority
+
+
+def set_nice(value: int) -> None:
+    """The nice value of I/O and checksum threads started from now on (``io_nice``)."""
+    global _nice
+    _nice = value
+
+
+CRC = concurrent.futures.ThreadPoolExecutor(
+    1, thread_name_prefix="ckptd-crc", initializer=lower_priority
+)
 """Checksums the bytes a write or read just moved, beside the next one (google_crc32c
-releases the GIL): rank files as they are written and as they are restored."""
+releases the GIL): rank files as they are written and as they are restored. Its one
+thread starts on first use, after the configuration set :func:`set_nice`."""
 
 
 async def settled(cf: concurrent.futures.Future[T]) -> T:
@@ -134,6 +160,7 @@ class IoPool:
             t.join()
 
     def _work(self) -> None:
+        lower_priority()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

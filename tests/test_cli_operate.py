@@ -135,3 +135,19 @@ def test_client_steps_wait_and_numpy_target_dtype(daemon: Daemon) -> None:
     assert c.all_steps() == [1, 2, 3] and c.latest_step() == 3
     with pytest.raises(TreeMismatch, match=r"target has dtype float64 and the checkpoint float32"):
         c.restore(target={"w": np.zeros(8, np.float64)})
+
+
+def test_io_threads_yield_to_the_trainer(make_daemon: Any) -> None:
+    """The write, read and checksum threads run at ``io_nice`` (default 10); the rest
+    of the daemon (its event loop, which answers save() handoffs) does not."""
+    daemon = make_daemon()
+    daemon.client("nice").save(1, {"w": np.ones(1 << 20)}).wait("local")
+    assert daemon.proc is not None
+    tasks = Path(f"/proc/{daemon.proc.pid}/task")
+    nice = [
+        int(t.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()
+    ]
+    assert nice.count(10) >= 5  # 4 + 2 I/O threads and the checksum thread
+    assert nice[0] == 0 or 0 in nice  # the main thread keeps the process's priority
+    out = run("serve", "--io-nice", "25", "--root", "/tmp/x", "--socket", "/tmp/x.sock")
+    assert out.returncode == 2 and "invalid value for 'io_nice': 25" in out.stderr

@@ -13,6 +13,7 @@ nothing written before it):
     restored <step> <unix time>       state restored (step 0: from scratch)
     step <step> <unix time> <loss>    step done; <loss> is the float32's bits in hex
     saved <step> <unix time>          a save of <step> was started (returned)
+    policy <interval> <cost> <base>   Goodput()'s estimates after that save (seconds)
 
 Arms: ``noop`` (never saves), ``ckptd-continuous`` (``Continuous()``),
 ``ckptd-goodput`` (``Goodput(mtbf_seconds=--mtbf)``), ``orbax-continuous``
@@ -156,6 +157,11 @@ def main() -> int:
         log(out, "step", step, time.time(), f"{int(bits):08x}")
         if saver.maybe_save(step, state):
             log(out, "saved", step, time.time())
+            policy = saver.client.policy if saver.client is not None else None
+            if getattr(policy, "save_cost_seconds", None) is not None:
+                # Goodput()'s view: its interval, the save cost and base step time.
+                log(out, "policy", policy.interval_seconds, policy.save_cost_seconds,
+                    policy.base_step_seconds)  # fmt: skip
     return 0
 
 

@@ -24,7 +24,7 @@ from ..api.access import Access
 from ..api.requests import parse_commit
 from ..api.servicer import Services
 from ..catalog import Catalog
-from ..io import IoPool
+from ..io import IoPool, set_nice
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
 from ..local.journal import Journal
 from ..local.pending import CommitRequest
@@ -63,6 +63,7 @@ class Daemon:
         self.started_at = time.time()
         self.supervisor = Supervisor(on_fatal)
         self.catalog = Catalog(cfg.node_id)
+        set_nice(cfg.io_nice)  # before the I/O and checksum threads start
         self.io = IoPool(2 * cfg.write_workers)
         # Spare files: at most what the staging budget lets be in flight at once.
         self.store = LocalStore(cfg.root, cfg.staging_budget_bytes)

@@ -64,6 +64,9 @@ class Config:
     (counted from its first handoff, or from a restart that replayed it)."""
     write_workers: int = 2
     """Threads writing shard files to the local tier in parallel."""
+    io_nice: int = 10
+    """Nice value (0-19) of the daemon's write, read and checksum threads: they yield
+    the host's cores to the trainer (0: the daemon's own priority)."""
     log_level: str = "info"
     """One of debug, info, warning, error."""
     remote: str = ""
@@ -181,6 +184,10 @@ def _coerce(key: str, value: object, source: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError("expected an integer, got a boolean")
             n = int(str(value))
+            if key == "io_nice":  # 0 is meaningful here (no change); the range is checked later
+                if n < 0:
+                    raise ValueError("must be 0 (no change) to 19 (lowest)")
+                return n
             if n <= 0:
                 raise ValueError("must be a positive integer")
             return n
@@ -253,6 +260,10 @@ def _validate(cfg: Config) -> None:
         check_name("node_id", cfg.node_id, MAX_NODE_BYTES)
     except InvalidArgument as exc:
         raise ConfigError(f"invalid value for 'node_id': {exc}") from None
+    if not 0 <= cfg.io_nice <= 19:
+        raise ConfigError(
+            f"invalid value for 'io_nice': {cfg.io_nice}; use 0 (no change) to 19 (lowest)"
+        )
     for key in ("remote", "remote_endpoint_url"):
         if has_credentials(getattr(cfg, key)):
             raise ConfigError(
