@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import heapq
 import itertools
 import os
@@ -30,10 +31,9 @@ def lower_priority() -> None:
     checksum threads yield to it (each save then reaches LOCAL a little later,
     the trainer's steps slow less). No-op where not allowed or not Linux."""
     if _nice > 0 and hasattr(os, "setpriority"):
-        try:
+        # A sandbox without the right: the thread runs at the process's priority.
+        with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _nice)
-        except OSError:
-            pass  # a sandbox without the right: run at the process's priority
 
 
 def set_nice(value: int) -> None:
