@@ -151,3 +151,19 @@ def test_io_threads_yield_to_the_trainer(make_daemon: Any) -> None:
     assert nice[0] == 0 or 0 in nice  # the main thread keeps the process's priority
     out = run("serve", "--io-nice", "25", "--root", "/tmp/x", "--socket", "/tmp/x.sock")
     assert out.returncode == 2 and "invalid value for 'io_nice': 25" in out.stderr
+
+
+def test_every_option_of_every_command_says_what_it_is() -> None:
+    import argparse
+
+    from ckptd.daemon.app.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {action.dest}"
+        for name, p in sub.choices.items()
+        for action in p._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert missing == [], missing

@@ -207,25 +207,30 @@ def build_parser() -> argparse.ArgumentParser:
         ("unpin", "let the retention policies decide about a step again"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("job")
-        p.add_argument("step", type=int)
+        p.add_argument("job", help="the training job's name")
+        p.add_argument("step", type=int, help="the step number")
         socket_arg(p)
         p.set_defaults(fn=cmd_pin)
     p = sub.add_parser(
         "adopt", help="hand a finished checkpoint directory (DCP, Orbax, HF...) to the daemon"
     )
-    p.add_argument("job")
-    p.add_argument("step", type=int)
+    p.add_argument("job", help="the training job's name")
+    p.add_argument("step", type=int, help="the step number the directory holds")
     p.add_argument("path", help="the finished directory (not modified afterwards)")
     p.add_argument("--milestone", action="store_true", help="keep it as a milestone")
-    p.add_argument("--wait", choices=["local", "durable"], default="local")
+    p.add_argument(
+        "--wait",
+        choices=["local", "durable"],
+        default="local",
+        help="return once the step is LOCAL (default) or DURABLE in the bucket",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for DURABLE")
     socket_arg(p)
     p.set_defaults(fn=cmd_adopt)
     cli_tiers.add_parsers(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
+    p.add_argument("--save-every", type=int, default=5, help="save every N steps (default: 5)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.set_defaults(fn=cmd_demo)
     return parser

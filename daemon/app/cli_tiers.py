@@ -231,7 +231,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         socket_arg(p)  # the daemon asked for its root and bucket when none is given
 
     p = sub.add_parser("pull", help="download a complete step from the bucket into a directory")
-    p.add_argument("job")
+    p.add_argument("job", help="the training job's name")
     p.add_argument("dest", help="directory to create (must be empty)")
     p.add_argument("--step", type=int, help="default: the newest complete step")
     p.add_argument("--node", help="only this node's part (default: every node's)")
@@ -243,7 +243,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--root", help="local tier directory (default: the config's, else the running daemon's)"
     )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--local-only", action="store_true")
-    g.add_argument("--remote-only", action="store_true")
+    g.add_argument("--local-only", action="store_true", help="only the local tier's copies")
+    g.add_argument("--remote-only", action="store_true", help="only the bucket's copies")
     common(p)
     p.set_defaults(fn=cmd_verify)
