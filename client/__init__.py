@@ -12,7 +12,15 @@ from .errors import (
 )
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
-from .policies import AnyOf, Continuous, FixedInterval, SaveContext, SavePolicy, SpecificSteps
+from .policies import (
+    AnyOf,
+    Continuous,
+    FailureHistory,
+    FixedInterval,
+    SaveContext,
+    SavePolicy,
+    SpecificSteps,
+)
 
 __all__ = [
     "AnyOf",
@@ -24,6 +32,7 @@ __all__ = [
     "CkptdUnavailable",
     "Client",
     "Continuous",
+    "FailureHistory",
     "FixedInterval",
     "Goodput",
     "SaveContext",

@@ -22,7 +22,7 @@ from . import restoring
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
 from .planning import Planner
-from .policies import Continuous, SaveContext, SavePolicy
+from .policies import Continuous, FailureHistory, SaveContext, SavePolicy
 from .saving import Saving, _check_metrics
 
 log = logging.getLogger("ckptd.client")
@@ -86,6 +86,7 @@ class Client(Saving):
         self._last_bytes = 0
         self._last_reached: set[str] = set()
         self._watch: dict[str, threading.Event] = {}
+        self._job_history: pb.JobHistory | None = None
         self._planner = Planner(save_replicas)
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._copy_job: Future[None] | None = None
@@ -150,6 +151,22 @@ class Client(Saving):
         self._last_reached.add(stage)
         return True
 
+    def _history(self) -> FailureHistory | None:
+        """The daemon's record of this job's restarts, asked for once it has one (the
+        restarts do not change while this process lives); None while it has none."""
+        if self._job_history is None:
+            try:
+                resp = self.connection.call(
+                    "ListCheckpoints", pb.ListCheckpointsRequest(job=self.job)
+                )
+            except CkptdUnavailable:
+                return None
+            if not resp.history.first_seen_unix:
+                return None  # not seen yet (no save), or a daemon without the record
+            self._job_history = resp.history
+        seen = self._job_history
+        return FailureHistory(max(time.time() - seen.first_seen_unix, 0.0), seen.restarts)
+
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: the policy's answer, and room for the save.
 
@@ -167,6 +184,7 @@ class Client(Saving):
             self._last.step if self._last else None,
             self._last_at,
             self._previous_reached,
+            self._history,
         )
         if not self.policy.should_save(ctx):
             return False

@@ -30,12 +30,21 @@ Measured online, re-estimated as conditions change:
 - ``L``: the median time from a save's start to it reaching LOCAL (and, with
   ``node_mtbf_seconds``, DURABLE).
 
-The failure rates are configured: ``mtbf_seconds`` is the mean time between
-failures that restart the trainer (job-wide: with N nodes failing independently,
-the node MTBF divided by N); ``node_mtbf_seconds`` those that also lose the node's
-disk (restored from the bucket). With neither tier measured yet the policy saves
-as soon as the previous save is in (``Continuous()``), then widens the interval
-to ``tau*`` once one save has been measured.
+The failure rates: ``mtbf_seconds`` is the mean time between failures that
+restart the trainer (job-wide: with N nodes failing independently, the node
+MTBF divided by N). Left at None it is learned from the daemon's record of the
+job (daemon/api/history.py): ``T / (n + 1)`` after ``n`` restarts in the ``T``
+seconds since the daemon first saw the job. That estimate is short while little
+has been seen (a young job saves often, as ``Continuous()`` does) and grows as
+failure-free time accumulates; it never exceeds the time observed, so it errs
+towards saving too often rather than losing work. ``node_mtbf_seconds`` counts
+the failures that also lose the node's disk (restored from the bucket; set it
+with ``stage="durable"`` so each save is measured until it is in the bucket).
+It is configured only: a lost node's daemon loses its record with it.
+``mtbf_seconds=math.inf`` counts node losses only.
+
+Until one save has been measured the policy saves as soon as the previous save
+is in (``Continuous()``), then widens the interval to ``tau*``.
 """
 
 from __future__ import annotations
@@ -53,14 +62,17 @@ _COST_WINDOW = 8
 
 def optimal_interval(
     cost: float,
-    mtbf: float,
+    mtbf: float | None,
     local_latency: float = 0.0,
     node_mtbf: float | None = None,
     durable_latency: float = 0.0,
 ) -> float:
-    """``tau*`` of the module's model, in seconds (0 when a save costs nothing)."""
-    rate_t = 1.0 / mtbf
+    """``tau*`` of the module's model, in seconds (0 when a save costs nothing; inf
+    when no failure is expected). ``mtbf``/``node_mtbf`` None or inf: not counted."""
+    rate_t = 1.0 / mtbf if mtbf else 0.0
     rate_n = 1.0 / node_mtbf if node_mtbf else 0.0
+    if rate_t + rate_n <= 0.0:
+        return math.inf
     available = max(1.0 - rate_t * local_latency - rate_n * durable_latency, 0.05)
     return math.sqrt(2.0 * max(cost, 0.0) * available / (rate_t + rate_n))
 
@@ -85,7 +97,8 @@ class Goodput(SavePolicy):
     measured from this trainer's own step times, once the previous save reached
     ``stage``. ``interval_seconds`` is the interval now in force (read it to log it).
 
-    ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide).
+    ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide;
+    None: learned from the daemon's record of this job's restarts; inf: not counted).
     ``node_mtbf_seconds``: those that lose the node too (None: not counted).
     ``min_interval_seconds`` / ``max_interval_seconds`` clamp ``tau*``.
     ``warmup_steps``: steps timed before the first save (a base step time to measure
@@ -93,7 +106,7 @@ class Goodput(SavePolicy):
     median).
     """
 
-    mtbf_seconds: float = 3600.0
+    mtbf_seconds: float | None = None
     node_mtbf_seconds: float | None = None
     stage: str = "local"
     min_interval_seconds: float = 0.0
@@ -101,7 +114,10 @@ class Goodput(SavePolicy):
     warmup_steps: int = 3
 
     interval_seconds: float = field(default=0.0, init=False)
+    mtbf_estimate_seconds: float | None = field(default=None, init=False)
+    """The trainer MTBF in force: ``mtbf_seconds``, or the learned estimate."""
     _prev_now: float | None = field(default=None, init=False, repr=False)
+    _first_now: float | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _quiet: deque[float] = field(default_factory=lambda: deque(maxlen=_BASE_WINDOW), init=False)
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
@@ -121,6 +137,11 @@ class Goodput(SavePolicy):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, not {value!r}")
+        if self.mtbf_seconds == math.inf and self.node_mtbf_seconds is None:
+            raise ValueError(
+                "mtbf_seconds=inf with no node_mtbf_seconds counts no failures: give a "
+                "node_mtbf_seconds, or leave mtbf_seconds None to learn it"
+            )
         if self.min_interval_seconds < 0:
             raise ValueError("min_interval_seconds must be >= 0")
         if self.warmup_steps < 0:
@@ -140,6 +161,8 @@ class Goodput(SavePolicy):
     def _observe(self, ctx: SaveContext) -> None:
         """Account the step that just ended (from the previous call to this one)."""
         dt = None if self._prev_now is None else ctx.now - self._prev_now
+        if self._first_now is None:
+            self._first_now = ctx.now
         self._prev_now = ctx.now
         self._steps += 1
         if ctx.last_save_at is not None and ctx.last_save_at != self._seen_save_at:
@@ -165,13 +188,25 @@ class Goodput(SavePolicy):
             self._to_durable.append(ctx.now - (self._seen_save_at or ctx.now))
             self._durable_open = False
 
-    def _interval(self) -> float:
+    def _mtbf(self, ctx: SaveContext) -> float:
+        """The trainer MTBF: configured, or learned (``T / (n + 1)``, see the module)."""
+        if self.mtbf_seconds is not None:
+            return self.mtbf_seconds
+        seen = ctx.history()
+        if seen is None:  # a daemon without the record: this process's own life
+            observed, restarts = ctx.now - (self._first_now or ctx.now), 0
+        else:
+            observed, restarts = seen.observed_seconds, seen.restarts
+        return max(observed, 1e-3) / (restarts + 1)
+
+    def _interval(self, ctx: SaveContext) -> float:
         cost = self.save_cost_seconds
         if cost is None:
             return self.min_interval_seconds
+        self.mtbf_estimate_seconds = self._mtbf(ctx)
         tau = optimal_interval(
             cost,
-            self.mtbf_seconds,
+            self.mtbf_estimate_seconds,
             statistics.median(self._to_local) if self._to_local else 0.0,
             self.node_mtbf_seconds,
             statistics.median(self._to_durable) if self._to_durable else 0.0,
@@ -184,7 +219,7 @@ class Goodput(SavePolicy):
     # -- the decision -------------------------------------------------------------
     def should_save(self, ctx: SaveContext) -> bool:
         self._observe(ctx)
-        self.interval_seconds = self._interval()
+        self.interval_seconds = self._interval(ctx)
         if ctx.last_save_at is None:
             return self._steps > self.warmup_steps
         if self._extra is not None:

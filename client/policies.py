@@ -22,6 +22,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class FailureHistory:
+    """What the daemon has seen of this job's failures (daemon/api/history.py)."""
+
+    observed_seconds: float
+    """Since the daemon first saw the job."""
+    restarts: int
+    """Trainer restarts (processes that restored the job's steps) in that time."""
+
+
+def _no_history() -> FailureHistory | None:
+    return None
+
+
+@dataclass(frozen=True)
 class SaveContext:
     """What a policy may look at when deciding about ``step``."""
 
@@ -36,6 +50,9 @@ class SaveContext:
     """Whether the previous save has reached a stage ("local" / "durable") or ended
     for good (failed, superseded); True when there was none. Asks the daemon, so
     policies call it only when the answer matters."""
+    history: Callable[[], FailureHistory | None] = _no_history
+    """The daemon's record of this job's restarts (None where it has none); asks
+    the daemon the first time only."""
 
 
 class SavePolicy(ABC):
@@ -113,4 +130,12 @@ class AnyOf(SavePolicy):
         return f"AnyOf({list(self.policies)!r})"
 
 
-__all__ = ["AnyOf", "Continuous", "FixedInterval", "SaveContext", "SavePolicy", "SpecificSteps"]
+__all__ = [
+    "AnyOf",
+    "Continuous",
+    "FailureHistory",
+    "FixedInterval",
+    "SaveContext",
+    "SavePolicy",
+    "SpecificSteps",
+]

@@ -1,15 +1,20 @@
 """``Goodput()`` (issue 17) against a simulated trainer: it measures the base step
 time and each save's effective cost from the step times it sees, and saves at the
-interval its model says maximises goodput."""
+interval its model says maximises goodput; its failure rate configured or learned
+from the daemon's record of the job's restarts (a real daemon at the end)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
+from typing import Any
 
+import numpy as np
 import pytest
 
-from ckptd.client import Goodput
+from ckptd.client import FailureHistory, Goodput
 from ckptd.client.goodput import expected_goodput, optimal_interval
 from ckptd.client.policies import SaveContext
 
@@ -19,8 +24,16 @@ class Trainer:
     that calls it and ``slow`` to each of the ``commit_steps`` steps after, until the
     save is LOCAL."""
 
-    def __init__(self, step: float, block: float, slow: float, commit_steps: int) -> None:
+    def __init__(
+        self,
+        step: float,
+        block: float,
+        slow: float,
+        commit_steps: int,
+        history: FailureHistory | None = None,
+    ) -> None:
         self.step_s, self.block, self.slow, self.commit_steps = step, block, slow, commit_steps
+        self.history = history  # what the daemon has seen, at now = 0
         self.now = 0.0
         self.saves: list[tuple[int, float]] = []  # (step, time)
         self.local_at = 0  # the step at which the last save is LOCAL
@@ -34,6 +47,7 @@ class Trainer:
                 last[0] if last else None,
                 last[1] if last else None,
                 lambda _stage, step=step, last=last: last is None or step >= self.local_at,
+                self._history,
             )
             dt = self.step_s
             if last is not None and last[0] < step < self.local_at:
@@ -43,6 +57,11 @@ class Trainer:
                 self.local_at = step + 1 + self.commit_steps
                 dt += self.block
             self.now += dt
+
+    def _history(self) -> FailureHistory | None:
+        if self.history is None:
+            return None
+        return FailureHistory(self.history.observed_seconds + self.now, self.history.restarts)
 
 
 def test_the_interval_is_youngs_from_the_measured_cost() -> None:
@@ -110,3 +129,65 @@ def test_the_model() -> None:
         Goodput(mtbf_seconds=0)
     with pytest.raises(ValueError, match="stage must be"):
         Goodput(stage="bucket")
+
+
+def test_the_failure_rate_is_learned_from_the_restarts() -> None:
+    # The daemon saw the job 96 s ago and 3 restarts: T / (n + 1) = 24 s at first,
+    # growing as the run goes on without a failure.
+    trainer = Trainer(step=1.0, block=0.5, slow=0.0, commit_steps=1, history=FailureHistory(96, 3))
+    policy = Goodput()
+    trainer.run(policy, 40)
+    assert policy.save_cost_seconds == pytest.approx(0.5)
+    mtbf = (96 + trainer.now) / 4
+    assert policy.mtbf_estimate_seconds == pytest.approx(mtbf, abs=1.0)
+    assert policy.interval_seconds == pytest.approx(optimal_interval(0.5, mtbf, 2.0), abs=0.1)
+    # The same trainer with no restarts seen: a longer estimate, a wider interval.
+    calm = Trainer(step=1.0, block=0.5, slow=0.0, commit_steps=1, history=FailureHistory(96, 0))
+    relaxed = Goodput()
+    calm.run(relaxed, 40)
+    assert relaxed.mtbf_estimate_seconds == pytest.approx(96 + calm.now, abs=1.0)
+    assert relaxed.interval_seconds > 1.9 * policy.interval_seconds
+    # A young job with no record (an older daemon): its own life so far, so it saves
+    # about as often as Continuous() at first.
+    young = Trainer(step=1.0, block=0.5, slow=0.0, commit_steps=1)
+    fresh = Goodput()
+    young.run(fresh, 8)
+    assert fresh.mtbf_estimate_seconds is not None and fresh.mtbf_estimate_seconds < 10
+    assert fresh.interval_seconds < 3.5
+
+
+def test_node_losses_only() -> None:
+    # Node losses every 100 s, saves measured until DURABLE (8 steps of 1 s).
+    trainer = Trainer(step=1.0, block=0.5, slow=0.0, commit_steps=7)
+    policy = Goodput(math.inf, node_mtbf_seconds=100.0, stage="durable")
+    trainer.run(policy, 200)
+    assert policy.interval_seconds == pytest.approx(
+        math.sqrt(2 * 0.5 * (1 - 8.5 / 100) * 100), rel=0.02
+    )
+    with pytest.raises(ValueError, match="counts no failures"):
+        Goodput(math.inf)
+    assert optimal_interval(1.0, None) == math.inf
+
+
+RESTORE = """
+import sys
+from ckptd.client import Client
+c = Client("learn", socket=sys.argv[1])
+c.restore(c.latest_step())
+c.restore(c.latest_step())  # the same process again: not another restart
+c.close()
+"""
+
+
+def test_the_daemon_counts_each_restarted_process_once(daemon: Any) -> None:
+    client = daemon.client("learn")
+    assert client._history() is None  # never seen: nothing to learn from yet
+    client.save(1, {"w": np.arange(4.0)}).wait("local")
+    seen = client._history()
+    assert seen is not None and seen.restarts == 0 and seen.observed_seconds >= 0
+    for _ in range(2):  # two trainer restarts: a new process restores each time
+        subprocess.run([sys.executable, "-c", RESTORE, str(daemon.socket)], check=True)
+    fresh = daemon.client("learn")
+    history = fresh._history()
+    assert history is not None and history.restarts == 2
+    assert history.observed_seconds >= seen.observed_seconds

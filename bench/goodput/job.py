@@ -13,10 +13,14 @@ nothing written before it):
     restored <step> <unix time>       state restored (step 0: from scratch)
     step <step> <unix time> <loss>    step done; <loss> is the float32's bits in hex
     saved <step> <unix time>          a save of <step> was started (returned)
-    policy <interval> <cost> <base>   Goodput()'s estimates after that save (seconds)
+    policy <interval> <cost> <base> <mtbf>
+                                      Goodput()'s estimates after that save (seconds)
 
 Arms: ``noop`` (never saves), ``ckptd-continuous`` (``Continuous()``),
-``ckptd-goodput`` (``Goodput(mtbf_seconds=--mtbf)``), ``orbax-continuous``
+``ckptd-goodput`` (``Goodput(mtbf_seconds=--mtbf)``; with ``--node-mtbf``,
+``Goodput(mtbf_seconds=inf, node_mtbf_seconds=--node-mtbf, stage="durable")``),
+``ckptd-learned`` (``Goodput()``: the failure rate learned from the daemon's
+record of the job's restarts), ``orbax-continuous``
 (``ContinuousCheckpointingPolicy``) and ``orbax-interval`` (every
 ``--interval-steps`` steps), Orbax with async saves on the same disk.
 """
@@ -24,6 +28,7 @@ Arms: ``noop`` (never saves), ``ckptd-continuous`` (``Continuous()``),
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -83,11 +88,15 @@ class Saver:
         self.client: Any = None
         self.mngr: Any = None
         if self.arm.startswith("ckptd"):
-            from ckptd.client import Client, Continuous, Goodput
+            from ckptd.client import Client, Continuous, Goodput, SavePolicy
 
-            policy = (
-                Goodput(mtbf_seconds=args.mtbf) if self.arm == "ckptd-goodput" else Continuous()
-            )
+            policy: SavePolicy = Continuous()
+            if self.arm == "ckptd-learned":
+                policy = Goodput()
+            elif self.arm == "ckptd-goodput" and args.node_mtbf:
+                policy = Goodput(math.inf, node_mtbf_seconds=args.node_mtbf, stage="durable")
+            elif self.arm == "ckptd-goodput":
+                policy = Goodput(mtbf_seconds=args.mtbf)
             self.client = Client(args.job, socket=args.socket, policy=policy, timeout=600.0)
         elif self.arm.startswith("orbax"):
             import orbax.checkpoint as ocp
@@ -137,6 +146,8 @@ def main() -> int:
     ap.add_argument("--job", default="goodput")
     ap.add_argument("--dir", default=None, help="Orbax's checkpoint directory")
     ap.add_argument("--mtbf", type=float, default=60.0, help="Goodput()'s mtbf_seconds")
+    ap.add_argument("--node-mtbf", type=float, default=None,
+                    help="Goodput()'s node_mtbf_seconds (the node-loss variant)")  # fmt: skip
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--state-mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
@@ -161,7 +172,7 @@ def main() -> int:
             if getattr(policy, "save_cost_seconds", None) is not None:
                 # Goodput()'s view: its interval, the save cost and base step time.
                 log(out, "policy", policy.interval_seconds, policy.save_cost_seconds,
-                    policy.base_step_seconds)  # fmt: skip
+                    policy.base_step_seconds, policy.mtbf_estimate_seconds)  # fmt: skip
     return 0
 
 

@@ -50,6 +50,7 @@ from ..retention.pins import Pins
 from ..retention.planner import Retention
 from . import messages
 from .access import Access
+from .history import JobHistory
 from .requests import CommitParser
 from .sessions import Peer, SessionServer
 
@@ -126,6 +127,8 @@ class Servicer(pb_grpc.CkptdServicer):
         self.s = services
         self.sessions = sessions
         self.parser = CommitParser()
+        self.history = JobHistory()
+        """Each job's restarts, for Goodput()'s learned failure rate (history.py)."""
 
     def _peer(self, context: Any) -> Peer:
         """The caller, from its session token (UNAUTHENTICATED without a live one)."""
@@ -159,6 +162,7 @@ class Servicer(pb_grpc.CkptdServicer):
         peer, job = self._job(context, request.job, claim=True)
         self.s.saver.staging.check_fits(request.size_bytes)
         await self.s.admission.check_space(request.size_bytes)
+        self.history.seen(job)
         holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
         lease = await self.s.saver.acquire_lease(
             job, request.size_bytes, request.wait_seconds, holder, peer.process
@@ -219,7 +223,8 @@ class Servicer(pb_grpc.CkptdServicer):
         rows = [s for s in self.s.catalog.list(job) if self.s.access.may_use(peer, s.job)]
         plans = {j: self.s.retention.plan(j) for j in {s.job for s in rows}}
         return pb.ListCheckpointsResponse(
-            checkpoints=[messages.checkpoint_info(s, plans[s.job]) for s in rows]
+            checkpoints=[messages.checkpoint_info(s, plans[s.job]) for s in rows],
+            history=self.history.message(job) if job else None,
         )
 
     @_rpc
@@ -237,6 +242,7 @@ class Servicer(pb_grpc.CkptdServicer):
             # back would keep retention from turning it into a spare for later saves.
             self.s.catalog.served(plan.step)
         self.s.restored(plan.tier)
+        self.history.restored(job, request.rank, peer.process)
         self.s.access.grant(peer, plan.directory)
         resp = pb.RestoreResponse(
             job=job,

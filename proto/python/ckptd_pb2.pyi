@@ -285,10 +285,20 @@ class CheckpointInfo(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ..., local_reasons: _Optional[_Iterable[str]] = ..., remote_reasons: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., adopted: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints",)
+    __slots__ = ("checkpoints", "history")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+    history: JobHistory
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., history: _Optional[_Union[JobHistory, _Mapping]] = ...) -> None: ...
+
+class JobHistory(_message.Message):
+    __slots__ = ("first_seen_unix", "restarts")
+    FIRST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    first_seen_unix: float
+    restarts: int
+    def __init__(self, first_seen_unix: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("job", "step", "rank", "shared_memory")
