@@ -24,15 +24,23 @@ def parse(path: Path) -> list[list[str]]:
     return [ln.split() for ln in lines if ln]
 
 
+def still_restoring(events: list[list[str]]) -> bool:
+    """Whether the run's last process had done no step when the time was up."""
+    last = max((i for i, e in enumerate(events) if e[0] == "start"), default=-1)
+    return not any(e[0] == "step" for e in events[last + 1 :])
+
+
 def summarize(
     events: list[list[str]],
-    start: float,
     seconds: float,
     rate: float,
     base_step: float,
     reference: dict[int, str],
+    final_probe: int | None = None,
 ) -> dict[str, Any]:
-    """Goodput and the rest from one run's event lines."""
+    """Goodput and the rest from one run's event lines. ``final_probe``: the step the
+    newest checkpoint holds, for a run whose last process had not restored yet when
+    the time was up (its progress is that checkpoint's)."""
     lives: list[dict[str, Any]] = []
     policy: list[tuple[float, ...]] = []  # Goodput()'s (interval, cost, base) per save
     for e in events:
@@ -48,18 +56,25 @@ def summarize(
             lives[-1]["saves"].append((int(e[1]), float(e[2])))
         elif e[0] == "policy" and len(e) in (4, 5):
             policy.append(tuple(float(x) for x in e[1:] if x != "None"))
-    final = max((s[0] for s in lives[-1]["steps"]), default=0) if lives else 0
-    if lives and lives[-1]["restored"] and not lives[-1]["steps"]:
-        final = lives[-1]["restored"][0]
+    last = lives[-1] if lives else {"steps": [], "restored": None}
+    if last["steps"]:
+        final = max(s[0] for s in last["steps"])
+    elif last["restored"]:
+        final = last["restored"][0]
+    else:
+        final = final_probe or 0
     lost, restore, intervals, dts = [], [], [], []
     mismatched = 0
+    reached: int | None = None  # the progress of the last process that restored
     for i, life in enumerate(lives):
-        if life["restored"] is not None:
+        if life["restored"] is None:
+            continue  # killed before it restored: it held no progress of its own
+        if i > 0:  # the first process starts the run; the others restart after a failure
             restore.append(life["restored"][1] - life["start"])
-        if i + 1 < len(lives) and lives[i + 1]["restored"] is not None:
-            begun = life["restored"][0] if life["restored"] else 0
-            reached = max((s[0] for s in life["steps"]), default=begun)
-            lost.append((reached - lives[i + 1]["restored"][0]) * base_step)
+        if reached is not None:  # a failure: what was reached minus what came back
+            lost.append((reached - life["restored"][0]) * base_step)
+        reached = max((s[0] for s in life["steps"]), default=life["restored"][0])
+    for life in lives:
         times = [t for _, t in life["saves"]]
         intervals += [b - a for a, b in itertools.pairwise(times)]
         steps = life["steps"]
@@ -77,8 +92,8 @@ def summarize(
         "failures": len(lives) - 1,
         "lost_s_p50": pct(lost, 50),
         "lost_s_p90": pct(lost, 90),
-        "restore_s_p50": pct(restore[1:], 50),
-        "restore_s_p90": pct(restore[1:], 90),
+        "restore_s_p50": pct(restore, 50),
+        "restore_s_p90": pct(restore, 90),
         "interval_s_p50": pct(intervals, 50),
         "saves": sum(len(life["saves"]) for life in lives),
         "step_s": mean_dt,

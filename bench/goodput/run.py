@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from report import parse, plot, row_of, step_times, summarize, summarize_cells
+from report import parse, plot, row_of, step_times, still_restoring, summarize, summarize_cells
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -72,6 +72,7 @@ ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "orbax-continuous"
 TORCH_ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "dcp-yd")
 YD_ARMS = {"orbax-yd": "orbax-interval", "dcp-yd": "dcp-interval"}
 """Arms saving every k steps, k from Young/Daly with the cost calibrate() measures."""
+CAL_EVERY = 5
 BUCKET = "goodput"
 
 
@@ -90,11 +91,18 @@ class Run:
     """One arm under one failure schedule (``s3``: the node variant's bucket server)."""
 
     def __init__(
-        self, args: argparse.Namespace, arm: str, work: Path, extra: list[str], s3: Any = None
+        self,
+        args: argparse.Namespace,
+        arm: str,
+        work: Path,
+        extra: list[str],
+        s3: Any = None,
+        fresh: bool = True,
     ) -> None:
         self.args, self.arm, self.work, self.s3 = args, arm, work, s3
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        if fresh:  # else: a finished run's files, summarised again (--resummarize)
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
         self.progress = work / "progress.log"
         self.daemon: Daemon | None = None
         self.node_losses: list[float] = []  # seconds from the kill to the new daemon ready
@@ -127,12 +135,13 @@ class Run:
                 env=env,
                 log_path=work / "ckptd.log",
                 start_timeout=120.0,
-            ).start()
+            )
             self.cmd += ["--socket", str(self.daemon.socket)]
 
     def go(self, kills: list[float], seconds: float) -> list[float]:
         """Run for ``seconds``, SIGKILLing the job at ``kills`` (and, in the node
         variant, losing the node); returns the kill times (unix)."""
+        self._daemon_up()
         start = time.time()
         done: list[float] = []
         proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self._errlog())
@@ -165,6 +174,24 @@ class Run:
         self.daemon.start()
         self.node_losses.append(time.time() - t0)
 
+    def final_step(self) -> int | None:
+        """The step a restart now would resume from (the newest checkpoint), for a run
+        whose last process was still restoring when the time was up: what a job
+        started with ``--max-steps 0`` (restore, then exit) restores."""
+        self._daemon_up()
+        probe = self.work / "probe.log"
+        probe.unlink(missing_ok=True)
+        cmd = list(self.cmd)
+        cmd[cmd.index("--progress") + 1] = str(probe)
+        subprocess.run([*cmd, "--max-steps", "0"], stdout=subprocess.DEVNULL,
+                       stderr=self._errlog(), timeout=600, check=False)  # fmt: skip
+        restored = [int(e[1]) for e in parse(probe) if e[0] == "restored" and len(e) == 3]
+        return restored[-1] if restored else None
+
+    def _daemon_up(self) -> None:
+        if self.daemon is not None and not self.daemon.running():
+            self.daemon.start()
+
     def _errlog(self) -> Any:
         return (self.work / "job.err").open("ab")
 
@@ -175,37 +202,41 @@ class Run:
 
 
 def calibrate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The noop run (step rate, reference losses) and the effective save cost of the
-    Young/Daly arm (Orbax's, or DCP's FileSystemWriter's)."""
-    run = Run(args, "noop", work / "noop", [])
-    run.go([], args.calibrate_seconds)
-    events = parse(run.progress)
-    steps = [(int(e[1]), float(e[2]), e[3]) for e in events if e[0] == "step" and len(e) == 4]
+    """The uninterrupted runs: ``noop`` (step rate, reference losses) and the Young/Daly
+    arm saving every 5 steps (its effective save cost)."""
+    Run(args, "noop", work / "noop", []).go([], args.calibrate_seconds)
+    yd = [a for a in args.arms if a in YD_ARMS]
+    if yd:
+        Run(args, yd[0], work / "yd-cal", ["--interval-steps", str(CAL_EVERY)]).go(
+            [], args.calibrate_seconds
+        )
+    return calibration(work)
+
+
+def calibration(work: Path) -> dict[str, Any]:
+    """The calibration figures from the uninterrupted runs' event files."""
+    steps = [(int(e[1]), float(e[2]), e[3]) for e in parse(work / "noop" / "progress.log")
+             if e[0] == "step" and len(e) == 4]  # fmt: skip
     dts = step_times(steps)
     base = statistics.median(dts)
     reference = {s: bits for s, _, bits in steps}
-    yd = [a for a in args.arms if a in YD_ARMS]
-    if not yd:
-        return {"base_step_s": base, "steps_per_s": 1.0 / base, "yd_cost_s": None,
-                "noop_mean_step_s": statistics.fmean(dts), "reference_steps": len(reference),
-                "_reference": reference}  # fmt: skip
-    # Every 5 steps: its steps' slowdown per save is its effective cost.
-    every = 5
-    orb = Run(args, yd[0], work / "yd-cal", ["--interval-steps", str(every)])
-    orb.go([], args.calibrate_seconds)
-    o_steps = [
-        (int(e[1]), float(e[2])) for e in parse(orb.progress) if e[0] == "step" and len(e) == 4
-    ]
-    o_dts = step_times(o_steps)
-    yd_cost = max((statistics.fmean(o_dts) - base) * every, 0.0) if o_dts else 0.0
-    return {
+    cal: dict[str, Any] = {
         "base_step_s": base,
         "steps_per_s": 1.0 / base,
         "noop_mean_step_s": statistics.fmean(dts),
         "reference_steps": len(reference),
-        "yd_cost_s": yd_cost,
+        "yd_cost_s": None,
         "_reference": reference,
     }
+    # Saving every CAL_EVERY steps: its steps' slowdown per save is its effective cost.
+    for name in ("yd-cal", "orbax-cal"):  # orbax-cal: a run of an earlier version
+        if (work / name / "progress.log").exists():
+            o_dts = step_times([(int(e[1]), float(e[2])) for e in
+                                parse(work / name / "progress.log")
+                                if e[0] == "step" and len(e) == 4])  # fmt: skip
+            cal["yd_cost_s"] = max((statistics.fmean(o_dts) - base) * CAL_EVERY, 0.0)
+            break
+    return cal
 
 
 def run_cells(
@@ -224,18 +255,22 @@ def run_cells(
                     extra = ["--node-mtbf" if s3 is not None else "--mtbf", str(mtbf)]
                 if arm in YD_ARMS:
                     extra = ["--interval-steps", str(k)]
-                run = Run(args, arm, args.work_dir / f"{arm}-{mtbf:g}-{seed}", extra, s3)
+                where = args.work_dir / f"{arm}-{mtbf:g}-{seed}"
+                run = Run(args, arm, where, extra, s3, fresh=not args.resummarize)
                 try:
-                    run.go(kills, args.seconds)
+                    if not args.resummarize:
+                        run.go(kills, args.seconds)
+                    events = parse(run.progress)
+                    final = run.final_step() if still_restoring(events) else None
                 finally:
                     run.close()
                 row = summarize(
-                    parse(run.progress),
-                    run.start,
+                    events,
                     args.seconds,
                     cal["steps_per_s"],
                     cal["base_step_s"],
                     reference,
+                    final,
                 )
                 row.update(arm=arm, mtbf_s=mtbf, seed=seed, kills=len(kills))
                 row["node_restart_s"] = run.node_losses
@@ -270,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="40 s cells, MTBF 20 and 60, one seed")
     ap.add_argument("--daemon-args", default="", help="more `ckptd serve` flags, e.g. --io-nice 0")
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR / "goodput")
+    ap.add_argument("--resummarize", action="store_true",
+                    help="no runs: the table, JSON and plot again from the work dir's files "
+                    "(the same other arguments as the run)")  # fmt: skip
     ap.add_argument("--name", default=None,
                     help="results: bench/results/NAME.json/.png (goodput[-node])")  # fmt: skip
     args = ap.parse_args(argv)
@@ -287,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args.name = args.name or f"goodput{suffix}"
     # The reference must cover every step an arm can reach (goodput <= 1).
     args.calibrate_seconds = args.calibrate_seconds or args.seconds + 15.0
-    cal = calibrate(args, args.work_dir)
+    cal = calibration(args.work_dir) if args.resummarize else calibrate(args, args.work_dir)
     reference = cal.pop("_reference")
     s3 = None
     try:

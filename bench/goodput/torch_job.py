@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--interval-steps", type=int, default=10, help="dcp-interval's period")
     ap.add_argument("--state-mib", type=int, default=256, help="parameters + AdamW moments")
     ap.add_argument("--seed", type=int, default=0, help="model and data seed")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop after this step")
     args = ap.parse_args()
     out = args.progress.open("a")
     log(out, "start", time.time())
@@ -133,7 +134,7 @@ def main() -> int:
             dcp.load(state, storage_reader=dcp.FileSystemReader(found))
     log(out, "restored", trainer.step, time.time())
     saving: Any = None
-    while True:
+    while args.max_steps is None or trainer.step < args.max_steps:
         loss = trainer.train_step()
         step = trainer.step
         bits = np.asarray(loss.detach().numpy(), np.float32).view(np.uint32)
@@ -160,6 +161,9 @@ def main() -> int:
         if getattr(policy, "save_cost_seconds", None) is not None:
             log(out, "policy", policy.interval_seconds, policy.save_cost_seconds,
                 policy.base_step_seconds, policy.mtbf_estimate_seconds)  # fmt: skip
+    if saving is not None:
+        saving.result()
+    return 0
 
 
 if __name__ == "__main__":
