@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         "-torch" if args.framework == "torch" else ""
     )
     args.name = args.name or f"goodput{suffix}"
+    args.work_dir = args.work_dir / args.name  # each result's runs kept apart
     # The reference must cover every step an arm can reach (goodput <= 1).
     args.calibrate_seconds = args.calibrate_seconds or args.seconds + 15.0
     cal = calibration(args.work_dir) if args.resummarize else calibrate(args, args.work_dir)
