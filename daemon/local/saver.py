@@ -360,10 +360,12 @@ class Saver:
         # The memory of ranks no write still reads goes back before FAILED is
         # announced, so whoever sees FAILED can save again at once.
         await self._settle(pending, committed=True)
+        # What was staged goes too before FAILED is announced: whoever sees FAILED
+        # finds nothing partial left (removing it twice, if two ranks fail, is harmless).
+        await pending.commit.abort()
         if pending.step.state == pb.SAVE_STATE_FAILED:
             return  # failed meanwhile by another rank
         self.catalog.failed(pending.step, reason, "local")
-        await pending.commit.abort()
         await self._settle(pending)
 
     async def _settle(self, pending: PendingStep, committed: bool = False) -> None:
