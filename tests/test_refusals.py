@@ -102,6 +102,15 @@ def test_deeply_nested_json_is_refused(daemon: Daemon, field: str, depth: int) -
     assert call(daemon, "CommitShards", req) == ("OK", "")
 
 
+@pytest.mark.parametrize("field", ["metadata_json", "tree_json"])
+def test_an_integer_too_long_to_convert_is_refused(daemon: Daemon, field: str) -> None:
+    """Python refuses to parse integers of more than 4,300 digits (a ValueError that is
+    not a JSONDecodeError): the caller is told, the daemon does not call it internal."""
+    huge = json.dumps({"n": 0}).replace("0", "9" * 5000)
+    code, message = call(daemon, "CommitShards", commit_request(daemon, "huge", 1, **{field: huge}))
+    assert code == "INVALID_ARGUMENT" and f"{field} is not valid JSON" in message
+
+
 def test_deeply_nested_dtype_is_refused(daemon: Daemon) -> None:
     req = commit_request(daemon, "deep", 1)
     req.shards[0].dtype = "descr:" + "[" * 100_000 + "]" * 100_000

@@ -208,7 +208,7 @@ def _json(field: str, text: str, default: Any) -> Any:
         raise too_deep
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or an integer too long to convert
         raise InvalidArgument(f"{field} is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recursed past the interpreter's limit
         raise too_deep from None
