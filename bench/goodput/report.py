@@ -144,6 +144,7 @@ def summarize_cells(cells: list[dict[str, Any]], args: Any) -> list[dict[str, An
                 "lost_s_p50": med("lost_s_p50"), "lost_s_p90": med("lost_s_p90"),
                 "restore_s_p50": med("restore_s_p50"), "restore_s_p90": med("restore_s_p90"),
                 "interval_s_p50": med("interval_s_p50"), "overhead_pct": med("overhead_pct"),
+                "noop_step_s": med("noop_step_s"),
                 "bit_exact": all(r["bit_exact"] for r in rs),
             })  # fmt: skip
     return out

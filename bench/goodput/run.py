@@ -5,12 +5,22 @@ exponential distribution and used for every arm), each arm runs the job of
 bench/goodput/job.py for ``--seconds`` of wall time under this supervisor, which
 kills it at those times and restarts it at once; the new process restores from
 its arm's newest checkpoint and trains on. Before the arms, an uninterrupted
-``noop`` run (no checkpointing) gives the failure-free step rate and every
-step's loss, the reference each arm's losses must equal bit for bit.
+``noop`` run (no checkpointing) gives every step's loss, the reference each
+arm's losses must equal bit for bit.
 
     goodput = useful steps / (wall seconds x failure-free steps per second)
 
-where useful steps is the step the job has reached when the time is up. Per
+where useful steps is the step the job has reached when the time is up, and the
+failure-free rate is measured beside each group of cells: a short ``noop`` run
+before each (MTBF, schedule) group and one after the last, a group's rate the
+mean of the two around it. This VM's step time drifts by up to 40% over an
+hour-long matrix, more than the arms differ by; a rate measured once before the
+matrix would credit or charge the drift to whichever arm ran at the time. The
+arms' order rotates from group to group for the same reason, and between runs
+the finished run's checkpoints are deleted and every dirty page written back
+(``sync``): Orbax writes through the page cache without fsync, and its dirty
+pages (up to ``vm.dirty_ratio``, ~4.6 GiB here) would otherwise be written back
+during the next arm's time. Per
 cell: goodput (median and spread over the schedules), work lost per failure
 (P50/P90, seconds), restore time (process start to state restored, P50/P90),
 checkpoint interval (P50, seconds), step-time overhead against the noop run and
@@ -47,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import shutil
 import signal
 import statistics
@@ -178,6 +189,9 @@ class Run:
         """The step a restart now would resume from (the newest checkpoint), for a run
         whose last process was still restoring when the time was up: what a job
         started with ``--max-steps 0`` (restore, then exit) restores."""
+        saved = self.work / "final_step"  # the probe's answer, kept for --resummarize
+        if saved.exists():
+            return int(saved.read_text()) if saved.read_text() else None
         self._daemon_up()
         probe = self.work / "probe.log"
         probe.unlink(missing_ok=True)
@@ -186,6 +200,7 @@ class Run:
         subprocess.run([*cmd, "--max-steps", "0"], stdout=subprocess.DEVNULL,
                        stderr=self._errlog(), timeout=600, check=False)  # fmt: skip
         restored = [int(e[1]) for e in parse(probe) if e[0] == "restored" and len(e) == 3]
+        saved.write_text(str(restored[-1]) if restored else "")
         return restored[-1] if restored else None
 
     def _daemon_up(self) -> None:
@@ -200,16 +215,38 @@ class Run:
         if self.daemon is not None:
             self.daemon.stop()
 
+    def settle(self) -> None:
+        """After the run: its checkpoints deleted (the event files kept, for
+        --resummarize) and every dirty page written back, so the next run does not
+        pay for this one's writeback."""
+        if self.args.resummarize:
+            return
+        for name in ("orbax", "root"):
+            shutil.rmtree(self.work / name, ignore_errors=True)
+        os.sync()
+
+
+def noop_step(args: argparse.Namespace, group: int) -> float:
+    """The failure-free step time now: the median step of a short ``noop`` run."""
+    run = Run(args, "noop", args.work_dir / f"noop-{group}", [], fresh=not args.resummarize)
+    if not args.resummarize:
+        run.go([], args.noop_seconds)
+        run.settle()
+    steps = [(int(e[1]), float(e[2])) for e in parse(run.progress)
+             if e[0] == "step" and len(e) == 4]  # fmt: skip
+    return statistics.median(step_times(steps))
+
 
 def calibrate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The uninterrupted runs: ``noop`` (step rate, reference losses) and the Young/Daly
     arm saving every 5 steps (its effective save cost)."""
-    Run(args, "noop", work / "noop", []).go([], args.calibrate_seconds)
+    runs = [Run(args, "noop", work / "noop", [])]
     yd = [a for a in args.arms if a in YD_ARMS]
     if yd:
-        Run(args, yd[0], work / "yd-cal", ["--interval-steps", str(CAL_EVERY)]).go(
-            [], args.calibrate_seconds
-        )
+        runs.append(Run(args, yd[0], work / "yd-cal", ["--interval-steps", str(CAL_EVERY)]))
+    for run in runs:
+        run.go([], args.calibrate_seconds)
+        run.settle()
     return calibration(work)
 
 
@@ -242,46 +279,59 @@ def calibration(work: Path) -> dict[str, Any]:
 def run_cells(
     args: argparse.Namespace, cal: dict[str, Any], reference: dict[int, str], s3: Any
 ) -> list[dict[str, Any]]:
-    """Every (MTBF, schedule, arm) run, summarised."""
-    cells: list[dict[str, Any]] = []
-    for mtbf in args.mtbf:
+    """Every (MTBF, schedule, arm) run, summarised against the failure-free rate
+    measured around its group (see the module)."""
+    groups = [(mtbf, seed) for mtbf in args.mtbf for seed in args.seeds]
+    bases: list[float] = []
+    done: list[tuple[int, dict[str, Any], list[list[str]], int | None]] = []
+    for g, (mtbf, seed) in enumerate(groups):
+        bases.append(noop_step(args, g))
         cost = cal["yd_cost_s"] or 0.0
         k = max(1, round(math.sqrt(2 * cost * mtbf) / cal["base_step_s"]))
-        for seed in args.seeds:
-            kills = kill_times(mtbf, args.seconds, seed)
-            for arm in args.arms:
-                extra: list[str] = []
-                if arm == "ckptd-goodput":
-                    extra = ["--node-mtbf" if s3 is not None else "--mtbf", str(mtbf)]
-                if arm in YD_ARMS:
-                    extra = ["--interval-steps", str(k)]
-                where = args.work_dir / f"{arm}-{mtbf:g}-{seed}"
-                run = Run(args, arm, where, extra, s3, fresh=not args.resummarize)
-                try:
-                    if not args.resummarize:
-                        run.go(kills, args.seconds)
-                    events = parse(run.progress)
-                    final = run.final_step() if still_restoring(events) else None
-                finally:
-                    run.close()
-                row = summarize(
-                    events,
-                    args.seconds,
-                    cal["steps_per_s"],
-                    cal["base_step_s"],
-                    reference,
-                    final,
-                )
-                row.update(arm=arm, mtbf_s=mtbf, seed=seed, kills=len(kills))
-                row["node_restart_s"] = run.node_losses
-                if arm in YD_ARMS:
-                    row["yd_interval_steps"] = k
-                cells.append(row)
-                print(
-                    f"{arm:17} mtbf {mtbf:5g} seed {seed}: goodput {row['goodput']:.3f} "
-                    f"({row['failures']} failures, bit-exact {row['bit_exact']})",
-                    flush=True,
-                )
+        kills = kill_times(mtbf, args.seconds, seed)
+        turn = g % len(args.arms)
+        for arm in [*args.arms[turn:], *args.arms[:turn]]:
+            extra: list[str] = []
+            if arm == "ckptd-goodput":
+                extra = ["--node-mtbf" if s3 is not None else "--mtbf", str(mtbf)]
+            if arm in YD_ARMS:
+                extra = ["--interval-steps", str(k)]
+            where = args.work_dir / f"{arm}-{mtbf:g}-{seed}"
+            run = Run(args, arm, where, extra, s3, fresh=not args.resummarize)
+            try:
+                if not args.resummarize:
+                    run.go(kills, args.seconds)
+                events = parse(run.progress)
+                final = run.final_step() if still_restoring(events) else None
+            finally:
+                run.close()
+                run.settle()
+            meta: dict[str, Any] = {
+                "arm": arm,
+                "mtbf_s": mtbf,
+                "seed": seed,
+                "kills": len(kills),
+                "node_restart_s": run.node_losses,
+            }
+            if arm in YD_ARMS:
+                meta["yd_interval_steps"] = k
+            done.append((g, meta, events, final))
+            rough = summarize(events, args.seconds, 1 / bases[g], bases[g], reference, final)
+            print(
+                f"{arm:17} mtbf {mtbf:5g} seed {seed}: goodput {rough['goodput']:.3f} "
+                f"(against the noop before it; {rough['failures']} failures, "
+                f"bit-exact {rough['bit_exact']})",
+                flush=True,
+            )
+    bases.append(noop_step(args, len(groups)))
+    cells: list[dict[str, Any]] = []
+    for g, meta, events, final in done:
+        base = (bases[g] + bases[g + 1]) / 2
+        row = summarize(events, args.seconds, 1 / base, base, reference, final)
+        once = summarize(events, args.seconds, cal["steps_per_s"], cal["base_step_s"],
+                         reference, final)  # fmt: skip
+        row.update(meta, noop_step_s=base, goodput_vs_calibration=once["goodput"])
+        cells.append(row)
     return cells
 
 
@@ -300,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=("trainer", "node"), default="trainer",
                     help="trainer: the process dies; node: its daemon and disk too")  # fmt: skip
     ap.add_argument("--state-mib", type=int, default=256, help="the job's state size")
+    ap.add_argument("--noop-seconds", type=float, default=30.0,
+                    help="the failure-free runs around each group of cells")  # fmt: skip
     ap.add_argument("--calibrate-seconds", type=float, default=None,
                     help="the uninterrupted runs' length (default: --seconds + 15)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="40 s cells, MTBF 20 and 60, one seed")
@@ -313,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.mtbf, args.seeds = 40.0, [20.0, 60.0], [1]
+        args.noop_seconds = 20.0
     if args.framework == "torch" and args.variant == "node":
         ap.error("the node variant runs the JAX job only")
     known = TORCH_ARMS if args.framework == "torch" else ARMS
