@@ -19,10 +19,11 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import restoring
+from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
 from .planning import Planner
-from .policies import Continuous, FailureHistory, SaveContext, SavePolicy
+from .policies import FailureHistory, SaveContext, SavePolicy
 from .saving import Saving, _check_metrics
 
 log = logging.getLogger("ckptd.client")
@@ -37,7 +38,8 @@ class Client(Saving):
     same daemon (the step commits when all of them have), ``world_size`` the
     job's total number of ranks. ``copy_threads`` (default: up to 4) copy large
     arrays into shared memory in parallel; 1 copies on the calling thread only.
-    ``policy`` decides :meth:`should_save` (default :class:`Continuous`);
+    ``policy`` decides :meth:`should_save` (default :class:`Goodput`: the interval
+    that maximises expected goodput, the failure rate learned from the daemon);
     ``staging_timeout`` is how long :meth:`save` waits for staging memory held
     by earlier saves before it raises :class:`CapacityExhausted`.
     ``save_replicas``: save every replica of a replicated jax array shard, not
@@ -77,7 +79,7 @@ class Client(Saving):
         self._copier = ThreadPoolExecutor(threads, "ckptd-copy") if threads > 1 else None
         if policy is not None and not isinstance(policy, SavePolicy):
             raise TypeError(f"policy must be a ckptd.client SavePolicy, not {policy!r}")
-        self.policy: SavePolicy = policy or Continuous()
+        self.policy: SavePolicy = policy or Goodput()
         self.staging_timeout = staging_timeout
         self.last_refusal = ""
         """Why the last :meth:`should_save` said False although the policy said True."""

@@ -45,6 +45,11 @@ It is configured only: a lost node's daemon loses its record with it.
 
 Until one save has been measured the policy saves as soon as the previous save
 is in (``Continuous()``), then widens the interval to ``tau*``.
+
+``Goodput()`` is the client's default policy (``Client(job)``). It times the
+trainer's steps by the calls to ``should_save``, so the loop must call it once
+per step (as the README's loops do); a loop that wants every possible save
+(a stress test, a benchmark of the save path) asks for ``Continuous()``.
 """
 
 from __future__ import annotations

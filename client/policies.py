@@ -1,7 +1,8 @@
 """Save-decision policies: should the trainer save at this step?
 
-``Client(job, policy=Continuous())`` (the default) and ``client.should_save(step)``
-in the training loop replace a hand-tuned checkpoint period. A policy sees a
+``Client(job, policy=...)`` (default: ``Goodput()``, client/goodput.py) and
+``client.should_save(step)`` in the training loop replace a hand-tuned checkpoint
+period. A policy sees a
 :class:`SaveContext` (no clock reads of its own, so each is a table-driven
 test); the client adds backpressure on top: ``should_save`` is False while the
 daemon has no staging memory or disk space for another save.

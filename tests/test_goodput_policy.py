@@ -191,3 +191,16 @@ def test_the_daemon_counts_each_restarted_process_once(daemon: Any) -> None:
     history = fresh._history()
     assert history is not None and history.restarts == 2
     assert history.observed_seconds >= seen.observed_seconds
+
+
+def test_the_client_default_is_goodput_learning_from_the_daemon(daemon: Any) -> None:
+    client = daemon.client("default")
+    policy = client.policy
+    assert isinstance(policy, Goodput) and policy.mtbf_seconds is None
+    # Three warm-up steps are timed first; then the first save (nothing measured yet).
+    assert [client.should_save(s) for s in range(4)] == [False, False, False, True]
+    client.save(3, {"w": np.arange(4.0)}).wait("local")
+    client.should_save(4)  # the save is LOCAL: its cost is measured, the MTBF asked for
+    assert policy.save_cost_seconds is not None
+    # Learned from the daemon's record: seen moments ago, no restart, so a short MTBF.
+    assert policy.mtbf_estimate_seconds is not None and policy.mtbf_estimate_seconds < 3600

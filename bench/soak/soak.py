@@ -61,7 +61,7 @@ def make_state(mib: float, tensors: int, seed: int) -> dict[str, np.ndarray]:
 
 def worker(idx: int, socket: str, cfg: dict[str, Any], out: str, barrier: Any) -> None:
     """One trainer, job ``soak-<idx>``: saves until the deadline, writes its counts to ``out``."""
-    from ckptd.client import Client
+    from ckptd.client import Client, Continuous
 
     res: dict[str, Any] = {
         "job": f"soak-{idx}",
@@ -92,7 +92,10 @@ def worker(idx: int, socket: str, cfg: dict[str, Any], out: str, barrier: Any) -
         pending.clear()
 
     try:
-        client = Client(res["job"], socket, rank=0, node_ranks=[0], world_size=1)
+        # Continuous(): the soak is a stress test, saving as often as the daemon allows.
+        client = Client(
+            res["job"], socket, rank=0, node_ranks=[0], world_size=1, policy=Continuous()
+        )
         state = make_state(cfg["mib"], cfg["tensors"], seed=idx)
         client.save(0, state).wait("local", timeout=WAIT_TIMEOUT)  # warm-up: leases exist
         barrier.wait(timeout=600)  # all warmed up: the measured run starts now
