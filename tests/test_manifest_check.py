@@ -13,7 +13,7 @@ import pytest
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import Manifest, ManifestInvalid, RankRecord, ShardRecord
 from ckptd.core.names import check_tree_path
-from ckptd.daemon.remote.drain import marker_info
+from ckptd.daemon.remote import index
 from ckptd.daemon.remote.layout import file_key, parse_marker, parse_pin, tree_path
 
 from .test_remote_names import NODE, set_field
@@ -231,13 +231,26 @@ def test_file_keys_refuse_names_that_leave_the_step() -> None:
             tree_path(name)
 
 
-def test_marker_info_ignores_fields_of_the_wrong_type() -> None:
-    assert marker_info({"created_unix": "soon", "metrics": [1], "milestone": 1}) == (0.0, True, {})
-    assert marker_info({"time": 5, "metrics": {"loss": 0.5, "x": "y", "b": True}}) == (
-        5.0,
-        False,
-        {"loss": 0.5},
-    )
+def test_the_step_index_ignores_entries_and_fields_of_the_wrong_type() -> None:
+    # Bucket content: a bad entry is skipped, a bad field ignored; the daemon starts.
+    raw = json.dumps({"format": 1, "steps": [
+        {"step": 4, "created_unix": "soon", "metrics": [1], "milestone": 1},
+        {"step": 5, "created_unix": 7, "metrics": {"loss": 0.5, "x": "y", "b": True,
+                                                   "n": float("nan")}, "milestone": True},
+        {"step": -1}, {"step": "6"}, {"step": True}, {"step": 2**63}, "x", None,
+    ]}).encode()  # fmt: skip
+    assert index.decode(raw) == {
+        4: index.Entry(4),
+        5: index.Entry(5, created_unix=7.0, metrics={"loss": 0.5}, milestone=True),
+    }
+    back = index.decode(index.encode("j", "n", index.decode(raw)))
+    assert back == index.decode(raw)
+    for bad in (b"[]", b'{"format": 2, "steps": []}', b"{"):
+        with pytest.raises(ValueError):
+            index.decode(bad)
+    assert index.index_key("job", "node-1") == "job/_index/node-1.json"
+    with pytest.raises(InvalidArgument):
+        index.index_key("job", "../x")
 
 
 def test_a_commits_tree_text_goes_into_the_manifest_as_written() -> None:

@@ -24,6 +24,7 @@ from ckptd.client import CheckpointCorrupt, CheckpointNotFound
 from ckptd.client import orbax as ckptd_orbax
 from ckptd.daemon.app.launcher import ckptd_command
 from ckptd.daemon.local.files import open_dir_beneath
+from ckptd.daemon.remote import index
 from ckptd.daemon.remote.backends import open_remote
 from ckptd.daemon.remote.layout import manifest_key, marker_key
 from ckptd.proto import ckptd_pb2 as pb
@@ -108,7 +109,9 @@ def _plant(
     to_job: str = "",
 ) -> None:
     """Copy step ``src``'s objects to ``step`` (as ``node``, of ``to_job`` if given) with
-    its manifest edited, marker last: a step that looks complete to every reader."""
+    its manifest edited, marker last, and (a valid ``node``'s) in the node's step index:
+    a step that looks complete to every reader. A running daemon keeps the index it
+    read: restart it to make it read the planted one."""
     dst = to_job or job
 
     async def body(r: Any) -> None:
@@ -123,6 +126,14 @@ def _plant(
         await r.put_bytes(manifest_key(dst, step, node, adopted), json.dumps(raw).encode())
         marker = await r.get_bytes(marker_key(job, src, NODE, adopted))
         await r.put_bytes(marker_key(dst, step, node, adopted), marker)
+        if node != NODE:
+            return  # not a name the daemon reads an index of
+        try:
+            entries = index.decode(await r.get_bytes(index.index_key(dst, node)))
+        except FileNotFoundError:
+            entries = {}
+        entries[step] = index.Entry(step, adopted)
+        await r.put_bytes(index.index_key(dst, node), index.encode(dst, node, entries))
 
     remote.run(body)
 
@@ -197,6 +208,8 @@ def test_bad_remote_manifest_is_unusable_and_the_older_step_served(
     outside.mkdir()
     edit, why = CASES[case]
     _plant(remote, "names", 2, 3, edit(outside))
+    daemon.stop()  # the restarted daemon reads the node's index, planted step and all
+    daemon.start()
     assert _restored(client) == (2, True)
     _reported_unusable(daemon, client, "names", 3, why)
     assert _restored(client) == (2, True)  # and every later restore too
@@ -274,7 +287,8 @@ def test_listed_keys_with_bad_names_never_become_steps(make_daemon: Any, tmp_pat
     after = daemon.events()[-1].seq
     assert _restored(client) == (2, True)
     assert [c.step for c in client.list()] == [2, 1]
-    # A restart lists the whole bucket (every job): still up, nothing bad discovered.
+    # A restart reads the node's index of each job it holds: still up, nothing bad
+    # discovered (and nothing of the other jobs: their keys are never listed).
     daemon.stop()
     daemon.start()
     assert _restored(client) == (2, True)

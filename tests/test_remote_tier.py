@@ -61,7 +61,7 @@ def wait_until(pred: Any, timeout: float = 60.0, what: str = "condition") -> Non
 
 
 def expected_layout(job: str, steps: list[int], node: str = "test-node") -> list[str]:
-    keys = []
+    keys = [f"{job}/_index/{node}.json"] if steps else []  # the node's step index
     for s in steps:
         keys += [
             f"{job}/{s}/_complete/{node}",
@@ -102,8 +102,11 @@ def test_bucket_layout_with_marker_last(make_daemon: Any, remote: RemoteTarget) 
     client = daemon.client("lay")
     h = client.save(7, state_for(7, 8))
     daemon.wait_failpoint("drain.before_marker")
-    # every object is there but the marker, and the step is not DURABLE
-    assert remote.object_keys() == [k for k in expected_layout("lay", [7]) if "_complete" not in k]
+    # every object is there but the marker (and the index naming the step: it never names
+    # one before its marker), and the step is not DURABLE
+    assert remote.object_keys() == [
+        k for k in expected_layout("lay", [7]) if "_complete" not in k and "_index" not in k
+    ]
     assert h.state() == "DRAINING"
     daemon.release("drain.before_marker")
     h.wait("durable", 60)
@@ -350,7 +353,7 @@ def test_several_ranks_restore_from_the_bucket_together(make_daemon: Any, tmp_pa
     handles = [c.save(9, state_for(10 + c.rank, 4), metadata={"r": c.rank}) for c in ranks]
     handles[0].wait("durable", 60)
     assert remote.object_keys() == sorted(
-        ["mr/9/_complete/test-node", "mr/9/test-node/manifest.json"]
+        ["mr/9/_complete/test-node", "mr/9/test-node/manifest.json", "mr/_index/test-node.json"]
         + [f"mr/9/test-node/rank-0000{r}.safetensors" for r in range(3)]
     )
     daemon.stop()

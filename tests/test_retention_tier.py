@@ -42,7 +42,8 @@ def local_dirs(daemon: Daemon, job: str) -> list[int]:
 
 
 def bucket_steps(remote: RemoteTarget, job: str) -> list[int]:
-    return sorted({int(k.split("/")[1]) for k in remote.object_keys() if k.startswith(job + "/")})
+    keys = [k.split("/") for k in remote.object_keys() if k.startswith(job + "/")]
+    return sorted({int(k[1]) for k in keys if k[1].isdigit()})
 
 
 def small(step: int) -> dict[str, Any]:
@@ -261,7 +262,7 @@ def test_staging_backpressure(make_daemon: Any) -> None:
 
 def test_continuous_should_save_follows_the_daemon(make_daemon: Any) -> None:
     daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
-    client = daemon.client("cont")  # Continuous() by default
+    client = daemon.client("cont", policy=Continuous())
     assert client.should_save(0) is True  # nothing saved yet
     handle = client.save(0, small(0))
     daemon.wait_failpoint("write.begin")

@@ -34,6 +34,7 @@ from ..local.store import LocalStore
 from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.drain import Drain
+from ..remote.index import NodeIndex
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
 from ..retention.evictor import Evictor
@@ -159,11 +160,26 @@ class Daemon:
         # Evictions get threads of their own: behind a queue of rank-file writes they
         # fell behind a sustained save rate and the disk filled (bench/soak).
         self.evict_io = IoPool(2)
+        # This node's step index in the bucket (remote/index.py): one owner, shared by
+        # the drain (adds), the evictor (removes), pins and restores (reads).
+        self.index = (
+            NodeIndex(self.remote, cfg.node_id, cfg.remote_read_jitter_seconds)
+            if self.remote is not None
+            else None
+        )
         self.evictor = Evictor(
-            self.catalog, self.retention, self.store, self.disk, self.evict_io, self.remote
+            self.catalog,
+            self.retention,
+            self.store,
+            self.disk,
+            self.evict_io,
+            self.remote,
+            self.index,
         )
         self.admission.relieve = self.evictor.relieve_local
-        self.fetcher = Fetcher(self.catalog, self.store, self.staging, self.io, self.remote)
+        self.fetcher = Fetcher(
+            self.catalog, self.store, self.staging, self.io, self.remote, self.index
+        )
         self.restorer = Restorer(self.catalog, self.store, self.staging, self.io, self.fetcher)
         self.adopter = Adopter(
             self.catalog,
@@ -174,24 +190,29 @@ class Daemon:
             cfg.adopt_poll_seconds,
             cfg.adopt_dirs,
         )
-        self.pins = Pins(self.catalog, cfg.root, self.io, self.remote)
+        self.pins = Pins(self.catalog, cfg.root, self.io, self.remote, self.index)
         await self.adopter.load()
-        if self.remote is not None:
+        if self.remote is not None and self.index is not None:
             self.drain = Drain(
                 self.catalog,
                 self.remote,
+                self.index,
                 self.store,
                 self.io,
                 self.retention,
                 cfg.drain_retry_max_seconds,
                 cfg.drain_stall_seconds,
             )
-            try:
-                await asyncio.wait_for(self.drain.resume(), 120)
-            except Exception as exc:
-                raise StartupError(
-                    redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")
-                ) from None
+            # With a jitter the node's index is read in the background (the drain's
+            # first act): local restores need nothing from the bucket, so a restarting
+            # job does not wait for it.
+            if not cfg.remote_read_jitter_seconds:
+                try:
+                    await asyncio.wait_for(self.drain.resume(), 120)
+                except Exception as exc:
+                    raise StartupError(
+                        redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")
+                    ) from None
             self.supervisor.service("drain", self.drain.run)
         self.evictor.kick()  # apply the retention to what recovery found
         self.supervisor.service("evictor", self.evictor.run)

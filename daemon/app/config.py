@@ -85,6 +85,11 @@ class Config:
     drain_stall_seconds: float = 45.0
     """An upload with no file finished for this long shows as the drain's error in
     status (a store that hangs without answering)."""
+    remote_read_jitter_seconds: float = 0.0
+    """Before its first read of the bucket for a job (at start-up, or a restore on a
+    node that holds none of it), the daemon waits a random time up to this long, so a
+    whole job restarting at once does not reach the bucket in the same second (0: no
+    wait; docs/scale.md: nodes / 2,000 at 1,000 nodes and more)."""
     retention_local: Policy = field(default_factory=lambda: parse_policy("KeepLatest(3)"))
     """Which checkpoints the local tier keeps (see daemon/retention/policies.py)."""
     retention_remote: Policy = field(
@@ -195,6 +200,10 @@ def _coerce(key: str, value: object, source: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError("expected a number, got a boolean")
             x = float(str(value))
+            if key == "remote_read_jitter_seconds":  # 0: no jitter
+                if not 0 <= x <= 600:
+                    raise ValueError("must be 0 (no jitter) to 600 seconds")
+                return x
             if not x > 0:
                 raise ValueError("must be a positive number of seconds")
             return x

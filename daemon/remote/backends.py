@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from urllib.parse import urlparse
 
-from .base import Remote, RemoteError
+from .base import Remote
+from .errors import RemoteError
 
 BACKENDS: dict[str, dict[str, str]] = {
     "file": {"class": "ckptd.daemon.remote.file.FileRemote", "err": ""},

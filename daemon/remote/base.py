@@ -23,7 +23,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -35,13 +34,13 @@ from typing import Any
 import numpy as np
 
 from ckptd.core import checksum
-from ckptd.core.errors import CkptdError
 from ckptd.core.format import round_up
 
 from .. import faults
 from ..commit import Commit, MarkerCommit
 from ..io import gather_all, in_thread
 from ..local.files import open_direct
+from .errors import CONNECTION_ERRORS, TRANSIENT_ERRNOS, RemoteError
 from .layout import COMMIT_FILE
 from .ranged import (
     Populate,
@@ -53,46 +52,6 @@ from .ranged import (
 )
 
 log = logging.getLogger("ckptd.remote")
-
-
-class RemoteError(CkptdError):
-    """A remote operation failed; ``transient`` says whether retrying may help."""
-
-    def __init__(self, message: str, transient: bool) -> None:
-        super().__init__(message)
-        self.transient = transient
-
-
-_CONNECTION_ERRORS = frozenset(
-    {
-        # aiohttp (gcsfs, s3fs through aiobotocore) and botocore
-        "ClientConnectorError",
-        "ServerDisconnectedError",
-        "ClientOSError",
-        "ClientPayloadError",
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-    }
-)
-_TRANSIENT_ERRNOS = frozenset(
-    {
-        errno.ECONNRESET,
-        errno.ECONNREFUSED,
-        errno.ETIMEDOUT,
-        errno.EPIPE,
-        errno.EIO,
-        errno.EREMOTEIO,  # s3fs's translation of a server-side S3 error (InternalError, 5xx)
-        errno.EAGAIN,
-    }
-)
-
-
-def transient_http_status(code: object) -> bool:
-    """HTTP statuses worth retrying: 5xx, request timeout, too many requests."""
-    text = str(code)
-    return text.isascii() and text.isdigit() and (int(text) >= 500 or int(text) in (408, 429))
 
 
 class BufferPool:
@@ -173,6 +132,8 @@ class Remote(abc.ABC):
     """Operations the drain and restore need, on top of an fsspec async filesystem."""
 
     scheme = ""
+    rewrite_seconds = 0.0
+    """Least time between two writes of the same object name the store takes."""
 
     def __init__(self, url: str, fs: Any, root: str, part_size: int, concurrency: int) -> None:
         self.url = url.rstrip("/")
@@ -198,9 +159,9 @@ class Remote(abc.ABC):
             return False
         if isinstance(exc, ConnectionError | TimeoutError | asyncio.TimeoutError):
             return True
-        if type(exc).__name__ in _CONNECTION_ERRORS or self._transient(exc):
+        if type(exc).__name__ in CONNECTION_ERRORS or self._transient(exc):
             return True
-        return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+        return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
     def _transient(self, exc: BaseException) -> bool:
         """The backend's own transient errors (its error codes); none by default."""
@@ -250,6 +211,17 @@ class Remote(abc.ABC):
             for p, info in found.items()
             if info.get("type") == "file" and p.startswith(base) and not p.endswith("/")
         )
+
+    async def list_dirs(self, prefix: str) -> list[str]:
+        """The names directly under ``prefix`` (a delimited listing: one request per
+        1,000 names, not per key below them), as keys relative to the remote root."""
+        self.fs.invalidate_cache()
+        try:
+            found = await self.fs._ls(self.path(prefix.rstrip("/")), detail=False)
+        except FileNotFoundError:
+            return []
+        base = self.root + "/"
+        return sorted(str(p)[len(base) :].rstrip("/") for p in found if str(p).startswith(base))
 
     async def exists(self, key: str) -> bool:
         """Whether an object exists."""

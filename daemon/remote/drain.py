@@ -5,8 +5,8 @@ newest LOCAL step; an older pending step goes up only if the remote retention
 would keep it (the retention plan's ``remote_wants``), otherwise it becomes
 SUPERSEDED once a newer step is DURABLE. Each step's objects are uploaded in
 parallel parts and verified against the crc32c recorded at local commit, then
-committed with the ``_complete/<node>`` marker last
-(publish.py). Transient errors (as the backend
+committed with the ``_complete/<node>`` marker last and recorded in the node's
+step index (publish.py, index.py). Transient errors (as the backend
 classifies them) are retried with exponential backoff and full jitter; a
 permanent one marks the step FAILED, but its local copy stays restorable and
 its upload is tried again later (backoff from ``retry_max_seconds`` doubling to
@@ -14,16 +14,16 @@ ten minutes), so it goes up once the store is fixed. A local copy whose bytes no
 longer match their checksums is set aside and the step FAILED for good. An
 upload that makes no progress for ``stall_seconds`` (a store that hangs without
 an error) shows as the drain's error in status while it keeps waiting. At
-start-up, steps whose marker is already in the bucket are DURABLE and the others
-are queued again; files already in the bucket with the right crc32c are not
-sent twice.
+start-up, the node's index of each job it holds locally (one GET per job, never
+a listing of the bucket) says which steps are DURABLE; the others are queued
+again, and their files already in the bucket with the right crc32c are not sent
+twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
@@ -37,11 +37,7 @@ from ..io import IoPool
 from ..local.store import LocalStore
 from ..retention.planner import Retention
 from .base import Remote
-from .layout import (
-    complete_steps_in,
-    marker_key,
-    parse_pin,
-)
+from .index import NodeIndex
 from .publish import Publisher
 
 log = logging.getLogger("ckptd.drain")
@@ -75,21 +71,6 @@ class Backoff:
         return float(self.rand() * min(self.maximum, self.initial * 2**attempt))
 
 
-def marker_info(meta: dict[str, object]) -> tuple[float, bool, dict[str, float]]:
-    """``(created_unix, milestone, metrics)`` from a marker's JSON: bucket content, so a
-    field of the wrong type is ignored (a bad marker must not stop the daemon's start)."""
-    try:
-        created = float(meta.get("created_unix") or meta.get("time") or 0)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        created = 0.0
-    raw = meta.get("metrics")
-    metrics: dict[str, float] = {}
-    for k, v in raw.items() if isinstance(raw, dict) else ():
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            metrics[str(k)] = float(v)
-    return created, bool(meta.get("milestone", False)), metrics
-
-
 class Drain:
     """One background uploader per daemon."""
 
@@ -97,6 +78,7 @@ class Drain:
         self,
         catalog: Catalog,
         remote: Remote,
+        index: NodeIndex,
         store: LocalStore,
         io: IoPool,
         retention: Retention,
@@ -105,6 +87,7 @@ class Drain:
     ) -> None:
         self.catalog = catalog
         self.remote = remote
+        self.index = index
         self.store = store
         self.io = io
         self.retention = retention
@@ -115,9 +98,13 @@ class Drain:
         self.last_error = ""
         self._failed_uploads: dict[tuple[str, int], tuple[int, float]] = {}
         """FAILED uploads with an intact local copy: (failures so far, next try at)."""
-        self.publisher = Publisher(remote, store, io, self.node_id, stall_seconds, self._stalled)
+        self.publisher = Publisher(
+            remote, index, store, io, self.node_id, stall_seconds, self._stalled
+        )
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self.resumed = False
+        """The node's index matched against the local steps (:meth:`resume`)."""
         catalog.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
@@ -130,48 +117,38 @@ class Drain:
         return self.catalog.count(pb.SAVE_STATE_LOCAL) + self.catalog.count(pb.SAVE_STATE_DRAINING)
 
     async def resume(self) -> None:
-        """Match the local index against the bucket's markers (start-up)."""
-        keys = await self.remote.list_keys("")
-        markers = complete_steps_in(keys)
-        pins = {pin for pin in map(parse_pin, keys) if pin is not None}
-        # Retention needs the time, milestone flag and metrics of steps that are only in
-        # the bucket: this node's markers carry them.
+        """Match the local steps against this node's index in the bucket (start-up): one
+        GET per job held locally; jobs only in the bucket are read when first asked for
+        (fetcher.py). Steps still to upload may have been cut mid-upload by the last
+        daemon: their files are looked for before they are sent again."""
         limit = asyncio.Semaphore(16)
 
-        async def info(job: str, step: int, adopted: bool) -> dict[str, object]:
+        async def one(job: str) -> int:
             async with limit:
-                try:
-                    raw = await self.remote.get_bytes(marker_key(job, step, self.node_id, adopted))
-                    found = json.loads(raw)
-                    return found if isinstance(found, dict) else {}
-                except Exception:
-                    return {}
+                entries = await self.index.entries(job)
+            for e in entries.values():
+                self.catalog.discovered(
+                    job,
+                    e.step,
+                    {self.node_id},
+                    e.adopted,
+                    pinned=e.pinned,
+                    created_unix=e.created_unix,
+                    milestone=e.milestone,
+                    metrics=e.metrics,
+                )
+            return len(entries)
 
-        remote_only = [
-            key
-            for key, found in markers.items()
-            if self.node_id in found.nodes
-            and not ((st := self.catalog.get(*key)) is not None and st.local)
-        ]
-        infos = await asyncio.gather(*(info(j, s, markers[j, s].adopted) for j, s in remote_only))
-        described = dict(zip(remote_only, infos, strict=True))
-        for (job, step), found in markers.items():
-            created, milestone, metrics = marker_info(described.get((job, step), {}))
-            self.catalog.discovered(
-                job,
-                step,
-                found.nodes,
-                found.adopted,
-                pinned=(job, step) in pins,
-                created_unix=created,
-                milestone=milestone,
-                metrics=metrics,
-            )
-        await self.remote.cleanup_incomplete("")
+        found = await asyncio.gather(*(one(job) for job in sorted(self.catalog.jobs())))
+        for st in self.catalog.steps():
+            if st.state == pb.SAVE_STATE_LOCAL:
+                self.publisher.suspect.add(st.key)
+        self.resumed = True
         log.info(
-            "remote %s: %d complete steps; %d local steps to upload",
+            "remote %s: %d complete steps of this node in %d jobs; %d local steps to upload",
             self.remote.url,
-            len(markers),
+            sum(found),
+            len(found),
             self.queue_length,
         )
 
@@ -182,6 +159,8 @@ class Drain:
 
     async def run(self) -> None:
         """Upload until stopped (supervised: an unexpected error restarts the loop)."""
+        if not self.resumed:
+            await self.resume()
         while not self._stop.is_set():
             if faults.armed("drain.loop"):
                 await asyncio.to_thread(faults.hit, "drain.loop")
@@ -287,6 +266,7 @@ class Drain:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.publisher.suspect.add(st.key)  # parts of it may be in the bucket
                 if self._stop.is_set():
                     self.catalog.requeued(st, "the daemon is stopping")
                     return

@@ -18,7 +18,15 @@ from ckptd.core.names import check_name
 from ..io import gather_all, in_thread
 from ..local.files import open_dir_beneath
 from .base import Remote
-from .layout import RemoteStep, complete_steps_in, file_key, manifest_key
+from .layout import (
+    RemoteStep,
+    complete_steps_in,
+    file_key,
+    manifest_key,
+    parse_marker,
+    parse_step_name,
+    record_prefix,
+)
 from .ranged import Populate
 
 INLINE_MANIFEST_BYTES = 64 * 2**10
@@ -26,9 +34,35 @@ INLINE_MANIFEST_BYTES = 64 * 2**10
 
 
 async def complete_steps(remote: Remote, job: str) -> dict[int, RemoteStep]:
-    """Steps of ``job`` with at least one ``_complete`` marker, and the nodes that have one."""
+    """Steps of ``job`` with at least one ``_complete`` marker, and the nodes that have
+    one: a listing of every object of the job (``ckptd ls`` and ``pull``; the daemon
+    reads its node's index instead, and :func:`newest_steps` for other nodes')."""
     found = complete_steps_in(await remote.list_keys(job + "/"))
     return {step: info for (j, step), info in found.items() if j == job}
+
+
+async def step_nodes(remote: Remote, job: str, step: int, adopted: bool) -> set[str]:
+    """The nodes whose marker of ``step`` is in the bucket (one listing of its markers:
+    a request per 1,000 nodes)."""
+    keys = await remote.list_keys(f"{record_prefix(job, step, adopted)}/_complete/")
+    return {m.node for m in map(parse_marker, keys) if m is not None and m.step == step}
+
+
+async def newest_steps(remote: Remote, job: str, count: int) -> dict[int, RemoteStep]:
+    """The ``count`` newest steps of ``job`` that some node completed, with their nodes:
+    the step names (one delimited listing), then the markers of each, newest first,
+    until ``count`` steps have some. For a node with no steps of its own in the bucket
+    (a replacement under a new name): O(count x nodes / 1,000) requests, not a listing
+    of every object of every step."""
+    names = [parse_step_name(n) for n in await remote.list_dirs(f"{job}/")]
+    found: dict[int, RemoteStep] = {}
+    for step, adopted in sorted(((s, a) for s, a in names if s is not None), reverse=True):
+        nodes = await step_nodes(remote, job, step, adopted)
+        if nodes:
+            found[step] = RemoteStep(nodes, adopted)
+            if len(found) >= count:
+                break
+    return found
 
 
 async def node_manifest(

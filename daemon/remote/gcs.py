@@ -9,7 +9,8 @@ from urllib.parse import urlparse
 
 from ckptd.core import checksum
 
-from .base import Remote, transient_http_status
+from .base import Remote
+from .errors import transient_http_status
 from .ranged import RangeSource
 
 
@@ -17,6 +18,7 @@ class GCSRemote(Remote):
     """``gs://bucket/prefix`` through gcsfs; the object's native crc32c is checked."""
 
     scheme = "gs"
+    rewrite_seconds = 1.0  # "one write per second to the same object name" (GCS quotas)
 
     async def put_bytes(self, key: str, data: bytes) -> None:
         """A simple upload, then the object's crc32c must match."""

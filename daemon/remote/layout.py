@@ -5,6 +5,7 @@ A step saved through ckptd (``Client.save``)::
     <job>/<step>/<node>/manifest.json + rank-*.safetensors
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
+    <job>/_index/<node>.json               the node's complete steps (index.py)
 
 A step adopted from a directory (an Orbax step, ``ckptd adopt``) keeps its tree
 byte-identical where the framework itself would look for it, and ckptd's own
@@ -145,6 +146,12 @@ def parse_pin(key: str) -> tuple[str, int] | None:
     if step is None or not _valid_names(key, job=parts[0]):
         return None
     return parts[0], step
+
+
+def parse_step_name(name: str) -> tuple[int | None, bool]:
+    """A listed step directory's number (None: not a step ckptd writes) and whether it
+    holds an adopted step's records (``<step>.ckptd``)."""
+    return _parse_step(name.rstrip("/").rsplit("/", 1)[-1])
 
 
 def _parse_step(name: str) -> tuple[int | None, bool]:

@@ -2,9 +2,12 @@
 
 Files go up in parallel (an adopted tree in its framework's order, its own
 commit file last), each verified against the crc32c recorded at local commit;
-a file already in the bucket with the right crc32c is not sent again. The
-``_complete/<node>`` marker is the commit point
-(:class:`~ckptd.daemon.commit.MarkerCommit`). :meth:`Publisher.publish` watches
+a step an earlier attempt may have cut short (``suspect``: failed here, or
+queued again at start-up) has its files looked for first, and one already in the
+bucket with the right crc32c is not sent again; a fresh step's are not looked for
+(a request per file saved). The ``_complete/<node>`` marker is the commit point
+(:class:`~ckptd.daemon.commit.MarkerCommit`); the step then goes into the node's
+index (index.py) before the drain calls it DURABLE. :meth:`Publisher.publish` watches
 the upload: with no file finished for ``stall_seconds`` (a store that hangs
 never raises) it reports through ``on_stall`` and keeps waiting. The drain
 (drain.py) decides what to publish and when to retry.
@@ -28,6 +31,7 @@ from ..commit import MarkerCommit
 from ..io import IoPool, gather_all
 from ..local.store import LocalStore
 from .base import Remote
+from .index import Entry, NodeIndex
 from .layout import (
     COMMIT_FILE,
     FILES_DIR,
@@ -49,6 +53,7 @@ class Publisher:
     def __init__(
         self,
         remote: Remote,
+        index: NodeIndex,
         store: LocalStore,
         io: IoPool,
         node_id: str,
@@ -56,9 +61,12 @@ class Publisher:
         on_stall: Callable[[Step, str], None],
     ) -> None:
         self.remote = remote
+        self.index = index
         self.store = store
         self.io = io
         self.node_id = node_id
+        self.suspect: set[tuple[str, int]] = set()
+        """Steps an earlier attempt may have left parts of in the bucket."""
         self.stall_seconds = stall_seconds
         self._on_stall = on_stall
         self._progress_at = 0.0
@@ -122,6 +130,7 @@ class Publisher:
         # file last); ckptd's records of the step are committed beside it.
         tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
         skipped: list[str] = []
+        suspect = st.key in self.suspect
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
             if tree_commit is not None:
@@ -129,7 +138,7 @@ class Publisher:
             else:
                 key = file_key(st.job, st.step, node, rank_file)
             with contextlib.suppress(FileNotFoundError):
-                if await self.remote.native_crc32c(key) == crc32c:
+                if suspect and await self.remote.native_crc32c(key) == crc32c:
                     log.info(
                         "%s is already in the bucket with the right crc32c: not sent again", key
                     )
@@ -175,7 +184,13 @@ class Publisher:
             "metrics": st.metrics,
         }
         await part.finalize(json.dumps(marker_info).encode())
-        # Attempts cut by an outage could not abort their multipart uploads: do it now.
-        with contextlib.suppress(Exception):
-            await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node}/")
+        entry = Entry(st.step, adopted, manifest.created_unix, st.milestone, dict(st.metrics))
+        entry.pinned = st.pinned
+        await self.index.add(st.job, entry)
+        if suspect:
+            # Attempts cut by an outage or a kill could not abort their multipart
+            # uploads: do it now (this node's prefix only: never another's in flight).
+            with contextlib.suppress(Exception):
+                await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node}/")
+            self.suspect.discard(st.key)
         return len(records_by_file) - len(skipped), len(skipped)

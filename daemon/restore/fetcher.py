@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckptd.core.errors import DataLoss, ResourceExhausted
+from ckptd.core.errors import DataLoss, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST
 
@@ -24,9 +24,13 @@ from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
 from ..remote import fetch
 from ..remote.base import Remote
+from ..remote.index import NodeIndex
 from ..remote.ranged import Populate
 
 log = logging.getLogger("ckptd.restore")
+
+OTHER_STEPS = 3
+"""How many of a job's newest steps a node with none of its own learns from the others."""
 
 
 class Fetcher:
@@ -39,12 +43,16 @@ class Fetcher:
         staging: Staging,
         io: IoPool,
         remote: Remote | None,
+        index: NodeIndex | None,
     ) -> None:
         self.catalog = catalog
         self.store = store
         self.staging = staging
         self.io = io
         self.remote = remote
+        self.index = index
+        self._asked_others: set[str] = set()
+        """Jobs whose newest steps were learnt from other nodes' markers in this life."""
         self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
         self._prefetched: dict[tuple[str, int, int], Lease] = {}
         """Verified restore leases of other ranks, filled by a fetch from the bucket."""
@@ -70,12 +78,62 @@ class Fetcher:
             self.in_flight_bytes -= size
             self.in_flight_done -= done
 
-    async def refresh(self, job: str) -> None:
-        """Learn which steps of ``job`` the bucket holds complete (other nodes' too)."""
-        if self.remote is None:
+    async def refresh(self, job: str, step: int | None = None) -> None:
+        """Learn which steps of ``job`` the bucket holds complete, never by listing the
+        job's objects (docs/scale.md): this node's steps from its index (one GET, the
+        first time in this daemon's life; the drain and the evictor keep it current).
+        A node with no step of its own there (a replacement under a new name) learns
+        the job's newest steps from the other nodes' markers, once; a ``step`` asked
+        for that is still unknown, from that step's markers."""
+        if self.remote is None or self.index is None:
             return
-        for step, found in (await fetch.complete_steps(self.remote, job)).items():
-            self.catalog.discovered(job, step, found.nodes, found.adopted)
+        entries = await self.index.entries(job)
+        me = self.catalog.node_id
+        for e in entries.values():
+            self.catalog.discovered(
+                job,
+                e.step,
+                {me},
+                e.adopted,
+                pinned=e.pinned,
+                created_unix=e.created_unix,
+                milestone=e.milestone,
+                metrics=e.metrics,
+            )
+        if not entries and job not in self._asked_others:
+            self._asked_others.add(job)
+            for n, found in (await fetch.newest_steps(self.remote, job, OTHER_STEPS)).items():
+                self.catalog.discovered(job, n, found.nodes, found.adopted)
+        if step is not None and self.catalog.get(job, step) is None:
+            for adopted in (False, True):
+                nodes = await fetch.step_nodes(self.remote, job, step, adopted)
+                if nodes:
+                    self.catalog.discovered(job, step, nodes, adopted)
+                    break
+
+    async def refresh_quietly(self, job: str, step: int | None = None) -> None:
+        """:meth:`refresh`; a bucket that cannot be read is logged, and what is known
+        is used (a restore or listing must not fail while the bucket is away). Until
+        the node's index of ``job`` is read (with a jitter, in the background after a
+        start), a restore the local tier answers does not wait for it."""
+        if self.index is not None and not self.index.known(job):
+            if step is None and any(s.local for s in self.catalog.list(job)):
+                return
+            if step is not None and (st := self.catalog.get(job, step)) and st.local:
+                return
+        try:
+            await self.refresh(job, step)
+        except Exception as exc:
+            log.warning("cannot read the bucket for job %s (%s); using the copies known", job, exc)
+
+    async def other_nodes(self, st: Step) -> set[str]:
+        """Every node whose part of ``st`` is complete in the bucket (its markers, listed:
+        needed only to restore ranks this node's part does not hold)."""
+        assert self.remote is not None
+        nodes = await fetch.step_nodes(self.remote, st.job, st.step, st.adopted)
+        if nodes:
+            self.catalog.discovered(st.job, st.step, nodes, st.adopted)
+        return set(self.catalog.require(st.job, st.step).remote_nodes)
 
     def take_prefetched(self, job: str, step: int, rank: int) -> Lease | None:
         """The verified lease a fetch filled for ``rank``, if it is still granted."""
@@ -113,15 +171,16 @@ class Fetcher:
 
     async def _fetch(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
         assert self.remote is not None
-        node, raw, manifest = await fetch.node_manifest(
-            self.remote,
-            st.job,
-            st.step,
-            set(st.remote_nodes),
-            None if st.adopted else rank,
-            self.catalog.node_id,
-            st.adopted,
-        )
+        want = None if st.adopted else rank
+        args = (self.remote, st.job, st.step)
+        try:
+            node, raw, manifest = await fetch.node_manifest(
+                *args, set(st.remote_nodes), want, self.catalog.node_id, st.adopted
+            )
+        except NotFound:  # the nodes known hold other ranks: ask the step's markers
+            node, raw, manifest = await fetch.node_manifest(
+                *args, await self.other_nodes(st), want, self.catalog.node_id, st.adopted
+            )
         shared_memory = shared_memory and not manifest.adopted
         leases: dict[int, Lease] = {}
         by_file = {r.file: r for r in manifest.ranks}
@@ -177,13 +236,13 @@ class Fetcher:
         ``<root>/.peers``: ``(node, directory, manifest json)`` each."""
         if self.remote is None:
             return []
-        await self.refresh(job)
+        await self.refresh(job, step)
         st = self.catalog.require(job, step)
         parts = []
         lock = self._fetching.setdefault((job, -1 - step), asyncio.Lock())
         async with lock:
             with self.catalog.in_use(st):
-                for node in sorted(st.remote_nodes - {self.catalog.node_id}):
+                for node in sorted(await self.other_nodes(st) - {self.catalog.node_id}):
                     dest = self.store.peer_dir(job, step, node)
                     if not await self.io.run((dest / MANIFEST).exists):
                         await self._fetch_part(st, node)

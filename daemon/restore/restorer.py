@@ -153,10 +153,10 @@ class Restorer:
     async def _restore(
         self, job: str, step: int | None, rank: int, shared_memory: bool, uid: int | None
     ) -> RestorePlan:
-        try:
-            await self.fetcher.refresh(job)
-        except Exception as exc:  # the bucket is down: restore from what is known
-            log.warning("cannot list the bucket for job %s (%s); using the copies known", job, exc)
+        # No request when the node's index of the job is read already (at start-up, for
+        # every job held locally): a restarting job's nodes that hold their steps never
+        # touch the bucket.
+        await self.fetcher.refresh_quietly(job, step)
         while True:
             st = self.choose(job, step, rank)
             # Held while the daemon reads it: the evictor leaves it alone. (The grace

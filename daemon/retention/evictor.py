@@ -23,7 +23,8 @@ from ..io import IoPool
 from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore
 from ..remote.base import Remote
-from ..remote.layout import marker_key, record_prefix, step_prefix
+from ..remote.index import NodeIndex
+from ..remote.layout import marker_key, pin_key, record_prefix, step_prefix
 from .planner import Retention
 
 log = logging.getLogger("ckptd.evictor")
@@ -55,6 +56,7 @@ class Evictor:
         disk: DiskSpace,
         io: IoPool,
         remote: Remote | None,
+        index: NodeIndex | None,
     ) -> None:
         self.catalog = catalog
         self.retention = retention
@@ -62,6 +64,7 @@ class Evictor:
         self.disk = disk
         self.io = io
         self.remote = remote
+        self.index = index
         self.evicted_local = 0
         self.evicted_remote = 0
         self._wake = asyncio.Event()
@@ -172,11 +175,18 @@ class Evictor:
 
     async def _evict_remote(self, job: str, step: int, why: str) -> None:
         st = self.catalog.get(job, step)
-        if st is None or self.remote is None:
+        if st is None or self.remote is None or self.index is None:
             return
         node_id = self.catalog.node_id
         try:
-            # The marker first: from then on the step is not complete, never listed.
+            # A pin set through another node's daemon is only in the bucket: look.
+            if await self.remote.exists(pin_key(job, step, st.adopted)):
+                self.catalog.set_pinned(st, True)
+                log.info("%s/%d is pinned in the bucket: kept", job, step)
+                return
+            # Out of the index, then the marker: the index never names a step whose
+            # marker is gone, and from then on the step is not complete, never listed.
+            await self.index.remove(job, step)
             await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)

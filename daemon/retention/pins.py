@@ -2,7 +2,8 @@
 
 A pin is kept in two places so it outlives both the daemon and the node:
 ``<root>/.pins.json`` (read at start-up) and a ``_pinned`` object beside the
-step's records in the bucket (read when the drain lists the bucket).
+step's records in the bucket (looked for before the step leaves the bucket), also
+noted in the node's index there (index.py: what a node that lost its disk reads).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..catalog import Catalog
 from ..io import IoPool
 from ..local.files import replace_synced
 from ..remote.base import Remote
+from ..remote.index import NodeIndex
 from ..remote.layout import pin_key
 
 log = logging.getLogger("ckptd.pins")
@@ -40,11 +42,19 @@ def load_pins(root: Path) -> set[tuple[str, int]]:
 class Pins:
     """Pin and unpin steps: the bucket's pin object, the local file, the catalog."""
 
-    def __init__(self, catalog: Catalog, root: Path, io: IoPool, remote: Remote | None) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        root: Path,
+        io: IoPool,
+        remote: Remote | None,
+        index: NodeIndex | None,
+    ) -> None:
         self.catalog = catalog
         self.path = root / PINS_FILE
         self.io = io
         self.remote = remote
+        self.index = index
 
     async def set(self, job: str, step: int, pinned: bool) -> None:
         """Pin (or unpin) a step that has a complete copy in some tier."""
@@ -56,6 +66,8 @@ class Pins:
                 await self.remote.put_bytes(key, b"pinned by ckptd pin\n")
             else:
                 await self.remote.delete([key])
+            if self.index is not None:  # a node restoring from the bucket learns it there
+                await self.index.set_pinned(job, step, pinned)
         try:
             await self._save(changed=(job, step, pinned))
         except OSError as exc:  # a full disk, mostly: the catalog keeps the old pin

@@ -1,0 +1,250 @@
+"""The node's step index in the bucket: which steps of a job this node has complete there.
+
+    <job>/_index/<node>.json
+
+One small object per (job, node), written by that node's daemon only. It is how a
+daemon learns what the bucket holds of its own steps without listing anything:
+at start-up for each job it holds locally, and on the first restore or listing
+of a job it does not. One GET, where a listing of ``<job>/`` returns every
+node's objects of every kept step (10,000 nodes x 100 steps x 3+ objects: 3,000+
+LIST pages per daemon, tens of millions when a whole job restarts; docs/scale.md).
+
+The ``_complete`` markers stay the commit points. The index only says where to
+look, and never names a step whose marker is absent: a step is added after its
+marker is written (and before the drain calls it DURABLE), and removed before
+its marker is deleted. A crash between the two leaves a step out of the index,
+never in it without a marker: a step still local is uploaded again at start-up
+(its files are found in place, only the marker and index are rewritten); a
+step being evicted is left in the bucket (never lost; ``ckptd ls`` still lists it).
+
+Buckets written before the index (no ``_index`` object) are read the slower way
+once per job: the step names under ``<job>/`` (one delimited listing, O(steps),
+not O(nodes x steps)) and a HEAD of this node's marker in each; the index is then
+written from what was found.
+
+The name starts with ``_``: frameworks that list ``<job>/`` for numeric step
+names (Orbax) never see it, and neither does the marker parser (a marker key has
+four parts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptd.core.names import check_name
+
+from .base import Remote
+from .layout import marker_key, parse_step_name, pin_key
+
+log = logging.getLogger("ckptd.remote")
+
+INDEX_DIR = "_index"
+FORMAT = 1
+
+
+def index_key(job: str, node: str) -> str:
+    """Where ``node``'s index of ``job`` lives in the bucket."""
+    return f"{job}/{INDEX_DIR}/{check_name('node', node)}.json"
+
+
+@dataclass
+class Entry:
+    """One complete step of this node in the bucket, with what retention needs once
+    the local copy is gone (the marker carries the same)."""
+
+    step: int
+    adopted: bool = False
+    created_unix: float = 0.0
+    milestone: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    pinned: bool = False
+
+
+def encode(job: str, node: str, entries: dict[int, Entry]) -> bytes:
+    """The index object's bytes."""
+    body = {
+        "format": FORMAT,
+        "job": job,
+        "node": node,
+        "steps": [asdict(e) for _, e in sorted(entries.items())],
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> dict[int, Entry]:
+    """The entries of an index object. Bucket content: malformed entries are skipped
+    (a bad one must not stop the daemon), a wrong format raises ValueError."""
+    body = json.loads(raw)
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise ValueError(f"not a ckptd step index of format {FORMAT}")
+    out: dict[int, Entry] = {}
+    for item in body.get("steps") or []:
+        entry = _entry(item)
+        if entry is not None:
+            out[entry.step] = entry
+    return out
+
+
+def _entry(item: Any) -> Entry | None:
+    if not isinstance(item, dict):
+        return None
+    step = item.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
+        return None
+    created = item.get("created_unix")
+    created = float(created) if isinstance(created, int | float) else 0.0
+    raw = item.get("metrics")
+    metrics = {
+        str(k): float(v)
+        for k, v in (raw.items() if isinstance(raw, dict) else ())
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    return Entry(
+        step,
+        adopted=item.get("adopted") is True,
+        created_unix=created if math.isfinite(created) else 0.0,
+        milestone=item.get("milestone") is True,
+        metrics=metrics,
+        pinned=item.get("pinned") is True,
+    )
+
+
+class NodeIndex:
+    """This node's index of each job: loaded once per job, rewritten on every change.
+
+    Changes of one job are serialised (the object is rewritten whole); the daemon is
+    the only writer of its node's objects.
+    """
+
+    def __init__(self, remote: Remote, node: str, jitter_seconds: float = 0.0) -> None:
+        self.remote = remote
+        self.node = node
+        self.jitter_seconds = jitter_seconds
+        """Most random wait before a job's first read (``remote_read_jitter_seconds``)."""
+        self._jobs: dict[str, dict[int, Entry]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._written: dict[str, float] = {}
+        self.migrated = 0
+        """Jobs whose index was built from a listing (a bucket from before the index)."""
+
+    def _lock(self, job: str) -> asyncio.Lock:
+        return self._locks.setdefault(job, asyncio.Lock())
+
+    def known(self, job: str) -> bool:
+        """Whether ``job``'s index has been read (or built) in this daemon's life."""
+        return job in self._jobs
+
+    async def entries(self, job: str) -> dict[int, Entry]:
+        """``job``'s complete steps of this node in the bucket (read once, then kept)."""
+        async with self._lock(job):
+            return dict(await self._load(job))
+
+    async def add(self, job: str, entry: Entry) -> None:
+        """Record a step whose marker is written (call before announcing it DURABLE)."""
+        async with self._lock(job):
+            entries = await self._load(job)
+            if entries.get(entry.step) == entry:
+                return
+            entries[entry.step] = entry
+            await self._write(job, entries)
+
+    async def remove(self, job: str, step: int) -> None:
+        """Forget a step (call before its marker is deleted)."""
+        async with self._lock(job):
+            entries = await self._load(job)
+            if entries.pop(step, None) is not None:
+                await self._write(job, entries)
+
+    async def set_pinned(self, job: str, step: int, pinned: bool) -> None:
+        """Record a pin in the entry of ``step``, if this node has one."""
+        async with self._lock(job):
+            entries = await self._load(job)
+            entry = entries.get(step)
+            if entry is not None and entry.pinned != pinned:
+                entry.pinned = pinned
+                await self._write(job, entries)
+
+    async def _write(self, job: str, entries: dict[int, Entry]) -> None:
+        # GCS takes about one write a second to one object name (429s past that).
+        wait = self._written.get(job, -math.inf) + self.remote.rewrite_seconds - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        await self.remote.put_bytes(index_key(job, self.node), encode(job, self.node, entries))
+        self._written[job] = time.monotonic()
+
+    async def _load(self, job: str) -> dict[int, Entry]:
+        found = self._jobs.get(job)
+        if found is not None:
+            return found
+        if self.jitter_seconds > 0:  # a whole job restarting: not all in the same second
+            await asyncio.sleep(random.uniform(0, self.jitter_seconds))
+        try:
+            raw = await self.remote.get_bytes(index_key(job, self.node))
+        except FileNotFoundError:
+            found = await self._from_markers(job)
+        else:
+            try:
+                found = decode(raw)
+            except ValueError as exc:  # unreadable: rebuilt from the markers
+                log.warning("%s: unreadable step index (%s); rebuilding it", job, exc)
+                found = await self._from_markers(job)
+        self._jobs[job] = found
+        return found
+
+    async def _from_markers(self, job: str) -> dict[int, Entry]:
+        """A bucket written before the index (or a job new to it): the step names under
+        ``<job>/``, then this node's marker in each; written as the index if any."""
+        names = await self.remote.list_dirs(f"{job}/")
+        steps = [parsed for parsed in map(parse_step_name, names) if parsed[0] is not None]
+        if not steps:
+            return {}
+        limit = asyncio.Semaphore(16)
+
+        async def marker(step: int, adopted: bool) -> Entry | None:
+            async with limit:
+                try:
+                    raw = await self.remote.get_bytes(marker_key(job, step, self.node, adopted))
+                except FileNotFoundError:
+                    return None
+            return _from_marker(step, adopted, raw)
+
+        got = await asyncio.gather(*(marker(s, a) for s, a in steps if s is not None))
+        entries = {e.step: e for e in got if e is not None}
+
+        async def pinned(e: Entry) -> None:
+            async with limit:
+                e.pinned = await self.remote.exists(pin_key(job, e.step, e.adopted))
+
+        await asyncio.gather(*(pinned(e) for e in entries.values()))
+        if entries:
+            self.migrated += 1
+            log.info(
+                "%s: no step index of node %s in the bucket; built one from %d markers",
+                job,
+                self.node,
+                len(entries),
+            )
+            await self._write(job, entries)
+        return entries
+
+
+def _from_marker(step: int, adopted: bool, raw: bytes) -> Entry:
+    """An entry from a marker's JSON (bucket content: wrong types are ignored)."""
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    entry = _entry({**meta, "step": step, "adopted": adopted})
+    assert entry is not None
+    if not entry.created_unix:
+        t = meta.get("time")
+        entry.created_unix = float(t) if isinstance(t, int | float) and math.isfinite(t) else 0.0
+    return entry
