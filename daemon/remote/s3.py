@@ -268,6 +268,14 @@ class S3Remote(Remote):
         meta = head.get("Metadata", {}).get(META_CRC)
         return int(meta) if meta else None
 
+    async def exists(self, key: str) -> bool:
+        """One HeadObject (s3fs's ``exists`` follows a 404 with a listing of ``key/``)."""
+        try:
+            await self.native_crc32c(key)
+        except FileNotFoundError:
+            return False
+        return True
+
     async def delete(self, keys: list[str]) -> None:
         """DeleteObjects: up to 1,000 keys a request, not one each (missing keys count as
         deleted); a key the store could not delete raises (transient: tried again)."""

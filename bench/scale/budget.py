@@ -1,0 +1,129 @@
+"""Request budget of one job on one bucket, before and after issue 18, from the
+stores' published limits (docs/scale.md prints these tables; rerun to check them).
+
+Per node and step, ckptd writes each rank file (one PUT, or a multipart upload:
+create + parts + complete), the node's manifest and marker; since issue 18 also
+the node's index, and no longer HEADs each object before (unless an attempt was
+cut short) and after (the write's response states the stored checksum), nor lists
+open multipart uploads. Steady state evicts one old step per new step.
+
+    python bench/scale/budget.py [--ranks 8] [--gib 1] [--part-mib 16] [--kept 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+S3_WRITES_PER_PREFIX = 3500  # PUT/COPY/POST/DELETE per second per partitioned prefix
+S3_READS_PER_PREFIX = 5500  # GET/HEAD per second per partitioned prefix
+GCS_WRITES_PER_BUCKET = 1000  # object writes per second, initial (doubles per 20 min)
+GCS_READS_PER_BUCKET = 5000  # object reads per second incl. listing, initial
+LIST_PAGE = 1000  # keys per LIST response (S3 and GCS)
+NODES = (1, 100, 1_000, 10_000)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A job: ranks per node, bytes per rank file, part size, steps kept in the bucket."""
+
+    ranks: int = 8
+    file_bytes: int = 2**30
+    part_bytes: int = 16 * 2**20
+    kept: int = 100
+
+    @property
+    def parts(self) -> int:
+        return max(1, math.ceil(self.file_bytes / self.part_bytes))
+
+    @property
+    def file_writes(self) -> int:
+        """Requests that write one rank file (multipart: create + parts + complete)."""
+        return 1 if self.parts == 1 else self.parts + 2
+
+    def keys_per_node_step(self) -> int:
+        """Objects of one node in one step: rank files, manifest, marker."""
+        return self.ranks + 2
+
+
+def per_node_step(s: Shape, after: bool) -> tuple[int, int]:
+    """(write-class, read-class) requests one node makes per step, its eviction included."""
+    if after:
+        writes = s.ranks * s.file_writes + 3  # files, manifest, marker, index
+        writes += 3  # eviction: index, marker, one DeleteObjects
+        reads = 2  # eviction: the pin's HEAD, the node's objects of the step (LIST)
+    else:
+        writes = s.ranks * s.file_writes + 2  # files, manifest, marker
+        writes += 1 + s.ranks + 1  # eviction: marker, each rank file, manifest
+        reads = 2 * s.ranks + 2 * 2  # a HEAD before and after each object
+        reads += 1 + 1  # ListMultipartUploads after each step; eviction's LIST
+    return writes, reads
+
+
+def listing_pages(s: Shape, nodes: int) -> int:
+    """LIST requests to list every object of the job (the old start-up and restore)."""
+    return max(1, math.ceil(s.kept * nodes * s.keys_per_node_step() / LIST_PAGE))
+
+
+def restart(s: Shape, nodes: int, after: bool, wiped: bool) -> dict[str, float]:
+    """Requests per node when the whole job restarts (daemons too): ``wiped`` every node
+    lost its disk (restores from the bucket), else every node holds its newest step."""
+    download = s.ranks * s.parts + 1 if wiped else 0  # ranged GETs + the manifest
+    if after:
+        lists = 0
+        gets = 1 + download  # the node's index (start-up, or the first restore)
+    else:
+        # Start-up listed the whole prefix; then every rank's Restore listed the job.
+        lists = listing_pages(s, nodes) * (1 + s.ranks)
+        gets = download + (s.kept if wiped else 0)  # markers of remote-only steps
+    return {"lists": lists, "gets": gets, "requests": lists + gets}
+
+
+def table(s: Shape) -> list[list[str]]:
+    """Rows of the tables in docs/scale.md."""
+    rows = []
+    for nodes in NODES:
+        for after in (False, True):
+            w, r = per_node_step(s, after)
+            step_w = w * nodes
+            cold = restart(s, nodes, after, wiped=True)
+            warm = restart(s, nodes, after, wiped=False)
+            rows.append([
+                f"{nodes:,}", "after" if after else "before", f"{w}", f"{r}",
+                f"{step_w:,}", f"{step_w / S3_WRITES_PER_PREFIX:,.1f}",
+                f"{step_w / GCS_WRITES_PER_BUCKET:,.1f}",
+                f"{warm['requests'] * nodes:,.0f}", f"{cold['requests'] * nodes:,.0f}",
+                f"{cold['lists'] * nodes:,.0f}",
+                f"{cold['requests'] * nodes / GCS_READS_PER_BUCKET:,.1f}",
+            ])  # fmt: skip
+    return rows
+
+
+HEADERS = [
+    "nodes", "code", "writes/node/step", "reads/node/step", "writes/step",
+    "s: one S3 prefix", "s: GCS bucket", "restart, disks kept", "restart, disks lost",
+    "of which LIST", "s: GCS reads",
+]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the budget table as Markdown."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--gib", type=float, default=1.0, help="bytes per rank file, GiB")
+    ap.add_argument("--part-mib", type=int, default=16)
+    ap.add_argument("--kept", type=int, default=100, help="steps of the job in the bucket")
+    a = ap.parse_args(argv)
+    s = Shape(a.ranks, int(a.gib * 2**30), a.part_mib * 2**20, a.kept)
+    print(f"{a.ranks} ranks/node x {a.gib:g} GiB, {a.part_mib} MiB parts, {a.kept} steps kept")
+    print("| " + " | ".join(HEADERS) + " |")
+    print("|" + "---|" * len(HEADERS))
+    for row in table(s):
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
