@@ -259,7 +259,7 @@ class S3Remote(Remote):
         try:
             head = await self._s3("head_object", Bucket=bucket, Key=obj, ChecksumMode="ENABLED")
         except Exception as exc:
-            if type(exc).__name__ in ("NoSuchKey", "FileNotFoundError") or "404" in str(exc):
+            if _missing(exc):
                 raise FileNotFoundError(key) from None
             raise
         stored = head.get("ChecksumCRC32C")
@@ -267,6 +267,23 @@ class S3Remote(Remote):
             return checksum.from_base64(stored)
         meta = head.get("Metadata", {}).get(META_CRC)
         return int(meta) if meta else None
+
+    async def get_bytes(self, key: str) -> bytes:
+        """One GetObject (s3fs's ``cat_file`` first HEADs the object for its size, and
+        follows a 404 with a listing): a missing key is FileNotFoundError."""
+        bucket, obj = self._bucket_key(key)
+        try:
+            resp = await self._s3("get_object", Bucket=bucket, Key=obj)
+        except Exception as exc:
+            if _missing(exc):
+                raise FileNotFoundError(key) from None
+            raise
+        body = resp["Body"]
+        try:
+            data: bytes = await body.read()
+        finally:
+            body.close()
+        return data
 
     async def exists(self, key: str) -> bool:
         """One HeadObject (s3fs's ``exists`` follows a 404 with a listing of ``key/``)."""
@@ -312,6 +329,11 @@ class S3Remote(Remote):
             await self._s3("head_bucket", Bucket=bucket)
         except Exception as exc:
             raise RemoteError(_explain(exc, bucket), transient=False) from None
+
+
+def _missing(exc: BaseException) -> bool:
+    """An error saying the object is not there (s3fs translates botocore's NoSuchKey)."""
+    return type(exc).__name__ in ("NoSuchKey", "FileNotFoundError") or "404" in str(exc)
 
 
 def _explain(exc: BaseException, bucket: str) -> str:
