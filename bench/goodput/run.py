@@ -11,12 +11,13 @@ arm's losses must equal bit for bit.
     goodput = useful steps / (wall seconds x failure-free steps per second)
 
 where useful steps is the step the job has reached when the time is up, and the
-failure-free rate is measured beside each group of cells: a short ``noop`` run
-before each (MTBF, schedule) group and one after the last, a group's rate the
-mean of the two around it. This VM's step time drifts by up to 40% over an
-hour-long matrix, more than the arms differ by; a rate measured once before the
-matrix would credit or charge the drift to whichever arm ran at the time. The
-arms' order rotates from group to group for the same reason, and between runs
+failure-free rate is measured beside each run: a short ``noop`` run before every
+arm's run and one after the last, a run's rate the mean of the two around it.
+This VM's step time drifts by up to 2x over hours and by 15% between two
+back-to-back identical runs, more than the arms differ by; a rate measured once
+per matrix (or per group of arms) would credit or charge the drift to whichever
+arm ran at the time. The arms' order rotates from group to group for the same
+reason, and between runs
 the finished run's checkpoints are deleted and every dirty page written back
 (``sync``): Orbax writes through the page cache without fsync, and its dirty
 pages (up to ``vm.dirty_ratio``, ~4.6 GiB here) would otherwise be written back
@@ -79,6 +80,7 @@ from common import DEFAULT_WORK_DIR, RESULTS_DIR, print_table, write_results  # 
 from ckptd.daemon.app.launcher import DaemonProcess as Daemon  # noqa: E402
 from ckptd.daemon.local.lease import segment_prefix  # noqa: E402
 
+QUICK_ARMS = ["ckptd-learned", "orbax-continuous", "orbax-yd"]
 ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "orbax-continuous", "orbax-yd")
 TORCH_ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "dcp-yd")
 YD_ARMS = {"orbax-yd": "orbax-interval", "dcp-yd": "dcp-interval"}
@@ -226,9 +228,10 @@ class Run:
         os.sync()
 
 
-def noop_step(args: argparse.Namespace, group: int) -> float:
-    """The failure-free step time now: the median step of a short ``noop`` run."""
-    run = Run(args, "noop", args.work_dir / f"noop-{group}", [], fresh=not args.resummarize)
+def noop_step(args: argparse.Namespace, index: int) -> float:
+    """The failure-free step time now: the median step of a short ``noop`` run (the
+    ``index``-th: before the index-th arm's run)."""
+    run = Run(args, "noop", args.work_dir / f"noop-{index}", [], fresh=not args.resummarize)
     if not args.resummarize:
         run.go([], args.noop_seconds)
         run.settle()
@@ -282,10 +285,9 @@ def run_cells(
     """Every (MTBF, schedule, arm) run, summarised against the failure-free rate
     measured around its group (see the module)."""
     groups = [(mtbf, seed) for mtbf in args.mtbf for seed in args.seeds]
-    bases: list[float] = []
+    bases: list[float] = []  # the noop runs' step times: bases[i] before run i
     done: list[tuple[int, dict[str, Any], list[list[str]], int | None]] = []
     for g, (mtbf, seed) in enumerate(groups):
-        bases.append(noop_step(args, g))
         cost = cal["yd_cost_s"] or 0.0
         k = max(1, round(math.sqrt(2 * cost * mtbf) / cal["base_step_s"]))
         kills = kill_times(mtbf, args.seconds, seed)
@@ -296,6 +298,8 @@ def run_cells(
                 extra = ["--node-mtbf" if s3 is not None else "--mtbf", str(mtbf)]
             if arm in YD_ARMS:
                 extra = ["--interval-steps", str(k)]
+            i = len(done)
+            bases.append(noop_step(args, i))
             where = args.work_dir / f"{arm}-{mtbf:g}-{seed}"
             run = Run(args, arm, where, extra, s3, fresh=not args.resummarize)
             try:
@@ -315,18 +319,18 @@ def run_cells(
             }
             if arm in YD_ARMS:
                 meta["yd_interval_steps"] = k
-            done.append((g, meta, events, final))
-            rough = summarize(events, args.seconds, 1 / bases[g], bases[g], reference, final)
+            done.append((i, meta, events, final))
+            rough = summarize(events, args.seconds, 1 / bases[i], bases[i], reference, final)
             print(
                 f"{arm:17} mtbf {mtbf:5g} seed {seed}: goodput {rough['goodput']:.3f} "
                 f"(against the noop before it; {rough['failures']} failures, "
                 f"bit-exact {rough['bit_exact']})",
                 flush=True,
             )
-    bases.append(noop_step(args, len(groups)))
+    bases.append(noop_step(args, len(done)))
     cells: list[dict[str, Any]] = []
-    for g, meta, events, final in done:
-        base = (bases[g] + bases[g + 1]) / 2
+    for i, meta, events, final in done:
+        base = (bases[i] + bases[i + 1]) / 2
         row = summarize(events, args.seconds, 1 / base, base, reference, final)
         once = summarize(events, args.seconds, cal["steps_per_s"], cal["base_step_s"],
                          reference, final)  # fmt: skip
@@ -350,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=("trainer", "node"), default="trainer",
                     help="trainer: the process dies; node: its daemon and disk too")  # fmt: skip
     ap.add_argument("--state-mib", type=int, default=256, help="the job's state size")
-    ap.add_argument("--noop-seconds", type=float, default=30.0,
-                    help="the failure-free runs around each group of cells")  # fmt: skip
+    ap.add_argument("--noop-seconds", type=float, default=20.0,
+                    help="the failure-free runs around each arm's run")  # fmt: skip
     ap.add_argument("--calibrate-seconds", type=float, default=None,
                     help="the uninterrupted runs' length (default: --seconds + 15)")  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help="40 s cells, MTBF 20 and 60, one seed")
+    ap.add_argument("--quick", action="store_true",
+                    help="40 s cells, MTBF 20 and 60, one seed (JAX: the default policy and "
+                    "Orbax's two arms)")  # fmt: skip
     ap.add_argument("--daemon-args", default="", help="more `ckptd serve` flags, e.g. --io-nice 0")
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR / "goodput")
     ap.add_argument("--resummarize", action="store_true",
@@ -363,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None,
                     help="results: bench/results/NAME.json/.png (goodput[-node])")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.quick:  # the default policy against the two Orbax arms, under 10 minutes
         args.seconds, args.mtbf, args.seeds = 40.0, [20.0, 60.0], [1]
-        args.noop_seconds = 20.0
+        args.noop_seconds = 12.0
+        args.arms = args.arms or (QUICK_ARMS if args.framework == "jax" else None)
     if args.framework == "torch" and args.variant == "node":
         ap.error("the node variant runs the JAX job only")
     known = TORCH_ARMS if args.framework == "torch" else ARMS
