@@ -23,6 +23,9 @@ _TEXT = "_json_text"
 MANIFEST = "manifest.json"
 """The file name of a step's manifest: the last file written before its commit point."""
 KIND_ARRAYS = "arrays"
+DATA_BY_STEP = 1
+DATA_SPREAD = 2
+DATA_LAYOUTS = (DATA_BY_STEP, DATA_SPREAD)
 KIND_DIRECTORY = "directory"
 TREE_PREFIX = "files/"
 """Every file of an adopted tree is recorded as ``files/<its path in the tree>``."""
@@ -98,6 +101,11 @@ class Manifest:
     (an Orbax step, ``ckptd adopt``), one record in ``ranks`` per file under ``files/``."""
     source: str = ""
     """For an adopted tree: the directory it was adopted from."""
+    data_layout: int = DATA_BY_STEP
+    """Where the bucket copy's rank files are (daemon/remote/layout.py):
+    ``DATA_BY_STEP`` (1) under ``<job>/<step>/<node>/``, as every ckptd before the
+    spread layout wrote them; ``DATA_SPREAD`` (2) under a per-node prefix that does not
+    change from step to step, so the store can partition the write load once."""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -183,6 +191,7 @@ class Manifest:
                 metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items()},
                 kind=str(raw.get("kind", KIND_ARRAYS)),
                 source=str(raw.get("source", "")),
+                data_layout=raw.get("data_layout", DATA_BY_STEP),  # checked: an int
                 format_version=version,
             )
             if version == 1:
@@ -242,6 +251,9 @@ def _check(m: Manifest) -> None:
         raise InvalidArgument(f"unsupported format_version {m.format_version!r}; upgrade ckptd")
     if m.kind not in (KIND_ARRAYS, KIND_DIRECTORY):
         raise InvalidArgument(f"unknown kind {m.kind!r}; upgrade ckptd")
+    _field("data_layout", m.data_layout, int)
+    if m.data_layout not in DATA_LAYOUTS:
+        raise InvalidArgument(f"unknown data_layout {m.data_layout!r}; upgrade ckptd")
     # Job names up to 255 bytes were accepted before the 128-byte limit: their copies
     # stay readable (not set aside at start-up), though no call can name them now.
     _named("job", lambda v: check_name("job", v, MAX_NAME_BYTES), m.job)

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import errno
+from collections import Counter
 
 import pytest
 
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD
 from ckptd.daemon.remote.base import RemoteError
 from ckptd.daemon.remote.drain import Backoff
 from ckptd.daemon.remote.file import FileRemote
 from ckptd.daemon.remote.gcs import GCSRemote
 from ckptd.daemon.remote.layout import (
+    DATA_DIR,
+    data_prefix,
     file_key,
     manifest_key,
     marker_key,
     parse_marker,
     parse_pin,
+    parse_step_name,
     pin_key,
+    spread,
     upload_order,
 )
 from ckptd.daemon.remote.s3 import S3Remote
@@ -106,6 +113,24 @@ def test_adopted_keys_keep_the_tree_where_orbax_reads_it() -> None:
     assert parse_pin("j/7.ckptd/_pinned") == ("j", 7)
     assert parse_pin("j/7/_pinned") == ("j", 7)
     assert parse_pin("j/7/default/_pinned") is None
+
+
+def test_rank_files_spread_by_node_in_ranges_that_do_not_move_with_the_step() -> None:
+    # Layout 2: <job>/_data/<hh>/<node>/<step>/; layout 1 (older buckets): beside the
+    # manifest. The manifest records only the layout's number, so <hh> must never change
+    # for a name: these values are pinned.
+    assert spread("test-node") == "6c" and spread("node-0") == "fd"
+    assert file_key("j", 7, "test-node", "rank-00000.safetensors", layout=DATA_SPREAD) == (
+        "j/_data/6c/test-node/7/rank-00000.safetensors"
+    )
+    assert data_prefix("j", 8, "test-node", DATA_SPREAD) == "j/_data/6c/test-node/8"
+    assert data_prefix("j", 8, "test-node", DATA_BY_STEP) == "j/8/test-node"
+    # Spread evenly: 10,000 node names over the 256 ranges, none more than twice its share.
+    counts = Counter(spread(f"node-{i}") for i in range(10_000))
+    assert len(counts) == 256 and max(counts.values()) < 2 * 10_000 / 256
+    assert parse_step_name(DATA_DIR) == (None, False)  # never taken for a step
+    with pytest.raises(InvalidArgument, match="data_layout"):
+        data_prefix("j", 8, "n", 3)
 
 
 def test_adopted_upload_order_puts_commit_success_last() -> None:

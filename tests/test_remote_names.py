@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,17 +23,20 @@ import pytest
 
 from ckptd.client import CheckpointCorrupt, CheckpointNotFound
 from ckptd.client import orbax as ckptd_orbax
+from ckptd.core.manifest import DATA_BY_STEP
 from ckptd.daemon.app.launcher import ckptd_command
 from ckptd.daemon.local.files import open_dir_beneath
 from ckptd.daemon.remote import index
 from ckptd.daemon.remote.backends import open_remote
-from ckptd.daemon.remote.layout import manifest_key, marker_key
+from ckptd.daemon.remote.layout import data_prefix, manifest_key, marker_key
+from ckptd.daemon.remote.layout import spread as spread_of
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon, RemoteTarget
 from .helpers import state_for
 from .test_adopt import dcp_like
 from .test_remote_tier import remote_daemon, s3_target
+from .test_retention_tier import settled
 
 MIB = 1
 NODE = "test-node"
@@ -107,19 +111,26 @@ def _plant(
     node: str = NODE,
     adopted: bool = False,
     to_job: str = "",
+    old_layout: bool = False,
 ) -> None:
     """Copy step ``src``'s objects to ``step`` (as ``node``, of ``to_job`` if given) with
     its manifest edited, marker last, and (a valid ``node``'s) in the node's step index:
     a step that looks complete to every reader. A running daemon keeps the index it
-    read: restart it to make it read the planted one."""
+    read: restart it to make it read the planted one. ``old_layout``: as a ckptd before
+    the spread layout wrote it (rank files beside the manifest, no ``data_layout``)."""
     dst = to_job or job
 
     async def body(r: Any) -> None:
         raw = json.loads(await r.get_bytes(manifest_key(job, src, NODE, adopted)))
+        layout = raw.get("data_layout", DATA_BY_STEP)
+        if old_layout:
+            del raw["data_layout"]
+        to = DATA_BY_STEP if old_layout else layout
         if not adopted:
             for rank in raw["ranks"]:
-                data = await r.get_bytes(f"{job}/{src}/{NODE}/{rank['file']}")
-                await r.put_bytes(f"{dst}/{step}/{node}/{rank['file']}", data)
+                data = await r.get_bytes(f"{data_prefix(job, src, NODE, layout)}/{rank['file']}")
+                # The name as given (a test's bad node name included), never checked.
+                await r.put_bytes(f"{data_prefix(dst, step, node, to)}/{rank['file']}", data)
         raw.update(job=dst, step=step, node=node)
         if edit is not None:
             edit(raw)
@@ -342,3 +353,37 @@ def test_s3_bad_steps_fall_back_on_a_wiped_node(
         _reported_unusable(fresh, client, "names", step, why)
     assert 6 not in [c.step for c in client.list()]
     _nothing_escaped(tmp_path, fresh, outside)
+
+
+def test_s3_a_bucket_of_the_previous_layout_still_restores(
+    make_daemon: Any, s3_server: Any
+) -> None:
+    """The upgrade path: steps a ckptd before the spread layout drained (rank files
+    beside the manifest, no ``data_layout``) restore on a wiped node, bit-exact, beside
+    steps of the new layout; remote retention removes either kind whole."""
+    remote = s3_target(s3_server, f"ckptd-layout-{os.getpid()}")
+    daemon, _ = _good_steps(make_daemon, remote, "names")  # steps 1 and 2, spread
+    spread = f"names/_data/{spread_of(NODE)}/{NODE}/"
+    assert {k.split("/")[4] for k in remote.object_keys() if k.startswith(spread)} == {"1", "2"}
+    for step in (3, 4):
+        _plant(remote, "names", 2, step, old_layout=True)
+    keys = remote.object_keys()
+    assert f"names/4/{NODE}/rank-00000.safetensors" in keys
+    assert not any(k.startswith(f"{spread}4/") for k in keys)
+    daemon.kill()
+    # KeepLatest(1): the restarted daemon drops 1, 2 (spread) and 3 (the old layout).
+    fresh = remote_daemon(make_daemon, remote, extra_args=["--retention-remote", "KeepLatest(1)"])
+    client = fresh.client("names")
+    tree, meta = client.restore()  # the local tier was wiped: from the bucket
+    assert meta["step"] == 2  # planted from step 2's objects
+    assert tree["w3"].tobytes() == state_for(2, MIB)["w3"].tobytes()
+    assert (fresh.root / "names" / "4" / "manifest.json").exists()
+    del tree
+    settled(client, [4], [4])
+    # The objects go after the steps left the catalog: poll the bucket for them.
+    want = {f"names/4/_complete/{NODE}", f"names/4/{NODE}/manifest.json",
+            f"names/4/{NODE}/rank-00000.safetensors", f"names/_index/{NODE}.json"}  # fmt: skip
+    deadline = time.monotonic() + 60
+    while set(remote.object_keys()) != want:
+        assert time.monotonic() < deadline, remote.object_keys()
+        time.sleep(0.1)

@@ -1,6 +1,11 @@
 """Request budget of one job on one bucket, before and after issue 18, from the
 stores' published limits (docs/scale.md prints these tables; rerun to check them).
 
+"s: S3" is a step's writes at S3's per-prefix rate, each key range in parallel
+once S3 has partitioned it (see :func:`s3_step_seconds`); "s: GCS bucket" all of
+them at a new GCS bucket's starting rate (the spread lets GCS scale its ranges,
+not start higher).
+
 Per node and step, ckptd writes each rank file (one PUT, or a multipart upload:
 create + parts + complete), the node's manifest and marker; since issue 18 also
 the node's index, and no longer HEADs each object before (unless an attempt was
@@ -62,6 +67,28 @@ def per_node_step(s: Shape, after: bool) -> tuple[int, int]:
     return writes, reads
 
 
+SPREAD_RANGES = 256  # <job>/_data/<hh>/: the key ranges the spread layout writes into
+
+
+def s3_step_seconds(s: Shape, nodes: int, after: bool) -> float:
+    """Seconds a step's writes take at S3's per-prefix rate, each key range written in
+    parallel once the store has partitioned it. Before: everything under
+    ``<job>/<step>/`` (one new range per step). After: the rank files' requests over
+    the node ranges of ``<job>/_data/`` (stable, so partitioned once), beside the
+    records: manifest and marker under ``<job>/<step>/``, the index (written when a
+    step is added and when one is evicted) under ``<job>/_index/``, the evicted step's
+    marker under its own ``<job>/<step>/``."""
+    w, _ = per_node_step(s, after)
+    if not after:
+        return w * nodes / S3_WRITES_PER_PREFIX
+    data = (s.ranks * s.file_writes + 1) * nodes  # + the eviction's DeleteObjects
+    per_range = data / min(SPREAD_RANGES, nodes)
+    # Two writes per node in each of: the step's prefix (manifest, marker) and the
+    # index prefix (added, evicted); one in the evicted step's (its marker).
+    records = 2 * nodes
+    return max(per_range, records) / S3_WRITES_PER_PREFIX
+
+
 def listing_pages(s: Shape, nodes: int) -> int:
     """LIST requests to list every object of the job (the old start-up and restore)."""
     return max(1, math.ceil(s.kept * nodes * s.keys_per_node_step() / LIST_PAGE))
@@ -92,7 +119,7 @@ def table(s: Shape) -> list[list[str]]:
             warm = restart(s, nodes, after, wiped=False)
             rows.append([
                 f"{nodes:,}", "after" if after else "before", f"{w}", f"{r}",
-                f"{step_w:,}", f"{step_w / S3_WRITES_PER_PREFIX:,.1f}",
+                f"{step_w:,}", f"{s3_step_seconds(s, nodes, after):,.1f}",
                 f"{step_w / GCS_WRITES_PER_BUCKET:,.1f}",
                 f"{warm['requests'] * nodes:,.0f}", f"{cold['requests'] * nodes:,.0f}",
                 f"{cold['lists'] * nodes:,.0f}",
@@ -103,7 +130,7 @@ def table(s: Shape) -> list[list[str]]:
 
 HEADERS = [
     "nodes", "code", "writes/node/step", "reads/node/step", "writes/step",
-    "s: one S3 prefix", "s: GCS bucket", "restart, disks kept", "restart, disks lost",
+    "s: S3", "s: GCS bucket", "restart, disks kept", "restart, disks lost",
     "of which LIST", "s: GCS reads",
 ]  # fmt: skip
 

@@ -148,7 +148,10 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
             bad = [
                 r.file
                 for r in manifest.ranks
-                if await remote.native_crc32c(file_key(j, step, node, r.file, adopted)) != r.crc32c
+                if await remote.native_crc32c(
+                    file_key(j, step, node, r.file, adopted, manifest.data_layout)
+                )
+                != r.crc32c
             ]
         except (OSError, ValueError) as exc:
             bad = [str(exc)]

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, round_up
-from ckptd.core.manifest import Manifest, RankRecord, rank_file_name
+from ckptd.core.manifest import DATA_SPREAD, Manifest, RankRecord, rank_file_name
 from ckptd.core.names import check_wait
 from ckptd.core.shard_table import ShardTable
 from ckptd.proto import ckptd_pb2 as pb
@@ -323,6 +323,7 @@ class Saver:
             metadata=next((m for _, _, m in ranks if m), {}),
             milestone=st.milestone,
             metrics=dict(st.metrics),
+            data_layout=DATA_SPREAD,  # where the drain will put its rank files
         )
         try:
             # Serialised once, on a thread: per-shard work never runs on the event loop,

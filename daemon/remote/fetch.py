@@ -133,7 +133,10 @@ async def download_files(
     try:
         # Checked when the manifest was parsed; again here, as no name may ever reach
         # a path unchecked (a manifest could have been built by other code).
-        keys = {r.file: file_key(job, step, node, r.file, manifest.adopted) for r in manifest.ranks}
+        keys = {
+            r.file: file_key(job, step, node, r.file, manifest.adopted, manifest.data_layout)
+            for r in manifest.ranks
+        }
     except InvalidArgument as exc:
         raise ManifestInvalid(f"manifest of {job}/{step} node {node}: {exc}") from None
     # Every file is opened beneath ``dest``'s fd, component by component with

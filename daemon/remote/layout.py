@@ -2,10 +2,24 @@
 
 A step saved through ckptd (``Client.save``)::
 
-    <job>/<step>/<node>/manifest.json + rank-*.safetensors
+    <job>/<step>/<node>/manifest.json
+    <job>/_data/<hh>/<node>/<step>/rank-*.safetensors
+                                           the rank files (manifest data_layout 2)
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
     <job>/_index/<node>.json               the node's complete steps (index.py)
+
+The rank files are most of a step's requests (every part of every multipart
+upload). Under ``<job>/<step>/`` they would all land in one key range that is new
+at every step, so S3 (which splits a prefix's ~3,500 writes/s only after sustained
+load) and GCS (which ramps a key range up over minutes) would never catch up.
+Under ``<job>/_data/<hh>/<node>/``, ``<hh>`` two hex digits of the node name's
+crc32c, each node writes the same key range at every step, and the 256 ranges
+spread the nodes evenly: the store partitions them once and they stay partitioned
+(docs/scale.md). Steps drained before this layout (manifest ``data_layout`` 1,
+or none) keep their rank files beside the manifest, at
+``<job>/<step>/<node>/rank-*``, and are read from there: the manifest of each
+node's copy says which.
 
 A step adopted from a directory (an Orbax step, ``ckptd adopt``) keeps its tree
 byte-identical where the framework itself would look for it, and ckptd's own
@@ -30,13 +44,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ckptd.core import checksum
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.manifest import TREE_PREFIX
+from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, TREE_PREFIX
 from ckptd.core.names import check_name, check_step, check_tree_path
 
 log = logging.getLogger("ckptd.remote")
 
 ADOPTED_SUFFIX = ".ckptd"
+DATA_DIR = "_data"
+"""``<job>/_data/``: the rank files of the spread layout (not a step: never listed as one)."""
 FILES_DIR = "files"
 """Where an adopted tree sits inside ckptd's own step directory (beside manifest.json)."""
 COMMIT_FILE = "commit_success.txt"
@@ -72,13 +89,36 @@ def manifest_key(job: str, step: int, node: str, adopted: bool = False) -> str:
     return f"{record_prefix(job, step, adopted)}/{node}/manifest.json"
 
 
-def file_key(job: str, step: int, node: str, file: str, adopted: bool = False) -> str:
-    """Where a file of a node's part goes: under the node, or (adopted) at its tree path.
+def file_key(
+    job: str,
+    step: int,
+    node: str,
+    file: str,
+    adopted: bool = False,
+    layout: int = DATA_BY_STEP,
+) -> str:
+    """Where a file of a node's part goes: under the node's data prefix of the step
+    (``layout``: the manifest's ``data_layout``), or (adopted) at its tree path.
     ``file`` must be a plain name (a relative path under ``files/`` if adopted): a
     manifest's names never make a key outside the step (InvalidArgument)."""
     if adopted:
         return f"{step_prefix(job, step)}/{tree_path(file)}"
-    return f"{step_prefix(job, step)}/{node}/{check_name('file', file)}"
+    return f"{data_prefix(job, step, node, layout)}/{check_name('file', file)}"
+
+
+def data_prefix(job: str, step: int, node: str, layout: int = DATA_BY_STEP) -> str:
+    """The prefix of a node's rank files of a (not adopted) step, by ``layout``."""
+    if layout == DATA_SPREAD:
+        return f"{job}/{DATA_DIR}/{spread(node)}/{node}/{step}"
+    if layout == DATA_BY_STEP:
+        return f"{step_prefix(job, step)}/{node}"
+    raise InvalidArgument(f"unknown data_layout {layout!r}; upgrade ckptd")
+
+
+def spread(node: str) -> str:
+    """The node's key range among 256: two hex digits of its name's crc32c (stable
+    across versions and machines, unlike Python's ``hash``)."""
+    return f"{checksum.value(node.encode()) & 0xFF:02x}"
 
 
 def tree_path(file: str) -> str:

@@ -35,6 +35,7 @@ from .index import Entry, NodeIndex
 from .layout import (
     COMMIT_FILE,
     FILES_DIR,
+    data_prefix,
     file_key,
     manifest_key,
     marker_key,
@@ -136,7 +137,7 @@ class Publisher:
             if tree_commit is not None:
                 key = f"{tree_commit.location}/{tree_path(rank_file)}"
             else:
-                key = file_key(st.job, st.step, node, rank_file)
+                key = file_key(st.job, st.step, node, rank_file, layout=manifest.data_layout)
             with contextlib.suppress(FileNotFoundError):
                 if suspect and await self.remote.native_crc32c(key) == crc32c:
                     log.info(
@@ -191,6 +192,7 @@ class Publisher:
             # Attempts cut by an outage or a kill could not abort their multipart
             # uploads: do it now (this node's prefix only: never another's in flight).
             with contextlib.suppress(Exception):
-                await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{tree}/{node}/")
+                data = data_prefix(st.job, st.step, node, manifest.data_layout)
+                await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{data}/")
             self.suspect.discard(st.key)
         return len(records_by_file) - len(skipped), len(skipped)

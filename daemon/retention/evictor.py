@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 
+from ckptd.core.manifest import DATA_SPREAD
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Event
@@ -24,7 +25,7 @@ from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore
 from ..remote.base import Remote
 from ..remote.index import NodeIndex
-from ..remote.layout import marker_key, pin_key, record_prefix, step_prefix
+from ..remote.layout import data_prefix, marker_key, pin_key, record_prefix, step_prefix
 from .planner import Retention
 
 log = logging.getLogger("ckptd.evictor")
@@ -198,6 +199,8 @@ class Evictor:
             if st.adopted:  # out of the framework's view first, then deleted
                 await self.remote.retract_tree(tree, records, node_id)
                 prefixes.append(f"{tree}/")
+            else:  # rank files of the spread layout (of the old one: under the records)
+                prefixes.append(f"{data_prefix(job, step, node_id, DATA_SPREAD)}/")
             for prefix in prefixes:
                 await self.remote.delete(await self.remote.list_keys(prefix))
         except Exception as exc:  # the marker is gone: what is left is never listed
