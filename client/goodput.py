@@ -23,7 +23,12 @@ move ``tau*``: it is paid per failure whatever the interval.
 
 Measured online, re-estimated as conditions change:
 
-- the base step time: the median of the last 64 steps with no save in flight;
+- the base step time: the lower quartile of the last 64 steps with no save in
+  flight (the steps just after a save still carry its tail, and a busy host only
+  ever adds time: the low quartile is the step undisturbed); at least 2 such steps
+  are timed between saves, so the base follows the host even when ``tau*`` is
+  shorter than a step (without them a base measured high, e.g. on a slow warm-up,
+  made every save look free, ``tau*`` 0, and no step quiet to correct it);
 - ``C``: for each of the last 8 saves, the sum over the steps from the one that
   called ``save()`` until the save reached ``stage`` of (step time - base);
   ``C`` is their median, so a one-off stall does not swing the interval;
@@ -63,6 +68,8 @@ from .policies import SaveContext, SavePolicy
 
 _BASE_WINDOW = 64
 _COST_WINDOW = 8
+_MIN_QUIET = 2
+"""Steps timed with no save in flight between two saves (the base step time's feed)."""
 
 
 def optimal_interval(
@@ -125,6 +132,8 @@ class Goodput(SavePolicy):
     _first_now: float | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
     _quiet: deque[float] = field(default_factory=lambda: deque(maxlen=_BASE_WINDOW), init=False)
+    _quiet_run: int = field(default=0, init=False, repr=False)
+    """Quiet steps timed since the last save reached its stage."""
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
     _to_local: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
     _to_durable: deque[float] = field(
@@ -155,8 +164,10 @@ class Goodput(SavePolicy):
     # -- measurements -------------------------------------------------------------
     @property
     def base_step_seconds(self) -> float | None:
-        """Median step time with no save in flight (None before any)."""
-        return statistics.median(self._quiet) if self._quiet else None
+        """Lower-quartile step time with no save in flight (None before any)."""
+        if not self._quiet:
+            return None
+        return sorted(self._quiet)[(len(self._quiet) - 1) // 4]
 
     @property
     def save_cost_seconds(self) -> float | None:
@@ -183,9 +194,11 @@ class Goodput(SavePolicy):
             return
         if self._extra is None:
             self._quiet.append(dt)
+            self._quiet_run += 1
         elif base is not None:
             self._extra += max(dt - base, 0.0)
         if self._extra is not None and ctx.previous_reached(self.stage):
+            self._quiet_run = 0
             self._costs.append(self._extra)
             self._to_local.append(ctx.now - (self._seen_save_at or ctx.now))
             self._extra = None
@@ -199,7 +212,8 @@ class Goodput(SavePolicy):
             return self.mtbf_seconds
         seen = ctx.history()
         if seen is None:  # a daemon without the record: this process's own life
-            observed, restarts = ctx.now - (self._first_now or ctx.now), 0
+            first = ctx.now if self._first_now is None else self._first_now
+            observed, restarts = ctx.now - first, 0
         else:
             observed, restarts = seen.observed_seconds, seen.restarts
         return max(observed, 1e-3) / (restarts + 1)
@@ -229,6 +243,8 @@ class Goodput(SavePolicy):
             return self._steps > self.warmup_steps
         if self._extra is not None:
             return False  # the previous save is not in yet (and is being measured)
+        if self._quiet_run < _MIN_QUIET:
+            return False  # the base step time is fed between saves (see the module)
         return ctx.now - ctx.last_save_at >= self.interval_seconds
 
 

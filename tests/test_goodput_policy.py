@@ -31,8 +31,10 @@ class Trainer:
         slow: float,
         commit_steps: int,
         history: FailureHistory | None = None,
+        warmup: tuple[float, ...] = (),
     ) -> None:
         self.step_s, self.block, self.slow, self.commit_steps = step, block, slow, commit_steps
+        self.warmup = warmup  # extra seconds of the first steps
         self.history = history  # what the daemon has seen, at now = 0
         self.now = 0.0
         self.saves: list[tuple[int, float]] = []  # (step, time)
@@ -49,7 +51,7 @@ class Trainer:
                 lambda _stage, step=step, last=last: last is None or step >= self.local_at,
                 self._history,
             )
-            dt = self.step_s
+            dt = self.step_s + (self.warmup[step] if step < len(self.warmup) else 0.0)
             if last is not None and last[0] < step < self.local_at:
                 dt += self.slow
             if policy.should_save(ctx):
@@ -79,6 +81,24 @@ def test_the_interval_is_youngs_from_the_measured_cost() -> None:
     gaps = [b[1] - a[1] for a, b in zip(trainer.saves[1:], trainer.saves[2:], strict=False)]
     assert trainer.saves[0][0] == 3 and gaps
     assert all(want <= g <= want + 2.0 for g in gaps), gaps
+
+
+def test_a_slow_warm_up_does_not_make_saves_look_free() -> None:
+    # The first steps take 0.6 s instead of 0.45 (a restarted process faulting its
+    # memory in); a save blocks 0.05 s and is LOCAL within its step. Measured against
+    # the warm-up's base, every save looked free (cost 0, tau* 0): the policy saved at
+    # every step, so no step was quiet and the base never came down. Quiet steps
+    # between saves keep the base (and so the cost) right.
+    # A young job's learned MTBF is its age, so tau* starts below a step.
+    trainer = Trainer(step=0.45, block=0.05, slow=0.0, commit_steps=0, warmup=(0.15,) * 4)
+    policy = Goodput()  # no daemon record here: learned from this process's own life
+    trainer.run(policy, 400)
+    assert policy.base_step_seconds == pytest.approx(0.45)
+    assert policy.save_cost_seconds == pytest.approx(0.05)
+    age = policy.mtbf_estimate_seconds
+    assert age is not None and age > 150
+    assert policy.interval_seconds == pytest.approx(math.sqrt(2 * 0.05 * age), rel=0.01)
+    assert len(trainer.saves) < 400 / 3  # not one per step
 
 
 def test_a_dearer_save_or_rarer_failures_widen_the_interval() -> None:
