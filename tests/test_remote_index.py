@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from ckptd.client import CheckpointNotFound, SaveHandle
-from ckptd.daemon.remote import index
+from ckptd.core.manifest import Manifest, RankRecord, rank_file_name
+from ckptd.daemon.remote import fetch, index
+from ckptd.daemon.remote.layout import manifest_key, marker_key, ranks_key
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import CKPTD, RemoteTarget
@@ -128,3 +130,64 @@ def test_with_a_jitter_the_index_is_read_in_the_background(
         timeout=60,
     )
     assert bad.returncode != 0 and "remote_read_jitter_seconds" in bad.stderr, bad.stderr
+
+
+def test_a_rank_another_node_saved_is_found_in_one_listing_and_one_get(tmp_path: Path) -> None:
+    """A replacement under a new name needs rank 15 of a step 10 nodes saved (2 ranks
+    each): one listing of the step's records names the node holding it (its ranks
+    record), and only that node's manifest is read; before the ranks records it read
+    the manifests of the nodes in turn (up to 10)."""
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+
+    async def body(r: Any) -> None:
+        for i in range(10):
+            node, ranks = f"n{i}", [2 * i, 2 * i + 1]
+            records = [RankRecord(k, rank_file_name(k), 0, 0, None) for k in ranks]
+            m = Manifest("j", 7, node, world_size=20, created_unix=0.0, ranks=records)
+            await r.put_bytes(manifest_key("j", 7, node), m.to_json().encode())
+            await r.put_bytes(ranks_key("j", 7, node, ranks), b"")
+            if i != 3:  # n3's part is not complete: never a holder
+                await r.put_bytes(marker_key("j", 7, node), b"{}")
+        gets, lists = [], []
+        get_bytes, list_keys = r.get_bytes, r.list_keys
+        r.get_bytes = lambda key: gets.append(key) or get_bytes(key)
+        r.list_keys = lambda prefix: lists.append(prefix) or list_keys(prefix)
+        holders, complete = await fetch.rank_holders(r, "j", 7, 15)
+        assert holders == ["n7"] and complete == {f"n{i}" for i in range(10)} - {"n3"}
+        node, _, manifest = await fetch.node_manifest(r, "j", 7, {holders[0]}, 15, "x")
+        assert node == "n7" and [k.rank for k in manifest.ranks] == [14, 15]
+        assert (len(lists), len(gets)) == (1, 1)
+        assert (await fetch.rank_holders(r, "j", 7, 7))[0] == []  # n3's: not complete
+
+    remote.run(body)
+
+
+def test_a_replacement_under_a_new_name_restores_the_rank_it_took_over(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    """Two nodes save ranks 0 and 1 of a step; node-b is replaced by node-c, which
+    restores rank 1 from node-b's part (found by its ranks record), bit-exact, and a
+    step drained before the ranks records (the record deleted) still restores."""
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    nodes = {}
+    for rank, name in enumerate(("node-a", "node-b")):
+        d = remote_daemon(make_daemon, remote, extra_args=["--node-id", name])
+        c = d.client("swap", rank=rank, node_ranks=[rank], world_size=2)
+        for step in (4, 5):
+            c.save(step, state_for(10 * step + rank, 1)).wait("durable", 60)
+        nodes[name] = d
+    for d in nodes.values():
+        d.kill()
+
+    async def drop_record(r: Any) -> None:  # step 4 as an older ckptd drained it
+        await r.delete([ranks_key("swap", 4, "node-b", [1])])
+
+    remote.run(drop_record)
+    new = remote_daemon(make_daemon, remote, extra_args=["--node-id", "node-c"])
+    client = new.client("swap", rank=1, node_ranks=[1], world_size=2)
+    for step in (5, 4):
+        tree, _ = client.restore(step=step)
+        assert tree["w2"].tobytes() == state_for(10 * step + 1, 1)["w2"].tobytes()
+        del tree
+    fetched = new.events_of(pb.STEP_EVENT_FETCHED, "swap")
+    assert [(e.step, e.attributes["node"]) for e in fetched] == [(5, "node-b"), (4, "node-b")]

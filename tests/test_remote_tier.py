@@ -67,6 +67,7 @@ def expected_layout(job: str, steps: list[int], node: str = "test-node") -> list
         keys += [
             f"{job}/{s}/_complete/{node}",
             f"{job}/{s}/{node}/manifest.json",
+            f"{job}/{s}/{node}/ranks-0-0",
             f"{job}/_data/{spread(node)}/{node}/{s}/rank-00000.safetensors",
         ]
     return sorted(keys)
@@ -355,6 +356,7 @@ def test_several_ranks_restore_from_the_bucket_together(make_daemon: Any, tmp_pa
     handles[0].wait("durable", 60)
     assert remote.object_keys() == sorted(
         ["mr/9/_complete/test-node", "mr/9/test-node/manifest.json", "mr/_index/test-node.json"]
+        + ["mr/9/test-node/ranks-0-2"]
         + [f"mr/_data/{spread('test-node')}/test-node/9/rank-0000{r}.safetensors" for r in range(3)]
     )
     daemon.stop()

@@ -56,7 +56,7 @@ class Shape:
 def per_node_step(s: Shape, after: bool) -> tuple[int, int]:
     """(write-class, read-class) requests one node makes per step, its eviction included."""
     if after:
-        writes = s.ranks * s.file_writes + 3  # files, manifest, marker, index
+        writes = s.ranks * s.file_writes + 4  # files, manifest, ranks record, marker, index
         writes += 3  # eviction: index, marker, one DeleteObjects
         reads = 2  # eviction: the pin's HEAD, the node's objects of the step (LIST)
     else:
@@ -83,9 +83,9 @@ def s3_step_seconds(s: Shape, nodes: int, after: bool) -> float:
         return w * nodes / S3_WRITES_PER_PREFIX
     data = (s.ranks * s.file_writes + 1) * nodes  # + the eviction's DeleteObjects
     per_range = data / min(SPREAD_RANGES, nodes)
-    # Two writes per node in each of: the step's prefix (manifest, marker) and the
-    # index prefix (added, evicted); one in the evicted step's (its marker).
-    records = 2 * nodes
+    # Per node: three writes in the step's prefix (manifest, ranks record, marker),
+    # two in the index prefix (added, evicted), one in the evicted step's (its marker).
+    records = 3 * nodes
     return max(per_range, records) / S3_WRITES_PER_PREFIX
 
 

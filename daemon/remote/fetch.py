@@ -24,6 +24,7 @@ from .layout import (
     file_key,
     manifest_key,
     parse_marker,
+    parse_ranks_key,
     parse_step_name,
     record_prefix,
 )
@@ -46,6 +47,24 @@ async def step_nodes(remote: Remote, job: str, step: int, adopted: bool) -> set[
     a request per 1,000 nodes)."""
     keys = await remote.list_keys(f"{record_prefix(job, step, adopted)}/_complete/")
     return {m.node for m in map(parse_marker, keys) if m is not None and m.step == step}
+
+
+async def rank_holders(
+    remote: Remote, job: str, step: int, rank: int
+) -> tuple[list[str], set[str]]:
+    """For a node that needs ``rank`` of a (not adopted) step and does not hold it:
+    one listing of the step's records (a request per ~330 nodes: each node's
+    manifest, marker and ranks record) -> (the complete nodes whose ranks record
+    covers ``rank``, narrowest first; every complete node). A step drained before the
+    ranks records names no holder: the caller asks the complete nodes in turn."""
+    holders: list[tuple[int, str]] = []
+    complete: set[str] = set()
+    for key in await remote.list_keys(f"{record_prefix(job, step)}/"):
+        if (marker := parse_marker(key)) is not None and marker.step == step:
+            complete.add(marker.node)
+        elif (ranks := parse_ranks_key(key)) is not None and ranks[1] <= rank <= ranks[2]:
+            holders.append((ranks[2] - ranks[1], ranks[0]))
+    return [n for _, n in sorted(holders) if n in complete], complete
 
 
 async def newest_steps(remote: Remote, job: str, count: int) -> dict[int, RemoteStep]:

@@ -5,6 +5,7 @@ A step saved through ckptd (``Client.save``)::
     <job>/<step>/<node>/manifest.json
     <job>/_data/<hh>/<node>/<step>/rank-*.safetensors
                                            the rank files (manifest data_layout 2)
+    <job>/<step>/<node>/ranks-<lo>-<hi>    empty: the ranks the node's part holds
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
     <job>/_index/<node>.json               the node's complete steps (index.py)
@@ -52,6 +53,7 @@ from ckptd.core.names import check_name, check_step, check_tree_path
 log = logging.getLogger("ckptd.remote")
 
 ADOPTED_SUFFIX = ".ckptd"
+RANKS_PREFIX = "ranks-"
 DATA_DIR = "_data"
 """``<job>/_data/``: the rank files of the spread layout (not a step: never listed as one)."""
 FILES_DIR = "files"
@@ -119,6 +121,29 @@ def spread(node: str) -> str:
     """The node's key range among 256: two hex digits of its name's crc32c (stable
     across versions and machines, unlike Python's ``hash``)."""
     return f"{checksum.value(node.encode()) & 0xFF:02x}"
+
+
+def ranks_key(job: str, step: int, node: str, ranks: Iterable[int]) -> str:
+    """An empty object naming the lowest and highest rank of a node's part of a step:
+    a node that needs a rank another node saved (a replacement under a new name)
+    finds the part holding it in one listing of the step's records instead of reading
+    the manifests of the step's nodes in turn. Beside the node's manifest, so the
+    part's eviction removes it with the rest."""
+    got = list(ranks)
+    return f"{record_prefix(job, step)}/{node}/{RANKS_PREFIX}{min(got)}-{max(got)}"
+
+
+def parse_ranks_key(key: str) -> tuple[str, int, int] | None:
+    """``(node, lowest, highest)`` if ``key`` is a :func:`ranks_key` (valid names only)."""
+    parts = key.split("/")
+    if len(parts) != 4 or not parts[3].startswith(RANKS_PREFIX):
+        return None
+    lo, sep, hi = parts[3].removeprefix(RANKS_PREFIX).partition("-")
+    if not (sep and lo.isascii() and lo.isdigit() and hi.isascii() and hi.isdigit()):
+        return None
+    if not _valid_names(key, node=parts[2]):
+        return None
+    return parts[2], int(lo), int(hi)
 
 
 def tree_path(file: str) -> str:

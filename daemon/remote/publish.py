@@ -39,6 +39,7 @@ from .layout import (
     file_key,
     manifest_key,
     marker_key,
+    ranks_key,
     record_prefix,
     step_prefix,
     tree_path,
@@ -172,6 +173,9 @@ class Publisher:
         )
         manifest_bytes = await self.io.run((local_dir / "manifest.json").read_bytes)
         await self.remote.put_bytes(manifest_key(st.job, st.step, node, adopted), manifest_bytes)
+        if not adopted and manifest.ranks:
+            ranks = (r.rank for r in manifest.ranks)
+            await self.remote.put_bytes(ranks_key(st.job, st.step, node, ranks), b"")
         await asyncio.to_thread(faults.hit, "drain.before_marker")
         marker_info = {
             "node": node,

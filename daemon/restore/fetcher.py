@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckptd.core.errors import DataLoss, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
-from ckptd.core.manifest import MANIFEST
+from ckptd.core.manifest import MANIFEST, Manifest
 
 from ..catalog import Catalog, Step
 from ..io import IoPool
@@ -171,16 +171,19 @@ class Fetcher:
 
     async def _fetch(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
         assert self.remote is not None
-        want = None if st.adopted else rank
-        args = (self.remote, st.job, st.step)
+        me = self.catalog.node_id
         try:
+            if st.adopted:  # one tree, every node's copy whole: any complete node
+                known = set(st.remote_nodes)
+            elif me in st.remote_nodes:  # the node's own part first: one GET
+                known = {me}
+            else:
+                raise NotFound("not this node's part")
             node, raw, manifest = await fetch.node_manifest(
-                *args, set(st.remote_nodes), want, self.catalog.node_id, st.adopted
+                self.remote, st.job, st.step, known, None if st.adopted else rank, me, st.adopted
             )
-        except NotFound:  # the nodes known hold other ranks: ask the step's markers
-            node, raw, manifest = await fetch.node_manifest(
-                *args, await self.other_nodes(st), want, self.catalog.node_id, st.adopted
-            )
+        except NotFound:  # another node's part holds the rank: ask the step's records
+            node, raw, manifest = await self._holder_manifest(st, rank)
         shared_memory = shared_memory and not manifest.adopted
         leases: dict[int, Lease] = {}
         by_file = {r.file: r for r in manifest.ranks}
@@ -230,6 +233,27 @@ class Fetcher:
         for other, held in leases.items():
             self._prefetched[(st.job, st.step, other)] = held
         return lease
+
+    async def _holder_manifest(self, st: Step, rank: int) -> tuple[str, bytes, Manifest]:
+        """The manifest of the node whose part of ``st`` holds ``rank``, the nodes whose
+        ranks record names it first (usually the one GET), then every other complete
+        node in turn (a step drained before the ranks records)."""
+        assert self.remote is not None
+        if st.adopted:  # one tree, every node's copy whole: any complete node
+            return await fetch.node_manifest(
+                self.remote, st.job, st.step, await self.other_nodes(st), None, "", True
+            )
+        holders, complete = await fetch.rank_holders(self.remote, st.job, st.step, rank)
+        if complete:
+            self.catalog.discovered(st.job, st.step, complete, False)
+        for node in holders:
+            with contextlib.suppress(NotFound):
+                return await fetch.node_manifest(
+                    self.remote, st.job, st.step, {node}, rank, node, False
+                )
+        me = self.catalog.node_id
+        rest = set(self.catalog.require(st.job, st.step).remote_nodes) - {*holders, me}
+        return await fetch.node_manifest(self.remote, st.job, st.step, rest, rank, me, False)
 
     async def peers(self, job: str, step: int) -> list[tuple[str, Path, str]]:
         """Other nodes' parts of ``step``, downloaded and verified once into
