@@ -10,12 +10,15 @@ node's objects of every kept step (10,000 nodes x 100 steps x 3+ objects: 3,000+
 LIST pages per daemon, tens of millions when a whole job restarts; docs/scale.md).
 
 The ``_complete`` markers stay the commit points. The index only says where to
-look, and never names a step whose marker is absent: a step is added after its
-marker is written (and before the drain calls it DURABLE), and removed before
-its marker is deleted. A crash between the two leaves a step out of the index,
-never in it without a marker: a step still local is uploaded again at start-up
-(its files are found in place, only the marker and index are rewritten); a
-step being evicted is left in the bucket (never lost; ``ckptd ls`` still lists it).
+look: a step is added after its marker is written (and before the drain calls
+it DURABLE), and removed after its marker is deleted. A crash while adding
+leaves a complete step out of the index: a step still local is uploaded again
+at start-up (its files are found in place, only the marker and index are
+rewritten). A crash while evicting leaves the index naming a step whose marker
+is gone: no node lists or restores it any more (the marker is the commit point;
+a restore asked for it by number finds its files partly deleted and refuses
+them by their checksums), and the node's evictor, which plans from the index,
+finishes the eviction at its next pass.
 
 Buckets written before the index (no ``_index`` object) are read the slower way
 once per job: the step names under ``<job>/`` (one delimited listing, O(steps),

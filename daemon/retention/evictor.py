@@ -19,6 +19,7 @@ import logging
 from ckptd.core.manifest import DATA_SPREAD
 from ckptd.proto import ckptd_pb2 as pb
 
+from .. import faults
 from ..catalog import Catalog, Event
 from ..io import IoPool
 from ..local.admission import DiskSpace, gib
@@ -185,10 +186,15 @@ class Evictor:
                 self.catalog.set_pinned(st, True)
                 log.info("%s/%d is pinned in the bucket: kept", job, step)
                 return
-            # Out of the index, then the marker: the index never names a step whose
-            # marker is gone, and from then on the step is not complete, never listed.
-            await self.index.remove(job, step)
+            # The marker first: from then on the step is not complete, never listed
+            # or restored by any node. Then out of the index: until then the index
+            # still names it, so a crash (or an error) in between leaves it to this
+            # node's next eviction pass, which deletes the marker again (nothing to
+            # do), the index entry and the objects; removed from the index first, a
+            # crash left a complete step that no node would ever evict.
             await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
+            await asyncio.to_thread(faults.hit, "evict.remote_marker_gone")
+            await self.index.remove(job, step)
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from ckptd.client.handle import SaveHandle
+from ckptd.daemon.remote import index
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..conftest import Daemon
@@ -192,6 +194,39 @@ def test_killed_while_evicting(make_daemon: Any) -> None:
     outcome = check_all(daemon, client, ledger)
     assert outcome[2] == "LOCAL"
     assert [c.step for c in client.list() if c.step != 0] == [2]  # the eviction finished
+
+
+@pytest.mark.faults
+def test_killed_evicting_from_the_bucket_between_marker_and_index(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    """Killed after deleting step 1's marker, before taking it out of the node's
+    index: the restarted daemon reads the index, still naming step 1, and its evictor
+    finishes the eviction (before, the index went first and such a crash left a
+    complete step in the bucket that no node would ever evict)."""
+    url = _remote(tmp_path)
+    daemon: Daemon = make_daemon(
+        env={"CKPTD_FAILPOINTS": "evict.remote_marker_gone=pause"},
+        extra_args=["--remote", url, *FAST_DRAIN, "--retention-remote", "KeepLatest(1)"],
+    )
+    client = daemon.client("gone")
+    ledger = Ledger("gone", _state, evictable={1})
+    ledger.save(client, 1).wait("durable", 60)
+    ledger.save(client, 2).wait("durable", 60)
+    _crash_at(daemon, "evict.remote_marker_gone")
+    bucket = tmp_path / "bucket" / "gone"
+
+    def step_1_objects() -> list[Path]:  # gone/1/... and gone/_data/<hh>/<node>/1/...
+        return [f for f in [*bucket.glob("1/**/*"), *bucket.glob("_data/*/*/1/*")] if f.is_file()]
+
+    deadline = time.monotonic() + 60
+    while step_1_objects():
+        assert time.monotonic() < deadline, step_1_objects()
+        time.sleep(0.1)
+    raw = (bucket / "_index" / "test-node.json").read_bytes()
+    assert sorted(index.decode(raw)) == [2]
+    assert [c.step for c in client.list() if "REMOTE" in c.tiers] == [2]
+    check_all(daemon, client, ledger, remote_url=url)
 
 
 RESTORE_POINTS = ["fetch.part", "commit.before_rename", "commit.after_rename"]
