@@ -54,7 +54,8 @@ async def rank_holders(
 ) -> tuple[list[str], set[str]]:
     """For a node that needs ``rank`` of a (not adopted) step and does not hold it:
     one listing of the step's records (a request per ~330 nodes: each node's
-    manifest, marker and ranks record) -> (the complete nodes whose ranks record
+    manifest, marker and ranks record; per ~100 for a step of the old layout, its
+    rank files beside them) -> (the complete nodes whose ranks record
     covers ``rank``, narrowest first; every complete node). A step drained before the
     ranks records names no holder: the caller asks the complete nodes in turn."""
     holders: list[tuple[int, str]] = []

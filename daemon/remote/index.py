@@ -14,11 +14,11 @@ look: a step is added after its marker is written (and before the drain calls
 it DURABLE), and removed after its marker is deleted. A crash while adding
 leaves a complete step out of the index: a step still local is uploaded again
 at start-up (its files are found in place, only the marker and index are
-rewritten). A crash while evicting leaves the index naming a step whose marker
-is gone: no node lists or restores it any more (the marker is the commit point;
-a restore asked for it by number finds its files partly deleted and refuses
-them by their checksums), and the node's evictor, which plans from the index,
-finishes the eviction at its next pass.
+rewritten). An eviction deletes the marker, then the objects, then the entry: a
+crash in between leaves the index naming a step whose marker is gone (no other
+node lists or restores it any more; the marker is the commit point, and a part
+whose objects were partly deleted is refused by its checksums), and the node's
+evictor, which plans from the index, finishes the eviction at its next pass.
 
 Buckets written before the index (no ``_index`` object) are read the slower way
 once per job: the step names under ``<job>/`` (one delimited listing, O(steps),

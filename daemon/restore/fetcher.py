@@ -172,6 +172,7 @@ class Fetcher:
     async def _fetch(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
         assert self.remote is not None
         me = self.catalog.node_id
+        known: set[str] = set()
         try:
             if st.adopted:  # one tree, every node's copy whole: any complete node
                 known = set(st.remote_nodes)
@@ -183,7 +184,7 @@ class Fetcher:
                 self.remote, st.job, st.step, known, None if st.adopted else rank, me, st.adopted
             )
         except NotFound:  # another node's part holds the rank: ask the step's records
-            node, raw, manifest = await self._holder_manifest(st, rank)
+            node, raw, manifest = await self._holder_manifest(st, rank, frozenset(known))
         shared_memory = shared_memory and not manifest.adopted
         leases: dict[int, Lease] = {}
         by_file = {r.file: r for r in manifest.ranks}
@@ -234,10 +235,12 @@ class Fetcher:
             self._prefetched[(st.job, st.step, other)] = held
         return lease
 
-    async def _holder_manifest(self, st: Step, rank: int) -> tuple[str, bytes, Manifest]:
+    async def _holder_manifest(
+        self, st: Step, rank: int, tried: frozenset[str] = frozenset()
+    ) -> tuple[str, bytes, Manifest]:
         """The manifest of the node whose part of ``st`` holds ``rank``, the nodes whose
         ranks record names it first (usually the one GET), then every other complete
-        node in turn (a step drained before the ranks records)."""
+        node not ``tried`` already, in turn (a step drained before the ranks records)."""
         assert self.remote is not None
         if st.adopted:  # one tree, every node's copy whole: any complete node
             return await fetch.node_manifest(
@@ -247,12 +250,13 @@ class Fetcher:
         if complete:
             self.catalog.discovered(st.job, st.step, complete, False)
         for node in holders:
-            with contextlib.suppress(NotFound):
+            # Its part evicted since the listing, or not holding the rank after all.
+            with contextlib.suppress(NotFound, FileNotFoundError):
                 return await fetch.node_manifest(
                     self.remote, st.job, st.step, {node}, rank, node, False
                 )
+        rest = set(self.catalog.require(st.job, st.step).remote_nodes) - {*holders, *tried}
         me = self.catalog.node_id
-        rest = set(self.catalog.require(st.job, st.step).remote_nodes) - {*holders, me}
         return await fetch.node_manifest(self.remote, st.job, st.step, rest, rank, me, False)
 
     async def peers(self, job: str, step: int) -> list[tuple[str, Path, str]]:

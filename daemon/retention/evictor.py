@@ -187,14 +187,14 @@ class Evictor:
                 log.info("%s/%d is pinned in the bucket: kept", job, step)
                 return
             # The marker first: from then on the step is not complete, never listed
-            # or restored by any node. Then out of the index: until then the index
-            # still names it, so a crash (or an error) in between leaves it to this
-            # node's next eviction pass, which deletes the marker again (nothing to
-            # do), the index entry and the objects; removed from the index first, a
-            # crash left a complete step that no node would ever evict.
+            # or restored by any node. The index entry last, after the objects: until
+            # then the index still names the step, so a crash (or an error) anywhere
+            # in between leaves it to this node's next eviction pass, which deletes
+            # the marker again (nothing to do), what is left of the objects and the
+            # entry. (Out of the index first, a crash left objects, or a complete
+            # step, that no node would ever evict.)
             await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
             await asyncio.to_thread(faults.hit, "evict.remote_marker_gone")
-            await self.index.remove(job, step)
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
             return
@@ -209,7 +209,8 @@ class Evictor:
                 prefixes.append(f"{data_prefix(job, step, node_id, DATA_SPREAD)}/")
             for prefix in prefixes:
                 await self.remote.delete(await self.remote.list_keys(prefix))
-        except Exception as exc:  # the marker is gone: what is left is never listed
+            await self.index.remove(job, step)
+        except Exception as exc:  # the marker is gone: the next start-up finishes it
             log.warning(
                 "could not remove %s/%d's objects from %s: %s", job, step, self.remote.url, exc
             )
