@@ -239,10 +239,10 @@ def test_one_range_changed_in_the_bucket_is_never_served(make_daemon: Any, s3_se
         client.save(step, state_for(step, 16)).wait("durable", 120)
     s3 = s3_server.client()
     bucket = remote.url.split("/")[2]
-    key = next(
+    key = next(  # the rank files' prefix: <job>/_data/<hh>/<node>/<step>/
         o["Key"]
-        for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/flip/2/")["Contents"]
-        if o["Key"].endswith("rank-00000.safetensors")
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/flip/_data/")["Contents"]
+        if o["Key"].endswith("/2/rank-00000.safetensors")
     )
     raw = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     assert len(raw) > 2 * PART + CHUNK

@@ -42,7 +42,8 @@ def _local_file(daemon: Daemon, step: int) -> Path:
 
 
 def _bucket_file(tmp_path: Path, step: int) -> Path:
-    return next((tmp_path / "bucket" / "flip" / str(step)).rglob("rank-00000.safetensors"))
+    # Rank files sit under <job>/_data/<hh>/<node>/<step>/ (daemon/remote/layout.py).
+    return next((tmp_path / "bucket" / "flip").glob(f"_data/*/*/{step}/rank-00000.safetensors"))
 
 
 def _restored(client: Any) -> tuple[int, bool]:
