@@ -252,6 +252,7 @@ class Client(Saving):
         target: Any = None,
         shared_memory: bool = True,
         rank: int | None = None,
+        healthy: bool = False,
     ) -> tuple[Any, dict[str, Any]]:
         """Restore the newest restorable step (or ``step``): ``(tree, metadata)``.
 
@@ -273,6 +274,11 @@ class Client(Saving):
 
         ``rank``: another rank's part of the step on this node (default: this
         client's rank); DCP's reader reads every saving rank's items this way.
+
+        ``healthy=True``: only a step known to hold no NaN or Inf (the daemon counts
+        them in every floating shard as it saves; ``CheckpointInfo.healthy``): the
+        newest such step, the "last known good" after a divergence. Steps saved by a
+        ckptd that did not count them are not known healthy.
         """
         # A restarting daemon is waited for (reconnect_timeout), like a save.
         return self._handoff.retrying(
@@ -285,6 +291,7 @@ class Client(Saving):
                 target,
                 shared_memory,
                 self._handoff.liveness.metadata(),
+                healthy,
             ),
         )
 
@@ -293,16 +300,20 @@ class Client(Saving):
         resp = self.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=self.job))
         return [CheckpointInfo.of(c) for c in resp.checkpoints]
 
-    def all_steps(self) -> builtins.list[int]:
+    def all_steps(self, healthy: bool = False) -> builtins.list[int]:
         """Steps with a complete copy in some tier (this node's, or the bucket's), oldest
-        first: what :meth:`restore` can be asked for (Orbax's ``all_steps``)."""
-        return sorted(c.step for c in self.list() if c.tiers and not c.adopted)
+        first: what :meth:`restore` can be asked for (Orbax's ``all_steps``);
+        ``healthy``: only those known to hold no NaN/Inf."""
+        return sorted(
+            c.step for c in self.list() if c.tiers and not c.adopted and (c.healthy or not healthy)
+        )
 
-    def latest_step(self) -> int | None:
+    def latest_step(self, healthy: bool = False) -> int | None:
         """The newest step :meth:`restore` would return, None if there is none yet
-        (Orbax's ``latest_step``). In a multi-process job every process must restore
-        the same step: agree on one with ``ckptd.client.distributed``."""
-        steps = self.all_steps()
+        (Orbax's ``latest_step``; ``healthy``: as ``restore(healthy=True)`` would). In
+        a multi-process job every process must restore the same step: agree on one
+        with ``ckptd.client.distributed``."""
+        steps = self.all_steps(healthy)
         return steps[-1] if steps else None
 
     def wait_until_finished(self, stage: str = "local", timeout: float | None = None) -> None:

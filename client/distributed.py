@@ -21,25 +21,32 @@ MAX_CANDIDATES = 64
 unless the newest 64 all fail somewhere)."""
 
 
-def restorable_steps(client: Client) -> list[int]:
+def restorable_steps(client: Client, healthy: bool = False) -> list[int]:
     """Steps this process's node can restore from some tier, newest first (adopted
-    directories are not ckptd arrays: their framework restores them)."""
+    directories are not ckptd arrays: their framework restores them); ``healthy``:
+    only those known to hold no NaN/Inf on this node."""
     rows = client.list()
     return sorted(
-        {c.step for c in rows if c.tiers and c.state != "STAGING" and not c.adopted},
+        {
+            c.step
+            for c in rows
+            if c.tiers and c.state != "STAGING" and not c.adopted and (c.healthy or not healthy)
+        },
         reverse=True,
     )
 
 
-def agree_on_step(client: Client) -> int | None:
-    """The newest step every process can restore (None: start from scratch).
+def agree_on_step(client: Client, healthy: bool = False) -> int | None:
+    """The newest step every process can restore (None: start from scratch);
+    ``healthy``: known healthy on every node (each node counts its own shards, so a
+    step with NaN anywhere is skipped everywhere).
 
     A collective: every process of the job must call it.
     """
     from jax.experimental import multihost_utils
 
     mine = np.full(MAX_CANDIDATES, -1, np.int64)
-    steps = restorable_steps(client)[:MAX_CANDIDATES]
+    steps = restorable_steps(client, healthy)[:MAX_CANDIDATES]
     mine[: len(steps)] = steps
     everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, MAX_CANDIDATES)
     common = set(everyone[0].tolist())
@@ -49,10 +56,13 @@ def agree_on_step(client: Client) -> int | None:
     return max(common) if common else None
 
 
-def restore_agreed(client: Client, target: Any = None) -> tuple[int | None, Any, dict[str, Any]]:
+def restore_agreed(
+    client: Client, target: Any = None, healthy: bool = False
+) -> tuple[int | None, Any, dict[str, Any]]:
     """Agree on a step (a collective), then restore it: ``(step, tree, metadata)``;
-    ``(None, None, {})`` when no step is restorable everywhere."""
-    step = agree_on_step(client)
+    ``(None, None, {})`` when no step is restorable everywhere (``healthy``: see
+    :func:`agree_on_step`)."""
+    step = agree_on_step(client, healthy)
     if step is None:
         return None, None, {}
     tree, meta = client.restore(step=step, target=target)

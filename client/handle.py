@@ -10,6 +10,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Protocol
 
+from ckptd.core import health
 from ckptd.core.errors import CkptdError, CkptdUnavailable, SaveFailed
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
@@ -33,13 +34,19 @@ class CheckpointInfo:
     error: str
     local_reasons: tuple[str, ...] = ()
     """Why the local tier keeps it: policy reasons ("latest", "every-10-steps", ...)
-    or holds ("newest", "pinned", "awaiting-upload", "in-use")."""
+    or holds ("newest", "pinned", "last-known-good", "awaiting-upload", "in-use")."""
     remote_reasons: tuple[str, ...] = ()
     pinned: bool = False
     metrics: dict[str, float] | None = None
     adopted: bool = False
     """A directory tree adopted from another framework (an Orbax step, ``adopt``)."""
     source: str = ""
+
+    @property
+    def healthy(self) -> bool | None:
+        """No NaN/Inf in this node's copy (True), some (False; ``metrics["ckptd.nonfinite"]``
+        says how many), or not counted (None: saved by an older ckptd, or adopted)."""
+        return health.healthy(self.metrics)
 
     @classmethod
     def of(cls, c: pb.CheckpointInfo) -> CheckpointInfo:

@@ -31,6 +31,7 @@ def restore(
     target: Any,
     shared_memory: bool,
     metadata: tuple[tuple[str, str], ...] = (),
+    healthy: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """See :meth:`ckptd.client.Client.restore` (``metadata``: the liveness header)."""
 
@@ -38,7 +39,7 @@ def restore(
         return open_readable(conn.session, path)
 
     for attempt in range(8):
-        req = pb.RestoreRequest(job=job, rank=rank, shared_memory=shared_memory)
+        req = pb.RestoreRequest(job=job, rank=rank, shared_memory=shared_memory, healthy=healthy)
         if step is not None:
             req.step = int(step)
         try:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ckptd.core.errors import CapacityExhausted
 from ckptd.core.format import TensorEntry, round_up
+from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -224,6 +225,11 @@ def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
     for name, value in metrics.items():
         if not isinstance(name, str) or isinstance(value, bool):
             raise TypeError(f"metric {name!r}: names must be str and values numbers")
+        if name.startswith(RESERVED_PREFIX):
+            raise ValueError(
+                f"metric {name!r}: names starting with {RESERVED_PREFIX!r} are set by the "
+                "daemon (ckptd.nonfinite: the step's NaN/Inf count); rename it"
+            )
         try:
             out[name] = float(value)
         except (TypeError, ValueError):

@@ -101,6 +101,10 @@ class Manifest:
     (an Orbax step, ``ckptd adopt``), one record in ``ranks`` per file under ``files/``."""
     source: str = ""
     """For an adopted tree: the directory it was adopted from."""
+    nonfinite: dict[str, dict[str, int]] | None = None
+    """Per rank (its number as text), the shards holding NaN or Inf and how many
+    (``{}``: all finite); None where not counted (an older ckptd, an adopted tree).
+    The total is the metric ``ckptd.nonfinite`` (core/health.py)."""
     data_layout: int = DATA_BY_STEP
     """Where the bucket copy's rank files are (daemon/remote/layout.py):
     ``DATA_BY_STEP`` (1) under ``<job>/<step>/<node>/``, as every ckptd before the
@@ -191,6 +195,7 @@ class Manifest:
                 metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items()},
                 kind=str(raw.get("kind", KIND_ARRAYS)),
                 source=str(raw.get("source", "")),
+                nonfinite=raw.get("nonfinite"),  # checked below
                 data_layout=raw.get("data_layout", DATA_BY_STEP),  # checked: an int
                 format_version=version,
             )
@@ -252,6 +257,13 @@ def _check(m: Manifest) -> None:
     if m.kind not in (KIND_ARRAYS, KIND_DIRECTORY):
         raise InvalidArgument(f"unknown kind {m.kind!r}; upgrade ckptd")
     _field("data_layout", m.data_layout, int)
+    if m.nonfinite is not None:
+        _field("nonfinite", m.nonfinite, dict)
+        for rank, counts in m.nonfinite.items():
+            _field(f"nonfinite[{str(rank)[:20]!r}]", counts, dict)
+            for key, n in counts.items():
+                _field(f"nonfinite[{str(rank)[:20]!r}] key", key, str)
+                _count(f"nonfinite[{str(rank)[:20]!r}][{key[:80]!r}]", n, 2**63)
     if m.data_layout not in DATA_LAYOUTS:
         raise InvalidArgument(f"unknown data_layout {m.data_layout!r}; upgrade ckptd")
     # Job names up to 255 bytes were accepted before the 128-byte limit: their copies

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ckptd.core import checksum
 from ckptd.core.errors import InvalidArgument, PermissionDenied
+from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.core.names import check_tree_path
 
@@ -87,7 +88,9 @@ def orbax_metrics(step_dir: Path) -> dict[str, float]:
             found = {
                 str(k): float(v)
                 for k, v in (metrics or {}).items()
-                if isinstance(v, int | float) and not isinstance(v, bool)
+                if isinstance(v, int | float)
+                and not isinstance(v, bool)
+                and not str(k).startswith(RESERVED_PREFIX)  # the daemon's own (health)
             }
         except (OSError, ValueError, AttributeError):
             continue

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ckptd.core.errors import InvalidArgument
+from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.manifest import MAX_FILE_BYTES, MAX_WORLD_SIZE, RawJson
 from ckptd.core.names import check_name, check_step
 from ckptd.core.shard_table import MAX_NDIM, ShardTable
@@ -118,7 +119,7 @@ def parse_commit(
         tree=tree if tree is not None else _tree(req.tree_json),
         metadata=_json("metadata_json", req.metadata_json, {}),
         milestone=req.milestone,
-        metrics=_metrics(req.metrics),
+        metrics=check_metrics(req.metrics),
     )
 
 
@@ -179,12 +180,18 @@ def _ints(values: list[int]) -> Any:
     return np.array(values, np.int64)
 
 
-def _metrics(raw: Any) -> dict[str, float]:
+def check_metrics(raw: Any) -> dict[str, float]:
+    """A save's or adoption's metrics, checked (a name the daemon sets is refused)."""
     if len(raw) > 256:
         raise InvalidArgument(f"{len(raw)} metrics in one save; the limit is 256")
     for name in raw:
         if not name or len(name) > 255:
             raise InvalidArgument(f"metric name {name[:40]!r} must have 1 to 255 characters")
+        if name.startswith(RESERVED_PREFIX):
+            raise InvalidArgument(
+                f"metric {name[:40]!r}: names starting with {RESERVED_PREFIX!r} are set by "
+                "the daemon (ckptd.nonfinite: the step's NaN/Inf count); rename it"
+            )
     return {str(k): float(v) for k, v in raw.items()}
 
 

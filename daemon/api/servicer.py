@@ -51,7 +51,7 @@ from ..retention.planner import Retention
 from . import messages
 from .access import Access
 from .history import JobHistory
-from .requests import CommitParser
+from .requests import CommitParser, check_metrics
 from .sessions import Peer, SessionServer
 
 log = logging.getLogger("ckptd.server")
@@ -235,7 +235,7 @@ class Servicer(pb_grpc.CkptdServicer):
         step = check_step(request.step) if request.HasField("step") else None
         holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
         plan = await self.s.restorer.restore(
-            job, step, request.rank, request.shared_memory, holder, peer.process
+            job, step, request.rank, request.shared_memory, holder, peer.process, request.healthy
         )
         if plan.lease is None or len(plan.manifest.ranks) > 1:
             # The client opens files of the step itself next (its own rank's, or other
@@ -308,13 +308,14 @@ class Servicer(pb_grpc.CkptdServicer):
     async def Adopt(self, request: pb.AdoptRequest, context: Any) -> pb.AdoptResponse:
         peer, job = self._job(context, request.job, claim=True)
         step = check_step(request.step)
+        metrics = check_metrics(request.metrics)
         if not request.path:
             raise InvalidArgument("no path given; name the finished directory to adopt")
         st = await self.s.adopter.adopt(
             job,
             step,
             self.s.adopter.source(self.s.access.caller(peer), request.path),
-            metrics=dict(request.metrics),
+            metrics=metrics,
             milestone=request.milestone,
             caller=self.s.access.caller(peer),
         )

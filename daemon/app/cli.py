@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ckptd.core.errors import CkptdError, cli_line
+from ckptd.core.health import NONFINITE_METRIC
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -62,6 +63,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             ("milestone " if c.milestone else "")
             + ("pinned " if c.pinned else "")
             + ("adopted " if c.adopted else "")
+            + _unhealthy(c)
             + (c.error[:60] if c.error else ""),
         ]
         for c in resp.checkpoints
@@ -85,6 +87,12 @@ def _suggest_job(args: argparse.Namespace, job: str) -> None:
         print(f"did you mean {close[0]!r}?", file=sys.stderr)
     elif jobs:
         print(f"jobs on this daemon: {', '.join(jobs[:20])}", file=sys.stderr)
+
+
+def _unhealthy(c: pb.CheckpointInfo) -> str:
+    """``nan/inf=N `` for a step holding NaN/Inf values (healthy and uncounted: "")."""
+    n = c.metrics.get(NONFINITE_METRIC, 0.0)
+    return f"nan/inf={int(n)} " if n else ""
 
 
 def _kept_by(c: pb.CheckpointInfo) -> str:

@@ -81,6 +81,12 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.unhealthy = Counter(
+            "ckptd_unhealthy_saves",
+            "Saves committed on this node holding NaN or Inf values in a floating shard "
+            "(any increase: the run diverged; restore(healthy=True) skips them).",
+            registry=r,
+        )
         self.to_local = Histogram(
             "ckptd_handoff_to_local_seconds",
             "From the handoff (save() returning) to the step being LOCAL.",
@@ -135,6 +141,8 @@ class Metrics:
         size = st.manifest.size_bytes if st is not None and st.manifest is not None else 0
         if kind == pb.STEP_EVENT_LOCAL and st is not None:
             self.bytes.labels("local").inc(size)
+            if st.healthy is False:
+                self.unhealthy.inc()
             if st.handoff_at and st.local_at >= st.handoff_at:
                 self.to_local.observe(st.local_at - st.handoff_at)
         elif kind == pb.STEP_EVENT_DURABLE and st is not None:

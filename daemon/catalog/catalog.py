@@ -238,7 +238,14 @@ class Catalog:
     def committed(self, st: Step, manifest: Manifest) -> None:
         """Every rank is written and the step renamed into place: LOCAL."""
         now = self._clock()
-        self._move(st, LOCAL, manifest=manifest, local_at=now, created_unix=manifest.created_unix)
+        self._move(
+            st,
+            LOCAL,
+            manifest=manifest,
+            local_at=now,
+            created_unix=manifest.created_unix,
+            metrics=dict(manifest.metrics),  # with the daemon's own (ckptd.nonfinite)
+        )
         self._emit(st, pb.STEP_EVENT_LOCAL, f"{manifest.size_bytes} bytes")
 
     def failed(self, st: Step, reason: str, stage: str) -> None:

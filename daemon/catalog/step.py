@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd.core import health
 from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
@@ -156,6 +157,11 @@ class Step:
     def local(self) -> bool:
         """The local tier holds a committed copy."""
         return self.manifest is not None
+
+    @property
+    def healthy(self) -> bool | None:
+        """No NaN/Inf in this node's copy (True), some (False), not counted (None)."""
+        return health.healthy(self.metrics)
 
     @property
     def in_remote(self) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ckptd.core import checksum
 from ckptd.core.format import round_up
+from ckptd.core.health import NonFiniteCount
 
 from .. import faults
 from ..io import CRC
@@ -127,10 +128,12 @@ def write_file_checksummed(
     ranges: Sequence[tuple[int, int]],
     spare: Path | None = None,
     pieces: checksum.Pieces | None = None,
+    health: NonFiniteCount | None = None,
 ) -> tuple[int, list[int]]:
     """:func:`write_file_direct`, returning the crc32c of the whole file and of each
     ``(offset, length)`` shard range of ``data`` (``pieces``: their
-    :func:`~ckptd.core.checksum.file_pieces`, if known).
+    :func:`~ckptd.core.checksum.file_pieces`, if known). ``health``, if given, counts
+    the floating shards' NaN/Inf on the same trailing pass (core/health.py).
 
     The checksum runs on the crc thread one chunk behind the write, over the chunk
     just written, so disk and checksum overlap. Started beside the write over the
@@ -139,6 +142,12 @@ def write_file_checksummed(
     """
     stream = checksum.FileCrc(header, ranges, data_length, pieces)
     flat = np.frombuffer(data, np.uint8)
+
+    def trail(upto: int) -> None:
+        stream.feed(flat, upto)
+        if health is not None:  # the chunk the crc just read, while it is in cache
+            health.feed(flat, upto)
+
     pending: list[concurrent.futures.Future[None]] = []
     try:
         write_file_direct(
@@ -147,7 +156,7 @@ def write_file_checksummed(
             data,
             data_length,
             spare,
-            lambda upto: pending.append(CRC.submit(stream.feed, flat, upto)),
+            lambda upto: pending.append(CRC.submit(trail, upto)),
         )
     finally:
         # The checksum reads the lease: it ends before the lease can be given back.

@@ -43,6 +43,8 @@ class PendingStep:
     ticket: int
     """The step's place in the I/O queue (IoPool.ticket): older saves' work goes first."""
     ranks: dict[int, tuple[RankRecord, ShardTable, dict[str, Any]]] = field(default_factory=dict)
+    nonfinite: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Each written rank's shards holding NaN/Inf, with their counts (core/health.py)."""
     writing: set[int] = field(default_factory=set)
     leases: dict[int, Lease] = field(default_factory=dict)
     """Each handed-off rank's lease, held until the step is LOCAL or FAILED."""

@@ -11,7 +11,7 @@ import json
 from collections import OrderedDict
 from typing import TYPE_CHECKING, NamedTuple
 
-from ckptd.core import checksum
+from ckptd.core import checksum, health
 from ckptd.core.format import build_header_columns
 from ckptd.core.shard_table import ShardTable
 
@@ -30,6 +30,8 @@ class RankLayout(NamedTuple):
     """Each shard's ``(offset, length)`` in the data, in the commit's order."""
     pieces: checksum.Pieces
     """How the checksum walks the data (:func:`~ckptd.core.checksum.file_pieces`)."""
+    floats: health.Plan
+    """The shards whose NaN/Inf are counted (:func:`~ckptd.core.health.plan`)."""
 
 
 def rank_layout(req: CommitRequest) -> RankLayout:
@@ -38,7 +40,8 @@ def rank_layout(req: CommitRequest) -> RankLayout:
     offsets, lengths = t.offset.tolist(), t.length.tolist()
     header = build_header_columns(t.keys, t.dtypes, t.dims(t.shape), offsets, lengths, _format)
     ranges = list(zip(offsets, lengths, strict=True))
-    return RankLayout(header, ranges, checksum.file_pieces(ranges, t.check_layout()))
+    pieces = checksum.file_pieces(ranges, t.check_layout())
+    return RankLayout(header, ranges, pieces, health.plan(t.dtypes, ranges))
 
 
 class RankLayouts:

@@ -26,6 +26,7 @@ from typing import Any
 
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, round_up
+from ckptd.core.health import NONFINITE_METRIC, NonFiniteCount
 from ckptd.core.manifest import DATA_SPREAD, Manifest, RankRecord, rank_file_name
 from ckptd.core.names import check_wait
 from ckptd.core.shard_table import ShardTable
@@ -255,6 +256,7 @@ class Saver:
             data = lease.segment.view(req.data_offset, round_up(data_len))
             spare = self.store.take_spare(len(header) + data_len)
             path = pending.commit.path / name
+            health = NonFiniteCount(req.table.keys, layout.floats)
             file_crc, crcs = await run(
                 write_file_checksummed,
                 path,
@@ -264,7 +266,9 @@ class Saver:
                 layout.ranges,
                 spare,
                 layout.pieces,
+                health,
             )
+            pending.nonfinite[req.rank] = health.result()
             args = (req, len(header), crcs)
             shards = await run(shard_records, *args) if many else shard_records(*args)
             record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
@@ -312,6 +316,9 @@ class Saver:
     async def _commit_in_order(self, pending: PendingStep) -> None:
         st = pending.step
         ranks = [pending.ranks[r] for r in sorted(pending.ranks)]
+        nonfinite = {str(r): pending.nonfinite.get(r, {}) for r in sorted(pending.ranks)}
+        # The daemon's own metric: the step's health, wherever its metrics go.
+        total = sum(sum(counts.values()) for counts in nonfinite.values())
         manifest = Manifest(
             job=st.job,
             step=st.step,
@@ -322,7 +329,8 @@ class Saver:
             shards=ShardTable.concat([shards for _, shards, _ in ranks]),
             metadata=next((m for _, _, m in ranks if m), {}),
             milestone=st.milestone,
-            metrics=dict(st.metrics),
+            metrics={**st.metrics, NONFINITE_METRIC: float(total)},
+            nonfinite=nonfinite,
             data_layout=DATA_SPREAD,  # where the drain will put its rank files
         )
         try:

@@ -32,6 +32,7 @@ from ckptd.core import checksum
 from ckptd.core.checksum import verify_step
 from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound
 from ckptd.core.format import round_up
+from ckptd.core.health import NONFINITE_METRIC
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.core.shard_table import ShardTable
 from ckptd.proto import ckptd_pb2 as pb
@@ -81,9 +82,17 @@ class Restorer:
         self.io = io
         self.fetcher = fetcher
 
-    def choose(self, job: str, step: int | None, rank: int | None, adopted: bool = False) -> Step:
+    def choose(
+        self,
+        job: str,
+        step: int | None,
+        rank: int | None,
+        adopted: bool = False,
+        healthy: bool = False,
+    ) -> Step:
         """The newest (or given) step with a verified copy in some tier: a step of
-        ckptd arrays holding ``rank``, or with ``adopted`` an adopted directory."""
+        ckptd arrays holding ``rank``, or with ``adopted`` an adopted directory;
+        with ``healthy``, one known to hold no NaN/Inf (core/health.py)."""
         if step is not None:
             st = self.catalog.require(job, step)
             if st.state == pb.SAVE_STATE_STAGING:
@@ -106,15 +115,29 @@ class Restorer:
                     f"step {step} of job {job!r} was saved with Client.save, not adopted; "
                     "restore it with Client.restore()"
                 )
+            if healthy and st.healthy is not True:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} is not known healthy ("
+                    f"{_health_text(st)}); restore it without healthy=True, or ask for "
+                    "no step to get the newest healthy one"
+                )
         else:
             candidates = [
                 s
                 for s in self.catalog.list(job)
                 if (s.local or s.in_remote) and s.adopted == adopted and not s.unusable
             ]
+            sick = [s for s in candidates if s.healthy is not True] if healthy else []
+            candidates = [s for s in candidates if s not in sick]
             if not candidates:
                 where = "on this node or in the bucket" if self.fetcher.remote else "on this node"
                 what = "adopted step" if adopted else "restorable checkpoint"
+                if sick:
+                    raise NotFound(
+                        f"job {job!r} has no {what} known healthy {where}: "
+                        + ", ".join(f"step {s.step} ({_health_text(s)})" for s in sick[:5])
+                        + "; restore without healthy=True to take one anyway"
+                    )
                 raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job)}")
             st = candidates[0]
         held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
@@ -140,25 +163,34 @@ class Restorer:
         shared_memory: bool,
         holder: str = "",
         owner: tuple[int, int] | None = None,
+        healthy: bool = False,
     ) -> RestorePlan:
         """Pick a step and, if asked and a segment is free, read it into shared memory.
         ``holder``: the client's liveness file; its lease comes back if it dies.
-        ``owner``: ``(uid, pid)`` of the client, the only process that may map it."""
-        plan = await self._restore(job, step, rank, shared_memory, owner[0] if owner else None)
+        ``owner``: ``(uid, pid)`` of the client, the only process that may map it.
+        ``healthy``: only a step known to hold no NaN/Inf."""
+        uid = owner[0] if owner else None
+        plan = await self._restore(job, step, rank, shared_memory, uid, healthy)
         if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
             # Another uid mapped that segment before: serve the verified file instead.
             plan = replace(plan, lease=None, data_offset=0)
         return plan
 
     async def _restore(
-        self, job: str, step: int | None, rank: int, shared_memory: bool, uid: int | None
+        self,
+        job: str,
+        step: int | None,
+        rank: int,
+        shared_memory: bool,
+        uid: int | None,
+        healthy: bool,
     ) -> RestorePlan:
         # No request when the node's index of the job is read already (at start-up, for
         # every job held locally): a restarting job's nodes that hold their steps never
         # touch the bucket.
         await self.fetcher.refresh_quietly(job, step)
         while True:
-            st = self.choose(job, step, rank)
+            st = self.choose(job, step, rank, healthy=healthy)
             # Held while the daemon reads it: the evictor leaves it alone. (The grace
             # for files the client opens itself comes from the servicer: see served.)
             with self.catalog.in_use(st):
@@ -316,3 +348,10 @@ VERIFY_CHUNK = 8 * 2**20
 """Bytes read per call when restoring: the crc of one runs while the next is read."""
 MAX_HEADER_BYTES = 100 * 2**20
 """Largest safetensors header (the format's own limit)."""
+
+
+def _health_text(st: Step) -> str:
+    """What is known of a step's health, for errors."""
+    if st.healthy is None:
+        return "not counted: saved before ckptd counted NaN/Inf, or adopted"
+    return f"{int(st.metrics[NONFINITE_METRIC])} NaN/Inf values"

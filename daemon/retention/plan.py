@@ -5,6 +5,9 @@ Safety rules on top of the tiers' policies (DESIGN.md, Retention):
 - the newest complete checkpoint of a job in a tier is never evicted from it,
   whatever the policy (``KeepLatest(0)`` included);
 - pinned steps are never evicted from any tier;
+- while a tier's newer steps hold NaN/Inf, its newest step known to hold none is
+  kept (``last-known-good``): a run that diverged and kept saving still has the
+  step to go back to (core/health.py);
 - a local copy whose remote copy is not complete is kept while the remote tier
   may still want it (``awaiting-upload``), unless the operator opted in with
   ``local_evict_unuploaded``. Milestones are always wanted by the remote tier,
@@ -43,6 +46,8 @@ class StepView:
     """Local, waiting for (or in) the drain."""
     busy: bool = False
     """Being uploaded, fetched or restored right now."""
+    healthy: bool | None = None
+    """No NaN/Inf (True), some (False), not counted (None)."""
 
     def checkpoint(self) -> Checkpoint:
         """The policy-facing view."""
@@ -74,6 +79,9 @@ def _kept(policy: Policy, views: Sequence[StepView], now: float) -> Kept:
     for v in views:
         if v.pinned:
             kept.setdefault(v.step, set()).add("pinned")
+    good = max((v.step for v in views if v.healthy), default=None)
+    if good is not None and any(v.healthy is False and v.step > good for v in views):
+        kept.setdefault(good, set()).add("last-known-good")
     return kept
 
 

@@ -55,6 +55,7 @@ class Retention:
             remote=self.catalog.node_id in st.remote_nodes,
             pending=st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING),
             busy=self.busy(st),
+            healthy=st.healthy,
         )
 
     def plan(self, job: str) -> Plan:
