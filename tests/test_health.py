@@ -115,9 +115,7 @@ def test_manifest_carries_the_counts_and_refuses_malformed_ones() -> None:
 
 
 def _views(health: list[bool | None]) -> list[StepView]:
-    return [
-        StepView(step=i, time=float(i), local=True, healthy=h) for i, h in enumerate(health)
-    ]
+    return [StepView(step=i, time=float(i), local=True, healthy=h) for i, h in enumerate(health)]
 
 
 def test_the_last_known_good_step_is_kept_while_newer_steps_are_not_healthy() -> None:
