@@ -222,6 +222,8 @@ class Servicer(pb_grpc.CkptdServicer):
         job = self._job(context, request.job)[1] if request.job else ""
         if job:  # what the bucket holds of it: read once in this daemon's life
             await self.s.fetcher.refresh_quietly(job)
+            if self.s.restorer.peer is not None:  # a node that lost its disk
+                await self.s.restorer.peer.ensure(job)
         rows = [s for s in self.s.catalog.list(job) if self.s.access.may_use(peer, s.job)]
         plans = {j: self.s.retention.plan(j) for j in {s.job for s in rows}}
         return pb.ListCheckpointsResponse(

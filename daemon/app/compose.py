@@ -31,6 +31,7 @@ from ..local.pending import CommitRequest
 from ..local.saver import Saver
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
+from ..peer.tier import PeerTier
 from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.drain import Drain
@@ -92,6 +93,11 @@ class Daemon:
             self.disk, self.staging, self.store, self.io.run, cfg.retention_local.describe()
         )
         self.drain: Drain | None = None
+        self.peer = (
+            PeerTier(cfg, self.catalog, self.store, self.io)
+            if cfg.peers or cfg.peer_address.lower() != "off"
+            else None
+        )
         self.started = False
         self.metrics_address = ""
         """Where /metrics is served (set by ``serve``); empty when it is not."""
@@ -180,7 +186,14 @@ class Daemon:
         self.fetcher = Fetcher(
             self.catalog, self.store, self.staging, self.io, self.remote, self.index
         )
-        self.restorer = Restorer(self.catalog, self.store, self.staging, self.io, self.fetcher)
+        self.restorer = Restorer(
+            self.catalog,
+            self.store,
+            self.staging,
+            self.io,
+            self.fetcher,
+            self.peer.fetcher if self.peer is not None else None,
+        )
         self.adopter = Adopter(
             self.catalog,
             self.store,
@@ -217,6 +230,8 @@ class Daemon:
         self.evictor.kick()  # apply the retention to what recovery found
         self.supervisor.service("evictor", self.evictor.run)
         self.supervisor.service("adopter", self.adopter.run)
+        if self.peer is not None:
+            await self.peer.start(self.supervisor.service, self.supervisor.spawn)
         self.started = True
 
     async def _open_remote(self) -> Remote | None:
@@ -261,7 +276,11 @@ class Daemon:
         self.adopter.stop()
         if self.drain is not None:
             self.drain.stop()
+        if self.peer is not None:
+            self.peer.halt()
         await self.supervisor.stop_services()
+        if self.peer is not None:
+            await self.peer.stop()
         if self.remote is not None:
             await self.remote.close()
         if self.supervisor.jobs_running:
@@ -323,6 +342,7 @@ class Daemon:
             remote_endpoint_url=redact(cfg.remote_endpoint_url or ""),
             fetch_in_flight_bytes=self.fetcher.in_flight_bytes,
             fetch_done_bytes=self.fetcher.in_flight_done,
+            **(self.peer.status() if self.peer is not None else {}),
         )
 
 

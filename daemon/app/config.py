@@ -122,6 +122,21 @@ class Config:
     """Groups (gids or names) whose members may use every job."""
     shared_jobs: tuple[str, ...] = ()
     """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
+    peer_address: str = "off"
+    """``HOST:PORT`` (TCP) where the Peer service takes and serves replicas of other
+    daemons' steps; ``off``: none (port 0: any free port, shown in status)."""
+    peers: tuple[str, ...] = ()
+    """The other daemons of the job, ``HOST:PORT`` each (a name resolving to several
+    addresses, a Kubernetes headless Service's, counts each); this one is skipped."""
+    peer_replicas: int = 1
+    """How many peers get a replica of each job's newest local step."""
+    peer_token_file: str = ""
+    """File holding the token every daemon of the job shares; required with
+    ``peer_address`` or ``peers`` (peer calls without it are refused)."""
+    peer_bandwidth_bytes: int = 512 * 2**20
+    """Bytes per second replication may send (saves and the drain keep the rest)."""
+    peer_budget_bytes: int = 64 * 2**30
+    """Disk this daemon gives to replicas of other nodes' steps."""
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     """``HOST:PORT`` of the HTTP endpoint with ``/metrics`` (Prometheus), ``/healthz`` and
     ``/readyz``; ``off`` to serve none. Port 0 picks a free port (shown in status). If
@@ -309,6 +324,19 @@ def _validate(cfg: Config) -> None:
         parse_address(cfg.metrics_address)
     except ValueError as exc:
         raise ConfigError(f"invalid value for 'metrics_address': {exc}") from None
+    if cfg.peer_address != "off":
+        try:
+            parse_address(cfg.peer_address)
+        except ValueError as exc:
+            raise ConfigError(f"invalid value for 'peer_address': {exc}") from None
+    if (cfg.peers or cfg.peer_address != "off") and not cfg.peer_token_file:
+        raise ConfigError(
+            "peer_address or peers is set but peer_token_file is not: give every daemon "
+            "of the job the same file holding a random token (`openssl rand -hex 32`)"
+        )
+    for entry in cfg.peers:
+        if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}", entry):
+            raise ConfigError(f"invalid value for 'peers': {entry!r}; use HOST:PORT entries")
     for pattern in cfg.shared_jobs:
         if "/" in pattern or not pattern:
             raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")

@@ -1,6 +1,7 @@
 """The step catalog: the one owner of every step's state, its transition table and events."""
 
-from .catalog import HISTORY, MAX_WAIT_SECONDS, Catalog, Listener
+from .catalog import Catalog
+from .events import HISTORY, MAX_WAIT_SECONDS, EventLog, Listener
 from .step import (
     DRAINING,
     DURABLE,
@@ -28,6 +29,7 @@ __all__ = [
     "TRANSITIONS",
     "Catalog",
     "Event",
+    "EventLog",
     "IllegalTransition",
     "Listener",
     "Step",

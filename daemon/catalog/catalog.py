@@ -14,8 +14,6 @@ step is evicted locally and fetched back, a LOCAL step has another node's marker
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -28,6 +26,7 @@ from ckptd.core.names import check_wait
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
+from .events import MAX_WAIT_SECONDS, EventLog
 from .step import (
     DRAINING,
     DURABLE,
@@ -44,17 +43,12 @@ from .step import (
 
 log = logging.getLogger("ckptd.catalog")
 
-MAX_WAIT_SECONDS = 3600.0
-HISTORY = 8192
-"""Events kept for ``ListEvents`` (older ones are dropped; their seq numbers stay counted)."""
-
-Listener = Callable[[Event], None]
 _Steps = list[Step]  # aliases: inside Catalog, ``list`` is a method
 _Names = list[str]
 _Events = list[Event]
 
 
-class Catalog:
+class Catalog(EventLog):
     """Every step of every job on this node, and the one place their state changes."""
 
     def __init__(
@@ -63,16 +57,9 @@ class Catalog:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(clock, monotonic)
         self.node_id = node_id
-        self._clock = clock
-        self._monotonic = monotonic
         self._steps: dict[tuple[str, int], Step] = {}
-        self._listeners: list[Listener] = []
-        self._history: collections.deque[Event] = collections.deque(maxlen=HISTORY)
-        self._seq = 0
-        self._appended = asyncio.Event()
-        self.stopping = asyncio.Event()
-        """Set when the daemon stops: waits return at once (the client asks again)."""
 
     # -- queries -----------------------------------------------------------------
     def get(self, job: str, step: int) -> Step | None:
@@ -105,56 +92,6 @@ class Catalog:
         """Steps in ``state``."""
         return sum(1 for s in self._steps.values() if s.state == state)
 
-    # -- events ------------------------------------------------------------------
-    def subscribe(self, listener: Listener) -> None:
-        """Call ``listener(event)`` after every transition (on the loop; keep it short)."""
-        self._listeners.append(listener)
-
-    def events(self, after: int = 0, job: str = "", limit: int = HISTORY) -> _Events:
-        """Events with ``seq > after`` still in the history, oldest first."""
-        rows = [e for e in self._history if e.seq > after and (not job or e.job == job)]
-        return rows[:limit]
-
-    @property
-    def last_seq(self) -> int:
-        """The newest event's sequence number (0: none yet)."""
-        return self._seq
-
-    async def wait_for_event(self, after: int, job: str, timeout: float) -> None:
-        """Return once an event newer than ``after`` (of ``job``, if given) exists, the
-        daemon stops, or ``timeout`` passes."""
-        deadline = self._monotonic() + check_wait("wait_seconds", timeout, MAX_WAIT_SECONDS)
-        while not self.events(after, job, 1) and not self.stopping.is_set():
-            left = deadline - self._monotonic()
-            if left <= 0:
-                return
-            await self._either(self._appended, left)
-
-    def _emit(self, st: Step, kind: int, detail: str = "", **attributes: str) -> Event:
-        self._seq += 1
-        event = Event(
-            self._seq,
-            self._clock(),
-            kind,
-            st.job,
-            st.step,
-            st.state,
-            tuple(st.tiers()),
-            detail,
-            attributes,
-        )
-        self._history.append(event)
-        st.changed.set()
-        st._set(changed=asyncio.Event())
-        self._appended.set()
-        self._appended = asyncio.Event()
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:  # a listener's bug must not break a transition
-                log.exception("catalog listener %r failed on %s", listener, event)
-        return event
-
     def _move(self, st: Step, to: int, **values: Any) -> None:
         if to not in TRANSITIONS[st.state]:
             raise IllegalTransition(
@@ -175,6 +112,12 @@ class Catalog:
     # -- the local tier --------------------------------------------------------------
     def recovered(self, manifest: Manifest, pinned: bool) -> Step:
         """A committed step found in the local tier at start-up: LOCAL."""
+        st = self._committed_here(manifest, pinned)
+        self._emit(st, pb.STEP_EVENT_RECOVERED)
+        return st
+
+    def _committed_here(self, manifest: Manifest, pinned: bool) -> Step:
+        """A new step whose copy is committed in the local tier: LOCAL."""
         st = Step(
             manifest.job,
             manifest.step,
@@ -189,8 +132,7 @@ class Catalog:
             pinned=pinned,
         )
         self._move(st, LOCAL, manifest=manifest)
-        self._emit(self._add(st), pb.STEP_EVENT_RECOVERED)
-        return st
+        return self._add(st)
 
     def begin(
         self,
@@ -274,6 +216,27 @@ class Catalog:
             metrics=dict(manifest.metrics),
         )
         self._emit(st, pb.STEP_EVENT_FETCHED, **attributes)
+
+    def replicated(self, st: Step, nodes: frozenset[str]) -> None:
+        """This node's part of ``st`` is a complete replica on peer daemons ``nodes``;
+        they drop their older replica of the job, so older steps lose those nodes."""
+        for other in self.list(st.job):
+            if other is not st and other.replica_nodes & nodes:
+                other._set(replica_nodes=other.replica_nodes - nodes)
+        st._set(replica_nodes=st.replica_nodes | nodes)
+
+    def peer_fetched(self, manifest: Manifest, node: str) -> Step:
+        """A peer's replica of this node's part was verified and committed locally (a
+        node that lost its disk): the step is LOCAL again (attributes: ``node``, the
+        peer, and ``via`` "peer")."""
+        st = self._steps.get((manifest.job, manifest.step))
+        if st is not None:
+            self.fetched(st, manifest, node=node, via="peer")
+            return st
+        st = self._committed_here(manifest, pinned=False)
+        st._set(read_at=self._monotonic())  # fetched to be read, as from the bucket
+        self._emit(st, pb.STEP_EVENT_FETCHED, node=node, via="peer")
+        return st
 
     def peers_fetched(self, st: Step, node: str) -> None:
         """Another node's part of the step is verified in ``<root>/.peers``."""
@@ -438,11 +401,3 @@ class Catalog:
             if left <= 0 or self.stopping.is_set():
                 return st
             await self._either(st.changed, left)
-
-    async def _either(self, event: asyncio.Event, timeout: float) -> None:
-        """Wait until ``event`` or :attr:`stopping` is set, at most ``timeout`` seconds."""
-        changed = asyncio.ensure_future(event.wait())
-        stopping = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait((changed, stopping), timeout=timeout, return_when="FIRST_COMPLETED")
-        changed.cancel()
-        stopping.cancel()

@@ -60,6 +60,7 @@ _FIELDS = frozenset(
         "local_at",
         "durable_at",
         "remote_nodes",
+        "replica_nodes",
         "peers",
         "pinned",
         "adopted",
@@ -97,6 +98,10 @@ class Step:
     """Nodes whose ``_complete`` marker for this step is in the bucket."""
     peers: frozenset[str]
     """Other nodes whose part of this step is fetched into ``<root>/.peers``."""
+    replica_nodes: frozenset[str]
+    """Peer daemons holding a replica of this node's part (the peer tier: a peer
+    keeps the newest replica per job and source node, so only the newest step
+    replicated has any)."""
     pinned: bool
     adopted: bool
     """An adopted directory tree (its remote layout differs: see remote/layout.py)."""
@@ -125,6 +130,7 @@ class Step:
             "local_at": 0.0,
             "durable_at": 0.0,
             "remote_nodes": frozenset(),
+            "replica_nodes": frozenset(),
             "peers": frozenset(),
             "pinned": False,
             "adopted": False,
@@ -175,7 +181,11 @@ class Step:
 
     def tiers(self) -> list[pb.Tier]:
         """The tiers holding a copy (``pb.Tier`` values)."""
-        return [pb.TIER_LOCAL] * self.local + [pb.TIER_REMOTE] * self.in_remote
+        return (
+            [pb.TIER_LOCAL] * self.local
+            + [pb.TIER_REMOTE] * self.in_remote
+            + [pb.TIER_PEER] * bool(self.replica_nodes)
+        )
 
     def reached(self, target: int) -> bool:
         """Has the save reached ``target`` (LOCAL or DURABLE)?"""

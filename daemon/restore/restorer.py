@@ -43,6 +43,7 @@ from ..io import CRC, IoPool
 from ..local.files import data_offset, read_data_direct, read_header
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
+from ..peer.fetch import PeerFetcher
 from .fetcher import Fetcher
 
 log = logging.getLogger("ckptd.restore")
@@ -75,12 +76,15 @@ class Restorer:
         staging: Staging,
         io: IoPool,
         fetcher: Fetcher,
+        peer: PeerFetcher | None = None,
     ) -> None:
         self.catalog = catalog
         self.store = store
         self.staging = staging
         self.io = io
         self.fetcher = fetcher
+        self.peer = peer
+        """The peer tier, asked before the bucket when no local copy is there."""
 
     def choose(
         self,
@@ -189,6 +193,8 @@ class Restorer:
         # every job held locally): a restarting job's nodes that hold their steps never
         # touch the bucket.
         await self.fetcher.refresh_quietly(job, step)
+        if self.peer is not None:  # a node that lost its disk: a peer before the bucket
+            await self.peer.ensure(job, step)
         while True:
             st = self.choose(job, step, rank, healthy=healthy)
             # Held while the daemon reads it: the evictor leaves it alone. (The grace

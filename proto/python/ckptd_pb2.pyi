@@ -44,6 +44,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_LOCAL: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
+    TIER_PEER: _ClassVar[Tier]
 SAVE_STATE_UNSPECIFIED: SaveState
 SAVE_STATE_STAGING: SaveState
 SAVE_STATE_LOCAL: SaveState
@@ -73,6 +74,7 @@ STEP_EVENT_ABANDONED: StepEvent
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_REMOTE: Tier
+TIER_PEER: Tier
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("job", "size_bytes", "wait_seconds")
@@ -480,7 +482,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes", "peer_address", "peers_known", "replicas_held", "replicas_held_bytes", "replicated_bytes", "peer_fetched_bytes", "peer_error")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -515,6 +517,13 @@ class DaemonStatus(_message.Message):
     REMOTE_ENDPOINT_URL_FIELD_NUMBER: _ClassVar[int]
     FETCH_IN_FLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FETCH_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_HELD_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_ERROR_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -549,7 +558,14 @@ class DaemonStatus(_message.Message):
     remote_endpoint_url: str
     fetch_in_flight_bytes: int
     fetch_done_bytes: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ...) -> None: ...
+    peer_address: str
+    peers_known: int
+    replicas_held: int
+    replicas_held_bytes: int
+    replicated_bytes: int
+    peer_fetched_bytes: int
+    peer_error: str
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ..., peer_address: _Optional[str] = ..., peers_known: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replicas_held_bytes: _Optional[int] = ..., replicated_bytes: _Optional[int] = ..., peer_fetched_bytes: _Optional[int] = ..., peer_error: _Optional[str] = ...) -> None: ...
 
 class TaskHealth(_message.Message):
     __slots__ = ("name", "state", "restarts", "last_error")
@@ -611,3 +627,75 @@ class ListEventsResponse(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[EventRecord]
     last_seq: int
     def __init__(self, events: _Optional[_Iterable[_Union[EventRecord, _Mapping]]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
+class PeerHelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerHelloResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("job", "step", "manifest_json", "data")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    manifest_json: str
+    data: bytes
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutReplicaResponse(_message.Message):
+    __slots__ = ("size_bytes",)
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ("job", "source_node")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    source_node: str
+    def __init__(self, job: _Optional[str] = ..., source_node: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("job", "source_node", "step", "manifest_json", "size_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    source_node: str
+    step: int
+    manifest_json: str
+    size_bytes: int
+    def __init__(self, job: _Optional[str] = ..., source_node: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("node", "replicas")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, node: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class GetReplicaFileRequest(_message.Message):
+    __slots__ = ("job", "source_node", "step", "file", "offset")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    source_node: str
+    step: int
+    file: str
+    offset: int
+    def __init__(self, job: _Optional[str] = ..., source_node: _Optional[str] = ..., step: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...

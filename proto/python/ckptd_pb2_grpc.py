@@ -722,3 +722,220 @@ class Ckptd:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerStub:
+    """Daemon to daemon, over TCP (peer_address), every call authenticated
+    ("authorization: Bearer <the token in peer_token_file>"): replicas of other
+    nodes' newest local steps, and their files back to a node that lost its disk.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Hello = channel.unary_unary(
+                '/ckptd.v1.Peer/Hello',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.PeerHelloRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PeerHelloResponse.FromString,
+                _registered_method=True)
+        self.PutReplica = channel.stream_unary(
+                '/ckptd.v1.Peer/PutReplica',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PutReplicaResponse.FromString,
+                _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/ckptd.v1.Peer/ListReplicas',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
+        self.GetReplicaFile = channel.unary_stream(
+                '/ckptd.v1.Peer/GetReplicaFile',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.GetReplicaFileRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.ReplicaChunk.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """Daemon to daemon, over TCP (peer_address), every call authenticated
+    ("authorization: Bearer <the token in peer_token_file>"): replicas of other
+    nodes' newest local steps, and their files back to a node that lost its disk.
+    """
+
+    def Hello(self, request, context):
+        """Who answers: its node name (replicas are placed by node name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutReplica(self, request_iterator, context):
+        """One step of the caller's node: a ReplicaChunk with the manifest, then the rank
+        files' bytes back to back in the manifest's order. Each file is checked against
+        its crc32c as it lands; the replica becomes visible whole, or not at all, and
+        replaces the older replica of the same (job, source node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReplicas(self, request, context):
+        """The replicas held of `source_node` (empty: every node) for `job` (empty: every job).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReplicaFile(self, request, context):
+        """One file of a replica, from `offset`, in chunks (`data` only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PeerHelloRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.PeerHelloResponse.SerializeToString,
+            ),
+            'PutReplica': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutReplica,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.ReplicaChunk.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.PutReplicaResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.ListReplicasRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'GetReplicaFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetReplicaFile,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.GetReplicaFileRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.ReplicaChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ckptd.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ckptd.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """Daemon to daemon, over TCP (peer_address), every call authenticated
+    ("authorization: Bearer <the token in peer_token_file>"): replicas of other
+    nodes' newest local steps, and their files back to a node that lost its disk.
+    """
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/Hello',
+            ckptd_dot_proto_dot_ckptd__pb2.PeerHelloRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.PeerHelloResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutReplica(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ckptd.v1.Peer/PutReplica',
+            ckptd_dot_proto_dot_ckptd__pb2.ReplicaChunk.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.PutReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/ListReplicas',
+            ckptd_dot_proto_dot_ckptd__pb2.ListReplicasRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReplicaFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ckptd.v1.Peer/GetReplicaFile',
+            ckptd_dot_proto_dot_ckptd__pb2.GetReplicaFileRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.ReplicaChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

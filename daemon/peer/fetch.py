@@ -1,0 +1,194 @@
+"""Restores from the peer tier: a node that lost its disk takes its newest step back
+from the peers holding a replica of it, before the bucket.
+
+Asked when a job has no local copy of the step a restore or listing wants (and
+at start-up for every job a peer holds a replica of: the pre-staging). The
+replicas of this node are listed on every peer at once; the newest step wins
+unless the bucket holds a newer one. Its rank files come in parallel, each from
+a holder in turn (a peer that dies mid-transfer: the file starts again from the
+next holder), checked against the crc32c in the manifest, and the step is
+committed to the local tier like a download from the bucket (manifest last, one
+rename): the restore then reads it as a local copy. When no peer can give it,
+the caller goes on to the bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import google_crc32c
+
+from ckptd.core.errors import DataLoss, NotFound
+from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.proto import ckptd_pb2 as pb
+
+from ..catalog import Catalog
+from ..commit import RenameCommit
+from ..io import IoPool
+from ..local.store import LocalStore
+from .link import Peer, Peers
+
+log = logging.getLogger("ckptd.peer")
+
+LIST_TIMEOUT_SECONDS = 5.0
+FILE_TIMEOUT_SECONDS = 3600.0
+ASK_AGAIN_SECONDS = 30.0
+"""A job none of whose steps is local asks the peers at most this often."""
+
+
+class PeerFetcher:
+    """Brings this node's steps back from its peers' replicas."""
+
+    def __init__(self, catalog: Catalog, store: LocalStore, io: IoPool, peers: Peers) -> None:
+        self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._asked: dict[str, float] = {}
+        self.fetched_bytes = 0
+        """Bytes taken from peers (metrics)."""
+        self.last_seconds = 0.0
+        """How long the last fetch from peers took (status)."""
+
+    async def replicas(self, job: str = "") -> dict[tuple[str, int], list[tuple[Peer, str]]]:
+        """Every peer's replicas of this node (of ``job``; empty: every job):
+        ``(job, step) -> [(holder, manifest json)]``."""
+
+        async def ask(peer: Peer) -> list[tuple[Peer, pb.Replica]]:
+            try:
+                resp = await self.peers.stub(peer.address).ListReplicas(
+                    pb.ListReplicasRequest(job=job, source_node=self.catalog.node_id),
+                    metadata=self.peers.metadata,
+                    timeout=LIST_TIMEOUT_SECONDS,
+                )
+            except Exception as exc:  # a dead peer is one fewer holder
+                self.peers.fail(f"{peer.node} ({peer.address})", exc)
+                return []
+            return [(peer, r) for r in resp.replicas]
+
+        found: dict[tuple[str, int], list[tuple[Peer, str]]] = {}
+        answers = await asyncio.gather(*(ask(p) for p in await self.peers.known(fresh=True)))
+        for peer, r in (pair for answer in answers for pair in answer):
+            found.setdefault((r.job, r.step), []).append((peer, r.manifest_json))
+        return found
+
+    async def ensure(self, job: str, step: int | None = None) -> bool:
+        """Make ``step`` (or the newest step a peer holds) of ``job`` local from a peer,
+        when the local tier has no copy of it and the bucket holds nothing newer;
+        whether it did. A failure is logged (the caller goes on to the bucket)."""
+        # Under the job's lock: a restore that comes while the start-up pre-staging
+        # fetches the job waits for it, then finds the copy local.
+        async with self._locks.setdefault(job, asyncio.Lock()):
+            local = [s for s in self.catalog.list(job) if s.local]
+            if step is None and local:
+                return False
+            if step is not None and any(s.step == step for s in local):
+                return False
+            since = time.monotonic() - self._asked.get(job, -1e18)
+            if step is None and since < ASK_AGAIN_SECONDS:
+                return False  # a job with nothing anywhere (a first start) asks now and then
+            self._asked[job] = time.monotonic()
+            try:
+                return await self._ensure(job, step)
+            except Exception as exc:
+                log.warning("%s: no restore from peers (%s); the bucket is next", job, exc)
+                return False
+
+    async def _ensure(self, job: str, step: int | None) -> bool:
+        held = {k: v for k, v in (await self.replicas(job)).items() if k[0] == job}
+        steps = sorted((s for _, s in held), reverse=True)
+        if step is not None:
+            steps = [s for s in steps if s == step]
+        if not steps:
+            return False
+        newest = steps[0]
+        known = self.catalog.get(job, newest)
+        if known is not None and known.local:
+            return False  # fetched meanwhile (the bucket, another restore)
+        in_bucket = [s.step for s in self.catalog.list(job) if s.in_remote]
+        if step is None and in_bucket and max(in_bucket) > newest:
+            return False  # the bucket's step is newer: the restore takes that one
+        await self.fetch(job, newest, held[(job, newest)])
+        return True
+
+    async def fetch(self, job: str, step: int, holders: list[tuple[Peer, str]]) -> None:
+        """Download this node's part of ``step`` from ``holders``, check it, commit it."""
+        t0 = time.monotonic()
+        raw = holders[0][1]
+        manifest = Manifest.from_json(raw)
+        me = self.catalog.node_id
+        if (manifest.job, manifest.step, manifest.node) != (job, step, me) or manifest.adopted:
+            raise DataLoss(f"a peer's replica of {job}/{step} is not this node's part")
+        peers = [p for p, text in holders if text == raw]
+        commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
+        try:
+            # Each file from its own first holder (files spread over the holders).
+            givers = await asyncio.gather(
+                *(
+                    self._file(commit, manifest, record, peers[i % n :] + peers[: i % n])
+                    for i, record in enumerate(manifest.ranks)
+                    for n in (len(peers),)
+                )
+            )
+            await commit.finalize(raw.encode())
+        except BaseException:
+            await commit.abort()
+            raise
+        self.last_seconds = time.monotonic() - t0
+        gave = ",".join(sorted(set(givers)))
+        self.catalog.peer_fetched(manifest, gave)
+        log.info(
+            "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
+            job, step, gave, self.last_seconds, manifest.size_bytes,
+        )  # fmt: skip
+
+    async def _file(
+        self, commit: RenameCommit, manifest: Manifest, record: RankRecord, order: list[Peer]
+    ) -> str:
+        """One rank file from the first holder in ``order`` that gives all of it (its
+        node name)."""
+        path = commit.path / record.file
+        reasons = []
+        for peer in order:
+            try:
+                await self._download(peer, manifest, record, str(path))
+                return peer.node
+            except Exception as exc:  # dead mid-transfer, refused, corrupt: the next one
+                reasons.append(f"{peer.node}: {exc}")
+                self.peers.fail(f"{peer.node} ({peer.address})", exc)
+        raise NotFound(f"no peer gave {record.file} whole: {'; '.join(reasons)}")
+
+    async def _download(
+        self, peer: Peer, manifest: Manifest, record: RankRecord, path: str
+    ) -> None:
+        fd = await self.io.run(
+            os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640
+        )
+        crc, size = 0, 0
+        try:
+            call = self.peers.stub(peer.address).GetReplicaFile(
+                pb.GetReplicaFileRequest(
+                    job=manifest.job,
+                    source_node=manifest.node,
+                    step=manifest.step,
+                    file=record.file,
+                ),
+                metadata=self.peers.metadata,
+                timeout=FILE_TIMEOUT_SECONDS,
+            )
+            async for chunk in call:
+                if size + len(chunk.data) > record.size:
+                    raise DataLoss(f"{record.file} is longer than its {record.size} bytes")
+                await self.io.run(os.pwrite, fd, chunk.data, size)
+                crc = google_crc32c.extend(crc, chunk.data)
+                size += len(chunk.data)
+                self.fetched_bytes += len(chunk.data)
+            if size != record.size or crc != record.crc32c:
+                raise DataLoss(
+                    f"{record.file} came as {size} bytes with crc32c {crc:08x}, not "
+                    f"{record.size} with {record.crc32c:08x}"
+                )
+            await self.io.run(os.fsync, fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,196 @@
+"""How daemons reach each other: the shared token, the bandwidth cap, the peer list.
+
+Every Peer call carries ``authorization: Bearer <token>``, the token being the
+contents of ``peer_token_file`` (the same file on every node, e.g. one Kubernetes
+Secret); the server compares it in constant time and answers UNAUTHENTICATED to
+anything else. The peer list is ``peers``: ``HOST:PORT`` entries, a name that
+resolves to several addresses (a Kubernetes headless Service) counting each.
+Peers are known by the node name they give (``Hello``); a node's replicas go to
+the next ``peer_replicas`` nodes after it in name order that answer, so each node
+holds the replicas of a few others and every node's are spread the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.names import check_name
+from ckptd.core.wire import CHANNEL_OPTIONS, RECONNECT_OPTIONS
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ckptd.peer")
+
+CHUNK = 2**20
+"""Bytes per ReplicaChunk (well under gRPC's message limit)."""
+MIN_TOKEN_BYTES = 16
+HELLO_SECONDS = 5.0
+"""How long a peer may take to say who it is."""
+REFRESH_SECONDS = 30.0
+"""How long the peers' names are trusted before they are asked again."""
+RETRY_SECONDS = 2.0
+"""How soon the peers are asked again while some address did not answer."""
+
+
+def read_token(path: str) -> str:
+    """The shared token in ``path`` (surrounding whitespace removed)."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot read peer_token_file {path}: {exc.strerror}; give a readable file "
+            "holding the token every daemon of the job shares"
+        ) from None
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise InvalidArgument(
+            f"peer_token_file {path} holds {len(token.encode())} bytes; use a random token "
+            f"of at least {MIN_TOKEN_BYTES} (e.g. `openssl rand -hex 32`)"
+        )
+    return token
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata every Peer call carries."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+def authorized(context: Any, token: str) -> bool:
+    """Whether a call carries ``token`` (compared in constant time)."""
+    sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+    return hmac.compare_digest(str(sent).encode(), f"Bearer {token}".encode())
+
+
+class Limiter:
+    """At most ``rate`` bytes per second over any second (a token bucket holding up
+    to one second's worth): replication never takes the disk or the network from
+    saves and the drain for long."""
+
+    def __init__(self, rate: float, clock: Any = time.monotonic) -> None:
+        self.rate = float(rate)
+        self._clock = clock
+        self._level = self.rate
+        self._at = clock()
+
+    async def take(self, n: int) -> None:
+        """Wait until ``n`` more bytes may go."""
+        now = self._clock()
+        self._level = min(self.rate, self._level + (now - self._at) * self.rate)
+        self._at = now
+        self._level -= n
+        if self._level < 0:
+            await asyncio.sleep(-self._level / self.rate)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A daemon reachable at ``address`` calling itself ``node``."""
+
+    node: str
+    address: str
+
+
+def resolve(entries: tuple[str, ...]) -> list[str]:
+    """Every ``IP:PORT`` the ``HOST:PORT`` entries name (a name with several
+    addresses, a headless Service's, gives each); an entry that does not resolve
+    is logged and skipped (its pod may not exist yet)."""
+    out: list[str] = []
+    for entry in entries:
+        host, _, port = entry.rpartition(":")
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError) as exc:
+            log.warning("peer %s does not resolve (%s); skipped for now", entry, exc)
+            continue
+        for family, _, _, _, addr in infos:
+            ip = str(addr[0])
+            port_no = int(addr[1])
+            text = f"[{ip}]:{port_no}" if family == socket.AF_INET6 else f"{ip}:{port_no}"
+            if text not in out:
+                out.append(text)
+    return out
+
+
+class Peers:
+    """The other daemons of the job, by node name, asked again every
+    :data:`REFRESH_SECONDS` (a replaced pod comes back under a new address)."""
+
+    def __init__(self, me: str, entries: tuple[str, ...], token: str) -> None:
+        self.me = me
+        self.entries = entries
+        self.metadata = auth_metadata(token)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._known: list[Peer] = []
+        self._at = -1e18
+        self._complete = False
+        self.last_error = ""
+        """Why the last peer that did not answer did not (status)."""
+
+    @property
+    def names(self) -> list[str]:
+        """The node names of the peers that answered last time they were asked."""
+        return [p.node for p in self._known]
+
+    def stub(self, address: str) -> pb_grpc.PeerStub:
+        """A stub over one channel per address (kept)."""
+        channel = self._channels.get(address)
+        if channel is None:
+            # Peers restart and start in any order: retry a refused address within a
+            # second, not after gRPC's default backoff of up to two minutes.
+            options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
+            channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels[address] = channel
+        return pb_grpc.PeerStub(channel)
+
+    async def known(self, fresh: bool = False) -> list[Peer]:
+        """The peers that said who they are (not this node), by node name."""
+        # Until every address has answered (peers start in any order), ask again soon.
+        wait = REFRESH_SECONDS if self._complete else RETRY_SECONDS
+        if not fresh and time.monotonic() - self._at < wait:
+            return self._known
+        addresses = await asyncio.to_thread(resolve, self.entries)
+        found = await asyncio.gather(*(self._hello(a) for a in addresses))
+        named = {p.node: p for p in found if p is not None and p.node != self.me}
+        self._known = [named[n] for n in sorted(named)]
+        self._complete = bool(addresses) and None not in found
+        self._at = time.monotonic()
+        return self._known
+
+    async def _hello(self, address: str) -> Peer | None:
+        try:
+            resp = await self.stub(address).Hello(
+                pb.PeerHelloRequest(), metadata=self.metadata, timeout=HELLO_SECONDS
+            )
+            return Peer(check_name("node", resp.node), address)
+        except (grpc.RpcError, InvalidArgument) as exc:
+            self.fail(address, exc)
+            return None
+
+    def fail(self, address: str, exc: BaseException) -> None:
+        """Note a peer that did not answer (the status shows the last one)."""
+        reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        self.last_error = f"{address}: {reason}"
+        log.warning("peer %s: %s", address, reason)
+
+    async def ring(self) -> list[Peer]:
+        """The peers in the order this node's replicas go to them: the nodes after
+        this one by name, wrapping around."""
+        peers = await self.known()
+        after = [p for p in peers if p.node > self.me]
+        return after + [p for p in peers if p.node < self.me]
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,226 @@
+"""The replicas this daemon holds for its peers, on its own disk.
+
+    <root>/.replicas/<job>/<source node>/<step>/manifest.json + rank files
+    <root>/.replicas/.incoming/<random>/             a replica being received
+
+One replica per (job, source node): the newest. A replica is received into
+``.incoming`` file by file, each checked against the crc32c its manifest records
+as it lands, then ``manifest.json`` is written and the directory renamed into
+place (the commit point), and the older replica of the same (job, source) removed.
+A crash leaves either the old replica or the new one, never a part; ``.incoming``
+is emptied at start-up. Everything a peer sends is checked like a bucket's
+manifest (names, sizes, files within the step) before a byte is written, and the
+replicas together stay within ``peer_budget_bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.core import checksum
+from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from ckptd.core.manifest import MANIFEST, Manifest, RankRecord
+from ckptd.core.names import check_name, check_step
+
+from ..local.files import fsync_dir, read_small, write_synced
+
+INCOMING = ".incoming"
+
+
+@dataclass(frozen=True)
+class Held:
+    """One replica held here."""
+
+    job: str
+    source: str
+    step: int
+    raw: str
+    """Its manifest's text."""
+    size: int
+
+
+class ReplicaStore:
+    """The replicas held for other nodes (blocking methods: call them on a thread)."""
+
+    def __init__(self, root: Path, budget: int) -> None:
+        self.dir = root / ".replicas"
+        self.budget = budget
+        self._held: dict[tuple[str, str], Held] = {}
+        self._reserved: dict[str, int] = {}
+        """Bytes of replicas being received, by incoming directory."""
+
+    def load(self) -> int:
+        """Empty ``.incoming``, read what is held (a directory that is not a whole
+        replica is removed); returns the number of replicas."""
+        shutil.rmtree(self.dir / INCOMING, ignore_errors=True)
+        (self.dir / INCOMING).mkdir(parents=True, mode=0o750)
+        for job_dir in sorted(p for p in self.dir.iterdir() if p.name != INCOMING):
+            for source_dir in sorted(job_dir.iterdir()):
+                for step_dir in sorted(source_dir.iterdir()):
+                    try:
+                        held = self._read(job_dir.name, source_dir.name, step_dir)
+                    except (OSError, ValueError, InvalidArgument):
+                        shutil.rmtree(step_dir, ignore_errors=True)
+                        continue
+                    old = self._held.get((held.job, held.source))
+                    if old is not None and old.step >= held.step:
+                        shutil.rmtree(step_dir, ignore_errors=True)
+                        continue
+                    if old is not None:
+                        shutil.rmtree(self._dir_of(old), ignore_errors=True)
+                    self._held[(held.job, held.source)] = held
+        return len(self._held)
+
+    def _read(self, job: str, source: str, step_dir: Path) -> Held:
+        raw = read_small(step_dir / MANIFEST).decode()
+        m = _checked(raw, job, int(step_dir.name), source)
+        return Held(job, source, m.step, raw, m.size_bytes)
+
+    def _dir_of(self, held: Held) -> Path:
+        return self.dir / held.job / held.source / str(held.step)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every replica held."""
+        return sum(h.size for h in self._held.values())
+
+    def list(self, job: str = "", source: str = "") -> list[Held]:
+        """The replicas of ``job`` and ``source`` (empty: any)."""
+        return [
+            h
+            for (j, s), h in sorted(self._held.items())
+            if (not job or j == job) and (not source or s == source)
+        ]
+
+    def begin(self, job: str, step: int, raw: str) -> Incoming:
+        """Start receiving ``source``'s replica of ``step`` (``raw``: its manifest, whose
+        ``node`` is the source). Refused if it is not newer than the one held, or if it
+        would not fit the budget."""
+        m = _checked(raw, check_name("job", job), check_step(step), None)
+        old = self._held.get((job, m.node))
+        if old is not None and old.step >= step:
+            raise InvalidArgument(
+                f"a replica of step {old.step} of job {job!r} from {m.node} is held already; "
+                "only a newer step replaces it"
+            )
+        other = self.held_bytes - (old.size if old else 0) + sum(self._reserved.values())
+        if other + m.size_bytes > self.budget:
+            raise ResourceExhausted(
+                f"a replica of {m.size_bytes} bytes does not fit: {other} of the "
+                f"{self.budget} bytes of peer_budget_bytes are in use on this peer"
+            )
+        path = self.dir / INCOMING / secrets.token_hex(8)
+        path.mkdir(mode=0o750)
+        self._reserved[path.name] = m.size_bytes
+        return Incoming(self, path, m, raw)
+
+    def path(self, job: str, source: str, step: int, file: str) -> Path:
+        """A file of a replica held here (NotFound: not held, or not one of its files)."""
+        held = self._held.get((job, source))
+        if held is None or held.step != step:
+            raise NotFound(f"no replica of step {step} of job {job!r} from {source} here")
+        m = Manifest.from_json(held.raw)
+        if file not in {r.file for r in m.ranks}:
+            raise NotFound(f"{file!r} is not a file of that replica")
+        return self._dir_of(held) / file
+
+    def _commit(self, incoming: Incoming) -> Held:
+        m = incoming.manifest
+        self._reserved.pop(incoming.path.name, None)
+        old = self._held.get((m.job, m.node))
+        if old is not None and old.step >= m.step:  # a newer one landed meanwhile
+            shutil.rmtree(incoming.path, ignore_errors=True)
+            return old
+        write_synced(incoming.path / MANIFEST, incoming.raw.encode())
+        fsync_dir(incoming.path)
+        held = Held(m.job, m.node, m.step, incoming.raw, m.size_bytes)
+        final = self._dir_of(held)
+        final.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash: not held
+        os.rename(incoming.path, final)
+        fsync_dir(final.parent)
+        self._held[(m.job, m.node)] = held
+        if old is not None:
+            shutil.rmtree(self._dir_of(old), ignore_errors=True)
+        return held
+
+    def _abort(self, incoming: Incoming) -> None:
+        self._reserved.pop(incoming.path.name, None)
+        shutil.rmtree(incoming.path, ignore_errors=True)
+
+
+class Incoming:
+    """A replica being received: its rank files' bytes in manifest order, back to back."""
+
+    def __init__(self, store: ReplicaStore, path: Path, manifest: Manifest, raw: str) -> None:
+        self.store, self.path, self.manifest, self.raw = store, path, manifest, raw
+        self._files: list[RankRecord] = list(manifest.ranks)
+        self._index = 0
+        self._done = 0  # bytes of the current file written
+        self._crc = 0
+        self._fd = -1
+
+    def write(self, data: bytes) -> None:
+        """Take the next bytes; a file whose bytes are all in is checked and closed."""
+        view = memoryview(data)
+        while view:
+            if self._index >= len(self._files):
+                raise InvalidArgument("more bytes than the manifest's files hold")
+            record = self._files[self._index]
+            if self._fd < 0:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                self._fd = os.open(self.path / record.file, flags, 0o640)
+            take = view[: record.size - self._done]
+            os.write(self._fd, take)
+            self._crc = checksum.extend(self._crc, take)
+            self._done += len(take)
+            view = view[len(take) :]
+            if self._done == record.size:
+                self._close_file(record)
+
+    def _close_file(self, record: RankRecord) -> None:
+        if self._fd < 0:  # an empty file: nothing was written
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            self._fd = os.open(self.path / record.file, flags, 0o640)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        if self._crc != record.crc32c:
+            raise InvalidArgument(
+                f"{record.file} arrived with crc32c {self._crc:08x}, not {record.crc32c:08x}"
+            )
+        self._index, self._done, self._crc = self._index + 1, 0, 0
+
+    def finish(self) -> Held:
+        """Every file is in and checked: make the replica visible."""
+        while self._index < len(self._files) and self._files[self._index].size == 0:
+            self._close_file(self._files[self._index])
+        if self._index < len(self._files):
+            missing = self._files[self._index].file
+            raise InvalidArgument(f"the stream ended before {missing} was complete")
+        return self.store._commit(self)
+
+    def abort(self) -> None:
+        """Drop what was received."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.store._abort(self)
+
+
+def _checked(raw: str, job: str, step: int, source: str | None) -> Manifest:
+    """A peer's manifest, checked like a bucket's, naming ``job`` and ``step`` (and
+    ``source`` as its node, if given); ckptd rank files only."""
+    m = Manifest.from_json(raw)
+    if m.job != job or m.step != step or (source is not None and m.node != source):
+        raise InvalidArgument(
+            f"the manifest names {m.job!r} step {m.step} of node {m.node!r}, not the "
+            f"replica's {job!r} step {step}"
+        )
+    if m.adopted:
+        raise InvalidArgument("adopted directories are not replicated")
+    return m

@@ -1,0 +1,162 @@
+"""Sends each job's newest LOCAL step to ``peer_replicas`` peers (the peer tier).
+
+Woken by every step reaching LOCAL; a step superseded while an older one was
+being sent is skipped (only the newest matters: a peer keeps one replica per job
+and node). The rank files are read back from the local tier while the catalog
+holds the step in use (the evictor leaves it alone), at most
+``peer_bandwidth_bytes`` per second, so saves and the drain of newer steps keep
+the disk. A peer that refuses or fails is logged and the next in the ring is
+tried; the step's ``replica_nodes`` (``ckptd ls``: tier ``peer``) says who holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from ckptd.proto import ckptd_pb2 as pb
+
+from ..catalog import Catalog, Event, Step
+from ..io import IoPool
+from ..local.store import LocalStore
+from .link import CHUNK, Limiter, Peer, Peers
+
+log = logging.getLogger("ckptd.peer")
+
+SEND_TIMEOUT_SECONDS = 3600.0
+RETRY_SECONDS = 5.0
+
+
+class Replicator:
+    """The background service that keeps each job's newest local step on peers."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: LocalStore,
+        io: IoPool,
+        peers: Peers,
+        replicas: int,
+        limiter: Limiter,
+    ) -> None:
+        self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
+        self.replicas = replicas
+        self.limiter = limiter
+        self._dirty: set[str] = set()
+        self._retry: set[str] = set()
+        self._stopping = False
+        self._task: asyncio.Future[bool] | None = None
+        self._wake = asyncio.Event()
+        self._sent: dict[str, int] = {}
+        self.sent_bytes = 0
+        """Bytes of replicas sent (metrics)."""
+        self.last_error = ""
+        catalog.subscribe(self._on_event)
+
+    def stop(self) -> None:
+        """Return from :meth:`run` (after the replica being sent, if any)."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()  # a peer may take long to answer
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind in (pb.STEP_EVENT_LOCAL, pb.STEP_EVENT_RECOVERED):
+            self._dirty.add(event.job)
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Replicate until cancelled; a job no peer took is tried again every
+        :data:`RETRY_SECONDS` (its peers may still be starting, or be replaced)."""
+        while not self._stopping:
+            if self._retry:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), RETRY_SECONDS)
+                self._dirty |= self._retry
+                self._retry.clear()
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            while self._dirty and not self._stopping:
+                job = self._dirty.pop()
+                self._task = asyncio.ensure_future(self.replicate(job))
+                try:
+                    took = await self._task
+                except asyncio.CancelledError:
+                    if self._stopping:
+                        return  # stop() cut the send short
+                    raise
+                if not took:
+                    self._retry.add(job)
+
+    def newest(self, job: str) -> Step | None:
+        """The newest step of ``job`` with a local copy of ckptd rank files."""
+        return next((s for s in self.catalog.list(job) if s.local and not s.adopted), None)
+
+    async def replicate(self, job: str) -> bool:
+        """Send the job's newest local step to peers until ``peer_replicas`` hold it;
+        whether they do (False: try again later)."""
+        st = self.newest(job)
+        if st is None or self._sent.get(job) == st.step:
+            return True  # nothing (new) to send
+        holders = set(st.replica_nodes)
+        for peer in await self.peers.ring():
+            if len(holders) >= self.replicas:
+                break
+            if peer.node in holders:
+                continue
+            newer = self.newest(job)
+            if newer is not None and newer.step > st.step:
+                self._dirty.add(job)  # superseded: send the newer one instead
+                return True
+            if await self._send(peer, st):
+                self.catalog.replicated(st, frozenset({peer.node}))
+                holders.add(peer.node)
+        if len(holders) >= self.replicas:
+            self._sent[job] = st.step
+            return True
+        self.last_error = self.peers.last_error or "too few peers answered"
+        log.warning(
+            "%s/%d has %d of %d replicas on peers: %s",
+            job, st.step, len(holders), self.replicas, self.last_error,
+        )  # fmt: skip
+        return False
+
+    async def _send(self, peer: Peer, st: Step) -> bool:
+        """One PutReplica of ``st`` to ``peer``; False (logged) if it did not take it."""
+        with self.catalog.in_use(st):  # its files stay while they are read
+            manifest = st.manifest
+            if manifest is None:
+                return False
+            directory = self.store.step_dir(st.job, st.step)
+
+            async def chunks() -> AsyncIterator[pb.ReplicaChunk]:
+                yield pb.ReplicaChunk(job=st.job, step=st.step, manifest_json=manifest.to_json())
+                for record in manifest.ranks:
+                    fd = await self.io.run(os.open, directory / record.file, os.O_RDONLY)
+                    try:
+                        offset = 0
+                        while offset < record.size:
+                            want = min(CHUNK, record.size - offset)
+                            await self.limiter.take(want)
+                            data = await self.io.run(os.pread, fd, want, offset)
+                            if not data:
+                                raise OSError(f"{record.file} ends at {offset} bytes")
+                            offset += len(data)
+                            self.sent_bytes += len(data)
+                            yield pb.ReplicaChunk(data=data)
+                    finally:
+                        os.close(fd)
+
+            try:
+                await self.peers.stub(peer.address).PutReplica(
+                    chunks(), metadata=self.peers.metadata, timeout=SEND_TIMEOUT_SECONDS
+                )
+            except Exception as exc:  # a refusal, a dead peer, a file gone: next peer
+                self.peers.fail(f"{peer.node} ({peer.address})", exc)
+                return False
+        log.info("%s/%d replicated to %s", st.job, st.step, peer.node)
+        return True

@@ -1,0 +1,119 @@
+"""The peer tier's parts, built from the config and started beside the daemon.
+
+- the Peer service on ``peer_address`` (TCP), taking and serving replicas
+  (service.py, replicas.py), when that is set;
+- the replicator sending each job's newest local step to ``peer_replicas`` of
+  ``peers`` (replicator.py), and the fetcher restoring a wiped node from them
+  (fetch.py), when ``peers`` is set; at start-up the fetcher pre-stages every job
+  a peer holds a replica of and this node does not (a replacement node's root is
+  empty), so the trainer's restore then reads a local copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from ckptd.core.errors import FailedPrecondition, InvalidArgument
+from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from ..catalog import Catalog
+from ..io import IoPool
+from ..local.store import LocalStore
+from .fetch import PeerFetcher
+from .link import Limiter, Peers, read_token
+from .replicas import ReplicaStore
+from .replicator import Replicator
+from .service import PeerServicer
+
+log = logging.getLogger("ckptd.peer")
+
+
+class PeerTier:
+    """Everything of the peer tier one daemon runs."""
+
+    def __init__(self, cfg: Any, catalog: Catalog, store: LocalStore, io: IoPool) -> None:
+        try:
+            token = read_token(cfg.peer_token_file)
+        except InvalidArgument as exc:
+            raise FailedPrecondition(str(exc)) from None
+        self.io = io
+        self.catalog = catalog
+        self.listen = cfg.peer_address
+        self.address = ""
+        """Where the Peer service answers (set once it does)."""
+        self.store = ReplicaStore(cfg.root, cfg.peer_budget_bytes)
+        self.servicer = PeerServicer(cfg.node_id, token, self.store, io.run)
+        self.peers = Peers(cfg.node_id, cfg.peers, token)
+        self.replicator: Replicator | None = None
+        self.fetcher: PeerFetcher | None = None
+        if cfg.peers:
+            limiter = Limiter(cfg.peer_bandwidth_bytes)
+            self.replicator = Replicator(catalog, store, io, self.peers, cfg.peer_replicas, limiter)
+            self.fetcher = PeerFetcher(catalog, store, io, self.peers)
+        self._server: grpc.aio.Server | None = None
+
+    async def start(
+        self,
+        service: Callable[[str, Callable[[], Coroutine[Any, Any, None]]], None],
+        spawn: Callable[[str, Coroutine[Any, Any, None]], None],
+    ) -> None:
+        """Load the replicas held, serve them, start replicating and pre-staging."""
+        held = await self.io.run(self.store.load)
+        if self.listen.strip().lower() not in ("", "off", "none", "false"):
+            server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            pb_grpc.add_PeerServicer_to_server(self.servicer, server)
+            port = server.add_insecure_port(self.listen)
+            if not port:
+                raise FailedPrecondition(
+                    f"cannot listen on peer_address {self.listen}: choose a free HOST:PORT"
+                )
+            await server.start()
+            self._server = server
+            host = self.listen.rpartition(":")[0]
+            self.address = f"{host}:{port}"
+            log.info("peer service on %s (%d replicas held)", self.address, held)
+        if self.replicator is not None:
+            service("replicator", self.replicator.run)
+        if self.fetcher is not None:
+            spawn("prestage", self.prestage())
+
+    async def prestage(self) -> None:
+        """Take back from the peers every job's newest step this node holds no copy
+        of (a node that lost its disk), before the trainer asks."""
+        assert self.fetcher is not None
+        try:
+            jobs = sorted({job for job, _ in await self.fetcher.replicas()})
+        except Exception as exc:
+            log.warning("cannot ask the peers what they hold (%s)", exc)
+            return
+        for job in jobs:
+            await self.fetcher.ensure(job)
+
+    def halt(self) -> None:
+        """Tell the replicator to return (the supervisor then waits for it)."""
+        if self.replicator is not None:
+            self.replicator.stop()
+
+    async def stop(self) -> None:
+        """Stop serving and close the channels."""
+        if self._server is not None:
+            await self._server.stop(grace=2)
+        await self.peers.close()
+
+    def status(self) -> dict[str, Any]:
+        """The peer fields of the daemon's status."""
+        errors = [self.peers.last_error, self.replicator.last_error if self.replicator else ""]
+        return {
+            "peer_address": self.address,
+            "peers_known": len(self.peers.names),
+            "replicas_held": len(self.store.list()),
+            "replicas_held_bytes": self.store.held_bytes,
+            "replicated_bytes": self.replicator.sent_bytes if self.replicator else 0,
+            "peer_fetched_bytes": self.fetcher.fetched_bytes if self.fetcher else 0,
+            "peer_error": next((e for e in errors if e), ""),
+        }

@@ -1,0 +1,202 @@
+"""The peer tier: three daemons on 127.0.0.1 acting as three nodes (own roots,
+sockets, TCP ports), one SeaweedFS bucket. A node that loses its disk takes its
+newest step back from a peer, bit-exact, before the trainer asks; a peer that dies
+mid-transfer, or every peer down, falls back; a wrong token is refused."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from .conftest import Daemon, RemoteTarget
+from .servers import free_port
+from .test_remote_tier import s3_target
+
+NODES = ("node-a", "node-b", "node-c")
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+def state(step: int, mib: int = 6) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    return {
+        "w": rng.standard_normal(mib * 2**18).astype(np.float32),
+        "step": np.array(step, np.int64),
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in a:
+        assert np.array_equal(np.asarray(a[key]), np.asarray(b[key])), key
+
+
+class Cluster:
+    """Three daemons that are each other's peers (a replica of each node's newest
+    step goes to the next node by name)."""
+
+    def __init__(
+        self,
+        make_daemon: Any,
+        tmp_path: Path,
+        remote: RemoteTarget | None = None,
+        env: dict[str, dict[str, str]] | None = None,
+        replicas: int = 1,
+    ) -> None:
+        token = tmp_path / "peer-token"
+        token.write_text(TOKEN + "\n")
+        self.ports = {n: free_port() for n in NODES}
+        self.daemons: dict[str, Daemon] = {}
+        for node in NODES:
+            args = [
+                "--node-id", node,
+                "--peer-address", f"127.0.0.1:{self.ports[node]}",
+                "--peers", ",".join(f"127.0.0.1:{p}" for p in self.ports.values()),
+                "--peer-token-file", str(token),
+                "--retention-local", "KeepLatest(1)",
+                "--peer-replicas", str(replicas),
+            ]  # fmt: skip
+            extra = dict((env or {}).get(node, {}))
+            if remote is not None:
+                args += ["--remote", remote.url, "--part-size-bytes", "5MiB"]
+                extra.update(remote.env)
+            self.daemons[node] = make_daemon(
+                root=tmp_path / f"root-{node}", extra_args=args, env=extra
+            )
+
+    def replicated(self, node: str, job: str, step: int, timeout: float = 60.0) -> None:
+        """Wait until ``node``'s ``step`` shows a replica on a peer (tier PEER)."""
+        client = self.daemons[node].client(job)
+        deadline = time.monotonic() + timeout
+        while True:
+            row = next((c for c in client.list() if c.step == step), None)
+            if row is not None and "PEER" in row.tiers:
+                return
+            assert time.monotonic() < deadline, f"{node} {job}/{step}: {row}"
+            time.sleep(0.05)
+
+    def held(self, node: str, replicas: int, timeout: float = 60.0) -> None:
+        """Wait until ``node`` holds ``replicas`` replicas for its peers."""
+        deadline = time.monotonic() + timeout
+        while self.daemons[node].status().replicas_held != replicas:
+            assert time.monotonic() < deadline, self.daemons[node].status()
+            time.sleep(0.05)
+
+    def lose(self, node: str) -> Daemon:
+        """The node dies with its disk; a replacement starts on an empty root."""
+        d = self.daemons[node]
+        d.kill()
+        shutil.rmtree(d.root)
+        return d
+
+
+@pytest.fixture
+def cluster(make_daemon: Any, tmp_path: Path) -> Cluster:
+    return Cluster(make_daemon, tmp_path)
+
+
+def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(cluster: Cluster) -> None:
+    a = cluster.daemons["node-a"]
+    client = a.client("job")
+    saved = {}
+    for step in (1, 2):
+        saved[step] = state(step)
+        client.save(step, saved[step]).wait("local", 60)
+    cluster.replicated("node-a", "job", 2)
+    b = cluster.daemons["node-b"]
+    held = b.status()
+    assert held.replicas_held == 1 and held.replicas_held_bytes > 0
+    assert held.peer_address == f"127.0.0.1:{cluster.ports['node-b']}"
+
+    cluster.lose("node-a").start()
+    rows = {c.step: c for c in client.list()}
+    assert rows[2].tiers == ("LOCAL",), rows  # pre-staged before the trainer asked
+    tree, _ = client.restore()
+    same(tree, saved[2])
+    fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 2)
+    assert [dict(e.attributes) for e in fetched] == [{"node": "node-b", "via": "peer"}]
+
+
+def test_a_wrong_token_is_refused(cluster: Cluster) -> None:
+    port = cluster.ports["node-b"]
+    stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS))
+    for metadata in ((), (("authorization", "Bearer not-the-token-at-all"),)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ListReplicas(pb.ListReplicasRequest(), metadata=metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "peer_token_file" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PutReplica(
+                iter([pb.ReplicaChunk(job="j", step=1, manifest_json="{}")]),
+                metadata=metadata,
+                timeout=10,
+            )
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    assert stub.Hello(pb.PeerHelloRequest(), metadata=good, timeout=10).node == "node-b"
+    with pytest.raises(grpc.RpcError) as err:  # the right token, a bad replica
+        stub.PutReplica(
+            iter([pb.ReplicaChunk(job="../x", step=1, manifest_json="{}")]),
+            metadata=good,
+            timeout=10,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_peer_dying_mid_transfer_hands_over_to_the_next_peer(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    cluster = Cluster(
+        make_daemon,
+        tmp_path,
+        env={"node-b": {"CKPTD_FAILPOINTS": "peer.serve_chunk=pause"}},
+        replicas=2,
+    )
+    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+    client = a.client("job")
+    saved = state(7)
+    client.save(7, saved).wait("local", 60)
+    cluster.held("node-b", 1)
+    cluster.held("node-c", 1)
+    cluster.lose("node-a").start()  # pre-staging asks node-b first (by name)
+    b.wait_failpoint("peer.serve_chunk")  # one chunk sent
+    b.kill()
+    tree, _ = client.restore()  # waits for the pre-staging, which node-c finished
+    same(tree, saved)
+    fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 7)
+    assert [dict(e.attributes) for e in fetched] == [{"node": "node-c", "via": "peer"}]
+    assert "node-b" in a.status().peer_error
+
+
+def test_with_every_peer_gone_the_bucket_restores(
+    make_daemon: Any, tmp_path: Path, s3_server: Any
+) -> None:
+    remote = s3_target(s3_server, "peer-fallback")
+    cluster = Cluster(
+        make_daemon,
+        tmp_path,
+        remote,
+        env={"node-b": {"CKPTD_FAILPOINTS": "peer.serve_chunk=pause"}},
+    )
+    a, b, c = (cluster.daemons[n] for n in NODES)
+    client = a.client("job")
+    saved = state(3)
+    client.save(3, saved).wait("durable", 60)
+    cluster.held("node-b", 1)
+    c.kill()
+    cluster.lose("node-a").start()
+    b.wait_failpoint("peer.serve_chunk")  # the one holder dies mid-transfer
+    b.kill()
+    tree, _ = client.restore()
+    same(tree, saved)
+    fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 3)
+    assert len(fetched) == 1 and fetched[0].attributes["via"] != "peer"
+    assert fetched[0].attributes["node"] == "node-a"  # its own part, from the bucket
