@@ -27,7 +27,13 @@ from .test_security import GROUP, USERS, _ensure_users, _python
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
-MANIFESTS = ["namespace.yaml", "configmap.yaml", "daemonset.yaml", "trainer-job.yaml"]
+MANIFESTS = [
+    "namespace.yaml",
+    "configmap.yaml",
+    "daemonset.yaml",
+    "peers.yaml",
+    "trainer-job.yaml",
+]
 
 
 def _docs(name: str) -> list[dict[str, Any]]:
@@ -114,6 +120,33 @@ def test_manifests_agree_with_the_config_and_the_image(tmp_path: Path) -> None:
     assert trainer_env["CKPTD_SOCKET"] == str(cfg.socket)
     trainer_mounts = {m["mountPath"] for m in trainer["volumeMounts"]}
     assert {str(cfg.socket.parent), "/dev/shm"} <= trainer_mounts
+
+
+def test_the_peer_tier_manifests_agree(tmp_path: Path) -> None:
+    """The ConfigMap's (commented) peer lines, once uncommented, load, name the headless
+    Service at the port it serves, and read the token from the Secret's mount."""
+    cm = _docs("configmap.yaml")[0]["data"]["ckptd.toml"]
+    lines = [ln.strip()[2:] for ln in cm.splitlines() if ln.strip().startswith("# peer")]
+    assert len(lines) == 3, lines
+    toml = tmp_path / "ckptd.toml"
+    toml.write_text(cm + "\n".join(lines) + "\n")
+    cfg = config.load(toml, env={})
+    service = _docs("peers.yaml")[0]
+    name, ns = service["metadata"]["name"], service["metadata"]["namespace"]
+    assert service["spec"]["clusterIP"] == "None"  # headless: one address per pod
+    (port,) = service["spec"]["ports"]
+    assert cfg.peers == (f"{name}.{ns}.svc.cluster.local:{port['port']}",)
+    daemonset = _docs("daemonset.yaml")[0]
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    spec = daemonset["spec"]["template"]["spec"]
+    daemon = next(c for c in spec["containers"] if c["name"] == "ckptd")
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert ports[port["targetPort"]] == port["port"] == int(cfg.peer_address.rsplit(":")[1])
+    mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
+    secret = next(v for v in spec["volumes"] if v["name"] == "peer-token")["secret"]
+    assert secret["optional"] is True  # no Secret yet: the daemon runs without peers
+    assert Path(cfg.peer_token_file).parent == Path(mounts["peer-token"])
 
 
 def _serve_as(user: str, root: Path, socket: Path) -> subprocess.Popen[str]:

@@ -79,6 +79,19 @@ def _fetching(st: pb.DaemonStatus) -> str:
     )
 
 
+def _peer(st: pb.DaemonStatus) -> str:
+    """``serving on H:P; 2 peers; holds 3 replicas (3.0 GiB); sent 1.0 GiB, taken 0 B``."""
+    if not st.peer_address and not st.peers_known and not st.peer_error:
+        return "off"
+    return (
+        (f"serving on {st.peer_address}; " if st.peer_address else "not serving; ")
+        + f"{st.peers_known} peers answered; holds {st.replicas_held} replicas "
+        + f"({human_bytes(st.replicas_held_bytes)}); sent {human_bytes(st.replicated_bytes)}, "
+        + f"taken back {human_bytes(st.peer_fetched_bytes)}"
+        + (f"; last error: {st.peer_error}" if st.peer_error else "")
+    )
+
+
 def status_rows(st: pb.DaemonStatus) -> list[list[str]]:
     """The FIELD / VALUE rows of ``ckptd status``."""
     return [
@@ -112,6 +125,7 @@ def status_rows(st: pb.DaemonStatus) -> list[list[str]]:
             + (f"; last error: {st.drain_error}" if st.drain_error else ""),
         ],
         ["bucket fetches", _fetching(st)],
+        ["peer tier", _peer(st)],
         ["background", _tasks(st)],
     ]
 
@@ -176,6 +190,7 @@ def watch_view(st: pb.DaemonStatus, now: Scrape, before: Scrape | None, dt: floa
             else "- (no bucket configured)",
         ],
         ["bucket fetches", _fetching(st)],
+        ["peer tier", _peer(st)],
         ["staging", _staging(st)],
         ["local free", human_bytes(st.local_free_bytes)],
         ["background", _tasks(st)],

@@ -203,13 +203,28 @@ class _Gauges(Collector):
             "ckptd_tier_bytes", "Bytes of checkpoints held, by tier.", labels=["tier"]
         )
         tier_bytes.add_metric(["local"], status.local_used_bytes)
+        peer_tier = bool(status.peer_address or status.peers_known or status.replicated_bytes)
+        if peer_tier:  # replicas this node holds for its peers
+            tier_bytes.add_metric(["peer"], status.replicas_held_bytes)
         yield tier_bytes
         steps = GaugeMetricFamily("ckptd_tier_steps", "Steps held, by tier.", labels=["tier"])
         all_steps = self.s.catalog.steps()
         steps.add_metric(["local"], sum(1 for st in all_steps if st.local))
         if self.s.remote:
             steps.add_metric(["remote"], sum(1 for st in all_steps if st.in_remote))
+        if peer_tier:  # this node's steps with a replica on a peer
+            steps.add_metric(["peer"], sum(1 for st in all_steps if st.replica_nodes))
         yield steps
+        if peer_tier:
+            peer = CounterMetricFamily(
+                "ckptd_peer_bytes",
+                "Peer tier bytes: sent (replicas of this node's steps) and fetched (taken "
+                "back from peers after a lost disk).",
+                labels=["direction"],
+            )
+            peer.add_metric(["sent"], status.replicated_bytes)
+            peer.add_metric(["fetched"], status.peer_fetched_bytes)
+            yield peer
         yield _gauge(
             "ckptd_local_free_bytes",
             "Free bytes on the local tier's disk.",
@@ -254,7 +269,11 @@ class _Gauges(Collector):
             when = st.handoff_at or st.created_unix  # when the state was captured
             if not when or st.adopted:
                 continue
-            tiers = (["local"] if st.local else []) + (["remote"] if st.in_remote else [])
+            tiers = (
+                (["local"] if st.local else [])
+                + (["remote"] if st.in_remote else [])
+                + (["peer"] if st.replica_nodes else [])
+            )
             for tier in tiers:
                 key = (st.job, tier)
                 newest[key] = max(newest.get(key, 0.0), when)

@@ -1,0 +1,297 @@
+"""The peer tier benchmark: a lost node's restore from a peer against the bucket, and
+what replication costs a training loop.
+
+One run, one SeaweedFS S3 server and three daemons on 127.0.0.1 (nodes a, b, c,
+each its own root, socket and TCP port, peers of each other; a's replicas go to
+b). Node a saves ``--size-gib`` of float32 (``--arrays`` arrays) and waits until
+it is in the bucket and on b. Each repetition then loses node a (SIGKILL, root
+deleted) and restores it three ways, in alternating order:
+
+- ``restore_peer``: a replacement daemon with the peers configured; from its launch
+  until ``restore()`` returned and every byte was touched (it pre-stages from b
+  while it starts; the restore then reads the local copy);
+- ``restore_bucket``: a replacement daemon without peers; from its launch until the
+  same point (the restore fetches from the bucket);
+- ``s5cmd``: ``s5cmd cp`` of node a's rank files from the bucket into an empty
+  directory, then an fsync of each (the bytes alone, no daemon, no check).
+
+``ready`` is a replacement daemon's launch until it answers, the part of both
+ckptd arms that is not the transfer. The loop: ``--steps`` steps of a CPU step
+(numpy matmuls, ~0.25 s) each followed by a save of the state under
+``Continuous()`` (a save whenever the last one is LOCAL), with replication to b on
+(``loop_peers``) and off (``loop_alone``), the bucket drain on in both; the
+step time is the loop's wall time per step.
+
+Results: a table on stdout and bench/results/peer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import (
+    DEFAULT_WORK_DIR,
+    REPO_ROOT,
+    Daemon,
+    drop_caches,
+    print_table,
+    run_directory,
+    settle,
+    summarize,
+    write_results,
+)
+from floors import touch
+
+from ckptd.client import Client, Continuous
+
+BIN = Path(sys.executable).parent
+BUCKET = "peer"
+JOB = "peer"
+NODES = ("a", "b", "c")
+TOKEN = "bench-token-0123456789abcdef0123"
+GOALS = [
+    ("peer restore / bucket restore", "restore_peer", "restore_bucket", 0.5),
+    ("peer restore / s5cmd download+fsync", "restore_peer", "s5cmd", None),
+    ("loop step, replicating / alone", "loop_peers", "loop_alone", 1.05),
+]
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PeerBench:
+    """Three daemons, one bucket, node a's state."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path, s3: Any) -> None:
+        self.args, self.run_dir, self.s3 = args, run_dir, s3
+        (run_dir / "token").write_text(TOKEN)
+        self.ports = {n: free_port() for n in NODES}
+        self.samples: dict[str, list[float]] = {
+            k: [] for k in ("restore_peer", "restore_bucket", "s5cmd", "ready")
+        }
+        self.loop: dict[str, list[float]] = {}
+        self.daemons: dict[str, Daemon] = {}
+        rng = np.random.default_rng(0)
+        per = int(args.size_gib * 2**30) // 4 // args.arrays
+        self.state = {f"w{i}": rng.standard_normal(per, np.float32) for i in range(args.arrays)}
+        self.step = 0
+
+    def daemon(self, node: str, peers: bool = True) -> Daemon:
+        """A daemon for ``node`` (not started)."""
+        args = [
+            "--node-id", node, "--remote", f"s3://{BUCKET}/ckpt",
+            "--retention-local", "KeepLatest(1)", "--retention-remote", "KeepLatest(1)",
+            "--metrics-address", "off",
+        ]  # fmt: skip
+        if peers:
+            args += [
+                "--peer-address", f"127.0.0.1:{self.ports[node]}",
+                "--peers", ",".join(f"127.0.0.1:{p}" for p in self.ports.values()),
+                "--peer-token-file", str(self.run_dir / "token"),
+            ]  # fmt: skip
+        return Daemon(
+            self.run_dir / f"root-{node}",
+            self.run_dir / f"{node}.sock",
+            extra_args=args,
+            env=self.s3.env(),
+            log_path=self.run_dir / f"{node}.log",
+            start_timeout=120.0,
+        )
+
+    def start(self) -> None:
+        for node in NODES:
+            self.daemons[node] = self.daemon(node).start()
+
+    def save(self, node: str = "a") -> int:
+        """Save the state on ``node``; wait until it is in the bucket and on a peer."""
+        self.step += 1
+        client = Client(JOB, socket=self.daemons[node].socket, timeout=600.0)
+        try:
+            client.save(self.step, self.state).wait("durable", 600)
+            deadline = time.monotonic() + 600
+            while "PEER" not in next(c for c in client.list() if c.step == self.step).tiers:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the step never reached a peer")
+                time.sleep(0.05)
+        finally:
+            client.close()
+        return self.step
+
+    def lose_a(self) -> None:
+        d = self.daemons.pop("a")
+        d.kill()
+        d.close()
+        shutil.rmtree(d.root)
+
+    def restore(self, peers: bool) -> None:
+        """Lose node a and bring it back through a replacement daemon."""
+        self.lose_a()
+        drop_caches(self.run_dir)
+        settle()
+        t0 = time.perf_counter()
+        d = self.daemon("a", peers).start()
+        ready = time.perf_counter() - t0
+        client = Client(JOB, socket=d.socket, timeout=600.0)
+        try:
+            tree, _ = client.restore()
+            touch(tree)
+            took = time.perf_counter() - t0
+            tiers = client.list()[0].tiers
+            assert np.array_equal(tree["w0"], self.state["w0"]), "restored bytes differ"
+            del tree
+        finally:
+            client.close()
+        self.samples["restore_peer" if peers else "restore_bucket"].append(took)
+        self.samples["ready"].append(ready)
+        via = d.events(JOB)[-1]
+        print(f"  {'peer' if peers else 'bucket'}: {took:.2f} s (ready {ready:.2f} s; {tiers}; "
+              f"last event {via.kind} {dict(via.attributes)})", flush=True)  # fmt: skip
+        if not peers:  # back with its peers for the next repetition
+            d.stop()
+            d = self.daemon("a").start()
+        self.daemons["a"] = d
+
+    def s5cmd(self) -> None:
+        """Download node a's rank files of the newest step with s5cmd, fsync them."""
+        dest = self.run_dir / "s5cmd"
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        keys = subprocess.run(
+            [str(BIN / "s5cmd"), "--endpoint-url", self.s3.endpoint_url, "ls",
+             f"s3://{BUCKET}/ckpt/{JOB}/_data/*"],
+            capture_output=True, text=True, env={**os.environ, **self.s3.env()}, check=True,
+        ).stdout.split()  # fmt: skip
+        names = [k for k in keys if k.endswith(".safetensors") and f"/{self.step}/" in k]
+        if not names:
+            raise RuntimeError(f"no rank files of step {self.step} in the bucket: {keys[:8]}")
+        drop_caches(self.s3.data_dir)
+        settle()
+        t0 = time.perf_counter()
+        subprocess.run(
+            [str(BIN / "s5cmd"), "--endpoint-url", self.s3.endpoint_url, "cp",
+             f"s3://{BUCKET}/ckpt/{JOB}/_data/*/a/{self.step}/*", f"{dest}/"],
+            capture_output=True, env={**os.environ, **self.s3.env()}, check=True,
+        )  # fmt: skip
+        for p in dest.iterdir():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.samples["s5cmd"].append(time.perf_counter() - t0)
+        shutil.rmtree(dest)
+
+    def training_loop(self, name: str, peers: bool) -> None:
+        """``--steps`` CPU steps, each followed by ``Continuous()``'s save decision."""
+        d = self.daemons.pop("a")
+        d.stop()
+        d = self.daemons["a"] = self.daemon("a", peers).start()
+        client = Client(JOB, socket=d.socket, policy=Continuous(), timeout=600.0)
+        x = np.random.default_rng(1).standard_normal((512, 512), np.float32)
+        times = []
+        try:
+            for _ in range(self.args.steps):
+                t0 = time.perf_counter()
+                for _ in range(self.args.matmuls):
+                    x = np.tanh(x @ x.T / 512)
+                self.step += 1
+                if client.should_save(self.step):
+                    client.save(self.step, self.state)
+                times.append(time.perf_counter() - t0)
+            client.wait_until_finished()
+        finally:
+            client.close()
+        self.loop[name] = times
+
+    def stop(self) -> None:
+        for d in self.daemons.values():
+            d.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gib", type=float, default=1.0, help="node a's state (GiB)")
+    ap.add_argument("--arrays", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60, help="steps per training-loop arm")
+    ap.add_argument("--matmuls", type=int, default=12, help="matmuls per step (its length)")
+    ap.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR)
+    ap.add_argument("--name", default="peer")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.servers import SeaweedS3
+
+    t_start = time.perf_counter()
+    with run_directory(args.dir.resolve(), "peer") as run_dir:
+        s3 = SeaweedS3(run_dir / "seaweed", volume_size_limit_mb=8192).start()
+        bench = PeerBench(args, run_dir, s3)
+        try:
+            s3.make_bucket(BUCKET)
+            bench.start()
+            bench.save()
+            for rep in range(args.reps):
+                order = (True, False) if rep % 2 == 0 else (False, True)
+                for peers in order:
+                    bench.restore(peers)
+                bench.s5cmd()
+                print(f"rep {rep + 1}/{args.reps}: "
+                      + ", ".join(f"{k} {v[-1]:.2f}" for k, v in bench.samples.items()),
+                      flush=True)  # fmt: skip
+            for name, peers in (("loop_alone", False), ("loop_peers", True)) * 2:
+                bench.training_loop(name + ("" if name not in bench.loop else "_2"), peers)
+        finally:
+            bench.stop()
+            s3.close()
+    loops: dict[str, list[float]] = {k.removesuffix("_2"): [] for k in bench.loop}
+    for k, v in bench.loop.items():
+        loops[k.removesuffix("_2")] += v[5:]  # the first steps: the segment's first faults
+    arms = {k: summarize(v) for k, v in bench.samples.items()}
+    arms.update({k: summarize(v) for k, v in loops.items()})
+    rows = [[k, f"{a['median']:.3f}", f"{a['min']:.3f}", f"{a['max']:.3f}", a["n"]]
+            for k, a in arms.items()]  # fmt: skip
+    print_table(["arm", "median s", "min", "max", "n"], rows, title="peer tier")
+    goals = []
+    for label, num, den, goal in GOALS:
+        ratio = arms[num]["median"] / arms[den]["median"]
+        met = None if goal is None else ratio <= goal
+        goals.append({"ratio": label, "value": ratio, "goal": goal, "met": met})
+    print_table(
+        ["ratio (of medians)", "value", "goal", "status"],
+        [
+            [
+                g["ratio"],
+                f"{g['value']:.3f}",
+                g["goal"] or "-",
+                {True: "met", False: "NOT met", None: "-"}[g["met"]],
+            ]
+            for g in goals
+        ],
+    )
+    doc = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "arms": arms,
+        "goals": goals,
+        "loop_step_mean": {k: statistics.mean(v) for k, v in loops.items()},
+        "seconds": time.perf_counter() - t_start,
+    }
+    print(f"results: {write_results(args.name, doc)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
