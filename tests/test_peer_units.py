@@ -1,0 +1,137 @@
+"""The peer tier's parts without daemons: the replica store a peer writes into, the
+bandwidth cap, the ring that places replicas."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import google_crc32c
+import pytest
+
+from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
+from ckptd.daemon.peer.replicas import ReplicaStore
+
+
+def _manifest(step: int, files: dict[str, bytes], job: str = "j", node: str = "src") -> str:
+    ranks = [
+        RankRecord(i, name, len(data), google_crc32c.value(data), None)
+        for i, (name, data) in enumerate(files.items())
+    ]
+    return Manifest(job, step, node, len(ranks), 1.0, ranks).to_json()
+
+
+FILES = {"rank-00000.safetensors": b"a" * 5000, "rank-00001.safetensors": b"b" * 3000}
+
+
+def _put(store: ReplicaStore, step: int, chunks: list[bytes], files: dict[str, bytes] = FILES):
+    incoming = store.begin("j", step, _manifest(step, files))
+    try:
+        for c in chunks:
+            incoming.write(c)
+        return incoming.finish()
+    except BaseException:
+        incoming.abort()
+        raise
+
+
+def test_a_replica_lands_whole_across_any_chunking_and_replaces_the_older(
+    tmp_path: Path,
+) -> None:
+    store = ReplicaStore(tmp_path, 10**6)
+    store.load()
+    data = b"".join(FILES.values())
+    held = _put(store, 1, [data[:1], data[1:4999], data[4999:5001], data[5001:]])
+    assert (held.step, held.size) == (1, 8000)
+    assert store.path("j", "src", 1, "rank-00001.safetensors").read_bytes() == b"b" * 3000
+    _put(store, 2, [data])
+    assert [h.step for h in store.list()] == [2]
+    assert not (tmp_path / ".replicas" / "j" / "src" / "1").exists()
+    with pytest.raises(InvalidArgument, match="only a newer step"):
+        store.begin("j", 2, _manifest(2, FILES))
+    with pytest.raises(NotFound):
+        store.path("j", "src", 1, "rank-00000.safetensors")
+    with pytest.raises(NotFound, match="not a file"):
+        store.path("j", "src", 2, "../../etc/passwd")
+    # A restart finds it (and nothing of a replica that was being received).
+    store.begin("j", 3, _manifest(3, FILES)).write(data[:10])
+    again = ReplicaStore(tmp_path, 10**6)
+    assert again.load() == 1 and [h.step for h in again.list()] == [2]
+    assert list((tmp_path / ".replicas" / ".incoming").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "chunks,error",
+    [
+        ([b"a" * 4999 + b"x" + b"b" * 3000], "crc32c"),
+        ([b"a" * 5000, b"b" * 3000, b"!"], "more bytes"),
+        ([b"a" * 5000], "ended before rank-00001"),
+    ],
+)
+def test_a_bad_stream_leaves_nothing(tmp_path: Path, chunks: list[bytes], error: str) -> None:
+    store = ReplicaStore(tmp_path, 10**6)
+    store.load()
+    with pytest.raises(InvalidArgument, match=error):
+        _put(store, 1, chunks)
+    assert store.list() == []
+    assert list((tmp_path / ".replicas" / ".incoming").iterdir()) == []
+
+
+def test_names_and_budget_are_checked_before_a_byte_is_written(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path, 9000)
+    store.load()
+    with pytest.raises(InvalidArgument):
+        store.begin("../x", 1, _manifest(1, FILES))
+    with pytest.raises(InvalidArgument, match="names"):
+        store.begin("other-job", 1, _manifest(1, FILES))  # the manifest says job "j"
+    with pytest.raises(Exception, match="malformed|file"):
+        store.begin("j", 1, _manifest(1, {"../evil": b"x"}))
+    _put(store, 1, [b"".join(FILES.values())])
+    # The replacement of the same (job, node) counts without the one it replaces...
+    _put(store, 2, [b"".join(FILES.values())])
+    # ... another node's does not fit beside it.
+    other = _manifest(1, FILES, node="other")
+    with pytest.raises(ResourceExhausted, match="peer_budget_bytes"):
+        store.begin("j", 1, other)
+
+
+def test_the_bandwidth_cap_holds_a_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    async def run() -> None:
+        limiter = Limiter(1000.0, clock=lambda: now[0])
+        for _ in range(5):
+            await limiter.take(500)
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    asyncio.run(run())
+    # 2,500 bytes at 1,000 per second with one second's worth to start with.
+    assert sum(slept) == pytest.approx(1.5)
+
+
+def test_replicas_go_to_the_next_nodes_by_name() -> None:
+    async def ring(me: str) -> list[str]:
+        peers = Peers(me, (), "t" * 16)
+        peers._known = [Peer(n, f"{n}:1") for n in ("a", "b", "d")]
+        peers._at = float("inf")  # no asking again
+        return [p.node for p in await peers.ring()]
+
+    assert asyncio.run(ring("c")) == ["d", "a", "b"]
+    assert asyncio.run(ring("a")) == ["b", "d"]
+
+
+def test_the_token_file_must_hold_a_real_token(tmp_path: Path) -> None:
+    (tmp_path / "short").write_text("abc\n")
+    with pytest.raises(InvalidArgument, match="at least 16"):
+        read_token(str(tmp_path / "short"))
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        read_token(str(tmp_path / "missing"))
+    (tmp_path / "good").write_text("  " + "x" * 32 + "\n")
+    assert read_token(str(tmp_path / "good")) == "x" * 32
