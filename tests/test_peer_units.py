@@ -86,7 +86,7 @@ def test_names_and_budget_are_checked_before_a_byte_is_written(tmp_path: Path) -
         store.begin("../x", 1, _manifest(1, FILES))
     with pytest.raises(InvalidArgument, match="names"):
         store.begin("other-job", 1, _manifest(1, FILES))  # the manifest says job "j"
-    with pytest.raises(Exception, match="malformed|file"):
+    with pytest.raises(Exception, match=r"malformed|file"):
         store.begin("j", 1, _manifest(1, {"../evil": b"x"}))
     _put(store, 1, [b"".join(FILES.values())])
     # The replacement of the same (job, node) counts without the one it replaces...
