@@ -6,6 +6,7 @@ mid-transfer, or every peer down, falls back; a wrong token is refused."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
-from .conftest import Daemon, RemoteTarget
+from .conftest import CKPTD, Daemon, RemoteTarget
 from .servers import free_port
 from .test_remote_tier import s3_target
 
@@ -200,3 +201,33 @@ def test_with_every_peer_gone_the_bucket_restores(
     fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 3)
     assert len(fetched) == 1 and fetched[0].attributes["via"] != "peer"
     assert fetched[0].attributes["node"] == "node-a"  # its own part, from the bucket
+
+
+def test_ckptd_prefetch_makes_the_newest_step_local_before_the_trainer_asks(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    d = make_daemon(extra_args=["--remote", remote.url, "--node-id", "solo"])
+    client = d.client("job")
+    saved = state(4, mib=1)
+    client.save(4, saved).wait("durable", 60)
+    d.kill()
+    shutil.rmtree(d.root)
+    d.start()
+
+    def prefetch(job: str) -> subprocess.CompletedProcess[str]:
+        cmd = [CKPTD, "prefetch", job, "--socket", str(d.socket)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    out = prefetch("job")
+    assert out.returncode == 0 and "job/4: local (fetched from the bucket" in out.stdout, out
+    assert client.list()[0].tiers == ("LOCAL", "REMOTE")
+    out = prefetch("job")
+    assert out.returncode == 0 and "(it was already" in out.stdout, out
+    same(client.restore()[0], saved)
+    out = prefetch("nojob")
+    assert (
+        out.returncode != 0
+        and out.stderr.startswith("ckptd: error: ")
+        and "Traceback" not in out.stderr
+    )

@@ -347,6 +347,13 @@ class Servicer(pb_grpc.CkptdServicer):
         return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)
 
     @_rpc
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> pb.PrefetchResponse:
+        _, job = self._job(context, request.job)
+        st, source = await self.s.restorer.prefetch(job)
+        assert st.manifest is not None
+        return pb.PrefetchResponse(step=st.step, source=source, size_bytes=st.manifest.size_bytes)
+
+    @_rpc
     async def ListEvents(
         self, request: pb.ListEventsRequest, context: Any
     ) -> pb.ListEventsResponse:

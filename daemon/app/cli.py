@@ -114,6 +114,16 @@ def cmd_pin(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    resp = _admin(args).call("Prefetch", pb.PrefetchRequest(job=args.job), 3600.0)
+    where = {"peer": "taken from a peer", "remote": "fetched from the bucket"}
+    print(
+        f"{args.job}/{resp.step}: local ({where.get(resp.source, 'it was already')}, "
+        f"{human_bytes(resp.size_bytes)}); restore() reads it from this node's disk"
+    )
+    return 0
+
+
 def cmd_adopt(args: argparse.Namespace) -> int:
     conn = _admin(args)
     path = os.path.abspath(args.path)
@@ -219,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("step", type=int, help="the step number")
         socket_arg(p)
         p.set_defaults(fn=cmd_pin)
+    p = sub.add_parser(
+        "prefetch", help="make the job's newest step local before the trainer restores it"
+    )
+    p.add_argument("job", help="the training job's name")
+    socket_arg(p)
+    p.set_defaults(fn=cmd_prefetch)
     p = sub.add_parser(
         "adopt", help="hand a finished checkpoint directory (DCP, Orbax, HF...) to the daemon"
     )

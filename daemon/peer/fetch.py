@@ -73,10 +73,11 @@ class PeerFetcher:
             found.setdefault((r.job, r.step), []).append((peer, r.manifest_json))
         return found
 
-    async def ensure(self, job: str, step: int | None = None) -> bool:
+    async def ensure(self, job: str, step: int | None = None, again: bool = False) -> bool:
         """Make ``step`` (or the newest step a peer holds) of ``job`` local from a peer,
         when the local tier has no copy of it and the bucket holds nothing newer;
-        whether it did. A failure is logged (the caller goes on to the bucket)."""
+        whether it did. A failure is logged (the caller goes on to the bucket).
+        ``again``: ask the peers even if they were asked about the job lately."""
         # Under the job's lock: a restore that comes while the start-up pre-staging
         # fetches the job waits for it, then finds the copy local.
         async with self._locks.setdefault(job, asyncio.Lock()):
@@ -86,7 +87,7 @@ class PeerFetcher:
             if step is not None and any(s.step == step for s in local):
                 return False
             since = time.monotonic() - self._asked.get(job, -1e18)
-            if step is None and since < ASK_AGAIN_SECONDS:
+            if step is None and since < ASK_AGAIN_SECONDS and not again:
                 return False  # a job with nothing anywhere (a first start) asks now and then
             self._asked[job] = time.monotonic()
             try:

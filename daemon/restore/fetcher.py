@@ -140,9 +140,10 @@ class Fetcher:
         lease = self._prefetched.pop((job, step, rank), None)
         return lease if lease is not None and self.staging.holds(lease) else None
 
-    async def to_local(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
+    async def to_local(self, st: Step, rank: int | None, shared_memory: bool) -> Lease | None:
         """Download a remote-only step into the cache dir, verify it, commit it locally.
         A copy that does not verify marks the step unusable and raises DataLoss.
+        ``rank`` None: this node's own part, whichever ranks it holds (a prefetch).
 
         With ``shared_memory``, every rank file of the node is downloaded through a
         segment when the budget allows: ``rank``'s lease is returned, the others are
@@ -169,7 +170,7 @@ class Fetcher:
                         f"step {st.step} of job {st.job!r} cannot be restored: {reason}"
                     ) from None
 
-    async def _fetch(self, st: Step, rank: int, shared_memory: bool) -> Lease | None:
+    async def _fetch(self, st: Step, rank: int | None, shared_memory: bool) -> Lease | None:
         assert self.remote is not None
         me = self.catalog.node_id
         known: set[str] = set()
@@ -184,6 +185,8 @@ class Fetcher:
                 self.remote, st.job, st.step, known, None if st.adopted else rank, me, st.adopted
             )
         except NotFound:  # another node's part holds the rank: ask the step's records
+            if rank is None:
+                raise
             node, raw, manifest = await self._holder_manifest(st, rank, frozenset(known))
         shared_memory = shared_memory and not manifest.adopted
         leases: dict[int, Lease] = {}
@@ -230,7 +233,7 @@ class Fetcher:
             node,
             " through shared memory" if leases else "",
         )
-        lease = leases.pop(rank, None)
+        lease = leases.pop(rank, None) if rank is not None else None
         for other, held in leases.items():
             self._prefetched[(st.job, st.step, other)] = held
         return lease

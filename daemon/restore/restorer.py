@@ -151,6 +151,23 @@ class Restorer:
             )
         return st
 
+    async def prefetch(self, job: str) -> tuple[Step, str]:
+        """Make this node's part of the newest step of ``job`` local (``ckptd
+        prefetch``): from a peer, else the bucket; ``(step, where it came from)``."""
+        await self.fetcher.refresh_quietly(job)
+        from_peer = self.peer is not None and await self.peer.ensure(job, again=True)
+        st = self.choose(job, None, None)
+        if st.local:
+            return st, "peer" if from_peer else "local"
+        if self.catalog.node_id not in st.remote_nodes:
+            raise FailedPrecondition(
+                f"step {st.step} of job {job!r} holds no part of this node in the bucket (a "
+                "node under a new name): restore() fetches the ranks it needs from the others"
+            )
+        with self.catalog.in_use(st):
+            await self.fetcher.to_local(st, None, False)
+        return st, "remote"
+
     def _did_you_mean(self, job: str) -> str:
         """A hint for a job name that is probably a typo; else the fresh-start advice."""
         others = [j for j in self.catalog.jobs() if j != job]

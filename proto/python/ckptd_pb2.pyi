@@ -465,6 +465,22 @@ class EnsureLocalRequest(_message.Message):
     directory: str
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("step", "source", "size_bytes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    source: str
+    size_bytes: int
+    def __init__(self, step: _Optional[int] = ..., source: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
 class EnsureLocalResponse(_message.Message):
     __slots__ = ("step", "path", "fetched", "linked")
     STEP_FIELD_NUMBER: _ClassVar[int]

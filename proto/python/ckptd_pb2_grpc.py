@@ -104,6 +104,11 @@ class CkptdStub:
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.SerializeToString,
                 response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/ckptd.v1.Ckptd/Prefetch',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.ListEvents = channel.unary_unary(
                 '/ckptd.v1.Ckptd/ListEvents',
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.ListEventsRequest.SerializeToString,
@@ -221,6 +226,14 @@ class CkptdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Makes this node's part of the job's newest step local before the trainer asks
+        (`ckptd prefetch`): from a peer's replica if one holds it, else the bucket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListEvents(self, request, context):
         """Step transitions recorded by the daemon since `after_seq`, oldest first;
         optionally waits (bounded) until there is one.
@@ -301,6 +314,11 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.EnsureLocal,
                     request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.FromString,
                     response_serializer=ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PrefetchRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.PrefetchResponse.SerializeToString,
             ),
             'ListEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEvents,
@@ -686,6 +704,33 @@ class Ckptd:
             '/ckptd.v1.Ckptd/EnsureLocal',
             ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalRequest.SerializeToString,
             ckptd_dot_proto_dot_ckptd__pb2.EnsureLocalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/Prefetch',
+            ckptd_dot_proto_dot_ckptd__pb2.PrefetchRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
