@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,11 @@ class ReplicaStore:
         self.dir = root / ".replicas"
         self.budget = budget
         self._held: dict[tuple[str, str], Held] = {}
+        """Replaced whole, never changed in place: the event loop lists it while the
+        I/O threads commit."""
         self._reserved: dict[str, int] = {}
         """Bytes of replicas being received, by incoming directory."""
+        self._lock = threading.Lock()  # receptions begin and end on several I/O threads
 
     def load(self) -> int:
         """Empty ``.incoming``, read what is held (a directory that is not a whole
@@ -101,6 +105,10 @@ class ReplicaStore:
         ``node`` is the source). Refused if it is not newer than the one held, or if it
         would not fit the budget."""
         m = _checked(raw, check_name("job", job), check_step(step), None)
+        with self._lock:
+            return self._begin(job, step, m, raw)
+
+    def _begin(self, job: str, step: int, m: Manifest, raw: str) -> Incoming:
         old = self._held.get((job, m.node))
         if old is not None and old.step >= step:
             raise InvalidArgument(
@@ -129,6 +137,10 @@ class ReplicaStore:
         return self._dir_of(held) / file
 
     def _commit(self, incoming: Incoming) -> Held:
+        with self._lock:
+            return self._commit_locked(incoming)
+
+    def _commit_locked(self, incoming: Incoming) -> Held:
         m = incoming.manifest
         self._reserved.pop(incoming.path.name, None)
         old = self._held.get((m.job, m.node))
@@ -143,13 +155,14 @@ class ReplicaStore:
         shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash: not held
         os.rename(incoming.path, final)
         fsync_dir(final.parent)
-        self._held[(m.job, m.node)] = held
+        self._held = {**self._held, (m.job, m.node): held}
         if old is not None:
             shutil.rmtree(self._dir_of(old), ignore_errors=True)
         return held
 
     def _abort(self, incoming: Incoming) -> None:
-        self._reserved.pop(incoming.path.name, None)
+        with self._lock:
+            self._reserved.pop(incoming.path.name, None)
         shutil.rmtree(incoming.path, ignore_errors=True)
 
 
