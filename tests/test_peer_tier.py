@@ -116,6 +116,11 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(cluster: Clust
     held = b.status()
     assert held.replicas_held == 1 and held.replicas_held_bytes > 0
     assert held.peer_address == f"127.0.0.1:{cluster.ports['node-b']}"
+    # A restart with the disk intact sends the step again: node-b holds it already.
+    a.stop()
+    a.start()
+    cluster.replicated("node-a", "job", 2)
+    assert b.status().replicas_held == 1 and not a.status().peer_error
 
     cluster.lose("node-a").start()
     rows = {c.step: c for c in client.list()}

@@ -12,7 +12,7 @@ import pytest
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
-from ckptd.daemon.peer.replicas import ReplicaStore
+from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
 
 
 def _manifest(step: int, files: dict[str, bytes], job: str = "j", node: str = "src") -> str:
@@ -28,6 +28,7 @@ FILES = {"rank-00000.safetensors": b"a" * 5000, "rank-00001.safetensors": b"b" *
 
 def _put(store: ReplicaStore, step: int, chunks: list[bytes], files: dict[str, bytes] = FILES):
     incoming = store.begin("j", step, _manifest(step, files))
+    assert isinstance(incoming, Incoming)
     try:
         for c in chunks:
             incoming.write(c)
@@ -48,15 +49,19 @@ def test_a_replica_lands_whole_across_any_chunking_and_replaces_the_older(
     assert store.path("j", "src", 1, "rank-00001.safetensors").read_bytes() == b"b" * 3000
     _put(store, 2, [data])
     assert [h.step for h in store.list()] == [2]
+    # Sent again by a source that restarted: held already, nothing to receive.
+    assert isinstance(store.begin("j", 2, _manifest(2, FILES)), Held)
     assert not (tmp_path / ".replicas" / "j" / "src" / "1").exists()
     with pytest.raises(InvalidArgument, match="only a newer step"):
-        store.begin("j", 2, _manifest(2, FILES))
+        store.begin("j", 1, _manifest(1, FILES))
     with pytest.raises(NotFound):
         store.path("j", "src", 1, "rank-00000.safetensors")
     with pytest.raises(NotFound, match="not a file"):
         store.path("j", "src", 2, "../../etc/passwd")
     # A restart finds it (and nothing of a replica that was being received).
-    store.begin("j", 3, _manifest(3, FILES)).write(data[:10])
+    half = store.begin("j", 3, _manifest(3, FILES))
+    assert isinstance(half, Incoming)
+    half.write(data[:10])
     again = ReplicaStore(tmp_path, 10**6)
     assert again.load() == 1 and [h.step for h in again.list()] == [2]
     assert list((tmp_path / ".replicas" / ".incoming").iterdir()) == []

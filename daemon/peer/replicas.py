@@ -100,16 +100,18 @@ class ReplicaStore:
             if (not job or j == job) and (not source or s == source)
         ]
 
-    def begin(self, job: str, step: int, raw: str) -> Incoming:
+    def begin(self, job: str, step: int, raw: str) -> Incoming | Held:
         """Start receiving ``source``'s replica of ``step`` (``raw``: its manifest, whose
-        ``node`` is the source). Refused if it is not newer than the one held, or if it
-        would not fit the budget."""
+        ``node`` is the source); the replica itself if it is held already. Refused if
+        it is older than the one held, or would not fit the budget."""
         m = _checked(raw, check_name("job", job), check_step(step), None)
         with self._lock:
             return self._begin(job, step, m, raw)
 
-    def _begin(self, job: str, step: int, m: Manifest, raw: str) -> Incoming:
+    def _begin(self, job: str, step: int, m: Manifest, raw: str) -> Incoming | Held:
         old = self._held.get((job, m.node))
+        if old is not None and old.step == step and old.raw == raw:
+            return old  # sent again (its source restarted): held already
         if old is not None and old.step >= step:
             raise InvalidArgument(
                 f"a replica of step {old.step} of job {job!r} from {m.node} is held already; "

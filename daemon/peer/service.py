@@ -87,7 +87,10 @@ class PeerServicer(pb_grpc.PeerServicer):
             first = await anext(request_iterator, None)
             if first is None or not first.manifest_json:
                 raise InvalidArgument("a PutReplica starts with the replica's manifest")
-            incoming = await self._run(self.store.begin, first.job, first.step, first.manifest_json)
+            begun = await self._run(self.store.begin, first.job, first.step, first.manifest_json)
+            if isinstance(begun, Held):  # its source restarted and sent it again
+                return pb.PutReplicaResponse(size_bytes=begun.size)
+            incoming = begun
             if first.data:
                 await self._run(incoming.write, first.data)
             async for chunk in request_iterator:
