@@ -21,7 +21,7 @@ from ckptd.daemon.retention.plan import StepView, plan_job
 from ckptd.daemon.retention.policies import KeepLatest
 from ckptd.proto import ckptd_pb2 as pb
 
-from .conftest import CKPTD, RemoteTarget
+from .conftest import CKPTD, META, RemoteTarget
 from .test_remote_tier import remote_daemon
 from .test_retention_tier import settled
 
@@ -207,7 +207,8 @@ def test_healthy_restore_without_a_healthy_step_says_what_it_found(make_daemon: 
     # A raw request naming the daemon's metric is refused too, with the same advice.
     with pytest.raises(grpc.RpcError) as err:
         daemon.stub().Adopt(
-            pb.AdoptRequest(job="sick", step=5, path="/nowhere", metrics={"ckptd.x": 1.0})
+            pb.AdoptRequest(job="sick", step=5, path="/nowhere", metrics={"ckptd.x": 1.0}),
+            metadata=META,
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "set by the daemon" in err.value.details()

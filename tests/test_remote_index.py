@@ -47,7 +47,9 @@ def test_the_index_follows_the_markers_and_a_bucket_without_one_still_restores(
     settled(client, [1, 2, 3], [2, 3])  # step 1 left the bucket: the index first
     entries = node_index(remote, "idx")
     assert sorted(entries) == [2, 3]
-    assert entries[3].metrics == {"loss": 1 / 3} and entries[3].created_unix > 0
+    # The daemon's health tag travels with the step's metrics (core/health.py).
+    assert entries[3].metrics == {"loss": 1 / 3, "ckptd.nonfinite": 0.0}
+    assert entries[3].created_unix > 0
     client.pin(2)
     assert node_index(remote, "idx")[2].pinned
     # A bucket written before the index (or whose index was lost): the node is lost too.

@@ -91,6 +91,10 @@ class Replicator:
                     if self._stopping:
                         return  # stop() cut the send short
                     raise
+                except Exception as exc:  # a bug here must not drop the job for good
+                    log.exception("replicating %s failed", job)
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    took = False
                 if not took:
                     self._retry.add(job)
 
@@ -135,7 +139,9 @@ class Replicator:
                 return False
             directory = self.store.step_dir(st.job, st.step)
 
-            buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+            # Page-aligned, as O_DIRECT needs; freed with the generator (a call the
+            # peer answered early leaves it suspended, still holding a view).
+            buf = mmap.mmap(-1, CHUNK)
 
             async def chunks() -> AsyncIterator[pb.ReplicaChunk]:
                 yield pb.ReplicaChunk(job=st.job, step=st.step, manifest_json=manifest.to_json())
@@ -163,8 +169,7 @@ class Replicator:
             except Exception as exc:  # a refusal, a dead peer, a file gone: next peer
                 self.peers.fail(f"{peer.node} ({peer.address})", exc)
                 return False
-            finally:
-                buf.close()
+
         log.info("%s/%d replicated to %s", st.job, st.step, peer.node)
         return True
 
