@@ -73,6 +73,13 @@ GOALS = [
 FETCHED = 11  # pb.STEP_EVENT_FETCHED
 
 
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1."""
     import socket
@@ -98,6 +105,7 @@ class PeerBench:
         }  # fmt: skip
         self.wait_for_trainer = False
         self.loop: dict[str, list[float]] = {}
+        self.cores: dict[str, dict[str, float]] = {}
         self.daemons: dict[str, Daemon] = {}
         rng = np.random.default_rng(0)
         per = int(args.size_gib * 2**30) // 4 // args.arrays
@@ -231,6 +239,9 @@ class PeerBench:
         client = Client(JOB, socket=d.socket, policy=Continuous(), timeout=600.0)
         x = np.random.default_rng(1).standard_normal((1024, 1024), np.float32)
         times = []
+        pids = {n: self.daemons[n].proc.pid for n in ("a", "b")}  # type: ignore[union-attr]
+        cpu0 = {n: proc_cpu(pid) for n, pid in pids.items()}
+        wall0 = time.perf_counter()
         try:
             for _ in range(self.args.steps):
                 t0 = time.perf_counter()
@@ -243,6 +254,11 @@ class PeerBench:
             client.wait_until_finished()
         finally:
             client.close()
+        wall = time.perf_counter() - wall0
+        # Cores each daemon kept busy during the loop (the step's matmuls use both).
+        self.cores[name] = {n: (proc_cpu(pid) - cpu0[n]) / wall for n, pid in pids.items()}
+        cores = ", ".join(f"{n} {c:.2f}" for n, c in self.cores[name].items())
+        print(f"  {name}: mean step {statistics.mean(times[5:]):.3f} s; daemon cores {cores}")
         self.loop[name] = times
 
     def stop(self) -> None:
@@ -325,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "arms": arms,
         "goals": goals,
         "loop_step_mean": {k: statistics.mean(v) for k, v in loops.items()},
+        "loop_daemon_cores": bench.cores,
         "seconds": time.perf_counter() - t_start,
     }
     print(f"results: {write_results(args.name, doc)}")
