@@ -140,3 +140,29 @@ def test_the_token_file_must_hold_a_real_token(tmp_path: Path) -> None:
         read_token(str(tmp_path / "missing"))
     (tmp_path / "good").write_text("  " + "x" * 32 + "\n")
     assert read_token(str(tmp_path / "good")) == "x" * 32
+
+
+def test_replication_waits_while_a_save_is_being_written() -> None:
+    from types import SimpleNamespace
+
+    from ckptd.daemon.catalog import Catalog
+    from ckptd.daemon.peer.replicator import Replicator
+
+    async def run() -> None:
+        catalog = Catalog("n")
+        peers = SimpleNamespace()
+        rep = Replicator(catalog, None, None, peers, 1, Limiter(1e9))  # type: ignore[arg-type]
+        assert rep.saves_idle.is_set()
+        st = catalog.begin("j", 1)  # a save handed off: STAGING
+        assert not rep.saves_idle.is_set()
+        manifest = Manifest(
+            "j", 1, "n", 1, 1.0, [RankRecord(0, "rank-00000.safetensors", 0, 0, None)]
+        )
+        catalog.committed(st, manifest)  # LOCAL: the disk is the replicator's again
+        assert rep.saves_idle.is_set()
+        other = catalog.begin("j", 2)
+        assert not rep.saves_idle.is_set()
+        catalog.failed(other, "gone", "local")
+        assert rep.saves_idle.is_set()
+
+    asyncio.run(run())
