@@ -140,7 +140,7 @@ class Client(Saving):
     def _previous_reached(self, stage: str) -> bool:
         """Has the previous save reached ``stage``? Never blocks, and costs no RPC per
         call: a watcher thread waits on the daemon (server-side) and flips a flag."""
-        if self._last is None or stage in self._last_reached:
+        if self._last is None or stage in self._last_reached or stage in self._last.reached:
             return True
         done = self._watch.get(stage)
         if done is None:

@@ -89,6 +89,9 @@ class SaveHandle:
         self.job = client.job
         self.step = step
         self._copy = copy
+        self.reached: set[str] = set()
+        """Stages a :meth:`wait` saw this save reach (should_save() trusts them at once,
+        without waiting for its own watcher's answer)."""
         """jax arrays' device-to-host copy and the handoff, running after save() returned."""
 
     def copied(self) -> bool:
@@ -146,6 +149,7 @@ class SaveHandle:
                 time.sleep(0.2)
                 continue
             if st.reached:
+                self.reached.add(stage)
                 return
             if st.final:
                 raise SaveFailed(
