@@ -219,10 +219,14 @@ def test_killed_evicting_from_the_bucket_between_marker_and_index(
     def step_1_objects() -> list[Path]:  # gone/1/... and gone/_data/<hh>/<node>/1/...
         return [f for f in [*bucket.glob("1/**/*"), *bucket.glob("_data/*/*/1/*")] if f.is_file()]
 
+    # The restarted evictor counts the eviction only once the index entry, the last
+    # thing it removes, is gone: wait on that (the objects go first, so their absence
+    # alone raced the index write under load).
     deadline = time.monotonic() + 60
-    while step_1_objects():
+    while daemon.status().evicted_remote < 1:
         assert time.monotonic() < deadline, step_1_objects()
         time.sleep(0.1)
+    assert step_1_objects() == []
     raw = (bucket / "_index" / "test-node.json").read_bytes()
     assert sorted(index.decode(raw)) == [2]
     assert [c.step for c in client.list() if "REMOTE" in c.tiers] == [2]
