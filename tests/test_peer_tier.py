@@ -15,7 +15,9 @@ import grpc
 import numpy as np
 import pytest
 
+from ckptd.core.errors import Unavailable
 from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.daemon.peer.bulk import read_range
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
@@ -51,6 +53,7 @@ class Cluster:
         remote: RemoteTarget | None = None,
         env: dict[str, dict[str, str]] | None = None,
         replicas: int = 1,
+        data_port: int = 0,
     ) -> None:
         token = tmp_path / "peer-token"
         token.write_text(TOKEN + "\n")
@@ -64,6 +67,7 @@ class Cluster:
                 "--peer-token-file", str(token),
                 "--retention-local", "KeepLatest(1)",
                 "--peer-replicas", str(replicas),
+                "--peer-data-port", str(data_port),
             ]  # fmt: skip
             extra = dict((env or {}).get(node, {}))
             if remote is not None:
@@ -104,7 +108,12 @@ def cluster(make_daemon: Any, tmp_path: Path) -> Cluster:
     return Cluster(make_daemon, tmp_path)
 
 
-def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(cluster: Cluster) -> None:
+@pytest.mark.parametrize("data_port", [0, -1], ids=["bulk-listener", "grpc-only"])
+def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
+    make_daemon: Any, tmp_path: Path, data_port: int
+) -> None:
+    """With the bulk listener (sendfile) and without one (-1: GetReplicaFile)."""
+    cluster = Cluster(make_daemon, tmp_path, data_port=data_port)
     a = cluster.daemons["node-a"]
     client = a.client("job")
     saved = {}
@@ -116,6 +125,7 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(cluster: Clust
     held = b.status()
     assert held.replicas_held == 1 and held.replicas_held_bytes > 0
     assert held.peer_address == f"127.0.0.1:{cluster.ports['node-b']}"
+    assert (held.peer_data_port > 0) == (data_port == 0)
     # A restart with the disk intact sends the step again: node-b holds it already.
     a.stop()
     a.start()
@@ -147,7 +157,17 @@ def test_a_wrong_token_is_refused(cluster: Cluster) -> None:
             )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     good = (("authorization", f"Bearer {TOKEN}"),)
-    assert stub.Hello(pb.PeerHelloRequest(), metadata=good, timeout=10).node == "node-b"
+    hello = stub.Hello(pb.PeerHelloRequest(), metadata=good, timeout=10)
+    assert hello.node == "node-b" and hello.data_port > 0
+    # The bulk listener asks for the same token before it reads a file.
+    with pytest.raises(Unavailable, match="peer_token_file"):
+        read_range(
+            ("127.0.0.1", hello.data_port),
+            {"token": "not-the-token-at-all", "job": "job", "source": "node-a", "step": 1,
+             "file": "rank-00000.safetensors", "offset": 0, "length": 1},
+            memoryview(bytearray(16)),
+            lambda piece: None,
+        )  # fmt: skip
     with pytest.raises(grpc.RpcError) as err:  # the right token, a bad replica
         stub.PutReplica(
             iter([pb.ReplicaChunk(job="../x", step=1, manifest_json="{}")]),

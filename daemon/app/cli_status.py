@@ -84,7 +84,8 @@ def _peer(st: pb.DaemonStatus) -> str:
     if not st.peer_address and not st.peers_known and not st.peer_error:
         return "off"
     return (
-        (f"serving on {st.peer_address}; " if st.peer_address else "not serving; ")
+        (f"serving on {st.peer_address}" if st.peer_address else "not serving")
+        + (f" (data port {st.peer_data_port}); " if st.peer_data_port else "; ")
         + f"{st.peers_known} peers answered; holds {st.replicas_held} replicas "
         + f"({human_bytes(st.replicas_held_bytes)}); sent {human_bytes(st.replicated_bytes)}, "
         + f"taken back {human_bytes(st.peer_fetched_bytes)}"

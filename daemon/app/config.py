@@ -125,6 +125,10 @@ class Config:
     peer_address: str = "off"
     """``HOST:PORT`` (TCP) where the Peer service takes and serves replicas of other
     daemons' steps; ``off``: none (port 0: any free port, shown in status)."""
+    peer_data_port: int = 0
+    """TCP port (on ``peer_address``'s host) of the listener that serves replica bytes
+    to restoring nodes (sendfile, ~3x gRPC's rate); 0: any free port, told to peers by
+    the Peer service; -1: none (the bytes go through the Peer service: one port)."""
     peers: tuple[str, ...] = ()
     """The other daemons of the job, ``HOST:PORT`` each (a name resolving to several
     addresses, a Kubernetes headless Service's, counts each); this one is skipped."""
@@ -207,6 +211,10 @@ def _coerce(key: str, value: object, source: str) -> Any:
             if key == "io_nice":  # 0 is meaningful here (no change); the range is checked later
                 if n < 0:
                     raise ValueError("must be 0 (no change) to 19 (lowest)")
+                return n
+            if key == "peer_data_port":  # 0: any free port, -1: none
+                if not -1 <= n <= 65535:
+                    raise ValueError("must be a TCP port, 0 (any free port) or -1 (none)")
                 return n
             if n <= 0:
                 raise ValueError("must be a positive integer")

@@ -6,7 +6,9 @@ at start-up for every job a peer holds a replica of: the pre-staging). The
 replicas of this node are listed on every peer at once; the newest step wins
 unless the bucket holds a newer one. Its rank files come in parallel, each from
 a holder in turn (a peer that dies mid-transfer: the file starts again from the
-next holder), checked against the crc32c in the manifest, and the step is
+next holder), as :data:`RANGE_BYTES` ranges over :data:`STREAMS` connections
+to the holder's bulk listener (bulk.py; ``GetReplicaFile`` from a daemon without
+one), checked against the crc32c in the manifest, and the step is
 committed to the local tier like a download from the bucket (manifest last, one
 rename): the restore then reads it as a local copy. When no peer can give it,
 the caller goes on to the bucket.
@@ -15,12 +17,15 @@ the caller goes on to the bucket.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 
 import google_crc32c
 
+from ckptd.core import checksum
 from ckptd.core.errors import DataLoss, NotFound
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.proto import ckptd_pb2 as pb
@@ -29,6 +34,7 @@ from ..catalog import Catalog
 from ..commit import RenameCommit
 from ..io import IoPool
 from ..local.store import LocalStore
+from .bulk import read_range
 from .link import Peer, Peers
 
 log = logging.getLogger("ckptd.peer")
@@ -37,6 +43,11 @@ LIST_TIMEOUT_SECONDS = 5.0
 FILE_TIMEOUT_SECONDS = 3600.0
 ASK_AGAIN_SECONDS = 30.0
 """A job none of whose steps is local asks the peers at most this often."""
+STREAMS = 4
+"""Connections reading replica bytes at once (the files of a step share them)."""
+RANGE_BYTES = 64 * 2**20
+"""Bytes per ranged read: a big file is read over several connections at once."""
+BUFFER_BYTES = 4 * 2**20
 
 
 class PeerFetcher:
@@ -50,6 +61,14 @@ class PeerFetcher:
         """Bytes taken from peers (metrics)."""
         self.last_seconds = 0.0
         """How long the last fetch from peers took (status)."""
+        # Blocking socket reads: their own threads, never the I/O pool's, which
+        # saves need while a restore is under way.
+        self._streams = concurrent.futures.ThreadPoolExecutor(STREAMS, "ckptd-peer-get")
+        self._buffers = threading.local()
+
+    def close(self) -> None:
+        """Stop the stream threads (a transfer under way ends with its connection)."""
+        self._streams.shutdown(wait=False, cancel_futures=True)
 
     async def replicas(self, job: str = "") -> dict[tuple[str, int], list[tuple[Peer, str]]]:
         """Every peer's replicas of this node (of ``job``; empty: every job):
@@ -166,25 +185,11 @@ class PeerFetcher:
         fd = await self.io.run(
             os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640
         )
-        crc, size = 0, 0
         try:
-            call = self.peers.stub(peer.address).GetReplicaFile(
-                pb.GetReplicaFileRequest(
-                    job=manifest.job,
-                    source_node=manifest.node,
-                    step=manifest.step,
-                    file=record.file,
-                ),
-                metadata=self.peers.metadata,
-                timeout=FILE_TIMEOUT_SECONDS,
-            )
-            async for chunk in call:
-                if size + len(chunk.data) > record.size:
-                    raise DataLoss(f"{record.file} is longer than its {record.size} bytes")
-                await self.io.run(os.pwrite, fd, chunk.data, size)
-                crc = google_crc32c.extend(crc, chunk.data)
-                size += len(chunk.data)
-                self.fetched_bytes += len(chunk.data)
+            if peer.data_port:
+                crc, size = await self._ranges(peer, manifest, record, fd)
+            else:
+                crc, size = await self._stream(peer, manifest, record, fd)
             if size != record.size or crc != record.crc32c:
                 raise DataLoss(
                     f"{record.file} came as {size} bytes with crc32c {crc:08x}, not "
@@ -193,3 +198,73 @@ class PeerFetcher:
             await self.io.run(os.fsync, fd)
         finally:
             os.close(fd)
+
+    async def _ranges(
+        self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int
+    ) -> tuple[int, int]:
+        """The file from ``peer``'s bulk listener, its ranges in parallel; (crc32c,
+        size)."""
+        request = {
+            "token": self.peers.token,
+            "job": manifest.job,
+            "source": manifest.node,
+            "step": manifest.step,
+            "file": record.file,
+        }
+        spans = [(o, min(RANGE_BYTES, record.size - o)) for o in range(0, record.size, RANGE_BYTES)]
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._streams, self._range, peer, request, fd, o, n)
+                for o, n in spans
+            ),
+            return_exceptions=True,  # every thread done with fd before it is closed
+        )
+        crcs = [r for r in done if not isinstance(r, BaseException)]
+        if len(crcs) < len(done):
+            raise next(r for r in done if isinstance(r, BaseException))
+        self.fetched_bytes += record.size
+        crc = checksum.combine_all([(c, n) for c, (_, n) in zip(crcs, spans, strict=True)])
+        return crc, record.size
+
+    def _range(
+        self, peer: Peer, request: dict[str, object], fd: int, offset: int, length: int
+    ) -> int:
+        """One range, written at its place in ``fd`` (a stream thread); its crc32c."""
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None:
+            buf = self._buffers.buf = memoryview(bytearray(BUFFER_BYTES))
+        at = offset
+
+        def sink(piece: memoryview) -> None:
+            nonlocal at
+            os.pwrite(fd, piece, at)
+            at += len(piece)
+
+        req = {**request, "offset": offset, "length": length}
+        return read_range(peer.data_address, req, buf, sink)
+
+    async def _stream(
+        self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int
+    ) -> tuple[int, int]:
+        """The file from ``peer``'s ``GetReplicaFile`` (a daemon without a bulk
+        listener); (crc32c, size)."""
+        crc, size = 0, 0
+        call = self.peers.stub(peer.address).GetReplicaFile(
+            pb.GetReplicaFileRequest(
+                job=manifest.job,
+                source_node=manifest.node,
+                step=manifest.step,
+                file=record.file,
+            ),
+            metadata=self.peers.metadata,
+            timeout=FILE_TIMEOUT_SECONDS,
+        )
+        async for chunk in call:
+            if size + len(chunk.data) > record.size:
+                raise DataLoss(f"{record.file} is longer than its {record.size} bytes")
+            await self.io.run(os.pwrite, fd, chunk.data, size)
+            crc = google_crc32c.extend(crc, chunk.data)
+            size += len(chunk.data)
+            self.fetched_bytes += len(chunk.data)
+        return crc, size

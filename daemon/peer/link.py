@@ -97,6 +97,13 @@ class Peer:
 
     node: str
     address: str
+    data_port: int = 0
+    """Its bulk data listener's port (bulk.py) on the same host; 0: none."""
+
+    @property
+    def data_address(self) -> tuple[str, int]:
+        """Where its bulk data listener answers."""
+        return (self.address.rpartition(":")[0].strip("[]"), self.data_port)
 
 
 def resolve(entries: tuple[str, ...]) -> list[str]:
@@ -128,6 +135,7 @@ class Peers:
     def __init__(self, me: str, entries: tuple[str, ...], token: str) -> None:
         self.me = me
         self.entries = entries
+        self.token = token
         self.metadata = auth_metadata(token)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._known: list[Peer] = []
@@ -171,7 +179,7 @@ class Peers:
             resp = await self.stub(address).Hello(
                 pb.PeerHelloRequest(), metadata=self.metadata, timeout=HELLO_SECONDS
             )
-            return Peer(check_name("node", resp.node), address)
+            return Peer(check_name("node", resp.node), address, resp.data_port)
         except (grpc.RpcError, InvalidArgument) as exc:
             self.fail(address, exc)
             return None

@@ -47,7 +47,9 @@ class PeerServicer(pb_grpc.PeerServicer):
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
         self.served_bytes = 0
-        """Bytes of replica files served to nodes restoring (metrics)."""
+        """Bytes of replica files served to nodes restoring with GetReplicaFile (metrics)."""
+        self.data_port = 0
+        """The bulk data listener's port, told in ``Hello`` (0: none)."""
 
     async def _check(self, context: Any) -> None:
         if not authorized(context, self._token):
@@ -58,7 +60,7 @@ class PeerServicer(pb_grpc.PeerServicer):
 
     async def Hello(self, request: pb.PeerHelloRequest, context: Any) -> pb.PeerHelloResponse:
         await self._check(context)
-        return pb.PeerHelloResponse(node=self.node)
+        return pb.PeerHelloResponse(node=self.node, data_port=self.data_port)
 
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: Any

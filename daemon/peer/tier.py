@@ -1,7 +1,8 @@
 """The peer tier's parts, built from the config and started beside the daemon.
 
-- the Peer service on ``peer_address`` (TCP), taking and serving replicas
-  (service.py, replicas.py), when that is set;
+- the Peer service on ``peer_address`` (TCP), taking replicas and telling what it
+  holds (service.py, replicas.py), and beside it the bulk listener serving their
+  bytes to restoring nodes (bulk.py, ``peer_data_port``), when that is set;
 - the replicator sending each job's newest local step to ``peer_replicas`` of
   ``peers`` (replicator.py), and the fetcher restoring a wiped node from them
   (fetch.py), when ``peers`` is set; at start-up the fetcher pre-stages every job
@@ -24,6 +25,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ..catalog import Catalog
 from ..io import IoPool
 from ..local.store import LocalStore
+from .bulk import BulkServer
 from .fetch import PeerFetcher
 from .link import Limiter, Peers, read_token
 from .replicas import ReplicaStore
@@ -48,6 +50,8 @@ class PeerTier:
         """Where the Peer service answers (set once it does)."""
         self.store = ReplicaStore(cfg.root, cfg.peer_budget_bytes)
         self.servicer = PeerServicer(cfg.node_id, token, self.store, io.run)
+        self.bulk = BulkServer(self.store, token)
+        self.data_port = cfg.peer_data_port
         self.peers = Peers(cfg.node_id, cfg.peers, token)
         self.replicator: Replicator | None = None
         self.fetcher: PeerFetcher | None = None
@@ -72,11 +76,27 @@ class PeerTier:
                 raise FailedPrecondition(
                     f"cannot listen on peer_address {self.listen}: choose a free HOST:PORT"
                 )
+            host = self.listen.rpartition(":")[0]
+            bind = host.strip("[]") or "0.0.0.0"
+            try:
+                if self.data_port >= 0:  # -1: replica bytes through gRPC only
+                    self.servicer.data_port = await self.io.run(
+                        self.bulk.start, bind, self.data_port
+                    )
+            except OSError as exc:
+                await server.stop(None)
+                raise FailedPrecondition(
+                    f"cannot listen on peer_data_port {self.data_port} on {bind}: "
+                    f"{exc.strerror}; choose a free port (0: any, -1: none)"
+                ) from None
+            data_port = self.servicer.data_port
             await server.start()
             self._server = server
-            host = self.listen.rpartition(":")[0]
             self.address = f"{host}:{port}"
-            log.info("peer service on %s (%d replicas held)", self.address, held)
+            log.info(
+                "peer service on %s, replica data on port %d (%d replicas held)",
+                self.address, data_port, held,
+            )  # fmt: skip
         if self.replicator is not None:
             service("replicator", self.replicator.run)
         if self.fetcher is not None:
@@ -102,7 +122,10 @@ class PeerTier:
     async def stop(self) -> None:
         """Stop serving and close the channels."""
         if self._server is not None:
+            self.bulk.stop()
             await self._server.stop(grace=2)
+        if self.fetcher is not None:
+            self.fetcher.close()
         await self.peers.close()
 
     def status(self) -> dict[str, Any]:
@@ -110,6 +133,7 @@ class PeerTier:
         errors = [self.peers.last_error, self.replicator.last_error if self.replicator else ""]
         return {
             "peer_address": self.address,
+            "peer_data_port": self.servicer.data_port,
             "peers_known": len(self.peers.names),
             "replicas_held": len(self.store.list()),
             "replicas_held_bytes": self.store.held_bytes,

@@ -498,7 +498,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes", "peer_address", "peers_known", "replicas_held", "replicas_held_bytes", "replicated_bytes", "peer_fetched_bytes", "peer_error")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes", "peer_address", "peers_known", "replicas_held", "replicas_held_bytes", "replicated_bytes", "peer_fetched_bytes", "peer_error", "peer_data_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -540,6 +540,7 @@ class DaemonStatus(_message.Message):
     REPLICATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PEER_DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -581,7 +582,8 @@ class DaemonStatus(_message.Message):
     replicated_bytes: int
     peer_fetched_bytes: int
     peer_error: str
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ..., peer_address: _Optional[str] = ..., peers_known: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replicas_held_bytes: _Optional[int] = ..., replicated_bytes: _Optional[int] = ..., peer_fetched_bytes: _Optional[int] = ..., peer_error: _Optional[str] = ...) -> None: ...
+    peer_data_port: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ..., peer_address: _Optional[str] = ..., peers_known: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replicas_held_bytes: _Optional[int] = ..., replicated_bytes: _Optional[int] = ..., peer_fetched_bytes: _Optional[int] = ..., peer_error: _Optional[str] = ..., peer_data_port: _Optional[int] = ...) -> None: ...
 
 class TaskHealth(_message.Message):
     __slots__ = ("name", "state", "restarts", "last_error")
@@ -649,10 +651,12 @@ class PeerHelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerHelloResponse(_message.Message):
-    __slots__ = ("node",)
+    __slots__ = ("node", "data_port")
     NODE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     node: str
-    def __init__(self, node: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, node: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ReplicaChunk(_message.Message):
     __slots__ = ("job", "step", "manifest_json", "data")

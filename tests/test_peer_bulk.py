@@ -1,0 +1,147 @@
+"""The peer tier's bulk data listener without daemons: ranges served by sendfile,
+the token and names checked first, a transfer cut short reported, never taken."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import google_crc32c
+import pytest
+
+from ckptd.core.errors import DataLoss, Unavailable
+from ckptd.daemon.peer import bulk
+from ckptd.daemon.peer.bulk import BulkServer, read_range
+from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from .test_peer_units import _manifest
+
+TOKEN = "bulk-test-token-0123456789abcdef"
+DATA = bytes(range(256)) * 40_000  # 10 MB: several recv_into rounds and sendfile calls
+FILES = {"rank-00000.safetensors": DATA, "rank-00001.safetensors": b"tiny"}
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[BulkServer]:
+    store = ReplicaStore(tmp_path, 10**9)
+    store.load()
+    incoming = store.begin("j", 5, _manifest(5, FILES))
+    assert isinstance(incoming, Incoming)
+    incoming.write(b"".join(FILES.values()))
+    incoming.finish()
+    server = BulkServer(store, TOKEN)
+    server.start("127.0.0.1")
+    yield server
+    server.stop()
+
+
+def _req(**over: object) -> dict[str, object]:
+    req: dict[str, object] = {
+        "token": TOKEN,
+        "job": "j",
+        "source": "src",
+        "step": 5,
+        "file": "rank-00000.safetensors",
+        "offset": 0,
+        "length": len(DATA),
+    }
+    req.update(over)
+    return req
+
+
+def _read(server: BulkServer, req: dict[str, object], buf_bytes: int = 65536) -> bytes:
+    out = bytearray()
+    crc = read_range(
+        ("127.0.0.1", server.port),
+        req,
+        memoryview(bytearray(buf_bytes)),
+        lambda piece: out.extend(piece),
+    )
+    assert crc == google_crc32c.value(bytes(out))
+    return bytes(out)
+
+
+def test_whole_files_and_ranges_come_back_exact(served: BulkServer) -> None:
+    assert _read(served, _req()) == DATA
+    assert _read(served, _req(offset=12345, length=3_000_001)) == DATA[12345:3_012_346]
+    assert _read(served, _req(file="rank-00001.safetensors", length=4)) == b"tiny"
+    assert _read(served, _req(offset=len(DATA), length=0)) == b""
+    assert served.served_bytes == len(DATA) + 3_000_001 + 4
+
+
+@pytest.mark.parametrize(
+    "over,reason",
+    [
+        ({"token": "not-the-token-at-all-0123456789"}, "peer_token_file"),
+        ({"token": ""}, "peer_token_file"),
+        ({"job": "../x"}, "job"),
+        ({"source": "a/b"}, "node"),
+        ({"step": 4}, "no replica of step 4"),
+        ({"file": "../../etc/passwd"}, "not a file"),
+        ({"offset": len(DATA) - 10, "length": 11}, "outside the file"),
+        ({"offset": -1}, "outside the file"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_reason(
+    served: BulkServer, over: dict[str, object], reason: str
+) -> None:
+    with pytest.raises(Unavailable, match=reason):
+        _read(served, _req(**over))
+    assert served.served_bytes == 0
+
+
+def test_a_request_outside_the_protocol_is_dropped_and_the_server_goes_on(
+    served: BulkServer,
+) -> None:
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", bulk.MAGIC + struct.pack("<I", 1 << 30)):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as conn:
+            conn.sendall(junk)
+            assert conn.recv(2) == b"ER"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as conn:
+        body = b"[1, 2]"
+        conn.sendall(bulk.MAGIC + struct.pack("<I", len(body)) + body)
+        assert conn.recv(2) == b"ER"
+    assert _read(served, _req()) == DATA
+
+
+def test_a_transfer_cut_short_raises_and_a_wrong_length_is_refused() -> None:
+    """A fake listener that promises more than it sends, or a different length."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve(promise: int, send: bytes) -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"OK" + struct.pack("<Q", promise) + send)
+
+    for promise, send, error, match in (
+        (100, b"x" * 40, Unavailable, "after 40 of 100"),
+        (99, b"x" * 99, DataLoss, "offered 99 bytes, not 100"),
+    ):
+        t = threading.Thread(target=serve, args=(promise, send))
+        t.start()
+        got = bytearray()
+        with pytest.raises(error, match=match):
+            read_range(
+                ("127.0.0.1", port),
+                {"length": 100},
+                memoryview(bytearray(64)),
+                lambda p: got.extend(p),
+            )
+        t.join()
+    listener.close()
+
+
+def test_a_closed_listener_is_unavailable(served: BulkServer) -> None:
+    served.stop()
+    with pytest.raises(Unavailable, match="peer data connection"):
+        _read(served, _req())
+
+
+def test_the_request_is_json_under_the_cap() -> None:
+    body = json.dumps(_req()).encode()
+    assert len(body) < bulk.MAX_REQUEST
