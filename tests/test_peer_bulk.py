@@ -17,6 +17,7 @@ from ckptd.core.errors import DataLoss, Unavailable
 from ckptd.daemon.peer import bulk
 from ckptd.daemon.peer.bulk import BulkServer, read_range
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+
 from .test_peer_units import _manifest
 
 TOKEN = "bulk-test-token-0123456789abcdef"
