@@ -196,9 +196,8 @@ def read_range(
     sink: Callable[[memoryview], None],
 ) -> int:
     """Read ``request["length"]`` bytes of a replica file from the bulk listener at
-    ``address`` through ``buf``, handing ``buf`` to ``sink`` each time it is full (and
-    the rest at the end), so a sink writing with O_DIRECT gets whole blocks; their
-    crc32c is returned. Raises :class:`Unavailable` (unreachable, refused, cut short)."""
+    ``address`` through ``buf``, handing each piece to ``sink`` in order; their crc32c
+    is returned. Raises :class:`Unavailable` (unreachable, refused, cut short)."""
     body = json.dumps(request).encode()
     view = np.frombuffer(buf, np.uint8)  # google-crc32c reads numpy views in place
     try:
@@ -213,16 +212,14 @@ def read_range(
             (length,) = struct.unpack("<Q", _recv_exact(conn, 8))
             if length != request["length"]:
                 raise DataLoss(f"the peer offered {length} bytes, not {request['length']}")
-            crc, got, fill = 0, 0, 0
+            crc, got = 0, 0
             while got < length:
-                n = conn.recv_into(buf[fill:], min(len(buf) - fill, length - got))
+                n = conn.recv_into(buf, min(len(buf), length - got))
                 if n == 0:
                     raise Unavailable(f"the peer closed after {got} of {length} bytes")
-                got, fill = got + n, fill + n
-                if fill == len(buf) or got == length:
-                    sink(buf[:fill])
-                    crc = int(google_crc32c.extend(crc, view[:fill]))
-                    fill = 0
+                sink(buf[:n])
+                crc = int(google_crc32c.extend(crc, view[:n]))
+                got += n
             return crc
     except OSError as exc:
         raise Unavailable(f"peer data connection to {address[0]}:{address[1]}: {exc}") from None

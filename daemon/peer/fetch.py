@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import mmap
 import os
 import threading
 import time
@@ -28,14 +27,12 @@ import google_crc32c
 
 from ckptd.core import checksum
 from ckptd.core.errors import DataLoss, NotFound
-from ckptd.core.format import round_up
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog
 from ..commit import RenameCommit
 from ..io import IoPool
-from ..local.files import open_direct
 from ..local.store import LocalStore
 from .bulk import read_range
 from .link import Peer, Peers
@@ -51,8 +48,6 @@ STREAMS = 4
 RANGE_BYTES = 64 * 2**20
 """Bytes per ranged read: a big file is read over several connections at once."""
 BUFFER_BYTES = 4 * 2**20
-"""Each stream's reused buffer (RANGE_BYTES is a multiple: only a file's last piece
-is short)."""
 
 
 class PeerFetcher:
@@ -187,16 +182,12 @@ class PeerFetcher:
     async def _download(
         self, peer: Peer, manifest: Manifest, record: RankRecord, path: str
     ) -> None:
-        # O_DIRECT (bulk reads): fresh page cache is slow on these VMs (~0.6 GB/s
-        # written and synced here against ~2.5 GB/s direct) and the trainer's memory.
-        fd, direct = await self.io.run(
-            open_direct, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640, peer.data_port > 0
+        fd = await self.io.run(
+            os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640
         )
         try:
             if peer.data_port:
-                crc, size = await self._ranges(peer, manifest, record, fd, direct)
-                if direct:  # the block padding past the file's end
-                    await self.io.run(os.ftruncate, fd, record.size)
+                crc, size = await self._ranges(peer, manifest, record, fd)
             else:
                 crc, size = await self._stream(peer, manifest, record, fd)
             if size != record.size or crc != record.crc32c:
@@ -209,7 +200,7 @@ class PeerFetcher:
             os.close(fd)
 
     async def _ranges(
-        self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int, direct: bool
+        self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int
     ) -> tuple[int, int]:
         """The file from ``peer``'s bulk listener, its ranges in parallel; (crc32c,
         size)."""
@@ -224,7 +215,7 @@ class PeerFetcher:
         loop = asyncio.get_running_loop()
         done = await asyncio.gather(
             *(
-                loop.run_in_executor(self._streams, self._range, peer, request, fd, direct, o, n)
+                loop.run_in_executor(self._streams, self._range, peer, request, fd, o, n)
                 for o, n in spans
             ),
             return_exceptions=True,  # every thread done with fd before it is closed
@@ -237,28 +228,17 @@ class PeerFetcher:
         return crc, record.size
 
     def _range(
-        self,
-        peer: Peer,
-        request: dict[str, object],
-        fd: int,
-        direct: bool,
-        offset: int,
-        length: int,
+        self, peer: Peer, request: dict[str, object], fd: int, offset: int, length: int
     ) -> int:
-        """One range, written at its place in ``fd`` (a stream thread); its crc32c.
-        Ranges start on block boundaries and fill the page-aligned buffer whole but
-        for the file's last piece, padded to a block with ``direct`` (cut off after)."""
+        """One range, written at its place in ``fd`` (a stream thread); its crc32c."""
         buf = getattr(self._buffers, "buf", None)
         if buf is None:
-            buf = self._buffers.buf = memoryview(mmap.mmap(-1, BUFFER_BYTES))
+            buf = self._buffers.buf = memoryview(bytearray(BUFFER_BYTES))
         at = offset
 
         def sink(piece: memoryview) -> None:
             nonlocal at
-            view = buf[: round_up(len(piece))] if direct else piece
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], at + done)
+            os.pwrite(fd, piece, at)
             at += len(piece)
 
         req = {**request, "offset": offset, "length": length}
