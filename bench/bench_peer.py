@@ -104,6 +104,7 @@ class PeerBench:
             )
         }  # fmt: skip
         self.wait_for_trainer = False
+        self.seen: set[str] = set()
         self.loop: dict[str, list[float]] = {}
         self.cores: dict[str, dict[str, float]] = {}
         self.daemons: dict[str, Daemon] = {}
@@ -195,6 +196,10 @@ class PeerBench:
         via = d.events(JOB)[-1]
         print(f"  {'peer' if peers else 'bucket'}: {took:.2f} s (ready {ready:.2f} s; {tiers}; "
               f"last event {via.kind} {dict(via.attributes)})", flush=True)  # fmt: skip
+        for line in (self.run_dir / "a.log").read_text().splitlines():
+            if "taken from peers" in line and line not in self.seen:  # the daemon's own time
+                self.seen.add(line)
+                print("   ", line.split("ckptd.peer", 1)[-1].strip(), flush=True)
         if not peers:  # back with its peers for the next repetition
             d.stop()
             d = self.daemon("a").start()
@@ -275,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmuls", type=int, default=16, help="1024^2 matmuls per step")
     ap.add_argument("--peer-bandwidth", default="", help="peer_bandwidth_bytes (default: ckptd's)")
     ap.add_argument("--loop-only", action="store_true", help="only the training-loop arms")
+    ap.add_argument("--restore-only", action="store_true", help="only the restore arms")
     ap.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR)
     ap.add_argument("--name", default="peer")
     args = ap.parse_args(argv)
@@ -301,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rep {rep + 1}/{args.reps}: "
                       + ", ".join(f"{k} {v[-1]:.2f}" for k, v in bench.samples.items()),
                       flush=True)  # fmt: skip
-            for name, peers in (("loop_alone", False), ("loop_peers", True)) * 2:
+            for name, peers in (("loop_alone", False), ("loop_peers", True)) * (
+                0 if args.restore_only else 2
+            ):
                 bench.training_loop(name + ("" if name not in bench.loop else "_2"), peers)
         finally:
             bench.stop()
@@ -319,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["arm", "median s", "min", "max", "n"], rows, title="peer tier")
     goals = []
     for label, num, den, goal in GOALS:
-        if not arms[num]["n"] or not arms[den]["n"]:
+        if num not in arms or den not in arms or not arms[num]["n"] or not arms[den]["n"]:
             continue
         ratio = arms[num]["median"] / arms[den]["median"]
         met = None if goal is None else ratio <= goal
