@@ -26,6 +26,8 @@ each followed by a save of the state under ``Continuous()`` (a save whenever the
 last one is LOCAL), with replication to b on (``loop_peers``) and off
 (``loop_alone``), no bucket (so that replication is all that differs), each twice
 (A B A B); the figure is each run's mean step (wall time per step, saves included).
+With replication, how far the replica trails: at each save reaching LOCAL, the age
+of the newest replicated step (from the daemon's LOCAL and REPLICATED events).
 
 Results: a table on stdout and bench/results/peer.json.
 """
@@ -71,6 +73,8 @@ GOALS = [
     ("loop mean step, replicating / alone", "loop_peers", "loop_alone", 1.05),
 ]  # fmt: skip
 FETCHED = 11  # pb.STEP_EVENT_FETCHED
+LOCAL = 2  # pb.STEP_EVENT_LOCAL
+REPLICATED = 19  # pb.STEP_EVENT_REPLICATED
 
 
 def proc_cpu(pid: int) -> float:
@@ -78,6 +82,27 @@ def proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replica_lag(events: list[Any]) -> dict[str, float]:
+    """How far the peer's replica trailed the saves: at each save reaching LOCAL, the
+    age of the newest step replicated by then (seconds since that step was LOCAL; a
+    save before any replica is skipped), and how many saves were ever replicated
+    (superseded ones are skipped by design)."""
+    local = {e.step: e.time_unix for e in events if e.kind == LOCAL}
+    replicated = sorted((e.time_unix, e.step) for e in events if e.kind == REPLICATED)
+    ages = []
+    for _, t in sorted(local.items()):
+        done = [s for at, s in replicated if at <= t and s in local]
+        if done:
+            ages.append(t - local[max(done)])
+    ages = ages or [float("nan")]
+    return {
+        "p50": statistics.median(ages),
+        "max": max(ages),
+        "replicated": len({s for _, s in replicated}),
+        "saved": len(local),
+    }
 
 
 def free_port() -> int:
@@ -107,6 +132,7 @@ class PeerBench:
         self.seen: set[str] = set()
         self.loop: dict[str, list[float]] = {}
         self.cores: dict[str, dict[str, float]] = {}
+        self.lag: dict[str, dict[str, float]] = {}
         self.daemons: dict[str, Daemon] = {}
         rng = np.random.default_rng(0)
         per = int(args.size_gib * 2**30) // 4 // args.arrays
@@ -263,7 +289,14 @@ class PeerBench:
         # Cores each daemon kept busy during the loop (the step's matmuls use both).
         self.cores[name] = {n: (proc_cpu(pid) - cpu0[n]) / wall for n, pid in pids.items()}
         cores = ", ".join(f"{n} {c:.2f}" for n, c in self.cores[name].items())
-        print(f"  {name}: mean step {statistics.mean(times[5:]):.3f} s; daemon cores {cores}")
+        lag = ""
+        if peers:
+            self.lag[name] = replica_lag(d.events(JOB))
+            lag = (
+                "; replica age at each save P50 {p50:.2f} s, max {max:.2f} s, "
+                "{replicated} of {saved} saves replicated".format(**self.lag[name])
+            )
+        print(f"  {name}: mean step {statistics.mean(times[5:]):.3f} s; daemon cores {cores}{lag}")
         self.loop[name] = times
 
     def stop(self) -> None:
@@ -350,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals": goals,
         "loop_step_mean": {k: statistics.mean(v) for k, v in loops.items()},
         "loop_daemon_cores": bench.cores,
+        "loop_replica_lag": bench.lag,
         "seconds": time.perf_counter() - t_start,
     }
     print(f"results: {write_results(args.name, doc)}")

@@ -121,6 +121,8 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
         saved[step] = state(step)
         client.save(step, saved[step]).wait("local", 60)
     cluster.replicated("node-a", "job", 2)
+    replicated = a.events_of(pb.STEP_EVENT_REPLICATED, "job", 2)
+    assert [dict(e.attributes) for e in replicated] == [{"nodes": "node-b"}]
     b = cluster.daemons["node-b"]
     held = b.status()
     assert held.replicas_held == 1 and held.replicas_held_bytes > 0

@@ -224,6 +224,7 @@ class Catalog(EventLog):
             if other is not st and other.replica_nodes & nodes:
                 other._set(replica_nodes=other.replica_nodes - nodes)
         st._set(replica_nodes=st.replica_nodes | nodes)
+        self._emit(st, pb.STEP_EVENT_REPLICATED, nodes=",".join(sorted(nodes)))
 
     def peer_fetched(self, manifest: Manifest, node: str) -> Step:
         """A peer's replica of this node's part was verified and committed locally (a

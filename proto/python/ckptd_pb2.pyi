@@ -38,6 +38,7 @@ class StepEvent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_EVENT_PINNED: _ClassVar[StepEvent]
     STEP_EVENT_UNPINNED: _ClassVar[StepEvent]
     STEP_EVENT_ABANDONED: _ClassVar[StepEvent]
+    STEP_EVENT_REPLICATED: _ClassVar[StepEvent]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ STEP_EVENT_SET_ASIDE: StepEvent
 STEP_EVENT_PINNED: StepEvent
 STEP_EVENT_UNPINNED: StepEvent
 STEP_EVENT_ABANDONED: StepEvent
+STEP_EVENT_REPLICATED: StepEvent
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_REMOTE: Tier
