@@ -149,6 +149,8 @@ class PeerBench:
             args += ["--remote", f"s3://{BUCKET}/ckpt"]
         if self.args.peer_bandwidth:
             args += ["--peer-bandwidth-bytes", self.args.peer_bandwidth]
+        if self.args.peer_max_lag:
+            args += ["--peer-max-lag-seconds", self.args.peer_max_lag]
         if peers:
             args += [
                 "--peer-address", f"127.0.0.1:{self.ports[node]}",
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60, help="steps per training-loop arm")
     ap.add_argument("--matmuls", type=int, default=16, help="1024^2 matmuls per step")
     ap.add_argument("--peer-bandwidth", default="", help="peer_bandwidth_bytes (default: ckptd's)")
+    ap.add_argument("--peer-max-lag", default="", help="peer_max_lag_seconds (default: ckptd's)")
     ap.add_argument("--loop-only", action="store_true", help="only the training-loop arms")
     ap.add_argument("--restore-only", action="store_true", help="only the restore arms")
     ap.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR)

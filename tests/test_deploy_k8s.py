@@ -127,14 +127,14 @@ def test_the_peer_tier_manifests_agree(tmp_path: Path) -> None:
     Service at the port it serves, and read the token from the Secret's mount."""
     cm = _docs("configmap.yaml")[0]["data"]["ckptd.toml"]
     lines = [ln.strip()[2:] for ln in cm.splitlines() if ln.strip().startswith("# peer")]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     toml = tmp_path / "ckptd.toml"
     toml.write_text(cm + "\n".join(lines) + "\n")
     cfg = config.load(toml, env={})
     service = _docs("peers.yaml")[0]
     name, ns = service["metadata"]["name"], service["metadata"]["namespace"]
     assert service["spec"]["clusterIP"] == "None"  # headless: one address per pod
-    (port,) = service["spec"]["ports"]
+    port, data = service["spec"]["ports"]
     assert cfg.peers == (f"{name}.{ns}.svc.cluster.local:{port['port']}",)
     daemonset = _docs("daemonset.yaml")[0]
     labels = daemonset["spec"]["template"]["metadata"]["labels"]
@@ -143,6 +143,7 @@ def test_the_peer_tier_manifests_agree(tmp_path: Path) -> None:
     daemon = next(c for c in spec["containers"] if c["name"] == "ckptd")
     ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
     assert ports[port["targetPort"]] == port["port"] == int(cfg.peer_address.rsplit(":")[1])
+    assert ports[data["targetPort"]] == data["port"] == cfg.peer_data_port
     mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
     secret = next(v for v in spec["volumes"] if v["name"] == "peer-token")["secret"]
     assert secret["optional"] is True  # no Secret yet: the daemon runs without peers

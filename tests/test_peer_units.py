@@ -166,3 +166,35 @@ def test_replication_waits_while_a_save_is_being_written() -> None:
         assert rep.saves_idle.is_set()
 
     asyncio.run(run())
+
+
+def test_replication_yields_to_saves_for_at_most_the_max_lag() -> None:
+    """A continuous save loop leaves no gap between saves: once the job's replica has
+    been behind for ``max_lag``, replication stops waiting for one."""
+    from types import SimpleNamespace
+
+    from ckptd.daemon.catalog import Catalog
+    from ckptd.daemon.peer.replicator import Replicator
+
+    now = [100.0]
+
+    async def run() -> None:
+        catalog = Catalog("n")
+        rep = Replicator(
+            catalog, None, None, SimpleNamespace(), 1, Limiter(1e9), 30.0, lambda: now[0]
+        )  # type: ignore[arg-type]
+        manifest = Manifest(
+            "j", 1, "n", 1, 1.0, [RankRecord(0, "rank-00000.safetensors", 0, 0, None)]
+        )
+        catalog.committed(catalog.begin("j", 1), manifest)  # LOCAL at t=100: behind
+        catalog.begin("j", 2)  # the next save is being written
+        assert not rep.saves_idle.is_set()
+        waiting = asyncio.ensure_future(rep.yield_to_saves("j"))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # 0 s behind: it yields
+        waiting.cancel()
+        now[0] = 130.5  # behind for longer than max_lag: it goes on at once
+        await asyncio.wait_for(rep.yield_to_saves("j"), 5)
+        assert not rep.saves_idle.is_set()
+
+    asyncio.run(run())

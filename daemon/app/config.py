@@ -139,6 +139,10 @@ class Config:
     ``peer_address`` or ``peers`` (peer calls without it are refused)."""
     peer_bandwidth_bytes: int = 512 * 2**20
     """Bytes per second replication may send (saves and the drain keep the rest)."""
+    peer_max_lag_seconds: float = 30.0
+    """Replication yields to saves being written (STAGING), but once a job's replica
+    has been behind its newest local step this long it sends regardless (a continuous
+    save loop leaves no gap; the replica is the node-loss copy)."""
     peer_budget_bytes: int = 64 * 2**30
     """Disk this daemon gives to replicas of other nodes' steps."""
     metrics_address: str = DEFAULT_METRICS_ADDRESS

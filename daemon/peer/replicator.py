@@ -3,7 +3,10 @@
 Woken by every step reaching LOCAL; a step superseded while an older one was
 being sent is skipped (only the newest matters: a peer keeps one replica per job
 and node). It pauses while a save is being written on this node (STAGING), so it
-never competes with a save for the disk and the cores. The rank files are read
+does not compete with a save for the disk and the cores, but for at most
+``peer_max_lag_seconds`` from the moment the job's replica fell behind its newest
+local step: a continuous save loop never leaves a gap, and the replica must not
+starve (it is the node-loss copy). The rank files are read
 back from the local tier while the catalog holds the step in use (the evictor
 leaves it alone), at most ``peer_bandwidth_bytes`` per second. A peer that
 refuses or fails is logged and the next in the ring is tried; the step's
@@ -17,7 +20,8 @@ import contextlib
 import logging
 import mmap
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -44,10 +48,17 @@ class Replicator:
         peers: Peers,
         replicas: int,
         limiter: Limiter,
+        max_lag: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
         self.replicas = replicas
         self.limiter = limiter
+        self.max_lag = max_lag
+        self._clock = clock
+        self._behind: dict[str, float] = {}
+        """Per job, since when its newest local step has had no replica (cleared once
+        the replica caught up): replication stops yielding to saves at ``max_lag``."""
         self._dirty: set[str] = set()
         self._retry: set[str] = set()
         self._stopping = False
@@ -77,8 +88,19 @@ class Replicator:
         else:
             self.saves_idle.set()
         if event.kind in (pb.STEP_EVENT_LOCAL, pb.STEP_EVENT_RECOVERED):
+            self._behind.setdefault(event.job, self._clock())
             self._dirty.add(event.job)
             self._wake.set()
+
+    async def yield_to_saves(self, job: str) -> None:
+        """Wait while a save is being written on this node, unless ``job``'s replica
+        has been behind for ``max_lag`` seconds already (then send regardless)."""
+        if self.saves_idle.is_set():
+            return
+        left = self._behind.get(job, self._clock()) + self.max_lag - self._clock()
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.saves_idle.wait(), left)
 
     async def run(self) -> None:
         """Replicate until cancelled; a job no peer took is tried again every
@@ -117,6 +139,7 @@ class Replicator:
         whether they do (False: try again later)."""
         st = self.newest(job)
         if st is None or self._sent.get(job) == st.step:
+            self._behind.pop(job, None)
             return True  # nothing (new) to send
         holders = set(st.replica_nodes)
         for peer in await self.peers.ring():
@@ -133,6 +156,9 @@ class Replicator:
                 holders.add(peer.node)
         if len(holders) >= self.replicas:
             self._sent[job] = st.step
+            newest = self.newest(job)
+            if newest is None or newest.step == st.step:  # caught up
+                self._behind.pop(job, None)
             return True
         self.last_error = self.peers.last_error or "too few peers answered"
         log.warning(
@@ -164,7 +190,7 @@ class Replicator:
                     try:
                         offset = 0
                         while offset < record.size:
-                            await self.saves_idle.wait()
+                            await self.yield_to_saves(st.job)
                             await self.limiter.take(min(CHUNK, record.size - offset))
                             data = await self.io.run(_read_chunk, fd, buf, offset, record.size)
                             offset += len(data)

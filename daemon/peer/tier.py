@@ -57,7 +57,9 @@ class PeerTier:
         self.fetcher: PeerFetcher | None = None
         if cfg.peers:
             limiter = Limiter(cfg.peer_bandwidth_bytes)
-            self.replicator = Replicator(catalog, store, io, self.peers, cfg.peer_replicas, limiter)
+            self.replicator = Replicator(
+                catalog, store, io, self.peers, cfg.peer_replicas, limiter, cfg.peer_max_lag_seconds
+            )
             self.fetcher = PeerFetcher(catalog, store, io, self.peers)
         self._server: grpc.aio.Server | None = None
 
