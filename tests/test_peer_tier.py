@@ -230,6 +230,35 @@ def test_with_every_peer_gone_the_bucket_restores(
     assert fetched[0].attributes["node"] == "node-a"  # its own part, from the bucket
 
 
+def test_a_replacement_under_a_new_name_restores_its_predecessors_part_from_a_peer(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    """Kubernetes names a replacement node anew (CKPTD_NODE_ID: spec.nodeName): it has
+    no replicas of its own, but the part it restores (its predecessor's, which the
+    bucket names) comes from the peer holding a replica of it, not the bucket."""
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    cluster = Cluster(make_daemon, tmp_path, remote)
+    client = cluster.daemons["node-a"].client("job")
+    saved = state(5)
+    client.save(5, saved).wait("durable", 60)
+    cluster.replicated("node-a", "job", 5)
+    cluster.lose("node-a")
+    d = make_daemon(
+        root=tmp_path / "root-node-d",
+        extra_args=[
+            "--node-id", "node-d",
+            "--peer-address", f"127.0.0.1:{free_port()}",
+            "--peers", ",".join(f"127.0.0.1:{p}" for p in cluster.ports.values()),
+            "--peer-token-file", str(tmp_path / "peer-token"),
+            "--remote", remote.url,
+        ],
+    )  # fmt: skip
+    tree, _ = d.client("job").restore()
+    same(tree, saved)
+    fetched = d.events_of(pb.STEP_EVENT_FETCHED, "job", 5)
+    assert [dict(e.attributes) for e in fetched] == [{"node": "node-b", "via": "peer"}]
+
+
 def test_ckptd_prefetch_makes_the_newest_step_local_before_the_trainer_asks(
     make_daemon: Any, tmp_path: Path
 ) -> None:

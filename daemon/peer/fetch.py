@@ -27,10 +27,10 @@ import google_crc32c
 
 from ckptd.core import checksum
 from ckptd.core.errors import DataLoss, NotFound
-from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.core.manifest import Manifest, ManifestInvalid, RankRecord
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog
+from ..catalog import Catalog, Step
 from ..commit import RenameCommit
 from ..io import IoPool
 from ..local.store import LocalStore
@@ -70,14 +70,17 @@ class PeerFetcher:
         """Stop the stream threads (a transfer under way ends with its connection)."""
         self._streams.shutdown(wait=False, cancel_futures=True)
 
-    async def replicas(self, job: str = "") -> dict[tuple[str, int], list[tuple[Peer, str]]]:
-        """Every peer's replicas of this node (of ``job``; empty: every job):
-        ``(job, step) -> [(holder, manifest json)]``."""
+    async def replicas(
+        self, job: str = "", source: str | None = None
+    ) -> dict[tuple[str, int], list[tuple[Peer, str]]]:
+        """Every peer's replicas of this node (``source``: of that node; "": of any
+        node) of ``job`` (empty: every job): ``(job, step) -> [(holder, manifest json)]``."""
+        source = self.catalog.node_id if source is None else source
 
         async def ask(peer: Peer) -> list[tuple[Peer, pb.Replica]]:
             try:
                 resp = await self.peers.stub(peer.address).ListReplicas(
-                    pb.ListReplicasRequest(job=job, source_node=self.catalog.node_id),
+                    pb.ListReplicasRequest(job=job, source_node=source),
                     metadata=self.peers.metadata,
                     timeout=LIST_TIMEOUT_SECONDS,
                 )
@@ -132,14 +135,55 @@ class PeerFetcher:
         await self.fetch(job, newest, held[(job, newest)])
         return True
 
-    async def fetch(self, job: str, step: int, holders: list[tuple[Peer, str]]) -> None:
-        """Download this node's part of ``step`` from ``holders``, check it, commit it."""
+    async def ensure_part(self, st: Step, rank: int) -> bool:
+        """Make the part of ``st`` (a step the bucket holds, not this node) that holds
+        ``rank`` local from a peer's replica, as the bucket would give it; whether it
+        did. A replacement node under a new name has no replicas of its own: the part
+        it restores is its predecessor's, which a peer may hold. A failure is logged
+        (the caller goes on to the bucket)."""
+        async with self._locks.setdefault(st.job, asyncio.Lock()):
+            if st.local:
+                return True  # fetched meanwhile
+            key = f"{st.job}/{st.step}/{rank}"
+            if time.monotonic() - self._asked.get(key, -1e18) < ASK_AGAIN_SECONDS:
+                return False
+            self._asked[key] = time.monotonic()
+            try:
+                holders = await self._holding(st.job, st.step, rank)
+                if not holders:
+                    return False
+                await self.fetch(st.job, st.step, holders, rank)
+                return True
+            except Exception as exc:
+                log.warning("%s/%d: no restore from peers (%s); the bucket is next",
+                            st.job, st.step, exc)  # fmt: skip
+                return False
+
+    async def _holding(self, job: str, step: int, rank: int) -> list[tuple[Peer, str]]:
+        """The peers holding a replica of ``step`` whose part holds ``rank`` (the
+        replicas of the part most of them hold)."""
+        found: dict[str, list[tuple[Peer, str]]] = {}
+        for holder, raw in (await self.replicas(job, source="")).get((job, step), []):
+            try:
+                manifest = Manifest.from_json(raw)
+            except (ManifestInvalid, ValueError):  # a bad replica is no holder
+                continue
+            if not manifest.adopted and any(r.rank == rank for r in manifest.ranks):
+                found.setdefault(raw, []).append((holder, raw))
+        return max(found.values(), key=len, default=[])
+
+    async def fetch(
+        self, job: str, step: int, holders: list[tuple[Peer, str]], rank: int | None = None
+    ) -> None:
+        """Download this node's part of ``step`` (``rank``: the part holding it, any
+        node's) from ``holders``, check it, commit it."""
         t0 = time.monotonic()
         raw = holders[0][1]
         manifest = Manifest.from_json(raw)
         me = self.catalog.node_id
-        if (manifest.job, manifest.step, manifest.node) != (job, step, me) or manifest.adopted:
-            raise DataLoss(f"a peer's replica of {job}/{step} is not this node's part")
+        mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
+        if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
+            raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
         peers = [p for p, text in holders if text == raw]
         commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
         try:

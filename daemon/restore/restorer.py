@@ -226,6 +226,10 @@ class Restorer:
     ) -> RestorePlan | None:
         """Serve one chosen step; None: it could not be, choose again."""
         job, tier = st.job, "local"
+        if st.manifest is None and self.peer is not None:
+            # The part holding the rank from a peer's replica, before the bucket (a
+            # replacement node under a new name restores its predecessor's part).
+            await self.peer.ensure_part(st, rank)
         if st.manifest is None:
             try:
                 lease = await self.fetcher.to_local(st, rank, shared_memory)
