@@ -3,11 +3,12 @@ the token and names checked first, a transfer cut short reported, never taken.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import google_crc32c
@@ -15,7 +16,8 @@ import pytest
 
 from ckptd.core.errors import DataLoss, Unavailable
 from ckptd.daemon.peer import bulk
-from ckptd.daemon.peer.bulk import BulkServer, read_range
+from ckptd.daemon.peer.bulk import BulkServer, request_frame
+from ckptd.daemon.peer.bulk_client import push, read_range
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
 
 from .test_peer_units import _manifest
@@ -41,7 +43,6 @@ def served(tmp_path: Path) -> Iterator[BulkServer]:
 
 def _req(**over: object) -> dict[str, object]:
     req: dict[str, object] = {
-        "token": TOKEN,
         "job": "j",
         "source": "src",
         "step": 5,
@@ -53,10 +54,13 @@ def _req(**over: object) -> dict[str, object]:
     return req
 
 
-def _read(server: BulkServer, req: dict[str, object], buf_bytes: int = 65536) -> bytes:
+def _read(
+    server: BulkServer, req: dict[str, object], buf_bytes: int = 65536, token: str = TOKEN
+) -> bytes:
     out = bytearray()
     crc = read_range(
         ("127.0.0.1", server.port),
+        token,
         req,
         memoryview(bytearray(buf_bytes)),
         lambda piece: out.extend(piece),
@@ -76,8 +80,6 @@ def test_whole_files_and_ranges_come_back_exact(served: BulkServer) -> None:
 @pytest.mark.parametrize(
     "over,reason",
     [
-        ({"token": "not-the-token-at-all-0123456789"}, "peer_token_file"),
-        ({"token": ""}, "peer_token_file"),
         ({"job": "../x"}, "job"),
         ({"source": "a/b"}, "node"),
         ({"step": 4}, "no replica of step 4"),
@@ -94,16 +96,31 @@ def test_bad_requests_are_refused_with_the_reason(
     assert served.served_bytes == 0
 
 
+@pytest.mark.parametrize("token", ["not-the-token-at-all-0123456789", "", "x" * 5000])
+def test_a_wrong_token_is_refused_before_the_request_is_read(
+    served: BulkServer, token: str
+) -> None:
+    with pytest.raises(Unavailable, match="peer_token_file"):
+        _read(served, _req(), token=token)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as conn:
+        # A request claiming 1 GiB of JSON behind a wrong token: refused at once.
+        frame = request_frame("wrong-token", {})
+        conn.sendall(frame[:-6] + struct.pack("<I", 1 << 30))
+        assert conn.recv(2) == b"ER"
+
+
 def test_a_request_outside_the_protocol_is_dropped_and_the_server_goes_on(
     served: BulkServer,
 ) -> None:
-    for junk in (b"GET / HTTP/1.1\r\n\r\n", bulk.MAGIC + struct.pack("<I", 1 << 30)):
+    huge = request_frame(TOKEN, {})[:-6] + struct.pack("<I", 1 << 30)
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", huge):
         with socket.create_connection(("127.0.0.1", served.port), timeout=10) as conn:
             conn.sendall(junk)
             assert conn.recv(2) == b"ER"
     with socket.create_connection(("127.0.0.1", served.port), timeout=10) as conn:
-        body = b"[1, 2]"
-        conn.sendall(bulk.MAGIC + struct.pack("<I", len(body)) + body)
+        key, body = TOKEN.encode(), b"[1, 2]"
+        conn.sendall(bulk.MAGIC + struct.pack("<I", len(key)) + key)
+        conn.sendall(struct.pack("<I", len(body)) + body)
         assert conn.recv(2) == b"ER"
     assert _read(served, _req()) == DATA
 
@@ -128,6 +145,7 @@ def test_a_transfer_cut_short_raises_and_a_wrong_length_is_refused() -> None:
         with pytest.raises(error, match=match):
             read_range(
                 ("127.0.0.1", port),
+                TOKEN,
                 {"length": 100},
                 memoryview(bytearray(64)),
                 lambda p: None,
@@ -140,6 +158,45 @@ def test_a_closed_listener_is_unavailable(served: BulkServer) -> None:
     served.stop()
     with pytest.raises(Unavailable, match="peer data connection"):
         _read(served, _req())
+
+
+def _push(
+    server: BulkServer, step: int, files: dict[str, bytes], cut: int = 0, data: bytes = b""
+) -> int:
+    """Push a replica of ``files`` (its bytes: ``data`` if given, less ``cut``)."""
+    data = data or b"".join(files.values())
+
+    async def pieces() -> AsyncIterator[memoryview]:
+        for at in range(0, len(data) - cut, 3_000_000):  # not a multiple of anything
+            yield memoryview(data)[at : min(at + 3_000_000, len(data) - cut)]
+
+    async def run() -> int:
+        request = {"job": "j", "step": step, "manifest": _manifest(step, files)}
+        return await push(("127.0.0.1", server.port), TOKEN, request, pieces)
+
+    return asyncio.run(run())
+
+
+def test_a_pushed_replica_is_held_replaced_and_served(served: BulkServer) -> None:
+    files = {"rank-00000.safetensors": DATA[::-1], "rank-00001.safetensors": b"x" * 7}
+    assert _push(served, 6, files) == len(DATA) + 7
+    assert served.received_bytes == len(DATA) + 7
+    assert [h.step for h in served.store.list()] == [6]  # step 5's replica replaced
+    assert _read(served, _req(step=6, length=len(DATA))) == DATA[::-1]
+    assert _push(served, 6, files) == len(DATA) + 7  # held already: nothing sent
+    assert served.received_bytes == len(DATA) + 7
+
+
+def test_a_bad_push_is_refused_and_leaves_the_older_replica(served: BulkServer) -> None:
+    files = {"rank-00000.safetensors": DATA[::-1], "rank-00001.safetensors": b"x" * 7}
+    with pytest.raises(Unavailable):  # a byte differs from the manifest's crc32c
+        _push(served, 6, files, data=DATA[::-1] + b"x" * 6 + b"y")
+    with pytest.raises(Unavailable):
+        _push(served, 7, files, cut=5)  # the sender stops short
+    with pytest.raises(Unavailable, match="only a newer step"):
+        _push(served, 4, files)
+    assert [h.step for h in served.store.list()] == [5]
+    assert list((served.store.dir / ".incoming").iterdir()) == []
 
 
 def test_the_request_is_json_under_the_cap() -> None:

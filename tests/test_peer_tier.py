@@ -17,7 +17,7 @@ import pytest
 
 from ckptd.core.errors import Unavailable
 from ckptd.core.wire import CHANNEL_OPTIONS
-from ckptd.daemon.peer.bulk import read_range
+from ckptd.daemon.peer.bulk_client import read_range
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
@@ -165,7 +165,8 @@ def test_a_wrong_token_is_refused(cluster: Cluster) -> None:
     with pytest.raises(Unavailable, match="peer_token_file"):
         read_range(
             ("127.0.0.1", hello.data_port),
-            {"token": "not-the-token-at-all", "job": "job", "source": "node-a", "step": 1,
+            "not-the-token-at-all",
+            {"job": "job", "source": "node-a", "step": 1,
              "file": "rank-00000.safetensors", "offset": 0, "length": 1},
             memoryview(bytearray(16)),
             lambda piece: None,

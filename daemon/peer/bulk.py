@@ -1,24 +1,31 @@
-"""Replica bytes over plain TCP: a node restoring reads byte ranges of replica files
-with ``sendfile`` on the serving side and ``recv_into`` a reused buffer on its own.
+"""Replica bytes over plain TCP: the bulk listener beside the Peer gRPC service.
+
+A node restoring reads byte ranges of replica files (``get``: ``sendfile`` on the
+serving side, ``recv_into`` a reused buffer on the reading side), and a node
+replicating pushes a replica's files back to back (``put``: read with O_DIRECT
+into a reused buffer and sent from it; the receiver checks and writes it through
+the replica store exactly as a ``PutReplica`` stream).
 
 Why not the Peer gRPC service: Python gRPC moves ~0.3 GB/s per process on this kind
 of host whatever the message size or the number of streams (every chunk is copied
-into a message and out of it, under the interpreter lock), where a socket fed by
-``sendfile`` and drained by ``recv_into`` moves ~1 GB/s here and needs no CPU on the
-sender. gRPC keeps the control: ``Hello`` tells a peer this listener's port
-(``data_port``); a daemon that gives none is read with ``GetReplicaFile``.
+into a message and out of it, under the interpreter lock), where a plain socket
+moves ~1 GB/s here for a fraction of the CPU, CPU a replicating daemon takes from
+the trainer beside it. gRPC keeps the control: ``Hello`` tells a peer this
+listener's port (``data_port``); a daemon that gives none is served by gRPC.
 
-The protocol (one request per connection):
+The protocol, one request per connection:
 
-- request: :data:`MAGIC`, a 4-byte little-endian length, that many bytes of JSON
-  ``{"token", "job", "source", "step", "file", "offset", "length"}``
-  (at most :data:`MAX_REQUEST` bytes, within :data:`REQUEST_SECONDS`);
-- answer: ``OK`` and an 8-byte length, then exactly that many bytes of the file
-  from ``offset``; or ``ER``, a 4-byte length and a UTF-8 reason.
-
-The token is compared in constant time before anything else of the request is
-used; names and the file are checked by the replica store (a file is served only
-if a replica held here lists it), as for ``GetReplicaFile``.
+- request: :data:`MAGIC`, a 4-byte little-endian length and the shared token, then
+  a 4-byte length and that many bytes of JSON. The token is compared (in constant
+  time) before the JSON is read, so only a daemon holding it can make this one
+  read more than :data:`MAX_TOKEN` bytes.
+- ``{"op": "get", "job", "source", "step", "file", "offset", "length"}``: answer
+  ``OK`` and an 8-byte length, then exactly that many bytes of the file from
+  ``offset``.
+- ``{"op": "put", "job", "step", "manifest"}``: answer ``HD`` and an 8-byte size
+  (held already: send nothing) or ``GO``; then the replica's rank files back to
+  back in manifest order; answer ``OK`` and the size once the replica is held.
+- any refusal or failure: ``ER``, a 4-byte length and a UTF-8 reason.
 """
 
 from __future__ import annotations
@@ -31,41 +38,42 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
 from typing import Any
 
-import google_crc32c
-import numpy as np
-
-from ckptd.core.errors import (
-    CkptdError,
-    DataLoss,
-    InvalidArgument,
-    Unauthenticated,
-    Unavailable,
-)
+from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated
 from ckptd.core.names import check_name, check_step
 
 from .. import faults
 from .link import CHUNK
-from .replicas import ReplicaStore
+from .replicas import Held, ReplicaStore
 
 log = logging.getLogger("ckptd.peer")
 
-MAGIC = b"CKPTDPD1"
-MAX_REQUEST = 4096
+MAGIC = b"CKPTDPD2"
+MAX_TOKEN = 1024
+MAX_REQUEST = 64 * 2**20
+"""A put's manifest (thousands of shards); read only from a caller with the token."""
 REQUEST_SECONDS = 10.0
-"""How long a client may take to send its request (then it is dropped)."""
+"""How long a caller may take to send its request (then it is dropped)."""
 IDLE_SECONDS = 60.0
-"""How long either side waits on a silent peer mid-transfer."""
+"""How long a reader waits on a silent peer mid-transfer."""
+PUT_IDLE_SECONDS = 900.0
+"""How long a receiver waits on a silent sender (it yields to its node's saves for
+up to ``peer_max_lag_seconds``)."""
 SEND_CHUNK = 8 * 2**20
 """Bytes per ``sendfile`` call (the failpoint between calls: tests)."""
 MAX_CONNECTIONS = 32
 
 
+def request_frame(token: str, request: dict[str, Any]) -> bytes:
+    """The bytes of one request."""
+    key, body = token.encode(), json.dumps(request).encode()
+    return MAGIC + struct.pack("<I", len(key)) + key + struct.pack("<I", len(body)) + body
+
+
 class BulkServer:
-    """Serves ranges of the replica files held here to the daemons holding the token,
-    one thread per connection (``sendfile`` runs outside the interpreter lock)."""
+    """Serves and takes replica bytes for the daemons holding the token, one thread
+    per connection (socket calls and ``sendfile`` run outside the interpreter lock)."""
 
     def __init__(self, store: ReplicaStore, token: str) -> None:
         self.store, self._token = store, token.encode()
@@ -73,7 +81,9 @@ class BulkServer:
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self.served_bytes = 0
-        """Bytes of replica files sent (metrics)."""
+        """Bytes of replica files sent to restoring nodes (metrics)."""
+        self.received_bytes = 0
+        """Bytes of replicas taken (metrics)."""
         self.port = 0
 
     def start(self, host: str, port: int = 0) -> int:
@@ -109,11 +119,16 @@ class BulkServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             with conn:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 conn.settimeout(REQUEST_SECONDS)
                 try:
-                    path, offset, length = self._request(conn)
+                    req = self._request(conn)
+                    if req.get("op") == "put":
+                        self._put(conn, req)
+                        return
+                    path, offset, length = self._get_target(req)
                     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-                except (CkptdError, OSError, ValueError) as exc:
+                except (CkptdError, OSError, ValueError, KeyError, TypeError) as exc:
                     _refuse(conn, str(exc))
                     return
                 try:
@@ -121,26 +136,31 @@ class BulkServer:
                     self._send(conn, fd, offset, length)
                 finally:
                     os.close(fd)
-        except OSError as exc:  # the reader went away: its fetch tries another holder
+        except OSError as exc:  # the other end went away: it tries another peer
             log.info("peer transfer ended early: %s", exc)
         finally:
             self._open.release()
 
-    def _request(self, conn: socket.socket) -> tuple[str, int, int]:
+    def _request(self, conn: socket.socket) -> dict[str, Any]:
         head = _recv_exact(conn, len(MAGIC) + 4)
         if head[: len(MAGIC)] != MAGIC:
             raise InvalidArgument("not a ckptd peer data request")
         (size,) = struct.unpack("<I", head[len(MAGIC) :])
-        if size > MAX_REQUEST:
-            raise InvalidArgument(f"request of {size} bytes (at most {MAX_REQUEST})")
-        req = json.loads(_recv_exact(conn, size))
-        if not isinstance(req, dict) or not hmac.compare_digest(
-            str(req.get("token", "")).encode(), self._token
-        ):
+        sent = _recv_exact(conn, size) if size <= MAX_TOKEN else b""
+        if not hmac.compare_digest(sent, self._token):
             raise Unauthenticated(
                 "peer data request without the shared token: give every daemon the "
                 "same peer_token_file"
             )
+        (size,) = struct.unpack("<I", _recv_exact(conn, 4))
+        if size > MAX_REQUEST:
+            raise InvalidArgument(f"request of {size} bytes (at most {MAX_REQUEST})")
+        req = json.loads(_recv_exact(conn, size))
+        if not isinstance(req, dict):
+            raise InvalidArgument("a peer data request is a JSON object")
+        return req
+
+    def _get_target(self, req: dict[str, Any]) -> tuple[str, int, int]:
         job = check_name("job", str(req.get("job", "")))
         source = check_name("node", str(req.get("source", "")))
         path = self.store.path(job, source, check_step(int(req["step"])), str(req["file"]))
@@ -169,10 +189,41 @@ class BulkServer:
             if faults.armed("peer.serve_chunk"):  # tests: a peer dying mid-transfer
                 faults.hit("peer.serve_chunk")
 
+    def _put(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        """Take a replica pushed by its source (checked like a PutReplica stream)."""
+        job = check_name("job", str(req.get("job", "")))
+        begun = self.store.begin(job, check_step(int(req["step"])), str(req["manifest"]))
+        if isinstance(begun, Held):  # its source restarted and sent it again
+            conn.sendall(b"HD" + struct.pack("<Q", begun.size))
+            return
+        incoming = begun
+        try:
+            conn.sendall(b"GO")
+            conn.settimeout(PUT_IDLE_SECONDS)
+            left = sum(r.size for r in incoming.manifest.ranks)
+            view = memoryview(bytearray(CHUNK))
+            while left:
+                n = conn.recv_into(view, min(len(view), left))
+                if n == 0:
+                    raise OSError(f"the sender closed with {left} bytes of the replica to come")
+                incoming.write(view[:n])
+                left -= n
+            held = incoming.finish()
+        except BaseException as exc:
+            incoming.abort()
+            if isinstance(exc, CkptdError):  # refused mid-stream (a crc, a size)
+                _refuse(conn, str(exc))
+                return
+            raise
+        with self._lock:
+            self.received_bytes += held.size
+        log.info("replica of %s/%d from %s held (%d bytes)", job, held.step, held.source, held.size)
+        conn.sendall(b"OK" + struct.pack("<Q", held.size))
+
 
 def _refuse(conn: socket.socket, reason: str) -> None:
     try:
-        data = reason.encode()[:MAX_REQUEST]
+        data = reason.encode()[:4096]
         conn.sendall(b"ER" + struct.pack("<I", len(data)) + data)
         conn.close()
     except OSError:
@@ -187,39 +238,3 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
             raise OSError("the connection closed early")
         out += got
     return bytes(out)
-
-
-def read_range(
-    address: tuple[str, int],
-    request: dict[str, Any],
-    buf: memoryview,
-    sink: Callable[[memoryview], None],
-) -> int:
-    """Read ``request["length"]`` bytes of a replica file from the bulk listener at
-    ``address`` through ``buf``, handing each piece to ``sink`` in order; their crc32c
-    is returned. Raises :class:`Unavailable` (unreachable, refused, cut short)."""
-    body = json.dumps(request).encode()
-    view = np.frombuffer(buf, np.uint8)  # google-crc32c reads numpy views in place
-    try:
-        with socket.create_connection(address, timeout=IDLE_SECONDS) as conn:
-            conn.sendall(MAGIC + struct.pack("<I", len(body)) + body)
-            head = _recv_exact(conn, 2)
-            if head == b"ER":
-                (size,) = struct.unpack("<I", _recv_exact(conn, 4))
-                raise Unavailable(_recv_exact(conn, size).decode(errors="replace"))
-            if head != b"OK":
-                raise DataLoss("the peer answered outside the data protocol")
-            (length,) = struct.unpack("<Q", _recv_exact(conn, 8))
-            if length != request["length"]:
-                raise DataLoss(f"the peer offered {length} bytes, not {request['length']}")
-            crc, got = 0, 0
-            while got < length:
-                n = conn.recv_into(buf, min(len(buf), length - got))
-                if n == 0:
-                    raise Unavailable(f"the peer closed after {got} of {length} bytes")
-                sink(buf[:n])
-                crc = int(google_crc32c.extend(crc, view[:n]))
-                got += n
-            return crc
-    except OSError as exc:
-        raise Unavailable(f"peer data connection to {address[0]}:{address[1]}: {exc}") from None

@@ -34,7 +34,7 @@ from ..catalog import Catalog, Step
 from ..commit import RenameCommit
 from ..io import IoPool
 from ..local.store import LocalStore
-from .bulk import read_range
+from .bulk_client import read_range
 from .link import Peer, Peers
 
 log = logging.getLogger("ckptd.peer")
@@ -249,7 +249,6 @@ class PeerFetcher:
         """The file from ``peer``'s bulk listener, its ranges in parallel; (crc32c,
         size)."""
         request = {
-            "token": self.peers.token,
             "job": manifest.job,
             "source": manifest.node,
             "step": manifest.step,
@@ -286,7 +285,7 @@ class PeerFetcher:
             at += len(piece)
 
         req = {**request, "offset": offset, "length": length}
-        return read_range(peer.data_address, req, buf, sink)
+        return read_range(peer.data_address, self.peers.token, req, buf, sink)
 
     async def _stream(
         self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int

@@ -195,7 +195,7 @@ class Incoming:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         self._fd, self._direct = open_direct(self.path / record.file, flags)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         """Take the next bytes; a file whose bytes are all in is checked and closed."""
         view = memoryview(data)
         while view:

@@ -23,12 +23,14 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
+from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Event, Step
 from ..io import IoPool
 from ..local.files import open_direct
 from ..local.store import LocalStore
+from .bulk_client import push
 from .link import CHUNK, Limiter, Peer, Peers
 
 log = logging.getLogger("ckptd.peer")
@@ -168,54 +170,70 @@ class Replicator:
         return False
 
     async def _send(self, peer: Peer, st: Step) -> bool:
-        """One PutReplica of ``st`` to ``peer``; False (logged) if it did not take it."""
+        """One replica of ``st`` to ``peer`` (its bulk listener, else PutReplica);
+        False (logged) if it did not take it."""
         with self.catalog.in_use(st):  # its files stay while they are read
             manifest = st.manifest
             if manifest is None:
                 return False
-            directory = self.store.step_dir(st.job, st.step)
-
-            # Page-aligned, as O_DIRECT needs; freed with the generator (a call the
-            # peer answered early leaves it suspended, still holding a view).
-            buf = mmap.mmap(-1, CHUNK)
-
-            async def chunks() -> AsyncIterator[pb.ReplicaChunk]:
-                yield pb.ReplicaChunk(job=st.job, step=st.step, manifest_json=manifest.to_json())
-                for record in manifest.ranks:
-                    # O_DIRECT into one reused buffer: reading a step back through the
-                    # page cache would allocate fresh memory, slow on these VMs and
-                    # taken from the trainer (DESIGN.md, Performance notes).
-                    path = directory / record.file
-                    fd, _ = await self.io.run(open_direct, path, os.O_RDONLY)
-                    try:
-                        offset = 0
-                        while offset < record.size:
-                            await self.yield_to_saves(st.job)
-                            await self.limiter.take(min(CHUNK, record.size - offset))
-                            data = await self.io.run(_read_chunk, fd, buf, offset, record.size)
-                            offset += len(data)
-                            self.sent_bytes += len(data)
-                            yield pb.ReplicaChunk(data=data)
-                    finally:
-                        os.close(fd)
-
             try:
-                await self.peers.stub(peer.address).PutReplica(
-                    chunks(), metadata=self.peers.metadata, timeout=SEND_TIMEOUT_SECONDS
-                )
+                if peer.data_port:
+                    request = {"job": st.job, "step": st.step, "manifest": manifest.to_json()}
+                    await push(
+                        peer.data_address,
+                        self.peers.token,
+                        request,
+                        lambda: self._pieces(st, manifest),
+                    )
+                else:
+                    await self.peers.stub(peer.address).PutReplica(
+                        self._chunks(st, manifest),
+                        metadata=self.peers.metadata,
+                        timeout=SEND_TIMEOUT_SECONDS,
+                    )
             except Exception as exc:  # a refusal, a dead peer, a file gone: next peer
                 self.peers.fail(f"{peer.node} ({peer.address})", exc)
                 return False
-
         log.info("%s/%d replicated to %s", st.job, st.step, peer.node)
         return True
 
+    async def _chunks(self, st: Step, manifest: Manifest) -> AsyncIterator[pb.ReplicaChunk]:
+        """The PutReplica stream: the manifest, then the files' bytes."""
+        yield pb.ReplicaChunk(job=st.job, step=st.step, manifest_json=manifest.to_json())
+        async for piece in self._pieces(st, manifest):
+            yield pb.ReplicaChunk(data=bytes(piece))
 
-def _read_chunk(fd: int, buf: mmap.mmap, offset: int, size: int) -> bytes:
-    """The file's bytes at ``offset`` (a multiple of the chunk), at most a chunk, read
-    in whole blocks into ``buf`` (the kernel stops at the end of the file)."""
+    async def _pieces(self, st: Step, manifest: Manifest) -> AsyncIterator[memoryview]:
+        """The rank files' bytes back to back, a chunk at a time, each valid until the
+        next is asked for: yielding to saves, within the bandwidth cap."""
+        directory = self.store.step_dir(st.job, st.step)
+        # Page-aligned, as O_DIRECT needs; freed with the generator (a call the peer
+        # answered early leaves it suspended, still holding a view).
+        buf = mmap.mmap(-1, CHUNK)
+        for record in manifest.ranks:
+            # O_DIRECT into one reused buffer: reading a step back through the page
+            # cache would allocate fresh memory, slow on these VMs and taken from the
+            # trainer (DESIGN.md, Performance notes).
+            fd, _ = await self.io.run(open_direct, directory / record.file, os.O_RDONLY)
+            try:
+                offset = 0
+                while offset < record.size:
+                    await self.yield_to_saves(st.job)
+                    await self.limiter.take(min(CHUNK, record.size - offset))
+                    n = await self.io.run(_read_chunk, fd, buf, offset, record.size)
+                    offset += n
+                    self.sent_bytes += n
+                    yield memoryview(buf)[:n]
+            finally:
+                os.close(fd)
+
+
+def _read_chunk(fd: int, buf: mmap.mmap, offset: int, size: int) -> int:
+    """Read the file's bytes at ``offset`` (a multiple of the chunk), at most a chunk,
+    in whole blocks into ``buf`` (the kernel stops at the end of the file); how many
+    of them are the file's."""
     got = os.preadv(fd, [memoryview(buf)], offset)
     want = min(CHUNK, size - offset)
     if got < want:
         raise OSError(f"a rank file ends at {offset + got} bytes, not {size}")
-    return buf[:want]
+    return want
