@@ -8,7 +8,9 @@ does not compete with a save for the disk and the cores, but for at most
 local step: a continuous save loop never leaves a gap, and the replica must not
 starve (it is the node-loss copy). The rank files are read
 back from the local tier while the catalog holds the step in use (the evictor
-leaves it alone), at most ``peer_bandwidth_bytes`` per second. A peer that
+leaves it alone), at most ``peer_bandwidth_bytes`` per second, and pushed to the
+peer's bulk listener (bulk.py: a plain socket, a fraction of gRPC's CPU), or with
+``PutReplica`` to a peer without one. A peer that
 refuses or fails is logged and the next in the ring is tried; the step's
 ``replica_nodes`` (``ckptd ls``: tier ``peer``) says who holds it.
 """
