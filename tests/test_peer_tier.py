@@ -137,6 +137,11 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
     cluster.lose("node-a").start()
     rows = {c.step: c for c in client.list()}
     assert rows[2].tiers == ("LOCAL",), rows  # pre-staged before the trainer asked
+    # Into shared memory too: the rank's restore hands over the segment the whole
+    # file was staged in (offset 0), read from neither disk nor network.
+    first = a.connection.call("Restore", pb.RestoreRequest(job="job", rank=0, shared_memory=True))
+    assert first.step == 2 and first.lease.lease_id and first.data_offset_in_file == 0
+    a.connection.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=first.lease.lease_id))
     tree, _ = client.restore()
     same(tree, saved[2])
     fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 2)

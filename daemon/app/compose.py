@@ -186,6 +186,8 @@ class Daemon:
         self.fetcher = Fetcher(
             self.catalog, self.store, self.staging, self.io, self.remote, self.index
         )
+        if self.peer is not None and self.peer.fetcher is not None:
+            self.peer.fetcher.memory = self.fetcher  # pre-staging into shared memory
         self.restorer = Restorer(
             self.catalog,
             self.store,

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from typing import Protocol
 
 import google_crc32c
 
@@ -33,6 +34,7 @@ from ckptd.proto import ckptd_pb2 as pb
 from ..catalog import Catalog, Step
 from ..commit import RenameCommit
 from ..io import IoPool
+from ..local.lease import Lease, Segment
 from ..local.store import LocalStore
 from .bulk_client import read_range
 from .link import Peer, Peers
@@ -50,6 +52,31 @@ RANGE_BYTES = 64 * 2**20
 BUFFER_BYTES = 4 * 2**20
 
 
+class PrestageMemory(Protocol):
+    """Shared memory for pre-staged files (the restore fetcher's restore leases)."""
+
+    async def prestage_lease(self, job: str, size: int) -> Lease | None: ...
+    def keep_prefetched(self, job: str, step: int, rank: int, lease: Lease) -> None: ...
+    def release(self, lease: Lease) -> None: ...
+
+
+class _Placer:
+    """Writes a file's bytes at their offset: into the file, and into a segment that
+    holds the whole file when pre-staging into shared memory (pages allocated as the
+    bytes arrive: fresh memory is slow on these VMs)."""
+
+    def __init__(self, fd: int, segment: Segment | None) -> None:
+        self.fd, self.segment = fd, segment
+
+    def __call__(self, piece: memoryview, at: int) -> None:
+        done = 0
+        while done < len(piece):
+            done += os.pwrite(self.fd, piece[done:], at + done)
+        if self.segment is not None:
+            self.segment.populate(at, len(piece))
+            self.segment.view(at, len(piece))[:] = piece
+
+
 class PeerFetcher:
     """Brings this node's steps back from its peers' replicas."""
 
@@ -61,6 +88,9 @@ class PeerFetcher:
         """Bytes taken from peers (metrics)."""
         self.last_seconds = 0.0
         """How long the last fetch from peers took (status)."""
+        self.memory: PrestageMemory | None = None
+        """Where pre-staged files also go into shared memory (the restore fetcher,
+        set by the composition root); None: the local disk only."""
         # Blocking socket reads: their own threads, never the I/O pool's, which
         # saves need while a restore is under way.
         self._streams = concurrent.futures.ThreadPoolExecutor(STREAMS, "ckptd-peer-get")
@@ -186,37 +216,64 @@ class PeerFetcher:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
         peers = [p for p, text in holders if text == raw]
         commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
+        leases: dict[int, Lease] = {}
         try:
+            if self.memory is not None:  # each file into shared memory too, if it fits
+                for record in manifest.ranks:
+                    lease = await self.memory.prestage_lease(job, record.size)
+                    if lease is None:
+                        break
+                    leases[record.rank] = lease
             # Each file from its own first holder (files spread over the holders).
             givers = await asyncio.gather(
                 *(
-                    self._file(commit, manifest, record, peers[i % n :] + peers[: i % n])
+                    self._file(
+                        commit,
+                        manifest,
+                        record,
+                        peers[i % n :] + peers[: i % n],
+                        leases.get(record.rank),
+                    )
                     for i, record in enumerate(manifest.ranks)
                     for n in (len(peers),)
                 )
             )
+            # The pages past each file's end too: a segment goes back to the pool whole.
+            for lease in leases.values():
+                await self.io.run(lease.segment.populate)
             await commit.finalize(raw.encode())
         except BaseException:
+            if self.memory is not None:
+                for lease in leases.values():
+                    self.memory.release(lease)
             await commit.abort()
             raise
         self.last_seconds = time.monotonic() - t0
         gave = ",".join(sorted(set(givers)))
         self.catalog.peer_fetched(manifest, gave)
+        if self.memory is not None:  # checked whole: the rank's restore maps it
+            for file_rank, lease in leases.items():
+                self.memory.keep_prefetched(job, step, file_rank, lease)
         log.info(
             "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
             job, step, gave, self.last_seconds, manifest.size_bytes,
         )  # fmt: skip
 
     async def _file(
-        self, commit: RenameCommit, manifest: Manifest, record: RankRecord, order: list[Peer]
+        self,
+        commit: RenameCommit,
+        manifest: Manifest,
+        record: RankRecord,
+        order: list[Peer],
+        lease: Lease | None,
     ) -> str:
         """One rank file from the first holder in ``order`` that gives all of it (its
-        node name)."""
+        node name); into ``lease``'s segment too, if given."""
         path = commit.path / record.file
         reasons = []
         for peer in order:
             try:
-                await self._download(peer, manifest, record, str(path))
+                await self._download(peer, manifest, record, str(path), lease)
                 return peer.node
             except Exception as exc:  # dead mid-transfer, refused, corrupt: the next one
                 reasons.append(f"{peer.node}: {exc}")
@@ -224,16 +281,17 @@ class PeerFetcher:
         raise NotFound(f"no peer gave {record.file} whole: {'; '.join(reasons)}")
 
     async def _download(
-        self, peer: Peer, manifest: Manifest, record: RankRecord, path: str
+        self, peer: Peer, manifest: Manifest, record: RankRecord, path: str, lease: Lease | None
     ) -> None:
         fd = await self.io.run(
             os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640
         )
         try:
+            place = _Placer(fd, lease.segment if lease is not None else None)
             if peer.data_port:
-                crc, size = await self._ranges(peer, manifest, record, fd)
+                crc, size = await self._ranges(peer, manifest, record, place)
             else:
-                crc, size = await self._stream(peer, manifest, record, fd)
+                crc, size = await self._stream(peer, manifest, record, place)
             if size != record.size or crc != record.crc32c:
                 raise DataLoss(
                     f"{record.file} came as {size} bytes with crc32c {crc:08x}, not "
@@ -244,7 +302,7 @@ class PeerFetcher:
             os.close(fd)
 
     async def _ranges(
-        self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int
+        self, peer: Peer, manifest: Manifest, record: RankRecord, place: _Placer
     ) -> tuple[int, int]:
         """The file from ``peer``'s bulk listener, its ranges in parallel; (crc32c,
         size)."""
@@ -258,7 +316,7 @@ class PeerFetcher:
         loop = asyncio.get_running_loop()
         done = await asyncio.gather(
             *(
-                loop.run_in_executor(self._streams, self._range, peer, request, fd, o, n)
+                loop.run_in_executor(self._streams, self._range, peer, request, place, o, n)
                 for o, n in spans
             ),
             return_exceptions=True,  # every thread done with fd before it is closed
@@ -271,9 +329,9 @@ class PeerFetcher:
         return crc, record.size
 
     def _range(
-        self, peer: Peer, request: dict[str, object], fd: int, offset: int, length: int
+        self, peer: Peer, request: dict[str, object], place: _Placer, offset: int, length: int
     ) -> int:
-        """One range, written at its place in ``fd`` (a stream thread); its crc32c."""
+        """One range, written at its place (a stream thread); its crc32c."""
         buf = getattr(self._buffers, "buf", None)
         if buf is None:
             buf = self._buffers.buf = memoryview(bytearray(BUFFER_BYTES))
@@ -281,14 +339,14 @@ class PeerFetcher:
 
         def sink(piece: memoryview) -> None:
             nonlocal at
-            os.pwrite(fd, piece, at)
+            place(piece, at)
             at += len(piece)
 
         req = {**request, "offset": offset, "length": length}
         return read_range(peer.data_address, self.peers.token, req, buf, sink)
 
     async def _stream(
-        self, peer: Peer, manifest: Manifest, record: RankRecord, fd: int
+        self, peer: Peer, manifest: Manifest, record: RankRecord, place: _Placer
     ) -> tuple[int, int]:
         """The file from ``peer``'s ``GetReplicaFile`` (a daemon without a bulk
         listener); (crc32c, size)."""
@@ -306,7 +364,7 @@ class PeerFetcher:
         async for chunk in call:
             if size + len(chunk.data) > record.size:
                 raise DataLoss(f"{record.file} is longer than its {record.size} bytes")
-            await self.io.run(os.pwrite, fd, chunk.data, size)
+            await self.io.run(place, memoryview(chunk.data), size)
             crc = google_crc32c.extend(crc, chunk.data)
             size += len(chunk.data)
             self.fetched_bytes += len(chunk.data)

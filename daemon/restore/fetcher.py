@@ -135,6 +135,24 @@ class Fetcher:
             self.catalog.discovered(st.job, st.step, nodes, st.adopted)
         return set(self.catalog.require(st.job, st.step).remote_nodes)
 
+    def keep_prefetched(self, job: str, step: int, rank: int, lease: Lease) -> None:
+        """Keep a verified restore lease holding ``rank``'s whole file of ``step`` (a
+        pre-staging from a peer) for that rank's restore; it expires unclaimed like
+        any lease a client never used."""
+        old = self._prefetched.pop((job, step, rank), None)
+        if old is not None:
+            self.staging.release(old.lease_id)
+        self._prefetched[(job, step, rank)] = lease
+
+    async def prestage_lease(self, job: str, size: int) -> Lease | None:
+        """A segment to pre-stage a file of ``size`` bytes into, if the budget allows
+        it and a save of the same size after it (None: the file stays on disk only)."""
+        return await self._restore_lease(job, size)
+
+    def release(self, lease: Lease) -> None:
+        """Give back a lease that was not filled (a failed pre-staging)."""
+        self.staging.release(lease.lease_id)
+
     def take_prefetched(self, job: str, step: int, rank: int) -> Lease | None:
         """The verified lease a fetch filled for ``rank``, if it is still granted."""
         lease = self._prefetched.pop((job, step, rank), None)
