@@ -137,8 +137,12 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
     cluster.lose("node-a").start()
     rows = {c.step: c for c in client.list()}
     assert rows[2].tiers == ("LOCAL",), rows  # pre-staged before the trainer asked
-    # Into shared memory too: the rank's restore hands over the segment the whole
-    # file was staged in (offset 0), read from neither disk nor network.
+    # Into shared memory too (after the commit): the rank's restore hands over the
+    # segment the whole file was staged in (offset 0), read from neither disk nor network.
+    deadline = time.monotonic() + 60
+    while a.status().peer_prestaged_bytes == 0:
+        assert time.monotonic() < deadline, a.status()
+        time.sleep(0.05)
     first = a.connection.call("Restore", pb.RestoreRequest(job="job", rank=0, shared_memory=True))
     assert first.step == 2 and first.lease.lease_id and first.data_offset_in_file == 0
     a.connection.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=first.lease.lease_id))

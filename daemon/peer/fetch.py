@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 import google_crc32c
@@ -61,20 +62,36 @@ class PrestageMemory(Protocol):
 
 
 class _Placer:
-    """Writes a file's bytes at their offset: into the file, and into a segment that
-    holds the whole file when pre-staging into shared memory (pages allocated as the
-    bytes arrive: fresh memory is slow on these VMs)."""
+    """Writes a file's bytes at their offset (from any stream thread)."""
 
-    def __init__(self, fd: int, segment: Segment | None) -> None:
-        self.fd, self.segment = fd, segment
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
 
     def __call__(self, piece: memoryview, at: int) -> None:
         done = 0
         while done < len(piece):
             done += os.pwrite(self.fd, piece[done:], at + done)
-        if self.segment is not None:
-            self.segment.populate(at, len(piece))
-            self.segment.view(at, len(piece))[:] = piece
+
+
+STAGE_CHUNK = 8 * 2**20
+
+
+def _stage_file(path: Path, segment: Segment, record: RankRecord) -> None:
+    """The whole file into ``segment`` (its pages allocated chunk by chunk), checked
+    against the manifest's crc32c."""
+    view = segment.view(0, record.size)
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while pos < record.size:
+            n = min(STAGE_CHUNK, record.size - pos)
+            segment.populate(pos, n)
+            got = f.readinto(view[pos : pos + n])
+            if not got:
+                raise DataLoss(f"{record.file} ends at byte {pos}, not {record.size}")
+            pos += got
+    segment.populate()  # the pages past the end too: a segment goes back to the pool whole
+    if checksum.value(view) != record.crc32c:
+        raise DataLoss(f"{record.file} does not match its crc32c")
 
 
 class PeerFetcher:
@@ -88,6 +105,9 @@ class PeerFetcher:
         """Bytes taken from peers (metrics)."""
         self.last_seconds = 0.0
         """How long the last fetch from peers took (status)."""
+        self.staged_bytes = 0
+        """Bytes of pre-staged files kept in shared memory for restores (status)."""
+        self._staging: set[asyncio.Future[None]] = set()
         self.memory: PrestageMemory | None = None
         """Where pre-staged files also go into shared memory (the restore fetcher,
         set by the composition root); None: the local disk only."""
@@ -216,64 +236,65 @@ class PeerFetcher:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
         peers = [p for p, text in holders if text == raw]
         commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
-        leases: dict[int, Lease] = {}
         try:
-            if self.memory is not None:  # each file into shared memory too, if it fits
-                for record in manifest.ranks:
-                    lease = await self.memory.prestage_lease(job, record.size)
-                    if lease is None:
-                        break
-                    leases[record.rank] = lease
             # Each file from its own first holder (files spread over the holders).
             givers = await asyncio.gather(
                 *(
-                    self._file(
-                        commit,
-                        manifest,
-                        record,
-                        peers[i % n :] + peers[: i % n],
-                        leases.get(record.rank),
-                    )
+                    self._file(commit, manifest, record, peers[i % n :] + peers[: i % n])
                     for i, record in enumerate(manifest.ranks)
                     for n in (len(peers),)
                 )
             )
-            # The pages past each file's end too: a segment goes back to the pool whole.
-            for lease in leases.values():
-                await self.io.run(lease.segment.populate)
             await commit.finalize(raw.encode())
         except BaseException:
-            if self.memory is not None:
-                for lease in leases.values():
-                    self.memory.release(lease)
             await commit.abort()
             raise
         self.last_seconds = time.monotonic() - t0
         gave = ",".join(sorted(set(givers)))
-        self.catalog.peer_fetched(manifest, gave)
-        if self.memory is not None:  # checked whole: the rank's restore maps it
-            for file_rank, lease in leases.items():
-                self.memory.keep_prefetched(job, step, file_rank, lease)
+        st = self.catalog.peer_fetched(manifest, gave)
         log.info(
             "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
             job, step, gave, self.last_seconds, manifest.size_bytes,
         )  # fmt: skip
+        if self.memory is not None:
+            task = asyncio.ensure_future(self._stage(st, manifest))
+            self._staging.add(task)
+            task.add_done_callback(self._staging.discard)
+
+    async def _stage(self, st: Step, manifest: Manifest) -> None:
+        """Copy the committed files into shared memory, each kept for its rank's
+        restore (which then hands the segment over instead of reading the disk).
+        After the commit, off the fetch's path: a restore that comes first reads the
+        local copy (fresh shared memory is slow on these VMs: ~0.4 s per GiB on the
+        fetch when it was filled as the bytes came). A file that does not fit in the
+        staging budget, or fails, stays on disk only."""
+        assert self.memory is not None
+        directory = self.store.step_dir(st.job, st.step)
+        with self.catalog.in_use(st):  # the evictor leaves the files alone meanwhile
+            for record in manifest.ranks:
+                lease = await self.memory.prestage_lease(st.job, record.size)
+                if lease is None:
+                    return
+                try:
+                    await self.io.run(_stage_file, directory / record.file, lease.segment, record)
+                except Exception as exc:
+                    self.memory.release(lease)
+                    log.warning("%s/%d: %s not staged in shared memory (%s)",
+                                st.job, st.step, record.file, exc)  # fmt: skip
+                    return
+                self.memory.keep_prefetched(st.job, st.step, record.rank, lease)
+                self.staged_bytes += record.size
 
     async def _file(
-        self,
-        commit: RenameCommit,
-        manifest: Manifest,
-        record: RankRecord,
-        order: list[Peer],
-        lease: Lease | None,
+        self, commit: RenameCommit, manifest: Manifest, record: RankRecord, order: list[Peer]
     ) -> str:
         """One rank file from the first holder in ``order`` that gives all of it (its
-        node name); into ``lease``'s segment too, if given."""
+        node name)."""
         path = commit.path / record.file
         reasons = []
         for peer in order:
             try:
-                await self._download(peer, manifest, record, str(path), lease)
+                await self._download(peer, manifest, record, str(path))
                 return peer.node
             except Exception as exc:  # dead mid-transfer, refused, corrupt: the next one
                 reasons.append(f"{peer.node}: {exc}")
@@ -281,13 +302,13 @@ class PeerFetcher:
         raise NotFound(f"no peer gave {record.file} whole: {'; '.join(reasons)}")
 
     async def _download(
-        self, peer: Peer, manifest: Manifest, record: RankRecord, path: str, lease: Lease | None
+        self, peer: Peer, manifest: Manifest, record: RankRecord, path: str
     ) -> None:
         fd = await self.io.run(
             os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640
         )
         try:
-            place = _Placer(fd, lease.segment if lease is not None else None)
+            place = _Placer(fd)
             if peer.data_port:
                 crc, size = await self._ranges(peer, manifest, record, place)
             else:

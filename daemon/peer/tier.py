@@ -141,5 +141,6 @@ class PeerTier:
             "replicas_held_bytes": self.store.held_bytes,
             "replicated_bytes": self.replicator.sent_bytes if self.replicator else 0,
             "peer_fetched_bytes": self.fetcher.fetched_bytes if self.fetcher else 0,
+            "peer_prestaged_bytes": self.fetcher.staged_bytes if self.fetcher else 0,
             "peer_error": next((e for e in errors if e), ""),
         }
