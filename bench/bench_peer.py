@@ -18,7 +18,8 @@ deleted) and restores it three ways, in alternating order:
 ``ready`` is a replacement daemon's launch until it answers, the part of both
 ckptd arms that is not the transfer. ``restore_peer_call`` / ``restore_bucket_call``:
 the same, timing only the trainer's ``restore()`` (+ touch), called once the daemon
-is up and, with peers, its pre-staging done: a trainer starts after its node's
+is up and, with peers, its pre-staging done (committed locally, then copied into
+shared memory: status ``peer_prestaged_bytes``): a trainer starts after its node's
 daemon (image, framework start-up), which is the pre-staging's point.
 
 The loop: ``--steps`` steps of a CPU step (16 numpy 1024x1024 matmuls, ~0.25 s)
@@ -72,7 +73,6 @@ GOALS = [
     ("from the daemon's launch: peer / s5cmd download+fsync", "restore_peer", "s5cmd", None),
     ("loop mean step, replicating / alone", "loop_peers", "loop_alone", 1.05),
 ]  # fmt: skip
-FETCHED = 11  # pb.STEP_EVENT_FETCHED
 LOCAL = 2  # pb.STEP_EVENT_LOCAL
 REPLICATED = 19  # pb.STEP_EVENT_REPLICATED
 
@@ -137,6 +137,7 @@ class PeerBench:
         rng = np.random.default_rng(0)
         per = int(args.size_gib * 2**30) // 4 // args.arrays
         self.state = {f"w{i}": rng.standard_normal(per, np.float32) for i in range(args.arrays)}
+        self.size = sum(a.nbytes for a in self.state.values())
         self.step = 0
 
     def daemon(self, node: str, peers: bool = True, bucket: bool = True) -> Daemon:
@@ -205,7 +206,8 @@ class PeerBench:
                 # The trainer starts after the daemon (a pod's image, jax's start-up):
                 # with peers, the pre-staging has finished by then.
                 deadline = time.monotonic() + 600
-                while peers and not [e for e in d.events(JOB) if e.kind == FETCHED]:
+                # Pre-staged: committed locally, then copied into shared memory.
+                while peers and d.status().peer_prestaged_bytes < self.size:
                     if time.monotonic() > deadline:
                         raise RuntimeError("the pre-staging never finished")
                     time.sleep(0.01)
