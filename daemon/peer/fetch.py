@@ -267,11 +267,16 @@ class PeerFetcher:
         After the commit, off the fetch's path: a restore that comes first reads the
         local copy (fresh shared memory is slow on these VMs: ~0.4 s per GiB on the
         fetch when it was filled as the bytes came). A file that does not fit in the
-        staging budget, or fails, stays on disk only."""
+        staging budget, or fails, stays on disk only; once a restore has read the
+        step (the trainer came first) the staging stops: a segment nobody claims
+        would hold its memory until the lease timeout."""
         assert self.memory is not None
         directory = self.store.step_dir(st.job, st.step)
+        fetched_at = st.read_at  # a restore serving the step sets it anew
         with self.catalog.in_use(st):  # the evictor leaves the files alone meanwhile
             for record in manifest.ranks:
+                if st.read_at != fetched_at:
+                    return
                 lease = await self.memory.prestage_lease(st.job, record.size)
                 if lease is None:
                     return
@@ -281,6 +286,9 @@ class PeerFetcher:
                     self.memory.release(lease)
                     log.warning("%s/%d: %s not staged in shared memory (%s)",
                                 st.job, st.step, record.file, exc)  # fmt: skip
+                    return
+                if st.read_at != fetched_at:
+                    self.memory.release(lease)
                     return
                 self.memory.keep_prefetched(st.job, st.step, record.rank, lease)
                 self.staged_bytes += record.size
