@@ -57,6 +57,7 @@ class _ClientError(Exception):
         (_ClientError("SlowDown"), True),
         (_ClientError("InternalError"), True),
         (_ClientError("AccessDenied"), False),
+        (type("HTTPClientError", (Exception,), {})("unparsable reply"), True),
         (FileNotFoundError("no bucket"), False),
         (PermissionError("denied"), False),
         (RemoteError("crc mismatch", transient=True), True),

@@ -26,6 +26,9 @@ CONNECTION_ERRORS = frozenset(
         "ConnectionClosedError",
         "ReadTimeoutError",
         "ConnectTimeoutError",
+        # botocore's wrapper of an HTTP client failure (a reply it could not parse, a
+        # connection closed mid-request): trouble on the wire, not the store's answer.
+        "HTTPClientError",
     }
 )
 TRANSIENT_ERRNOS = frozenset(

@@ -19,8 +19,10 @@ Modes (parameters in brackets):
   resets frozen connections instead of resuming them: each may have swallowed part of a
   request, and the rest must not reach the upstream as garbage.
 - ``http_error`` [``status=503``, ``body``]: answer each new HTTP request with ``status``,
-  an S3-style XML body and ``Connection: close``, never reaching the upstream. On an open
-  keep-alive connection a client chunk starting with an HTTP method is a new request.
+  an S3-style XML body whose error code matches the status (403 AccessDenied, 503
+  SlowDown, ...; none for a HEAD, as HTTP requires) and ``Connection: close``, never
+  reaching the upstream. On an open keep-alive connection a client chunk starting with
+  an HTTP method is a new request.
 - ``slow`` [``delay`` seconds per chunk, ``bytes_per_second``]: forward, late and/or
   capped (per connection and direction).
 - ``flaky`` [``every=2``]: every N-th connection accepted since the mode was set is
@@ -42,7 +44,17 @@ from typing import Any, Literal, Self, TypeVar, get_args
 Mode = Literal["pass", "reset", "refuse", "freeze", "http_error", "slow", "flaky"]
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_ERROR_BODY = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+ERROR_CODES = {
+    400: "InvalidRequest",
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    408: "RequestTimeout",
+    429: "SlowDown",
+    500: "InternalError",
+    503: "SlowDown",
+}
+"""The S3 error code a real store sends with each status: a client reads the code from
+the body first, so a 403 saying SlowDown would be retried as throttling."""
 
 _CHUNK = 64 * 1024
 _HEAD_LIMIT = 64 * 1024
@@ -322,8 +334,10 @@ class FaultProxy:
             while remaining > 0 and (more := await conn.client_r.read(min(_CHUNK, remaining))):
                 remaining -= len(more)
         status = int(params.get("status", 503))
-        body = params.get("body", DEFAULT_ERROR_BODY)
+        body = params.get("body", _error_body(status))
         body = body.encode() if isinstance(body, str) else body
+        if buf.startswith(b"HEAD "):
+            body = b""  # a HEAD response has no body; a client reads one as the next reply
         reason = http.client.responses.get(status, "Injected")
         self.requests_failed += 1
         conn.client_w.write(
@@ -339,6 +353,11 @@ class FaultProxy:
             async with asyncio.timeout(_LINGER_S):
                 while await conn.client_r.read(_CHUNK):
                     pass
+
+
+def _error_body(status: int) -> bytes:
+    code = ERROR_CODES.get(status, "InternalError" if status >= 500 else "InvalidRequest")
+    return f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
 
 
 def _free_port() -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .proxy import DEFAULT_ERROR_BODY, LOOPBACK, FaultProxy
+from .proxy import LOOPBACK, FaultProxy
 
 
 class _Quiet:
@@ -174,9 +174,10 @@ def test_http_error_answers_without_reaching_upstream(
     hits = http_upstream.hits
     http_proxy.set_mode("http_error")
     status, body, headers = _request(http_proxy, "PUT", b"x" * 100_000)
-    assert (status, body) == (503, DEFAULT_ERROR_BODY)
+    slow_down = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+    assert (status, body) == (503, slow_down)
     assert headers["Connection"] == "close"
-    assert headers["Content-Length"] == str(len(DEFAULT_ERROR_BODY))
+    assert headers["Content-Length"] == str(len(slow_down))
     # Expect: 100-continue is answered after the head; the body sent anyway is drained.
     http_proxy.set_mode("http_error", status=500, body=b"<Error/>")
     got = _request(http_proxy, "PUT", b"y" * 100_000, {"Expect": "100-continue"})
@@ -184,6 +185,24 @@ def test_http_error_answers_without_reaching_upstream(
     assert http_proxy.requests_failed == 2
     assert http_upstream.hits == hits
     assert http_proxy.bytes_up == 0
+
+
+def test_http_error_says_what_a_store_says_for_the_status(http_proxy: FaultProxy) -> None:
+    # Clients read the S3 error code before the status: a 403 must say AccessDenied.
+    http_proxy.set_mode("http_error", status=403)
+    status, body, _ = _request(http_proxy)
+    assert status == 403 and b"<Code>AccessDenied</Code>" in body
+    http_proxy.set_mode("http_error", status=500)
+    assert b"<Code>InternalError</Code>" in _request(http_proxy)[1]
+    # A HEAD reply carries no body on the wire: a client would read it as the next reply.
+    with _connect(http_proxy) as sock:
+        sock.sendall(b"HEAD /obj HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 500 ") and got.endswith(
+        b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+    )
 
 
 def test_http_error_on_open_keepalive_connection(http_proxy: FaultProxy) -> None:
