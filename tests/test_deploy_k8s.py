@@ -127,7 +127,7 @@ def test_the_peer_tier_manifests_agree(tmp_path: Path) -> None:
     Service at the port it serves, and read the token from the Secret's mount."""
     cm = _docs("configmap.yaml")[0]["data"]["ckptd.toml"]
     lines = [ln.strip()[2:] for ln in cm.splitlines() if ln.strip().startswith("# peer")]
-    assert len(lines) == 4, lines
+    assert len(lines) == 8, lines
     toml = tmp_path / "ckptd.toml"
     toml.write_text(cm + "\n".join(lines) + "\n")
     cfg = config.load(toml, env={})
@@ -148,6 +148,10 @@ def test_the_peer_tier_manifests_agree(tmp_path: Path) -> None:
     secret = next(v for v in spec["volumes"] if v["name"] == "peer-token")["secret"]
     assert secret["optional"] is True  # no Secret yet: the daemon runs without peers
     assert Path(cfg.peer_token_file).parent == Path(mounts["peer-token"])
+    tls = next(v for v in spec["volumes"] if v["name"] == "peer-tls")["secret"]
+    assert tls["optional"] is True
+    for path in (cfg.peer_tls_cert_file, cfg.peer_tls_key_file, cfg.peer_tls_ca_file):
+        assert Path(path).parent == Path(mounts["peer-tls"])
 
 
 def _serve_as(user: str, root: Path, socket: Path) -> subprocess.Popen[str]:

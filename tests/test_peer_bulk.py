@@ -172,7 +172,8 @@ def _push(
 
     async def run() -> int:
         request = {"job": "j", "step": step, "manifest": _manifest(step, files)}
-        return await push(("127.0.0.1", server.port), TOKEN, request, pieces)
+        total = sum(map(len, files.values()))
+        return await push(("127.0.0.1", server.port), TOKEN, request, pieces, total)
 
     return asyncio.run(run())
 
@@ -191,8 +192,6 @@ def test_a_bad_push_is_refused_and_leaves_the_older_replica(served: BulkServer) 
     files = {"rank-00000.safetensors": DATA[::-1], "rank-00001.safetensors": b"x" * 7}
     with pytest.raises(Unavailable):  # a byte differs from the manifest's crc32c
         _push(served, 6, files, data=DATA[::-1] + b"x" * 6 + b"y")
-    with pytest.raises(Unavailable):
-        _push(served, 7, files, cut=5)  # the sender stops short
     with pytest.raises(Unavailable, match="only a newer step"):
         _push(served, 4, files)
     assert [h.step for h in served.store.list()] == [5]
@@ -202,3 +201,28 @@ def test_a_bad_push_is_refused_and_leaves_the_older_replica(served: BulkServer) 
 def test_the_request_is_json_under_the_cap() -> None:
     body = json.dumps(_req()).encode()
     assert len(body) < bulk.MAX_REQUEST
+
+
+def test_a_pusher_whose_files_come_short_raises(served: BulkServer) -> None:
+    files = {"rank-00000.safetensors": DATA[::-1], "rank-00001.safetensors": b"x" * 7}
+    with pytest.raises(Unavailable, match="came to"):
+        _push(served, 7, files, cut=5)  # it closes; the receiver drops it (below)
+
+
+def test_a_sender_that_closes_short_gets_nothing_held(served: BulkServer) -> None:
+    """The receiver's own check (the pusher's count aside): fewer bytes than the
+    manifest names, then the end of the stream, and the replica is dropped."""
+    files = {"rank-00000.safetensors": DATA[::-1], "rank-00001.safetensors": b"x" * 7}
+    request = {"op": "put", "job": "j", "step": 8, "manifest": _manifest(8, files)}
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as conn:
+        conn.sendall(request_frame(TOKEN, request))
+        assert conn.recv(2) == b"GO"
+        conn.sendall(DATA[::-1][:1000])
+        conn.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"ER") and b"bytes of the replica to come" in answer
+    assert [h.step for h in served.store.list()] == [5]
+    assert list((served.store.dir / ".incoming").iterdir()) == []
+    assert served.received_bytes == 0

@@ -54,6 +54,7 @@ class Cluster:
         env: dict[str, dict[str, str]] | None = None,
         replicas: int = 1,
         data_port: int = 0,
+        extra_args: list[str] | None = None,
     ) -> None:
         token = tmp_path / "peer-token"
         token.write_text(TOKEN + "\n")
@@ -68,6 +69,7 @@ class Cluster:
                 "--retention-local", "KeepLatest(1)",
                 "--peer-replicas", str(replicas),
                 "--peer-data-port", str(data_port),
+                *(extra_args or []),
             ]  # fmt: skip
             extra = dict((env or {}).get(node, {}))
             if remote is not None:

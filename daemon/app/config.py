@@ -137,6 +137,15 @@ class Config:
     peer_token_file: str = ""
     """File holding the token every daemon of the job shares; required with
     ``peer_address`` or ``peers`` (peer calls without it are refused)."""
+    peer_tls_cert_file: str = ""
+    """PEM certificate this daemon shows its peers; with ``peer_tls_key_file`` and
+    ``peer_tls_ca_file``, peer traffic is mutual TLS (peer/tls.py). Empty: plain TCP."""
+    peer_tls_key_file: str = ""
+    """PEM private key of ``peer_tls_cert_file``."""
+    peer_tls_ca_file: str = ""
+    """PEM CA bundle the peers' certificates must chain to."""
+    peer_tls_server_name: str = ""
+    """Name every peer's certificate holds; empty: the host each peer is reached at."""
     peer_bandwidth_bytes: int = 512 * 2**20
     """Bytes per second replication may send (saves and the drain keep the rest)."""
     peer_max_lag_seconds: float = 30.0
@@ -345,6 +354,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             "peer_address or peers is set but peer_token_file is not: give every daemon "
             "of the job the same file holding a random token (`openssl rand -hex 32`)"
+        )
+    tls = (cfg.peer_tls_cert_file, cfg.peer_tls_key_file, cfg.peer_tls_ca_file)
+    if any(tls) and not all(tls):
+        raise ConfigError(
+            "peer TLS needs all of peer_tls_cert_file, peer_tls_key_file and "
+            "peer_tls_ca_file (the node's certificate, its key, the peers' CA)"
         )
     for entry in cfg.peers:
         if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}", entry):

@@ -46,6 +46,7 @@ from ckptd.core.names import check_name, check_step
 from .. import faults
 from .link import CHUNK
 from .replicas import Held, ReplicaStore
+from .tls import PeerTls
 
 log = logging.getLogger("ckptd.peer")
 
@@ -75,8 +76,9 @@ class BulkServer:
     """Serves and takes replica bytes for the daemons holding the token, one thread
     per connection (socket calls and ``sendfile`` run outside the interpreter lock)."""
 
-    def __init__(self, store: ReplicaStore, token: str) -> None:
+    def __init__(self, store: ReplicaStore, token: str, tls: PeerTls | None = None) -> None:
         self.store, self._token = store, token.encode()
+        self._tls = tls.server_context() if tls is not None else None
         self._sock: socket.socket | None = None
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
@@ -116,30 +118,37 @@ class BulkServer:
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, raw: socket.socket) -> None:
         try:
-            with conn:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                conn.settimeout(REQUEST_SECONDS)
-                try:
-                    req = self._request(conn)
-                    if req.get("op") == "put":
-                        self._put(conn, req)
-                        return
-                    path, offset, length = self._get_target(req)
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-                except (CkptdError, OSError, ValueError, KeyError, TypeError) as exc:
-                    _refuse(conn, str(exc))
-                    return
-                try:
-                    conn.settimeout(IDLE_SECONDS)
-                    self._send(conn, fd, offset, length)
-                finally:
-                    os.close(fd)
+            with raw:
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                raw.settimeout(REQUEST_SECONDS)  # the TLS handshake included
+                if self._tls is None:
+                    self._handle(raw)
+                else:  # a caller without a certificate from the CA fails the handshake
+                    with self._tls.wrap_socket(raw, server_side=True) as conn:
+                        self._handle(conn)
         except OSError as exc:  # the other end went away: it tries another peer
             log.info("peer transfer ended early: %s", exc)
         finally:
             self._open.release()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            req = self._request(conn)
+            if req.get("op") == "put":
+                self._put(conn, req)
+                return
+            path, offset, length = self._get_target(req)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except (CkptdError, OSError, ValueError, KeyError, TypeError) as exc:
+            _refuse(conn, str(exc))
+            return
+        try:
+            conn.settimeout(IDLE_SECONDS)
+            self._send(conn, fd, offset, length)
+        finally:
+            os.close(fd)
 
     def _request(self, conn: socket.socket) -> dict[str, Any]:
         head = _recv_exact(conn, len(MAGIC) + 4)
@@ -179,8 +188,14 @@ class BulkServer:
         # socket.sendfile: os.sendfile on a socket with a timeout (non-blocking
         # underneath) stops at the first full send buffer; this waits for room.
         file = os.fdopen(fd, "rb", closefd=False)
+        # TLS encrypts in user space: no sendfile (ssl's own fallback reads 8 KiB at a time).
+        buf = memoryview(bytearray(CHUNK)) if self._tls is not None else None
         while offset < end:
-            sent = conn.sendfile(file, offset, min(most, end - offset))
+            if buf is not None:
+                sent = os.preadv(fd, [buf[: min(CHUNK, end - offset)]], offset)
+                conn.sendall(buf[:sent])
+            else:
+                sent = conn.sendfile(file, offset, min(most, end - offset))
             if sent == 0:
                 raise OSError("the replica file shrank while it was sent")
             offset += sent

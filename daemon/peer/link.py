@@ -3,8 +3,9 @@
 Every Peer call carries ``authorization: Bearer <token>``, the token being the
 contents of ``peer_token_file`` (the same file on every node, e.g. one Kubernetes
 Secret); the server compares it in constant time and answers UNAUTHENTICATED to
-anything else. The peer list is ``peers``: ``HOST:PORT`` entries, a name that
-resolves to several addresses (a Kubernetes headless Service) counting each.
+anything else. With the ``peer_tls_*`` files, calls also go over mutual TLS (tls.py).
+The peer list is ``peers``: ``HOST:PORT`` entries, a name that resolves to several
+addresses (a Kubernetes headless Service) counting each.
 Peers are known by the node name they give (``Hello``); a node's replicas go to
 the next ``peer_replicas`` nodes after it in name order that answer, so each node
 holds the replicas of a few others and every node's are spread the same way.
@@ -28,6 +29,8 @@ from ckptd.core.names import check_name
 from ckptd.core.wire import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from .tls import PeerTls
 
 log = logging.getLogger("ckptd.peer")
 
@@ -132,10 +135,14 @@ class Peers:
     """The other daemons of the job, by node name, asked again every
     :data:`REFRESH_SECONDS` (a replaced pod comes back under a new address)."""
 
-    def __init__(self, me: str, entries: tuple[str, ...], token: str) -> None:
+    def __init__(
+        self, me: str, entries: tuple[str, ...], token: str, tls: PeerTls | None = None
+    ) -> None:
         self.me = me
         self.entries = entries
         self.token = token
+        self.tls = tls
+        """Mutual TLS for every call and data connection (None: plain TCP)."""
         self.metadata = auth_metadata(token)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._known: list[Peer] = []
@@ -156,7 +163,14 @@ class Peers:
             # Peers restart and start in any order: retry a refused address within a
             # second, not after gRPC's default backoff of up to two minutes.
             options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
-            channel = grpc.aio.insecure_channel(address, options=options)
+            if self.tls is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(
+                    address,
+                    self.tls.channel_credentials(),
+                    options=options + self.tls.channel_options(),
+                )
             self._channels[address] = channel
         return pb_grpc.PeerStub(channel)
 

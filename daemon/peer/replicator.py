@@ -186,6 +186,8 @@ class Replicator:
                         self.peers.token,
                         request,
                         lambda: self._pieces(st, manifest),
+                        sum(r.size for r in manifest.ranks),
+                        self.peers.tls,
                     )
                 else:
                     await self.peers.stub(peer.address).PutReplica(

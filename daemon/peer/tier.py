@@ -31,6 +31,7 @@ from .link import Limiter, Peers, read_token
 from .replicas import ReplicaStore
 from .replicator import Replicator
 from .service import PeerServicer
+from .tls import PeerTls
 
 log = logging.getLogger("ckptd.peer")
 
@@ -43,6 +44,7 @@ class PeerTier:
             token = read_token(cfg.peer_token_file)
         except InvalidArgument as exc:
             raise FailedPrecondition(str(exc)) from None
+        self.tls = PeerTls.load(cfg)
         self.io = io
         self.catalog = catalog
         self.listen = cfg.peer_address
@@ -50,9 +52,9 @@ class PeerTier:
         """Where the Peer service answers (set once it does)."""
         self.store = ReplicaStore(cfg.root, cfg.peer_budget_bytes)
         self.servicer = PeerServicer(cfg.node_id, token, self.store, io.run)
-        self.bulk = BulkServer(self.store, token)
+        self.bulk = BulkServer(self.store, token, self.tls)
         self.data_port = cfg.peer_data_port
-        self.peers = Peers(cfg.node_id, cfg.peers, token)
+        self.peers = Peers(cfg.node_id, cfg.peers, token, self.tls)
         self.replicator: Replicator | None = None
         self.fetcher: PeerFetcher | None = None
         if cfg.peers:
@@ -73,7 +75,10 @@ class PeerTier:
         if self.listen.strip().lower() not in ("", "off", "none", "false"):
             server = grpc.aio.server(options=CHANNEL_OPTIONS)
             pb_grpc.add_PeerServicer_to_server(self.servicer, server)
-            port = server.add_insecure_port(self.listen)
+            if self.tls is None:
+                port = server.add_insecure_port(self.listen)
+            else:
+                port = server.add_secure_port(self.listen, self.tls.server_credentials())
             if not port:
                 raise FailedPrecondition(
                     f"cannot listen on peer_address {self.listen}: choose a free HOST:PORT"
@@ -96,8 +101,8 @@ class PeerTier:
             self._server = server
             self.address = f"{host}:{port}"
             log.info(
-                "peer service on %s, replica data on port %d (%d replicas held)",
-                self.address, data_port, held,
+                "peer service on %s, replica data on port %d (%d replicas held)%s",
+                self.address, data_port, held, ", mutual TLS" if self.tls else "",
             )  # fmt: skip
         if self.replicator is not None:
             service("replicator", self.replicator.run)

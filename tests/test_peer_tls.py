@@ -1,0 +1,173 @@
+"""Mutual TLS on the peer tier: the data listener and the Peer service serve only
+callers with a certificate from the configured CA, over TLS, and three daemons
+configured with the files restore a lost node from a peer bit-exact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from ckptd.core.errors import FailedPrecondition, Unavailable
+from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.daemon.app import config
+from ckptd.daemon.peer.bulk import BulkServer
+from ckptd.daemon.peer.bulk_client import push, read_range
+from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from ckptd.daemon.peer.tls import PeerTls
+from ckptd.proto import ckptd_pb2 as pb
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from .pki import SHARED_NAME, Pki, make_pki
+from .test_peer_tier import TOKEN, Cluster, same, state
+from .test_peer_units import _manifest
+
+DATA = bytes(range(256)) * 20_000
+FILES = {"rank-00000.safetensors": DATA}
+
+
+def tls_of(pki: Pki, server_name: str = "") -> PeerTls:
+    cfg = SimpleNamespace(
+        peer_tls_cert_file=str(pki.cert),
+        peer_tls_key_file=str(pki.key),
+        peer_tls_ca_file=str(pki.ca),
+        peer_tls_server_name=server_name,
+    )
+    tls = PeerTls.load(cfg)
+    assert tls is not None
+    return tls
+
+
+@pytest.fixture(scope="module")
+def pkis(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pki, Pki]:
+    """The cluster's CA and node certificate, and an unrelated CA's."""
+    root = tmp_path_factory.mktemp("pki")
+    return make_pki(root / "ours"), make_pki(root / "rogue")
+
+
+@pytest.fixture
+def served(tmp_path: Path, pkis: tuple[Pki, Pki]) -> Iterator[BulkServer]:
+    store = ReplicaStore(tmp_path, 10**9)
+    store.load()
+    incoming = store.begin("j", 5, _manifest(5, FILES))
+    assert isinstance(incoming, Incoming)
+    incoming.write(DATA)
+    incoming.finish()
+    server = BulkServer(store, TOKEN, tls_of(pkis[0]))
+    server.start("127.0.0.1")
+    yield server
+    server.stop()
+
+
+def _read(server: BulkServer, tls: PeerTls | None, length: int = len(DATA)) -> bytes:
+    out = bytearray()
+    read_range(
+        ("127.0.0.1", server.port),
+        TOKEN,
+        {"job": "j", "source": "src", "step": 5, "file": "rank-00000.safetensors",
+         "offset": 0, "length": length},
+        memoryview(bytearray(65536)),
+        out.extend,
+        tls,
+    )  # fmt: skip
+    return bytes(out)
+
+
+def test_the_data_listener_serves_only_callers_with_a_certificate_of_the_ca(
+    served: BulkServer, pkis: tuple[Pki, Pki]
+) -> None:
+    ours, rogue = pkis
+    assert _read(served, tls_of(ours)) == DATA
+    assert _read(served, tls_of(ours, SHARED_NAME)) == DATA  # the shared name checked
+    with pytest.raises(Unavailable, match="peer data connection"):
+        _read(served, None, 10)  # plain TCP: the handshake fails, nothing read
+    with pytest.raises(Unavailable):
+        _read(served, tls_of(rogue), 10)  # a certificate of another CA
+    with pytest.raises(Unavailable, match="certificate"):
+        _read(served, tls_of(ours, "someone-else"), 10)  # not the name the peer holds
+    assert served.served_bytes == 2 * len(DATA)
+
+
+def test_a_replica_is_pushed_over_tls_and_a_short_one_is_dropped(
+    served: BulkServer, pkis: tuple[Pki, Pki]
+) -> None:
+    files = {"rank-00000.safetensors": DATA[::-1]}
+
+    async def run(data: bytes) -> int:
+        async def pieces() -> AsyncIterator[memoryview]:
+            for at in range(0, len(data), 1_000_000):
+                yield memoryview(data)[at : at + 1_000_000]
+
+        request = {"job": "j", "step": 6, "manifest": _manifest(6, files)}
+        address = ("127.0.0.1", served.port)
+        return await push(address, TOKEN, request, pieces, len(DATA), tls_of(pkis[0]))
+
+    with pytest.raises(Unavailable, match="came to"):
+        asyncio.run(run(DATA[::-1][:-10]))  # the sender comes short: it closes
+    assert [h.step for h in served.store.list()] == [5]
+    assert asyncio.run(run(DATA[::-1])) == len(DATA)
+    assert [h.step for h in served.store.list()] == [6]
+
+
+def test_tls_files_are_checked_at_start_up(tmp_path: Path, pkis: tuple[Pki, Pki]) -> None:
+    ours, rogue = pkis
+    with pytest.raises(FailedPrecondition, match="cannot read peer_tls_key_file"):
+        PeerTls.load(
+            SimpleNamespace(
+                peer_tls_cert_file=str(ours.cert),
+                peer_tls_key_file=str(tmp_path / "missing.key"),
+                peer_tls_ca_file=str(ours.ca),
+                peer_tls_server_name="",
+            )
+        )
+    with pytest.raises(FailedPrecondition, match="its own private key"):
+        PeerTls.load(
+            SimpleNamespace(
+                peer_tls_cert_file=str(ours.cert),
+                peer_tls_key_file=str(rogue.key),  # not this certificate's key
+                peer_tls_ca_file=str(ours.ca),
+                peer_tls_server_name="",
+            )
+        )
+    with pytest.raises(config.ConfigError, match="needs all of"):
+        config.load(None, {}, {"peer_tls_cert_file": str(ours.cert)})
+
+
+def test_three_daemons_over_mutual_tls_restore_a_lost_node_bit_exact(
+    make_daemon: Any, tmp_path: Path, pkis: tuple[Pki, Pki]
+) -> None:
+    ours, rogue = pkis
+    tls_args = [
+        "--peer-tls-cert-file", str(ours.cert),
+        "--peer-tls-key-file", str(ours.key),
+        "--peer-tls-ca-file", str(ours.ca),
+    ]  # fmt: skip
+    cluster = Cluster(make_daemon, tmp_path, extra_args=tls_args)
+    a = cluster.daemons["node-a"]
+    client = a.client("job")
+    saved = state(3)
+    client.save(3, saved).wait("local", 60)
+    cluster.replicated("node-a", "job", 3)  # node-b took it over TLS
+    # The Peer service: no answer without TLS, nor to a certificate of another CA.
+    address = f"127.0.0.1:{cluster.ports['node-b']}"
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    rogue_creds = grpc.ssl_channel_credentials(
+        ours.ca.read_bytes(), rogue.key.read_bytes(), rogue.cert.read_bytes()
+    )
+    for channel in (
+        grpc.insecure_channel(address, options=CHANNEL_OPTIONS),
+        grpc.secure_channel(address, rogue_creds, options=CHANNEL_OPTIONS),
+    ):
+        with channel, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.PeerStub(channel).Hello(pb.PeerHelloRequest(), metadata=good, timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    cluster.lose("node-a").start()
+    tree, _ = client.restore()
+    same(tree, saved)
+    fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 3)
+    assert [dict(e.attributes) for e in fetched] == [{"node": "node-b", "via": "peer"}]
