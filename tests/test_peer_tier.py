@@ -23,6 +23,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .conftest import CKPTD, Daemon, RemoteTarget
 from .servers import free_port
+from .test_metrics import scrape, value
 from .test_remote_tier import s3_target
 
 NODES = ("node-a", "node-b", "node-c")
@@ -128,6 +129,8 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
     b = cluster.daemons["node-b"]
     held = b.status()
     assert held.replicas_held == 1 and held.replicas_held_bytes > 0
+    # Taken: step 2's replica, and step 1's if it went before step 2 was local.
+    assert held.peer_received_bytes >= held.replicas_held_bytes and held.peer_served_bytes == 0
     assert held.peer_address == f"127.0.0.1:{cluster.ports['node-b']}"
     assert (held.peer_data_port > 0) == (data_port == 0)
     # A restart with the disk intact sends the step again: node-b holds it already.
@@ -152,6 +155,14 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
     same(tree, saved[2])
     fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 2)
     assert [dict(e.attributes) for e in fetched] == [{"node": "node-b", "via": "peer"}]
+    # node-b served the whole replica (status and metrics agree).
+    assert b.status().peer_served_bytes == held.replicas_held_bytes
+    samples = scrape(b)
+    assert value(samples, "ckptd_peer_bytes_total", direction="served") == (
+        held.replicas_held_bytes
+    )
+    received = value(samples, "ckptd_peer_bytes_total", direction="received")
+    assert received == b.status().peer_received_bytes >= held.replicas_held_bytes
 
 
 def test_a_wrong_token_is_refused(cluster: Cluster) -> None:

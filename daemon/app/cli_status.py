@@ -80,7 +80,8 @@ def _fetching(st: pb.DaemonStatus) -> str:
 
 
 def _peer(st: pb.DaemonStatus) -> str:
-    """``serving on H:P; 2 peers; holds 3 replicas (3.0 GiB); sent 1.0 GiB, taken 0 B``."""
+    """``serving on H:P; 2 peers answered; holds 3 replicas (3.0 GiB); sent 1.0 GiB,
+    taken back 0 B; received 3.0 GiB, served 0 B``."""
     if not st.peer_address and not st.peers_known and not st.peer_error:
         return "off"
     return (
@@ -88,7 +89,9 @@ def _peer(st: pb.DaemonStatus) -> str:
         + (f" (data port {st.peer_data_port}); " if st.peer_data_port else "; ")
         + f"{st.peers_known} peers answered; holds {st.replicas_held} replicas "
         + f"({human_bytes(st.replicas_held_bytes)}); sent {human_bytes(st.replicated_bytes)}, "
-        + f"taken back {human_bytes(st.peer_fetched_bytes)}"
+        + f"taken back {human_bytes(st.peer_fetched_bytes)}; "
+        + f"received {human_bytes(st.peer_received_bytes)}, "
+        + f"served {human_bytes(st.peer_served_bytes)}"
         + (f"; last error: {st.peer_error}" if st.peer_error else "")
     )
 

@@ -218,12 +218,15 @@ class _Gauges(Collector):
         if peer_tier:
             peer = CounterMetricFamily(
                 "ckptd_peer_bytes",
-                "Peer tier bytes: sent (replicas of this node's steps) and fetched (taken "
-                "back from peers after a lost disk).",
+                "Peer tier bytes: sent (replicas of this node's steps), fetched (taken "
+                "back from peers after a lost disk), received (replicas of peers' steps "
+                "taken) and served (replica files read by restoring peers).",
                 labels=["direction"],
             )
             peer.add_metric(["sent"], status.replicated_bytes)
             peer.add_metric(["fetched"], status.peer_fetched_bytes)
+            peer.add_metric(["received"], status.peer_received_bytes)
+            peer.add_metric(["served"], status.peer_served_bytes)
             yield peer
         yield _gauge(
             "ckptd_local_free_bytes",

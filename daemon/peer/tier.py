@@ -147,5 +147,7 @@ class PeerTier:
             "replicated_bytes": self.replicator.sent_bytes if self.replicator else 0,
             "peer_fetched_bytes": self.fetcher.fetched_bytes if self.fetcher else 0,
             "peer_prestaged_bytes": self.fetcher.staged_bytes if self.fetcher else 0,
+            "peer_served_bytes": self.servicer.served_bytes + self.bulk.served_bytes,
+            "peer_received_bytes": self.servicer.received_bytes + self.bulk.received_bytes,
             "peer_error": next((e for e in errors if e), ""),
         }
