@@ -4,13 +4,19 @@ bandwidth cap, the ring that places replicas."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import google_crc32c
 import pytest
 
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.daemon.peer import fetch as peer_fetch
+from ckptd.daemon.peer.fetch import PeerFetcher
 from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
 from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
 
@@ -198,3 +204,61 @@ def test_replication_yields_to_saves_for_at_most_the_max_lag() -> None:
         assert not rep.saves_idle.is_set()
 
     asyncio.run(run())
+
+
+class _Catalog:
+    @contextlib.contextmanager
+    def in_use(self, st: Any) -> Iterator[Any]:
+        yield st
+
+
+class _Io:
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+
+class _Memory:
+    """Shared memory that hands out numbered leases and records what became of them."""
+
+    def __init__(self) -> None:
+        self.leases: list[int] = []
+        self.kept: list[tuple[int, int]] = []  # (rank, lease)
+        self.released: list[int] = []
+
+    async def prestage_lease(self, job: str, size: int) -> Any:
+        self.leases.append(len(self.leases))
+        return SimpleNamespace(segment=self.leases[-1])
+
+    def keep_prefetched(self, job: str, step: int, rank: int, lease: Any) -> None:
+        self.kept.append((rank, lease.segment))
+
+    def release(self, lease: Any) -> None:
+        self.released.append(lease.segment)
+
+
+def test_staging_stops_once_a_restore_has_read_the_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The trainer's restore came while rank 1 was being staged: that segment goes
+    back, rank 2 is never staged (nobody would claim it: it would hold its memory
+    until the lease timeout); rank 0's, staged before, stays for its restore."""
+    st = SimpleNamespace(job="j", step=3, read_at=1.0)
+    ranks = [RankRecord(r, f"rank-{r:05d}.safetensors", 10 * (r + 1), 0, None) for r in range(3)]
+    staged: list[int] = []
+
+    def stage_file(path: Path, segment: int, record: RankRecord) -> None:
+        staged.append(record.rank)
+        if record.rank == 1:
+            st.read_at = 2.0  # a restore served the step (catalog.served)
+
+    monkeypatch.setattr(peer_fetch, "_stage_file", stage_file)
+    store = SimpleNamespace(step_dir=lambda job, step: tmp_path)
+    fetcher = PeerFetcher(_Catalog(), store, _Io(), None)  # type: ignore[arg-type]
+    memory = fetcher.memory = _Memory()
+    try:
+        asyncio.run(fetcher._stage(st, SimpleNamespace(ranks=ranks)))  # type: ignore[arg-type]
+    finally:
+        fetcher.close()
+    assert staged == [0, 1]
+    assert memory.kept == [(0, 0)] and memory.released == [1] and memory.leases == [0, 1]
+    assert fetcher.staged_bytes == 10
