@@ -56,6 +56,7 @@ class Cluster:
         replicas: int = 1,
         data_port: int = 0,
         extra_args: list[str] | None = None,
+        peer_host: str = "127.0.0.1",
     ) -> None:
         token = tmp_path / "peer-token"
         token.write_text(TOKEN + "\n")
@@ -65,7 +66,7 @@ class Cluster:
             args = [
                 "--node-id", node,
                 "--peer-address", f"127.0.0.1:{self.ports[node]}",
-                "--peers", ",".join(f"127.0.0.1:{p}" for p in self.ports.values()),
+                "--peers", ",".join(f"{peer_host}:{p}" for p in self.ports.values()),
                 "--peer-token-file", str(token),
                 "--retention-local", "KeepLatest(1)",
                 "--peer-replicas", str(replicas),

@@ -50,6 +50,12 @@ def pkis(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pki, Pki]:
     return make_pki(root / "ours"), make_pki(root / "rogue")
 
 
+@pytest.fixture(scope="module")
+def named(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA and a node certificate naming ``localhost`` only (no IP address)."""
+    return make_pki(tmp_path_factory.mktemp("pki-named"), san="DNS:localhost")
+
+
 @pytest.fixture
 def served(tmp_path: Path, pkis: tuple[Pki, Pki]) -> Iterator[BulkServer]:
     store = ReplicaStore(tmp_path, 10**9)
@@ -139,15 +145,17 @@ def test_tls_files_are_checked_at_start_up(tmp_path: Path, pkis: tuple[Pki, Pki]
 
 
 def test_three_daemons_over_mutual_tls_restore_a_lost_node_bit_exact(
-    make_daemon: Any, tmp_path: Path, pkis: tuple[Pki, Pki]
+    make_daemon: Any, tmp_path: Path, pkis: tuple[Pki, Pki], named: Pki
 ) -> None:
-    ours, rogue = pkis
+    """The peers are listed as ``localhost:PORT`` and the certificates name only
+    ``localhost``: the name checked is the entry's, not the address it resolved to."""
+    rogue = pkis[1]
     tls_args = [
-        "--peer-tls-cert-file", str(ours.cert),
-        "--peer-tls-key-file", str(ours.key),
-        "--peer-tls-ca-file", str(ours.ca),
+        "--peer-tls-cert-file", str(named.cert),
+        "--peer-tls-key-file", str(named.key),
+        "--peer-tls-ca-file", str(named.ca),
     ]  # fmt: skip
-    cluster = Cluster(make_daemon, tmp_path, extra_args=tls_args)
+    cluster = Cluster(make_daemon, tmp_path, extra_args=tls_args, peer_host="localhost")
     a = cluster.daemons["node-a"]
     client = a.client("job")
     saved = state(3)
@@ -157,11 +165,12 @@ def test_three_daemons_over_mutual_tls_restore_a_lost_node_bit_exact(
     address = f"127.0.0.1:{cluster.ports['node-b']}"
     good = (("authorization", f"Bearer {TOKEN}"),)
     rogue_creds = grpc.ssl_channel_credentials(
-        ours.ca.read_bytes(), rogue.key.read_bytes(), rogue.cert.read_bytes()
+        named.ca.read_bytes(), rogue.key.read_bytes(), rogue.cert.read_bytes()
     )
+    as_localhost = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", "localhost")]
     for channel in (
         grpc.insecure_channel(address, options=CHANNEL_OPTIONS),
-        grpc.secure_channel(address, rogue_creds, options=CHANNEL_OPTIONS),
+        grpc.secure_channel(address, rogue_creds, options=as_localhost),
     ):
         with channel, pytest.raises(grpc.RpcError) as err:
             pb_grpc.PeerStub(channel).Hello(pb.PeerHelloRequest(), metadata=good, timeout=10)

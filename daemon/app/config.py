@@ -145,7 +145,7 @@ class Config:
     peer_tls_ca_file: str = ""
     """PEM CA bundle the peers' certificates must chain to."""
     peer_tls_server_name: str = ""
-    """Name every peer's certificate holds; empty: the host each peer is reached at."""
+    """Name every peer's certificate holds; empty: the host of its ``peers`` entry."""
     peer_bandwidth_bytes: int = 512 * 2**20
     """Bytes per second replication may send (saves and the drain keep the rest)."""
     peer_max_lag_seconds: float = 30.0

@@ -30,17 +30,22 @@ def read_range(
     buf: memoryview,
     sink: Callable[[memoryview], None],
     tls: PeerTls | None = None,
+    name: str = "",
 ) -> int:
     """Read ``request["length"]`` bytes of a replica file from the bulk listener at
     ``address`` through ``buf``, handing each piece to ``sink`` in order; their crc32c
-    is returned. Raises :class:`Unavailable` (unreachable, refused, cut short)."""
+    is returned. With ``tls``, the peer's certificate must hold ``name`` (its ``peers``
+    host; empty: the address's). Raises :class:`Unavailable` (unreachable, refused,
+    cut short)."""
     view = np.frombuffer(buf, np.uint8)  # google-crc32c reads numpy views in place
     try:
         with contextlib.ExitStack() as stack:
             conn = stack.enter_context(socket.create_connection(address, timeout=IDLE_SECONDS))
             if tls is not None:
                 conn = stack.enter_context(
-                    tls.client_context().wrap_socket(conn, server_hostname=tls.hostname(address[0]))
+                    tls.client_context().wrap_socket(
+                        conn, server_hostname=tls.hostname(name or address[0])
+                    )
                 )
             conn.sendall(request_frame(token, {**request, "op": "get"}))
             head = _recv_exact(conn, 2)
@@ -72,13 +77,15 @@ async def push(
     pieces: Callable[[], AsyncIterator[memoryview]],
     total: int,
     tls: PeerTls | None = None,
+    name: str = "",
 ) -> int:
     """Push a replica (``request``: job, step, manifest) and its files' ``total`` bytes
     from ``pieces()`` (not called if the peer holds it already); the size the peer
     holds. Raises :class:`Unavailable` (unreachable, refused, cut short)."""
     try:
         if tls is not None:
-            return await _push_tls(address, token, request, _counted(pieces, total), tls)
+            counted = _counted(pieces, total)
+            return await _push_tls(address, token, request, counted, tls, name or address[0])
         return await _push_plain(address, token, request, _counted(pieces, total))
     except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
         raise Unavailable(f"peer data connection to {address[0]}:{address[1]}: {exc}") from None
@@ -137,13 +144,14 @@ async def _push_tls(
     request: dict[str, Any],
     pieces: Callable[[], AsyncIterator[memoryview]],
     tls: PeerTls,
+    name: str,
 ) -> int:
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(
             address[0],
             address[1],
             ssl=tls.client_context(),
-            server_hostname=tls.hostname(address[0]),
+            server_hostname=tls.hostname(name),
         ),
         CONNECT_SECONDS,
     )

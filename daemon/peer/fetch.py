@@ -372,7 +372,8 @@ class PeerFetcher:
             at += len(piece)
 
         req = {**request, "offset": offset, "length": length}
-        return read_range(peer.data_address, self.peers.token, req, buf, sink, self.peers.tls)
+        tls, name = self.peers.tls, peer.host
+        return read_range(peer.data_address, self.peers.token, req, buf, sink, tls, name)
 
     async def _stream(
         self, peer: Peer, manifest: Manifest, record: RankRecord, place: _Placer

@@ -102,6 +102,9 @@ class Peer:
     address: str
     data_port: int = 0
     """Its bulk data listener's port (bulk.py) on the same host; 0: none."""
+    host: str = ""
+    """The name it was found under (its ``peers`` entry's host): the name its TLS
+    certificate must hold; empty: its IP address."""
 
     @property
     def data_address(self) -> tuple[str, int]:
@@ -109,11 +112,12 @@ class Peer:
         return (self.address.rpartition(":")[0].strip("[]"), self.data_port)
 
 
-def resolve(entries: tuple[str, ...]) -> list[str]:
+def resolve(entries: tuple[str, ...]) -> dict[str, str]:
     """Every ``IP:PORT`` the ``HOST:PORT`` entries name (a name with several
-    addresses, a headless Service's, gives each); an entry that does not resolve
-    is logged and skipped (its pod may not exist yet)."""
-    out: list[str] = []
+    addresses, a headless Service's, gives each), with the host of the first entry
+    naming it; an entry that does not resolve is logged and skipped (its pod may not
+    exist yet)."""
+    out: dict[str, str] = {}
     for entry in entries:
         host, _, port = entry.rpartition(":")
         host = host.strip("[]")
@@ -126,8 +130,7 @@ def resolve(entries: tuple[str, ...]) -> list[str]:
             ip = str(addr[0])
             port_no = int(addr[1])
             text = f"[{ip}]:{port_no}" if family == socket.AF_INET6 else f"{ip}:{port_no}"
-            if text not in out:
-                out.append(text)
+            out.setdefault(text, host)
     return out
 
 
@@ -145,6 +148,8 @@ class Peers:
         """Mutual TLS for every call and data connection (None: plain TCP)."""
         self.metadata = auth_metadata(token)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._hosts: dict[str, str] = {}
+        """The host name each address was found under (``peers``)."""
         self._known: list[Peer] = []
         self._at = -1e18
         self._complete = False
@@ -166,10 +171,12 @@ class Peers:
             if self.tls is None:
                 channel = grpc.aio.insecure_channel(address, options=options)
             else:
+                ip = address.rpartition(":")[0].strip("[]")
+                name = self.tls.hostname(self._hosts.get(address) or ip)
+                if name != ip:  # gRPC checks the target's IP otherwise
+                    options = [*options, ("grpc.ssl_target_name_override", name)]
                 channel = grpc.aio.secure_channel(
-                    address,
-                    self.tls.channel_credentials(),
-                    options=options + self.tls.channel_options(),
+                    address, self.tls.channel_credentials(), options=options
                 )
             self._channels[address] = channel
         return pb_grpc.PeerStub(channel)
@@ -180,7 +187,9 @@ class Peers:
         wait = REFRESH_SECONDS if self._complete else RETRY_SECONDS
         if not fresh and time.monotonic() - self._at < wait:
             return self._known
-        addresses = await asyncio.to_thread(resolve, self.entries)
+        hosts = await asyncio.to_thread(resolve, self.entries)
+        self._hosts.update(hosts)
+        addresses = list(hosts)
         found = await asyncio.gather(*(self._hello(a) for a in addresses))
         named = {p.node: p for p in found if p is not None and p.node != self.me}
         self._known = [named[n] for n in sorted(named)]
@@ -193,7 +202,8 @@ class Peers:
             resp = await self.stub(address).Hello(
                 pb.PeerHelloRequest(), metadata=self.metadata, timeout=HELLO_SECONDS
             )
-            return Peer(check_name("node", resp.node), address, resp.data_port)
+            host = self._hosts.get(address, "")
+            return Peer(check_name("node", resp.node), address, resp.data_port, host)
         except (grpc.RpcError, InvalidArgument) as exc:
             self.fail(address, exc)
             return None

@@ -188,6 +188,7 @@ class Replicator:
                         lambda: self._pieces(st, manifest),
                         sum(r.size for r in manifest.ranks),
                         self.peers.tls,
+                        peer.host,
                     )
                 else:
                     await self.peers.stub(peer.address).PutReplica(

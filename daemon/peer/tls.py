@@ -6,10 +6,11 @@ for a certificate signed by that CA, and shows its own when it calls a peer: bot
 are authenticated and replica bytes and the token travel encrypted. The token is still
 required (it says the caller belongs to this job; the CA may sign other services too).
 
-The name checked in a peer's certificate is the host it is reached at (a DNS name or
-an IP address in its subjectAltName), or ``peer_tls_server_name`` when set: a cluster
-rarely issues a certificate per pod, so every node may share one naming, say,
-``ckptd-peer``. Certificates are read at start-up; a renewed one is taken at the next
+The name checked in a peer's certificate (its subjectAltName) is the host of the
+``peers`` entry it was found under (a DNS name, else its IP address; a headless
+Service's name is checked in every pod's certificate), or ``peer_tls_server_name``
+when set: a cluster rarely issues a certificate per pod, so every node may share one
+naming, say, ``ckptd-peer``. Certificates are read at start-up; a renewed one is taken at the next
 restart (cert-manager rotates the Secret's files; the DaemonSet rolls).
 """
 
@@ -33,7 +34,8 @@ class PeerTls:
     key_file: str
     ca_file: str
     server_name: str = ""
-    """The name every peer's certificate must hold; empty: the host called."""
+    """The name every peer's certificate must hold; empty: the host of its ``peers``
+    entry."""
     _pem: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
     _contexts: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False, compare=False)
 
@@ -71,7 +73,7 @@ class PeerTls:
         return self._context("client", ssl.PROTOCOL_TLS_CLIENT)
 
     def hostname(self, host: str) -> str:
-        """The name a peer reached at ``host`` must hold in its certificate."""
+        """The name a peer found under ``host`` must hold in its certificate."""
         return self.server_name or host.strip("[]")
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -89,10 +91,6 @@ class PeerTls:
             private_key=self._pem["key_file"],
             certificate_chain=self._pem["cert_file"],
         )
-
-    def channel_options(self) -> list[tuple[str, Any]]:
-        """gRPC channel options: the name checked, when one is configured."""
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     def _context(self, side: str, protocol: int) -> ssl.SSLContext:
         context = self._contexts.get(side)
