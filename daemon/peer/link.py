@@ -167,7 +167,7 @@ class Peers:
         if channel is None:
             # Peers restart and start in any order: retry a refused address within a
             # second, not after gRPC's default backoff of up to two minutes.
-            options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
+            options: list[tuple[str, Any]] = CHANNEL_OPTIONS + RECONNECT_OPTIONS
             if self.tls is None:
                 channel = grpc.aio.insecure_channel(address, options=options)
             else:
