@@ -5,6 +5,8 @@ configured with the files restore a lost node from a peer bit-exact."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +20,9 @@ from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.daemon.app import config
 from ckptd.daemon.peer.bulk import BulkServer
 from ckptd.daemon.peer.bulk_client import push, read_range
+from ckptd.daemon.peer.link import Peers
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from ckptd.daemon.peer.service import PeerServicer
 from ckptd.daemon.peer.tls import PeerTls
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -56,18 +60,42 @@ def named(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki-named"), san="DNS:localhost")
 
 
-@pytest.fixture
-def served(tmp_path: Path, pkis: tuple[Pki, Pki]) -> Iterator[BulkServer]:
-    store = ReplicaStore(tmp_path, 10**9)
+def _store(root: Path) -> ReplicaStore:
+    store = ReplicaStore(root, 10**9)
     store.load()
     incoming = store.begin("j", 5, _manifest(5, FILES))
     assert isinstance(incoming, Incoming)
     incoming.write(DATA)
     incoming.finish()
-    server = BulkServer(store, TOKEN, tls_of(pkis[0]))
+    return store
+
+
+@pytest.fixture
+def served(tmp_path: Path, pkis: tuple[Pki, Pki]) -> Iterator[BulkServer]:
+    server = BulkServer(_store(tmp_path), TOKEN, tls_of(pkis[0]))
     server.start("127.0.0.1")
     yield server
     server.stop()
+
+
+def _install(pki: Pki, into: Path) -> Pki:
+    """``pki``'s files at fixed paths in ``into``, each replaced in one rename (as a
+    renewed Secret appears under its mount)."""
+    into.mkdir(exist_ok=True)
+    out = Pki(ca=into / "ca.crt", cert=into / "tls.crt", key=into / "tls.key")
+    for src, dst in ((pki.ca, out.ca), (pki.cert, out.cert), (pki.key, out.key)):
+        tmp = dst.with_suffix(".tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    return out
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _read(server: BulkServer, tls: PeerTls | None, length: int = len(DATA)) -> bytes:
@@ -180,3 +208,83 @@ def test_three_daemons_over_mutual_tls_restore_a_lost_node_bit_exact(
     same(tree, saved)
     fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 3)
     assert [dict(e.attributes) for e in fetched] == [{"node": "node-b", "via": "peer"}]
+
+
+def test_renewed_files_are_taken_by_new_data_connections(
+    tmp_path: Path, pkis: tuple[Pki, Pki]
+) -> None:
+    ours, renewed = pkis  # renewed under another CA: the strongest change
+    files = _install(ours, tmp_path / "tls")
+    clock = _Clock()
+    tls = PeerTls(str(files.cert), str(files.key), str(files.ca), reload_seconds=30, clock=clock)
+    server = BulkServer(_store(tmp_path / "store"), TOKEN, tls)
+    server.start("127.0.0.1")
+    try:
+        assert _read(server, tls_of(ours)) == DATA
+        _install(renewed, tmp_path / "tls")
+        assert _read(server, tls_of(ours)) == DATA  # not looked at again yet
+        clock.now = 31.0
+        assert _read(server, tls_of(renewed)) == DATA
+        assert tls.generation == 1
+        with pytest.raises(Unavailable):
+            _read(server, tls_of(ours), 10)  # the old CA is no longer trusted
+        # A key not matching its certificate (files caught mid-update): kept the last.
+        shutil.copyfile(ours.key, files.key)
+        clock.now = 62.0
+        assert _read(server, tls_of(renewed)) == DATA and tls.generation == 1
+    finally:
+        server.stop()
+
+
+def test_renewed_files_are_taken_by_the_peer_service_and_new_channels(
+    tmp_path: Path, pkis: tuple[Pki, Pki]
+) -> None:
+    ours, renewed = pkis
+    server_files = _install(ours, tmp_path / "server")
+    client_files = _install(ours, tmp_path / "client")
+    clock = _Clock()
+
+    def tls(files: Pki) -> PeerTls:
+        return PeerTls(
+            str(files.cert), str(files.key), str(files.ca), reload_seconds=30, clock=clock
+        )
+
+    server_tls, client_tls = tls(server_files), tls(client_files)
+
+    async def hello(peers: Peers, address: str) -> str:
+        stub = peers.stub(address)
+        resp = await stub.Hello(pb.PeerHelloRequest(), metadata=peers.metadata, timeout=10)
+        return str(resp.node)
+
+    async def body() -> None:
+        store = ReplicaStore(tmp_path / "store", 10**9)
+        store.load()
+
+        async def run(fn: Any, *args: Any) -> Any:
+            return fn(*args)
+
+        server = grpc.aio.server()
+        pb_grpc.add_PeerServicer_to_server(PeerServicer("node-s", TOKEN, store, run), server)
+        port = server.add_secure_port("127.0.0.1:0", server_tls.server_credentials())
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        peers = Peers("node-c", (), TOKEN, client_tls)
+        try:
+            assert await hello(peers, address) == "node-s"
+            _install(renewed, tmp_path / "server")
+            _install(renewed, tmp_path / "client")
+            clock.now = 31.0
+            # The client remakes its channel with the renewed files; the server shows
+            # and asks for the renewed ones on the new connection.
+            assert await hello(peers, address) == "node-s"
+            assert client_tls.generation == server_tls.generation == 1
+            stale = Peers("node-o", (), TOKEN, tls_of(ours))  # still on the old CA
+            with pytest.raises(grpc.RpcError) as err:
+                await hello(stale, address)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            await stale.close()
+        finally:
+            await peers.close()
+            await server.stop(None)
+
+    asyncio.run(body())

@@ -78,7 +78,7 @@ class BulkServer:
 
     def __init__(self, store: ReplicaStore, token: str, tls: PeerTls | None = None) -> None:
         self.store, self._token = store, token.encode()
-        self._tls = tls.server_context() if tls is not None else None
+        self._tls = tls
         self._sock: socket.socket | None = None
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
@@ -126,7 +126,8 @@ class BulkServer:
                 if self._tls is None:
                     self._handle(raw)
                 else:  # a caller without a certificate from the CA fails the handshake
-                    with self._tls.wrap_socket(raw, server_side=True) as conn:
+                    context = self._tls.server_context()  # renewed files: taken here
+                    with context.wrap_socket(raw, server_side=True) as conn:
                         self._handle(conn)
         except OSError as exc:  # the other end went away: it tries another peer
             log.info("peer transfer ended early: %s", exc)

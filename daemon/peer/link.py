@@ -41,6 +41,8 @@ HELLO_SECONDS = 5.0
 """How long a peer may take to say who it is."""
 REFRESH_SECONDS = 30.0
 """How long the peers' names are trusted before they are asked again."""
+CLOSE_GRACE_SECONDS = 900.0
+"""How long calls on a channel replaced by renewed certificates may go on."""
 RETRY_SECONDS = 2.0
 """How soon the peers are asked again while some address did not answer."""
 
@@ -147,7 +149,8 @@ class Peers:
         self.tls = tls
         """Mutual TLS for every call and data connection (None: plain TCP)."""
         self.metadata = auth_metadata(token)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}
+        self._closing: set[asyncio.Future[None]] = set()
         self._hosts: dict[str, str] = {}
         """The host name each address was found under (``peers``)."""
         self._known: list[Peer] = []
@@ -163,7 +166,18 @@ class Peers:
 
     def stub(self, address: str) -> pb_grpc.PeerStub:
         """A stub over one channel per address (kept)."""
-        channel = self._channels.get(address)
+        channel, generation = self._channels.get(address, (None, 0))
+        if (
+            channel is not None
+            and self.tls is not None
+            and (self.tls.refresh() or self.tls.generation != generation)
+        ):
+            # Renewed certificate files: new calls on a new channel; the old one closes
+            # once its calls are done (a transfer under way keeps its connection).
+            closing = asyncio.ensure_future(channel.close(grace=CLOSE_GRACE_SECONDS))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            channel = None
         if channel is None:
             # Peers restart and start in any order: retry a refused address within a
             # second, not after gRPC's default backoff of up to two minutes.
@@ -178,7 +192,8 @@ class Peers:
                 channel = grpc.aio.secure_channel(
                     address, self.tls.channel_credentials(), options=options
                 )
-            self._channels[address] = channel
+            generation = self.tls.generation if self.tls is not None else 0
+            self._channels[address] = (channel, generation)
         return pb_grpc.PeerStub(channel)
 
     async def known(self, fresh: bool = False) -> list[Peer]:
@@ -223,6 +238,6 @@ class Peers:
 
     async def close(self) -> None:
         """Close every channel."""
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -10,14 +10,26 @@ The name checked in a peer's certificate (its subjectAltName) is the host of the
 ``peers`` entry it was found under (a DNS name, else its IP address; a headless
 Service's name is checked in every pod's certificate), or ``peer_tls_server_name``
 when set: a cluster rarely issues a certificate per pod, so every node may share one
-naming, say, ``ckptd-peer``. Certificates are read at start-up; a renewed one is taken at the next
-restart (cert-manager rotates the Secret's files; the DaemonSet rolls).
+naming, say, ``ckptd-peer``.
+
+Certificates are renewed under a running daemon (cert-manager rewrites the Secret's
+files well before they expire; a training run outlives a certificate): the files are
+looked at again at most every :data:`RELOAD_SECONDS` as connections are made, and
+when they changed and still make a usable pair, new connections use them (the Peer
+service through gRPC's certificate fetcher, calls to peers on new channels). Files
+caught half-written, or a key not matching its certificate, are logged and the
+previous ones kept.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
-from dataclasses import dataclass, field
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +37,48 @@ import grpc
 
 from ckptd.core.errors import FailedPrecondition
 
+log = logging.getLogger("ckptd.peer")
+
+RELOAD_SECONDS = 30.0
+"""How often, at most, the files are looked at again for a renewed certificate."""
+_KEYS = ("cert_file", "key_file", "ca_file")
+
 
 @dataclass(frozen=True)
-class PeerTls:
-    """The node's certificate and key and the CA its peers' certificates must chain to."""
+class _Loaded:
+    """One generation of the files: their bytes and the contexts made from them."""
 
-    cert_file: str
-    key_file: str
-    ca_file: str
-    server_name: str = ""
-    """The name every peer's certificate must hold; empty: the host of its ``peers``
-    entry."""
-    _pem: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-    _contexts: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False, compare=False)
+    pem: dict[str, bytes]
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+
+class PeerTls:
+    """The node's certificate and key and the CA its peers' certificates must chain
+    to, reloaded when the files change."""
+
+    def __init__(
+        self,
+        cert_file: str,
+        key_file: str,
+        ca_file: str,
+        server_name: str = "",
+        *,
+        reload_seconds: float = RELOAD_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.files = {"cert_file": cert_file, "key_file": key_file, "ca_file": ca_file}
+        self.server_name = server_name
+        """The name every peer's certificate must hold; empty: the host of its
+        ``peers`` entry."""
+        self.reload_seconds, self._clock = reload_seconds, clock
+        self.generation = 0
+        """How many times renewed files were taken (channels made before are remade)."""
+        self._lock = threading.Lock()
+        self._checked = clock()
+        self._stamp = self._stamps()
+        self._now = self._load()
+        self._served_generation = 0
 
     @classmethod
     def load(cls, cfg: Any) -> PeerTls | None:
@@ -45,68 +86,122 @@ class PeerTls:
         that a wrong path or a key not matching its certificate stops the start-up."""
         if not cfg.peer_tls_cert_file:
             return None
-        tls = cls(
+        return cls(
             cfg.peer_tls_cert_file,
             cfg.peer_tls_key_file,
             cfg.peer_tls_ca_file,
             cfg.peer_tls_server_name,
         )
-        for key in ("cert_file", "key_file", "ca_file"):
-            path = getattr(tls, key)
+
+    def refresh(self) -> bool:
+        """Take the files again if they changed (looked at, at most, every
+        ``reload_seconds``); whether new ones were taken."""
+        with self._lock:
+            now = self._clock()
+            if now - self._checked < self.reload_seconds:
+                return False
+            self._checked = now
             try:
-                tls._pem[key] = Path(path).read_bytes()
-            except OSError as exc:
-                raise FailedPrecondition(
-                    f"cannot read peer_tls_{key} {path}: {exc.strerror}; give a readable "
-                    "PEM file (a mounted Secret's tls.crt, tls.key, ca.crt)"
-                ) from None
-        tls.server_context()
-        tls.client_context()
-        return tls
+                stamp = self._stamps()
+            except FailedPrecondition:
+                return False  # a file gone for a moment (a Secret being swapped)
+            if stamp == self._stamp:
+                return False
+            self._stamp = stamp
+            try:
+                self._now = self._load()
+            except FailedPrecondition as exc:
+                log.warning("peer TLS files changed but cannot be used, kept the previous: %s", exc)
+                return False
+            self.generation += 1
+        log.info("peer TLS certificate renewed from %s", self.files["cert_file"])
+        return True
 
     def server_context(self) -> ssl.SSLContext:
         """For the data listener: its certificate shown, a caller's required."""
-        return self._context("server", ssl.PROTOCOL_TLS_SERVER)
+        self.refresh()
+        return self._now.server
 
     def client_context(self) -> ssl.SSLContext:
         """For a data connection to a peer: the peer's certificate checked, ours shown."""
-        return self._context("client", ssl.PROTOCOL_TLS_CLIENT)
+        self.refresh()
+        return self._now.client
 
     def hostname(self, host: str) -> str:
         """The name a peer found under ``host`` must hold in its certificate."""
         return self.server_name or host.strip("[]")
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """For the Peer service: callers without a certificate from the CA are refused."""
-        return grpc.ssl_server_credentials(
-            [(self._pem["key_file"], self._pem["cert_file"])],
-            root_certificates=self._pem["ca_file"],
-            require_client_auth=True,
+        """For the Peer service: callers without a certificate from the CA are refused;
+        gRPC asks :meth:`_fetch` for renewed files before each new connection."""
+        self._served_generation = self.generation
+        return grpc.dynamic_ssl_server_credentials(
+            self._certificate_configuration(), self._fetch, require_client_authentication=True
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        """For calling a peer's Peer service."""
+        """For calling a peer's Peer service (renewed files: remake the channel)."""
+        self.refresh()
+        pem = self._now.pem
         return grpc.ssl_channel_credentials(
-            root_certificates=self._pem["ca_file"],
-            private_key=self._pem["key_file"],
-            certificate_chain=self._pem["cert_file"],
+            root_certificates=pem["ca_file"],
+            private_key=pem["key_file"],
+            certificate_chain=pem["cert_file"],
         )
 
-    def _context(self, side: str, protocol: int) -> ssl.SSLContext:
-        context = self._contexts.get(side)
-        if context is not None:
-            return context
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        self.refresh()
+        if self.generation == self._served_generation:
+            return None
+        self._served_generation = self.generation
+        return self._certificate_configuration()
+
+    def _certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
+        pem = self._now.pem
+        return grpc.ssl_server_certificate_configuration(
+            [(pem["key_file"], pem["cert_file"])], root_certificates=pem["ca_file"]
+        )
+
+    def _stamps(self) -> tuple[tuple[int, int, int], ...]:
+        """What tells a rewritten file (through the symlinks a Secret mount swaps)."""
+        out = []
+        for key in _KEYS:
+            try:
+                st = os.stat(self.files[key])
+            except OSError as exc:
+                raise _unreadable(key, self.files[key], exc) from None
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def _load(self) -> _Loaded:
+        pem = {}
+        for key in _KEYS:
+            try:
+                pem[key] = Path(self.files[key]).read_bytes()
+            except OSError as exc:
+                raise _unreadable(key, self.files[key], exc) from None
+        return _Loaded(
+            pem, self._context(ssl.PROTOCOL_TLS_SERVER), self._context(ssl.PROTOCOL_TLS_CLIENT)
+        )
+
+    def _context(self, protocol: int) -> ssl.SSLContext:
         context = ssl.SSLContext(protocol)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
+        cert, key, ca = (self.files[k] for k in _KEYS)
         try:
-            context.load_cert_chain(self.cert_file, self.key_file)
-            context.load_verify_locations(self.ca_file)
+            context.load_cert_chain(cert, key)
+            context.load_verify_locations(ca)
         except (ssl.SSLError, OSError) as exc:
             raise FailedPrecondition(
-                f"peer TLS files {self.cert_file}, {self.key_file}, {self.ca_file}: {exc}; "
-                "give a PEM certificate, its own private key and the CA that signed the "
-                "peers' certificates"
+                f"peer TLS files {cert}, {key}, {ca}: {exc}; give a PEM certificate, its "
+                "own private key and the CA that signed the peers' certificates"
             ) from None
         context.verify_mode = ssl.CERT_REQUIRED  # the peer shows a certificate, both ways
-        self._contexts[side] = context
         return context
+
+
+def _unreadable(key: str, path: str, exc: OSError) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"cannot read peer_tls_{key} {path}: {exc.strerror}; give a readable PEM file "
+        "(a mounted Secret's tls.crt, tls.key, ca.crt)"
+    )
