@@ -15,7 +15,7 @@ import numpy as np
 
 from ckptd.core.errors import DataLoss, Unavailable
 
-from .bulk import IDLE_SECONDS, request_frame
+from .bulk import IDLE_SECONDS, fill, request_frame
 from .tls import PeerTls
 
 CONNECT_SECONDS = 10.0
@@ -59,7 +59,7 @@ def read_range(
                 raise DataLoss(f"the peer offered {length} bytes, not {request['length']}")
             crc, got = 0, 0
             while got < length:
-                n = conn.recv_into(buf, min(len(buf), length - got))
+                n = fill(conn, buf[: min(len(buf), length - got)])
                 if n == 0:
                     raise Unavailable(f"the peer closed after {got} of {length} bytes")
                 sink(buf[:n])
