@@ -30,7 +30,10 @@ last one is LOCAL), with replication to b on (``loop_peers``) and off
 With replication, how far the replica trails: at each save reaching LOCAL, the age
 of the newest replicated step (from the daemon's LOCAL and REPLICATED events).
 
-Results: a table on stdout and bench/results/peer.json.
+``--tls``: the daemons speak mutual TLS to each other (peer_tls_*, test certificates
+made with the openssl command).
+
+Results: a table on stdout and bench/results/peer.json (``--name``).
 """
 
 from __future__ import annotations
@@ -139,6 +142,11 @@ class PeerBench:
         self.state = {f"w{i}": rng.standard_normal(per, np.float32) for i in range(args.arrays)}
         self.size = sum(a.nbytes for a in self.state.values())
         self.step = 0
+        self.pki: Any = None
+        if args.tls:
+            from tests.pki import make_pki
+
+            self.pki = make_pki(run_dir / "pki")
 
     def daemon(self, node: str, peers: bool = True, bucket: bool = True) -> Daemon:
         """A daemon for ``node`` (not started)."""
@@ -158,6 +166,12 @@ class PeerBench:
                 "--peers", ",".join(f"127.0.0.1:{p}" for p in self.ports.values()),
                 "--peer-token-file", str(self.run_dir / "token"),
             ]  # fmt: skip
+            if self.pki is not None:  # --tls: mutual TLS between the daemons
+                args += [
+                    "--peer-tls-cert-file", str(self.pki.cert),
+                    "--peer-tls-key-file", str(self.pki.key),
+                    "--peer-tls-ca-file", str(self.pki.ca),
+                ]  # fmt: skip
         return Daemon(
             self.run_dir / f"root-{node}",
             self.run_dir / f"{node}.sock",
@@ -319,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-max-lag", default="", help="peer_max_lag_seconds (default: ckptd's)")
     ap.add_argument("--loop-only", action="store_true", help="only the training-loop arms")
     ap.add_argument("--restore-only", action="store_true", help="only the restore arms")
+    ap.add_argument("--tls", action="store_true", help="mutual TLS between the daemons")
     ap.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR)
     ap.add_argument("--name", default="peer")
     args = ap.parse_args(argv)
