@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,3 +289,26 @@ def test_renewed_files_are_taken_by_the_peer_service_and_new_channels(
             await server.stop(None)
 
     asyncio.run(body())
+
+
+def test_names_checked_are_canonical_and_a_bad_or_encrypted_setting_is_refused(
+    tmp_path: Path, pkis: tuple[Pki, Pki]
+) -> None:
+    ours = pkis[0]
+    tls = tls_of(ours)
+    # gRPC compares IP names as text: an entry's spelling of an address is normalized.
+    assert tls.hostname("[FD00:0::5]") == "fd00::5"
+    assert tls.hostname("127.000.0.1") == "127.000.0.1"  # not an address: a name as given
+    assert tls.hostname("Node-1.example") == "Node-1.example"
+    assert tls_of(ours, SHARED_NAME).hostname("10.0.0.7") == SHARED_NAME
+    with pytest.raises(FailedPrecondition, match="not a host name"):
+        tls_of(ours, "bad name/with slash")
+    # An encrypted key is refused at once (OpenSSL would otherwise ask on a terminal).
+    locked = tmp_path / "locked.key"
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(ours.key), "-out", str(locked), "-aes256",
+         "-passout", "pass:secret"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    with pytest.raises(FailedPrecondition, match="its own private key"):
+        PeerTls(str(ours.cert), str(locked), str(ours.ca))

@@ -114,7 +114,11 @@ class BulkServer:
             except OSError:
                 return  # closed: the daemon stops
             if not self._open.acquire(blocking=False):
-                _refuse(conn, "too many transfers at once; try again")
+                log.warning("peer data connection refused: %d transfers at once", MAX_CONNECTIONS)
+                if self._tls is None:
+                    _refuse(conn, "too many transfers at once; try again")
+                else:  # no plain-text reason inside a TLS handshake: the caller sees it close
+                    conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 

@@ -131,7 +131,9 @@ async def _push_plain(
         if head is not None:
             return head  # held already
         async for piece in pieces():
-            await loop.sock_sendall(sock, piece)  # from the reader's buffer: no copy
+            # From the reader's buffer: no copy. Bounded: a receiver that stops reading
+            # (frozen, its disk stuck) must not stall replication for good.
+            await asyncio.wait_for(loop.sock_sendall(sock, piece), HELD_SECONDS)
         sock.shutdown(socket.SHUT_WR)  # all sent: the receiver reads to the end
         return await _held(recv)
     finally:
@@ -165,7 +167,7 @@ async def _push_tls(
             # Copied: the transport may hold what it is given past drain(), and the
             # reader's buffer is refilled once the next piece is asked for.
             writer.write(bytes(piece))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), HELD_SECONDS)
         # No half-close over TLS (asyncio): the receiver counts the bytes the manifest
         # names, and a sender coming short closes instead (_counted).
         return await _held(reader.readexactly)

@@ -30,7 +30,7 @@ from ckptd.core.wire import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
-from .tls import PeerTls
+from .tls import PeerTls, canonical_host
 
 log = logging.getLogger("ckptd.peer")
 
@@ -122,7 +122,7 @@ def resolve(entries: tuple[str, ...]) -> dict[str, str]:
     out: dict[str, str] = {}
     for entry in entries:
         host, _, port = entry.rpartition(":")
-        host = host.strip("[]")
+        host = canonical_host(host)
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except (OSError, ValueError) as exc:
@@ -149,7 +149,9 @@ class Peers:
         self.tls = tls
         """Mutual TLS for every call and data connection (None: plain TCP)."""
         self.metadata = auth_metadata(token)
-        self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, int, str]] = {}
+        """Per address: the channel, the TLS files' generation and the name it checks."""
+        self._retired: list[grpc.aio.Channel] = []
         self._closing: set[asyncio.Future[None]] = set()
         self._hosts: dict[str, str] = {}
         """The host name each address was found under (``peers``)."""
@@ -166,17 +168,18 @@ class Peers:
 
     def stub(self, address: str) -> pb_grpc.PeerStub:
         """A stub over one channel per address (kept)."""
-        channel, generation = self._channels.get(address, (None, 0))
+        ip = address.rpartition(":")[0].strip("[]")
+        name = self.tls.hostname(self._hosts.get(address) or ip) if self.tls else ""
+        channel, generation, made_for = self._channels.get(address, (None, 0, ""))
         if (
             channel is not None
             and self.tls is not None
-            and (self.tls.refresh() or self.tls.generation != generation)
+            and (self.tls.refresh() or self.tls.generation != generation or made_for != name)
         ):
-            # Renewed certificate files: new calls on a new channel; the old one closes
-            # once its calls are done (a transfer under way keeps its connection).
-            closing = asyncio.ensure_future(channel.close(grace=CLOSE_GRACE_SECONDS))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            # Renewed certificate files, or the address now names another peer entry:
+            # new calls on a new channel; the old one closes once its calls are done
+            # (a transfer under way keeps its connection).
+            self._retire(channel)
             channel = None
         if channel is None:
             # Peers restart and start in any order: retry a refused address within a
@@ -185,16 +188,24 @@ class Peers:
             if self.tls is None:
                 channel = grpc.aio.insecure_channel(address, options=options)
             else:
-                ip = address.rpartition(":")[0].strip("[]")
-                name = self.tls.hostname(self._hosts.get(address) or ip)
-                if name != ip:  # gRPC checks the target's IP otherwise
+                if name != canonical_host(ip):  # gRPC checks the target's IP otherwise
                     options = [*options, ("grpc.ssl_target_name_override", name)]
-                channel = grpc.aio.secure_channel(
-                    address, self.tls.channel_credentials(), options=options
-                )
-            generation = self.tls.generation if self.tls is not None else 0
-            self._channels[address] = (channel, generation)
+                credentials, generation = self.tls.channel_credentials()
+                channel = grpc.aio.secure_channel(address, credentials, options=options)
+            self._channels[address] = (channel, generation, name)
         return pb_grpc.PeerStub(channel)
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        self._retired.append(channel)
+        closing = asyncio.ensure_future(channel.close(grace=CLOSE_GRACE_SECONDS))
+        self._closing.add(closing)
+
+        def closed(task: asyncio.Future[None]) -> None:
+            self._closing.discard(task)
+            if not task.cancelled():
+                self._retired.remove(channel)
+
+        closing.add_done_callback(closed)
 
     async def known(self, fresh: bool = False) -> list[Peer]:
         """The peers that said who they are (not this node), by node name."""
@@ -238,6 +249,9 @@ class Peers:
 
     async def close(self) -> None:
         """Close every channel."""
-        for channel, _ in self._channels.values():
+        for task in list(self._closing):
+            task.cancel()
+        for channel in [*self._retired, *(c for c, _, _ in self._channels.values())]:
             await channel.close()
+        self._retired.clear()
         self._channels.clear()

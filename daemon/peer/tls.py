@@ -23,8 +23,10 @@ previous ones kept.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
 import ssl
 import threading
 import time
@@ -75,8 +77,14 @@ class PeerTls:
         self.generation = 0
         """How many times renewed files were taken (channels made before are remade)."""
         self._lock = threading.Lock()
+        if server_name and not _valid_name(server_name):
+            raise FailedPrecondition(
+                f"peer_tls_server_name {server_name!r} is not a host name; give the DNS name "
+                "every peer's certificate holds"
+            )
         self._checked = clock()
         self._stamp = self._stamps()
+        self._refused: tuple[tuple[int, int, int], ...] | None = None
         self._now = self._load()
         self._served_generation = 0
 
@@ -107,12 +115,15 @@ class PeerTls:
                 return False  # a file gone for a moment (a Secret being swapped)
             if stamp == self._stamp:
                 return False
-            self._stamp = stamp
             try:
-                self._now = self._load()
+                loaded = self._load()
             except FailedPrecondition as exc:
-                log.warning("peer TLS files changed but cannot be used, kept the previous: %s", exc)
+                # Tried again next time (files caught mid-write settle), said once.
+                if stamp != self._refused:
+                    self._refused = stamp
+                    log.warning("peer TLS files changed but cannot be used, kept the last: %s", exc)
                 return False
+            self._now, self._stamp = loaded, stamp
             self.generation += 1
         log.info("peer TLS certificate renewed from %s", self.files["cert_file"])
         return True
@@ -129,7 +140,7 @@ class PeerTls:
 
     def hostname(self, host: str) -> str:
         """The name a peer found under ``host`` must hold in its certificate."""
-        return self.server_name or host.strip("[]")
+        return self.server_name or canonical_host(host)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """For the Peer service: callers without a certificate from the CA are refused;
@@ -139,15 +150,18 @@ class PeerTls:
             self._certificate_configuration(), self._fetch, require_client_authentication=True
         )
 
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """For calling a peer's Peer service (renewed files: remake the channel)."""
+    def channel_credentials(self) -> tuple[grpc.ChannelCredentials, int]:
+        """For calling a peer's Peer service, and the generation of the files they
+        came from (a channel is remade once :attr:`generation` moves past it)."""
         self.refresh()
-        pem = self._now.pem
-        return grpc.ssl_channel_credentials(
+        with self._lock:  # the files and their generation, from one renewal
+            pem, generation = self._now.pem, self.generation
+        credentials = grpc.ssl_channel_credentials(
             root_certificates=pem["ca_file"],
             private_key=pem["key_file"],
             certificate_chain=pem["cert_file"],
         )
+        return credentials, generation
 
     def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
         self.refresh()
@@ -174,22 +188,32 @@ class PeerTls:
         return tuple(out)
 
     def _load(self) -> _Loaded:
+        pem = self._read()
+        loaded = _Loaded(
+            pem, self._context(ssl.PROTOCOL_TLS_SERVER), self._context(ssl.PROTOCOL_TLS_CLIENT)
+        )
+        # gRPC gets the bytes, ssl the paths: the same files only if nothing wrote them
+        # in between (a renewal caught mid-way is taken at the next look).
+        if self._read() != pem:
+            raise FailedPrecondition("peer TLS files changed while they were read")
+        return loaded
+
+    def _read(self) -> dict[str, bytes]:
         pem = {}
         for key in _KEYS:
             try:
                 pem[key] = Path(self.files[key]).read_bytes()
             except OSError as exc:
                 raise _unreadable(key, self.files[key], exc) from None
-        return _Loaded(
-            pem, self._context(ssl.PROTOCOL_TLS_SERVER), self._context(ssl.PROTOCOL_TLS_CLIENT)
-        )
+        return pem
 
     def _context(self, protocol: int) -> ssl.SSLContext:
         context = ssl.SSLContext(protocol)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         cert, key, ca = (self.files[k] for k in _KEYS)
         try:
-            context.load_cert_chain(cert, key)
+            # An encrypted key fails here rather than prompting on the terminal.
+            context.load_cert_chain(cert, key, password=lambda: b"")
             context.load_verify_locations(ca)
         except (ssl.SSLError, OSError) as exc:
             raise FailedPrecondition(
@@ -198,6 +222,24 @@ class PeerTls:
             ) from None
         context.verify_mode = ssl.CERT_REQUIRED  # the peer shows a certificate, both ways
         return context
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}", name) is not None
+
+
+def canonical_host(host: str) -> str:
+    """``host`` without brackets; an IP address in its canonical spelling (gRPC compares
+    a certificate's IP names as text)."""
+    host = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
 
 
 def _unreadable(key: str, path: str, exc: OSError) -> FailedPrecondition:
