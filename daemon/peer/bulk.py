@@ -223,7 +223,7 @@ class BulkServer:
             left = sum(r.size for r in incoming.manifest.ranks)
             view = memoryview(bytearray(CHUNK))
             while left:
-                n = fill(conn, view[: min(len(view), left)])
+                n = conn.recv_into(view, min(len(view), left))
                 if n == 0:
                     raise OSError(f"the sender closed with {left} bytes of the replica to come")
                 incoming.write(view[:n])
@@ -248,19 +248,6 @@ def _refuse(conn: socket.socket, reason: str) -> None:
         conn.close()
     except OSError:
         pass
-
-
-def fill(conn: socket.socket, view: memoryview) -> int:
-    """Read into all of ``view`` unless the sender stops first; how much came. A TLS
-    read returns one record (16 KiB): a write and a crc call per record would cost
-    more than the reads."""
-    n = 0
-    while n < len(view):
-        more = conn.recv_into(view[n:])
-        if more == 0:
-            break
-        n += more
-    return n
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
