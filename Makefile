@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: promtool dashboard goodput venv demo test test-fast test-slow faults fuzz soak bench bench-deps proto lint typecheck clean
+.PHONY: promtool dashboard goodput venv demo test test-fast test-slow test-frameworks faults fuzz soak bench bench-deps proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -36,13 +36,18 @@ $(VENV)/bin/promtool: | venv
 # The full fault-injection suite is `make faults`, the full gRPC fuzz run `make fuzz`;
 # `make test` runs a representative subset of the first and a 200-case sample of the second.
 test: venv promtool
-	$(PY) -m pytest -q -m "not faults and not fuzz" tests
+	$(PY) -m pytest -q -m "not faults and not fuzz and not frameworks" tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow and not faults and not fuzz" tests
+	$(PY) -m pytest -q -m "not slow and not faults and not fuzz and not frameworks" tests
 
 test-slow: venv
-	$(PY) -m pytest -q -m "slow and not faults and not fuzz" tests
+	$(PY) -m pytest -q -m "slow and not faults and not fuzz and not frameworks" tests
+
+# The framework integrations driven by each framework's own training loop (Lightning,
+# the Hugging Face Trainer, torchtitan, Orbax's CheckpointManager API) against a real daemon.
+test-frameworks: venv
+	$(PY) -m pytest -q -m frameworks tests
 
 faults: venv
 	$(PY) -m pytest -q -m faults tests

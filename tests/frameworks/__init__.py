@@ -1,0 +1,1 @@
+"""Framework integrations driven by each framework's own code (``make test-frameworks``)."""
