@@ -52,8 +52,6 @@ class Lease:
     committed: bool = False
     restore: bool = False
     """A restore lease: holds verified checkpoint data for the client."""
-    borrowed: bool = False
-    """The client mapped the restore lease and flocks it while its arrays live."""
     holder: str = ""
     """The client's liveness file (see :data:`HOLDER_HEADER`); empty: unknown client."""
     owner: tuple[int, int] | None = None

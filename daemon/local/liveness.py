@@ -4,8 +4,7 @@ Each client process holds a shared flock on a small file in the shm directory,
 ``ckptd-client-<pid>-<hex>``, for its whole life, and names it in the
 :data:`HOLDER_HEADER` metadata of the calls that get it a lease. The kernel
 drops the lock when the process dies, however it dies, so "nobody holds the
-lock" means "the client is gone": no timer, no heartbeat. The same probe tells
-when a client stopped using restored memory it borrowed (it flocks the segment).
+lock" means "the client is gone": no timer, no heartbeat.
 """
 
 from __future__ import annotations

@@ -188,8 +188,8 @@ class Staging:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
-                # Borrowed restore segments come back when a client drops its lock,
-                # which nothing signals: poll for those too.
+                # Leases of clients that died come back when their liveness lock is
+                # gone, which nothing signals: poll for those too.
                 freed = self._freed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(freed.wait(), min(left, 0.5))
@@ -237,8 +237,6 @@ class Staging:
         for lease in self._leases.values():
             if lease.committed:
                 kind = "handed-off saves being written to disk"
-            elif lease.borrowed:
-                kind = "restored arrays a client still uses"
             elif lease.restore:
                 kind = "restores not yet mapped by their client"
             else:
@@ -286,9 +284,9 @@ class Staging:
     def take_free(self, job: str, size_bytes: int, uid: int | None = None) -> Lease | None:
         """A restore lease on an already faulted free segment, or None (never allocates).
 
-        Lends a segment only if a save of the same size could still get memory
-        afterwards (another free segment, or budget to allocate one), so a client
-        that keeps its restored arrays for the whole run never starves its saves.
+        Takes a segment only if a save of the same size could still get memory
+        while the restore holds it (another free segment, or budget to allocate
+        one); once the client holds the lease the segment is its (:meth:`lend`).
         Only a segment ``uid`` (default: the job's owner) used before, or nobody
         did, is taken: the lease goes to one of its processes (:meth:`hold`).
         """
@@ -327,22 +325,20 @@ class Staging:
         return self._leases.get(lease.lease_id) is lease
 
     def lend(self, lease_id: str) -> None:
-        """The client confirmed it mapped a restore lease and holds its lock."""
+        """The client mapped a restore lease and holds it: the segment becomes the
+        trainer's memory. It leaves the pool and the budget (unlinked, the daemon's
+        mapping dropped), so restored arrays a trainer keeps for its whole run (an
+        optimizer's state) never hold staging memory; the pages go when the
+        trainer's last view of them does."""
         lease = self.get(lease_id)
         if not lease.restore:
             raise Conflict(
                 f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
             )
-        lease.borrowed = True
-
-    def reclaim_returned(self) -> list[str]:
-        """Take back borrowed segments whose client lock is gone (arrays freed or client dead)."""
-        returned = []
-        for lid, lease in list(self._leases.items()):
-            if lease.borrowed and not locked_by_others(self.shm_dir / lease.segment.name):
-                self.release(lid)
-                returned.append(lid)
-        return returned
+        del self._leases[lease_id]
+        self._destroy(lease.segment)
+        self._freed.set()  # the budget it held is free for saves waiting for memory
+        self._freed = asyncio.Event()
 
     def get(self, lease_id: str) -> Lease:
         """The live lease with this id, or NotFound."""
@@ -376,14 +372,13 @@ class Staging:
     def reclaim_expired(self) -> list[str]:
         """Return leases whose client died (its liveness file is unlocked) or that
         were held past the timeout without a commit."""
-        self.reclaim_returned()
         now = self._clock()
         if now - self._swept_at > SWEEP_SECONDS:
             self.sweep_dead_clients()
         expired = []
         dead: dict[str, bool] = {}
         for lid, lease in list(self._leases.items()):
-            if lease.committed or lease.borrowed:
+            if lease.committed:
                 continue
             if lease.holder:
                 if lease.holder not in dead:

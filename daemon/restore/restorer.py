@@ -8,8 +8,9 @@ at commit before the client sees a byte:
   segments, checks every shard's crc32c, and lends the segment to the client,
   whose arrays are views over it. No page cache is allocated, which is what
   makes cold restores fast on these VMs (see DESIGN.md, Performance notes).
-  The client holds a shared flock on the segment while any array uses it; the
-  daemon takes it back for later saves only once that lock is gone.
+  Once the client has mapped it, the segment is the trainer's memory: the
+  daemon unlinks it and drops it from its pool and staging budget, so restored
+  arrays the trainer keeps (an optimizer's state) never hold a lease.
 - the file: when no free segment fits, the client maps the file copy-on-write
   and checks the crc32c itself, reporting a mismatch with ReportCorrupt.
 
@@ -293,7 +294,7 @@ class Restorer:
         return True
 
     def lend(self, lease_id: str) -> None:
-        """The client mapped a restore lease and locked it; it comes back when unlocked."""
+        """The client mapped a restore lease: the segment is its memory from now on."""
         self.staging.lend(lease_id)
 
     async def report_corrupt(self, job: str, step: int, detail: str) -> None:
