@@ -22,6 +22,7 @@ from . import restoring
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle, watch_stage
 from .handoff import Handoff
+from .jax_arrays import Replicas
 from .planning import Planner
 from .policies import FailureHistory, SaveContext, SavePolicy
 from .saving import Saving, _check_metrics
@@ -60,7 +61,7 @@ class Client(Saving):
         copy_threads: int | None = None,
         policy: SavePolicy | None = None,
         staging_timeout: float = 60.0,
-        save_replicas: bool = False,
+        save_replicas: Replicas = False,
         reconnect_timeout: float = 60.0,
     ) -> None:
         if not isinstance(job, str) or not job:
@@ -96,12 +97,13 @@ class Client(Saving):
         self._unreachable = False
 
     @property
-    def save_replicas(self) -> bool:
-        """Save every replica of a replicated jax array shard, not only ``replica_id == 0``."""
+    def save_replicas(self) -> Replicas:
+        """Save every replica of a replicated jax array shard, not only ``replica_id == 0``
+        (``"process"``: each distinct shard once per process)."""
         return self._planner.save_replicas
 
     @save_replicas.setter
-    def save_replicas(self, on: bool) -> None:
+    def save_replicas(self, on: Replicas) -> None:
         self._planner.save_replicas = on
 
     # -- plumbing ------------------------------------------------------------
@@ -301,11 +303,14 @@ class Client(Saving):
         return [CheckpointInfo.of(c) for c in resp.checkpoints]
 
     def all_steps(self, healthy: bool = False) -> builtins.list[int]:
-        """Steps with a complete copy in some tier (this node's, or the bucket's), oldest
-        first: what :meth:`restore` can be asked for (Orbax's ``all_steps``);
+        """Steps of the job's live history with a complete copy in some tier (this
+        node's, or the bucket's), oldest first: what :meth:`restore` can be asked for
+        (Orbax's ``all_steps``; steps a later timeline abandoned are left out);
         ``healthy``: only those known to hold no NaN/Inf."""
         return sorted(
-            c.step for c in self.list() if c.tiers and not c.adopted and (c.healthy or not healthy)
+            c.step
+            for c in self.list()
+            if c.tiers and not c.adopted and not c.abandoned and (c.healthy or not healthy)
         )
 
     def latest_step(self, healthy: bool = False) -> int | None:

@@ -24,15 +24,20 @@ unless the newest 64 all fail somewhere)."""
 
 
 def restorable_steps(client: Client, healthy: bool = False) -> list[int]:
-    """Steps this process's node can restore from some tier, newest first (adopted
-    directories are not ckptd arrays: their framework restores them); ``healthy``:
-    only those known to hold no NaN/Inf on this node."""
+    """Steps of the job's live history this process's node can restore from some tier,
+    newest first (adopted directories are not ckptd arrays: their framework restores
+    them; abandoned steps are off the live history); ``healthy``: only those known to
+    hold no NaN/Inf on this node."""
     rows = client.list()
     return sorted(
         {
             c.step
             for c in rows
-            if c.tiers and c.state != "STAGING" and not c.adopted and (c.healthy or not healthy)
+            if c.tiers
+            and c.state != "STAGING"
+            and not c.adopted
+            and not c.abandoned
+            and (c.healthy or not healthy)
         },
         reverse=True,
     )

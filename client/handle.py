@@ -41,6 +41,12 @@ class CheckpointInfo:
     adopted: bool = False
     """A directory tree adopted from another framework (an Orbax step, ``adopt``)."""
     source: str = ""
+    timeline: int = 0
+    """The job's timeline this step was saved on: a save at or below the job's newest
+    step (a rollback, a rerun under a reused job name) begins a new one."""
+    abandoned: bool = False
+    """A later timeline began at or below this step: ``restore()`` without a step,
+    ``latest_step`` and ``all_steps`` skip it (``restore(step=N)`` still reads it)."""
 
     @property
     def healthy(self) -> bool | None:
@@ -67,6 +73,8 @@ class CheckpointInfo:
             dict(c.metrics),
             c.adopted,
             c.source,
+            c.timeline,
+            c.abandoned,
         )
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from .errors import DataLoss, InvalidArgument
 from .names import MAX_NAME_BYTES, check_name, check_shard_key, check_step, check_tree_path
 from .shard_table import ShardTable, empty_table
+from .timeline import Forks, check_forks, check_timeline
 
 FORMAT_VERSION = 2
 """2: shards as columns (:class:`ShardTable`); 1: one JSON object per shard (still read)."""
@@ -110,6 +111,11 @@ class Manifest:
     ``DATA_BY_STEP`` (1) under ``<job>/<step>/<node>/``, as every ckptd before the
     spread layout wrote them; ``DATA_SPREAD`` (2) under a per-node prefix that does not
     change from step to step, so the store can partition the write load once."""
+    timeline: int = 0
+    """The job's timeline this step was saved on (core/timeline.py)."""
+    forks: Forks = ()
+    """The job's lineage when this step was saved: ``(timeline, first step)`` of every
+    timeline after the first (core/timeline.py)."""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -197,6 +203,8 @@ class Manifest:
                 source=str(raw.get("source", "")),
                 nonfinite=raw.get("nonfinite"),  # checked below
                 data_layout=raw.get("data_layout", DATA_BY_STEP),  # checked: an int
+                timeline=raw.get("timeline", 0),  # checked below
+                forks=check_forks(raw.get("forks")),
                 format_version=version,
             )
             if version == 1:
@@ -266,6 +274,7 @@ def _check(m: Manifest) -> None:
                 _count(f"nonfinite[{str(rank)[:20]!r}][{key[:80]!r}]", n, 2**63)
     if m.data_layout not in DATA_LAYOUTS:
         raise InvalidArgument(f"unknown data_layout {m.data_layout!r}; upgrade ckptd")
+    check_timeline(m.timeline, m.forks)
     # Job names up to 255 bytes were accepted before the 128-byte limit: their copies
     # stay readable (not set aside at start-up), though no call can name them now.
     _named("job", lambda v: check_name("job", v, MAX_NAME_BYTES), m.job)

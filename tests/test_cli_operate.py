@@ -129,10 +129,11 @@ def test_client_steps_wait_and_numpy_target_dtype(daemon: Daemon) -> None:
     c: Client = daemon.client("conv")
     assert c.all_steps() == [] and c.latest_step() is None
     c.wait_until_finished()  # no save yet: returns at once
-    for step in (3, 1, 2):
+    for step in (1, 3, 2):
         c.save(step, {"w": np.full(8, step, np.float32)})
     c.wait_until_finished()
-    assert c.all_steps() == [1, 2, 3] and c.latest_step() == 3
+    # Step 2, saved after 3, began a new timeline: 3 is abandoned, 2 the newest.
+    assert c.all_steps() == [1, 2] and c.latest_step() == 2
     with pytest.raises(TreeMismatch, match=r"target has dtype float64 and the checkpoint float32"):
         c.restore(target={"w": np.zeros(8, np.float64)})
 

@@ -148,12 +148,13 @@ def test_second_commit_of_same_step_and_rank_conflicts(daemon: Daemon) -> None:
     stub.CommitShards(good_request(stub, step=5), metadata=META)
     expect(grpc.StatusCode.ALREADY_EXISTS, "already", stub.CommitShards, good_request(stub, step=5))
     SaveHandle(daemon.client("errs"), 5).wait("local", timeout=30)
-    expect(
-        grpc.StatusCode.ALREADY_EXISTS,
-        "already exists here (LOCAL)",
-        stub.CommitShards,
-        good_request(stub, step=5),
-    )
+    # Once committed, a save under the same number is a new save: it begins a new
+    # timeline and replaces the step (never an error, never silently dropped).
+    stub.CommitShards(good_request(stub, step=5), metadata=META)
+    SaveHandle(daemon.client("errs"), 5).wait("local", timeout=30)
+    assert [e.step for e in daemon.events_of(pb.STEP_EVENT_REPLACED, "errs")] == [5]
+    timeline = daemon.events_of(pb.STEP_EVENT_TIMELINE, "errs")
+    assert [(e.step, dict(e.attributes)["timeline"]) for e in timeline] == [(5, "1")]
     reused = good_request(stub, step=6)
     stub.CommitShards(reused, metadata=META)
     with pytest.raises(grpc.RpcError) as info:  # still being written, or already back in the pool

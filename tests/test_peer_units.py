@@ -58,7 +58,7 @@ def test_a_replica_lands_whole_across_any_chunking_and_replaces_the_older(
     # Sent again by a source that restarted: held already, nothing to receive.
     assert isinstance(store.begin("j", 2, _manifest(2, FILES)), Held)
     assert not (tmp_path / ".replicas" / "j" / "src" / "1").exists()
-    with pytest.raises(InvalidArgument, match="only a newer step"):
+    with pytest.raises(InvalidArgument, match="only a newer save"):
         store.begin("j", 1, _manifest(1, FILES))
     with pytest.raises(NotFound):
         store.path("j", "src", 1, "rank-00000.safetensors")
@@ -71,6 +71,35 @@ def test_a_replica_lands_whole_across_any_chunking_and_replaces_the_older(
     again = ReplicaStore(tmp_path, 10**6)
     assert again.load() == 1 and [h.step for h in again.list()] == [2]
     assert list((tmp_path / ".replicas" / ".incoming").iterdir()) == []
+
+
+def test_a_later_timelines_replica_replaces_a_higher_step(tmp_path: Path) -> None:
+    """After a rollback the source's newest save has a lower number (core/timeline.py):
+    its replica still replaces the old one, under the same number too."""
+    store = ReplicaStore(tmp_path, 10**6)
+    store.load()
+    data = b"".join(FILES.values())
+    _put(store, 5, [data])
+
+    def forked(step: int, start: int) -> str:
+        ranks = [
+            RankRecord(i, name, len(d), google_crc32c.value(d), None)
+            for i, (name, d) in enumerate(FILES.items())
+        ]
+        return Manifest("j", step, "src", 2, 1.0, ranks, timeline=1, forks=((1, start),)).to_json()
+
+    for step in (3, 5):  # a lower number, then the same number, of timeline 1
+        incoming = store.begin("j", step, forked(step, 3))
+        assert isinstance(incoming, Incoming)
+        incoming.write(data)
+        held = incoming.finish()
+        assert (held.step, held.timeline) == (step, 1)
+        assert [(h.step, h.timeline) for h in store.list()] == [(step, 1)]
+        assert store.path("j", "src", step, "rank-00000.safetensors").read_bytes() == b"a" * 5000
+    with pytest.raises(InvalidArgument, match="only a newer save"):
+        store.begin("j", 4, _manifest(4, FILES))  # timeline 0: older, whatever its number
+    again = ReplicaStore(tmp_path, 10**6)
+    assert again.load() == 1 and [(h.step, h.timeline) for h in again.list()] == [(5, 1)]
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,8 @@ def test_readme_jax_example_resumes_bit_identical(make_daemon: Any, tmp_path: Pa
     assert (first["start"], first["step"], first["offset"]) == (0, 6, 6)
     resumed = run(d, 10)
     assert (resumed["start"], resumed["step"], resumed["offset"]) == (6, 10, 10)
+    again = run(d, 10)  # run again as printed: it resumes from its last step, nothing to do
+    assert (again["start"], again["digest"]) == (10, resumed["digest"])
     assert resumed["types"] == ["TrainState", "key<fry>"]
     straight = run(make_daemon(), 10)
     assert straight["start"] == 0 and straight["digest"] == resumed["digest"]

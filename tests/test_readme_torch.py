@@ -108,7 +108,7 @@ def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
     killed = out[0]["returned"]
     assert killed >= KILL_AT
     steps = killed + AFTER
-    client = d.client("run-42")
+    client = d.client("mlp-torch")
     for c in client.list():  # a handoff acknowledged before the kill is finished now
         with contextlib.suppress(SaveFailed):
             SaveHandle(client, c.step).wait("local", 60)
@@ -116,10 +116,15 @@ def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
     rc, out = run(d, steps)  # a new process: dcp.load of the newest step ckptd holds
     assert rc == 0
     resumed = out[-1]
+    rc, out = run(d, steps)  # run again as printed: it resumes from its last step
+    assert rc == 0 and (out[-1]["start"], out[-1]["digest"]) == (steps, resumed["digest"])
 
-    rc, out = run(make_daemon(), steps)  # never stopped
+    fresh = make_daemon()
+    jax_example = _jax_example_beside(fresh, tmp_path)
+    rc, out = run(fresh, steps)  # never stopped (the README's JAX example ran there first)
     assert rc == 0
     straight = out[-1]
+    assert jax_example.returncode == 0, jax_example.stderr[-3000:]
     assert (straight["start"], straight["step"], straight["offset"]) == (0, steps, steps)
     # The step whose async_save had returned is the one restored if its handoff
     # finished before the kill, else an earlier one; either resumes exactly.
@@ -128,3 +133,16 @@ def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
     assert len(resumed["losses"]) >= AFTER
     assert resumed["losses"] == {k: straight["losses"][k] for k in resumed["losses"]}
     assert resumed["digest"] == straight["digest"]
+
+
+def _jax_example_beside(d: Daemon, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """The README's JAX example run on the same daemon first: each example has its own
+    job, so running one after the other works as printed."""
+    from . import test_readme_jax
+
+    script = tmp_path / "jax_example.py"
+    script.write_text(test_readme_jax.PRELUDE + test_readme_jax.readme_example())
+    env = {**os.environ, "CKPTD_SOCKET": str(d.socket), "NUM_STEPS": "3"}
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )

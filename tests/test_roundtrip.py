@@ -199,14 +199,23 @@ def test_shard_files_load_with_safetensors_and_crcs_match(daemon: Daemon) -> Non
 
 def test_list_and_restore_newest_and_missing(daemon: Daemon) -> None:
     client = daemon.client("lst")
-    for step in (1, 5, 3):
+    for step in (1, 3, 5):
         client.save(step, {"x": np.full(4, step)}, metadata={"s": step}).wait("local")
     assert [c.step for c in client.list()] == [5, 3, 1]
     assert all(c.state == "LOCAL" and c.tiers == ("LOCAL",) for c in client.list())
     tree, meta = client.restore()
     assert meta == {"s": 5} and tree["x"][0] == 5
-    with pytest.raises(CheckpointNotFound, match="no save of step 4"):
-        client.restore(step=4)
+    # A save below the newest is the newest save (a new timeline): it is what comes back.
+    client.save(4, {"x": np.full(4, 4)}, metadata={"s": 4}).wait("local")
+    assert [(c.step, c.abandoned) for c in client.list()] == [
+        (4, False),
+        (3, False),
+        (1, False),
+        (5, True),
+    ]
+    assert client.restore()[1] == {"s": 4}
+    with pytest.raises(CheckpointNotFound, match="no save of step 2"):
+        client.restore(step=2)
     with pytest.raises(CheckpointNotFound, match="no restorable checkpoint"):
         daemon.client("never-saved").restore()
 

@@ -30,6 +30,8 @@ def checkpoint_info(st: Step, plan: Plan | None) -> pb.CheckpointInfo:
         num_shards=len(m.shards) if m else 0,
         milestone=st.milestone,
         error=redact(st.error or (f"unusable: {st.unusable}" if st.unusable else "")),
+        timeline=st.timeline,
+        abandoned=st.abandoned,
     )
 
 

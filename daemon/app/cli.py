@@ -60,7 +60,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             str(c.num_shards),
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
             _kept_by(c),
-            ("milestone " if c.milestone else "")
+            (f"abandoned (timeline {c.timeline}) " if c.abandoned else "")
+            + (f"timeline {c.timeline} " if c.timeline and not c.abandoned else "")
+            + ("milestone " if c.milestone else "")
             + ("pinned " if c.pinned else "")
             + ("adopted " if c.adopted else "")
             + _unhealthy(c)

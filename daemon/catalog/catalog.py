@@ -14,19 +14,15 @@ step is evicted locally and fetched back, a LOCAL step has another node's marker
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-from ckptd.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
+from ckptd.core.errors import Conflict
 from ckptd.core.manifest import Manifest
-from ckptd.core.names import check_wait
+from ckptd.core.timeline import Forks, merge
 from ckptd.proto import ckptd_pb2 as pb
-from ckptd.proto import state_name
 
-from .events import MAX_WAIT_SECONDS, EventLog
+from . import timelines
 from .step import (
     DRAINING,
     DURABLE,
@@ -35,79 +31,17 @@ from .step import (
     NEW,
     STAGING,
     SUPERSEDED,
-    TRANSITIONS,
-    Event,
     IllegalTransition,
     Step,
 )
+from .table import StepTable
 
 log = logging.getLogger("ckptd.catalog")
 
-_Steps = list[Step]  # aliases: inside Catalog, ``list`` is a method
-_Names = list[str]
-_Events = list[Event]
 
-
-class Catalog(EventLog):
-    """Every step of every job on this node, and the one place their state changes."""
-
-    def __init__(
-        self,
-        node_id: str,
-        clock: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(clock, monotonic)
-        self.node_id = node_id
-        self._steps: dict[tuple[str, int], Step] = {}
-
-    # -- queries -----------------------------------------------------------------
-    def get(self, job: str, step: int) -> Step | None:
-        """The step, or None."""
-        return self._steps.get((job, step))
-
-    def require(self, job: str, step: int) -> Step:
-        """The step, or NotFound."""
-        st = self._steps.get((job, step))
-        if st is None:
-            raise NotFound(
-                f"no save of step {step} for job {job!r} on this node; `ckptd ls {job}` lists them"
-            )
-        return st
-
-    def steps(self) -> _Steps:
-        """Every step (a copy of the list: safe to transition while iterating)."""
-        return list(self._steps.values())
-
-    def list(self, job: str = "") -> _Steps:
-        """Steps of one job (or all), newest first within each job."""
-        rows = [s for s in self._steps.values() if not job or s.job == job]
-        return sorted(rows, key=lambda s: (s.job, -s.step))
-
-    def jobs(self) -> _Names:
-        """Every job with a step here, sorted."""
-        return sorted({s.job for s in self._steps.values()})
-
-    def count(self, state: int) -> int:
-        """Steps in ``state``."""
-        return sum(1 for s in self._steps.values() if s.state == state)
-
-    def _move(self, st: Step, to: int, **values: Any) -> None:
-        if to not in TRANSITIONS[st.state]:
-            raise IllegalTransition(
-                f"{st.job}/{st.step}: {state_name(st.state)} -> {state_name(to)} is not a "
-                "transition ckptd makes"
-            )
-        st._set(state=to, **values)
-
-    def _add(self, st: Step) -> Step:
-        self._steps[st.key] = st
-        return st
-
-    def _drop(self, st: Step) -> None:
-        self._move(st, NEW)
-        if self._steps.get(st.key) is st:
-            del self._steps[st.key]
+class Catalog(StepTable):
+    """Every step of every job on this node, and the one place their state changes:
+    the transitions (the table, the queries and the waits are :class:`StepTable`'s)."""
 
     # -- the local tier --------------------------------------------------------------
     def recovered(self, manifest: Manifest, pinned: bool) -> Step:
@@ -130,6 +64,8 @@ class Catalog(EventLog):
             metrics=dict(manifest.metrics),
             adopted=manifest.adopted,
             pinned=pinned,
+            timeline=manifest.timeline,
+            forks=manifest.forks,
         )
         self._move(st, LOCAL, manifest=manifest)
         return self._add(st)
@@ -144,19 +80,35 @@ class Catalog(EventLog):
         adopted: bool = False,
         milestone: bool = False,
         metrics: Mapping[str, float] | None = None,
+        timeline: tuple[int, Forks] | None = None,
     ) -> Step:
-        """The first handoff of a save (or an adoption) of a new step: STAGING.
+        """The first handoff of a save (or an adoption) of a step: STAGING.
 
-        A step that FAILED may be saved again under its number: it starts over.
+        A save at or below the newest step of the job's live history starts a new
+        timeline (:meth:`next_timeline`; core/timeline.py). A step already under this
+        number (one the new timeline abandons, an abandoned one, a save that failed)
+        is replaced: it leaves the catalog now, and the caller removes its local copy
+        (:meth:`replacing`) before it commits; a pinned one refuses the save.
+        ``timeline``: ``(timeline, forks)`` decided when the save was acknowledged (a
+        journal replay); decided here when None.
         """
         old = self._steps.get((job, step))
-        if old is not None and old.state != FAILED:
+        if old is not None and old.state == STAGING:
             raise Conflict(
-                f"step {step} of job {job!r} already exists here ({state_name(old.state)}); "
-                "save under a new step number"
+                f"step {step} of job {job!r} is being saved here already "
+                f"({'an adoption' if old.adopted else 'a save'} in progress); save under a "
+                "new step number"
             )
+        if old is not None and old.pinned:
+            raise Conflict(
+                f"step {step} of job {job!r} is pinned, and a save under its number would "
+                f"replace it; unpin it (`ckptd unpin {job} {step}`) or save under another "
+                "step number"
+            )
+        before = self.lineage(job)
+        number, forks = timeline if timeline is not None else self.next_timeline(job, step)
         if old is not None:
-            self._drop(old)
+            self._replace(old, number)
         st = Step(
             job,
             step,
@@ -166,10 +118,80 @@ class Catalog(EventLog):
             milestone=milestone,
             metrics=dict(metrics or {}),
             handoff_at=self._clock(),
+            timeline=number,
+            forks=forks,
         )
         self._move(st, STAGING)
         self._emit(self._add(st), pb.STEP_EVENT_STAGED, "adopted" if adopted else "")
+        if dict(forks).get(number) == step and (number, step) not in before:
+            self._forked(st)
         return st
+
+    def next_timeline(self, job: str, step: int) -> tuple[int, Forks]:
+        """``(timeline, forks)`` for a new save of ``step``: the job's current timeline,
+        or a new one when ``step`` is at or below the newest step of its live history."""
+        steps = [s for s in self._steps.values() if s.job == job]
+        return timelines.next_timeline(steps, self.lineage(job), step)
+
+    def _forked(self, st: Step) -> None:
+        """Tell once (a log line and a TIMELINE event) that a save began a new timeline."""
+        job_steps = (s for s in self._steps.values() if s.job == st.job)
+        newer, span = timelines.left_behind(job_steps, st.step)
+        log.warning(
+            "job %s: step %d is at or below the newest step of its timeline: timeline %d "
+            "begins here (a rollback, or a rerun under a reused job name). Steps %s are "
+            "abandoned: restore() and retention follow the new timeline, `ckptd ls` lists "
+            "them as abandoned (docs/reliability.md, Timelines)",
+            st.job,
+            st.step,
+            st.timeline,
+            span or "(none left here)",
+        )
+        self._emit(
+            st,
+            pb.STEP_EVENT_TIMELINE,
+            f"timeline {st.timeline} begins at step {st.step}; abandoned: {span or 'none here'}",
+            timeline=str(st.timeline),
+            abandoned=",".join(map(str, newer)),
+        )
+
+    def _replace(self, old: Step, timeline: int) -> None:
+        """A new save takes ``old``'s number: ``old`` leaves the catalog (a save that
+        failed with nothing kept just goes); its local copy, if any, stays until the
+        saver removes it (:meth:`replacing`, :meth:`quiet`, :meth:`replaced`)."""
+        if not old.in_lineage:
+            self._drop(old)
+            return
+        del self._steps[old.key]
+        if old.local:
+            self._replacing[old.key] = old
+        log.warning(
+            "%s/%d (timeline %d) is replaced by a new save under its number (timeline %d)",
+            old.job,
+            old.step,
+            old.timeline,
+            timeline,
+        )
+        self._emit(old, pb.STEP_EVENT_REPLACED, f"replaced by a save of timeline {timeline}")
+
+    def replacing(self, st: Step) -> Step | None:
+        """The step ``st``'s save replaces whose local copy is still on disk, if any."""
+        return self._replacing.get(st.key)
+
+    async def quiet(self, st: Step) -> None:
+        """Wait until nothing reads ``st``'s copies (no restore, eviction or upload in
+        flight): then its files can go."""
+        while True:
+            changed = st.changed
+            if not st.busy and st.state != DRAINING:
+                return
+            await changed.wait()
+
+    def replaced(self, old: Step) -> None:
+        """The local copy of a replaced step is gone (moved out of view)."""
+        if self._replacing.get(old.key) is old:
+            del self._replacing[old.key]
+        old._set(manifest=None, peers=frozenset())
 
     def joined(self, st: Step, milestone: bool, metrics: Mapping[str, float]) -> None:
         """Another rank of a STAGING save handed off (its flags and metrics count too)."""
@@ -196,6 +218,8 @@ class Catalog(EventLog):
         if st.state in (FAILED, NEW):
             return
         self._move(st, FAILED, error=reason)
+        if self._steps.get(st.key) is st:
+            self._relineage(st.job, st)  # a fork whose only save failed is forgotten
         self._emit(st, pb.STEP_EVENT_FAILED, reason, stage=stage)
 
     def abandoned(self, st: Step, reason: str) -> None:
@@ -214,7 +238,10 @@ class Catalog(EventLog):
             milestone=st.milestone or manifest.milestone,
             created_unix=manifest.created_unix,
             metrics=dict(manifest.metrics),
+            timeline=manifest.timeline,
+            forks=merge(st.forks, manifest.forks),
         )
+        self._relineage(st.job, st)
         self._emit(st, pb.STEP_EVENT_FETCHED, **attributes)
 
     def replicated(self, st: Step, nodes: frozenset[str]) -> None:
@@ -303,14 +330,31 @@ class Catalog(EventLog):
         created_unix: float = 0.0,
         milestone: bool = False,
         metrics: Mapping[str, float] | None = None,
-    ) -> Step:
+        timeline: int | None = 0,
+        forks: Forks = (),
+    ) -> Step | None:
         """Complete copies of ``step`` found in the bucket (markers of ``nodes``).
 
         A step not known here enters as DURABLE (remote only; ``created_unix``,
-        ``milestone`` and ``metrics`` come from its marker, for retention); a LOCAL
-        step whose marker from this node is there is DURABLE too.
+        ``milestone``, ``metrics``, ``timeline`` and ``forks`` come from its marker or
+        the node's index, for retention and timelines); a LOCAL step whose marker
+        from this node is there is DURABLE too. Copies of another timeline than the
+        step known here under that number are other saves, not copies of it: ignored
+        (None; a replaced step's, which the new save's upload retracts).
+        ``timeline=None``: not known (a marker listed, not read): the known step's.
         """
         st = self._steps.get((job, step))
+        if st is not None and timeline is not None and timeline != st.timeline:
+            log.info(
+                "%s/%d: the bucket's copy of nodes %s is of timeline %d, this step of %d: "
+                "not a copy of it",
+                job,
+                step,
+                ",".join(sorted(nodes)),
+                timeline,
+                st.timeline,
+            )
+            return None
         if st is None:
             st = Step(
                 job,
@@ -318,6 +362,8 @@ class Catalog(EventLog):
                 created_unix=created_unix,
                 milestone=milestone,
                 metrics=dict(metrics or {}),
+                timeline=timeline or 0,
+                forks=forks,
             )
             self._move(st, DURABLE)
             self._add(st)
@@ -348,57 +394,3 @@ class Catalog(EventLog):
         elif st.local and st.state == DURABLE:
             self._move(st, SUPERSEDED, error=detail)
         self._emit(st, pb.STEP_EVENT_EVICTED_REMOTE, detail)
-
-    # -- pins and use ------------------------------------------------------------
-    def check_pinnable(self, st: Step) -> None:
-        """Raise unless the step has a complete copy that a pin could keep."""
-        if not st.local and not st.in_remote:
-            raise FailedPrecondition(
-                f"step {st.step} of job {st.job!r} has no complete copy to pin "
-                f"({state_name(st.state)})"
-            )
-
-    def set_pinned(self, st: Step, pinned: bool) -> None:
-        """Pin (no tier evicts it) or unpin a step that has a complete copy."""
-        self.check_pinnable(st)
-        st._set(pinned=pinned)
-        self._emit(st, pb.STEP_EVENT_PINNED if pinned else pb.STEP_EVENT_UNPINNED)
-
-    @contextlib.contextmanager
-    def in_use(self, st: Step, evicting: bool = False) -> Iterator[Step]:
-        """Mark a copy as being read (a fetch, a put-back): the evictor leaves it alone.
-        ``evicting``: the evictor itself holds it while it removes the local copy."""
-        st._set(busy=st.busy + 1, evicting=st.evicting or evicting)
-        try:
-            yield st
-        finally:
-            st._set(busy=st.busy - 1, evicting=st.evicting and not evicting)
-
-    def served(self, st: Step) -> None:
-        """A Restore (or put-back) is reading it now: no eviction for a grace period."""
-        st._set(read_at=self._monotonic())
-
-    def read_recently(self, st: Step, grace_seconds: float) -> bool:
-        """Whether a Restore read it less than ``grace_seconds`` ago."""
-        return self._monotonic() - st.read_at < grace_seconds
-
-    # -- waiting -----------------------------------------------------------------
-    async def wait(self, job: str, step: int, target: int, timeout: float) -> Step:
-        """Wait until a step reaches ``target`` (LOCAL or DURABLE), fails for good,
-        or ``timeout`` passes; a stopping daemon answers at once."""
-        if target not in (LOCAL, DURABLE):
-            if target == NEW:
-                return self.require(job, step)
-            raise InvalidArgument(
-                f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE "
-                "(or leave wait_for unset to ask without waiting)"
-            )
-        deadline = self._monotonic() + check_wait("timeout_seconds", timeout, MAX_WAIT_SECONDS)
-        while True:
-            st = self.require(job, step)
-            if st.reached(target) or st.final(target):
-                return st
-            left = deadline - self._monotonic()
-            if left <= 0 or self.stopping.is_set():
-                return st
-            await self._either(st.changed, left)

@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptd.core import health
 from ckptd.core.manifest import Manifest
+from ckptd.core.timeline import Forks
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
@@ -69,6 +70,9 @@ _FIELDS = frozenset(
         "read_at",
         "changed",
         "unusable",
+        "timeline",
+        "forks",
+        "abandoned",
     }
 )
 
@@ -115,6 +119,13 @@ class Step:
     changed: asyncio.Event
     unusable: str
     """Why no copy of this step verifies in any tier (restore skips it); empty if fine."""
+    timeline: int
+    """The job's timeline this step was saved on (core/timeline.py)."""
+    forks: Forks
+    """The job's lineage when it was saved (core/timeline.py)."""
+    abandoned: bool
+    """A later timeline forked at or below this step: not part of the job's live
+    history (restore and retention's "newest" skip it; the catalog keeps it current)."""
 
     def __init__(self, job: str, step: int, **values: Any) -> None:
         defaults: dict[str, Any] = {
@@ -139,6 +150,9 @@ class Step:
             "read_at": -1e18,
             "changed": asyncio.Event(),
             "unusable": "",
+            "timeline": 0,
+            "forks": (),
+            "abandoned": False,
         }
         for name, value in {"job": job, "step": step, **defaults, **values}.items():
             object.__setattr__(self, name, value)
@@ -158,6 +172,18 @@ class Step:
     def key(self) -> tuple[str, int]:
         """``(job, step)``."""
         return self.job, self.step
+
+    @property
+    def order(self) -> tuple[bool, int, int]:
+        """Sort key, oldest to newest save: abandoned steps before the live history,
+        then by timeline and step (live steps: by step alone, the same order)."""
+        return (not self.abandoned, self.timeline, self.step)
+
+    @property
+    def in_lineage(self) -> bool:
+        """Counts for the job's timelines: a save in flight or a step with a copy
+        somewhere (a save that failed with nothing kept does not)."""
+        return self.state != FAILED or self.local or self.in_remote
 
     @property
     def local(self) -> bool:

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.core import checksum
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.timeline import Forks, check_forks, check_timeline
 
 from .. import faults
 from .files import fsync_dir
@@ -53,11 +55,38 @@ class Entry:
     segment: str
     job: str
     body: bytes
+    timeline: tuple[int, Forks] | None = None
+    """The timeline the daemon put the save on when it acknowledged it, with the
+    lineage (core/timeline.py); None in a record of a ckptd that had none."""
+
+    def header(self) -> dict[str, Any]:
+        """The record's header as :meth:`Journal.commit` writes it."""
+        out: dict[str, Any] = {
+            "op": "commit",
+            "lease": self.lease_id,
+            "segment": self.segment,
+            "job": self.job,
+        }
+        if self.timeline is not None:
+            out["timeline"], out["forks"] = self.timeline
+        return out
 
 
 def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
     payload = json.dumps(header, separators=(",", ":")).encode() + b"\n" + body
     return _FRAME.pack(len(payload), checksum.value(payload)) + payload
+
+
+def _timeline(header: dict[str, Any]) -> tuple[int, Forks] | None:
+    """A commit record's timeline and lineage; None if absent (or not ckptd's)."""
+    if "timeline" not in header:
+        return None
+    try:
+        forks = check_forks(header.get("forks"))
+        return check_timeline(header["timeline"], forks), forks
+    except InvalidArgument as exc:
+        log.warning("journal: a record's timeline is unreadable (%s); deciding it again", exc)
+        return None
 
 
 def _records(data: bytes) -> tuple[list[tuple[dict[str, Any], bytes]], int]:
@@ -107,15 +136,12 @@ class Journal:
         for header, body in records:
             lease = str(header.get("lease", ""))
             if header.get("op") == "commit":
-                live[lease] = Entry(lease, str(header["segment"]), str(header["job"]), body)
+                live[lease] = Entry(
+                    lease, str(header["segment"]), str(header["job"]), body, _timeline(header)
+                )
             elif header.get("op") == "done":
                 live.pop(lease, None)
-        kept = b"".join(
-            _frame(
-                {"op": "commit", "lease": e.lease_id, "segment": e.segment, "job": e.job}, e.body
-            )
-            for e in live.values()
-        )
+        kept = b"".join(_frame(e.header(), e.body) for e in live.values())
         tmp = self.path.with_name(JOURNAL + ".tmp")
         with open(tmp, "wb") as f:
             f.write(kept)
@@ -141,9 +167,17 @@ class Journal:
         return len(self._live)
 
     # -- appends ------------------------------------------------------------------
-    async def commit(self, lease_id: str, segment: str, job: str, body: bytes) -> None:
-        """Record an acknowledged handoff; returns once it is on disk."""
-        header = {"op": "commit", "lease": lease_id, "segment": segment, "job": job}
+    async def commit(
+        self,
+        lease_id: str,
+        segment: str,
+        job: str,
+        body: bytes,
+        timeline: tuple[int, Forks] | None = None,
+    ) -> None:
+        """Record an acknowledged handoff (and the timeline it went on); returns once
+        it is on disk."""
+        header = Entry(lease_id, segment, job, body, timeline).header()
         self._live.add(lease_id)
         try:
             await self._append(_frame(header, body), frozenset())

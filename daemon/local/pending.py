@@ -51,6 +51,8 @@ class PendingStep:
     timer: asyncio.TimerHandle | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the step is LOCAL or FAILED: newer saves of the job commit after that."""
+    replaces: Step | None = None
+    """The step this save replaces (core/timeline.py), until its local copy is gone."""
 
     def handed_off(self) -> bool:
         """Every rank of the node has handed its shards over (some may still be writing)."""

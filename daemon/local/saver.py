@@ -30,8 +30,8 @@ from ckptd.core.health import NONFINITE_METRIC, NonFiniteCount
 from ckptd.core.manifest import DATA_SPREAD, Manifest, RankRecord, rank_file_name
 from ckptd.core.names import check_wait
 from ckptd.core.shard_table import ShardTable
+from ckptd.core.timeline import Forks
 from ckptd.proto import ckptd_pb2 as pb
-from ckptd.proto import state_name
 
 from ..catalog import Catalog, Step
 from ..io import IoPool
@@ -102,11 +102,18 @@ class Saver:
         self.staging.release(lease_id)
 
     # -- handoffs ----------------------------------------------------------------
-    async def commit(self, req: CommitRequest, record: bytes | None) -> int:
+    async def commit(
+        self,
+        req: CommitRequest,
+        record: bytes | None,
+        replay: tuple[int, Forks] | None = None,
+    ) -> int:
         """Take ownership of a lease's shards; returns once the handoff is journaled.
 
         ``record``: the request as received, for the journal (None: a replay of a
-        handoff the journal already holds). The write runs in the background.
+        handoff the journal already holds, with ``replay`` the timeline recorded with
+        it). The write runs in the background. A save under the number of a step
+        this node holds replaces it (core/timeline.py): see :meth:`Catalog.begin`.
         """
         lease = self.staging.get(req.lease_id)
         if lease.job != req.job:
@@ -129,43 +136,56 @@ class Saver:
         key = (req.job, req.step)
         st = self.catalog.get(*key)
         pending = self._pending.get(key)
-        failed = st is not None and st.state == pb.SAVE_STATE_FAILED
-        if st is None or (failed and not st.local and not (pending and pending.writing)):
+        if st is not None and st.state == pb.SAVE_STATE_STAGING:
+            # Another rank of the save in progress under this number: it joins.
+            if pending is None or pending.step is not st:
+                raise Conflict(
+                    f"step {req.step} of job {req.job!r} is being adopted here; save under a "
+                    "new step number"
+                )
+            if st.node_ranks != req.node_ranks:
+                raise InvalidArgument(
+                    f"rank {req.rank} names node ranks {list(req.node_ranks)} but step "
+                    f"{req.step} was started with {list(st.node_ranks)}; every rank must pass "
+                    "the same node_ranks"
+                )
+            if req.rank in pending.ranks or req.rank in pending.writing:
+                raise Conflict(
+                    f"rank {req.rank} already committed step {req.step} of job {req.job!r}"
+                )
+            self.catalog.joined(st, req.milestone, req.metrics)
+        else:
+            # A replay of this very save (the same timeline) found committed: done.
+            same = st is not None and (replay is None or replay[0] == st.timeline)
+            if record is None and st is not None and st.in_lineage and same:
+                raise Conflict(f"{req.job}/{req.step} was committed before the crash")
+            if st is not None and pending is not None and pending.step is st and pending.writing:
+                raise Conflict(
+                    f"step {req.step} of job {req.job!r} failed and its other ranks are still "
+                    "winding down; save it again in a moment"
+                )
             # The staging directory first: if it cannot be made, no step is left STAGING.
             # One place in the I/O queue for all of the step's work: see IoPool.
             ticket = self.io.ticket()
             commit = self.store.begin_step(req.job, req.step, partial(self.io.run, ticket=ticket))
-            st = self.catalog.begin(
-                req.job,
-                req.step,
-                node_ranks=req.node_ranks,
-                world_size=req.world_size,
-                milestone=req.milestone,
-                metrics=req.metrics,
-            )
+            try:
+                st = self.catalog.begin(
+                    req.job,
+                    req.step,
+                    node_ranks=req.node_ranks,
+                    world_size=req.world_size,
+                    milestone=req.milestone,
+                    metrics=req.metrics,
+                    timeline=replay,
+                )
+            except CkptdError:  # refused (a pinned step under this number): nothing left
+                await commit.abort()
+                raise
             pending = self._pending[key] = PendingStep(st, commit, ticket)
+            pending.replaces = self.catalog.replacing(st)
             pending.timer = asyncio.get_running_loop().call_later(
                 self.step_timeout_seconds, self._check_complete, pending
             )
-        elif failed and st.local:
-            raise Conflict(
-                f"step {req.step} of job {req.job!r} is committed here and restorable; only its "
-                f"upload failed ({st.error}) and it is retried; save under a new step number"
-            )
-        elif st.state != pb.SAVE_STATE_STAGING or pending is None:
-            raise Conflict(
-                f"step {req.step} of job {req.job!r} already exists here ({state_name(st.state)}); "
-                "save under a new step number"
-            )
-        elif st.node_ranks != req.node_ranks:
-            raise InvalidArgument(
-                f"rank {req.rank} names node ranks {list(req.node_ranks)} but step {req.step} was "
-                f"started with {list(st.node_ranks)}; every rank must pass the same node_ranks"
-            )
-        elif req.rank in pending.ranks or req.rank in pending.writing:
-            raise Conflict(f"rank {req.rank} already committed step {req.step} of job {req.job!r}")
-        else:
-            self.catalog.joined(st, req.milestone, req.metrics)
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
         pending.leases[req.rank] = lease
@@ -173,7 +193,9 @@ class Saver:
             # The journal's fsync first, alone: started beside a large rank-file write
             # it waited for the filesystem's metadata commit, and so did the trainer.
             try:
-                await self.journal.commit(lease.lease_id, lease.segment.name, req.job, record)
+                await self.journal.commit(
+                    lease.lease_id, lease.segment.name, req.job, record, (st.timeline, st.forks)
+                )
             except Exception as exc:
                 pending.writing.discard(req.rank)
                 reason = f"the handoff could not be recorded in {self.journal.path}: {exc}"
@@ -205,15 +227,9 @@ class Saver:
                 await self.journal.done([entry.lease_id])
                 continue
             try:
-                req = parse(entry.body)
-                st = self.catalog.get(req.job, req.step)
-                if st is not None and st.local:
-                    raise Conflict(f"{req.job}/{req.step} was committed before the crash")
-                await self.commit(req, None)
+                await self.commit(parse(entry.body), None, entry.timeline)
                 replayed += 1
-                log.info(
-                    "journal: replaying the handoff of %s/%d rank %d", req.job, req.step, req.rank
-                )
+                log.info("journal: replayed the handoff of lease %s", entry.lease_id)
             except CkptdError as exc:
                 log.info("journal: record of lease %s needs nothing: %s", entry.lease_id, exc)
                 await self.journal.done([entry.lease_id])
@@ -332,8 +348,11 @@ class Saver:
             metrics={**st.metrics, NONFINITE_METRIC: float(total)},
             nonfinite=nonfinite,
             data_layout=DATA_SPREAD,  # where the drain will put its rank files
+            timeline=st.timeline,
+            forks=st.forks,
         )
         try:
+            await self._retire_replaced(pending)
             # Serialised once, on a thread: per-shard work never runs on the event loop,
             # and Restore answers reuse the same text.
             text = await self.io.run(manifest.to_json, ticket=pending.ticket)
@@ -355,6 +374,11 @@ class Saver:
             st.local_at - st.handoff_at,
             manifest.size_bytes,
         )
+
+    async def _retire_replaced(self, pending: PendingStep) -> None:
+        if pending.replaces is not None:
+            await retire_replaced(self.catalog, self.store, self.io, pending.step, pending.ticket)
+            pending.replaces = None
 
     async def _fail(self, pending: PendingStep, reason: str) -> None:
         try:
@@ -406,3 +430,18 @@ class Saver:
         failed = pending.step.state == pb.SAVE_STATE_FAILED and not pending.writing
         if (force or failed) and self._pending.get(pending.step.key) is pending:
             del self._pending[pending.step.key]
+
+
+async def retire_replaced(
+    catalog: Catalog, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
+) -> None:
+    """Before ``st`` commits: the local copy of the step its save replaces (an earlier
+    timeline's under the same number, core/timeline.py) goes, once nothing reads it,
+    so the new copy can be renamed into its place. Nothing to do if none."""
+    old = catalog.replacing(st)
+    if old is None:
+        return
+    await catalog.quiet(old)
+    if old.local:  # not set aside or evicted meanwhile
+        await io.run(store.evict, old.job, old.step, ticket=ticket)
+    catalog.replaced(old)

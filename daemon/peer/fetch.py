@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import threading
@@ -179,9 +180,10 @@ class PeerFetcher:
         known = self.catalog.get(job, newest)
         if known is not None and known.local:
             return False  # fetched meanwhile (the bucket, another restore)
-        in_bucket = [s.step for s in self.catalog.list(job) if s.in_remote]
-        if step is None and in_bucket and max(in_bucket) > newest:
-            return False  # the bucket's step is newer: the restore takes that one
+        timeline = int(json.loads(held[(job, newest)][0][1]).get("timeline", 0))
+        in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
+        if step is None and in_bucket and max(in_bucket) > (True, timeline, newest):
+            return False  # the bucket's step is a newer save: the restore takes that one
         await self.fetch(job, newest, held[(job, newest)])
         return True
 

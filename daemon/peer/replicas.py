@@ -46,6 +46,14 @@ class Held:
     raw: str
     """Its manifest's text."""
     size: int
+    timeline: int = 0
+    """The job's timeline the step was saved on: a later timeline's step replaces an
+    earlier one's replica whatever their numbers (core/timeline.py)."""
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Which replica is the newer save: by timeline, then step."""
+        return self.timeline, self.step
 
 
 class ReplicaStore:
@@ -75,7 +83,7 @@ class ReplicaStore:
                         shutil.rmtree(step_dir, ignore_errors=True)
                         continue
                     old = self._held.get((held.job, held.source))
-                    if old is not None and old.step >= held.step:
+                    if old is not None and old.order >= held.order:
                         shutil.rmtree(step_dir, ignore_errors=True)
                         continue
                     if old is not None:
@@ -86,7 +94,7 @@ class ReplicaStore:
     def _read(self, job: str, source: str, step_dir: Path) -> Held:
         raw = read_small(step_dir / MANIFEST).decode()
         m = _checked(raw, job, int(step_dir.name), source)
-        return Held(job, source, m.step, raw, m.size_bytes)
+        return Held(job, source, m.step, raw, m.size_bytes, m.timeline)
 
     def _dir_of(self, held: Held) -> Path:
         return self.dir / held.job / held.source / str(held.step)
@@ -116,10 +124,10 @@ class ReplicaStore:
         old = self._held.get((job, m.node))
         if old is not None and old.step == step and old.raw == raw:
             return old  # sent again (its source restarted): held already
-        if old is not None and old.step >= step:
+        if old is not None and old.order >= (m.timeline, step):
             raise InvalidArgument(
-                f"a replica of step {old.step} of job {job!r} from {m.node} is held already; "
-                "only a newer step replaces it"
+                f"a replica of step {old.step} (timeline {old.timeline}) of job {job!r} from "
+                f"{m.node} is held already; only a newer save replaces it"
             )
         other = self.held_bytes - (old.size if old else 0) + sum(self._reserved.values())
         if other + m.size_bytes > self.budget:
@@ -150,19 +158,19 @@ class ReplicaStore:
         m = incoming.manifest
         self._reserved.pop(incoming.path.name, None)
         old = self._held.get((m.job, m.node))
-        if old is not None and old.step >= m.step:  # a newer one landed meanwhile
+        if old is not None and old.order >= (m.timeline, m.step):  # a newer one landed
             shutil.rmtree(incoming.path, ignore_errors=True)
             return old
         write_synced(incoming.path / MANIFEST, incoming.raw.encode())
         fsync_dir(incoming.path)
-        held = Held(m.job, m.node, m.step, incoming.raw, m.size_bytes)
+        held = Held(m.job, m.node, m.step, incoming.raw, m.size_bytes, m.timeline)
         final = self._dir_of(held)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash: not held
         os.rename(incoming.path, final)
         fsync_dir(final.parent)
         self._held = {**self._held, (m.job, m.node): held}
-        if old is not None:
+        if old is not None and old.step != held.step:  # the same number: replaced above
             shutil.rmtree(self._dir_of(old), ignore_errors=True)
         return held
 

@@ -152,7 +152,7 @@ class Replicator:
             if peer.node in holders:
                 continue
             newer = self.newest(job)
-            if newer is not None and newer.step > st.step:
+            if newer is not None and newer.order > st.order:
                 self._dirty.add(job)  # superseded: send the newer one instead
                 return True
             if await self._send(peer, st):

@@ -58,6 +58,12 @@ _WOKEN_BY = frozenset(
 """Transitions that can put a step in the queue or change what the bucket wants."""
 
 
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (the daemon stops)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Backoff:
     """Exponential backoff with full jitter; ``rand`` is injectable for tests."""
 
@@ -103,6 +109,8 @@ class Drain:
         )
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None
+        """The step being published and its task (cancelled if the step is replaced)."""
         self.resumed = False
         """The node's index matched against the local steps (:meth:`resume`)."""
         catalog.subscribe(self._on_event)
@@ -110,6 +118,22 @@ class Drain:
     def _on_event(self, event: Event) -> None:
         if event.kind in _WOKEN_BY:
             self._wake.set()
+        uploading = self._uploading
+        if (
+            event.kind == pb.STEP_EVENT_REPLACED
+            and uploading is not None
+            and (event.job, event.step) == uploading[0].key
+        ):
+            uploading[1].cancel()  # a new save took its number: its copy is not wanted
+
+    def _replaced(self, st: Step) -> bool:
+        """A new save took ``st``'s number while it was being uploaded: the new save's
+        upload takes this copy out of the bucket (publish.py); ``st`` goes no further."""
+        if self.catalog.get(*st.key) is st:
+            return False
+        if st.state == pb.SAVE_STATE_DRAINING:
+            self.catalog.requeued(st, "replaced by a new save under its number: not uploaded")
+        return True
 
     @property
     def queue_length(self) -> int:
@@ -136,6 +160,8 @@ class Drain:
                     created_unix=e.created_unix,
                     milestone=e.milestone,
                     metrics=e.metrics,
+                    timeline=e.timeline,
+                    forks=e.forks,
                 )
             return len(entries)
 
@@ -209,9 +235,8 @@ class Drain:
             supersede = self.retention.plan(job).supersede
             if not supersede:
                 continue
-            newest = max(
-                (s.step for s in self.catalog.list(job) if self.node_id in s.remote_nodes),
-                default=-1,
+            newest = next(
+                (s.step for s in self.catalog.list(job) if self.node_id in s.remote_nodes), -1
             )
             for step in supersede:
                 st = self.catalog.get(job, step)
@@ -229,7 +254,7 @@ class Drain:
         for s in self.catalog.steps():
             if s.state == pb.SAVE_STATE_LOCAL and s.local and not s.busy:
                 by_job.setdefault(s.job, []).append(s)
-        newest = [max(steps, key=lambda s: s.step) for steps in by_job.values()]
+        newest = [max(steps, key=lambda s: s.order) for steps in by_job.values()]
         fresh = [s for s in newest if not self._newer_in_remote(s)]
         if fresh:
             return max(fresh, key=lambda s: s.local_at)
@@ -239,34 +264,42 @@ class Drain:
             for s in steps
             if s.step in self.retention.plan(job).remote_wants
         ]
-        return max(older, key=lambda s: s.step) if older else None
+        return max(older, key=lambda s: s.order) if older else None
 
     def _newer_in_remote(self, st: Step) -> bool:
         return any(
-            s.step > st.step and self.node_id in s.remote_nodes for s in self.catalog.list(st.job)
+            s.order > st.order and self.node_id in s.remote_nodes for s in self.catalog.list(st.job)
         )
 
     def _newer_pending(self, st: Step) -> bool:
         return any(
-            s.step > st.step and s.state == pb.SAVE_STATE_LOCAL for s in self.catalog.list(st.job)
+            s.order > st.order and s.state == pb.SAVE_STATE_LOCAL for s in self.catalog.list(st.job)
         )
 
     async def _drain(self, st: Step) -> None:
         self.catalog.draining(st)
         attempt = 0
         while True:
+            if self._replaced(st):
+                return
             if st.manifest is None:  # set aside as corrupt by a restore meanwhile
                 self.catalog.failed(
                     st, "its local copy failed a checksum and was set aside", "remote"
                 )
                 return
+            task = asyncio.ensure_future(self.publisher.publish(st))
+            self._uploading = (st, task)
             try:
-                sent, skipped = await self.publisher.publish(st)
+                sent, skipped = await task
                 break
             except asyncio.CancelledError:
+                if task.cancelled() and not _cancelling() and self._replaced(st):
+                    return
                 raise
             except Exception as exc:
                 self.publisher.suspect.add(st.key)  # parts of it may be in the bucket
+                if self._replaced(st):
+                    return
                 if self._stop.is_set():
                     self.catalog.requeued(st, "the daemon is stopping")
                     return
@@ -304,8 +337,12 @@ class Drain:
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
+            finally:
+                self._uploading = None
         self.last_error = ""
         self._failed_uploads.pop(st.key, None)
+        if self._replaced(st):
+            return
         self.catalog.durable(st, files_sent=str(sent), files_skipped=str(skipped))
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at

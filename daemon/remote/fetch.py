@@ -14,15 +14,18 @@ from pathlib import Path
 from ckptd.core.errors import DataLoss, InvalidArgument, NotFound
 from ckptd.core.manifest import Manifest, ManifestInvalid
 from ckptd.core.names import check_name
+from ckptd.core.timeline import Forks, abandoned, merge
 
 from ..io import gather_all, in_thread
 from ..local.files import open_dir_beneath
 from .base import Remote
+from .index import marker_entry
 from .layout import (
     RemoteStep,
     complete_steps_in,
     file_key,
     manifest_key,
+    marker_key,
     parse_marker,
     parse_ranks_key,
     parse_step_name,
@@ -69,19 +72,30 @@ async def rank_holders(
 
 
 async def newest_steps(remote: Remote, job: str, count: int) -> dict[int, RemoteStep]:
-    """The ``count`` newest steps of ``job`` that some node completed, with their nodes:
-    the step names (one delimited listing), then the markers of each, newest first,
-    until ``count`` steps have some. For a node with no steps of its own in the bucket
-    (a replacement under a new name): O(count x nodes / 1,000) requests, not a listing
-    of every object of every step."""
+    """The ``count`` newest live steps of ``job`` that some node completed, with their
+    nodes, timelines and lineage: the step names (one delimited listing), then the
+    markers of each, newest first, and one marker's body per step, until ``count``
+    steps some node completed are not abandoned by the lineage read so far (steps a
+    later timeline left behind carry higher numbers: core/timeline.py). For a node
+    with no steps of its own in the bucket (a replacement under a new name):
+    O(count x nodes / 1,000) requests, not a listing of every object of every step."""
     names = [parse_step_name(n) for n in await remote.list_dirs(f"{job}/")]
     found: dict[int, RemoteStep] = {}
+    forks: Forks = ()
     for step, adopted in sorted(((s, a) for s, a in names if s is not None), reverse=True):
         nodes = await step_nodes(remote, job, step, adopted)
-        if nodes:
-            found[step] = RemoteStep(nodes, adopted)
-            if len(found) >= count:
-                break
+        if not nodes:
+            continue
+        info = RemoteStep(nodes, adopted)
+        with contextlib.suppress(FileNotFoundError):
+            raw = await remote.get_bytes(marker_key(job, step, min(nodes), adopted))
+            entry = marker_entry(step, adopted, raw)
+            info.timeline, info.forks = entry.timeline, entry.forks
+            forks = merge(forks, entry.forks)
+        found[step] = info
+        live = [n for n, s in found.items() if not abandoned(s.timeline or 0, n, forks)]
+        if len(live) >= count:
+            break
     return found
 
 
@@ -93,8 +107,10 @@ async def node_manifest(
     rank: int | None,
     prefer: str,
     adopted: bool = False,
+    timeline: int | None = None,
 ) -> tuple[str, bytes, Manifest]:
-    """The manifest (raw bytes, parsed) of the node whose part of ``step`` holds ``rank``."""
+    """The manifest (raw bytes, parsed) of the node whose part of ``step`` holds ``rank``
+    (with ``timeline``: a part of that timeline's save only)."""
     for node in sorted(nodes, key=lambda n: (n != prefer, n)):
         key = manifest_key(job, step, check_name("node", node), adopted)
         raw = await remote.get_bytes(key)
@@ -104,9 +120,14 @@ async def node_manifest(
         manifest = (
             await in_thread(parse_remote_manifest, *args) if many else parse_remote_manifest(*args)
         )
+        if timeline is not None and manifest.timeline != timeline:
+            continue  # a copy of another save under this number, not yet replaced
         if rank is None or rank in {r.rank for r in manifest.ranks}:
             return node, raw, manifest
-    raise NotFound(f"no node's copy of step {step} of job {job!r} in the bucket holds rank {rank}")
+    of = f" of timeline {timeline}" if timeline is not None else ""
+    raise NotFound(
+        f"no node's copy of step {step}{of} of job {job!r} in the bucket holds rank {rank}"
+    )
 
 
 def parse_remote_manifest(

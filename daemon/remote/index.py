@@ -41,7 +41,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptd.core.errors import InvalidArgument
 from ckptd.core.names import check_name
+from ckptd.core.timeline import Forks, check_forks, check_timeline
 
 from .base import Remote
 from .layout import marker_key, parse_step_name, pin_key
@@ -68,6 +70,11 @@ class Entry:
     milestone: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     pinned: bool = False
+    timeline: int = 0
+    """The job's timeline the step was saved on (core/timeline.py)."""
+    forks: Forks = ()
+    """The job's lineage when it was saved: how a node that lost its disk learns
+    which steps a later timeline abandoned."""
 
 
 def encode(job: str, node: str, entries: dict[int, Entry]) -> bytes:
@@ -109,6 +116,11 @@ def _entry(item: Any) -> Entry | None:
         for k, v in (raw.items() if isinstance(raw, dict) else ())
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     }
+    try:
+        forks = check_forks(item.get("forks"))
+        timeline = check_timeline(item.get("timeline", 0), forks)
+    except InvalidArgument:
+        return None  # not one ckptd wrote: a step it cannot place is not offered
     return Entry(
         step,
         adopted=item.get("adopted") is True,
@@ -116,6 +128,8 @@ def _entry(item: Any) -> Entry | None:
         milestone=item.get("milestone") is True,
         metrics=metrics,
         pinned=item.get("pinned") is True,
+        timeline=timeline,
+        forks=forks,
     )
 
 
@@ -216,7 +230,7 @@ class NodeIndex:
                     raw = await self.remote.get_bytes(marker_key(job, step, self.node, adopted))
                 except FileNotFoundError:
                     return None
-            return _from_marker(step, adopted, raw)
+            return marker_entry(step, adopted, raw)
 
         got = await asyncio.gather(*(marker(s, a) for s, a in steps if s is not None))
         entries = {e.step: e for e in got if e is not None}
@@ -238,7 +252,7 @@ class NodeIndex:
         return entries
 
 
-def _from_marker(step: int, adopted: bool, raw: bytes) -> Entry:
+def marker_entry(step: int, adopted: bool, raw: bytes) -> Entry:
     """An entry from a marker's JSON (bucket content: wrong types are ignored)."""
     try:
         meta = json.loads(raw)
@@ -246,6 +260,8 @@ def _from_marker(step: int, adopted: bool, raw: bytes) -> Entry:
         meta = {}
     meta = meta if isinstance(meta, dict) else {}
     entry = _entry({**meta, "step": step, "adopted": adopted})
+    if entry is None:  # a marker whose timeline fields are not ckptd's
+        entry = _entry({"step": step, "adopted": adopted, "time": meta.get("time")})
     assert entry is not None
     if not entry.created_unix:
         t = meta.get("time")

@@ -183,6 +183,10 @@ class RemoteStep:
     """The nodes whose marker is there."""
     adopted: bool = False
     """An adopted directory tree."""
+    timeline: int | None = None
+    """Its timeline, where a marker of it was read (None: only listed)."""
+    forks: tuple[tuple[int, int], ...] = ()
+    """The job's lineage as that marker records it (core/timeline.py)."""
 
 
 def complete_steps_in(keys: Iterable[str]) -> dict[tuple[str, int], RemoteStep]:

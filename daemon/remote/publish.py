@@ -45,6 +45,7 @@ from .layout import (
     tree_path,
     upload_order,
 )
+from .retract import delete_copy, retract_marker
 
 log = logging.getLogger("ckptd.drain")
 
@@ -117,6 +118,25 @@ class Publisher:
             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): it was set aside"
         )
 
+    async def _retract_replaced(self, st: Step, adopted: bool) -> None:
+        """A copy of this node in the bucket under ``st``'s number that is another save
+        (an earlier timeline's, which ``st`` replaced) comes out first, marker first: no
+        reader ever sees its marker beside ``st``'s objects (remote/retract.py)."""
+        old = (await self.index.entries(st.job)).get(st.step)
+        if old is None or (old.timeline == st.timeline and old.adopted == adopted):
+            return
+        log.info(
+            "%s/%d: retracting this node's copy of timeline %d from %s before uploading the "
+            "save of timeline %d that replaced it",
+            st.job,
+            st.step,
+            old.timeline,
+            self.remote.url,
+            st.timeline,
+        )
+        await retract_marker(self.remote, st.job, st.step, self.node_id, old.adopted)
+        await delete_copy(self.remote, self.index, st.job, st.step, self.node_id, old.adopted)
+
     async def _upload(self, st: Step) -> tuple[int, int]:
         """Upload one step, its marker last; returns (files sent, files already there)."""
         if faults.armed("drain.upload"):
@@ -132,6 +152,7 @@ class Publisher:
         # file last); ckptd's records of the step are committed beside it.
         tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
         skipped: list[str] = []
+        await self._retract_replaced(st, adopted)
         suspect = st.key in self.suspect
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
@@ -187,10 +208,21 @@ class Publisher:
             "created_unix": manifest.created_unix,
             "milestone": st.milestone,
             "metrics": st.metrics,
+            # Which timeline it is of: a node that lost its disk learns the lineage.
+            "timeline": manifest.timeline,
+            "forks": manifest.forks,
         }
         await part.finalize(json.dumps(marker_info).encode())
-        entry = Entry(st.step, adopted, manifest.created_unix, st.milestone, dict(st.metrics))
-        entry.pinned = st.pinned
+        entry = Entry(
+            st.step,
+            adopted,
+            manifest.created_unix,
+            st.milestone,
+            dict(st.metrics),
+            st.pinned,
+            manifest.timeline,
+            manifest.forks,
+        )
         await self.index.add(st.job, entry)
         if suspect:
             # Attempts cut by an outage or a kill could not abort their multipart

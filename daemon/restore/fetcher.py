@@ -99,16 +99,20 @@ class Fetcher:
                 created_unix=e.created_unix,
                 milestone=e.milestone,
                 metrics=e.metrics,
+                timeline=e.timeline,
+                forks=e.forks,
             )
         if not entries and job not in self._asked_others:
             self._asked_others.add(job)
             for n, found in (await fetch.newest_steps(self.remote, job, OTHER_STEPS)).items():
-                self.catalog.discovered(job, n, found.nodes, found.adopted)
+                self.catalog.discovered(
+                    job, n, found.nodes, found.adopted, timeline=found.timeline, forks=found.forks
+                )
         if step is not None and self.catalog.get(job, step) is None:
             for adopted in (False, True):
                 nodes = await fetch.step_nodes(self.remote, job, step, adopted)
                 if nodes:
-                    self.catalog.discovered(job, step, nodes, adopted)
+                    self.catalog.discovered(job, step, nodes, adopted, timeline=None)
                     break
 
     async def refresh_quietly(self, job: str, step: int | None = None) -> None:
@@ -132,7 +136,7 @@ class Fetcher:
         assert self.remote is not None
         nodes = await fetch.step_nodes(self.remote, st.job, st.step, st.adopted)
         if nodes:
-            self.catalog.discovered(st.job, st.step, nodes, st.adopted)
+            self.catalog.discovered(st.job, st.step, nodes, st.adopted, timeline=None)
         return set(self.catalog.require(st.job, st.step).remote_nodes)
 
     def keep_prefetched(self, job: str, step: int, rank: int, lease: Lease) -> None:
@@ -269,7 +273,7 @@ class Fetcher:
             )
         holders, complete = await fetch.rank_holders(self.remote, st.job, st.step, rank)
         if complete:
-            self.catalog.discovered(st.job, st.step, complete, False)
+            self.catalog.discovered(st.job, st.step, complete, False, timeline=None)
         for node in holders:
             # Its part evicted since the listing, or not holding the rank after all.
             with contextlib.suppress(NotFound, FileNotFoundError):
@@ -301,8 +305,10 @@ class Fetcher:
 
     async def _fetch_part(self, st: Step, node: str) -> None:
         assert self.remote is not None
+        # Only a part of the same save: a node that has not yet replaced its copy of an
+        # earlier timeline's step under this number still has that one's.
         _, raw, manifest = await fetch.node_manifest(
-            self.remote, st.job, st.step, {node}, None, node, st.adopted
+            self.remote, st.job, st.step, {node}, None, node, st.adopted, st.timeline
         )
         commit = await self.io.run(self.store.begin_peer, st.job, st.step, node, self.io.run)
         try:

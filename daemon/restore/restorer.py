@@ -42,6 +42,7 @@ from .. import faults
 from ..catalog import Catalog, Step
 from ..io import CRC, IoPool
 from ..local.files import data_offset, read_data_direct, read_header
+from ..local.liveness import check_holder
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
 from ..peer.fetch import PeerFetcher
@@ -130,7 +131,10 @@ class Restorer:
             candidates = [
                 s
                 for s in self.catalog.list(job)
-                if (s.local or s.in_remote) and s.adopted == adopted and not s.unusable
+                if (s.local or s.in_remote)
+                and s.adopted == adopted
+                and not s.unusable
+                and not s.abandoned  # a later timeline left it: restore(step=N) only
             ]
             sick = [s for s in candidates if s.healthy is not True] if healthy else []
             candidates = [s for s in candidates if s not in sick]
@@ -192,6 +196,7 @@ class Restorer:
         ``owner``: ``(uid, pid)`` of the client, the only process that may map it.
         ``healthy``: only a step known to hold no NaN/Inf."""
         uid = owner[0] if owner else None
+        check_holder(holder)  # before any memory is taken: a refusal leaves nothing held
         plan = await self._restore(job, step, rank, shared_memory, uid, healthy)
         if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
             # Another uid mapped that segment before: serve the verified file instead.

@@ -16,17 +16,16 @@ import asyncio
 import contextlib
 import logging
 
-from ckptd.core.manifest import DATA_SPREAD
 from ckptd.proto import ckptd_pb2 as pb
 
-from .. import faults
 from ..catalog import Catalog, Event
 from ..io import IoPool
 from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore
 from ..remote.base import Remote
 from ..remote.index import NodeIndex
-from ..remote.layout import data_prefix, marker_key, pin_key, record_prefix, step_prefix
+from ..remote.layout import pin_key
+from ..remote.retract import delete_copy, retract_marker
 from .planner import Retention
 
 log = logging.getLogger("ckptd.evictor")
@@ -186,30 +185,15 @@ class Evictor:
                 self.catalog.set_pinned(st, True)
                 log.info("%s/%d is pinned in the bucket: kept", job, step)
                 return
-            # The marker first: from then on the step is not complete, never listed
-            # or restored by any node. The index entry last, after the objects: until
-            # then the index still names the step, so a crash (or an error) anywhere
-            # in between leaves it to this node's next eviction pass, which deletes
-            # the marker again (nothing to do), what is left of the objects and the
-            # entry. (Out of the index first, a crash left objects, or a complete
-            # step, that no node would ever evict.)
-            await self.remote.delete([marker_key(job, step, node_id, st.adopted)])
-            await asyncio.to_thread(faults.hit, "evict.remote_marker_gone")
+            # The marker first (remote/retract.py): from then on the step is not
+            # complete, never listed or restored by any node; the index entry last.
+            await retract_marker(self.remote, job, step, node_id, st.adopted)
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
             return
         self.catalog.remote_removed(st, "removed from the remote tier by its retention policy")
         try:
-            tree, records = step_prefix(job, step), record_prefix(job, step, st.adopted)
-            prefixes = [f"{records}/{node_id}/"]
-            if st.adopted:  # out of the framework's view first, then deleted
-                await self.remote.retract_tree(tree, records, node_id)
-                prefixes.append(f"{tree}/")
-            else:  # rank files of the spread layout (of the old one: under the records)
-                prefixes.append(f"{data_prefix(job, step, node_id, DATA_SPREAD)}/")
-            for prefix in prefixes:
-                await self.remote.delete(await self.remote.list_keys(prefix))
-            await self.index.remove(job, step)
+            await delete_copy(self.remote, self.index, job, step, node_id, st.adopted)
         except Exception as exc:  # the marker is gone: the next start-up finishes it
             log.warning(
                 "could not remove %s/%d's objects from %s: %s", job, step, self.remote.url, exc

@@ -15,6 +15,15 @@ Safety rules on top of the tiers' policies (DESIGN.md, Retention):
   (without a remote tier, never);
 - steps being uploaded, fetched or read are not touched (``in-use``).
 
+Abandoned steps (core/timeline.py: above the point a later timeline forked at)
+are planned apart from the job's live history, each abandoned timeline on its
+own: the durable tier (the bucket; the local tier when there is none) keeps what
+its policy keeps of that timeline (its latest, milestones, best), so a rollback
+or a reused job name never loses the older run's kept copies. Below a bucket,
+the local tier drops them (the disk is for the live run) once the live history's
+newest step has a complete copy, except pinned ones and those the bucket still
+wants uploaded (``awaiting-upload``). Their reasons say ``abandoned``.
+
 "Pending" steps wait for the drain. The remote policy applied to the remote
 tier plus the pending steps says which of them the bucket will want: the drain
 uploads only those, and a pending step it will not want becomes SUPERSEDED once
@@ -48,6 +57,9 @@ class StepView:
     """Being uploaded, fetched or restored right now."""
     healthy: bool | None = None
     """No NaN/Inf (True), some (False), not counted (None)."""
+    abandoned: bool = False
+    """Left behind by a later timeline (core/timeline.py)."""
+    timeline: int = 0
 
     def checkpoint(self) -> Checkpoint:
         """The policy-facing view."""
@@ -95,6 +107,26 @@ def plan_job(
 ) -> Plan:
     """Decide evictions for one job. ``remote_policy`` is None without a remote tier."""
     plan = Plan()
+    live = [v for v in views if not v.abandoned]
+    _plan_live(plan, live, local_policy, remote_policy, now, evict_unuploaded)
+    # The live history has a complete newest step: abandoned local copies may go.
+    top = max(live, key=lambda v: v.step, default=None)
+    ready = top is None or top.local or top.remote
+    for timeline in sorted({v.timeline for v in views if v.abandoned}):
+        group = [v for v in views if v.abandoned and v.timeline == timeline]
+        _plan_abandoned(plan, group, local_policy, remote_policy, now, ready)
+    return plan
+
+
+def _plan_live(
+    plan: Plan,
+    views: Sequence[StepView],
+    local_policy: Policy,
+    remote_policy: Policy | None,
+    now: float,
+    evict_unuploaded: bool,
+) -> None:
+    """The job's live history: its tiers' policies and the safety rules."""
     local = [v for v in views if v.local]
     remote = [v for v in views if v.remote]
     local_kept = _kept(local_policy, local, now)
@@ -139,7 +171,59 @@ def plan_job(
             plan.remote_reasons[v.step] = ["in-use"]
         else:
             plan.evict_remote.append(v.step)
-    return plan
+
+
+def _plan_abandoned(
+    plan: Plan,
+    views: Sequence[StepView],
+    local_policy: Policy,
+    remote_policy: Policy | None,
+    now: float,
+    ready: bool,
+) -> None:
+    """One abandoned timeline: the durable tier keeps what its policy keeps of it; a
+    local tier below a bucket keeps only what must stay until then."""
+    if remote_policy is None:  # the local tier is the durable one
+        kept = _kept(KeepAny((local_policy, KeepMilestones())), views, now)
+        for v in sorted(views, key=lambda v: v.step):
+            reasons = kept.get(v.step) or ({"in-use"} if v.busy else set())
+            if reasons:
+                plan.local_reasons[v.step] = ["abandoned", *sorted(reasons)]
+            else:
+                plan.evict_local.append(v.step)
+        return
+    remote = [v for v in views if v.remote]
+    wants = KeepAny((remote_policy, KeepMilestones()))
+    remote_kept = _kept(wants, remote, now)
+    future_kept = _kept(wants, remote + [v for v in views if v.pending and not v.remote], now)
+    for v in sorted(views, key=lambda v: v.step):
+        if v.local:
+            held = ""
+            if v.pinned:
+                held = "pinned"
+            elif v.busy:
+                held = "in-use"
+            elif not ready:
+                held = "until-the-new-timeline-commits"
+            elif not v.remote and v.step in future_kept:
+                held = "awaiting-upload"
+            if held:
+                plan.local_reasons[v.step] = ["abandoned", held]
+            else:
+                plan.evict_local.append(v.step)
+        if v.pending and not v.remote:
+            if v.step in future_kept:
+                plan.remote_wants.add(v.step)
+            else:
+                plan.supersede.append(v.step)  # the bucket never wants it
+        if v.remote:
+            kept_for = remote_kept.get(v.step)
+            if kept_for:
+                plan.remote_reasons[v.step] = ["abandoned", *sorted(kept_for)]
+            elif v.busy:
+                plan.remote_reasons[v.step] = ["abandoned", "in-use"]
+            else:
+                plan.evict_remote.append(v.step)
 
 
 def _local_hold(v: StepView, has_remote: bool, superseded: set[int], evict_unuploaded: bool) -> str:

@@ -56,6 +56,8 @@ class Retention:
             pending=st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING),
             busy=self.busy(st),
             healthy=st.healthy,
+            abandoned=st.abandoned,
+            timeline=st.timeline,
         )
 
     def plan(self, job: str) -> Plan:

@@ -39,6 +39,8 @@ class StepEvent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_EVENT_UNPINNED: _ClassVar[StepEvent]
     STEP_EVENT_ABANDONED: _ClassVar[StepEvent]
     STEP_EVENT_REPLICATED: _ClassVar[StepEvent]
+    STEP_EVENT_TIMELINE: _ClassVar[StepEvent]
+    STEP_EVENT_REPLACED: _ClassVar[StepEvent]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +75,8 @@ STEP_EVENT_PINNED: StepEvent
 STEP_EVENT_UNPINNED: StepEvent
 STEP_EVENT_ABANDONED: StepEvent
 STEP_EVENT_REPLICATED: StepEvent
+STEP_EVENT_TIMELINE: StepEvent
+STEP_EVENT_REPLACED: StepEvent
 TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_REMOTE: Tier
@@ -248,7 +252,7 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error", "local_reasons", "remote_reasons", "pinned", "metrics", "adopted", "source")
+    __slots__ = ("job", "step", "state", "tiers", "created_unix", "size_bytes", "num_shards", "milestone", "error", "local_reasons", "remote_reasons", "pinned", "metrics", "adopted", "source", "timeline", "abandoned")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +275,8 @@ class CheckpointInfo(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     state: SaveState
@@ -286,7 +292,9 @@ class CheckpointInfo(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     adopted: bool
     source: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ..., local_reasons: _Optional[_Iterable[str]] = ..., remote_reasons: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., adopted: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...
+    timeline: int
+    abandoned: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[_Union[SaveState, str]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., created_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., num_shards: _Optional[int] = ..., milestone: _Optional[bool] = ..., error: _Optional[str] = ..., local_reasons: _Optional[_Iterable[str]] = ..., remote_reasons: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., adopted: _Optional[bool] = ..., source: _Optional[str] = ..., timeline: _Optional[int] = ..., abandoned: _Optional[bool] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints", "history")
@@ -442,12 +450,14 @@ class AdoptResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., files: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("job", "directory")
+    __slots__ = ("job", "directory", "layout")
     JOB_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     directory: str
-    def __init__(self, job: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, job: _Optional[str] = ..., directory: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("directory", "remote_directory")
@@ -458,14 +468,16 @@ class WatchResponse(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., remote_directory: _Optional[str] = ...) -> None: ...
 
 class EnsureLocalRequest(_message.Message):
-    __slots__ = ("job", "step", "directory")
+    __slots__ = ("job", "step", "directory", "layout")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     directory: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("job",)

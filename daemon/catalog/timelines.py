@@ -1,0 +1,47 @@
+"""The catalog's timeline arithmetic (core/timeline.py), as pure functions over steps.
+
+The catalog calls these when steps come and go; nothing here changes a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ckptd.core.timeline import Forks, abandoned, merge, newest
+
+from .step import Step
+
+
+def lineage(steps: Iterable[Step]) -> Forks:
+    """The forks of a job's steps that count (a save that failed with nothing kept
+    does not: a fork whose only save failed is forgotten)."""
+    return merge(*(s.forks for s in steps if s.in_lineage))
+
+
+def flips(steps: Iterable[Step], forks: Forks) -> list[tuple[Step, bool]]:
+    """The steps whose abandoned flag differs from what ``forks`` says, with the new flag."""
+    out = []
+    for s in steps:
+        gone = abandoned(s.timeline, s.step, forks)
+        if gone != s.abandoned:
+            out.append((s, gone))
+    return out
+
+
+def next_timeline(steps: Sequence[Step], forks: Forks, step: int) -> tuple[int, Forks]:
+    """``(timeline, forks)`` of a new save of ``step`` among a job's ``steps``: the
+    current timeline, or a new one when ``step`` is at or below the newest step of the
+    live history."""
+    counted = [s for s in steps if s.in_lineage]
+    current = newest(forks, (s.timeline for s in counted))
+    top = max((s.step for s in counted if not s.abandoned), default=None)
+    if top is not None and step <= top:
+        return current + 1, merge(forks, [(current + 1, step)])
+    return current, forks
+
+
+def left_behind(steps: Iterable[Step], at: int) -> tuple[list[int], str]:
+    """The abandoned steps at or above ``at`` (those a fork there left), and in words."""
+    newer = sorted(s.step for s in steps if s.abandoned and s.step >= at)
+    span = f"{newer[0]}..{newer[-1]}" if len(newer) > 1 else ", ".join(map(str, newer))
+    return newer, span

@@ -1,0 +1,43 @@
+"""Taking this node's copy of a step out of the bucket: the publish protocol in reverse.
+
+The ``_complete/<node>`` marker goes first: from then on no node lists or
+restores the copy. Then its objects, then its entry in the node's index last:
+until then the index still names the step, so a crash anywhere in between
+leaves it to this node's next pass (the evictor's, or the next upload of a save
+under the same number), which deletes the marker again (nothing to do), what is
+left of the objects, and the entry. Retention evicts through it, and so does the
+upload of a save that replaces a step of an earlier timeline (publish.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ckptd.core.manifest import DATA_SPREAD
+
+from .. import faults
+from .base import Remote
+from .index import NodeIndex
+from .layout import data_prefix, marker_key, record_prefix, step_prefix
+
+
+async def retract_marker(remote: Remote, job: str, step: int, node: str, adopted: bool) -> None:
+    """Delete ``node``'s marker of the step: its copy is no longer complete anywhere."""
+    await remote.delete([marker_key(job, step, node, adopted)])
+    await asyncio.to_thread(faults.hit, "evict.remote_marker_gone")
+
+
+async def delete_copy(
+    remote: Remote, index: NodeIndex, job: str, step: int, node: str, adopted: bool
+) -> None:
+    """After :func:`retract_marker`: the copy's objects, then its index entry."""
+    tree, records = step_prefix(job, step), record_prefix(job, step, adopted)
+    prefixes = [f"{records}/{node}/"]
+    if adopted:  # out of the framework's view first, then deleted
+        await remote.retract_tree(tree, records, node)
+        prefixes.append(f"{tree}/")
+    else:  # rank files of the spread layout (of the old one: under the records)
+        prefixes.append(f"{data_prefix(job, step, node, DATA_SPREAD)}/")
+    for prefix in prefixes:
+        await remote.delete(await remote.list_keys(prefix))
+    await index.remove(job, step)
