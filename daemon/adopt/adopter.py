@@ -9,10 +9,14 @@ and is kept or evicted by the same retention.
 
 A watched directory (the job's Orbax directory, ``<root>/.orbax/<job>`` unless
 the trainer names another on the same filesystem) is scanned every
-``adopt_poll_seconds``: a step directory is adopted once it is finished, which
-for Orbax means a plain numeric name (Orbax's default step names; no
-``.orbax-checkpoint-tmp`` suffix) holding ``commit_success.txt``. Orbax writes
-that file and then renames the tmp directory, so the tree is whole by then.
+``adopt_poll_seconds``: a step directory is adopted once it is finished, by the
+framework's own names and commit rule (tree.Layout): for Orbax a plain numeric
+name (no ``.orbax-checkpoint-tmp`` suffix) holding ``commit_success.txt``, which
+Orbax writes before it renames the tmp directory, so the tree is whole by then;
+for torchtitan ``step-<step>`` holding DCP's ``.metadata``. The Hugging Face
+Trainer's ``checkpoint-<step>`` has no such file: its callback adopts each one
+(Adopt), and a scan never does. A step put back for a restore gets the name its
+framework looks for.
 
 Watches and the step directories already seen persist in ``<root>/.watched.json``,
 so a step ckptd has since evicted is not adopted again after a restart.
@@ -43,8 +47,8 @@ from ckptd.core.manifest import KIND_DIRECTORY, Manifest
 from ..catalog import Catalog, Step
 from ..io import IoPool
 from ..local.files import replace_synced
+from ..local.saver import retire_replaced
 from ..local.store import LocalStore
-from ..remote.layout import COMMIT_FILE
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
 from .paths import (
@@ -59,7 +63,7 @@ from .paths import (
     permitted,
     resolve_inside,
 )
-from .tree import finished_steps, link_tree, orbax_metrics, put_back
+from .tree import ORBAX, Layout, finished_steps, layout_named, link_tree, orbax_metrics, put_back
 
 log = logging.getLogger("ckptd.adopt")
 
@@ -77,6 +81,8 @@ class Watch:
     """Step directory name -> inode of its commit file when it was adopted or skipped."""
     caller: Caller = DAEMON
     """Who asked for the watch: its steps are adopted only if that user could read them."""
+    layout: Layout = ORBAX
+    """How the framework writing there names its steps and finishes them."""
 
 
 class Adopter:
@@ -171,7 +177,10 @@ class Adopter:
                 source=str(src),
                 milestone=milestone,
                 metrics=dict(metrics or {}),
+                timeline=st.timeline,
+                forks=st.forks,
             )
+            await retire_replaced(self.catalog, self.store, self.io, st)
             await commit.finalize((await self.io.run(manifest.to_json)).encode())
         except BaseException as exc:
             await commit.abort()
@@ -208,10 +217,11 @@ class Adopter:
                     if who
                     else DAEMON  # written by a release without callers: the operator's
                 )
-                self.watches[job] = Watch(job, Path(w["directory"]), seen, caller)
+                layout = layout_named(str(w.get("layout", "")))
+                self.watches[job] = Watch(job, Path(w["directory"]), seen, caller, layout)
         except FileNotFoundError:
             return
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, InvalidArgument) as exc:
             log.error("ignoring unreadable %s: %s", self.path, exc)
 
     async def _save(self) -> None:
@@ -222,14 +232,19 @@ class Adopter:
                 "caller": None
                 if w.caller.privileged
                 else {"uid": w.caller.uid, "groups": sorted(w.caller.groups)},
+                "layout": w.layout.name,
             }
             for j, w in self.watches.items()
         }
         payload = json.dumps(data, sort_keys=True).encode()
         await self.io.run(replace_synced, self.path, payload)
 
-    async def watch(self, job: str, directory: str, caller: Caller = DAEMON) -> Path:
-        """Watch ``directory`` (default: the job's Orbax directory) for finished steps."""
+    async def watch(
+        self, job: str, directory: str, caller: Caller = DAEMON, layout: str = ""
+    ) -> Path:
+        """Watch ``directory`` (default: the job's Orbax directory) for steps finished
+        by the rules of ``layout`` (tree.LAYOUTS; empty: Orbax's)."""
+        kind = layout_named(layout)
         root = self.root
         path = await self.io.run(self._writable, caller, job, directory, "watching")
         if await self.io.run(nearest_device, path) != os.stat(root).st_dev:
@@ -242,10 +257,10 @@ class Adopter:
         await self.io.run(make_dirs_for, caller, path)
         async with self._lock:
             old = self.watches.get(job)
-            if old is None or old.directory != path or old.caller != caller:
-                self.watches[job] = Watch(job, path, caller=caller)
+            if old is None or (old.directory, old.caller, old.layout) != (path, caller, kind):
+                self.watches[job] = Watch(job, path, caller=caller, layout=kind)
                 await self._save()
-                log.info("watching %s for finished steps of job %r", path, job)
+                log.info("watching %s for finished %s steps of job %r", path, kind.name, job)
         await self.scan_job(job)
         return path
 
@@ -270,8 +285,8 @@ class Adopter:
             w = self.watches.get(job)
             if w is None:
                 return 0
-            found = await self.io.run(finished_steps, w.directory)
-            names = {str(s) for s, _, _ in found}
+            found = await self.io.run(finished_steps, w.directory, w.layout)
+            names = {p.name for _, p, _ in found}
             changed = False
             for gone in set(w.seen) - names:  # the framework deleted it: forget it
                 del w.seen[gone]
@@ -298,11 +313,19 @@ class Adopter:
 
     # -- restore side ---------------------------------------------------------------
     async def ensure_local(
-        self, job: str, step: int | None, directory: str, caller: Caller = DAEMON
+        self,
+        job: str,
+        step: int | None,
+        directory: str,
+        caller: Caller = DAEMON,
+        layout: str = "",
     ) -> tuple[Step, Path, bool, bool]:
         """Make sure an adopted step (default: the newest in any tier) is in the watched
         (or given) directory, verified, fetching it from the bucket if need be:
-        ``(step, its path there, fetched, linked)``."""
+        ``(step, its path there, fetched, linked)``. It is named as ``layout`` (default:
+        the watched directory's, else Orbax's) names its steps."""
+        w = self.watches.get(job)
+        kind = layout_named(layout) if layout else w.layout if w else ORBAX
         if directory:
             directory = str(
                 await self.io.run(self._writable, caller, job, directory, "putting back")
@@ -327,11 +350,11 @@ class Adopter:
                 log.warning(
                     "%s/%d does not verify in the bucket; trying an older step", job, st.step
                 )
-        path, linked = await self._put_back(job, st, directory, not fetched, caller)
+        path, linked = await self._put_back(job, st, directory, not fetched, caller, kind)
         return st, path, fetched, linked
 
     async def _put_back(
-        self, job: str, st: Step, directory: str, verify: bool, caller: Caller
+        self, job: str, st: Step, directory: str, verify: bool, caller: Caller, layout: Layout
     ) -> tuple[Path, bool]:
         """Hard-link an adopted step's files from ckptd's store back into the watched (or
         given) directory, committed by one rename; ``verify``: re-check every file's
@@ -341,7 +364,7 @@ class Adopter:
         w = self.watches.get(job)
         base = Path(directory) if directory else w.directory if w else self.default_directory(job)
         base = Path(os.path.realpath(base))  # a path checked on the way in, or the daemon's
-        dest = base / str(st.step)
+        dest = base / layout.dir_name(st.step)
         if await self.io.run(dest.exists):
             return dest, False
         store_dir = self.store.step_dir(job, st.step)
@@ -359,10 +382,10 @@ class Adopter:
                 await self.io.run(put_back, store_dir, manifest, base_fd, dest.name, owner)
             finally:
                 os.close(base_fd)
-        if w is not None and w.directory == base:
+        if w is not None and w.directory == base and w.layout == layout and layout.commit_file:
             async with self._lock:
                 with contextlib.suppress(OSError):
-                    w.seen[dest.name] = os.stat(dest / COMMIT_FILE).st_ino
+                    w.seen[dest.name] = os.stat(dest / layout.commit_file).st_ino
                     await self._save()
         log.info("%s/%d put back into %s", job, st.step, dest)
         return dest, True

@@ -4,12 +4,14 @@ hard-linking trees into ckptd's store and back out (see adopter.py)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.core import checksum
@@ -24,29 +26,84 @@ from .paths import DIR_FLAGS
 MAX_FILES = 1_000_000
 
 
-def finished_steps(directory: Path) -> list[tuple[int, Path, os.stat_result]]:
+@dataclass(frozen=True)
+class Layout:
+    """How a framework names its step directories, and when one is finished.
+
+    ``commit_file``: the file the framework writes last (atomically) into a
+    finished step directory, so a scan may adopt any directory holding it. Empty:
+    no file says so (the Hugging Face Trainer writes ``checkpoint-N/`` in place
+    with no commit file, ``trainer_state.json`` by ``open("w")``, and other
+    ranks' RNG files with no barrier before ``on_save``): only the trainer can
+    tell, by adopting the directory itself; a scan never adopts one.
+    """
+
+    name: str
+    prefix: str
+    commit_file: str
+
+    def dir_name(self, step: int) -> str:
+        """The directory the framework writes (and, on restore, looks for) ``step`` in."""
+        return f"{self.prefix}{step}"
+
+    def step_of(self, name: str) -> int | None:
+        """The step a directory name stands for, None if the framework would not
+        write that name (Orbax's ``7.orbax-checkpoint-tmp-…``, zero-padded numbers)."""
+        if not name.startswith(self.prefix):
+            return None
+        digits = name[len(self.prefix) :]
+        # str(int(d)) == d: a zero-padded name would not match <job>/<step> in the
+        # bucket. isascii: "¹8" is isdigit() too, and int() refuses it.
+        if not (digits.isascii() and digits.isdigit() and str(int(digits)) == digits):
+            return None
+        return int(digits)
+
+
+ORBAX = Layout("orbax", "", COMMIT_FILE)
+"""Orbax: ``<step>/``, finished once ``commit_success.txt`` is in it (written before
+Orbax renames its tmp directory into place)."""
+HF = Layout("hf", "checkpoint-", "")
+"""The Hugging Face Trainer: ``checkpoint-<step>/``, finished when the trainer's
+callback adopts it (ckptd.client.hf)."""
+TORCHTITAN = Layout("torchtitan", "step-", ".metadata")
+"""torchtitan (DCP's FileSystemWriter): ``step-<step>/``, finished once DCP renamed
+``.metadata`` into place (its coordinator does after every rank wrote its data)."""
+LAYOUTS = {layout.name: layout for layout in (ORBAX, HF, TORCHTITAN)}
+
+
+def layout_named(name: str) -> Layout:
+    """The layout called ``name`` (empty: Orbax's)."""
+    try:
+        return LAYOUTS[name or ORBAX.name]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown step-directory layout {name[:40]!r}; use one of {', '.join(LAYOUTS)}"
+        ) from None
+
+
+def finished_steps(
+    directory: Path, layout: Layout = ORBAX
+) -> list[tuple[int, Path, os.stat_result]]:
     """``(step, path, stat of its commit file)`` of each finished step directory, oldest
     first (the commit file's inode tells a re-saved step apart, its mtime is the step's
-    time)."""
+    time). None for a layout without a commit file: only its trainer says a step is
+    finished."""
+    if not layout.commit_file:
+        return []
     found = []
     try:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
         return []
     for entry in entries:
-        name = entry.name
-        # str(int(name)) == name: Orbax's default names; zero-padded or prefixed names
-        # would not match the bucket's <job>/<step> and are left alone. isascii: "¹8"
-        # is isdigit() too, and int() refuses it.
-        if not (name.isascii() and name.isdigit() and str(int(name)) == name):
-            continue
-        if not entry.is_dir(follow_symlinks=False):
+        step = layout.step_of(entry.name)
+        if step is None or not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            commit = os.stat(Path(entry.path) / COMMIT_FILE)
+            commit = os.stat(Path(entry.path) / layout.commit_file)
         except (FileNotFoundError, NotADirectoryError):
             continue
-        found.append((int(name), Path(entry.path), commit))
+        found.append((step, Path(entry.path), commit))
     return sorted(found, key=lambda t: t[0])
 
 
@@ -150,10 +207,11 @@ def link_tree(
 
 def put_back(store_dir: Path, manifest: Manifest, base_fd: int, name: str, owner: int = -1) -> None:
     """Hard-link an adopted step's files from ckptd's store into directory ``name``
-    under ``base_fd`` (see paths.open_dir): built under a hidden name relative to
-    directory descriptors, never following a symlink, then one rename, fsynced, so
-    the framework never sees a partial step and a swapped path cannot redirect a
-    link out of the directory. ``owner`` (a uid, -1: leave as is): the uid the
+    under ``base_fd`` (see paths.open_dir; copied when that is on another filesystem
+    than the store, as a trainer's output directory may be): built under a hidden
+    name relative to directory descriptors, never following a symlink, then one
+    rename, fsynced, so the framework never sees a partial step and a swapped path
+    cannot redirect a link out of the directory. ``owner`` (a uid, -1: leave as is): the uid the
     directories and files are given to, so a trainer of another user than the
     daemon can read what was put back for it (its job's own files)."""
     tmp = f".ckptd-{name}.{time.time_ns()}"
@@ -173,7 +231,7 @@ def put_back(store_dir: Path, manifest: Manifest, base_fd: int, name: str, owner
                         with contextlib.suppress(FileExistsError):
                             os.mkdir(key[-1], 0o750, dir_fd=parent)
                         opened[key] = os.open(key[-1], DIR_FLAGS, dir_fd=parent)
-                os.link(store_dir / r.file, leaf, dst_dir_fd=opened[tuple(dirs)])
+                _link_or_copy(store_dir / r.file, leaf, opened[tuple(dirs)])
                 if owner >= 0:
                     os.chown(leaf, owner, -1, dir_fd=opened[tuple(dirs)], follow_symlinks=False)
             for fd in opened.values():
@@ -189,3 +247,22 @@ def put_back(store_dir: Path, manifest: Manifest, base_fd: int, name: str, owner
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp, dir_fd=base_fd)
         raise
+
+
+def _link_or_copy(src: Path, leaf: str, dir_fd: int) -> None:
+    """Hard-link ``src`` as ``leaf`` in ``dir_fd``, or copy it there (fsynced) when the
+    directory is on another filesystem; never following a symlink at ``leaf``."""
+    try:
+        os.link(src, leaf, dst_dir_fd=dir_fd)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    out = os.open(leaf, flags, 0o640, dir_fd=dir_fd)
+    try:
+        with open(src, "rb") as inp, os.fdopen(os.dup(out), "wb") as dst:
+            shutil.copyfileobj(inp, dst, 8 * 2**20)
+        os.fsync(out)
+    finally:
+        os.close(out)

@@ -331,7 +331,9 @@ class Servicer(pb_grpc.CkptdServicer):
     @_rpc
     async def Watch(self, request: pb.WatchRequest, context: Any) -> pb.WatchResponse:
         peer, job = self._job(context, request.job, claim=True)
-        path = await self.s.adopter.watch(job, request.directory, self.s.access.caller(peer))
+        path = await self.s.adopter.watch(
+            job, request.directory, self.s.access.caller(peer), request.layout
+        )
         remote = f"{self.s.remote_url}/{job}" if self.s.remote_url else ""
         return pb.WatchResponse(directory=str(path), remote_directory=remote)
 
@@ -342,7 +344,7 @@ class Servicer(pb_grpc.CkptdServicer):
         peer, job = self._job(context, request.job, claim=True)
         step = check_step(request.step) if request.HasField("step") else None
         st, path, fetched, linked = await self.s.adopter.ensure_local(
-            job, step, request.directory, self.s.access.caller(peer)
+            job, step, request.directory, self.s.access.caller(peer), request.layout
         )
         return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,11 +17,12 @@ from ckptd.core.manifest import MANIFEST, Manifest
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
+from ..commit import RenameCommit
 from ..local.files import write_synced
 from ..remote import fetch
 from ..remote.backends import open_remote
 from ..remote.base import Remote
-from ..remote.layout import file_key, manifest_key, parse_marker
+from ..remote.layout import FILES_DIR, file_key, manifest_key, parse_marker
 from . import config as config_mod
 from .cli_view import ByteProgress, print_table, socket_arg
 from .config import Config
@@ -114,13 +116,41 @@ async def _pull_from(
         if any(target.iterdir()):
             raise CkptdError(f"{target} is not empty; pull into a new directory")
         with ByteProgress(f"{job}/{step}/{n}", manifest.size_bytes) as progress:
-            await fetch.download_files(remote, job, step, n, manifest, target, progress)
-            await asyncio.to_thread(write_synced, target / MANIFEST, raw)  # the manifest last
+            if manifest.adopted:
+                await _pull_tree(remote, job, step, n, manifest, target, progress)
+            else:
+                await fetch.download_files(remote, job, step, n, manifest, target, progress)
+                await asyncio.to_thread(write_synced, target / MANIFEST, raw)  # the manifest last
         print(
             f"pulled {job} step {step} ({n}) into {target}: {len(manifest.ranks)} files, "
             f"{manifest.size_bytes} bytes, crc32c verified"
+            + (" (the adopted tree as its framework wrote it)" if manifest.adopted else "")
         )
     return 0
+
+
+async def _pull_tree(
+    remote: Remote,
+    job: str,
+    step: int,
+    node: str,
+    manifest: Manifest,
+    target: Path,
+    progress: ByteProgress,
+) -> None:
+    """An adopted step's tree, byte-identical, as ``target`` itself (what its framework
+    reads: a Hugging Face ``checkpoint-N``, an Orbax step), not ckptd's own layout of
+    it (``files/`` beside a manifest). Downloaded beside ``target`` and renamed into
+    place whole, so a half-pulled tree is never mistaken for a checkpoint."""
+    staging = target.parent / f".{target.name}.ckptd-pull.{os.getpid()}"
+    await asyncio.to_thread(shutil.rmtree, staging, True)  # an earlier pull's, cut short
+    staging.mkdir(mode=0o750)
+    try:
+        await fetch.download_files(remote, job, step, node, manifest, staging, progress)
+        target.rmdir()  # empty (checked): the tree takes its place
+        await RenameCommit(target, staging / FILES_DIR).finalize()
+    finally:
+        await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -235,7 +265,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
     p = sub.add_parser("pull", help="download a complete step from the bucket into a directory")
     p.add_argument("job", help="the training job's name")
-    p.add_argument("dest", help="directory to create (must be empty)")
+    p.add_argument(
+        "dest",
+        help="directory to create (must be empty); an adopted step (a framework's own "
+        "checkpoint directory) becomes DEST itself, its files as the framework wrote them",
+    )
     p.add_argument("--step", type=int, help="default: the newest complete step")
     p.add_argument("--node", help="only this node's part (default: every node's)")
     common(p)

@@ -1,0 +1,322 @@
+"""Hugging Face ``Trainer`` users: keep ``save_steps``; ckptd tiers every checkpoint.
+
+::
+
+    from ckptd.client import hf as ckptd_hf
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[ckptd_hf.CkptdCallback("run-42")])
+    trainer.train(resume_from_checkpoint=ckptd_hf.resume(trainer))
+
+The callback hands each ``output_dir/checkpoint-N`` the Trainer finished to the
+node's daemon (``Client.adopt``: hard links, so the Trainer's own
+``save_total_limit`` deletions cannot race the upload; LOCAL when it returns,
+then drained byte-identical to ``<remote>/<job>/N/``). The Trainer writes a
+checkpoint in place with no commit file, so only its ``on_save`` (called after
+``_save_checkpoint`` wrote the model, optimizer, scheduler, RNG states and
+``trainer_state.json``) says one is whole: the daemon never adopts a
+``checkpoint-N`` on its own.
+
+:func:`resume` puts the newest adopted step back into ``output_dir/checkpoint-N``
+(from the bucket when the node lost its disk) and returns that path (None: a
+fresh start); ``trainer.train(resume_from_checkpoint=True)`` finds it there too.
+See docs/integrations/hf.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ckptd.core.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    FailedPrecondition,
+    InvalidArgument,
+)
+from ckptd.core.health import RESERVED_PREFIX
+from ckptd.proto import ckptd_pb2 as pb
+
+from .client import Client
+from .handle import SaveHandle
+
+log = logging.getLogger("ckptd.hf")
+
+LAYOUT = "hf"
+"""The daemon's name for the Trainer's step directories (``checkpoint-<step>``)."""
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class CkptdCallback(TrainerCallback):
+    """Adopts every checkpoint the Trainer saves into the node's ckptd daemon.
+
+    ``job``: the job's name (or pass ``client``: a :class:`Client` of it);
+    ``socket``: the daemon's (default: ``$CKPTD_SOCKET``, else the default path).
+    ``metrics``: hand the values the Trainer logged at the saved step (``loss``,
+    ``eval_loss``, ...) to the daemon, so ckptd's ``KeepBest``/``BestN`` retention
+    can rank the steps. ``milestone(state)``: True marks a step as a milestone.
+
+    On the training path it costs the adoption call (hard links, an fsync and a
+    crc32c per file), plus, in a multi-process job, one barrier so every rank's
+    files (``rng_state_<rank>.pth``) are in before the directory is handed over.
+    Each process that writes the checkpoint (``args.should_save``: the main process,
+    or each node's with ``save_on_each_node``) adopts it into its node's daemon.
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        client: Client | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        metrics: bool = True,
+        milestone: Callable[[TrainerState], bool] | None = None,
+    ) -> None:
+        if (job is None) == (client is None):
+            raise TypeError("give the job's name (CkptdCallback('run-42')) or a client=")
+        self._client = client
+        self._job = job if client is None else client.job
+        self._socket = socket
+        self.metrics = metrics
+        self.milestone = milestone
+        self.last: SaveHandle | None = None
+        """The handle of this process's last adoption (None before the first)."""
+        self.adopted: list[int] = []
+        """Steps this process adopted, in order."""
+
+    @property
+    def client(self) -> Client:
+        """The client of the job (created at first use, so building the callback needs
+        no daemon)."""
+        if self._client is None:
+            self._client = Client(str(self._job), socket=self._socket)
+        return self._client
+
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Adopt ``output_dir/checkpoint-<global_step>``, which the Trainer just finished."""
+        step = int(state.global_step)
+        path = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        # The Trainer writes rng_state_<rank>.pth on every rank and calls on_save with
+        # no barrier in between: without one, another rank's file could be missing.
+        _barrier()
+        if not args.should_save:
+            return
+        if not path.is_dir():
+            raise FailedPrecondition(
+                f"the Trainer saved step {step} but {path} is not a directory: ckptd adopts "
+                "checkpoints under args.output_dir (hyperparameter-search runs, which save "
+                "elsewhere, are not supported)"
+            )
+        self.last = self.client.adopt(
+            step,
+            path,
+            milestone=bool(self.milestone(state)) if self.milestone else False,
+            metrics=logged_metrics(state, step) if self.metrics else None,
+        )
+        self.adopted.append(step)
+
+    def wait(self, stage: str = "durable", timeout: float = 600.0) -> None:
+        """Block until this process's last adoption reached ``stage`` ("local" or
+        "durable": in the bucket). Returns at once if it adopted nothing."""
+        if self.last is not None:
+            self.last.wait(stage, timeout=timeout)
+
+    def close(self) -> None:
+        """Close the client this callback created (a given one is the caller's)."""
+        if self._client is not None and self._job is not None and self._client.job == self._job:
+            self._client.close()
+            self._client = None
+
+
+def logged_metrics(state: TrainerState, step: int) -> dict[str, float]:
+    """The numbers the Trainer logged at ``step`` (``loss``, ``eval_loss``, ...)."""
+    found: dict[str, float] = {}
+    for entry in state.log_history:
+        if entry.get("step") != step:
+            continue
+        for name, value in entry.items():
+            if (
+                name != "step"
+                and isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and not name.startswith(RESERVED_PREFIX)
+                and 0 < len(name) <= 255
+            ):
+                found[name] = float(value)
+    return found
+
+
+def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -> str | None:
+    """Put the newest adopted step (or ``step``) back into
+    ``output_dir/checkpoint-<step>`` and return that path, for
+    ``trainer.train(resume_from_checkpoint=...)``; None: nothing to resume from.
+
+    A step the node lost comes back from the bucket, verified; one ckptd holds but
+    the Trainer deleted (``save_total_limit``) is linked back. A newer
+    ``checkpoint-M`` the daemon never adopted (a save cut short) is not chosen,
+    and said so. With no adopted step anywhere, the Trainer's own newest
+    checkpoint on disk is returned (with a warning), else None.
+
+    In a multi-process job every process must call it (a collective over
+    ``torch.distributed``): the writing processes agree on the newest step each of
+    their nodes holds, each puts it back on its node, and all get its path.
+    """
+    callback = next(
+        (c for c in trainer.callback_handler.callbacks if isinstance(c, CkptdCallback)), None
+    )
+    if callback is None:
+        raise InvalidArgument(
+            "this Trainer has no CkptdCallback: pass callbacks=[CkptdCallback('<job>')] "
+            "when creating it, then call resume(trainer)"
+        )
+    args = trainer.args
+    out = _output_dir(args)
+    client = callback.client
+    asked = step is not None
+    if _world() > 1:
+        step = _agree(client, step, bool(args.should_save))
+        if step is None:
+            return _fallback(out)
+    failure: CkptdError | None = None
+    if args.should_save:
+        req = pb.EnsureLocalRequest(job=client.job, directory=str(out), layout=LAYOUT)
+        if step is not None:
+            req.step = int(step)
+        try:
+            resp = client.connection.call("EnsureLocal", req, timeout)
+        except CkptdError as exc:
+            if isinstance(exc, CheckpointNotFound) and step is None:
+                return _fallback(out)  # one process, and nothing adopted anywhere
+            failure = exc
+        else:
+            step = int(resp.step)
+            how = (
+                "from the bucket" if resp.fetched else "linked back" if resp.linked else "in place"
+            )
+            log.info("resuming job %r from step %d (%s, %s)", client.job, step, resp.path, how)
+    # Every process learns whether each node's copy is in place (the others read what
+    # their node's writing process put back), and none is left waiting if one failed.
+    errors = _gather(str(failure) if failure else "")
+    if failure is not None:
+        raise failure
+    if any(errors):
+        raise FailedPrecondition(
+            f"another process could not put step {step} back: {next(e for e in errors if e)}"
+        )
+    if step is None:
+        return _fallback(out)
+    newer = [s for s in _on_disk(out) if s > step]
+    if newer:
+        why = (
+            "you asked for an older step: the Trainer will rewrite them in place, and "
+            "ckptd's copies of those steps with them (move them away first; "
+            "docs/integrations/hf.md)"
+            if asked
+            else "ckptd holds no whole copy of them (a save cut short?)"
+        )
+        log.warning(
+            "%s also holds %s, newer than step %d, which it resumes from: %s",
+            out,
+            ", ".join(f"{PREFIX_CHECKPOINT_DIR}-{s}" for s in newer),
+            step,
+            why,
+        )
+    return str(out / f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def _output_dir(args: TrainingArguments) -> Path:
+    """The Trainer's ``output_dir``, absolute (the daemon is given absolute paths)."""
+    return Path(str(args.output_dir)).absolute()
+
+
+def _fallback(out: Path) -> str | None:
+    """No adopted step anywhere: the Trainer's own newest checkpoint, if any."""
+    steps = _on_disk(out)
+    if not steps:
+        return None
+    path = out / f"{PREFIX_CHECKPOINT_DIR}-{steps[-1]}"
+    log.warning(
+        "ckptd holds no adopted step of this job; resuming from %s, which the Trainer "
+        "wrote before ckptd adopted anything (not verified by ckptd)",
+        path,
+    )
+    return str(path)
+
+
+def _on_disk(out: Path) -> list[int]:
+    """Steps of the ``checkpoint-N`` directories in ``out``, oldest first."""
+    try:
+        names = os.listdir(out)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        int(m.group(1)) for n in names if (m := _CHECKPOINT.match(n)) and (out / n).is_dir()
+    )
+
+
+def _agree(client: Client, step: int | None, writes: bool) -> int | None:
+    """The step every writing process's node holds (the newest, or ``step`` if all
+    hold it), gathered over torch.distributed; None if there is none."""
+    import torch.distributed as dist
+
+    mine: list[int] | None = None
+    if writes:
+        mine = sorted(
+            c.step
+            for c in client.list()
+            if c.adopted and c.tiers and c.state != "STAGING" and not c.abandoned
+        )
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    held = [set(s) for s in everyone if s is not None]
+    common = set.intersection(*held) if held else set()
+    if step is not None:
+        if step not in common:
+            raise CheckpointNotFound(
+                f"step {step} of job {client.job!r} is not held by every node (steps all "
+                f"of them hold: {sorted(common)[-10:]}); pick one of those"
+            )
+        return step
+    return max(common) if common else None
+
+
+def _world() -> int:
+    """The number of processes in torch.distributed's default group (1: none)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size())
+
+
+def _gather(error: str) -> list[str]:
+    """Every process's ``error`` ("": none), in rank order (just ours with one process)."""
+    if _world() == 1:
+        return [error]
+    import torch.distributed as dist
+
+    everyone: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    return everyone
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+__all__ = ["LAYOUT", "CkptdCallback", "logged_metrics", "resume"]
