@@ -281,6 +281,13 @@ def test_the_bucket_follows_the_new_timeline_after_the_disk_is_lost(
     # A replacement node under a new name learns the lineage from the markers.
     other = remote_daemon(make_daemon, bucket, extra_args=["--node-id", "replacement"])
     assert _value(other.client("lost")) == (2, 20.0)
+    # So does `ckptd pull` with no step: the newest of the live history, not step 3.
+    dest = tmp_path / "pulled"
+    pull = subprocess.run(
+        [CKPTD, "pull", "lost", str(dest), "--remote", bucket.url], capture_output=True, text=True
+    )
+    assert pull.returncode == 0, pull.stderr
+    assert json.loads((dest / "manifest.json").read_text())["step"] == 2
 
 
 def test_a_pinned_step_refuses_a_save_under_its_number_and_leaves_nothing(

@@ -14,6 +14,7 @@ from pathlib import Path
 from ckptd.core.checksum import verify_step
 from ckptd.core.errors import CkptdError
 from ckptd.core.manifest import MANIFEST, Manifest
+from ckptd.core.timeline import abandoned, merge
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -98,8 +99,11 @@ async def _pull_from(
     steps = await fetch.complete_steps(remote, job)
     if not steps:
         raise CkptdError(f"the bucket {cfg.remote} holds no complete step of job {job!r}")
-    if step is None:
-        step = max(steps)
+    if step is None:  # the newest of the live history (core/timeline.py)
+        seen = await fetch.newest_steps(remote, job, 1)
+        forks = merge(*(s.forks for s in seen.values()))
+        live = [n for n, s in seen.items() if not abandoned(s.timeline or 0, n, forks)]
+        step = max(live or steps)
     if step not in steps:
         raise CkptdError(
             f"step {step} of job {job!r} is not complete in {cfg.remote}; "

@@ -14,12 +14,12 @@ from pathlib import Path
 from ckptd.core.errors import DataLoss, InvalidArgument, NotFound
 from ckptd.core.manifest import Manifest, ManifestInvalid
 from ckptd.core.names import check_name
-from ckptd.core.timeline import Forks, abandoned, merge
+from ckptd.core.timeline import abandoned, merge
 
 from ..io import gather_all, in_thread
 from ..local.files import open_dir_beneath
 from .base import Remote
-from .index import marker_entry
+from .index import bucket_lineage, marker_entry
 from .layout import (
     RemoteStep,
     complete_steps_in,
@@ -73,15 +73,16 @@ async def rank_holders(
 
 async def newest_steps(remote: Remote, job: str, count: int) -> dict[int, RemoteStep]:
     """The ``count`` newest live steps of ``job`` that some node completed, with their
-    nodes, timelines and lineage: the step names (one delimited listing), then the
+    nodes, timelines and lineage: the job's lineage from the nodes' indexes
+    (:func:`bucket_lineage`), the step names (one delimited listing), then the
     markers of each, newest first, and one marker's body per step, until ``count``
-    steps some node completed are not abandoned by the lineage read so far (steps a
-    later timeline left behind carry higher numbers: core/timeline.py). For a node
-    with no steps of its own in the bucket (a replacement under a new name):
-    O(count x nodes / 1,000) requests, not a listing of every object of every step."""
+    steps some node completed are not abandoned (steps a later timeline left behind
+    carry higher numbers: core/timeline.py). For a node with no steps of its own in
+    the bucket (a replacement under a new name): O(count x nodes / 1,000) requests,
+    not a listing of every object of every step."""
     names = [parse_step_name(n) for n in await remote.list_dirs(f"{job}/")]
     found: dict[int, RemoteStep] = {}
-    forks: Forks = ()
+    forks = await bucket_lineage(remote, job)
     for step, adopted in sorted(((s, a) for s, a in names if s is not None), reverse=True):
         nodes = await step_nodes(remote, job, step, adopted)
         if not nodes:

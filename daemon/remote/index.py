@@ -43,7 +43,7 @@ from typing import Any
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.names import check_name
-from ckptd.core.timeline import Forks, check_forks, check_timeline
+from ckptd.core.timeline import Forks, check_forks, check_timeline, merge
 
 from .base import Remote
 from .layout import marker_key, parse_step_name, pin_key
@@ -131,6 +131,23 @@ def _entry(item: Any) -> Entry | None:
         timeline=timeline,
         forks=forks,
     )
+
+
+async def bucket_lineage(remote: Remote, job: str, nodes: int = 2) -> Forks:
+    """The job's forks (core/timeline.py) as the first ``nodes`` nodes' indexes record
+    them: one delimited listing of ``<job>/_index/`` and a GET per index read. What a
+    reader with no index of its own (a replacement node, ``ckptd pull``) needs before
+    it can tell which of the highest-numbered steps a later timeline abandoned: the
+    markers of those steps carry only the lineage of their own time."""
+    keys = sorted(await remote.list_dirs(f"{job}/{INDEX_DIR}/"))[:nodes]
+    out: Forks = ()
+    for key in keys:
+        try:
+            entries = decode(await remote.get_bytes(key))
+        except (FileNotFoundError, ValueError):
+            continue
+        out = merge(out, *(e.forks for e in entries.values()))
+    return out
 
 
 class NodeIndex:
