@@ -11,8 +11,10 @@ restored). A file's ``modified`` time is the step's creation time. Checkpoints
 are read through :mod:`ckptd.client.lightning`'s CheckpointIO (or
 :meth:`ckptd.client.Client.restore`), not opened as files.
 
-Registered with fsspec as protocol ``ckptd`` when ckptd's Lightning classes are
-imported; ``fsspec.filesystem("ckptd", socket=...)`` reaches another daemon.
+Registered with fsspec as protocol ``ckptd`` (an entry point of the package, so
+fsspec finds it without an import); ``fsspec.filesystem("ckptd", socket=...)``
+reaches another daemon. Writing a ``ckptd://`` path (torchtitan's stock manager,
+DCP's fsspec writer) is refused with the setting that saves through ckptd.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class CkptdFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is un
             client = self._clients.get(job) or self._clients.setdefault(
                 job, Client(job, self.socket)
             )
-        return {c.step: c for c in client.list() if c.tiers and not c.adopted}
+        # Abandoned steps (left behind by a rollback) are not the job's "latest".
+        return {c.step: c for c in client.list() if c.tiers and not c.adopted and not c.abandoned}
 
     def _names(self, job: str) -> dict[str, int]:
         from .lightning_store import STORES
@@ -129,9 +132,12 @@ class CkptdFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is un
 
     def _open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
         raise NotImplementedError(
-            f"ckptd://{self._strip_protocol(path)} is a ckptd step, not a file: load it "
-            "with ckptd.client.lightning.CkptdCheckpointIO (Trainer(plugins=[...])) or "
-            "ckptd.client.Client.restore"
+            f"ckptd://{self._strip_protocol(path)} is a ckptd step, not a file: ckptd's "
+            "steps are saved and loaded through shared memory, never as byte streams. "
+            "Lightning: Trainer(plugins=[ckptd.client.lightning.CkptdCheckpointIO(job)]); "
+            "torchtitan: add --override.imports ckptd.client.torchtitan.ckptd_checkpoint; "
+            "PyTorch DCP: storage_writer=CkptdWriter(job) / storage_reader=CkptdReader(job); "
+            "otherwise ckptd.client.Client.save / restore"
         )
 
 

@@ -324,3 +324,96 @@ def test_async_save_with_the_process_executor(daemon: Daemon, tmp_path: Path) ->
     expected = tmp_path / "expected.pt"
     run_job(2, "fsdp-async-process", daemon.socket, 11, expected)
     run_job(2, "fsdp-load", daemon.socket, 11, expected)
+
+
+def test_torchtitan_style_ids_name_steps_of_the_storage_job(daemon: Daemon) -> None:
+    client = daemon.client("titan-ids")
+    state = {"w": torch.arange(6, dtype=torch.float32)}
+    # torchtitan's <folder>/step-N (any folder: the writer's job), and ckptd://<job>/step-N.
+    dcp.save(state, checkpoint_id="/x/checkpoint/step-6", storage_writer=CkptdWriter(client))
+    dcp.save(state, checkpoint_id="ckptd://titan-ids/step-7", storage_writer=CkptdWriter(client))
+    assert [c.step for c in client.list()] == [7, 6]
+    for cid in ("ckptd://titan-ids/step-6", "/elsewhere/step-7/"):
+        got = {"w": torch.zeros(6)}
+        dcp.load(got, checkpoint_id=cid, storage_reader=CkptdReader(client))
+        assert torch.equal(got["w"], state["w"])
+    for bad in ("ckptd://other/step-6", "s3://bucket/step-6", "/x/checkpoint/last"):
+        with pytest.raises(CkptdError, match="checkpoint_id"):
+            CkptdWriter(client).reset(bad)
+
+
+def test_storage_meta_is_recorded_with_a_save_id_per_save(daemon: Daemon) -> None:
+    client = daemon.client("meta")
+    writer = CkptdWriter(client, step=3)  # no checkpoint_id: DCP never calls reset()
+    md = dcp.save({"a": torch.ones(2)}, storage_writer=writer)
+    assert md.storage_meta is not None
+    assert md.storage_meta.checkpoint_id == "ckptd://meta/3"
+    first = md.storage_meta.save_id
+    assert first
+    writer.step = 4
+    second = dcp.save({"a": torch.ones(2)}, storage_writer=writer).storage_meta.save_id  # type: ignore[union-attr]
+    assert second and second != first
+    reader = CkptdReader(client, 3)
+    stored = reader.read_metadata()
+    assert stored.storage_meta is not None
+    assert (stored.storage_meta.save_id, stored.storage_meta.load_id) == (first, reader.load_id)
+    assert reader.load_id
+
+
+def test_dcp_stream_extensions_are_refused_with_what_to_do(daemon: Daemon) -> None:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    class Rot13(StreamTransformExtension):  # ZStandard's interface (zstandard is not installed)
+        @staticmethod
+        def registry_name() -> str:
+            return "rot13"
+
+        @staticmethod
+        def from_descriptor(version: str) -> Rot13:
+            return Rot13()
+
+        def get_descriptor(self) -> str:
+            return "rot13/1"
+
+        def transform_to(self, output: Any) -> Any:
+            return output
+
+        def transform_from(self, input: Any) -> Any:
+            return input
+
+    with pytest.raises(CkptdError, match=r"stream extensions \(Rot13\).*Drop _extensions"):
+        CkptdWriter(daemon.client("ext"), _extensions=[Rot13()])
+    CkptdWriter(daemon.client("ext"), _extensions=[]).close()  # none asked: fine
+    # The reader takes DCP's registry (there is nothing to decode).
+    CkptdReader(daemon.client("ext"), _extension_registry=object()).close()
+
+
+def test_async_staging_returns_dcp_staging_and_upload_futures(daemon: Daemon) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    state = every_dtype(5)
+    writer = CkptdWriter("dcp-staging", socket=daemon.socket, async_staging=True)
+    try:
+        response = dcp.async_save(state, checkpoint_id=9, storage_writer=writer)
+        assert isinstance(response, AsyncSaveResponse)
+        response.staging_completion.result(timeout=120)
+        response.upload_completion.result(timeout=120)
+        assert writer.handoff == "in place"
+        got = zeros_like(state)
+        dcp.load(
+            got, checkpoint_id=9, storage_reader=CkptdReader("dcp-staging", socket=daemon.socket)
+        )
+        assert_same(state, got)
+    finally:
+        writer.close()
+
+
+def test_a_ckptd_url_without_ckptds_writer_says_which_setting_saves_through_ckptd() -> None:
+    """A ckptd:// checkpoint id given to DCP without CkptdWriter (torchtitan's stock
+    manager with --checkpoint.folder ckptd://<job>): DCP's fsspec writer finds the
+    protocol (an fsspec entry point of ckptd) and the write names the setting."""
+    import torch.distributed.checkpoint as dcp
+
+    # DCP wraps each rank's error in a CheckpointException (a BaseException).
+    with pytest.raises(BaseException, match=r"override\.imports ckptd\.client\.torchtitan"):
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id="ckptd://nowhere/step-1")

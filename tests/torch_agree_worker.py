@@ -16,9 +16,7 @@ from ckptd.client.distributed import agree_on_step
 
 def main() -> None:
     rank, port, socket, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         with Client("agree", socket=socket, rank=rank, node_ranks=[rank], world_size=2) as c:
             step = agree_on_step(c)

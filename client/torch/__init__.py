@@ -7,8 +7,9 @@ serialisation of tensors) as ckptd step ``N``; ``dcp.load(state,
 checkpoint_id=N, storage_reader=CkptdReader("run-42"))`` reads them back from
 the daemon's verified restore memory, onto any number of ranks. ``async_save``
 works with both of DCP's executors (the process executor needs a writer made
-from a job name). A checkpoint id is a step: ``N``, ``"N"`` or
-``"ckptd://<job>/<N>"``.
+from a job name). A checkpoint id is a step: ``N``, ``"N"``,
+``"ckptd://<job>/<N>"``, ``"ckptd://<job>/step-<N>"`` or a path ending in
+``step-<N>`` (torchtitan's ids; docs/integrations/torchtitan.md).
 
 Importing this package imports torch; ``import ckptd.client`` does not. The DCP
 classes load ``torch.distributed.checkpoint`` on first use, so ``Client.save``

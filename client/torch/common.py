@@ -1,7 +1,9 @@
 """What the DCP writer and reader share: checkpoint ids, the client, the metadata codec.
 
-A checkpoint id names a ckptd step: the int ``N``, the string ``"N"``, or
-``"ckptd://<job>/<N>"`` (the job must be the writer's or reader's own).
+A checkpoint id names a ckptd step: the int ``N``, the string ``"N"``,
+``"ckptd://<job>/<N>"`` or ``"ckptd://<job>/step-<N>"`` (the job must be the writer's
+or reader's own), or a path whose last part is ``step-<N>`` (torchtitan's
+``<folder>/step-<N>``: the step of the storage's job; the folder names no storage).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ FORMAT = 1
 COORDINATOR = 0
 """DCP's coordinator is rank 0 of the process group (``_save_state_dict``'s default)."""
 
-_URL = re.compile(r"ckptd://([^/]+)/(\d+)/?")
+_URL = re.compile(r"ckptd://([^/]+)/(?:step-)?(\d+)/?")
+_STEP_DIR = re.compile(r"(?:.*/)?step-(\d+)/?")
 
 
 def parse_checkpoint_id(checkpoint_id: object, job: str) -> int:
@@ -42,6 +45,7 @@ def parse_checkpoint_id(checkpoint_id: object, job: str) -> int:
     elif isinstance(checkpoint_id, str | os.PathLike):
         text = os.fspath(checkpoint_id)
         m = _URL.fullmatch(text) if isinstance(text, str) else None
+        d = _STEP_DIR.fullmatch(text) if isinstance(text, str) and "://" not in text else None
         if m is not None:
             if m.group(1) != job:
                 raise InvalidArgument(
@@ -51,10 +55,12 @@ def parse_checkpoint_id(checkpoint_id: object, job: str) -> int:
             step = int(m.group(2))
         elif isinstance(text, str) and text.isdigit():
             step = int(text)
+        elif d is not None:
+            step = int(d.group(1))
         else:
             raise InvalidArgument(
-                f"checkpoint_id {text!r} is not a ckptd step: use an int step, "
-                f"'<step>' or '{SCHEME}<job>/<step>'"
+                f"checkpoint_id {text!r} is not a ckptd step: use an int step, '<step>', "
+                f"'{SCHEME}<job>/<step>' or a path ending in 'step-<step>'"
             )
     else:
         raise InvalidArgument(
@@ -66,7 +72,8 @@ def parse_checkpoint_id(checkpoint_id: object, job: str) -> int:
 
 
 def is_checkpoint_id(checkpoint_id: object) -> bool:
-    """Whether ``checkpoint_id`` is a ckptd URL or a step number."""
+    """Whether ``checkpoint_id`` is a ckptd URL or a step number (a path ending in
+    ``step-<N>`` is accepted by ``reset``, but it names a filesystem's directory)."""
     if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
         return checkpoint_id >= 0
     return isinstance(checkpoint_id, str) and _URL.fullmatch(checkpoint_id) is not None

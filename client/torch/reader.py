@@ -15,13 +15,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import uuid
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -56,6 +57,8 @@ class CkptdReader(StorageReader):
     restore — in a multi-process job give the step (every rank must load the
     same one). ``shared_memory``: have the daemon read each part into one of its
     verified shared-memory segments (else the files are mapped and checked here).
+    ``_extension_registry`` (DCP's, for FileSystemReader's transformed streams) is
+    accepted and unused: ckptd's writer applies no stream extensions.
     """
 
     def __init__(
@@ -66,9 +69,12 @@ class CkptdReader(StorageReader):
         socket: str | os.PathLike[str] | None = None,
         shared_memory: bool = True,
         client_options: dict[str, Any] | None = None,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
         self._source = ClientSource(client_or_job, socket, None, client_options or {})
+        self.load_id = uuid.uuid4().hex
+        """Recorded in the metadata ``read_metadata`` returns (``storage_meta.load_id``)."""
         self.job = self._source.job
         self.step = None if step is None else parse_checkpoint_id(step, self.job)
         self.shared_memory = shared_memory
@@ -91,6 +97,7 @@ class CkptdReader(StorageReader):
             self.step = parse_checkpoint_id(checkpoint_id, self.job)
         self._parts = {}
         self.storage_data = {}
+        self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata, from the coordinator's part of the step."""
@@ -110,7 +117,11 @@ class CkptdReader(StorageReader):
                 f"{self._what()} was not saved by ckptd's DCP writer (no DCP metadata in "
                 "rank 0's part); restore it with Client.restore()"
             )
-        return decode_metadata(part[METADATA], self._what())
+        md = decode_metadata(part[METADATA], self._what())
+        if md.storage_meta is None:  # saved before the writer recorded it
+            md.storage_meta = StorageMeta(checkpoint_id=self.checkpoint_id)
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

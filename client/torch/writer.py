@@ -19,6 +19,8 @@ import io
 import os
 import uuid
 import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,11 @@ class CkptdWriter(StorageWriter):
     when the step is restorable), ``"durable"`` (in the bucket too) or None (the
     daemon owns the bytes; a crash of the trainer no longer loses them).
     ``metadata``, ``milestone``, ``metrics``: as for :meth:`Client.save`.
+    ``async_staging``: as ``async_save``'s stager, copy the state into the daemon's
+    memory on a thread of its own (``async_save`` then returns an
+    ``AsyncSaveResponse`` whose ``staging_completion`` says when the copy is done:
+    the state must not change before it). ``_extensions`` (DCP's stream extensions,
+    such as ``ZStandard``): refused, see :func:`refuse_extensions`.
     One save at a time per writer: wait for an ``async_save`` before the next.
     """
 
@@ -84,8 +91,11 @@ class CkptdWriter(StorageWriter):
         milestone: bool = False,
         metrics: dict[str, float] | None = None,
         client_options: dict[str, Any] | None = None,
+        async_staging: bool = False,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
+        refuse_extensions(_extensions)
         if wait not in _STAGES:
             raise InvalidArgument(f"wait must be one of {_STAGES}, not {wait!r}")
         self._source = ClientSource(client_or_job, socket, node_ranks, client_options or {})
@@ -99,7 +109,9 @@ class CkptdWriter(StorageWriter):
         self.handle: SaveHandle | None = None
         """The coordinator's handle of the last save (``handle.wait("durable")``)."""
         self._pending: dict[str, np.ndarray] = {}
-        self._save_id = ""
+        self._save_id = uuid.uuid4().hex
+        self.async_staging = async_staging
+        self._stager: ThreadPoolExecutor | None = None
         self._stage: staging.LeaseStage | None = None
         """The lease ``stage()`` filled for the save in progress (``async_save``)."""
         self.handoff = ""
@@ -110,7 +122,7 @@ class CkptdWriter(StorageWriter):
         # DCP's checkpoint process gets a copy without this process's lease (its
         # staged tensors arrive there as copies): it saves them the plain way.
         state = self.__dict__.copy()
-        state["_stage"] = None
+        state["_stage"] = state["_stager"] = None
         return state
 
     # -- async_save's stager (torch.distributed.checkpoint.staging.AsyncStager) ----------
@@ -123,7 +135,15 @@ class CkptdWriter(StorageWriter):
 
     def stage(self, state_dict: Any) -> Any:
         """The state copied into a lease of the daemon (one copy: the write that follows
-        commits it as it lies), tensors replaced by views of it; training may go on."""
+        commits it as it lies), tensors replaced by views of it; training may go on.
+        With ``async_staging``: a future of that, the copy made on a thread."""
+        if self.async_staging:
+            if self._stager is None:
+                self._stager = ThreadPoolExecutor(1, "ckptd-dcp-stage")
+            return self._stager.submit(self._stage_now, state_dict)
+        return self._stage_now(state_dict)
+
+    def _stage_now(self, state_dict: Any) -> Any:
         if self._stage is not None:
             self._stage.release()  # the previous save of this writer never committed it
             self._stage = None
@@ -237,6 +257,7 @@ class CkptdWriter(StorageWriter):
             self._pending = items
         else:
             self._save({ITEMS: items}, {})
+            self._save_id = uuid.uuid4().hex  # the next save's
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -244,6 +265,8 @@ class CkptdWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: commit its items and DCP's metadata; the step completes."""
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
+        metadata.storage_meta = self.storage_meta()
+        self._save_id = uuid.uuid4().hex  # the next save's
         encoded = encode_metadata(metadata)
         stage = self._stage
         if stage is not None and not stage.failed:
@@ -291,7 +314,25 @@ class CkptdWriter(StorageWriter):
     def close(self) -> None:
         """Give back a lease a stage left; close the client this writer made (one given
         to it stays open)."""
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
+            self._stager = None
         if self._stage is not None:
             self._stage.release()
             self._stage = None
         self._source.close()
+
+
+def refuse_extensions(extensions: Sequence[Any] | None) -> None:
+    """DCP's ``_extensions`` transform the byte streams of FileSystemWriter's files
+    (``ZStandard`` compresses them); ckptd hands tensors to the daemon as they lie in
+    memory, and its files are checksummed arrays that any tool maps: refused rather
+    than silently ignored."""
+    if extensions:
+        names = ", ".join(type(e).__name__ for e in extensions)
+        raise InvalidArgument(
+            f"CkptdWriter does not apply DCP stream extensions ({names}): ckptd saves "
+            "tensors uncompressed through shared memory. Drop _extensions=..., or save "
+            "with dcp.FileSystemWriter(path, _extensions=...) where compressed files "
+            "are wanted"
+        )
