@@ -66,7 +66,7 @@ def test_lineage_rules() -> None:
     assert tl.newest(forks) == 2 and tl.newest((), [0]) == 0
     assert tl.check_forks([[1, 3], [2, 0]]) == ((1, 3), (2, 0))
     for bad in ([[0, 3]], [[1, 3], [1, 4]], [[1, -1]], [[1]], "x", [[True, 2]]):
-        with pytest.raises(Exception, match="forks|timeline|step"):
+        with pytest.raises(Exception, match=r"forks|timeline|step"):
             tl.check_forks(bad)
 
 
@@ -126,7 +126,7 @@ def test_a_pinned_step_refuses_a_save_that_would_replace_it() -> None:
         c = _catalog()
         _commit(c, 3)
         c.set_pinned(c.require("j", 3), True)
-        with pytest.raises(Conflict, match="pinned.*unpin"):
+        with pytest.raises(Conflict, match=r"pinned.*unpin"):
             c.begin("j", 3)
         assert c.require("j", 3).state == LOCAL
 
@@ -296,7 +296,7 @@ def test_a_pinned_step_refuses_a_save_under_its_number_and_leaves_nothing(
     client = daemon.client("pinned")
     _save(client, 5, 5.0)
     client.pin(5)
-    with pytest.raises(Conflict, match="pinned.*unpin"):
+    with pytest.raises(Conflict, match=r"pinned.*unpin"):
         client.save(5, {"w": np.zeros(1024, np.float32)}, {"step": 5})
     assert list((daemon.root / ".staging").iterdir()) == []
     assert daemon.status().leases_held == 0
