@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,14 +52,26 @@ class ShardPlan:
     index: list[tuple[int, int]]
 
 
-def leaf_shards(key: str, array: Any, save_replicas: bool) -> list[ShardPlan]:
+Replicas = bool | Literal["process"]
+"""Which replicas of its shards a process saves: False, replica 0 only (one copy in the
+job); ``"process"``, each distinct shard it holds once (every node can restore its
+devices' shards from its own part, for a copy per process of what is replicated
+across processes); True, every replica."""
+
+
+def leaf_shards(key: str, array: Any, save_replicas: Replicas) -> list[ShardPlan]:
     """The shards of a jax array this process saves (its addressable ones, replica 0)."""
     shape = tuple(int(d) for d in array.shape)
     plans: list[ShardPlan] = []
+    seen: set[tuple[tuple[int, int], ...]] = set()
     for shard in array.addressable_shards:
-        if shard.replica_id != 0 and not save_replicas:
-            continue
         index = [_bounds(s, d) for s, d in zip(shard.index, shape, strict=True)]
+        if save_replicas == "process":
+            if tuple(index) in seen:
+                continue
+            seen.add(tuple(index))
+        elif shard.replica_id != 0 and not save_replicas:
+            continue
         plans.append(
             ShardPlan(
                 f"{key}#{len(plans)}",
@@ -216,8 +228,8 @@ class ShardReader:
 def global_shape_of(reader: ShardReader, leaf: str) -> tuple[int, ...]:
     """The global shape recorded for a leaf's shards."""
     shards = reader.by_leaf.get(leaf)
-    if not shards:
-        raise LookupError(f"no shards of {leaf!r} in this checkpoint")
+    if not shards:  # (MissingShards: the restore asks the other nodes' parts for it)
+        raise MissingShards(f"no shards of {leaf!r} in the part(s) of this checkpoint read here")
     return tuple(int(d) for d in shards[0]["global_shape"])
 
 

@@ -1,4 +1,11 @@
-"""Orbax users: keep ``ocp.CheckpointManager``; ckptd tiers the steps it writes.
+"""Orbax users: ckptd's ``CheckpointManager``, or keep Orbax's and let ckptd tier its steps.
+
+``ckptd.client.orbax.CheckpointManager`` is Orbax's v0 ``CheckpointManager`` API
+(what MaxText calls) saving through ckptd's shared memory, multi-host
+(client/orbax_manager.py; :func:`use_in_maxtext` makes MaxText create it). It is
+imported when first named: this module never imports Orbax itself.
+
+Or keep Orbax's own writer (below).
 
 Point the manager at the job's directory in the local tier. The daemon adopts
 each step Orbax finishes there (hard links, so Orbax's own ``max_to_keep``
@@ -20,7 +27,7 @@ reads the bucket copy as it is.
     if step is not None:
         state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
-This module never imports Orbax: it only moves directories.
+This path never imports Orbax: it only moves directories.
 """
 
 from __future__ import annotations
@@ -28,12 +35,33 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ckptd.core.errors import CheckpointNotFound
 from ckptd.proto import ckptd_pb2 as pb
 
 from .client import Client
 from .handle import SaveHandle
+
+if TYPE_CHECKING:
+    from .orbax_manager import CheckpointManager, StepAlreadyExistsError
+    from .orbax_maxtext import use_in_maxtext
+
+_LAZY = {
+    "CheckpointManager": "orbax_manager",
+    "StepAlreadyExistsError": "orbax_manager",
+    "use_in_maxtext": "orbax_maxtext",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``CheckpointManager`` and ``use_in_maxtext``, imported (with Orbax) when first used."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
 def directory(client: Client, path: str | os.PathLike[str] | None = None) -> Path:
@@ -103,3 +131,14 @@ def wait(client: Client, step: int, stage: str = "durable", timeout: float = 600
             )
         time.sleep(0.1)
     SaveHandle(client, step).wait(stage, timeout=max(0.0, deadline - time.monotonic()))
+
+
+__all__ = [
+    "CheckpointManager",
+    "StepAlreadyExistsError",
+    "bucket_directory",
+    "directory",
+    "ensure_local",
+    "use_in_maxtext",
+    "wait",
+]

@@ -15,7 +15,7 @@ import numpy as np
 from ckptd.core import shard_wire
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
-from .jax_arrays import ShardPlan, is_jax_array, leaf_shards
+from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards
 from .tree import flatten
 
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
@@ -58,7 +58,7 @@ class Arrays:
 class Planner:
     """Plans saves; reuses the last plan while the tree's structure is the same."""
 
-    def __init__(self, save_replicas: bool = False) -> None:
+    def __init__(self, save_replicas: Replicas = False) -> None:
         self.save_replicas = save_replicas
         self._last: SavePlan | None = None
         self.reused = 0

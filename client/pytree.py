@@ -41,6 +41,18 @@ LeafBuilder = Callable[[dict[str, Any], Any, Path], Any]
 """Builds a saved leaf from its spec node and its target leaf (None: as saved)."""
 
 CONTAINERS = ("dict", "list", "tuple")
+
+
+class _Skip:
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+SKIP: Any = _Skip()
+"""In a restore target: leave this saved subtree (or leaf) out; it comes back as None.
+No array of it is built (a jax leaf would otherwise be assembled whole, or fetched
+from other nodes' parts): the Orbax manager restores only the items asked for."""
+
 _LEAVES = frozenset({np.ndarray, int, float, bool, str, bytes, complex})
 
 
@@ -189,12 +201,15 @@ def as_saved(spec: Any, leaf: LeafBuilder, path: Path = ()) -> Any:
 def rebuild(spec: Any, target: Any, leaf: LeafBuilder, path: Path = ()) -> Any:
     """The saved tree in ``target``'s structure: each target node rebuilt with its own
     type and static data around the saved children, each leaf built by ``leaf`` with
-    its target leaf. A ``None`` in the target takes what was saved there.
+    its target leaf. A ``None`` in the target takes what was saved there, a
+    :data:`SKIP` leaves it out (None).
 
     Raises :class:`TreeMismatch` naming the path where the two differ.
     """
     if target is None:
         return as_saved(spec, leaf, path)
+    if target is SKIP:
+        return None
     if not isinstance(spec, dict) or not spec:
         raise ValueError(f"malformed tree spec node at {path_str(path)}: {spec!r:.80}")
     t = type(target)

@@ -91,6 +91,10 @@ class Saving:
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             if device:
                 # jax arrays are immutable: copy them to host and hand off after returning.
+                # Every device-to-host transfer starts now, at once (on an accelerator they
+                # overlap; one by one, each waited for its own): the copies find them done.
+                for sp in device.values():
+                    sp.data.copy_to_host_async()
                 self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
