@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.core.errors import CapacityExhausted
+from ckptd.core.errors import CapacityExhausted, SaveFailed
 from ckptd.core.format import TensorEntry, round_up
 from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.wire import Connection
@@ -190,10 +190,23 @@ class Saving:
         size: int,
     ) -> None:
         """Background: device-to-host copies into the lease, then the handoff."""
+        what = f"step {req.step} of job {self.job!r} was not saved"
         try:
             for e in entries:
-                self._copy_into(mm, [e], {e.key: np.asarray(device[e.key].data)})
-            what = f"step {req.step} of job {self.job!r} was not saved"
+                try:
+                    host = np.asarray(device[e.key].data)
+                except RuntimeError as exc:
+                    if "deleted" not in str(exc):
+                        raise
+                    # jax deletes a donated array's buffer whatever refers to it.
+                    raise SaveFailed(
+                        f"{what}: {e.key!r} was deleted before ckptd copied it to host "
+                        "(donated to a jitted step: donate_argnums/donate_argnames). Call "
+                        "handle.wait_copied() before the step that donates the saved "
+                        "state, or use ckptd.client.orbax.CheckpointManager, whose save() "
+                        "returns once the arrays may be donated"
+                    ) from None
+                self._copy_into(mm, [e], {e.key: host})
             self._handoff.commit(req, mm, size, what)
         except BaseException:
             self._handoff.release(req.lease_id)

@@ -95,3 +95,25 @@ def test_save_replicas_and_bad_targets(daemon: Daemon) -> None:
         client.restore(target=bad)
     with pytest.raises(ValueError, match="no entry 'r'"):
         client.restore(target={"other": None})
+
+
+def test_a_saved_array_donated_before_its_copy_fails_the_save_saying_why(daemon: Daemon) -> None:
+    """jax arrays are copied to host after save() returns; a jitted step that donates
+    them first deletes their buffers: the save fails with what to do, never silently."""
+    import threading
+
+    from ckptd.client import SaveFailed
+
+    client = daemon.client("donate")
+    gate = threading.Event()
+    client._background.submit(gate.wait)  # the device copy queues behind this
+    try:
+        x = jax.numpy.arange(1024.0)
+        handle = client.save(1, {"x": x})
+        jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+        assert x.is_deleted()
+    finally:
+        gate.set()
+    with pytest.raises(SaveFailed, match=r"donated to a jitted step.*wait_copied"):
+        handle.wait("local", timeout=60)
+    assert daemon.status().leases_held == 0
