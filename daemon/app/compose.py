@@ -131,7 +131,7 @@ class Daemon:
         recovery = await self.io.run(self.store.recover)
         await self.io.run(self.access.load)
         try:
-            handoffs = await self.io.run(self.journal.load)
+            handoffs = await self.io.run(self.journal.load, _parse_record)
         except OSError as exc:
             raise StartupError(f"cannot open the journal {self.journal.path}: {exc}") from None
         pins = await self.io.run(load_pins, cfg.root)

@@ -14,35 +14,34 @@ their own, so a journal write never queues behind a large rank-file write.
 The file is emptied whenever nothing in it is live, and rewritten with only
 the live records at start-up.
 
-Framing: ``<u32 length><u32 crc32c(payload)><payload>``; the payload is a JSON
-header line, ``\\n``, then the body (the serialised request). A torn tail (a
-crash mid-append) fails its length or checksum and is dropped on load.
+Records are framed with a marker, a length and a crc32c (journal_format.py). A
+torn tail (a crash mid-append, never acknowledged) is dropped on load; a record
+damaged in the middle of the file, or one that fails the record schema, is
+refused and named in the log (its job and step where they can still be read),
+and the records after it are read on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ckptd.core import checksum
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.timeline import Forks, check_forks, check_timeline
 
 from .. import faults
 from .files import fsync_dir
+from .journal_format import Lost, Scan, check, frame, scan
 
 log = logging.getLogger("ckptd.journal")
 
 JOURNAL = ".journal"
-_FRAME = struct.Struct("<II")
-_MAX_RECORD = 256 * 2**20
 _COMPACT_BYTES = 4 * 2**20
 """Empty the file once nothing in it is live and it has grown past this."""
 
@@ -58,6 +57,9 @@ class Entry:
     timeline: tuple[int, Forks] | None = None
     """The timeline the daemon put the save on when it acknowledged it, with the
     lineage (core/timeline.py); None in a record of a ckptd that had none."""
+    step: int | None = None
+    """The step saved, so that a damaged record can still be named; None in a
+    record of a ckptd that did not write it."""
 
     def header(self) -> dict[str, Any]:
         """The record's header as :meth:`Journal.commit` writes it."""
@@ -67,14 +69,11 @@ class Entry:
             "segment": self.segment,
             "job": self.job,
         }
+        if self.step is not None:  # after "job": journal_format reads them in this order
+            out["step"] = self.step
         if self.timeline is not None:
             out["timeline"], out["forks"] = self.timeline
         return out
-
-
-def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
-    payload = json.dumps(header, separators=(",", ":")).encode() + b"\n" + body
-    return _FRAME.pack(len(payload), checksum.value(payload)) + payload
 
 
 def _timeline(header: dict[str, Any]) -> tuple[int, Forks] | None:
@@ -84,27 +83,24 @@ def _timeline(header: dict[str, Any]) -> tuple[int, Forks] | None:
     try:
         forks = check_forks(header.get("forks"))
         return check_timeline(header["timeline"], forks), forks
-    except InvalidArgument as exc:
+    except (InvalidArgument, TypeError, ValueError) as exc:
         log.warning("journal: a record's timeline is unreadable (%s); deciding it again", exc)
         return None
 
 
-def _records(data: bytes) -> tuple[list[tuple[dict[str, Any], bytes]], int]:
-    """The intact records of ``data`` and the length they span (a torn tail excluded)."""
-    out, at = [], 0
-    while at + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, at)
-        payload = data[at + _FRAME.size : at + _FRAME.size + length]
-        if length > _MAX_RECORD or len(payload) != length or checksum.value(payload) != crc:
-            break
-        head, _, body = payload.partition(b"\n")
-        try:
-            header = json.loads(head)
-        except ValueError:
-            break
-        out.append((header, body))
-        at += _FRAME.size + length
-    return out, at
+def _check_body(entry: Entry, parse: Callable[[bytes], Any]) -> Entry | Lost:
+    """``entry`` (with its step, read from the request in a record that lacks it) if
+    its body is the valid request its header says; else why it is refused."""
+    try:
+        req = parse(entry.body)
+    except Exception as exc:  # crafted or damaged bytes: whatever the parser raises
+        why = f"holds no valid request ({str(exc)[:200] or type(exc).__name__})"
+    else:
+        step = req.step if entry.step is None else entry.step
+        if (req.lease_id, req.job, req.step) == (entry.lease_id, entry.job, step):
+            return replace(entry, step=step)
+        why = f"holds the request of lease {req.lease_id}, job {req.job!r}, step {req.step}"
+    return Lost(0, len(entry.body), why, "commit", entry.lease_id, entry.job, entry.step)
 
 
 class Journal:
@@ -121,27 +117,22 @@ class Journal:
         self._size = 0
         self.appends = 0
         self.fsyncs = 0
+        self.lost: list[Lost] = []
+        """What :meth:`load` refused: damaged records and records that fail the schema."""
 
     # -- start-up (blocking) ---------------------------------------------------
-    def load(self) -> list[Entry]:
-        """Read the journal, keep only live commit records (rewritten atomically), open it."""
+    def load(self, parse: Callable[[bytes], Any] | None = None) -> list[Entry]:
+        """Read the journal, keep only live commit records (rewritten atomically), open it.
+
+        ``parse``: checks a commit record's body, raising on one that is not a valid
+        request; it returns the request, whose ``lease_id``, ``job`` and ``step`` must
+        be the record's. A record refused is named in the log and in :attr:`lost`."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             data = b""
-        records, good = _records(data)
-        if good < len(data):
-            log.warning("journal %s: dropped a torn tail of %d bytes", self.path, len(data) - good)
-        live: dict[str, Entry] = {}
-        for header, body in records:
-            lease = str(header.get("lease", ""))
-            if header.get("op") == "commit":
-                live[lease] = Entry(
-                    lease, str(header["segment"]), str(header["job"]), body, _timeline(header)
-                )
-            elif header.get("op") == "done":
-                live.pop(lease, None)
-        kept = b"".join(_frame(e.header(), e.body) for e in live.values())
+        live = self._replay(scan(data), parse)
+        kept = b"".join(frame(e.header(), e.body) for e in live.values())
         tmp = self.path.with_name(JOURNAL + ".tmp")
         with open(tmp, "wb") as f:
             f.write(kept)
@@ -153,6 +144,60 @@ class Journal:
         self._size = len(kept)
         self._live = set(live)
         return list(live.values())
+
+    def _replay(self, found: Scan, parse: Callable[[bytes], Any] | None) -> dict[str, Entry]:
+        """The live commit records of ``found``; every refused one logged and kept in
+        :attr:`lost`."""
+        if found.torn_tail:
+            log.warning(
+                "journal %s: dropped a torn tail of %d bytes (a crash mid-append: never "
+                "acknowledged)",
+                self.path,
+                found.torn_tail,
+            )
+        self.lost = list(found.lost)
+        live: dict[str, Entry] = {}
+        by_segment: dict[str, str] = {}
+        finished: set[str] = set()
+        for at, size, header, body in found.records:
+            refused = check(at, size, header, body)
+            if refused is not None:
+                self.lost.append(refused)
+                continue
+            lease = header["lease"]
+            if header["op"] == "done":
+                live.pop(lease, None)
+                finished.add(lease)
+                continue
+            entry = Entry(lease, header["segment"], header["job"], body, None, header.get("step"))
+            if parse is not None:
+                # Before the segment check below: a refused record must not retire another.
+                checked = _check_body(entry, parse)
+                if isinstance(checked, Lost):
+                    self.lost.append(replace(checked, offset=at, nbytes=size))
+                    continue
+                entry = checked
+            # A segment is granted again only after its done record is on disk: an
+            # earlier live record naming it has finished, even if that record is lost.
+            earlier = by_segment.pop(header["segment"], None)
+            if earlier is not None and earlier != lease:
+                live.pop(earlier, None)
+            by_segment[header["segment"]] = lease
+            live[lease] = replace(entry, timeline=_timeline(header))
+        self.lost.sort(key=lambda lost: lost.offset)
+        for lost in self.lost:
+            if lost.op == "commit" and lost.lease in finished:
+                # Its done record is intact: that save finished, nothing of it is lost.
+                log.warning(
+                    "journal %s: the record of a finished save of job %r %s; nothing is lost",
+                    self.path,
+                    lost.job,
+                    lost.why,
+                )
+            else:
+                level = logging.WARNING if lost.harmless else logging.ERROR
+                log.log(level, "journal %s: %s", self.path, lost.describe())
+        return live
 
     def close(self) -> None:
         """Close the file and the journal's thread."""
@@ -174,13 +219,14 @@ class Journal:
         job: str,
         body: bytes,
         timeline: tuple[int, Forks] | None = None,
+        step: int | None = None,
     ) -> None:
-        """Record an acknowledged handoff (and the timeline it went on); returns once
-        it is on disk."""
-        header = Entry(lease_id, segment, job, body, timeline).header()
+        """Record an acknowledged handoff (and the timeline it went on, and its step);
+        returns once it is on disk."""
+        header = Entry(lease_id, segment, job, body, timeline, step).header()
         self._live.add(lease_id)
         try:
-            await self._append(_frame(header, body), frozenset())
+            await self._append(frame(header, body), frozenset())
         except BaseException:
             self._live.discard(lease_id)
             raise
@@ -191,7 +237,7 @@ class Journal:
         ids = [lid for lid in lease_ids if lid in self._live]
         if not ids:
             return
-        records = b"".join(_frame({"op": "done", "lease": lid}) for lid in ids)
+        records = b"".join(frame({"op": "done", "lease": lid}) for lid in ids)
         await self._append(records, frozenset(ids))
         self._live.difference_update(ids)
 

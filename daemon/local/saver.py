@@ -193,8 +193,9 @@ class Saver:
             # The journal's fsync first, alone: started beside a large rank-file write
             # it waited for the filesystem's metadata commit, and so did the trainer.
             try:
+                timeline = (st.timeline, st.forks)
                 await self.journal.commit(
-                    lease.lease_id, lease.segment.name, req.job, record, (st.timeline, st.forks)
+                    lease.lease_id, lease.segment.name, req.job, record, timeline, req.step
                 )
             except Exception as exc:
                 pending.writing.discard(req.rank)
