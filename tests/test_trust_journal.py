@@ -103,6 +103,13 @@ def test_a_torn_tail_is_dropped_and_is_not_a_lost_save(tmp_path: Path) -> None:
     assert journal.lost == []
 
 
+def test_zeros_after_the_last_record_are_a_torn_tail(tmp_path: Path) -> None:
+    # What a file system may leave of an append that was never synced.
+    entries, journal = load(tmp_path, written(tmp_path) + b"\0" * 4096)
+    assert [e.job for e in entries] == ["alpha", "beta", "gamma"]
+    assert journal.lost == []
+
+
 def old_frame(header: dict[str, Any], payload_body: bytes = b"") -> bytes:
     """A record as the journal framed it before records carried a marker."""
     payload = json.dumps(header, separators=(",", ":")).encode() + b"\n" + payload_body

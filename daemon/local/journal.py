@@ -99,7 +99,7 @@ def _check_body(entry: Entry, parse: Callable[[bytes], Any]) -> Entry | Lost:
         step = req.step if entry.step is None else entry.step
         if (req.lease_id, req.job, req.step) == (entry.lease_id, entry.job, step):
             return replace(entry, step=step)
-        why = f"holds the request of lease {req.lease_id}, job {req.job!r}, step {req.step}"
+        why = f"holds the request of lease {req.lease_id!r}, job {req.job!r}, step {req.step}"
     return Lost(0, len(entry.body), why, "commit", entry.lease_id, entry.job, entry.step)
 
 

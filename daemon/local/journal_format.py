@@ -69,13 +69,13 @@ class Lost:
         if self.op == "commit" and self.job:
             step = f"step {self.step}" if self.step is not None else "an unknown step"
             return (
-                f"the acknowledged save of job {self.job!r} {step} (lease {self.lease}) is lost "
+                f"the acknowledged save of job {self.job!r} {step} (lease {self.lease!r}) is lost "
                 f"unless it is on disk already: its journal record {where}{self.why}; save "
                 "that step again"
             )
         if self.op == "done":
             return (
-                f"the done record of lease {self.lease} {where}{self.why}; its save is "
+                f"the done record of lease {self.lease!r} {where}{self.why}; its save is "
                 "replayed if its record is live and retired if its step is on disk"
             )
         if self.harmless:
@@ -188,9 +188,10 @@ def scan(data: bytes) -> Scan:
         nxt = _next_start(data, at)
         while nxt < len(data) and _frame_at(data, nxt) is None:
             nxt = _next_start(data, nxt)
-        if nxt == len(data) and _extent(data, at) > len(data):
-            # Nothing intact after it and it runs past the end: a crash mid-append,
-            # whose record was never fsynced and so never acknowledged.
+        if nxt == len(data) and (_extent(data, at) > len(data) or not data[at:].strip(b"\0")):
+            # Nothing intact after it, and it runs past the end (or is the zeros a file
+            # system leaves of an append never synced): a crash mid-append, whose record
+            # was never fsynced and so never acknowledged.
             return Scan(records, lost, len(data) - at)
         lost.extend(_named(data, at, nxt, "fails its checksum"))
         at = nxt
