@@ -72,7 +72,9 @@ def test_empty_jax_arrays_commit_and_restore(daemon: Daemon) -> None:
     tree, _ = client.restore(step=1)
     for k, v in state.items():
         _same(tree[k], v)
-    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+    like = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()
+    }
     tree, _ = client.restore(step=1, target=like)
     for k, v in state.items():
         assert isinstance(tree[k], jax.Array)
