@@ -1,5 +1,6 @@
-"""Admission on a small disk of the test's own: the space an eviction frees is the
-save's, even when the evicted step's file would otherwise be kept as a spare."""
+"""Evictions on a small disk of the test's own: the space an eviction frees is there
+when it is wanted, even where the evicted step's file would otherwise be kept as a
+spare (a file later saves overwrite in place, which frees nothing)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ckptd.client import CapacityExhausted
+from ckptd.daemon.app.launcher import event_is
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import RemoteTarget
@@ -86,3 +89,40 @@ def test_back_to_back_saves_get_the_space_their_admission_evicts(
         assert tree["w"].tobytes() == state(4)["w"].tobytes()
     finally:
         daemon.release("evict.remote_marker_gone")
+
+
+def test_low_watermark_evicts_only_what_brings_free_space_back(
+    tmpfs_64m: Path, make_daemon: Any, tmp_path: Path
+) -> None:
+    """64 MiB disk, 12 MiB saves, low watermark 30 MiB: with three steps on disk free
+    space is below the mark and evicting the oldest (in the bucket) is enough. Keeping
+    its file as a spare would leave free space where it was and evict the next step
+    too, for nothing."""
+    remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    daemon = remote_daemon(
+        make_daemon,
+        remote,
+        root=tmpfs_64m / "root",
+        extra_args=[
+            "--retention-local",
+            "KeepAll()",
+            "--retention-remote",
+            "KeepAll()",
+            "--local-floor",
+            "0",
+            "--local-low-watermark",
+            "30MiB",
+        ],
+    )
+    client = daemon.client("mark")
+    client.save(1, state(1)).wait("durable", 60)
+    client.save(2, state(2)).wait("durable", 60)
+    client.save(3, state(3)).wait("local", 60)  # below the mark now
+    daemon.wait_event(event_is(pb.STEP_EVENT_EVICTED_LOCAL, 1), job="mark")
+    # A save that can never fit: admission runs its own local pass, which waits for
+    # the evictor's running one; once refused, that pass is over.
+    with pytest.raises(CapacityExhausted):
+        client.save(4, {"w": np.zeros(128 * MiB // 8)})
+    evicted = daemon.events_of(pb.STEP_EVENT_EVICTED_LOCAL, "mark")
+    assert [e.step for e in evicted] == [1]
+    assert sorted(int(p.name) for p in (daemon.root / "mark").iterdir()) == [2, 3]
