@@ -304,9 +304,7 @@ def verify_step(
         shards = list(
             zip(t.keys, t.offset.tolist(), t.length.tolist(), t.crc32c.tolist(), strict=True)
         )
-        bad += _verify_rank_file(
-            directory / r.file, r.size, r.crc32c, shards, progress, unreadable
-        )
+        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards, progress, unreadable)
     return bad
 
 
