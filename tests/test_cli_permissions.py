@@ -138,3 +138,19 @@ def test_verify_of_a_root_it_cannot_read_says_so(local_tier: Path) -> None:
     out = ckptd_as_user("verify", "--root", str(local_tier), "--local-only")
     one_error_line(out)
     assert "UNREADABLE  local vj" in out.stdout, out.stdout
+
+
+def test_verify_reports_a_bucket_file_it_cannot_read_as_unreadable(
+    shared_base: Path, make_daemon: Any
+) -> None:
+    remote = RemoteTarget("file", f"file://{shared_base}/bucket", {})
+    daemon = remote_daemon(make_daemon, remote)
+    daemon.client("rj").save(1, {"x": np.arange(1000)}).wait("durable", 60)
+    open_to_all(shared_base / "bucket")
+    args = ("verify", "--remote", remote.url, "--remote-only")
+    assert ckptd_as_user(*args).returncode == 0  # readable: the copy is intact
+    (rank,) = (shared_base / "bucket").rglob("rank-00000.safetensors")
+    os.chmod(rank, 0o600)
+    out = ckptd_as_user(*args)
+    one_error_line(out)
+    assert "UNREADABLE  remote rj/1" in out.stdout and "CORRUPT" not in out.stdout, out.stdout
