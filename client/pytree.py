@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.core.errors import TreeMismatch
+from ckptd.core.errors import InvalidArgument, TreeMismatch
 
 from .jax_arrays import is_jax_array
 
@@ -41,6 +41,30 @@ LeafBuilder = Callable[[dict[str, Any], Any, Path], Any]
 """Builds a saved leaf from its spec node and its target leaf (None: as saved)."""
 
 CONTAINERS = ("dict", "list", "tuple")
+
+MAX_TREE_DEPTH = 85
+"""Deepest nesting of pytree nodes a save may hold (85 dicts one inside the other, a
+leaf in the last). The daemon refuses a tree spec nesting deeper than 256 JSON
+levels (daemon/api/requests.py), and a named node takes three ``{"dict": [[name,
+child]]}``, its leaf one more; the limit also keeps the walks here, which recurse
+once per level, far from the interpreter's recursion limit."""
+
+
+def too_deep(path: Path, saved: bool) -> InvalidArgument:
+    """The error for a tree (or a saved spec, if ``saved``) nesting past
+    :data:`MAX_TREE_DEPTH` at ``path``: where, the limit, and what to do."""
+    where = "".join(f"[{p!r}]" for p in path[:6]) + ("..." if len(path) > 6 else "")
+    if saved:
+        return InvalidArgument(
+            f"the checkpoint's tree nests deeper than {MAX_TREE_DEPTH} levels (at {where}, "
+            f"{len(path)} levels down); ckptd's client never saves one this deep, so it "
+            "was not written by it: read its rank files directly (ckptd pull)"
+        )
+    return InvalidArgument(
+        f"the tree nests deeper than {MAX_TREE_DEPTH} levels (at {where}, {len(path)} "
+        f"levels down); ckptd saves pytrees at most {MAX_TREE_DEPTH} nodes deep: flatten "
+        "the deep part (join its keys into one name, or store it as one array)"
+    )
 
 
 class _Skip:
@@ -189,6 +213,8 @@ def as_saved(spec: Any, leaf: LeafBuilder, path: Path = ()) -> Any:
     """The saved tree without a target: nodes as dicts (by name) or lists (by position)."""
     if not isinstance(spec, dict) or not spec:
         raise ValueError(f"malformed tree spec node at {path_str(path)}: {spec!r:.80}")
+    if len(path) >= MAX_TREE_DEPTH and container_kind(spec) is not None:
+        raise too_deep(path, saved=True)
     if "dict" in spec:
         return {k: as_saved(v, leaf, (*path, k)) for k, v in spec["dict"]}
     if "list" in spec:
@@ -212,6 +238,8 @@ def rebuild(spec: Any, target: Any, leaf: LeafBuilder, path: Path = ()) -> Any:
         return None
     if not isinstance(spec, dict) or not spec:
         raise ValueError(f"malformed tree spec node at {path_str(path)}: {spec!r:.80}")
+    if len(path) >= MAX_TREE_DEPTH and container_kind(spec) is not None:
+        raise too_deep(path, saved=True)
     t = type(target)
     if t is dict and "dict" in spec:  # the common case, in as few steps as possible
         saved = dict(spec["dict"])

@@ -36,7 +36,7 @@ from ckptd.core.errors import InvalidArgument, TreeMismatch
 from ckptd.core.format import dtype_to_str
 
 from .jax_arrays import is_jax_array, key_data_of
-from .pytree import Path, check_key, node_of, path_str, rebuild
+from .pytree import MAX_TREE_DEPTH, Path, check_key, node_of, path_str, rebuild, too_deep
 
 MAX_KEY_BYTES = 1024
 _UNSAFE = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -96,6 +96,8 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
     def walk(node: Any, path: Path, prefix: str) -> Any:
         t = type(node)
         if t is dict:
+            if len(path) >= MAX_TREE_DEPTH:
+                raise too_deep(path, saved=False)
             items = []
             for k, v in node.items():
                 if type(k) is not str:
@@ -109,6 +111,8 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
                     items.append([k, walk(v, (*path, k), join(prefix, k))])
             return {"dict": items}
         if t is list or t is tuple:
+            if len(path) >= MAX_TREE_DEPTH:
+                raise too_deep(path, saved=False)
             kind = "tuple" if t is tuple else "list"
             return {kind: [walk(v, (*path, i), join(prefix, i)) for i, v in enumerate(node)]}
         if t is np.ndarray and not node.dtype.hasobject:
@@ -146,6 +150,8 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
         # Before __array__: some nodes (flax nnx Variables) have one too.
         n = node_of(node, path)
         if n is not None:
+            if len(path) >= MAX_TREE_DEPTH:
+                raise too_deep(path, saved=False)
             subs = [
                 walk(c, (*path, k), join(prefix, k))
                 for k, c in zip(n.keys, n.children, strict=True)

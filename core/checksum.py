@@ -278,17 +278,24 @@ def of_file_ranges(
 
 
 def verify_step(
-    directory: Path, manifest: Manifest, progress: Callable[[int], None] | None = None
+    directory: Path,
+    manifest: Manifest,
+    progress: Callable[[int], None] | None = None,
+    unreadable: list[str] | None = None,
 ) -> list[str]:
     """Re-read a committed step's files and compare every crc32c the manifest records;
     returns what does not match (empty if intact). Adopted trees: each whole file;
-    ckptd's rank files: each shard. ``progress(n)``: after each chunk of ``n`` bytes."""
+    ckptd's rank files: each shard. ``progress(n)``: after each chunk of ``n`` bytes.
+    ``unreadable``: if given, files this process may not read go there (with why)
+    instead of among the mismatches: a check run as the wrong user is no corruption."""
     bad: list[str] = []
     if manifest.adopted:
         for r in manifest.ranks:
             try:
                 if of_file(directory / r.file, progress=progress) != r.crc32c:
                     bad.append(r.file)
+            except PermissionError as exc:
+                (bad if unreadable is None else unreadable).append(f"{r.file}: {exc.strerror}")
             except (OSError, ValueError) as exc:
                 bad.append(f"{r.file}: {exc}")
         return bad
@@ -297,7 +304,7 @@ def verify_step(
         shards = list(
             zip(t.keys, t.offset.tolist(), t.length.tolist(), t.crc32c.tolist(), strict=True)
         )
-        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards, progress)
+        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards, progress, unreadable)
     return bad
 
 
@@ -307,6 +314,7 @@ def _verify_rank_file(
     file_crc: int,
     shards: list[tuple[str, int, int, int]],
     progress: Callable[[int], None] | None,
+    unreadable: list[str] | None,
 ) -> list[str]:
     """One pass over a rank file: each shard's crc32c, and the whole file's (which
     also covers the header and the padding between shards)."""
@@ -324,6 +332,11 @@ def _verify_rank_file(
         if actual != size:
             return [f"{path.name}: {actual} bytes, {size} recorded at commit"]
         crcs = of_file_ranges(path, [(o, n) for o, n, _ in pieces], progress=progress)
+    except PermissionError as exc:
+        if unreadable is None:
+            return [f"{path.name}: {exc}"]
+        unreadable.append(f"{path.name}: {exc.strerror}")
+        return []
     except (OSError, ValueError) as exc:
         return [f"{path.name}: {exc}"]
     bad = [

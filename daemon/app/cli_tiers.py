@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ckptd.core.checksum import verify_step
-from ckptd.core.errors import CkptdError
+from ckptd.core.errors import CkptdError, PermissionDenied
 from ckptd.core.manifest import MANIFEST, Manifest
 from ckptd.core.timeline import abandoned, merge
 from ckptd.core.wire import Connection
@@ -116,7 +116,7 @@ async def _pull_from(
             raise CkptdError(f"node {n!r} has no complete copy of step {step}")
         _, raw, manifest = await fetch.node_manifest(remote, job, step, {n}, None, n, found.adopted)
         target = dest if len(nodes) == 1 else dest / n
-        target.mkdir(parents=True, exist_ok=True)
+        _writable_dir(target)
         if any(target.iterdir()):
             raise CkptdError(f"{target} is not empty; pull into a new directory")
         with ByteProgress(f"{job}/{step}/{n}", manifest.size_bytes) as progress:
@@ -157,9 +157,39 @@ async def _pull_tree(
         await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
+def _writable_dir(target: Path) -> None:
+    """Make ``target`` (and its parents) if missing; raise :class:`PermissionDenied`,
+    naming it, if this user may not create files in it. Checked before any byte is
+    downloaded, so a pull that cannot land fails at once, in one line."""
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:
+        raise _cannot_write(exc.filename or target, exc) from None
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise _cannot_write(target, PermissionError(13, os.strerror(13)))
+
+
+def _cannot_write(path: object, exc: OSError) -> PermissionDenied:
+    return PermissionDenied(
+        f"cannot write {path}: {exc.strerror or exc}; pull into a directory your user may "
+        "create files in (DEST is made if missing, else it must be empty), or run as a "
+        "user that may write there"
+    )
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     """Download a complete step from the bucket into a directory, verified."""
-    return asyncio.run(_pull(load_config(args), args.job, args.step, Path(args.dest), args.node))
+    dest = Path(args.dest)
+    try:
+        return asyncio.run(_pull(load_config(args), args.job, args.step, dest, args.node))
+    except PermissionError as exc:
+        # Past the up-front check (a file:// bucket this user may not read, or a mode
+        # changed meanwhile): still one line that names the path, not a traceback.
+        raise PermissionDenied(
+            f"pull of {args.job!r} into {dest} failed: {exc.strerror or exc}"
+            + (f": {exc.filename}" if exc.filename else "")
+            + "; run as a user that may read the bucket and write the destination"
+        ) from None
 
 
 async def _verify_remote(cfg: Config, job: str | None) -> list[tuple[str, str]]:
@@ -187,47 +217,92 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
                 )
                 != r.crc32c
             ]
+        except PermissionError as exc:  # a file:// bucket this user may not read
+            rows.append((f"remote {base}", f"UNREADABLE {exc.filename or key}: {exc.strerror}"))
+            continue
         except (OSError, ValueError) as exc:
             bad = [str(exc)]
         rows.append((f"remote {base}", "OK" if not bad else "CORRUPT " + ", ".join(bad)))
     return rows
 
 
-def _local_steps(root: Path, job: str | None) -> list[tuple[Path, Manifest | None, str]]:
-    """Committed steps under ``root`` (those with a manifest), with the manifest or why
-    it could not be read."""
-    found: list[tuple[Path, Manifest | None, str]] = []
-    for job_dir in sorted(p for p in root.glob("*") if not p.name.startswith(".")):
+def _entries(path: Path) -> list[Path]:
+    """A directory's entries, sorted; none if it is missing. A directory this user may
+    not list raises PermissionError: an empty answer would pass for an empty tier."""
+    try:
+        return sorted(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _local_steps(root: Path, job: str | None) -> list[tuple[str, Path, Manifest | None, str]]:
+    """Committed steps under ``root`` (those with a manifest): each one's name in the
+    table, directory, and manifest, or why it could not be read (``UNREADABLE ...``:
+    this user may not; ``CORRUPT ...``: the manifest itself is damaged)."""
+    try:
+        job_dirs = [p for p in _entries(root) if not p.name.startswith(".")]
+    except PermissionError as exc:
+        raise PermissionDenied(
+            f"cannot read the local tier {root}: {exc.strerror}; run ckptd verify as the "
+            "user the daemon runs as (or root), or pass --remote-only to check the bucket"
+        ) from None
+    found: list[tuple[str, Path, Manifest | None, str]] = []
+    for job_dir in job_dirs:
         if job and job_dir.name != job:
             continue
-        for step_dir in sorted(job_dir.glob("[0-9]*"), key=lambda p: int(p.name)):
-            if not (step_dir / MANIFEST).exists():
-                continue  # never committed (a crash mid-save): not a copy
+        try:
+            step_dirs = [p for p in _entries(job_dir) if p.name.isdigit()]
+        except PermissionError as exc:
+            found.append((f"local {job_dir.name}", job_dir, None, _unreadable(job_dir, exc)))
+            continue
+        for step_dir in sorted(step_dirs, key=lambda p: int(p.name)):
+            name = f"local {job_dir.name}/{step_dir.name}"
             try:
-                found.append((step_dir, Manifest.from_json((step_dir / MANIFEST).read_text()), ""))
-            except (OSError, ValueError) as exc:
-                found.append((step_dir, None, str(exc)))
+                raw = (step_dir / MANIFEST).read_text()
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # never committed (a crash mid-save): not a copy
+            except PermissionError as exc:
+                found.append((name, step_dir, None, _unreadable(step_dir / MANIFEST, exc)))
+                continue
+            except OSError as exc:
+                found.append((name, step_dir, None, f"CORRUPT {exc}"))
+                continue
+            try:
+                found.append((name, step_dir, Manifest.from_json(raw), ""))
+            except ValueError as exc:
+                found.append((name, step_dir, None, f"CORRUPT {exc}"))
     return found
+
+
+def _unreadable(path: Path, exc: OSError) -> str:
+    return f"UNREADABLE {path}: {exc.strerror}"
 
 
 def _verify_local(root: Path, job: str | None) -> list[tuple[str, str]]:
     steps = _local_steps(root, job)
-    total = sum(m.size_bytes for _, m, _ in steps if m is not None)
+    total = sum(m.size_bytes for _, _, m, _ in steps if m is not None)
     rows = []
     with ByteProgress(f"verify {root}", total) as progress:
-        for step_dir, manifest, error in steps:
-            bad = verify_step(step_dir, manifest, progress) if manifest else [error]
-            rows.append(
-                (
-                    f"local {step_dir.parent.name}/{step_dir.name}",
-                    "OK" if not bad else "CORRUPT " + ", ".join(bad[:3]),
-                )
-            )
+        for name, step_dir, manifest, problem in steps:
+            if manifest is None:
+                rows.append((name, problem))
+                continue
+            unreadable: list[str] = []
+            bad = verify_step(step_dir, manifest, progress, unreadable)
+            if bad:
+                rows.append((name, "CORRUPT " + ", ".join(bad[:3])))
+            elif unreadable:
+                rows.append((name, "UNREADABLE " + ", ".join(unreadable[:3])))
+            else:
+                rows.append((name, "OK"))
     return rows
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Check crc32c of local copies (re-read) and remote copies (the store's checksums)."""
+    """Check crc32c of local copies (re-read) and remote copies (the store's checksums).
+
+    Exit 1 if a copy is corrupt; else 2 (an error line) if one could not be read by
+    this user, which is no verdict on the copy; else 0."""
     cfg = load_config(args)
     rows: list[tuple[str, str]] = []
     if not args.remote_only:
@@ -245,11 +320,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     print_table(
         ["RESULT", "COPY", "DETAIL"],
-        [[v.split()[0], where, v[8:] if v != "OK" else ""] for where, v in rows],
+        [[v.partition(" ")[0], where, v.partition(" ")[2]] for where, v in rows],
     )
-    bad_count = sum(1 for _, v in rows if v != "OK")
-    print(f"{len(rows)} copies checked, {bad_count} corrupt")
-    return 1 if bad_count else 0
+    corrupt = sum(1 for _, v in rows if v.startswith("CORRUPT"))
+    unreadable = sum(1 for _, v in rows if v.startswith("UNREADABLE"))
+    print(
+        f"{len(rows)} copies checked, {corrupt} corrupt"
+        + (f", {unreadable} unreadable" if unreadable else "")
+    )
+    if corrupt:
+        return 1
+    if unreadable:
+        raise PermissionDenied(
+            f"{unreadable} of {len(rows)} copies could not be read by this user (UNREADABLE "
+            "above: not checked, not known to be corrupt); run ckptd verify as the user the "
+            "daemon runs as (or root)"
+        )
+    return 0
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -156,16 +156,23 @@ class Admission:
         """Refuse a save that would take the local disk below the floor.
 
         Counts the bytes of saves still being written. If the floor would be
-        crossed, frees spare files and runs one local eviction pass first.
+        crossed, frees spare files, then runs one local eviction pass and frees
+        the spares that pass made of the files it evicted.
         """
-        for attempt in (0, 1):
+        space, floor, writing, need = self._disk_need(size_bytes)
+        if space.free < need:
+            # Spares first: giving them back costs no checkpoint.
+            await self._run_io(self.store.drop_spares)
             space, floor, writing, need = self._disk_need(size_bytes)
-            if space.free >= need:
-                return
-            if attempt == 0:
-                await self._run_io(self.store.drop_spares)
-                if self.relieve is not None:
-                    await self.relieve()
+        if space.free < need and self.relieve is not None:
+            await self.relieve()
+            # The pass keeps the files it evicts as spares for later saves, but the
+            # space is wanted now: dropped before this save, else it is refused
+            # while the bytes it waits for sit in .spare.
+            await self._run_io(self.store.drop_spares)
+            space, floor, writing, need = self._disk_need(size_bytes)
+        if space.free >= need:
+            return
         raise ResourceExhausted(
             f"local tier {self.disk.root} has {gib(space.free)} free; this save "
             f"needs {gib(size_bytes)} plus {gib(writing)} for saves being written, and "

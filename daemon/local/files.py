@@ -149,6 +149,10 @@ def write_file_checksummed(
             health.feed(flat, upto)
 
     pending: list[concurrent.futures.Future[None]] = []
+    if data_length == 0:
+        # No data, so the writer never reports any: the shards (all zero-size) still
+        # need their crcs, or the file's checksum refuses a save that was acknowledged.
+        trail(0)
     try:
         write_file_direct(
             path,

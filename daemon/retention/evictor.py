@@ -170,6 +170,9 @@ class Evictor:
             if self.disk.space().free >= low:
                 break
             await self._evict_local(job, step, f"free space below the low watermark {gib(low)}")
+            # Its files were kept as spares, which frees nothing: below the mark the
+            # space is wanted now, or every candidate would go for the same bytes.
+            await self.io.run(self.store.drop_spares)
 
     async def _evict_local(self, job: str, step: int, why: str) -> None:
         await self._evict_local_batch([(job, step)], why)
