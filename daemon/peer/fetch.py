@@ -184,6 +184,17 @@ class PeerFetcher:
         in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
         if step is None and in_bucket and max(in_bucket) > (True, timeline, newest):
             return False  # the bucket's step is a newer save: the restore takes that one
+        if not in_bucket or max(in_bucket) < (True, timeline, newest):
+            # Nothing here can check this step was ever committed by this node: its
+            # holders took it only from this node's authenticated daemon (identity.py),
+            # which is what vouches for it. Said, so a surprise has a trail.
+            log.warning(
+                "%s/%d: the replica held by %s is newer than the bucket's newest (%s); "
+                "taken on the word of its holders, who take a node's replicas only from "
+                "that node (peer_identity)",
+                job, newest, ",".join(p.node for p, _ in held[(job, newest)]),
+                max(in_bucket)[2] if in_bucket else "none",
+            )  # fmt: skip
         await self.fetch(job, newest, held[(job, newest)])
         return True
 
