@@ -117,7 +117,7 @@ class SenderCheck:
             known = await self.peers.known(fresh=fresh)
             hosts = [p.address.rpartition(":")[0] for p in known if p.node == node]
             ips = {_ip(canonical_host(h)) for h in hosts}
-            if sender.ip in ips:
+            if _ip(sender.ip) in ips:
                 return
         if not ips:
             why = (
