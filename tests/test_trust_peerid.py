@@ -251,3 +251,34 @@ def test_a_token_file_others_can_read_is_refused(tmp_path: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     assert out.returncode != 0, out.stderr
     assert f"chmod 600 {token}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_replacement_takes_only_a_part_the_bucket_names_for_the_rank() -> None:
+    """A node restoring a step the bucket holds (a replacement under a new name) asks
+    every peer for any replica holding its rank: one of a node with no part of that
+    step in the bucket is not taken, however many peers hold it."""
+    from ckptd.daemon.catalog import Step
+    from ckptd.daemon.peer.fetch import PeerFetcher
+
+    real = _manifest(5, FILES, job="job", node="node-a")
+    forged = _manifest(5, {"rank-00000.safetensors": DATA[::-1]}, job="job", node="node-c")
+    b, c = Peer("node-b", "10.0.0.2:7000"), Peer("node-c", "10.0.0.3:7000")
+    fetcher = PeerFetcher(
+        SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace()
+    )  # type: ignore[arg-type]
+    taken: list[list[tuple[Peer, str]]] = []
+
+    async def replicas(job: str = "", source: str | None = None) -> Any:
+        return {("job", 5): [(b, real), (b, forged), (c, forged)]}
+
+    async def fetch(job: str, step: int, holders: list[tuple[Peer, str]], rank: int) -> None:
+        taken.append(holders)
+
+    fetcher.replicas = replicas  # type: ignore[method-assign]
+    fetcher.fetch = fetch  # type: ignore[method-assign]
+    st = Step("job", 5, remote_nodes=frozenset({"node-a"}))
+    try:
+        assert asyncio.run(fetcher.ensure_part(st, 0))
+    finally:
+        fetcher.close()
+    assert taken == [[(b, real)]]
