@@ -220,7 +220,10 @@ def test_the_sender_check_by_address_and_by_certificate() -> None:
     assert peers.asked == 1  # asked afresh once (a replaced pod) before refusing
     with pytest.raises(PermissionDenied, match="no `peers` entry"):
         run("node-z", Sender("10.0.0.1"))
-    check = SenderCheck("auto", _Peers([], tls=object()))  # type: ignore[arg-type]
+    shared = SimpleNamespace(server_name="ckptd-peer")  # one certificate for every node
+    assert SenderCheck("auto", _Peers([], tls=shared)).mode == "address"  # type: ignore[arg-type]
+    own = SimpleNamespace(server_name="")
+    check = SenderCheck("auto", _Peers([], tls=own))  # type: ignore[arg-type]
     assert check.mode == "certificate"
     run("node-a", Sender("10.0.0.9", frozenset({"node-a", "10.0.0.9"})))
     with pytest.raises(PermissionDenied, match="certificate names ckptd-peer"):

@@ -5,15 +5,17 @@ could otherwise push a replica claiming to be another node's (a forged step that
 node would restore after losing its disk). So the manifest's ``node`` must be the
 sender's identity, checked one of two ways (``peer_identity``):
 
-- ``certificate`` (the default with the ``peer_tls_*`` files): the sender's TLS
-  client certificate, already checked against the CA, must name the node in its
-  subjectAltName (``DNS:<node_id>``) or its common name. Each node gets its own
-  certificate, e.g. from cert-manager with the pod's node name as a DNS name.
-- ``address`` (the default without TLS; with TLS, for a cluster sharing one
-  certificate): the sender's IP address must be an address of the ``peers`` entry
-  whose daemon answered ``Hello`` with that node name. This holds against a token
-  holder elsewhere on the network, not against one that can send from a peer's own
-  address (the peer's host, or a spoofing router); there, use certificates.
+- ``certificate`` (the default with the ``peer_tls_*`` files and no
+  ``peer_tls_server_name``): the sender's TLS client certificate, already checked
+  against the CA, must name the node in its subjectAltName (``DNS:<node_id>``) or
+  its common name. Each node gets its own certificate naming its ``node_id`` (and
+  the host its ``peers`` entry gives, which its peers check as a server name).
+- ``address`` (the default without TLS, or with ``peer_tls_server_name``: one
+  certificate every node shares names no node): the sender's IP address must be an
+  address of the ``peers`` entry whose daemon answered ``Hello`` with that node
+  name. This holds against a token holder elsewhere on the network, not against one
+  that can send from a peer's own address (a process on the peer's host, another
+  daemon on the same host, a spoofing router); there, use a certificate per node.
 
 A receiver with no ``peers`` entry for a node refuses that node's replicas.
 """
@@ -96,8 +98,9 @@ class SenderCheck:
             raise FailedPrecondition(
                 "peer_identity = 'certificate' needs the peer_tls_* files (mutual TLS)"
             )
-        if mode == "auto":
-            mode = "certificate" if peers.tls is not None else "address"
+        if mode == "auto":  # a certificate every node shares (its name set) names no node
+            shared = peers.tls is None or bool(peers.tls.server_name)
+            mode = "address" if shared else "certificate"
         self.mode, self.peers = mode, peers
         self.loop: asyncio.AbstractEventLoop | None = None
         """The daemon's event loop (set when the tier starts): bulk threads ask on it."""
