@@ -24,7 +24,7 @@ from ckptd.core.errors import InvalidArgument, PermissionDenied, Unavailable
 from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.daemon.peer.bulk import request_frame
 from ckptd.daemon.peer.bulk_client import push
-from ckptd.daemon.peer.identity import Sender, SenderCheck
+from ckptd.daemon.peer.identity import Sender, SenderCheck, grpc_sender
 from ckptd.daemon.peer.link import Peer, read_token
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
 from ckptd.daemon.peer.tls import PeerTls
@@ -228,6 +228,10 @@ def test_the_sender_check_by_address_and_by_certificate() -> None:
     run("node-a", Sender("10.0.0.9", frozenset({"node-a", "10.0.0.9"})))
     with pytest.raises(PermissionDenied, match="certificate names ckptd-peer"):
         run("node-a", Sender("10.0.0.1", frozenset({"ckptd-peer"})))
+    # gRPC's spelling of a caller (percent-encoded brackets in some versions).
+    for peer, ip in (("ipv4:10.0.0.1:5", "10.0.0.1"), ("ipv6:%5B::1%5D:5", "::1")):
+        context = SimpleNamespace(peer=lambda peer=peer: peer, auth_context=dict)
+        assert grpc_sender(context) == Sender(ip)
     with pytest.raises(Exception, match="peer_identity"):
         SenderCheck("anyone", _Peers([]))  # type: ignore[arg-type]
 

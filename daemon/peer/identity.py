@@ -29,6 +29,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from ckptd.core.errors import FailedPrecondition, PermissionDenied
 from ckptd.core.manifest import Manifest
@@ -65,8 +66,8 @@ def _ip(text: str) -> str:
 
 def grpc_sender(context: Any) -> Sender:
     """The sender of a gRPC call (``context.peer()`` is ``ipv4:IP:PORT`` or
-    ``ipv6:[IP]:PORT``)."""
-    peer = str(context.peer() or "")
+    ``ipv6:[IP]:PORT``, the brackets percent-encoded by some gRPC versions)."""
+    peer = unquote(str(context.peer() or ""))
     ip = _ip(peer.partition(":")[2].rpartition(":")[0])
     auth = context.auth_context() or {}
     if b"ssl" not in auth.get("transport_security_type", ()):
