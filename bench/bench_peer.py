@@ -123,6 +123,7 @@ class PeerBench:
     def __init__(self, args: argparse.Namespace, run_dir: Path, s3: Any) -> None:
         self.args, self.run_dir, self.s3 = args, run_dir, s3
         (run_dir / "token").write_text(TOKEN)
+        (run_dir / "token").chmod(0o600)
         self.ports = {n: free_port() for n in NODES}
         self.samples: dict[str, list[float]] = {
             k: []

@@ -192,8 +192,6 @@ def test_a_bad_push_is_refused_and_leaves_the_older_replica(served: BulkServer) 
     files = {"rank-00000.safetensors": DATA[::-1], "rank-00001.safetensors": b"x" * 7}
     with pytest.raises(Unavailable):  # a byte differs from the manifest's crc32c
         _push(served, 6, files, data=DATA[::-1] + b"x" * 6 + b"y")
-    with pytest.raises(Unavailable, match="only a newer save"):
-        _push(served, 4, files)
     assert [h.step for h in served.store.list()] == [5]
     assert list((served.store.dir / ".incoming").iterdir()) == []
 

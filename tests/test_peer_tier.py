@@ -60,6 +60,7 @@ class Cluster:
     ) -> None:
         token = tmp_path / "peer-token"
         token.write_text(TOKEN + "\n")
+        token.chmod(0o600)  # a token others can read is refused at start-up
         self.ports = {n: free_port() for n in NODES}
         self.daemons: dict[str, Daemon] = {}
         for node in NODES:

@@ -58,8 +58,6 @@ def test_a_replica_lands_whole_across_any_chunking_and_replaces_the_older(
     # Sent again by a source that restarted: held already, nothing to receive.
     assert isinstance(store.begin("j", 2, _manifest(2, FILES)), Held)
     assert not (tmp_path / ".replicas" / "j" / "src" / "1").exists()
-    with pytest.raises(InvalidArgument, match="only a newer save"):
-        store.begin("j", 1, _manifest(1, FILES))
     with pytest.raises(NotFound):
         store.path("j", "src", 1, "rank-00000.safetensors")
     with pytest.raises(NotFound, match="not a file"):
@@ -96,8 +94,6 @@ def test_a_later_timelines_replica_replaces_a_higher_step(tmp_path: Path) -> Non
         assert (held.step, held.timeline) == (step, 1)
         assert [(h.step, h.timeline) for h in store.list()] == [(step, 1)]
         assert store.path("j", "src", step, "rank-00000.safetensors").read_bytes() == b"a" * 5000
-    with pytest.raises(InvalidArgument, match="only a newer save"):
-        store.begin("j", 4, _manifest(4, FILES))  # timeline 0: older, whatever its number
     again = ReplicaStore(tmp_path, 10**6)
     assert again.load() == 1 and [(h.step, h.timeline) for h in again.list()] == [(5, 1)]
 
@@ -169,11 +165,13 @@ def test_replicas_go_to_the_next_nodes_by_name() -> None:
 
 def test_the_token_file_must_hold_a_real_token(tmp_path: Path) -> None:
     (tmp_path / "short").write_text("abc\n")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(InvalidArgument, match="at least 16"):
         read_token(str(tmp_path / "short"))
     with pytest.raises(InvalidArgument, match="cannot read"):
         read_token(str(tmp_path / "missing"))
     (tmp_path / "good").write_text("  " + "x" * 32 + "\n")
+    (tmp_path / "good").chmod(0o600)
     assert read_token(str(tmp_path / "good")) == "x" * 32
 
 

@@ -146,6 +146,11 @@ class Config:
     """PEM CA bundle the peers' certificates must chain to."""
     peer_tls_server_name: str = ""
     """Name every peer's certificate holds; empty: the host of its ``peers`` entry."""
+    peer_identity: str = "auto"
+    """How a replica's sender is proven to be the node it claims (peer/identity.py):
+    ``certificate`` (its TLS certificate names the node), ``address`` (it sends from
+    that node's ``peers`` address); ``auto``: certificate with the peer_tls_* files
+    unless ``peer_tls_server_name`` is set (one certificate shared by every node)."""
     peer_bandwidth_bytes: int = 512 * 2**20
     """Bytes per second replication may send (saves and the drain keep the rest)."""
     peer_max_lag_seconds: float = 30.0

@@ -184,6 +184,17 @@ class PeerFetcher:
         in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
         if step is None and in_bucket and max(in_bucket) > (True, timeline, newest):
             return False  # the bucket's step is a newer save: the restore takes that one
+        if not in_bucket or max(in_bucket) < (True, timeline, newest):
+            # Nothing here can check this step was ever committed by this node: its
+            # holders took it only from this node's authenticated daemon (identity.py),
+            # which is what vouches for it. Said, so a surprise has a trail.
+            log.warning(
+                "%s/%d: the replica held by %s is newer than the bucket's newest (%s); "
+                "taken on the word of its holders, who take a node's replicas only from "
+                "that node (peer_identity)",
+                job, newest, ",".join(p.node for p, _ in held[(job, newest)]),
+                max(in_bucket)[2] if in_bucket else "none",
+            )  # fmt: skip
         await self.fetch(job, newest, held[(job, newest)])
         return True
 
@@ -201,7 +212,7 @@ class PeerFetcher:
                 return False
             self._asked[key] = time.monotonic()
             try:
-                holders = await self._holding(st.job, st.step, rank)
+                holders = await self._holding(st, rank)
                 if not holders:
                     return False
                 await self.fetch(st.job, st.step, holders, rank)
@@ -211,14 +222,21 @@ class PeerFetcher:
                             st.job, st.step, exc)  # fmt: skip
                 return False
 
-    async def _holding(self, job: str, step: int, rank: int) -> list[tuple[Peer, str]]:
-        """The peers holding a replica of ``step`` whose part holds ``rank`` (the
-        replicas of the part most of them hold)."""
+    async def _holding(self, st: Step, rank: int) -> list[tuple[Peer, str]]:
+        """The peers holding a replica of ``st`` whose part holds ``rank`` (the
+        replicas of the part most of them hold). Only a part of a node the bucket's
+        markers name for the step counts: any node of the job may hold replicas of
+        its own, and one claiming ranks of a step it has no part of in the bucket
+        would otherwise be taken for the missing node's."""
         found: dict[str, list[tuple[Peer, str]]] = {}
-        for holder, raw in (await self.replicas(job, source="")).get((job, step), []):
+        for holder, raw in (await self.replicas(st.job, source="")).get(st.key, []):
             try:
                 manifest = Manifest.from_json(raw)
             except (ManifestInvalid, ValueError):  # a bad replica is no holder
+                continue
+            if manifest.node not in st.remote_nodes:
+                log.warning("%s/%d: %s's replica held by %s is no part the bucket names; "
+                            "not taken", st.job, st.step, manifest.node, holder.node)  # fmt: skip
                 continue
             if not manifest.adopted and any(r.rank == rank for r in manifest.ranks):
                 found.setdefault(raw, []).append((holder, raw))

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,14 +50,25 @@ RETRY_SECONDS = 2.0
 
 
 def read_token(path: str) -> str:
-    """The shared token in ``path`` (surrounding whitespace removed)."""
+    """The shared token in ``path`` (surrounding whitespace removed); refused when the
+    file lets its group or anyone else read it (whoever reads the token may act as a
+    peer: take and serve replicas)."""
     try:
+        mode = os.stat(path).st_mode
         token = Path(path).read_text().strip()
     except OSError as exc:
         raise InvalidArgument(
             f"cannot read peer_token_file {path}: {exc.strerror}; give a readable file "
             "holding the token every daemon of the job shares"
         ) from None
+    if mode & 0o044:
+        readers = ((0o040, "its group"), (0o004, "everyone"))
+        who = " and ".join(w for bit, w in readers if mode & bit)
+        raise InvalidArgument(
+            f"peer_token_file {path} is readable by {who} (mode {stat.S_IMODE(mode):04o}): "
+            f"anyone who reads it can act as a peer; run `chmod 600 {path}` (a Kubernetes "
+            "Secret: defaultMode: 0400)"
+        )
     if len(token.encode()) < MIN_TOKEN_BYTES:
         raise InvalidArgument(
             f"peer_token_file {path} holds {len(token.encode())} bytes; use a random token "

@@ -3,7 +3,11 @@
     <root>/.replicas/<job>/<source node>/<step>/manifest.json + rank files
     <root>/.replicas/.incoming/<random>/             a replica being received
 
-One replica per (job, source node): the newest. A replica is received into
+One replica per (job, source node): the one its source sent last. Each sender is
+authenticated as the node it claims to be (identity.py) before this store sees its
+replica, so the last one sent is the source's newest save, whatever its number: a
+replica never blocks a later one (a step number is only what the manifest says).
+A replica is received into
 ``.incoming`` file by file, each checked against the crc32c its manifest records
 as it lands, then ``manifest.json`` is written and the directory renamed into
 place (the commit point), and the older replica of the same (job, source) removed.
@@ -47,13 +51,10 @@ class Held:
     """Its manifest's text."""
     size: int
     timeline: int = 0
-    """The job's timeline the step was saved on: a later timeline's step replaces an
-    earlier one's replica whatever their numbers (core/timeline.py)."""
-
-    @property
-    def order(self) -> tuple[int, int]:
-        """Which replica is the newer save: by timeline, then step."""
-        return self.timeline, self.step
+    """The job's timeline the step was saved on (core/timeline.py)."""
+    begun: int = 0
+    """When its reception began, in this daemon's count (0: held at start-up): of two
+    receptions from one source at once, the later one begun is the newer save."""
 
 
 class ReplicaStore:
@@ -65,6 +66,8 @@ class ReplicaStore:
         self._held: dict[tuple[str, str], Held] = {}
         """Replaced whole, never changed in place: the event loop lists it while the
         I/O threads commit."""
+        self._begun = 0
+        """Receptions begun since start-up (orders receptions from one source)."""
         self._reserved: dict[str, int] = {}
         """Bytes of replicas being received, by incoming directory."""
         self._lock = threading.Lock()  # receptions begin and end on several I/O threads
@@ -76,18 +79,22 @@ class ReplicaStore:
         (self.dir / INCOMING).mkdir(parents=True, mode=0o750)
         for job_dir in sorted(p for p in self.dir.iterdir() if p.name != INCOMING):
             for source_dir in sorted(job_dir.iterdir()):
+                # Two replicas of one source: a crash came between a commit and the
+                # removal of the one it replaced; the manifest written last is kept.
+                found: list[tuple[int, Held]] = []
                 for step_dir in sorted(source_dir.iterdir()):
                     try:
                         held = self._read(job_dir.name, source_dir.name, step_dir)
+                        written = (step_dir / MANIFEST).stat().st_mtime_ns
                     except (OSError, ValueError, InvalidArgument):
                         shutil.rmtree(step_dir, ignore_errors=True)
                         continue
-                    old = self._held.get((held.job, held.source))
-                    if old is not None and old.order >= held.order:
-                        shutil.rmtree(step_dir, ignore_errors=True)
-                        continue
-                    if old is not None:
-                        shutil.rmtree(self._dir_of(old), ignore_errors=True)
+                    found.append((written, held))
+                found.sort(key=lambda pair: pair[0])
+                for _, older in found[:-1]:
+                    shutil.rmtree(self._dir_of(older), ignore_errors=True)
+                if found:
+                    held = found[-1][1]
                     self._held[(held.job, held.source)] = held
         return len(self._held)
 
@@ -114,8 +121,10 @@ class ReplicaStore:
 
     def begin(self, job: str, step: int, raw: str) -> Incoming | Held:
         """Start receiving ``source``'s replica of ``step`` (``raw``: its manifest, whose
-        ``node`` is the source); the replica itself if it is held already. Refused if
-        it is older than the one held, or would not fit the budget."""
+        ``node`` is the source, already checked to be the sender); the replica itself if
+        it is held already. Refused if it would not fit the budget. Once received it
+        replaces the source's replica held, whatever their step numbers: the sender
+        is the source, and the source sends its newest save."""
         m = _checked(raw, check_name("job", job), check_step(step), None)
         with self._lock:
             return self._begin(job, step, m, raw)
@@ -124,11 +133,6 @@ class ReplicaStore:
         old = self._held.get((job, m.node))
         if old is not None and old.step == step and old.raw == raw:
             return old  # sent again (its source restarted): held already
-        if old is not None and old.order >= (m.timeline, step):
-            raise InvalidArgument(
-                f"a replica of step {old.step} (timeline {old.timeline}) of job {job!r} from "
-                f"{m.node} is held already; only a newer save replaces it"
-            )
         other = self.held_bytes - (old.size if old else 0) + sum(self._reserved.values())
         if other + m.size_bytes > self.budget:
             raise ResourceExhausted(
@@ -138,7 +142,8 @@ class ReplicaStore:
         path = self.dir / INCOMING / secrets.token_hex(8)
         path.mkdir(mode=0o750)
         self._reserved[path.name] = m.size_bytes
-        return Incoming(self, path, m, raw)
+        self._begun += 1
+        return Incoming(self, path, m, raw, self._begun)
 
     def path(self, job: str, source: str, step: int, file: str) -> Path:
         """A file of a replica held here (NotFound: not held, or not one of its files)."""
@@ -158,12 +163,12 @@ class ReplicaStore:
         m = incoming.manifest
         self._reserved.pop(incoming.path.name, None)
         old = self._held.get((m.job, m.node))
-        if old is not None and old.order >= (m.timeline, m.step):  # a newer one landed
+        if old is not None and old.begun > incoming.begun:  # one begun later landed first
             shutil.rmtree(incoming.path, ignore_errors=True)
             return old
         write_synced(incoming.path / MANIFEST, incoming.raw.encode())
         fsync_dir(incoming.path)
-        held = Held(m.job, m.node, m.step, incoming.raw, m.size_bytes, m.timeline)
+        held = Held(m.job, m.node, m.step, incoming.raw, m.size_bytes, m.timeline, incoming.begun)
         final = self._dir_of(held)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         shutil.rmtree(final, ignore_errors=True)  # a leftover of a crash: not held
@@ -187,8 +192,12 @@ class Incoming:
     padding past a file's end is cut off), so a replica allocates no page cache,
     whose fresh memory is slow on these VMs and taken from the trainer beside it."""
 
-    def __init__(self, store: ReplicaStore, path: Path, manifest: Manifest, raw: str) -> None:
+    def __init__(
+        self, store: ReplicaStore, path: Path, manifest: Manifest, raw: str, begun: int = 0
+    ) -> None:
         self.store, self.path, self.manifest, self.raw = store, path, manifest, raw
+        self.begun = begun
+        """Its place in the order receptions began (ReplicaStore)."""
         self._files: list[RankRecord] = list(manifest.ranks)
         self._index = 0
         self._done = 0  # bytes of the current file taken in

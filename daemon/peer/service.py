@@ -1,7 +1,9 @@
 """The Peer service: what other daemons of the job may ask of this one, on TCP.
 
 Every call must carry the shared token (link.py); anything else is refused with
-UNAUTHENTICATED before a byte of the request is used. A replica is written only
+UNAUTHENTICATED before a byte of the request is used. A replica is taken only from
+the node its manifest names (identity.py: its certificate or its address), refused
+with PERMISSION_DENIED otherwise. A replica is written only
 under ``<root>/.replicas`` (replicas.py checks every name and size first), and a
 file is served only if it is one a replica held here lists.
 """
@@ -23,6 +25,7 @@ from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .. import faults
+from .identity import SenderCheck, claimed_node, grpc_sender
 from .link import CHUNK, authorized
 from .replicas import Held, ReplicaStore
 
@@ -41,8 +44,11 @@ class PeerServicer(pb_grpc.PeerServicer):
         store: ReplicaStore,
         run: Run,
         on_replica: Callable[[Held], None] = lambda h: None,
+        sender_check: SenderCheck | None = None,
     ) -> None:
         self.node, self._token, self.store, self._run = node, token, store, run
+        self.sender_check = sender_check
+        """Who may send which node's replicas (None: this servicer takes none)."""
         self._on_replica = on_replica
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
@@ -89,6 +95,9 @@ class PeerServicer(pb_grpc.PeerServicer):
             first = await anext(request_iterator, None)
             if first is None or not first.manifest_json:
                 raise InvalidArgument("a PutReplica starts with the replica's manifest")
+            if self.sender_check is None:
+                raise InvalidArgument("this peer takes no replicas")
+            await self.sender_check.check(claimed_node(first.manifest_json), grpc_sender(context))
             begun = await self._run(self.store.begin, first.job, first.step, first.manifest_json)
             if isinstance(begun, Held):  # its source restarted and sent it again
                 return pb.PutReplicaResponse(size_bytes=begun.size)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -25,8 +26,8 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ..catalog import Catalog
 from ..io import IoPool
 from ..local.store import LocalStore
-from .bulk import BulkServer
 from .fetch import PeerFetcher
+from .identity import BoundBulkServer, SenderCheck
 from .link import Limiter, Peers, read_token
 from .replicas import ReplicaStore
 from .replicator import Replicator
@@ -51,10 +52,14 @@ class PeerTier:
         self.address = ""
         """Where the Peer service answers (set once it does)."""
         self.store = ReplicaStore(cfg.root, cfg.peer_budget_bytes)
-        self.servicer = PeerServicer(cfg.node_id, token, self.store, io.run)
-        self.bulk = BulkServer(self.store, token, self.tls)
-        self.data_port = cfg.peer_data_port
         self.peers = Peers(cfg.node_id, cfg.peers, token, self.tls)
+        # A replica is taken only from the node it claims to be (identity.py).
+        self.sender_check = SenderCheck(cfg.peer_identity, self.peers)
+        self.servicer = PeerServicer(
+            cfg.node_id, token, self.store, io.run, sender_check=self.sender_check
+        )
+        self.bulk = BoundBulkServer(self.sender_check, self.store, token, self.tls)
+        self.data_port = cfg.peer_data_port
         self.replicator: Replicator | None = None
         self.fetcher: PeerFetcher | None = None
         if cfg.peers:
@@ -71,6 +76,7 @@ class PeerTier:
         spawn: Callable[[str, Coroutine[Any, Any, None]], None],
     ) -> None:
         """Load the replicas held, serve them, start replicating and pre-staging."""
+        self.sender_check.loop = asyncio.get_running_loop()
         held = await self.io.run(self.store.load)
         if self.listen.strip().lower() not in ("", "off", "none", "false"):
             server = grpc.aio.server(options=CHANNEL_OPTIONS)
