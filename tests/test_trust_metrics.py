@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from ckptd.client import Client
 from ckptd.client import orbax as ckptd_orbax
 from ckptd.daemon.api.liveness import LiveJobs
 from ckptd.daemon.app import config
@@ -174,14 +175,15 @@ def test_auto_shows_job_names_while_one_user_saves() -> None:
 
 def test_a_job_is_live_while_a_session_that_saved_it_is_open() -> None:
     live = LiveJobs()
-    live.saving("t1", "a")
-    live.saving("t2", "a")
-    live.saving("t2", "b")
+    live.saving("t1", "a", 1000)
+    live.saving("t2", "a", 0)
+    live.saving("t2", "b", 0)
+    assert live.uids() == {0, 1000}
     live.ended("t2")
-    assert live.jobs() == {"a"}
+    assert live.jobs() == {"a"} and live.uids() == {1000}
     live.ended("t1")
     live.ended("never-seen")
-    assert live.jobs() == frozenset()
+    assert live.jobs() == frozenset() and live.uids() == frozenset()
 
 
 @pytest.fixture
@@ -244,3 +246,28 @@ def test_job_names_leave_the_metrics_once_two_users_save(shared_node: DaemonProc
     finally:
         for proc in held:
             proc.communicate(input="", timeout=120)
+
+
+def test_a_privileged_trainer_counts_as_a_second_user(shared_node: DaemonProcess) -> None:
+    """Root owns no job (operators never claim one), but the other user must not read
+    its job names either: a root process saving makes two users."""
+    socket = shared_node.socket
+    _as(USERS[0], socket, "save", "alpha-secret", "1")
+    held = _as(USERS[0], socket, "hold-lease", "alpha-secret", hold=True)
+    try:
+        client = Client("root-secret", socket=socket)
+        try:
+            client.save(1, {"w": np.ones(64, np.float32)}).wait("local")
+            samples = scrape(shared_node)  # type: ignore[arg-type]
+            names = {v for _, labels in samples for _, v in labels}
+            assert not {"alpha-secret", "root-secret"} & names, sorted(names)
+        finally:
+            client.close()
+        # Root's trainer gone, one user saves: job names are back.
+        _scrape_until(
+            shared_node,
+            lambda s: (("job", "alpha-secret"), ("tier", "local")) in _exposure(s),
+            "job names did not come back with one user left",
+        )
+    finally:
+        held.communicate(input="", timeout=120)

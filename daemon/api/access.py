@@ -115,7 +115,7 @@ class Access:
                 "uid to allow_uids (or the job to shared_jobs) in the ckptd config"
             )
         if claim:
-            self.live.saving(peer.token, job)
+            self.live.saving(peer.token, job, peer.uid)
         if claim and job not in self.owners and not self.privileged(peer):
             write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
             self.owners[job] = peer.uid

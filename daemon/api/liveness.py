@@ -18,16 +18,21 @@ class LiveJobs:
         """Job -> tokens of the live sessions that saved it."""
         self._jobs: dict[str, set[str]] = {}
         """Token -> jobs it saved (what to drop when the session ends)."""
+        self._uids: dict[str, int] = {}
+        """Token -> the uid of its process."""
 
-    def saving(self, token: str, job: str) -> None:
-        """The session ``token`` saved ``job`` (called on every save call: set lookups only)."""
+    def saving(self, token: str, job: str, uid: int) -> None:
+        """The session ``token`` of a process of ``uid`` saved ``job`` (called on every
+        save call: dictionary and set lookups only)."""
         jobs = self._jobs.setdefault(token, set())
         if job not in jobs:
             jobs.add(job)
             self._sessions.setdefault(job, set()).add(token)
+            self._uids[token] = uid
 
     def ended(self, token: str) -> None:
         """The session ``token`` closed (its process exited or closed its client)."""
+        self._uids.pop(token, None)
         for job in self._jobs.pop(token, ()):
             tokens = self._sessions.get(job)
             if tokens is not None:
@@ -38,3 +43,7 @@ class LiveJobs:
     def jobs(self) -> frozenset[str]:
         """The jobs some live process is saving."""
         return frozenset(self._sessions)
+
+    def uids(self) -> frozenset[int]:
+        """The uids of the processes saving now (operators, who own no job, included)."""
+        return frozenset(self._uids.values())

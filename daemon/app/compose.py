@@ -111,7 +111,7 @@ class Daemon:
                 self.access.live.jobs,
                 lambda: job_labels_shown(
                     cfg.metrics_job_labels,
-                    self.access.owners.values(),
+                    {*self.access.owners.values(), *self.access.live.uids()},
                     bool(cfg.allow_uids or cfg.allow_gids or cfg.shared_jobs),
                 ),
             )

@@ -315,9 +315,10 @@ class _Gauges(Collector):
 
 
 def job_labels_shown(setting: str, owners: Collection[int], shared: bool) -> bool:
-    """``metrics_job_labels``: ``on``/``off``; ``auto``: on unless jobs of several uids
-    are recorded (``owners``: each job's owner uid) or the config lets several users
-    share jobs (``shared``: allow_uids, allow_gids or shared_jobs set)."""
+    """``metrics_job_labels``: ``on``/``off``; ``auto``: on unless several uids use the
+    daemon (``owners``: each job's owner, and the uids saving now: root and the
+    daemon's uid own no job but their job names are as private) or the config lets
+    several users share jobs (``shared``: allow_uids, allow_gids or shared_jobs set)."""
     if setting != "auto":
         return setting == "on"
     return not shared and len(set(owners)) <= 1
