@@ -48,6 +48,7 @@ def _scrape_until(daemon: DaemonProcess, done: Any, what: str) -> Samples:
         if done(samples):
             return samples
         assert time.monotonic() < deadline, f"{what}: {sorted(_exposure(samples))}"
+        time.sleep(0.05)  # a pause between polls of the status, not a wait for it
 
 
 def _humanize(seconds: int) -> str:
@@ -79,6 +80,7 @@ def test_exposure_is_reported_for_running_jobs_only_and_alerts_on_them(
     deadline = time.monotonic() + 60
     while not any(c.step == 7 and "LOCAL" in c.tiers for c in orbax.list()):
         assert time.monotonic() < deadline, "the Orbax step was not adopted"
+        time.sleep(0.05)  # a pause between polls of the status, not a wait for it
     samples = _scrape_until(
         daemon,
         lambda s: not any(("job", "finished") in labels for labels in _exposure(s)),
