@@ -273,3 +273,18 @@ def test_a_privileged_trainer_counts_as_a_second_user(shared_node: DaemonProcess
         )
     finally:
         held.communicate(input="", timeout=120)
+
+
+def test_status_watch_shows_the_worst_job_when_names_are_hidden() -> None:
+    """``ckptd status --watch`` reads the exposure from /metrics: without job labels
+    it shows one row for the node's worst running job, not a KeyError."""
+    from rich.console import Console
+
+    from ckptd.daemon.app.cli_status import watch_view
+    from ckptd.proto import ckptd_pb2 as pb
+
+    scraped = {"ckptd_exposure_seconds": [({"tier": "local"}, 120.0)]}
+    out = Console(width=120, record=True)
+    out.print(watch_view(pb.DaemonStatus(node_id="n1"), scraped, None, 0.0))
+    row = next(line for line in out.export_text().splitlines() if "(worst job)" in line)
+    assert "2.0 min" in row, row
