@@ -1,5 +1,6 @@
 """deploy/k8s (issue 16): the manifests validate against the Kubernetes schemas, agree
-with the ConfigMap's ckptd.toml and the Dockerfile (paths, ports, uids), and the
+with the ConfigMap's ckptd.toml and the Dockerfile (paths, ports, uids), bind the
+metrics to the pod's IP with only Prometheus let in by the NetworkPolicy, and the
 entrypoint run as a non-root uid on root-owned directories says in one line what
 to fix, then starts once they are handed over."""
 
@@ -33,6 +34,7 @@ MANIFESTS = [
     "daemonset.yaml",
     "peers.yaml",
     "trainer-job.yaml",
+    "networkpolicy.yaml",
 ]
 
 
@@ -67,6 +69,23 @@ def test_manifests_validate_strictly() -> None:
         assert (K8S / resource).exists(), resource
 
 
+POD_IP = "10.4.0.17"
+"""What the downward API's ``status.podIP`` gives the containers, in these checks."""
+
+
+def _metrics_address(container: dict[str, Any], toml: Path) -> str:
+    """The ``metrics_address`` the daemon in ``container`` runs with: the ConfigMap's
+    file under the container's environment, as the kubelet expands ``$(VAR)``."""
+    env: dict[str, str] = {}
+    for e in container["env"]:
+        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[e["name"]] = POD_IP
+        elif "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    env.pop("CKPTD_CONFIG", None)
+    return config.load(toml, env=env).metrics_address
+
+
 def _ckptd_pod_specs() -> list[dict[str, Any]]:
     daemonset = _docs("daemonset.yaml")[0]["spec"]["template"]["spec"]
     job = _docs("trainer-job.yaml")[0]["spec"]["template"]["spec"]
@@ -78,8 +97,15 @@ def test_manifests_agree_with_the_config_and_the_image(tmp_path: Path) -> None:
     toml = tmp_path / "ckptd.toml"
     toml.write_text(cm["data"]["ckptd.toml"])
     cfg = config.load(toml, env={})
-    host, port = cfg.metrics_address.rsplit(":", 1)
-    assert host == "0.0.0.0", "the kubelet probes the pod IP: metrics must not be loopback-only"
+    # The metrics address is the pod's IP, from the downward API in each pod spec.
+    for spec in _ckptd_pod_specs():
+        containers = spec.get("initContainers", []) + spec["containers"]
+        daemon = next(c for c in containers if c["name"] == "ckptd")
+        host, port = _metrics_address(daemon, toml).rsplit(":", 1)
+        assert host == POD_IP, (
+            "metrics bind the pod's IP: not loopback (the kubelet probes the pod IP), "
+            "not 0.0.0.0 (every interface)"
+        )
     dockerfile = (REPO / "Dockerfile").read_text()
     uid = int(re.search(r"--uid (\d+)", dockerfile).group(1))  # type: ignore[union-attr]
     gid = int(re.search(r"--gid (\d+)", dockerfile).group(1))  # type: ignore[union-attr]
@@ -246,3 +272,30 @@ def test_ready_and_stopping_are_sent_to_systemd(make_daemon: Any, tmp_path: Path
         assert ready.startswith("READY=1") and f"MAINPID={daemon.proc.pid}" in ready
         daemon.stop()
         assert listener.recv(4096).decode().startswith("STOPPING=1")
+
+
+def test_only_prometheus_reaches_the_metrics_port() -> None:
+    """The NetworkPolicy selects the daemon's pods, lets Prometheus's pods (in its
+    namespace: both selectors in one entry) reach the metrics port and nothing else,
+    and the peer ports only from the other daemons: every port the daemon serves is
+    reachable by whom it must be, and no rule is open to every source."""
+    (policy,) = _docs("networkpolicy.yaml")
+    daemonset = _docs("daemonset.yaml")[0]["spec"]["template"]
+    assert policy["metadata"]["namespace"] == _docs("daemonset.yaml")[0]["metadata"]["namespace"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= daemonset["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    daemon = next(c for c in daemonset["spec"]["containers"] if c["name"] == "ckptd")
+    served = {p["name"] for p in daemon["ports"]}
+    allowed: dict[str, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from") and rule.get("ports"), f"a rule open to everyone: {rule}"
+        for port in rule["ports"]:
+            assert port["port"] in served, port
+            allowed.setdefault(port["port"], []).extend(rule["from"])
+    assert set(allowed) == served
+    (scraper,) = allowed["metrics"]
+    assert set(scraper) == {"namespaceSelector", "podSelector"}, scraper
+    assert scraper["namespaceSelector"]["matchLabels"] and scraper["podSelector"]["matchLabels"]
+    for name in served - {"metrics"}:
+        assert allowed[name] == [{"podSelector": {"matchLabels": selector}}], name

@@ -35,6 +35,7 @@ from ckptd.core.names import check_name
 from ..adopt.paths import Caller
 from ..local.files import write_synced
 from ..local.staging import Staging
+from .liveness import LiveJobs
 from .sessions import Peer
 
 log = logging.getLogger("ckptd.access")
@@ -64,6 +65,8 @@ class Access:
         self.owners: dict[str, int] = {}
         self._grants: dict[str, OrderedDict[Path, None]] = {}
         self._dir = root / OWNERS_DIR
+        self.live = LiveJobs()
+        """Jobs a live process is saving (calls that claim a job are save calls)."""
 
     def load(self) -> None:
         """Read the recorded owners (start-up)."""
@@ -111,6 +114,8 @@ class Access:
                 f"uid {peer.uid}; use your own job name, or ask the operator to add your "
                 "uid to allow_uids (or the job to shared_jobs) in the ckptd config"
             )
+        if claim:
+            self.live.saving(peer.token, job, peer.uid)
         if claim and job not in self.owners and not self.privileged(peer):
             write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
             self.owners[job] = peer.uid
@@ -139,6 +144,7 @@ class Access:
     def forget(self, token: str) -> None:
         """A session ended: drop its grants."""
         self._grants.pop(token, None)
+        self.live.ended(token)
 
     def open_file(self, peer: Peer, request: dict[str, Any]) -> int:
         """A read-only descriptor of a file under a directory granted to ``peer``."""

@@ -25,7 +25,9 @@ def checkpoint_info(st: Step, plan: Plan | None) -> pb.CheckpointInfo:
         step=st.step,
         state=st.state,  # type: ignore[arg-type]
         tiers=st.tiers(),
-        created_unix=m.created_unix if m else st.handoff_at,
+        # A bucket-only step has no local manifest: its time is the one its index entry
+        # or marker recorded (the catalog's), never 0 (1970 in every listing).
+        created_unix=m.created_unix if m else st.time,
         size_bytes=m.size_bytes if m else 0,
         num_shards=len(m.shards) if m else 0,
         milestone=st.milestone,

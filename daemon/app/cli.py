@@ -58,7 +58,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in c.tiers) or "-",
             human_bytes(c.size_bytes) if c.size_bytes else "-",
             str(c.num_shards),
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix)),
+            # 0: a bucket copy whose marker was listed, not read: unknown, not 1970.
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created_unix))
+            if c.created_unix
+            else "-",
             _kept_by(c),
             (f"abandoned (timeline {c.timeline}) " if c.abandoned else "")
             + (f"timeline {c.timeline} " if c.timeline and not c.abandoned else "")

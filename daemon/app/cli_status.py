@@ -172,7 +172,9 @@ def watch_view(st: pb.DaemonStatus, now: Scrape, before: Scrape | None, dt: floa
     tty = console().is_terminal
     exposure: dict[str, dict[str, float]] = {}
     for labels, value in now.get("ckptd_exposure_seconds", []):
-        exposure.setdefault(labels["job"], {})[labels["tier"]] = value
+        # No job label: metrics_job_labels is off, the series is the node's worst job.
+        job = labels.get("job", "(worst job)")
+        exposure.setdefault(job, {})[labels["tier"]] = value
     jobs = [
         [job, _duration(t["local"]) if "local" in t else "-"]
         + ([_duration(t["remote"]) if "remote" in t else "-"] if st.remote else [])

@@ -42,7 +42,7 @@ from ..retention.evictor import Evictor
 from ..retention.pins import Pins, load_pins
 from ..retention.planner import Retention
 from .config import Config
-from .metrics import Metrics, Sources
+from .metrics import Metrics, Sources, job_labels_shown
 from .supervisor import Supervisor
 
 log = logging.getLogger("ckptd.server")
@@ -102,7 +102,19 @@ class Daemon:
         self.metrics_address = ""
         """Where /metrics is served (set by ``serve``); empty when it is not."""
         self.metrics = Metrics(
-            Sources(self.catalog, self.status, self.drain_lag, bool(cfg.remote), self._ready)
+            Sources(
+                self.catalog,
+                self.status,
+                self.drain_lag,
+                bool(cfg.remote),
+                self._ready,
+                self.access.live.jobs,
+                lambda: job_labels_shown(
+                    cfg.metrics_job_labels,
+                    {*self.access.owners.values(), *self.access.live.uids()},
+                    bool(cfg.allow_uids or cfg.allow_gids or cfg.shared_jobs),
+                ),
+            )
         )
         self.catalog.subscribe(lambda event: self.metrics.on_event(event, self.catalog))
 

@@ -164,6 +164,11 @@ class Config:
     ``/readyz``; ``off`` to serve none. Port 0 picks a free port (shown in status). If
     the default port is taken (another daemon on this host) the daemon starts without
     it and says so; an address set explicitly must be free."""
+    metrics_job_labels: str = "auto"
+    """Whether ``/metrics`` series carry job names (anyone reaching the port reads
+    them): ``on``; ``off`` (exposure per tier only, the worst running job's); ``auto``:
+    on unless jobs of several uids use this daemon or ``allow_uids``, ``allow_gids``
+    or ``shared_jobs`` is set."""
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -350,6 +355,11 @@ def _validate(cfg: Config) -> None:
         parse_address(cfg.metrics_address)
     except ValueError as exc:
         raise ConfigError(f"invalid value for 'metrics_address': {exc}") from None
+    if cfg.metrics_job_labels not in ("auto", "on", "off"):
+        raise ConfigError(
+            f"invalid value for 'metrics_job_labels': {cfg.metrics_job_labels!r}; use auto "
+            "(job names unless several users share this daemon), on or off"
+        )
     if cfg.peer_address != "off":
         try:
             parse_address(cfg.peer_address)

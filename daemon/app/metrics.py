@@ -10,12 +10,23 @@ Two kinds, both in a registry of this daemon's own (never the process-global one
   (now minus the newest complete step's time in that tier: the work a failure now
   would cost), drain queue and lag, tier occupancy, free space, staging memory,
   saves in flight, background task restarts.
+
+Exposure is reported only for running jobs: a save in flight, or a live process
+that saved or adopted the job (api/liveness.py). A job that ended has nothing left
+to lose, and its newest checkpoint only ages: its series leaves the scrape, so an
+alert on it resolves instead of firing after every job.
+
+``/metrics`` answers anyone who reaches the port, and job names say what users
+train. ``metrics_job_labels`` decides whether series carry them: ``on``, ``off``
+(one series per tier, the worst running job's exposure), or ``auto`` (default): on
+while a single user saves on this node, off once jobs of several uids are recorded
+or ``allow_uids``, ``allow_gids`` or ``shared_jobs`` let several users share jobs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -56,6 +67,10 @@ class Sources:
     remote: bool
     started: Callable[[], bool]
     """False while the daemon recovers at start-up: only counters are shown then."""
+    live_jobs: Callable[[], Collection[str]] = frozenset
+    """Jobs a live process is saving (api/liveness.py): exposure is theirs only."""
+    job_labels: Callable[[], bool] = lambda: True
+    """Whether series may carry job names (see :func:`job_labels_shown`)."""
 
 
 class Metrics:
@@ -260,17 +275,24 @@ class _Gauges(Collector):
         yield up
 
     def _exposure(self, now: float) -> Iterator[GaugeMetricFamily]:
-        """Per job: now minus the newest complete step's time in each tier."""
+        """Per running job: now minus the newest complete step's time in each tier
+        (with job labels off: per tier, the largest over the running jobs)."""
+        labelled = self.s.job_labels()
         family = GaugeMetricFamily(
             "ckptd_exposure_seconds",
             "Now minus the time of the newest complete checkpoint in the tier: the "
-            "training a failure now would cost.",
-            labels=["job", "tier"],
+            "training a failure now would cost (running jobs only; without a job label: "
+            "the node's worst running job).",
+            labels=["job", "tier"] if labelled else ["tier"],
         )
+        steps = self.s.catalog.steps()
+        live = set(self.s.live_jobs())
+        live.update(st.job for st in steps if st.state == pb.SAVE_STATE_STAGING)
         newest: dict[tuple[str, str], float] = {}
-        for st in self.s.catalog.steps():
+        for st in steps:
+            # Adopted steps count too: an Orbax job's exposure is its adopted steps'.
             when = st.handoff_at or st.created_unix  # when the state was captured
-            if not when or st.adopted:
+            if not when or st.job not in live:
                 continue
             tiers = (
                 (["local"] if st.local else [])
@@ -280,9 +302,26 @@ class _Gauges(Collector):
             for tier in tiers:
                 key = (st.job, tier)
                 newest[key] = max(newest.get(key, 0.0), when)
-        for (job, tier), when in sorted(newest.items()):
-            family.add_metric([job, tier], max(0.0, now - when))
+        if labelled:
+            for (job, tier), when in sorted(newest.items()):
+                family.add_metric([job, tier], max(0.0, now - when))
+        else:
+            worst: dict[str, float] = {}
+            for (_, tier), when in newest.items():
+                worst[tier] = max(worst.get(tier, 0.0), max(0.0, now - when))
+            for tier, seconds in sorted(worst.items()):
+                family.add_metric([tier], seconds)
         yield family
+
+
+def job_labels_shown(setting: str, owners: Collection[int], shared: bool) -> bool:
+    """``metrics_job_labels``: ``on``/``off``; ``auto``: on unless several uids use the
+    daemon (``owners``: each job's owner, and the uids saving now: root and the
+    daemon's uid own no job but their job names are as private) or the config lets
+    several users share jobs (``shared``: allow_uids, allow_gids or shared_jobs set)."""
+    if setting != "auto":
+        return setting == "on"
+    return not shared and len(set(owners)) <= 1
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

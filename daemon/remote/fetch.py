@@ -92,6 +92,7 @@ async def newest_steps(remote: Remote, job: str, count: int) -> dict[int, Remote
             raw = await remote.get_bytes(marker_key(job, step, min(nodes), adopted))
             entry = marker_entry(step, adopted, raw)
             info.timeline, info.forks = entry.timeline, entry.forks
+            info.created_unix = entry.created_unix
             forks = merge(forks, entry.forks)
         found[step] = info
         live = [n for n, s in found.items() if not abandoned(s.timeline or 0, n, forks)]

@@ -187,6 +187,8 @@ class RemoteStep:
     """Its timeline, where a marker of it was read (None: only listed)."""
     forks: tuple[tuple[int, int], ...] = ()
     """The job's lineage as that marker records it (core/timeline.py)."""
+    created_unix: float = 0.0
+    """When the step was committed, where a marker of it was read (0: not known)."""
 
 
 def complete_steps_in(keys: Iterable[str]) -> dict[tuple[str, int], RemoteStep]:

@@ -106,7 +106,13 @@ class Fetcher:
             self._asked_others.add(job)
             for n, found in (await fetch.newest_steps(self.remote, job, OTHER_STEPS)).items():
                 self.catalog.discovered(
-                    job, n, found.nodes, found.adopted, timeline=found.timeline, forks=found.forks
+                    job,
+                    n,
+                    found.nodes,
+                    found.adopted,
+                    created_unix=found.created_unix,
+                    timeline=found.timeline,
+                    forks=found.forks,
                 )
         if step is not None and self.catalog.get(job, step) is None:
             for adopted in (False, True):
