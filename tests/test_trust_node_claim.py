@@ -16,7 +16,7 @@ from typing import Any
 from ckptd.daemon.remote.base import Remote
 from ckptd.daemon.remote.claim import ClaimRecord, NodeClaim, claim_key
 
-from .conftest import Daemon, RemoteTarget
+from .conftest import RemoteTarget
 from .helpers import state_for
 from .test_remote_tier import remote_daemon, wait_until
 
@@ -84,6 +84,20 @@ def test_claim_refused_while_fresh_then_taken_when_stale(remote: RemoteTarget) -
     remote.run(body)
 
 
+def test_a_slow_holder_is_judged_by_its_own_heartbeat(remote: RemoteTarget) -> None:
+    clock = Clock()
+
+    async def body(r: Remote) -> None:
+        slow = NodeClaim(r, "n1", "root-a", 100.0, 300.0, clock=clock)
+        assert await slow.acquire()
+        clock.now += 150  # past the reader's 30 s, within two of the holder's 100 s beats
+        assert not await claim(r, "root-b", clock).acquire()
+        clock.now += 51
+        assert await claim(r, "root-b", clock).acquire()
+
+    remote.run(body)
+
+
 def test_same_root_retakes_at_once_and_release_hands_over(remote: RemoteTarget) -> None:
     clock = Clock()
 
@@ -139,9 +153,7 @@ def test_second_daemon_with_same_name_uploads_nothing_until_first_is_gone(
     assert second.status().drain_error == ""
 
 
-def test_restart_on_same_root_retakes_claim_at_once(
-    make_daemon: Any, remote: RemoteTarget
-) -> None:
+def test_restart_on_same_root_retakes_claim_at_once(make_daemon: Any, remote: RemoteTarget) -> None:
     # A stale time no test waits for: only the same-root rule can let it drain.
     slow = ["--node-claim-heartbeat-seconds", "600", "--node-claim-stale-seconds", "3600"]
     d = remote_daemon(make_daemon, remote, extra_args=slow)

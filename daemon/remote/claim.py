@@ -170,6 +170,7 @@ class NodeClaim:
             return self._won(version, "kept its")
         why = self._may_take(rec)
         if not why:
+            assert rec is not None  # an unreadable record is always taken
             return self._refused(rec)
         new = await self.remote.write_if(self.key, self.mine.to_bytes(), version)
         if new is not None:
