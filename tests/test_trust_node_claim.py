@@ -13,6 +13,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from ckptd.daemon.app import config
 from ckptd.daemon.remote.base import Remote
 from ckptd.daemon.remote.claim import ClaimRecord, NodeClaim, claim_key
 
@@ -161,3 +164,11 @@ def test_restart_on_same_root_retakes_claim_at_once(make_daemon: Any, remote: Re
     d.kill()  # a crash: the claim is not released
     d.start()
     d.client("j").save(2, state_for(2, 1)).wait("durable", 120)
+
+
+def test_config_keys_and_a_stale_time_below_the_heartbeat_refused() -> None:
+    env = {"CKPTD_NODE_CLAIM_TAKEOVER": "true", "CKPTD_NODE_CLAIM_STALE_SECONDS": "60"}
+    cfg = config.load(env=env, flags={"node_claim_heartbeat_seconds": "20"})
+    assert cfg.node_claim_takeover and cfg.node_claim_stale_seconds == 60.0
+    with pytest.raises(config.ConfigError, match=r"node_claim_stale_seconds.*three times"):
+        config.load(env={}, flags={"node_claim_stale_seconds": "100"})

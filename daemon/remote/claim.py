@@ -46,6 +46,8 @@ from .base import Remote
 log = logging.getLogger("ckptd.claim")
 
 CLAIM_DIR = "_nodes"
+RETRY_SECONDS = 30.0
+"""Longest wait between two attempts to take a claim this daemon does not hold."""
 ROOT_ID_FILE = ".node-claim-id"
 """The root's id, kept in the root: a restart of the same daemon retakes its claim."""
 
@@ -231,10 +233,10 @@ class NodeClaim:
                 log.warning("node claim in %s: %s", self.remote.url, exc)
                 if not self.held:
                     self.reason = f"cannot read the node name's claim: {exc}"
+            # Not held: look again sooner (a store that failed at start-up, a holder
+            # that may release); a refused daemon is one GET per RETRY_SECONDS.
             wait = (
-                self.heartbeat_seconds
-                if self.held
-                else min(self.heartbeat_seconds, self.stale_seconds)
+                self.heartbeat_seconds if self.held else min(self.heartbeat_seconds, RETRY_SECONDS)
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait)
