@@ -98,14 +98,17 @@ def restart(s: Shape, nodes: int, after: bool, wiped: bool) -> dict[str, float]:
     """Requests per node when the whole job restarts (daemons too): ``wiped`` every node
     lost its disk (restores from the bucket), else every node holds its newest step."""
     download = s.ranks * s.parts + 1 if wiped else 0  # ranged GETs + the manifest
+    puts = 0
     if after:
         lists = 0
         gets = 1 + download  # the node's index (start-up, or the first restore)
+        # The node name's claim (daemon/remote/claim.py): read, then one conditional PUT.
+        gets, puts = gets + 1, 1
     else:
         # Start-up listed the whole prefix; then every rank's Restore listed the job.
         lists = listing_pages(s, nodes) * (1 + s.ranks)
         gets = download + (s.kept if wiped else 0)  # markers of remote-only steps
-    return {"lists": lists, "gets": gets, "requests": lists + gets}
+    return {"lists": lists, "gets": gets, "puts": puts, "requests": lists + gets + puts}
 
 
 def table(s: Shape) -> list[list[str]]:
@@ -123,7 +126,7 @@ def table(s: Shape) -> list[list[str]]:
                 f"{step_w / GCS_WRITES_PER_BUCKET:,.1f}",
                 f"{warm['requests'] * nodes:,.0f}", f"{cold['requests'] * nodes:,.0f}",
                 f"{cold['lists'] * nodes:,.0f}",
-                f"{cold['requests'] * nodes / GCS_READS_PER_BUCKET:,.1f}",
+                f"{(cold['lists'] + cold['gets']) * nodes / GCS_READS_PER_BUCKET:,.1f}",
             ])  # fmt: skip
     return rows
 

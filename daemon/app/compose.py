@@ -34,6 +34,7 @@ from ..local.store import LocalStore
 from ..peer.tier import PeerTier
 from ..remote.backends import open_remote
 from ..remote.base import Remote
+from ..remote.claim import NodeClaim, root_id
 from ..remote.drain import Drain
 from ..remote.index import NodeIndex
 from ..restore.fetcher import Fetcher
@@ -93,6 +94,7 @@ class Daemon:
             self.disk, self.staging, self.store, self.io.run, cfg.retention_local.describe()
         )
         self.drain: Drain | None = None
+        self.claim: NodeClaim | None = None
         self.peer = (
             PeerTier(cfg, self.catalog, self.store, self.io)
             if cfg.peers or cfg.peer_address.lower() != "off"
@@ -219,6 +221,7 @@ class Daemon:
         )
         self.pins = Pins(self.catalog, cfg.root, self.io, self.remote, self.index)
         await self.adopter.load()
+        self.claim = await self._claim_node()
         if self.remote is not None and self.index is not None:
             self.drain = Drain(
                 self.catalog,
@@ -229,6 +232,7 @@ class Daemon:
                 self.retention,
                 cfg.drain_retry_max_seconds,
                 cfg.drain_stall_seconds,
+                self.claim,
             )
             # With a jitter the node's index is read in the background (the drain's
             # first act): local restores need nothing from the bucket, so a restarting
@@ -247,6 +251,29 @@ class Daemon:
         if self.peer is not None:
             await self.peer.start(self.supervisor.service, self.supervisor.spawn)
         self.started = True
+
+    async def _claim_node(self) -> NodeClaim | None:
+        """Claim the node name in the bucket (remote/claim.py) before the drain starts:
+        without the claim the daemon saves locally but writes nothing there."""
+        cfg = self.config
+        if self.remote is None:
+            return None
+        claim = NodeClaim(
+            self.remote,
+            cfg.node_id,
+            await self.io.run(root_id, cfg.root),
+            cfg.node_claim_heartbeat_seconds,
+            cfg.node_claim_stale_seconds,
+            cfg.node_claim_takeover,
+        )
+        try:
+            await asyncio.wait_for(claim.acquire(), 30)
+        except Exception as exc:  # the claim's loop tries again
+            claim.reason = redact(f"cannot read the node name's claim: {_reason(exc)}")
+            log.warning("%s", claim.reason)
+        self.evictor.may_write_remote = lambda: claim.held
+        self.supervisor.service("claim", claim.run)
+        return claim
 
     async def _open_remote(self) -> Remote | None:
         """Open and check the remote tier: one clear error at start-up, not a stack of retries."""
@@ -292,9 +319,13 @@ class Daemon:
             self.drain.stop()
         if self.peer is not None:
             self.peer.halt()
+        if self.claim is not None:
+            self.claim.stop()
         await self.supervisor.stop_services()
         if self.peer is not None:
             await self.peer.stop()
+        if self.claim is not None:
+            await self.claim.release()
         if self.remote is not None:
             await self.remote.close()
         if self.supervisor.jobs_running:

@@ -90,6 +90,15 @@ class Config:
     node that holds none of it), the daemon waits a random time up to this long, so a
     whole job restarting at once does not reach the bucket in the same second (0: no
     wait; docs/scale.md: nodes / 2,000 at 1,000 nodes and more)."""
+    node_claim_heartbeat_seconds: float = 300.0
+    """How often the daemon refreshes its claim on ``node_id`` in the bucket (one
+    conditional PUT: docs/scale.md counts them)."""
+    node_claim_stale_seconds: float = 900.0
+    """A claim on the node name not refreshed for this long is taken over by another
+    daemon with that name (a replacement node); must exceed the heartbeat."""
+    node_claim_takeover: bool = False
+    """Take the node name's claim at start-up even if another daemon's is fresh: for
+    an operator who knows the old daemon is gone (its disk and host lost)."""
     retention_local: Policy = field(default_factory=lambda: parse_policy("KeepLatest(3)"))
     """Which checkpoints the local tier keeps (see daemon/retention/policies.py)."""
     retention_remote: Policy = field(
@@ -330,6 +339,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"invalid value for 'remote': {cfg.remote!r}; use s3://BUCKET/PREFIX, "
             "gs://BUCKET/PREFIX or file:///ABSOLUTE/PATH"
+        )
+    if cfg.node_claim_stale_seconds <= cfg.node_claim_heartbeat_seconds:
+        raise ConfigError(
+            f"invalid value for 'node_claim_stale_seconds': {cfg.node_claim_stale_seconds}; "
+            "use more than node_claim_heartbeat_seconds "
+            f"({cfg.node_claim_heartbeat_seconds}), e.g. three times it: a live daemon's "
+            "claim would be taken over between two of its heartbeats"
         )
     if cfg.part_size_bytes < 5 * 2**20 or cfg.part_size_bytes % 4096:
         raise ConfigError(

@@ -371,6 +371,30 @@ class Remote(abc.ABC):
     async def native_crc32c(self, key: str) -> int | None:
         """The store's own crc32c of an object, if it keeps one."""
 
+    # -- compare-and-swap of one small object (claim.py) --------------------------------
+    conditional_writes = False
+    """Whether :meth:`write_if` is a true compare-and-swap on this store."""
+
+    async def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """A small object and its version (what :meth:`write_if` compares), or None if
+        it is not there. Default: the bytes' crc32c stands for the version."""
+        try:
+            data = await self.get_bytes(key)
+        except FileNotFoundError:
+            return None
+        return data, str(checksum.value(data))
+
+    async def write_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        """Write ``data`` only if the object's version is still ``version`` (None: only
+        if it does not exist); returns the new version, or None when that precondition
+        failed. Default (``conditional_writes`` False): read, compare, write: two writers
+        in the same instant can both win, the next compare finds the loser out."""
+        current = await self.read_versioned(key)
+        if (current[1] if current is not None else None) != version:
+            return None
+        await self.put_bytes(key, data)
+        return str(checksum.value(data))
+
     # -- adopted trees (see layout.py) ------------------------------------------------
     def tree_commit(self, tree: str, records: str, node: str) -> Commit:
         """The commit of an adopted tree published at ``tree`` (its framework's commit

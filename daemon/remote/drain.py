@@ -37,6 +37,7 @@ from ..io import IoPool
 from ..local.store import LocalStore
 from ..retention.planner import Retention
 from .base import Remote
+from .claim import NodeClaim
 from .index import NodeIndex
 from .publish import Publisher
 
@@ -90,6 +91,7 @@ class Drain:
         retention: Retention,
         retry_max_seconds: float,
         stall_seconds: float = 45.0,
+        claim: NodeClaim | None = None,
     ) -> None:
         self.catalog = catalog
         self.remote = remote
@@ -101,6 +103,8 @@ class Drain:
         self.backoff = Backoff(0.5, retry_max_seconds)
         self.retry_max_seconds = retry_max_seconds
         self.stall_seconds = stall_seconds
+        self.claim = claim
+        """The node name's claim in the bucket: nothing is uploaded while it is not held."""
         self.last_error = ""
         self._failed_uploads: dict[tuple[str, int], tuple[int, float]] = {}
         """FAILED uploads with an intact local copy: (failures so far, next try at)."""
@@ -190,6 +194,9 @@ class Drain:
         while not self._stop.is_set():
             if faults.armed("drain.loop"):
                 await asyncio.to_thread(faults.hit, "drain.loop")
+            if self.claim is not None and not self.claim.held:
+                await self._wait_for_claim(self.claim)
+                continue
             self.supersede_unwanted()
             next_revival = self._revive_failed()
             st = self.pick()
@@ -207,6 +214,23 @@ class Drain:
                 if st.state == pb.SAVE_STATE_DRAINING:  # not stuck DRAINING after a restart
                     self.catalog.requeued(st, "the drain stopped on an error; it goes again")
                 raise
+
+    async def _wait_for_claim(self, claim: NodeClaim) -> None:
+        """Upload nothing until the claim is held (another daemon writes under this
+        node's name): status shows why; the steps wait LOCAL."""
+        self.last_error = claim.reason
+        claim.changed.clear()
+        if claim.held:
+            return
+        stop = asyncio.ensure_future(self._stop.wait())
+        held = asyncio.ensure_future(claim.changed.wait())
+        try:
+            await asyncio.wait({stop, held}, timeout=PERIOD_SECONDS, return_when="FIRST_COMPLETED")
+        finally:
+            stop.cancel()
+            held.cancel()
+        if claim.held:
+            self.last_error = ""
 
     def _stalled(self, st: Step, reason: str) -> None:
         self.last_error = reason

@@ -58,6 +58,19 @@ class FileRemote(Remote):
         os.close(fd)
         await asyncio.to_thread(os.rename, tmp, final)
 
+    conditional_writes = True
+    """A versioned object is a directory of numbered generations, each created with
+    ``link`` (fails if the name exists: O_EXCL's guarantee, also on NFS): replacing
+    generation N means creating N+1, which only one writer can."""
+
+    async def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """The newest generation's bytes and its number."""
+        return await asyncio.to_thread(_read_newest, Path(self.path(key)))
+
+    async def write_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        """Create generation ``version + 1`` (1 when ``version`` is None) exclusively."""
+        return await asyncio.to_thread(_write_next, Path(self.path(key)), data, version)
+
     async def native_crc32c(self, key: str) -> int | None:
         """A filesystem keeps no checksum: computed by reading the file (streamed)."""
         return await asyncio.to_thread(checksum.of_file, Path(self.path(key)))
@@ -98,3 +111,51 @@ class FileRemote(Remote):
 
         path = "/" + urlparse(url).path.strip("/")
         return cls(url, AsyncFileSystemWrapper(LocalFileSystem()), path, part_size, concurrency)
+
+
+def _generations(folder: Path) -> list[int]:
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def _read_newest(folder: Path) -> tuple[bytes, str] | None:
+    while True:
+        gens = _generations(folder)
+        if not gens:
+            return None
+        try:
+            return (folder / f"{gens[-1]:020d}").read_bytes(), str(gens[-1])
+        except FileNotFoundError:
+            continue  # replaced and cleaned up between the listing and the read: again
+
+
+def _write_next(folder: Path, data: bytes, version: str | None) -> str | None:
+    gen = int(version) + 1 if version is not None else 1
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    mine = folder / f"{gen:020d}"
+    try:
+        os.link(tmp, mine)
+    except FileExistsError:
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(folder)
+    gens = _generations(folder)
+    # Older generations are removed once replaced, so a writer holding a stale version
+    # may create a number below the newest: it has lost, and takes its file back.
+    if gens[-1] != gen:
+        mine.unlink(missing_ok=True)
+        return None
+    for old in gens[:-1]:
+        (folder / f"{old:020d}").unlink(missing_ok=True)
+    return str(gen)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from ckptd.core import checksum
 
@@ -27,6 +28,51 @@ class GCSRemote(Remote):
         got = await self.native_crc32c(key)
         if got != want:
             raise self.mismatch(key, "stored", got or 0, want)
+
+    conditional_writes = True  # ifGenerationMatch preconditions (GCS; fake-gcs-server)
+
+    def _bucket_key(self, key: str) -> tuple[str, str]:
+        bucket, _, obj = self.path(key).partition("/")
+        return bucket, obj
+
+    async def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """One media GET: the bytes and their generation (``x-goog-generation``)."""
+        bucket, obj = self._bucket_key(key)
+        try:
+            headers, data = await self.fs._call("GET", "b/{}/o/{}", bucket, obj, alt="media")
+        except FileNotFoundError:
+            return None
+        return bytes(data), str(headers.get("x-goog-generation", ""))
+
+    async def write_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        """A multipart upload with ``ifGenerationMatch`` (0: only if absent); GCS refuses
+        (412) a write whose generation moved on. The stored crc32c must match."""
+        bucket, obj = self._bucket_key(key)
+        meta = json.dumps({"name": obj, "crc32c": checksum.to_base64(checksum.value(data))})
+        body = (
+            (
+                f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n"
+                "--==0==\nContent-Type: application/octet-stream\n\n"
+            ).encode()
+            + data
+            + b"\n--==0==--"
+        )
+        try:
+            out = await self.fs._call(
+                "POST",
+                f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+                uploadType="multipart",
+                ifGenerationMatch=version or "0",
+                headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                data=body,
+                json_out=True,
+            )
+        except FileExistsError:  # gcsfs's translation of 412 Precondition Failed
+            return None
+        stored = out.get("crc32c")
+        if stored and checksum.from_base64(stored) != checksum.value(data):
+            raise self.mismatch(key, "stored", checksum.from_base64(stored), checksum.value(data))
+        return str(out["generation"])
 
     async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
         """A resumable upload (sequential chunks: GCS has no parallel parts), then check crc32c."""

@@ -9,6 +9,7 @@ A step saved through ckptd (``Client.save``)::
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
     <job>/_index/<node>.json               the node's complete steps (index.py)
+    _nodes/<node>/instance                 the daemon holding the node name (claim.py)
 
 The rank files are most of a step's requests (every part of every multipart
 upload). Under ``<job>/<step>/`` they would all land in one key range that is new

@@ -111,6 +111,46 @@ class S3Remote(Remote):
         )
         await self._verify_stored(key, value, [value], out)
 
+    conditional_writes = True  # If-None-Match / If-Match on PutObject (AWS; SeaweedFS)
+
+    async def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """One GetObject: the bytes and their ETag (what ``If-Match`` compares)."""
+        bucket, obj = self._bucket_key(key)
+        try:
+            resp = await self._s3("get_object", Bucket=bucket, Key=obj)
+        except Exception as exc:
+            if _missing(exc):
+                return None
+            raise
+        body = resp["Body"]
+        try:
+            data: bytes = await body.read()
+        finally:
+            body.close()
+        return data, str(resp["ETag"])
+
+    async def write_if(self, key: str, data: bytes, version: str | None) -> str | None:
+        """A conditional PutObject: ``If-None-Match: *`` to create, ``If-Match: <etag>``
+        to replace; the store refuses (412) a write whose condition no longer holds."""
+        bucket, obj = self._bucket_key(key)
+        cond = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        value = checksum.value(data)
+        try:
+            out = await self._s3(
+                "put_object",
+                Bucket=bucket,
+                Key=obj,
+                Body=data,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=checksum.to_base64(value),
+                **cond,
+            )
+        except Exception as exc:
+            if _precondition_failed(exc):
+                return None
+            raise
+        return str(out["ETag"])
+
     async def put_file(self, local: Path, key: str, size: int, crc32c: int) -> None:
         """Parts read with O_DIRECT, uploaded in parallel, each with its CRC32C.
 
@@ -334,6 +374,19 @@ class S3Remote(Remote):
 def _missing(exc: BaseException) -> bool:
     """An error saying the object is not there (s3fs translates botocore's NoSuchKey)."""
     return type(exc).__name__ in ("NoSuchKey", "FileNotFoundError") or "404" in str(exc)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """A conditional write the store refused: 412 PreconditionFailed, or AWS's 409
+    ConditionalRequestConflict (another conditional write to the key in flight)."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return True
+    # s3fs turns botocore's PreconditionFailed into OSError(EINVAL) with the message only.
+    return "pre-conditions you specified did not hold" in str(exc)
 
 
 def _explain(exc: BaseException, bucket: str) -> str:

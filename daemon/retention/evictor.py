@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -66,6 +67,9 @@ class Evictor:
         self.io = io
         self.remote = remote
         self.index = index
+        self.may_write_remote: Callable[[], bool] = lambda: True
+        """Whether this daemon holds its node name's claim in the bucket (claim.py):
+        without it, another daemon's copies would be deleted under the shared name."""
         self.evicted_local = 0
         self.evicted_remote = 0
         self._wake = asyncio.Event()
@@ -181,6 +185,8 @@ class Evictor:
         st = self.catalog.get(job, step)
         if st is None or self.remote is None or self.index is None:
             return
+        if not self.may_write_remote():
+            return  # retried at the next pass, once the claim is held
         node_id = self.catalog.node_id
         try:
             # A pin set through another node's daemon is only in the bucket: look.

@@ -1,0 +1,259 @@
+"""A node name is claimed in the bucket before the daemon writes under it.
+
+Two daemons configured with the same ``node_id`` on one bucket prefix would write
+the same keys (rank files, markers, the node's index) and silently replace each
+other's steps. So the name is claimed by one object, ``_nodes/<node>/instance``,
+written only with the store's compare-and-swap (:meth:`Remote.write_if`: S3
+``If-None-Match``/``If-Match``, GCS ``ifGenerationMatch``, file:// exclusive
+links). It records which daemon holds the name (an instance id random at each
+start, the host, pid and start time, and the id of the daemon's root) and a
+heartbeat time the holder refreshes every ``node_claim_heartbeat_seconds``.
+
+A daemon takes the claim when it is absent, or held by:
+
+- the same root (a restart of the same daemon: its root id is kept in the root),
+- a holder that released it (a clean stop),
+- a holder whose heartbeat is older than ``node_claim_stale_seconds`` and two of
+  the holder's own heartbeat intervals (by this daemon's clock: hosts' clocks must
+  agree within that margin), or
+- anyone, once, when the operator says so (``node_claim_takeover``).
+
+Every takeover is a conditional write on the version it read, so of two daemons
+racing for a stale claim only one wins. One that does not hold the claim keeps
+saving to its local disk but uploads and deletes nothing in the bucket; its
+status says which host holds the name and what to do. A holder whose heartbeat
+write fails its precondition has lost the claim (taken over while it was
+unreachable or paused) and stops writing too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..local.files import read_small, replace_synced
+from .base import Remote
+
+log = logging.getLogger("ckptd.claim")
+
+CLAIM_DIR = "_nodes"
+RETRY_SECONDS = 30.0
+"""Longest wait between two attempts to take a claim this daemon does not hold."""
+ROOT_ID_FILE = ".node-claim-id"
+"""The root's id, kept in the root: a restart of the same daemon retakes its claim."""
+
+
+def claim_key(node: str) -> str:
+    """The key of a node name's claim, relative to the remote root."""
+    return f"{CLAIM_DIR}/{node}/instance"
+
+
+@dataclass
+class ClaimRecord:
+    """What the claim object holds (JSON)."""
+
+    node: str
+    instance: str
+    root_id: str
+    host: str
+    pid: int
+    started_unix: float
+    heartbeat_unix: float
+    heartbeat_seconds: float = 0.0
+    """The holder's heartbeat interval: its claim is never stale before two of them."""
+    released: bool = False
+
+    def to_bytes(self) -> bytes:
+        """The record as stored."""
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> ClaimRecord | None:
+        """A stored record, or None if it is not one (then it counts as stale)."""
+        try:
+            raw = json.loads(data)
+            return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def describe(self) -> str:
+        """Who holds the claim, for messages."""
+        return f"host {self.host} (pid {self.pid}, started {time.ctime(self.started_unix)})"
+
+
+def root_id(root: Path) -> str:
+    """The root's persistent id (made on first use)."""
+    path = root / ROOT_ID_FILE
+    try:
+        return read_small(path).decode().strip()
+    except FileNotFoundError:
+        value = secrets.token_hex(16)
+        replace_synced(path, value.encode(), 0o640)
+        return value
+
+
+class NodeClaim:
+    """This daemon's claim on its node name in the bucket; :attr:`held` gates every
+    write there (the drain, the remote evictions)."""
+
+    def __init__(
+        self,
+        remote: Remote,
+        node: str,
+        root_id: str,
+        heartbeat_seconds: float,
+        stale_seconds: float,
+        takeover: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.remote = remote
+        self.key = claim_key(node)
+        self.heartbeat_seconds = heartbeat_seconds
+        self.stale_seconds = stale_seconds
+        self.clock = clock
+        self._takeover = takeover
+        now = clock()
+        self.mine = ClaimRecord(
+            node,
+            secrets.token_hex(8),
+            root_id,
+            socket.gethostname(),
+            os.getpid(),
+            now,
+            now,
+            heartbeat_seconds,
+        )
+        self.held = False
+        self.reason = "the node name's claim in the bucket is not taken yet"
+        """Why the claim is not held and what to do (empty while it is held)."""
+        self.holder: ClaimRecord | None = None
+        """The other daemon holding the name, if one does."""
+        self.changed = asyncio.Event()
+        """Set whenever :attr:`held` changes (the drain waits on it)."""
+        self._version: str | None = None
+        self._stop = asyncio.Event()
+
+    def _set(self, held: bool, reason: str = "") -> None:
+        if held != self.held:
+            self.changed.set()
+        self.held, self.reason = held, reason
+
+    def _stale(self, rec: ClaimRecord) -> bool:
+        # The holder may beat more slowly than this daemon's setting expects.
+        limit = max(self.stale_seconds, 2 * rec.heartbeat_seconds)
+        return self.clock() - rec.heartbeat_unix > limit
+
+    async def acquire(self) -> bool:
+        """One attempt to take (or keep) the claim; returns whether it is held."""
+        self.mine.heartbeat_unix = self.clock()
+        self.mine.released = False
+        if self.held:
+            new = await self.remote.write_if(self.key, self.mine.to_bytes(), self._version)
+            if new is not None:
+                self._version = new
+                return True
+        current = await self.remote.read_versioned(self.key)
+        if current is None:
+            new = await self.remote.write_if(self.key, self.mine.to_bytes(), None)
+            return self._won(new, "took the free")
+        data, version = current
+        rec = ClaimRecord.parse(data)
+        if rec is not None and rec.instance == self.mine.instance:
+            self._version = version  # our own write (a retry after an unknown outcome)
+            return self._won(version, "kept its")
+        why = self._may_take(rec)
+        if not why:
+            assert rec is not None  # an unreadable record is always taken
+            return self._refused(rec)
+        new = await self.remote.write_if(self.key, self.mine.to_bytes(), version)
+        if new is not None:
+            self._takeover = False
+            if rec is not None and why == "stale":
+                log.warning("node %s: took over the stale claim of %s", rec.node, rec.describe())
+        return self._won(new, f"took the {why}")
+
+    def _may_take(self, rec: ClaimRecord | None) -> str:
+        """Which rule lets this daemon take the claim ``rec``; empty if none does."""
+        if rec is None:
+            return "unreadable"
+        if rec.root_id == self.mine.root_id:
+            return "same root's"
+        if rec.released:
+            return "released"
+        if self._stale(rec):
+            return "stale"
+        return "operator's takeover of the" if self._takeover else ""
+
+    def _won(self, version: str | None, how: str) -> bool:
+        if version is None:  # another daemon's conditional write came first
+            self._set(False, "another daemon took the node name's claim first; retrying")
+            return False
+        was = self.held
+        self._version = version
+        self.holder = None
+        self._set(True)
+        if not was:
+            log.info("node %s: %s claim on %s/%s", self.mine.node, how, self.remote.url, self.key)
+        return True
+
+    def _refused(self, rec: ClaimRecord) -> bool:
+        lost = self.held
+        new_holder = self.holder is None or self.holder.instance != rec.instance
+        self.holder = rec
+        age = self.clock() - rec.heartbeat_unix
+        reason = (
+            f"node name {rec.node!r} is held in {self.remote.url} by another daemon on "
+            f"{rec.describe()}, heartbeat {age:.0f} s ago: not uploading (saves stay on the "
+            f"local disk). Set node_id to a different name on one of the two, or stop the "
+            f"other; a claim older than {self.stale_seconds:.0f} s (node_claim_stale_seconds) "
+            "is taken over, or at once with node_claim_takeover = true"
+        )
+        if lost or new_holder:  # once per holder, not at every retry
+            log.error("%s%s", "lost the claim: " if lost else "", reason)
+        self._set(False, reason)
+        return False
+
+    async def run(self) -> None:
+        """Refresh the claim every heartbeat, or retry taking it (supervised)."""
+        while not self._stop.is_set():
+            try:
+                await self.acquire()
+            except Exception as exc:
+                # The store is unreachable: the claim stays as it was (a holder keeps
+                # uploading, which fails on its own; the takeover rule covers the rest).
+                log.warning("node claim in %s: %s", self.remote.url, exc)
+                if not self.held:
+                    self.reason = f"cannot read the node name's claim: {exc}"
+            # Not held: look again sooner (a store that failed at start-up, a holder
+            # that may release); a refused daemon is one GET per RETRY_SECONDS.
+            wait = (
+                self.heartbeat_seconds if self.held else min(self.heartbeat_seconds, RETRY_SECONDS)
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after its current attempt."""
+        self._stop.set()
+
+    async def release(self) -> None:
+        """Mark the claim released (a clean stop): a replacement takes it at once."""
+        self._stop.set()
+        if not self.held:
+            return
+        self.mine.released = True
+        self.mine.heartbeat_unix = self.clock()
+        try:
+            await self.remote.write_if(self.key, self.mine.to_bytes(), self._version)
+        except Exception as exc:  # it goes stale instead
+            log.warning("could not release the node name's claim: %s", exc)
+        self._set(False, "released (the daemon is stopping)")
