@@ -135,6 +135,10 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"cannot open the journal {self.journal.path}: {exc}") from None
         pins = await self.io.run(load_pins, cfg.root)
+        try:  # the daemon's own segment directory, before the replay looks into it
+            await self.io.run(self.staging.open)
+        except (FailedPrecondition, OSError) as exc:
+            raise StartupError(f"cannot use {self.staging.dir} for shared memory: {exc}") from None
         for m in recovery.manifests:
             self.catalog.recovered(m, pinned=(m.job, m.step) in pins)
         # Acknowledged handoffs the last daemon had not made LOCAL: finish them now,

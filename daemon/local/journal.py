@@ -58,6 +58,9 @@ class Entry:
     timeline: tuple[int, Forks] | None = None
     """The timeline the daemon put the save on when it acknowledged it, with the
     lineage (core/timeline.py); None in a record of a ckptd that had none."""
+    size: int | None = None
+    """The segment's size in bytes: replay maps only a file of exactly this size
+    (None in a record of a ckptd that did not write it)."""
 
     def header(self) -> dict[str, Any]:
         """The record's header as :meth:`Journal.commit` writes it."""
@@ -69,6 +72,8 @@ class Entry:
         }
         if self.timeline is not None:
             out["timeline"], out["forks"] = self.timeline
+        if self.size is not None:
+            out["size"] = self.size
         return out
 
 
@@ -136,8 +141,14 @@ class Journal:
         for header, body in records:
             lease = str(header.get("lease", ""))
             if header.get("op") == "commit":
+                size = header.get("size")
                 live[lease] = Entry(
-                    lease, str(header["segment"]), str(header["job"]), body, _timeline(header)
+                    lease,
+                    str(header["segment"]),
+                    str(header["job"]),
+                    body,
+                    _timeline(header),
+                    size if isinstance(size, int) and not isinstance(size, bool) else None,
                 )
             elif header.get("op") == "done":
                 live.pop(lease, None)
@@ -174,10 +185,11 @@ class Journal:
         job: str,
         body: bytes,
         timeline: tuple[int, Forks] | None = None,
+        size: int | None = None,
     ) -> None:
-        """Record an acknowledged handoff (and the timeline it went on); returns once
-        it is on disk."""
-        header = Entry(lease_id, segment, job, body, timeline).header()
+        """Record an acknowledged handoff (the timeline it went on, the segment's
+        size); returns once it is on disk."""
+        header = Entry(lease_id, segment, job, body, timeline, size).header()
         self._live.add(lease_id)
         try:
             await self._append(_frame(header, body), frozenset())

@@ -1,8 +1,9 @@
 """Shared-memory leases: named segments under /dev/shm, pre-faulted once, reused.
 
-Segments are 0600: only the daemon opens them by name, and the one process a
-lease is granted to gets a file descriptor over its session (api/access.py). A
-free segment is granted again only to the uid it was granted to before.
+Segments are 0600 files in a 0700 directory of the daemon's (segments.py): only
+the daemon opens them by name, and the one process a lease is granted to gets a
+file descriptor over its session (api/access.py). A free segment is granted
+again only to the uid it was granted to before.
 
 Touching fresh memory is the slowest part of a save on these machines (see
 DESIGN.md, Performance notes), so segments are allocated once, faulted in by
@@ -42,15 +43,28 @@ from .liveness import (
     locked_by_others,
     sweep_dead_clients,
 )
-from .shm import SharedMapping, can_populate
+from .segments import (
+    SEGMENT_GRANULE,
+    SHM_DIR,
+    create_segment,
+    open_trusted,
+    prepare_dir,
+    remove_legacy,
+    segment_dir,
+)
+from .shm import can_populate
 
-__all__ = ["Lease", "Segment", "Staging", "StagingBusy", "segment_prefix"]
+__all__ = [
+    "SEGMENT_GRANULE",
+    "Lease",
+    "Segment",
+    "Staging",
+    "StagingBusy",
+    "segment_dir",
+    "segment_prefix",
+]
 
 log = logging.getLogger("ckptd.staging")
-
-SHM_DIR = Path("/dev/shm")
-SEGMENT_GRANULE = 2 * 2**20
-"""Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
 
 
 class StagingBusy(ResourceExhausted):
@@ -75,6 +89,10 @@ class Staging:
         self.budget_bytes = budget_bytes
         self.lease_timeout_seconds = lease_timeout_seconds
         self.shm_dir = shm_dir
+        """Where clients' liveness files are (liveness.py)."""
+        self.dir = segment_dir(prefix, shm_dir)
+        """The daemon's own directory of segments (segments.py)."""
+        self._dir_ready = False
         self._clock = clock
         self._segments: dict[str, Segment] = {}
         self._leases: dict[str, Lease] = {}
@@ -110,14 +128,22 @@ class Staging:
         self._swept_at = self._clock()
         return sweep_dead_clients(self.shm_dir)
 
+    def open(self) -> None:
+        """Create (or check) the segment directory; FailedPrecondition if it is not ours."""
+        if not self._dir_ready:
+            prepare_dir(self.dir)
+            self._dir_ready = True
+
     def remove_leftovers(self) -> int:
-        """Delete segments a previous (crashed) daemon on this root left behind."""
+        """Delete segments a previous (crashed or older) daemon on this root left behind."""
+        self.open()
         self.sweep_dead_clients()
-        removed = 0
-        for path in self.shm_dir.glob(self.prefix + "*"):
+        removed = remove_legacy(self.shm_dir, self.prefix)
+        for path in self.dir.iterdir():
             if path.name not in self._segments:
-                path.unlink(missing_ok=True)
-                removed += 1
+                with contextlib.suppress(IsADirectoryError, PermissionError):
+                    path.unlink(missing_ok=True)
+                    removed += 1
         return removed
 
     def close(self) -> None:
@@ -125,16 +151,26 @@ class Staging:
         for seg in list(self._segments.values()):
             self._destroy(seg)
         self._leases.clear()
+        with contextlib.suppress(OSError):  # not empty (a leftover) or never made
+            self.dir.rmdir()
 
-    def adopt(self, name: str, lease_id: str, job: str) -> Lease:
-        """Take over a segment a crashed daemon granted, for the journal's replay."""
-        if not name.startswith(self.prefix) or "/" in name:
+    def adopt(self, name: str, lease_id: str, job: str, size: int | None = None) -> Lease:
+        """Take over a segment a crashed daemon granted, for the journal's replay.
+
+        ``size``: the segment's size as journaled. Raises SegmentRefused (a
+        ValueError) if the file under that name is not one this daemon made
+        (segments.py), FileNotFoundError if it is gone."""
+        if not name.startswith(self.prefix) or "/" in name or name in (".", ".."):
             raise ValueError(f"segment {name!r} is not one of this root's")
-        path = self.shm_dir / name
-        size = path.stat().st_size
-        seg = Segment(name, size, SharedMapping.open(path, size))
+        self.open()
+        mapping = open_trusted(self.dir / name, size, legacy=self.shm_dir / name)
+        seg = Segment(name, mapping.size, mapping)
         self._segments[name] = seg
         return self._grant(job, seg, lease_id=lease_id)
+
+    def path_of(self, seg: Segment) -> Path:
+        """Where ``seg``'s file is."""
+        return self.dir / seg.name
 
     # -- leases ------------------------------------------------------------
     def check_fits(self, size_bytes: int) -> int:
@@ -406,35 +442,18 @@ class Staging:
 
     # -- segments ----------------------------------------------------------
     def _create(self, size: int, populate: bool = True) -> Segment:
+        self.open()
         name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
         if not populate:  # only where the pages can be had later without a SIGBUS
-            st = os.statvfs(self.shm_dir)
+            st = os.statvfs(self.dir)
             populate = not can_populate() or st.f_bavail * st.f_frsize < 2 * size
-        path = self.shm_dir / name
-        # 0600: only the daemon opens it by name; the process a lease is granted to
-        # gets a descriptor over its session (access.py).
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            try:
-                if populate:
-                    # Allocates and zeroes every page now, in the kernel, so no save pays for it.
-                    os.posix_fallocate(fd, 0, size)
-                mapping = SharedMapping(fd, size, populate)
-            except OSError as exc:
-                path.unlink(missing_ok=True)
-                raise ResourceExhausted(
-                    f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: "
-                    f"{exc.strerror}; free space there or lower staging_budget_bytes"
-                ) from None
-        finally:
-            os.close(fd)
+        mapping = create_segment(self.dir / name, size, populate)
         log.info("allocated staging segment %s (%d bytes)", name, size)
         return Segment(name, size, mapping, populated=populate)
 
     def _destroy(self, seg: Segment) -> None:
         self._segments.pop(seg.name, None)
-        (self.shm_dir / seg.name).unlink(missing_ok=True)
+        (self.dir / seg.name).unlink(missing_ok=True)
         if not seg.mapping.close():
             # A thread still reads or writes through a view (a failed transfer being
             # wound down): unmapping now would crash it, so the pages go at exit.
