@@ -76,6 +76,7 @@ class Daemon:
             cfg.root, self.staging, cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs
         )
         self.staging.uid_of = self.access.owner_of
+        self.staging.share_per_uid = cfg.staging_share_per_uid
         self.remote: Remote | None = None
         self.journal = Journal(cfg.root)
         self.saver = Saver(

@@ -56,6 +56,11 @@ class Config:
     """This node's name in manifests and remote markers (defaults to the host name)."""
     staging_budget_bytes: int = 4 * 2**30
     """Most shared memory the daemon may hold in leases at once."""
+    staging_share_per_uid: float = 1.0
+    """Most of ``staging_budget_bytes`` one uid's leases may hold at once, as a
+    fraction (above 0, at most 1; 1: no cap but the budget). Whatever the value,
+    while another uid waits for staging memory, a uid already holding leases gets
+    no new one past an even split of the budget among the uids holding or waiting."""
     lease_timeout_seconds: float = 600.0
     """A lease held this long without a commit is reclaimed (clients of this release
     are watched directly: their leases come back as soon as they exit)."""
@@ -330,6 +335,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"invalid value for 'adopt_poll_seconds': {cfg.adopt_poll_seconds}; "
             "use 0.05 to 3600 seconds"
+        )
+    if not 0 < cfg.staging_share_per_uid <= 1:
+        raise ConfigError(
+            f"invalid value for 'staging_share_per_uid': {cfg.staging_share_per_uid}; use a "
+            "fraction of staging_budget_bytes above 0 and at most 1 (e.g. 0.5)"
         )
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(

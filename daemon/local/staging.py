@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -43,16 +41,15 @@ from .liveness import (
     locked_by_others,
     sweep_dead_clients,
 )
+from .pool import SegmentPool
 from .segments import (
     SEGMENT_GRANULE,
     SHM_DIR,
-    create_segment,
     open_trusted,
-    prepare_dir,
     remove_legacy,
     segment_dir,
 )
-from .shm import can_populate
+from .share import held_by_uid, holders_text, over_share
 
 __all__ = [
     "SEGMENT_GRANULE",
@@ -71,7 +68,7 @@ class StagingBusy(ResourceExhausted):
     """The budget is held by in-flight saves right now; waiting may help."""
 
 
-class Staging:
+class Staging(SegmentPool):
     """Lease pool with a byte budget. Methods run on the daemon's event loop."""
 
     def __init__(
@@ -83,30 +80,20 @@ class Staging:
         clock: Callable[[], float] = time.monotonic,
         uid_of: Callable[[str], int | None] = lambda job: None,
     ) -> None:
-        self.prefix = prefix
+        super().__init__(prefix, shm_dir)
         self.uid_of = uid_of
         """The uid owning a job (access.py): its leases reuse only its segments."""
         self.budget_bytes = budget_bytes
         self.lease_timeout_seconds = lease_timeout_seconds
-        self.shm_dir = shm_dir
-        """Where clients' liveness files are (liveness.py)."""
-        self.dir = segment_dir(prefix, shm_dir)
-        """The daemon's own directory of segments (segments.py)."""
-        self._dir_ready = False
         self._clock = clock
-        self._segments: dict[str, Segment] = {}
         self._leases: dict[str, Lease] = {}
-        self._reserved = 0  # bytes being allocated right now, not yet in _segments
-        self._counter = itertools.count()
+        self.share_per_uid = 1.0
+        """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
+        self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
         self._freed = asyncio.Event()
         self._swept_at = clock()
 
     # -- accounting --------------------------------------------------------
-    @property
-    def allocated_bytes(self) -> int:
-        """Shared memory held in segments (free or leased)."""
-        return sum(s.size for s in self._segments.values()) + self._reserved
-
     @property
     def in_use_bytes(self) -> int:
         """Shared memory in leases (held by clients or being written)."""
@@ -127,12 +114,6 @@ class Staging:
         """Remove liveness files of clients that died (nobody holds their lock)."""
         self._swept_at = self._clock()
         return sweep_dead_clients(self.shm_dir)
-
-    def open(self) -> None:
-        """Create (or check) the segment directory; FailedPrecondition if it is not ours."""
-        if not self._dir_ready:
-            prepare_dir(self.dir)
-            self._dir_ready = True
 
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed or older) daemon on this root left behind."""
@@ -168,19 +149,22 @@ class Staging:
         self._segments[name] = seg
         return self._grant(job, seg, lease_id=lease_id)
 
-    def path_of(self, seg: Segment) -> Path:
-        """Where ``seg``'s file is."""
-        return self.dir / seg.name
-
     # -- leases ------------------------------------------------------------
     def check_fits(self, size_bytes: int) -> int:
-        """Segment size for ``size_bytes``; ResourceExhausted if the budget can never hold it."""
+        """Segment size for ``size_bytes``; ResourceExhausted if the budget (or one
+        uid's share of it) can never hold it."""
         need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
         if need > self.budget_bytes:
             raise ResourceExhausted(
                 f"a save of {size_bytes} bytes does not fit the staging budget of "
                 f"{self.budget_bytes} bytes; raise staging_budget_bytes "
                 "(CKPTD_STAGING_BUDGET_BYTES)"
+            )
+        if need > self.budget_bytes * self.share_per_uid:
+            raise ResourceExhausted(
+                f"a save of {size_bytes} bytes does not fit one user's share of the staging "
+                f"budget ({self.share_per_uid:g} of {self.budget_bytes} bytes); ask the "
+                "operator to raise staging_share_per_uid or staging_budget_bytes"
             )
         return need
 
@@ -217,18 +201,31 @@ class Staging:
         """
         check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
-        while True:
-            try:
-                return await self._acquire_now(job, size_bytes, restore, holder, owner, populate)
-            except StagingBusy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                # Leases of clients that died come back when their liveness lock is
-                # gone, which nothing signals: poll for those too.
-                freed = self._freed
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(freed.wait(), min(left, 0.5))
+        uid = owner[0] if owner else self.uid_of(job)
+        waiting = False
+        try:
+            while True:
+                try:
+                    return await self._acquire_now(
+                        job, size_bytes, restore, holder, owner, populate
+                    )
+                except StagingBusy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    if not waiting:  # other uids leave it room while it waits (share.py)
+                        self._waiting[uid] = self._waiting.get(uid, 0) + 1
+                        waiting = True
+                    # Leases of clients that died come back when their liveness lock is
+                    # gone, which nothing signals: poll for those too.
+                    freed = self._freed
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(freed.wait(), min(left, 0.5))
+        finally:
+            if waiting:
+                self._waiting[uid] -= 1
+                if not self._waiting[uid]:
+                    del self._waiting[uid]
 
     async def _acquire_now(
         self,
@@ -242,6 +239,14 @@ class Staging:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
         uid = owner[0] if owner else self.uid_of(job)
+        held = held_by_uid(self._leases.values())
+        why = over_share(uid, need, held, self._waiting, self.budget_bytes, self.share_per_uid)
+        if why:
+            raise StagingBusy(
+                f"staging memory for {size_bytes} bytes must wait: {why}; "
+                f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
+                "operator to raise staging_budget_bytes"
+            )
         free = sorted(
             (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
         )
@@ -256,8 +261,9 @@ class Staging:
             if self.allocated_bytes + need > self.budget_bytes:
                 raise StagingBusy(
                     f"staging budget exhausted: {size_bytes} bytes are needed and "
-                    f"{self.in_use_bytes} of {self.budget_bytes} are held: {self.holders()}; "
-                    "wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
+                    f"{self.in_use_bytes} of {self.budget_bytes} are held: "
+                    f"{self.holders(uid)}; wait for earlier saves to reach LOCAL, or ask the "
+                    "operator to raise staging_budget_bytes"
                 )
             self._reserved += need
             try:
@@ -267,30 +273,10 @@ class Staging:
             self._segments[seg.name] = seg
         return self._grant(job, seg, restore, holder, owner=owner)
 
-    def holders(self) -> str:
-        """What holds the leased memory right now, in words (for capacity errors)."""
-        kinds: dict[str, list[Lease]] = {}
-        for lease in self._leases.values():
-            if lease.committed:
-                kind = "handed-off saves being written to disk"
-            elif lease.restore:
-                kind = "restores not yet mapped by their client"
-            else:
-                kind = "leases granted to clients that have not committed yet"
-            kinds.setdefault(kind, []).append(lease)
-        if not kinds:
-            return "nothing (free segments too small to reuse)"
-        now = self._clock()
-        parts = []
-        for kind, leases in kinds.items():
-            jobs = sorted({lease.job for lease in leases})
-            oldest = max(now - lease.granted_at for lease in leases)
-            parts.append(
-                f"{sum(lease.segment.size for lease in leases)} bytes in {len(leases)} {kind} "
-                f"(jobs {', '.join(jobs[:4])}{'...' if len(jobs) > 4 else ''}; "
-                f"oldest {oldest:.0f} s)"
-            )
-        return "; ".join(parts)
+    def holders(self, uid: int | None) -> str:
+        """What holds the leased memory right now, in words, as ``uid`` may see it
+        (share.py: other users' jobs are never named)."""
+        return holders_text(self._leases.values(), uid, self._clock())
 
     def _grant(
         self,
@@ -439,22 +425,3 @@ class Staging:
                 with contextlib.suppress(OSError):
                     (self.shm_dir / holder).unlink()
         return expired
-
-    # -- segments ----------------------------------------------------------
-    def _create(self, size: int, populate: bool = True) -> Segment:
-        self.open()
-        name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
-        if not populate:  # only where the pages can be had later without a SIGBUS
-            st = os.statvfs(self.dir)
-            populate = not can_populate() or st.f_bavail * st.f_frsize < 2 * size
-        mapping = create_segment(self.dir / name, size, populate)
-        log.info("allocated staging segment %s (%d bytes)", name, size)
-        return Segment(name, size, mapping, populated=populate)
-
-    def _destroy(self, seg: Segment) -> None:
-        self._segments.pop(seg.name, None)
-        (self.dir / seg.name).unlink(missing_ok=True)
-        if not seg.mapping.close():
-            # A thread still reads or writes through a view (a failed transfer being
-            # wound down): unmapping now would crash it, so the pages go at exit.
-            log.warning("segment %s is still in use; it is unmapped at exit", seg.name)
