@@ -60,14 +60,20 @@ def test_while_another_uid_waits_a_uid_over_its_fair_part_waits_too(tmp_path: Pa
     async def scenario() -> None:
         held = [await st.acquire("ja", G, owner=A) for _ in range(4)]  # the whole budget
         waiter = asyncio.create_task(st.acquire("jb", G, owner=B, wait_seconds=600))
-        while not st._waiting:  # b is waiting for memory
+        for _ in range(1000):  # until b's acquire is parked, waiting for memory
+            if getattr(st, "_waiting", None):
+                break
             await asyncio.sleep(0)
         st.release(held[0].lease_id)
         # a holds 3 granules, more than half: the freed memory is b's, not a's.
-        with pytest.raises(StagingBusy, match="1 other user"):
-            await st.acquire("ja", G, owner=A)
+        try:
+            with pytest.raises(StagingBusy, match="1 other user"):
+                await st.acquire("ja", G, owner=A)
+        except BaseException:
+            waiter.cancel()  # fail now, not when b's wait runs out
+            raise
         got = await waiter
-        assert got.segment.uid == B[0] and not st._waiting
+        assert got.segment.uid == B[0] and not st._waiting  # b is no longer waiting
         st.release(got.lease_id)
         assert (await st.acquire("ja", G, owner=A)).segment.uid == A[0]  # nobody waits
         st.close()
