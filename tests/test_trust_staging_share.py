@@ -41,7 +41,7 @@ def test_a_uid_gets_no_more_than_its_configured_share(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         held = [await st.acquire("ja", G, owner=A) for _ in range(2)]  # half the budget
-        with pytest.raises(StagingBusy, match="staging_share_per_uid 0.5"):
+        with pytest.raises(StagingBusy, match=r"staging_share_per_uid 0\.5"):
             await st.acquire("ja", G, owner=A)
         other = await st.acquire("jb", 2 * G, owner=B)  # the other half is left for b
         assert other.segment.uid == B[0]
@@ -144,9 +144,10 @@ def _release(*procs: subprocess.Popen[str]) -> None:
 def test_another_users_capacity_error_hides_the_holders_jobs() -> None:
     a, b = USERS
     with _node() as node:
-        procs, leases = zip(*(node.hold_lease(a, "secret-job-of-a") for _ in range(2)))
+        held = [node.hold_lease(a, "secret-job-of-a") for _ in range(2)]  # the whole budget
+        procs = [proc for proc, _ in held]
         try:
-            assert all("lease_id" in lease for lease in leases), leases
+            assert all("lease_id" in lease for _, lease in held), held
             proc, got = node.hold_lease(b, "job-b")
             _release(proc)
             assert got.get("error") == "RESOURCE_EXHAUSTED", got
