@@ -89,5 +89,8 @@ def holders_text(leases: Iterable[Lease], uid: int | None, now: float) -> str:
             f"oldest {oldest:.0f} s)"
         )
     if others:
-        parts.append(f"{others} bytes by other users' saves and restores")
+        parts.append(
+            f"{others} bytes by other users' saves and restores (an operator can bound "
+            "what one user holds with staging_share_per_uid)"
+        )
     return "; ".join(parts) or "nothing (free segments too small to reuse)"
