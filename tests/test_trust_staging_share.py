@@ -173,3 +173,13 @@ def test_a_configured_share_leaves_room_for_another_user() -> None:
             assert "lease_id" in got, got
         finally:
             _release(*procs)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.5"])
+def test_a_share_outside_zero_to_one_stops_start_up_saying_what_is_accepted(value: str) -> None:
+    from ckptd.daemon.app.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match=r"staging_share_per_uid.*at most 1"):
+        load(env={"CKPTD_STAGING_SHARE_PER_UID": value})
+    assert load(env={"CKPTD_STAGING_SHARE_PER_UID": "0.25"}).staging_share_per_uid == 0.25
+    assert load(env={}).staging_share_per_uid == 1.0

@@ -245,6 +245,8 @@ def _coerce(key: str, value: object, source: str) -> Any:
                 if not 0 <= x <= 600:
                     raise ValueError("must be 0 (no jitter) to 600 seconds")
                 return x
+            if key == "staging_share_per_uid" and not 0 < x <= 1:
+                raise ValueError("use a fraction of staging_budget_bytes above 0 and at most 1")
             if not x > 0:
                 raise ValueError("must be a positive number of seconds")
             return x
@@ -335,11 +337,6 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"invalid value for 'adopt_poll_seconds': {cfg.adopt_poll_seconds}; "
             "use 0.05 to 3600 seconds"
-        )
-    if not 0 < cfg.staging_share_per_uid <= 1:
-        raise ConfigError(
-            f"invalid value for 'staging_share_per_uid': {cfg.staging_share_per_uid}; use a "
-            "fraction of staging_budget_bytes above 0 and at most 1 (e.g. 0.5)"
         )
     if cfg.log_level not in _LOG_LEVELS:
         raise ConfigError(
