@@ -16,7 +16,7 @@ import pytest
 
 from ckptd.client import SaveFailed
 from ckptd.client.handle import SaveHandle
-from ckptd.daemon.local.staging import segment_prefix
+from ckptd.daemon.local.staging import segment_dir, segment_prefix
 
 from .conftest import Daemon
 from .helpers import state_for
@@ -59,9 +59,7 @@ def _segments_accounted(daemon: Daemon) -> None:
     gc.collect()  # restored arrays hold their segment until collected
     daemon.client("probe").save(0, {"p": np.zeros(4)}).wait("local")  # takes back returns
     assert daemon.status().leases_held == 0
-    on_disk = sum(
-        p.stat().st_size for p in Path("/dev/shm").glob(segment_prefix(daemon.root) + "*")
-    )
+    on_disk = sum(p.stat().st_size for p in segment_dir(segment_prefix(daemon.root)).iterdir())
     assert on_disk == daemon.status().staging_allocated_bytes
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import segment_prefix
+from ckptd.daemon.local.staging import segment_dir, segment_prefix
 
 WORKER = Path(__file__).with_name("security_worker.py")
 GROUP = "ckptd-clients"
@@ -145,8 +145,7 @@ def node() -> Iterator[Node]:
         yield Node(base, daemon, adopt_dir)
     finally:
         daemon.stop()
-        for seg in Path("/dev/shm").glob(segment_prefix(daemon.root) + "*"):
-            seg.unlink(missing_ok=True)
+        shutil.rmtree(segment_dir(segment_prefix(daemon.root)), ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -159,7 +158,9 @@ def test_modes_root_socket_and_segments(node: Node) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o660
         assert path.stat().st_gid == grp.getgrnam(GROUP).gr_gid
     assert node.run("ckptd-ta", "save", "modes", "1") == {"ok": True}
-    segments = list(Path("/dev/shm").glob(segment_prefix(root) + "*"))
+    seg_dir = segment_dir(segment_prefix(root))
+    assert stat.S_IMODE(seg_dir.lstat().st_mode) == 0o700 and seg_dir.lstat().st_uid == 0
+    segments = list(seg_dir.iterdir())
     assert segments
     for seg in segments:
         assert stat.S_IMODE(seg.stat().st_mode) == 0o600 and seg.stat().st_uid == 0
@@ -199,7 +200,8 @@ def test_a_lease_is_only_for_the_process_it_was_granted_to(node: Node) -> None:
     proc, lease = node.hold_lease(a, "lease-a")
     try:
         # By name: the segment is root's and 0600.
-        assert node.run(b, "open-shm", "x", lease["segment"])["errno"] == 13
+        path = segment_dir(segment_prefix(node.daemon.root)) / lease["segment"]
+        assert node.run(b, "open-shm", "x", str(path))["errno"] == 13
         # Over b's own session: granted to another process.
         got = node.run(b, "open-lease", "x", lease["lease_id"])
         assert got.get("error") == "PERMISSION_DENIED", got

@@ -256,7 +256,7 @@ def test_a_download_segment_is_allocated_as_it_fills_and_pooled_only_whole(
     st = Staging("ckptd-test-", 64 * 2**20, 10.0, shm_dir=tmp_path)
 
     def allocated(seg: object) -> int:
-        return os.stat(tmp_path / seg.name).st_blocks * 512  # type: ignore[attr-defined]
+        return os.stat(st.path_of(seg)).st_blocks * 512  # type: ignore[attr-defined]
 
     async def scenario() -> None:
         a = await st.acquire("j", 8 * 2**20, restore=True, populate=False)
@@ -376,7 +376,7 @@ def test_staging_grants_a_segment_again_only_to_the_uid_that_used_it(tmp_path: P
     async def scenario() -> None:
         a = await st.acquire("ja", 2**20, owner=(1000, 11))
         seg = a.segment
-        assert seg.uid == 1000 and oct(os.stat(tmp_path / seg.name).st_mode & 0o777) == "0o600"
+        assert seg.uid == 1000 and oct(os.stat(st.path_of(seg)).st_mode & 0o777) == "0o600"
         st.release(a.lease_id)
         b = await st.acquire("jb", 2**20, owner=(1001, 12))  # another user: a new segment
         assert b.segment is not seg and b.segment.uid == 1001

@@ -56,7 +56,6 @@ bench/results/NAME.png (NAME: ``goodput``, ``goodput-node``, ``goodput-torch``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import shutil
@@ -79,6 +78,7 @@ from common import DEFAULT_WORK_DIR, RESULTS_DIR, print_table, write_results  # 
 
 from ckptd.daemon.app.launcher import DaemonProcess as Daemon  # noqa: E402
 from ckptd.daemon.local.lease import segment_prefix  # noqa: E402
+from ckptd.daemon.local.segments import segment_dir  # noqa: E402
 
 QUICK_ARMS = ["ckptd-learned", "orbax-continuous", "orbax-yd"]
 ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "orbax-continuous", "orbax-yd")
@@ -181,9 +181,7 @@ class Run:
         self.daemon.kill()
         shutil.rmtree(self.daemon.root, ignore_errors=True)
         # The dead daemon's segments would survive in /dev/shm; a lost node's do not.
-        for seg in Path("/dev/shm").glob(segment_prefix(self.daemon.root) + "*"):
-            with contextlib.suppress(OSError):
-                seg.unlink()
+        shutil.rmtree(segment_dir(segment_prefix(self.daemon.root)), ignore_errors=True)
         self.daemon.start()
         self.node_losses.append(time.time() - t0)
 

@@ -26,6 +26,7 @@ from report import percentiles
 from ckptd.client import Client
 from ckptd.daemon.app.launcher import DaemonProcess
 from ckptd.daemon.local.lease import segment_prefix
+from ckptd.daemon.local.segments import segment_dir
 from tests.servers import SeaweedS3
 
 BUCKET = "ckptd-scale"
@@ -124,9 +125,7 @@ class Nodes:
                     d.env["AWS_ACCESS_KEY_ID"] = d.node_id
             prefix = segment_prefix(d.root)
             shutil.rmtree(d.root, ignore_errors=True)
-            for seg in Path("/dev/shm").glob(prefix + "*"):
-                with contextlib.suppress(OSError):
-                    seg.unlink()
+            shutil.rmtree(segment_dir(prefix), ignore_errors=True)
 
     def close(self) -> None:
         """Stop everything and remove the daemons' temp dirs."""

@@ -130,7 +130,7 @@ class Access:
                 f"lease {lease.lease_id!r} was granted to another process; acquire your own"
             )
         return os.open(
-            self.staging.shm_dir / lease.segment.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+            self.staging.path_of(lease.segment), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         )
 
     def grant(self, peer: Peer, directory: Path) -> None:

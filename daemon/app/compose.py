@@ -77,6 +77,7 @@ class Daemon:
             cfg.root, self.staging, cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs
         )
         self.staging.uid_of = self.access.owner_of
+        self.staging.share_per_uid = cfg.staging_share_per_uid
         self.remote: Remote | None = None
         self.journal = Journal(cfg.root)
         self.saver = Saver(
@@ -149,6 +150,10 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"cannot open the journal {self.journal.path}: {exc}") from None
         pins = await self.io.run(load_pins, cfg.root)
+        try:  # the daemon's own segment directory, before the replay looks into it
+            await self.io.run(self.staging.open)
+        except (FailedPrecondition, OSError) as exc:
+            raise StartupError(f"cannot use {self.staging.dir} for shared memory: {exc}") from None
         for m in recovery.manifests:
             self.catalog.recovered(m, pinned=(m.job, m.step) in pins)
         # Acknowledged handoffs the last daemon had not made LOCAL: finish them now,

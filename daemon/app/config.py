@@ -56,6 +56,11 @@ class Config:
     """This node's name in manifests and remote markers (defaults to the host name)."""
     staging_budget_bytes: int = 4 * 2**30
     """Most shared memory the daemon may hold in leases at once."""
+    staging_share_per_uid: float = 1.0
+    """Most of ``staging_budget_bytes`` one uid's leases may hold at once, as a
+    fraction (above 0, at most 1; 1: no cap but the budget). Whatever the value,
+    while another uid waits for staging memory, a uid already holding leases gets
+    no new one past an even split of the budget among the uids holding or waiting."""
     lease_timeout_seconds: float = 600.0
     """A lease held this long without a commit is reclaimed (clients of this release
     are watched directly: their leases come back as soon as they exit)."""
@@ -259,6 +264,8 @@ def _coerce(key: str, value: object, source: str) -> Any:
                 if not 0 <= x <= 600:
                     raise ValueError("must be 0 (no jitter) to 600 seconds")
                 return x
+            if key == "staging_share_per_uid" and not 0 < x <= 1:
+                raise ValueError("use a fraction of staging_budget_bytes above 0 and at most 1")
             if not x > 0:
                 raise ValueError("must be a positive number of seconds")
             return x

@@ -60,6 +60,9 @@ class Entry:
     step: int | None = None
     """The step saved, so that a damaged record can still be named; None in a
     record of a ckptd that did not write it."""
+    size: int | None = None
+    """The segment's size in bytes: replay maps only a file of exactly this size
+    (None in a record of a ckptd that did not write it)."""
 
     def header(self) -> dict[str, Any]:
         """The record's header as :meth:`Journal.commit` writes it."""
@@ -73,6 +76,8 @@ class Entry:
             out["step"] = self.step
         if self.timeline is not None:
             out["timeline"], out["forks"] = self.timeline
+        if self.size is not None:
+            out["size"] = self.size
         return out
 
 
@@ -169,7 +174,10 @@ class Journal:
                 live.pop(lease, None)
                 finished.add(lease)
                 continue
-            entry = Entry(lease, header["segment"], header["job"], body, None, header.get("step"))
+            size = header.get("size")  # journal_format.check: a non-negative int or absent
+            entry = Entry(
+                lease, header["segment"], header["job"], body, None, header.get("step"), size
+            )
             if parse is not None:
                 # Before the segment check below: a refused record must not retire another.
                 checked = _check_body(entry, parse)
@@ -220,10 +228,11 @@ class Journal:
         body: bytes,
         timeline: tuple[int, Forks] | None = None,
         step: int | None = None,
+        size: int | None = None,
     ) -> None:
-        """Record an acknowledged handoff (and the timeline it went on, and its step);
-        returns once it is on disk."""
-        header = Entry(lease_id, segment, job, body, timeline, step).header()
+        """Record an acknowledged handoff (the timeline it went on, its step, the
+        segment's size); returns once it is on disk."""
+        header = Entry(lease_id, segment, job, body, timeline, step, size).header()
         self._live.add(lease_id)
         try:
             await self._append(frame(header, body), frozenset())

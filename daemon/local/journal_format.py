@@ -235,6 +235,11 @@ def check(at: int, size: int, header: Any, body: bytes) -> Lost | None:
                 raise InvalidArgument(f"step {str(step)[:40]!r} is not an integer")
             if step is not None:
                 check_step(step)
+            nbytes = header.get("size")  # the segment's size; absent in older records
+            if nbytes is not None and (
+                not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0
+            ):
+                raise InvalidArgument(f"size {str(nbytes)[:40]!r} is not a segment size")
             if not body:
                 raise InvalidArgument("it holds no request")
     except InvalidArgument as exc:

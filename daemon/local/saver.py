@@ -39,6 +39,7 @@ from .files import write_file_checksummed
 from .journal import Entry, Journal
 from .pending import CommitRequest, PendingStep
 from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
+from .replay import replay as replay_journal
 from .staging import Lease, Staging
 from .store import LocalStore
 
@@ -195,7 +196,13 @@ class Saver:
             try:
                 timeline = (st.timeline, st.forks)
                 await self.journal.commit(
-                    lease.lease_id, lease.segment.name, req.job, record, timeline, req.step
+                    lease.lease_id,
+                    lease.segment.name,
+                    req.job,
+                    record,
+                    timeline,
+                    step=req.step,
+                    size=lease.segment.size,
                 )
             except Exception as exc:
                 pending.writing.discard(req.rank)
@@ -212,30 +219,9 @@ class Saver:
 
     async def replay(self, entries: list[Entry], parse: Callable[[bytes], CommitRequest]) -> int:
         """Finish the handoffs a crashed daemon acknowledged (the journal's live records):
-        each whose segment survived is written and committed as if it had just arrived."""
-        replayed = 0
-        for entry in entries:
-            try:
-                self.staging.adopt(entry.segment, entry.lease_id, entry.job)
-            except (OSError, ValueError) as exc:
-                log.error(
-                    "journal: an acknowledged save of job %s is lost: its shared memory %s "
-                    "is gone (%s; shared memory does not survive a reboot)",
-                    entry.job,
-                    entry.segment,
-                    exc,
-                )
-                await self.journal.done([entry.lease_id])
-                continue
-            try:
-                await self.commit(parse(entry.body), None, entry.timeline)
-                replayed += 1
-                log.info("journal: replayed the handoff of lease %s", entry.lease_id)
-            except CkptdError as exc:
-                log.info("journal: record of lease %s needs nothing: %s", entry.lease_id, exc)
-                await self.journal.done([entry.lease_id])
-                self.staging.release(entry.lease_id)
-        return replayed
+        each whose segment survived, and is trusted, is written and committed as if it
+        had just arrived (replay.py)."""
+        return await replay_journal(self, entries, parse)
 
     def _check_complete(self, pending: PendingStep) -> None:
         """``step_timeout_seconds`` after a step began: fail it if ranks are missing."""

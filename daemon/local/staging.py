@@ -1,8 +1,9 @@
 """Shared-memory leases: named segments under /dev/shm, pre-faulted once, reused.
 
-Segments are 0600: only the daemon opens them by name, and the one process a
-lease is granted to gets a file descriptor over its session (api/access.py). A
-free segment is granted again only to the uid it was granted to before.
+Segments are 0600 files in a 0700 directory of the daemon's (segments.py): only
+the daemon opens them by name, and the one process a lease is granted to gets a
+file descriptor over its session (api/access.py). A free segment is granted
+again only to the uid it was granted to before.
 
 Touching fresh memory is the slowest part of a save on these machines (see
 DESIGN.md, Performance notes), so segments are allocated once, faulted in by
@@ -24,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -42,22 +41,34 @@ from .liveness import (
     locked_by_others,
     sweep_dead_clients,
 )
-from .shm import SharedMapping, can_populate
+from .pool import SegmentPool
+from .segments import (
+    SEGMENT_GRANULE,
+    SHM_DIR,
+    open_trusted,
+    remove_legacy,
+    segment_dir,
+)
+from .share import held_by_uid, holders_text, over_share
 
-__all__ = ["Lease", "Segment", "Staging", "StagingBusy", "segment_prefix"]
+__all__ = [
+    "SEGMENT_GRANULE",
+    "Lease",
+    "Segment",
+    "Staging",
+    "StagingBusy",
+    "segment_dir",
+    "segment_prefix",
+]
 
 log = logging.getLogger("ckptd.staging")
-
-SHM_DIR = Path("/dev/shm")
-SEGMENT_GRANULE = 2 * 2**20
-"""Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
 
 
 class StagingBusy(ResourceExhausted):
     """The budget is held by in-flight saves right now; waiting may help."""
 
 
-class Staging:
+class Staging(SegmentPool):
     """Lease pool with a byte budget. Methods run on the daemon's event loop."""
 
     def __init__(
@@ -69,26 +80,20 @@ class Staging:
         clock: Callable[[], float] = time.monotonic,
         uid_of: Callable[[str], int | None] = lambda job: None,
     ) -> None:
-        self.prefix = prefix
+        super().__init__(prefix, shm_dir)
         self.uid_of = uid_of
         """The uid owning a job (access.py): its leases reuse only its segments."""
         self.budget_bytes = budget_bytes
         self.lease_timeout_seconds = lease_timeout_seconds
-        self.shm_dir = shm_dir
         self._clock = clock
-        self._segments: dict[str, Segment] = {}
         self._leases: dict[str, Lease] = {}
-        self._reserved = 0  # bytes being allocated right now, not yet in _segments
-        self._counter = itertools.count()
+        self.share_per_uid = 1.0
+        """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
+        self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
         self._freed = asyncio.Event()
         self._swept_at = clock()
 
     # -- accounting --------------------------------------------------------
-    @property
-    def allocated_bytes(self) -> int:
-        """Shared memory held in segments (free or leased)."""
-        return sum(s.size for s in self._segments.values()) + self._reserved
-
     @property
     def in_use_bytes(self) -> int:
         """Shared memory in leases (held by clients or being written)."""
@@ -111,13 +116,15 @@ class Staging:
         return sweep_dead_clients(self.shm_dir)
 
     def remove_leftovers(self) -> int:
-        """Delete segments a previous (crashed) daemon on this root left behind."""
+        """Delete segments a previous (crashed or older) daemon on this root left behind."""
+        self.open()
         self.sweep_dead_clients()
-        removed = 0
-        for path in self.shm_dir.glob(self.prefix + "*"):
+        removed = remove_legacy(self.shm_dir, self.prefix)
+        for path in self.dir.iterdir():
             if path.name not in self._segments:
-                path.unlink(missing_ok=True)
-                removed += 1
+                with contextlib.suppress(IsADirectoryError, PermissionError):
+                    path.unlink(missing_ok=True)
+                    removed += 1
         return removed
 
     def close(self) -> None:
@@ -125,26 +132,39 @@ class Staging:
         for seg in list(self._segments.values()):
             self._destroy(seg)
         self._leases.clear()
+        with contextlib.suppress(OSError):  # not empty (a leftover) or never made
+            self.dir.rmdir()
 
-    def adopt(self, name: str, lease_id: str, job: str) -> Lease:
-        """Take over a segment a crashed daemon granted, for the journal's replay."""
-        if not name.startswith(self.prefix) or "/" in name:
+    def adopt(self, name: str, lease_id: str, job: str, size: int | None = None) -> Lease:
+        """Take over a segment a crashed daemon granted, for the journal's replay.
+
+        ``size``: the segment's size as journaled. Raises SegmentRefused (a
+        ValueError) if the file under that name is not one this daemon made
+        (segments.py), FileNotFoundError if it is gone."""
+        if not name.startswith(self.prefix) or "/" in name or name in (".", ".."):
             raise ValueError(f"segment {name!r} is not one of this root's")
-        path = self.shm_dir / name
-        size = path.stat().st_size
-        seg = Segment(name, size, SharedMapping.open(path, size))
+        self.open()
+        mapping = open_trusted(self.dir / name, size, legacy=self.shm_dir / name)
+        seg = Segment(name, mapping.size, mapping)
         self._segments[name] = seg
         return self._grant(job, seg, lease_id=lease_id)
 
     # -- leases ------------------------------------------------------------
     def check_fits(self, size_bytes: int) -> int:
-        """Segment size for ``size_bytes``; ResourceExhausted if the budget can never hold it."""
+        """Segment size for ``size_bytes``; ResourceExhausted if the budget (or one
+        uid's share of it) can never hold it."""
         need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
         if need > self.budget_bytes:
             raise ResourceExhausted(
                 f"a save of {size_bytes} bytes does not fit the staging budget of "
                 f"{self.budget_bytes} bytes; raise staging_budget_bytes "
                 "(CKPTD_STAGING_BUDGET_BYTES)"
+            )
+        if need > self.budget_bytes * self.share_per_uid:
+            raise ResourceExhausted(
+                f"a save of {size_bytes} bytes does not fit one user's share of the staging "
+                f"budget ({self.share_per_uid:g} of {self.budget_bytes} bytes); ask the "
+                "operator to raise staging_share_per_uid or staging_budget_bytes"
             )
         return need
 
@@ -181,18 +201,31 @@ class Staging:
         """
         check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
-        while True:
-            try:
-                return await self._acquire_now(job, size_bytes, restore, holder, owner, populate)
-            except StagingBusy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                # Leases of clients that died come back when their liveness lock is
-                # gone, which nothing signals: poll for those too.
-                freed = self._freed
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(freed.wait(), min(left, 0.5))
+        uid = owner[0] if owner else self.uid_of(job)
+        waiting = False
+        try:
+            while True:
+                try:
+                    return await self._acquire_now(
+                        job, size_bytes, restore, holder, owner, populate
+                    )
+                except StagingBusy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    if not waiting:  # other uids leave it room while it waits (share.py)
+                        self._waiting[uid] = self._waiting.get(uid, 0) + 1
+                        waiting = True
+                    # Leases of clients that died come back when their liveness lock is
+                    # gone, which nothing signals: poll for those too.
+                    freed = self._freed
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(freed.wait(), min(left, 0.5))
+        finally:
+            if waiting:
+                self._waiting[uid] -= 1
+                if not self._waiting[uid]:
+                    del self._waiting[uid]
 
     async def _acquire_now(
         self,
@@ -206,6 +239,14 @@ class Staging:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
         uid = owner[0] if owner else self.uid_of(job)
+        held = held_by_uid(self._leases.values())
+        why = over_share(uid, need, held, self._waiting, self.budget_bytes, self.share_per_uid)
+        if why:
+            raise StagingBusy(
+                f"staging memory for {size_bytes} bytes must wait: {why}; "
+                f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
+                "operator to raise staging_budget_bytes"
+            )
         free = sorted(
             (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
         )
@@ -220,8 +261,9 @@ class Staging:
             if self.allocated_bytes + need > self.budget_bytes:
                 raise StagingBusy(
                     f"staging budget exhausted: {size_bytes} bytes are needed and "
-                    f"{self.in_use_bytes} of {self.budget_bytes} are held: {self.holders()}; "
-                    "wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
+                    f"{self.in_use_bytes} of {self.budget_bytes} are held: "
+                    f"{self.holders(uid)}; wait for earlier saves to reach LOCAL, or ask the "
+                    "operator to raise staging_budget_bytes"
                 )
             self._reserved += need
             try:
@@ -231,30 +273,10 @@ class Staging:
             self._segments[seg.name] = seg
         return self._grant(job, seg, restore, holder, owner=owner)
 
-    def holders(self) -> str:
-        """What holds the leased memory right now, in words (for capacity errors)."""
-        kinds: dict[str, list[Lease]] = {}
-        for lease in self._leases.values():
-            if lease.committed:
-                kind = "handed-off saves being written to disk"
-            elif lease.restore:
-                kind = "restores not yet mapped by their client"
-            else:
-                kind = "leases granted to clients that have not committed yet"
-            kinds.setdefault(kind, []).append(lease)
-        if not kinds:
-            return "nothing (free segments too small to reuse)"
-        now = self._clock()
-        parts = []
-        for kind, leases in kinds.items():
-            jobs = sorted({lease.job for lease in leases})
-            oldest = max(now - lease.granted_at for lease in leases)
-            parts.append(
-                f"{sum(lease.segment.size for lease in leases)} bytes in {len(leases)} {kind} "
-                f"(jobs {', '.join(jobs[:4])}{'...' if len(jobs) > 4 else ''}; "
-                f"oldest {oldest:.0f} s)"
-            )
-        return "; ".join(parts)
+    def holders(self, uid: int | None) -> str:
+        """What holds the leased memory right now, in words, as ``uid`` may see it
+        (share.py: other users' jobs are never named)."""
+        return holders_text(self._leases.values(), uid, self._clock())
 
     def _grant(
         self,
@@ -403,39 +425,3 @@ class Staging:
                 with contextlib.suppress(OSError):
                     (self.shm_dir / holder).unlink()
         return expired
-
-    # -- segments ----------------------------------------------------------
-    def _create(self, size: int, populate: bool = True) -> Segment:
-        name = f"{self.prefix}{next(self._counter)}-{secrets.token_hex(4)}"
-        if not populate:  # only where the pages can be had later without a SIGBUS
-            st = os.statvfs(self.shm_dir)
-            populate = not can_populate() or st.f_bavail * st.f_frsize < 2 * size
-        path = self.shm_dir / name
-        # 0600: only the daemon opens it by name; the process a lease is granted to
-        # gets a descriptor over its session (access.py).
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            try:
-                if populate:
-                    # Allocates and zeroes every page now, in the kernel, so no save pays for it.
-                    os.posix_fallocate(fd, 0, size)
-                mapping = SharedMapping(fd, size, populate)
-            except OSError as exc:
-                path.unlink(missing_ok=True)
-                raise ResourceExhausted(
-                    f"cannot allocate {size} bytes of shared memory in {self.shm_dir}: "
-                    f"{exc.strerror}; free space there or lower staging_budget_bytes"
-                ) from None
-        finally:
-            os.close(fd)
-        log.info("allocated staging segment %s (%d bytes)", name, size)
-        return Segment(name, size, mapping, populated=populate)
-
-    def _destroy(self, seg: Segment) -> None:
-        self._segments.pop(seg.name, None)
-        (self.shm_dir / seg.name).unlink(missing_ok=True)
-        if not seg.mapping.close():
-            # A thread still reads or writes through a view (a failed transfer being
-            # wound down): unmapping now would crash it, so the pages go at exit.
-            log.warning("segment %s is still in use; it is unmapped at exit", seg.name)

@@ -301,6 +301,9 @@ def test_sigterm_after_a_failed_download_exits_cleanly(make_daemon: Any, tmp_pat
     assert daemon.stop() == 0  # SIGTERM: clean exit, nothing leaked
     prefix_left = list(Path("/dev/shm").glob(f"{_prefix(daemon)}*"))
     assert prefix_left == []
+    from ckptd.daemon.local.staging import segment_dir
+
+    assert not segment_dir(_prefix(daemon)).exists()  # its directory goes too
 
 
 def _prefix(daemon: Daemon) -> str:
