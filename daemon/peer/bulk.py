@@ -38,12 +38,14 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
-from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated
+from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated, Unavailable
 from ckptd.core.names import check_name, check_step
 
 from .. import faults
+from .deadline import Watchdog
 from .link import CHUNK
 from .replicas import Held, ReplicaStore
 from .tls import PeerTls
@@ -54,16 +56,25 @@ MAGIC = b"CKPTDPD2"
 MAX_TOKEN = 1024
 MAX_REQUEST = 64 * 2**20
 """A put's manifest (thousands of shards); read only from a caller with the token."""
-REQUEST_SECONDS = 10.0
-"""How long a caller may take to send its request (then it is dropped)."""
+AUTH_SECONDS = 5.0
+"""How long a caller has, from its connection, to show the token (the TLS handshake
+included); the request deadline cuts it shorter when that is shorter."""
+MAX_UNAUTHENTICATED = 64
+"""Connections not yet past the token check at once; more are closed at once."""
+MAX_UNAUTHENTICATED_PER_SOURCE = 8
+"""Of those, from one address (a restoring peer opens a handful)."""
+DEADLINE_SECONDS = 120.0
+"""Default of ``peer_bulk_deadline_seconds``: a whole request, a ranged read's bytes
+included (a range is at most 64 MiB)."""
 IDLE_SECONDS = 60.0
 """How long a reader waits on a silent peer mid-transfer."""
-PUT_IDLE_SECONDS = 900.0
-"""How long a receiver waits on a silent sender (it yields to its node's saves for
-up to ``peer_max_lag_seconds``)."""
+PUT_IDLE_SECONDS = 300.0
+"""Default of ``peer_idle_seconds``: how long a receiver waits on a silent sender
+(it yields to its node's saves for up to ``peer_max_lag_seconds``)."""
 SEND_CHUNK = 8 * 2**20
 """Bytes per ``sendfile`` call (the failpoint between calls: tests)."""
 MAX_CONNECTIONS = 32
+"""Authenticated transfers at once."""
 
 
 def request_frame(token: str, request: dict[str, Any]) -> bytes:
@@ -72,21 +83,56 @@ def request_frame(token: str, request: dict[str, Any]) -> bytes:
     return MAGIC + struct.pack("<I", len(key)) + key + struct.pack("<I", len(body)) + body
 
 
+class _Gate:
+    """One connection's place in the listener's limits: unauthenticated (counted
+    for its source address) until the token is checked, then a transfer slot."""
+
+    def __init__(self, source: str, started: float, key: int) -> None:
+        self.source, self.started, self.key = source, started, key
+        self.waiting = True  # counted among the unauthenticated
+        self.slot = False  # holds a transfer slot
+
+
 class BulkServer:
     """Serves and takes replica bytes for the daemons holding the token, one thread
-    per connection (socket calls and ``sendfile`` run outside the interpreter lock)."""
+    per connection (socket calls and ``sendfile`` run outside the interpreter lock).
 
-    def __init__(self, store: ReplicaStore, token: str, tls: PeerTls | None = None) -> None:
+    A connection holds nothing scarce until it has shown the token: the callers
+    without it share :data:`MAX_UNAUTHENTICATED` places (at most
+    :data:`MAX_UNAUTHENTICATED_PER_SOURCE` per address) and :data:`AUTH_SECONDS`;
+    only then does it take one of the :data:`MAX_CONNECTIONS` transfer slots. A
+    request (a ranged read's bytes included) is cut at ``deadline`` seconds from
+    its connection whatever it trickles; a put, whose sender may pause for its
+    node's saves, is cut after ``idle`` seconds without a byte instead."""
+
+    def __init__(
+        self,
+        store: ReplicaStore,
+        token: str,
+        tls: PeerTls | None = None,
+        deadline: float = DEADLINE_SECONDS,
+        idle: float = PUT_IDLE_SECONDS,
+    ) -> None:
         self.store, self._token = store, token.encode()
         self._tls = tls
+        self.deadline, self.idle = deadline, idle
         self._sock: socket.socket | None = None
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
+        self._waiting: dict[str, int] = {}  # unauthenticated connections per address
+        self._watchdog = Watchdog("ckptd-peer-bulk-deadline")
         self.served_bytes = 0
         """Bytes of replica files sent to restoring nodes (metrics)."""
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
+        self.turned_away = 0
+        """Connections closed at once: too many unauthenticated ones (tests)."""
         self.port = 0
+
+    @property
+    def cut(self) -> int:
+        """Connections cut at their deadline (tests)."""
+        return self._watchdog.fired
 
     def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: any free port); the port."""
@@ -110,52 +156,104 @@ class BulkServer:
         assert self._sock is not None
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except OSError:
                 return  # closed: the daemon stops
-            if not self._open.acquire(blocking=False):
-                log.warning("peer data connection refused: %d transfers at once", MAX_CONNECTIONS)
-                if self._tls is None:
-                    _refuse(conn, "too many transfers at once; try again")
-                else:  # no plain-text reason inside a TLS handshake: the caller sees it close
-                    conn.close()
+            source = str(addr[0])
+            with self._lock:
+                mine = self._waiting.get(source, 0)
+                room = sum(self._waiting.values()) < MAX_UNAUTHENTICATED
+                if room and mine < MAX_UNAUTHENTICATED_PER_SOURCE:
+                    self._waiting[source] = mine + 1
+                else:
+                    self.turned_away += 1
+                    mine = -1
+            if mine < 0:
+                # Not logged: whoever floods the port would flood the log too.
+                self._drop(conn, "too many connections not yet authenticated; try again")
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            # The token's deadline runs from the connection, the handshake included.
+            key = self._watchdog.arm(conn, min(AUTH_SECONDS, self.deadline))
+            gate = _Gate(source, time.monotonic(), key)
+            threading.Thread(target=self._serve, args=(conn, gate), daemon=True).start()
 
-    def _serve(self, raw: socket.socket) -> None:
+    def _drop(self, conn: socket.socket, reason: str) -> None:
+        if self._tls is None:
+            _refuse(conn, reason)
+        else:  # no plain-text reason inside a TLS handshake: the caller sees it close
+            conn.close()
+
+    def _serve(self, raw: socket.socket, gate: _Gate) -> None:
         try:
             with raw:
-                raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                raw.settimeout(REQUEST_SECONDS)  # the TLS handshake included
-                if self._tls is None:
-                    self._handle(raw)
-                else:  # a caller without a certificate from the CA fails the handshake
-                    context = self._tls.server_context()  # renewed files: taken here
-                    with context.wrap_socket(raw, server_side=True) as conn:
-                        self._handle(conn)
-        except OSError as exc:  # the other end went away: it tries another peer
+                try:
+                    raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    raw.settimeout(min(AUTH_SECONDS, self.deadline))
+                    if self._tls is None:
+                        self._handle(raw, raw, gate)
+                    else:  # a caller without a certificate from the CA fails the handshake
+                        context = self._tls.server_context()  # renewed files: taken here
+                        with context.wrap_socket(raw, server_side=True) as conn:
+                            self._handle(conn, raw, gate)
+                finally:  # before the socket closes: its number may be reused
+                    self._watchdog.disarm(gate.key)
+        except OSError as exc:  # the other end went away, or its deadline passed
             log.info("peer transfer ended early: %s", exc)
         finally:
-            self._open.release()
+            self._leave(gate)
+            if gate.slot:
+                self._open.release()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _leave(self, gate: _Gate) -> None:
+        """``gate`` is no longer among the unauthenticated connections."""
+        with self._lock:
+            if gate.waiting:
+                gate.waiting = False
+                left = self._waiting.get(gate.source, 1) - 1
+                if left:
+                    self._waiting[gate.source] = left
+                else:
+                    self._waiting.pop(gate.source, None)
+
+    def _admit(self, conn: socket.socket, raw: socket.socket, gate: _Gate) -> None:
+        """The token is good: leave the unauthenticated, take a transfer slot, and run
+        the rest of the request under the whole-request deadline."""
+        if not self._watchdog.disarm(gate.key):
+            raise OSError("the token came after its deadline")
+        self._leave(gate)
+        if not self._open.acquire(blocking=False):
+            log.warning("peer data connection refused: %d transfers at once", MAX_CONNECTIONS)
+            raise Unavailable("too many transfers at once; try again")
+        gate.slot = True
+        left = gate.started + self.deadline - time.monotonic()
+        gate.key = self._watchdog.arm(raw, max(left, 0.0))
+        conn.settimeout(max(min(left, self.deadline), 0.001))
+
+    def _handle(self, conn: socket.socket, raw: socket.socket, gate: _Gate) -> None:
         try:
+            self._authenticate(conn)
+            self._admit(conn, raw, gate)
             req = self._request(conn)
             if req.get("op") == "put":
+                # A put's bytes come as its sender reads them, pausing for its node's
+                # saves: bounded by silence, not by a deadline.
+                self._watchdog.disarm(gate.key)
                 self._put(conn, req)
                 return
+            if faults.armed("peer.bulk_get"):  # tests: a listener that fails its reads
+                faults.hit("peer.bulk_get")
             path, offset, length = self._get_target(req)
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except (CkptdError, OSError, ValueError, KeyError, TypeError) as exc:
             _refuse(conn, str(exc))
             return
         try:
-            conn.settimeout(IDLE_SECONDS)
+            conn.settimeout(min(IDLE_SECONDS, self.deadline))
             self._send(conn, fd, offset, length)
         finally:
             os.close(fd)
 
-    def _request(self, conn: socket.socket) -> dict[str, Any]:
+    def _authenticate(self, conn: socket.socket) -> None:
         head = _recv_exact(conn, len(MAGIC) + 4)
         if head[: len(MAGIC)] != MAGIC:
             raise InvalidArgument("not a ckptd peer data request")
@@ -166,6 +264,8 @@ class BulkServer:
                 "peer data request without the shared token: give every daemon the "
                 "same peer_token_file"
             )
+
+    def _request(self, conn: socket.socket) -> dict[str, Any]:
         (size,) = struct.unpack("<I", _recv_exact(conn, 4))
         if size > MAX_REQUEST:
             raise InvalidArgument(f"request of {size} bytes (at most {MAX_REQUEST})")
@@ -219,7 +319,7 @@ class BulkServer:
         incoming = begun
         try:
             conn.sendall(b"GO")
-            conn.settimeout(PUT_IDLE_SECONDS)
+            conn.settimeout(self.idle)
             left = sum(r.size for r in incoming.manifest.ranks)
             view = memoryview(bytearray(CHUNK))
             while left:
@@ -230,7 +330,12 @@ class BulkServer:
                 left -= n
             held = incoming.finish()
         except BaseException as exc:
-            incoming.abort()
+            incoming.abort()  # its budget reservation with it
+            if isinstance(exc, TimeoutError):
+                log.warning("a replica of %s from a silent sender dropped", job)
+                exc = Unavailable(
+                    f"no replica bytes for {self.idle:g} s (peer_idle_seconds): dropped"
+                )
             if isinstance(exc, CkptdError):  # refused mid-stream (a crc, a size)
                 _refuse(conn, str(exc))
                 return

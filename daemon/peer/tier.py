@@ -51,8 +51,12 @@ class PeerTier:
         self.address = ""
         """Where the Peer service answers (set once it does)."""
         self.store = ReplicaStore(cfg.root, cfg.peer_budget_bytes)
-        self.servicer = PeerServicer(cfg.node_id, token, self.store, io.run)
-        self.bulk = BulkServer(self.store, token, self.tls)
+        self.servicer = PeerServicer(
+            cfg.node_id, token, self.store, io.run, idle=cfg.peer_idle_seconds
+        )
+        self.bulk = BulkServer(
+            self.store, token, self.tls, cfg.peer_bulk_deadline_seconds, cfg.peer_idle_seconds
+        )
         self.data_port = cfg.peer_data_port
         self.peers = Peers(cfg.node_id, cfg.peers, token, self.tls)
         self.replicator: Replicator | None = None
