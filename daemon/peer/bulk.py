@@ -84,11 +84,12 @@ def request_frame(token: str, request: dict[str, Any]) -> bytes:
 
 
 class _Gate:
-    """One connection's place in the listener's limits: unauthenticated (counted
-    for its source address) until the token is checked, then a transfer slot."""
+    """One connection's place in the listener's limits: among the unauthenticated
+    (by its source address) until the token is checked, then a transfer slot."""
 
     def __init__(self, source: str, started: float, key: int) -> None:
         self.source, self.started, self.key = source, started, key
+        self.ident = key  # its place among the unauthenticated (key changes later)
         self.waiting = True  # counted among the unauthenticated
         self.slot = False  # holds a transfer slot
 
@@ -99,11 +100,13 @@ class BulkServer:
 
     A connection holds nothing scarce until it has shown the token: the callers
     without it share :data:`MAX_UNAUTHENTICATED` places (at most
-    :data:`MAX_UNAUTHENTICATED_PER_SOURCE` per address) and :data:`AUTH_SECONDS`;
-    only then does it take one of the :data:`MAX_CONNECTIONS` transfer slots. A
-    request (a ranged read's bytes included) is cut at ``deadline`` seconds from
-    its connection whatever it trickles; a put, whose sender may pause for its
-    node's saves, is cut after ``idle`` seconds without a byte instead."""
+    :data:`MAX_UNAUTHENTICATED_PER_SOURCE` per address, a newcomer closing the
+    oldest when they are full: a daemon sends its token in its first bytes, so idle
+    connections cannot keep it out) and :data:`AUTH_SECONDS`; only then does it
+    take one of the :data:`MAX_CONNECTIONS` transfer slots. A request (a ranged
+    read's bytes included) is cut at ``deadline`` seconds from its connection
+    whatever it trickles; a put, whose sender may pause for its node's saves, is
+    cut after ``idle`` seconds without a byte instead."""
 
     def __init__(
         self,
@@ -119,19 +122,21 @@ class BulkServer:
         self._sock: socket.socket | None = None
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
-        self._waiting: dict[str, int] = {}  # unauthenticated connections per address
+        # The unauthenticated connections, oldest first: all, and by address.
+        self._waiting: dict[int, _Gate] = {}
+        self._by_source: dict[str, dict[int, _Gate]] = {}
         self._watchdog = Watchdog("ckptd-peer-bulk-deadline")
         self.served_bytes = 0
         """Bytes of replica files sent to restoring nodes (metrics)."""
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
-        self.turned_away = 0
-        """Connections closed at once: too many unauthenticated ones (tests)."""
+        self.evicted = 0
+        """Unauthenticated connections closed to make room for newer ones (tests)."""
         self.port = 0
 
     @property
     def cut(self) -> int:
-        """Connections cut at their deadline (tests)."""
+        """Connections cut at their deadline or evicted (tests)."""
         return self._watchdog.fired
 
     def start(self, host: str, port: int = 0) -> int:
@@ -159,29 +164,33 @@ class BulkServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return  # closed: the daemon stops
-            source = str(addr[0])
-            with self._lock:
-                mine = self._waiting.get(source, 0)
-                room = sum(self._waiting.values()) < MAX_UNAUTHENTICATED
-                if room and mine < MAX_UNAUTHENTICATED_PER_SOURCE:
-                    self._waiting[source] = mine + 1
-                else:
-                    self.turned_away += 1
-                    mine = -1
-            if mine < 0:
-                # Not logged: whoever floods the port would flood the log too.
-                self._drop(conn, "too many connections not yet authenticated; try again")
-                continue
             # The token's deadline runs from the connection, the handshake included.
-            key = self._watchdog.arm(conn, min(AUTH_SECONDS, self.deadline))
-            gate = _Gate(source, time.monotonic(), key)
+            gate = _Gate(str(addr[0]), time.monotonic(), 0)
+            gate.key = gate.ident = self._watchdog.arm(conn, min(AUTH_SECONDS, self.deadline))
+            with self._lock:
+                mine = self._by_source.setdefault(gate.source, {})
+                victim = None
+                if len(mine) >= MAX_UNAUTHENTICATED_PER_SOURCE:
+                    victim = next(iter(mine.values()))
+                elif len(self._waiting) >= MAX_UNAUTHENTICATED:
+                    victim = next(iter(self._waiting.values()))
+                if victim is not None:
+                    self._forget(victim)
+                    self.evicted += 1
+                mine[gate.ident] = self._waiting[gate.ident] = gate
+            if victim is not None:  # not logged: whoever floods the port would flood the log
+                self._watchdog.fire(victim.key)
             threading.Thread(target=self._serve, args=(conn, gate), daemon=True).start()
 
-    def _drop(self, conn: socket.socket, reason: str) -> None:
-        if self._tls is None:
-            _refuse(conn, reason)
-        else:  # no plain-text reason inside a TLS handshake: the caller sees it close
-            conn.close()
+    def _forget(self, gate: _Gate) -> None:
+        """``gate`` is no longer among the unauthenticated (under the lock)."""
+        if gate.waiting:
+            gate.waiting = False
+            del self._waiting[gate.ident]
+            mine = self._by_source[gate.source]
+            del mine[gate.ident]
+            if not mine:
+                del self._by_source[gate.source]
 
     def _serve(self, raw: socket.socket, gate: _Gate) -> None:
         try:
@@ -195,32 +204,23 @@ class BulkServer:
                         context = self._tls.server_context()  # renewed files: taken here
                         with context.wrap_socket(raw, server_side=True) as conn:
                             self._handle(conn, raw, gate)
-                finally:  # before the socket closes: its number may be reused
+                finally:
                     self._watchdog.disarm(gate.key)
         except OSError as exc:  # the other end went away, or its deadline passed
             log.info("peer transfer ended early: %s", exc)
         finally:
-            self._leave(gate)
+            with self._lock:
+                self._forget(gate)
             if gate.slot:
                 self._open.release()
-
-    def _leave(self, gate: _Gate) -> None:
-        """``gate`` is no longer among the unauthenticated connections."""
-        with self._lock:
-            if gate.waiting:
-                gate.waiting = False
-                left = self._waiting.get(gate.source, 1) - 1
-                if left:
-                    self._waiting[gate.source] = left
-                else:
-                    self._waiting.pop(gate.source, None)
 
     def _admit(self, conn: socket.socket, raw: socket.socket, gate: _Gate) -> None:
         """The token is good: leave the unauthenticated, take a transfer slot, and run
         the rest of the request under the whole-request deadline."""
         if not self._watchdog.disarm(gate.key):
-            raise OSError("the token came after its deadline")
-        self._leave(gate)
+            raise OSError("the token came after its deadline, or newer connections took its place")
+        with self._lock:
+            self._forget(gate)
         if not self._open.acquire(blocking=False):
             log.warning("peer data connection refused: %d transfers at once", MAX_CONNECTIONS)
             raise Unavailable("too many transfers at once; try again")
@@ -234,14 +234,15 @@ class BulkServer:
             self._authenticate(conn)
             self._admit(conn, raw, gate)
             req = self._request(conn)
-            if req.get("op") == "put":
+            op = "put" if req.get("op") == "put" else "get"
+            if faults.armed(f"peer.bulk_{op}"):  # tests: a listener that fails
+                faults.hit(f"peer.bulk_{op}")
+            if op == "put":
                 # A put's bytes come as its sender reads them, pausing for its node's
                 # saves: bounded by silence, not by a deadline.
                 self._watchdog.disarm(gate.key)
                 self._put(conn, req)
                 return
-            if faults.armed("peer.bulk_get"):  # tests: a listener that fails its reads
-                faults.hit("peer.bulk_get")
             path, offset, length = self._get_target(req)
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except (CkptdError, OSError, ValueError, KeyError, TypeError) as exc:
