@@ -140,7 +140,8 @@ def test_one_address_cannot_hold_more_than_its_share(
 
 def _cut_while_trickling(sock: socket.socket, data: bytes) -> bool:
     """Send ``data`` a byte at a time, slowly; whether the listener closed the
-    connection (or answered) before all of it was sent."""
+    connection (or answered) before all of it was sent (an answer to the whole
+    request is no cut)."""
     sock.setblocking(True)
     for i in range(len(data)):
         try:
@@ -149,7 +150,7 @@ def _cut_while_trickling(sock: socket.socket, data: bytes) -> bool:
             return True
         ready, _, _ = select.select([sock], [], [], 0.02)
         if ready:  # the end, or a refusal: either way the listener is done with it
-            return True
+            return i + 1 < len(data)
     return False
 
 
@@ -210,13 +211,21 @@ def test_a_silent_put_is_dropped_with_its_reservation(served: BulkServer) -> Non
 # Real daemons.
 
 
-def _restore_from_peer(cluster: Cluster) -> None:
-    """node-a saves, its replica lands on node-b, node-a loses its disk and takes
-    the step back from node-b, bit-exact (no bucket: from the peer or not at all)."""
-    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+def _replicate(cluster: Cluster) -> dict[str, Any]:
+    """node-a saves step 3 and its replica lands on node-b; the state saved."""
+    a = cluster.daemons["node-a"]
     saved = state(3)
     a.client("job").save(3, saved).wait("local", BOUND)
     cluster.replicated("node-a", "job", 3, BOUND)
+    replicated = a.events_of(pb.STEP_EVENT_REPLICATED, "job", 3)
+    assert [dict(e.attributes) for e in replicated] == [{"nodes": "node-b"}]
+    return saved
+
+
+def _restore_from_peer(cluster: Cluster, saved: dict[str, Any]) -> None:
+    """node-a loses its disk and takes step 3 back from node-b, bit-exact (no
+    bucket: from the peer or not at all)."""
+    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
     cluster.lose("node-a").start()
     tree, _ = a.client("job").restore()
     same(tree, saved)
@@ -229,23 +238,25 @@ def test_idle_connections_to_the_bulk_port_do_not_stop_a_peer_restore(
     make_daemon: Any, tmp_path: Path
 ) -> None:
     cluster = Cluster(make_daemon, tmp_path)
+    saved = _replicate(cluster)
     port = cluster.daemons["node-b"].status().peer_data_port
     flood = Flood(port, bulk.MAX_UNAUTHENTICATED_PER_SOURCE)
     try:
-        _restore_from_peer(cluster)
+        _restore_from_peer(cluster, saved)
     finally:
         flood.close()
 
 
+@pytest.mark.parametrize("op", ["get", "put"])
 def test_a_failing_bulk_listener_falls_back_to_the_peer_service(
-    make_daemon: Any, tmp_path: Path
+    make_daemon: Any, tmp_path: Path, op: str
 ) -> None:
-    """node-b's bulk listener refuses every put and every read: the replica goes with
-    PutReplica and comes back with GetReplicaFile."""
-    points = {"CKPTD_FAILPOINTS": "peer.bulk_get=enospc,peer.bulk_put=enospc"}
+    """node-b's bulk listener refuses every read (the replica comes back with
+    GetReplicaFile), or every put (it goes to node-b with PutReplica, not past it)."""
+    points = {"CKPTD_FAILPOINTS": f"peer.bulk_{op}=enospc"}
     cluster = Cluster(make_daemon, tmp_path, env={"node-b": points})
     assert cluster.daemons["node-b"].status().peer_data_port > 0
-    _restore_from_peer(cluster)
+    _restore_from_peer(cluster, _replicate(cluster))
 
 
 @pytest.fixture
