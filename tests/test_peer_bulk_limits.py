@@ -9,6 +9,7 @@ from __future__ import annotations
 import select
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -27,10 +28,12 @@ from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
+from .pki import make_pki
 from .servers import free_port
 from .test_peer_bulk import DATA, FILES, TOKEN, _read, _req
 from .test_peer_tier import TOKEN as CLUSTER_TOKEN
 from .test_peer_tier import Cluster, same, state
+from .test_peer_tls import tls_of
 from .test_peer_units import _manifest
 
 SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
@@ -149,8 +152,18 @@ def _cut_while_trickling(sock: socket.socket, data: bytes) -> bool:
         except OSError:  # reset: closed
             return True
         ready, _, _ = select.select([sock], [], [], 0.02)
-        if ready:  # the end, or a refusal: either way the listener is done with it
-            return i + 1 < len(data)
+        if not ready:
+            continue
+        sock.setblocking(False)
+        try:
+            sock.recv(64)  # the end, or a refusal: the listener is done with it
+        except (ssl.SSLWantReadError, BlockingIOError):
+            continue  # nothing for the caller (a TLS session ticket)
+        except OSError:  # reset: closed
+            return True
+        finally:
+            sock.setblocking(True)
+        return i + 1 < len(data)
     return False
 
 
@@ -166,6 +179,26 @@ def test_a_trickling_sender_is_cut_at_the_deadline(served: BulkServer, phase: st
             data = data[-1000:]
         assert _cut_while_trickling(sock, data)
     assert served.cut > 0
+
+
+def test_a_request_trickled_over_tls_is_cut_at_the_deadline(tmp_path: Path) -> None:
+    """Over mutual TLS (a caller with a certificate of the CA) the deadline holds
+    inside the encrypted stream too: a token trickled a byte at a time is cut."""
+    store = ReplicaStore(tmp_path / "store", 10**9)
+    store.load()
+    tls = tls_of(make_pki(tmp_path / "pki"))
+    server = BulkServer(store, TOKEN, tls, deadline=1.0)
+    server.start("127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as raw:
+            context = tls.client_context()
+            hostname = tls.hostname("127.0.0.1")
+            with context.wrap_socket(raw, server_hostname=hostname) as sock:
+                assert _cut_while_trickling(
+                    sock, bulk.MAGIC + struct.pack("<I", 1000) + b"x" * 1000
+                )
+    finally:
+        server.stop()
 
 
 def test_a_slow_reader_is_cut_at_the_deadline(served: BulkServer) -> None:
