@@ -22,6 +22,7 @@ import pytest
 
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.daemon.app import config
 from ckptd.daemon.peer import bulk
 from ckptd.daemon.peer.bulk import BulkServer, request_frame
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
@@ -342,3 +343,16 @@ def test_a_silent_put_replica_releases_its_budget(peer_daemon: tuple[Any, int]) 
         assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT, short.value.details()
     finally:
         done.set()
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        ({"peer_idle_seconds": "20", "peer_max_lag_seconds": "30"}, "must exceed peer_max_lag"),
+        ({"peer_bulk_deadline_seconds": "0"}, "peer_bulk_deadline_seconds.*positive"),
+        ({"peer_idle_seconds": "soon"}, "peer_idle_seconds"),
+    ],
+)
+def test_bad_limits_are_refused_with_what_to_do(flags: dict[str, str], match: str) -> None:
+    with pytest.raises(config.ConfigError, match=match):
+        config.load(env={}, flags=flags)

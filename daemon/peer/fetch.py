@@ -124,9 +124,7 @@ class PeerFetcher:
         # Blocking socket reads: their own threads, never the I/O pool's, which
         # saves need while a restore is under way.
         self._streams = concurrent.futures.ThreadPoolExecutor(STREAMS, "ckptd-peer-get")
-        self.fallbacks = 0
-        """Files whose bulk read failed and came through gRPC instead (tests)."""
-        self._fell_back_from: set[str] = set()
+        self._fell_back_from: set[str] = set()  # peers whose bulk failure was logged
         self._buffers = threading.local()
 
     def close(self) -> None:
@@ -346,8 +344,7 @@ class PeerFetcher:
             os.close(fd)
 
     def _fell_back(self, peer: Peer, exc: Exception) -> None:
-        """Count a bulk read that failed over to gRPC; logged once per peer."""
-        self.fallbacks += 1
+        """Log, once per peer, a bulk read that failed over to gRPC."""
         if peer.node not in self._fell_back_from:
             self._fell_back_from.add(peer.node)
             log.warning("peer %s: replica data port failed (%s); reading through its "
