@@ -199,11 +199,11 @@ class BulkServer:
                     raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                     raw.settimeout(min(AUTH_SECONDS, self.deadline))
                     if self._tls is None:
-                        self._handle(raw, raw, gate)
+                        self._handle(raw, gate)
                     else:  # a caller without a certificate from the CA fails the handshake
                         context = self._tls.server_context()  # renewed files: taken here
                         with context.wrap_socket(raw, server_side=True) as conn:
-                            self._handle(conn, raw, gate)
+                            self._handle(conn, gate)
                 finally:
                     self._watchdog.disarm(gate.key)
         except OSError as exc:  # the other end went away, or its deadline passed
@@ -214,7 +214,7 @@ class BulkServer:
             if gate.slot:
                 self._open.release()
 
-    def _admit(self, conn: socket.socket, raw: socket.socket, gate: _Gate) -> None:
+    def _admit(self, conn: socket.socket, gate: _Gate) -> None:
         """The token is good: leave the unauthenticated, take a transfer slot, and run
         the rest of the request under the whole-request deadline."""
         if not self._watchdog.disarm(gate.key):
@@ -226,13 +226,13 @@ class BulkServer:
             raise Unavailable("too many transfers at once; try again")
         gate.slot = True
         left = gate.started + self.deadline - time.monotonic()
-        gate.key = self._watchdog.arm(raw, max(left, 0.0))
+        gate.key = self._watchdog.arm(conn, max(left, 0.0))
         conn.settimeout(max(min(left, self.deadline), 0.001))
 
-    def _handle(self, conn: socket.socket, raw: socket.socket, gate: _Gate) -> None:
+    def _handle(self, conn: socket.socket, gate: _Gate) -> None:
         try:
             self._authenticate(conn)
-            self._admit(conn, raw, gate)
+            self._admit(conn, gate)
             req = self._request(conn)
             op = "put" if req.get("op") == "put" else "get"
             if faults.armed(f"peer.bulk_{op}"):  # tests: a listener that fails

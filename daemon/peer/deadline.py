@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ class Watchdog:
     def arm(self, sock: socket.socket, seconds: float) -> int:
         """Shut ``sock`` down in ``seconds`` unless :meth:`disarm` comes first; the key
         to disarm it with."""
-        own = sock.dup()
+        own = socket.socket(fileno=os.dup(sock.fileno()))  # an SSLSocket has no dup()
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
