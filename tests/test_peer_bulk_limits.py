@@ -265,6 +265,12 @@ def _restore_from_peer(cluster: Cluster, saved: dict[str, Any]) -> None:
     same(tree, saved)
     fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 3)
     assert [dict(e.attributes) for e in fetched] == [{"node": "node-b", "via": "peer"}]
+    # Counted by node-b's serving thread after its last send: it may come after the
+    # restore is done.
+    deadline = time.monotonic() + BOUND
+    while b.status().peer_served_bytes < b.status().replicas_held_bytes:
+        assert time.monotonic() < deadline, b.status()
+        time.sleep(0.05)
     assert b.status().peer_served_bytes == b.status().replicas_held_bytes
 
 
