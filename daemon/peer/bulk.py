@@ -26,6 +26,12 @@ The protocol, one request per connection:
   (held already: send nothing) or ``GO``; then the replica's rank files back to
   back in manifest order; answer ``OK`` and the size once the replica is held.
 - any refusal or failure: ``ER``, a 4-byte length and a UTF-8 reason.
+
+Limits (:class:`BulkServer`): a caller must show the token within
+:data:`AUTH_SECONDS` before it takes a transfer slot; a ``get`` is cut at
+``peer_bulk_deadline_seconds`` from its connection, a ``put`` after
+``peer_idle_seconds`` without a byte. The reading and pushing sides fall back to
+the Peer gRPC service when this listener fails them (fetch.py, replicator.py).
 """
 
 from __future__ import annotations
