@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def test_whole_files_and_ranges_come_back_exact(served: BulkServer) -> None:
     assert _read(served, _req(offset=12345, length=3_000_001)) == DATA[12345:3_012_346]
     assert _read(served, _req(file="rank-00001.safetensors", length=4)) == b"tiny"
     assert _read(served, _req(offset=len(DATA), length=0)) == b""
+    # Counted by the serving thread after its last send: the reader may finish first.
+    deadline = time.monotonic() + 60
+    while served.served_bytes < len(DATA) + 3_000_001 + 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert served.served_bytes == len(DATA) + 3_000_001 + 4
 
 

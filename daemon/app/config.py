@@ -173,6 +173,14 @@ class Config:
     save loop leaves no gap; the replica is the node-loss copy)."""
     peer_budget_bytes: int = 64 * 2**30
     """Disk this daemon gives to replicas of other nodes' steps."""
+    peer_bulk_deadline_seconds: float = 120.0
+    """Seconds one request to the bulk data listener may take from its connection, a
+    ranged read's bytes included (a caller that trickles is cut there); a caller has
+    at most 5 s of it to show the token."""
+    peer_idle_seconds: float = 300.0
+    """Seconds a replica being received may go without a byte before it is dropped
+    with its share of ``peer_budget_bytes``; more than ``peer_max_lag_seconds`` (a
+    sender pauses for its node's saves that long)."""
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     """``HOST:PORT`` of the HTTP endpoint with ``/metrics`` (Prometheus), ``/healthz`` and
     ``/readyz``; ``off`` to serve none. Port 0 picks a free port (shown in status). If
@@ -398,6 +406,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             "peer TLS needs all of peer_tls_cert_file, peer_tls_key_file and "
             "peer_tls_ca_file (the node's certificate, its key, the peers' CA)"
+        )
+    if cfg.peer_idle_seconds <= cfg.peer_max_lag_seconds:
+        raise ConfigError(
+            f"invalid value for 'peer_idle_seconds': {cfg.peer_idle_seconds}; it must exceed "
+            f"peer_max_lag_seconds ({cfg.peer_max_lag_seconds}), or a replica whose sender "
+            "pauses for its saves is dropped"
         )
     for entry in cfg.peers:
         if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}", entry):

@@ -26,6 +26,12 @@ The protocol, one request per connection:
   (held already: send nothing) or ``GO``; then the replica's rank files back to
   back in manifest order; answer ``OK`` and the size once the replica is held.
 - any refusal or failure: ``ER``, a 4-byte length and a UTF-8 reason.
+
+Limits (:class:`BulkServer`): a caller must show the token within
+:data:`AUTH_SECONDS` before it takes a transfer slot; a ``get`` is cut at
+``peer_bulk_deadline_seconds`` from its connection, a ``put`` after
+``peer_idle_seconds`` without a byte. The reading and pushing sides fall back to
+the Peer gRPC service when this listener fails them (fetch.py, replicator.py).
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
-from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated
+from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated, Unavailable
 from ckptd.core.names import check_name, check_step
 
 from .. import faults
+from .deadline import Watchdog
 from .link import CHUNK
 from .replicas import Held, ReplicaStore
 from .tls import PeerTls
@@ -54,16 +62,25 @@ MAGIC = b"CKPTDPD2"
 MAX_TOKEN = 1024
 MAX_REQUEST = 64 * 2**20
 """A put's manifest (thousands of shards); read only from a caller with the token."""
-REQUEST_SECONDS = 10.0
-"""How long a caller may take to send its request (then it is dropped)."""
+AUTH_SECONDS = 5.0
+"""How long a caller has, from its connection, to show the token (the TLS handshake
+included); the request deadline cuts it shorter when that is shorter."""
+MAX_UNAUTHENTICATED = 64
+"""Connections not yet past the token check at once; more are closed at once."""
+MAX_UNAUTHENTICATED_PER_SOURCE = 8
+"""Of those, from one address (a restoring peer opens a handful)."""
+DEADLINE_SECONDS = 120.0
+"""Default of ``peer_bulk_deadline_seconds``: a whole request, a ranged read's bytes
+included (a range is at most 64 MiB)."""
 IDLE_SECONDS = 60.0
 """How long a reader waits on a silent peer mid-transfer."""
-PUT_IDLE_SECONDS = 900.0
-"""How long a receiver waits on a silent sender (it yields to its node's saves for
-up to ``peer_max_lag_seconds``)."""
+PUT_IDLE_SECONDS = 300.0
+"""Default of ``peer_idle_seconds``: how long a receiver waits on a silent sender
+(it yields to its node's saves for up to ``peer_max_lag_seconds``)."""
 SEND_CHUNK = 8 * 2**20
 """Bytes per ``sendfile`` call (the failpoint between calls: tests)."""
 MAX_CONNECTIONS = 32
+"""Authenticated transfers at once."""
 
 
 def request_frame(token: str, request: dict[str, Any]) -> bytes:
@@ -72,21 +89,61 @@ def request_frame(token: str, request: dict[str, Any]) -> bytes:
     return MAGIC + struct.pack("<I", len(key)) + key + struct.pack("<I", len(body)) + body
 
 
+class _Gate:
+    """One connection's place in the listener's limits: among the unauthenticated
+    (by its source address) until the token is checked, then a transfer slot."""
+
+    def __init__(self, source: str, started: float, key: int) -> None:
+        self.source, self.started, self.key = source, started, key
+        self.ident = key  # its place among the unauthenticated (key changes later)
+        self.waiting = True  # counted among the unauthenticated
+        self.slot = False  # holds a transfer slot
+
+
 class BulkServer:
     """Serves and takes replica bytes for the daemons holding the token, one thread
-    per connection (socket calls and ``sendfile`` run outside the interpreter lock)."""
+    per connection (socket calls and ``sendfile`` run outside the interpreter lock).
 
-    def __init__(self, store: ReplicaStore, token: str, tls: PeerTls | None = None) -> None:
+    A connection holds nothing scarce until it has shown the token: the callers
+    without it share :data:`MAX_UNAUTHENTICATED` places (at most
+    :data:`MAX_UNAUTHENTICATED_PER_SOURCE` per address, a newcomer closing the
+    oldest when they are full: a daemon sends its token in its first bytes, so idle
+    connections cannot keep it out) and :data:`AUTH_SECONDS`; only then does it
+    take one of the :data:`MAX_CONNECTIONS` transfer slots. A request (a ranged
+    read's bytes included) is cut at ``deadline`` seconds from its connection
+    whatever it trickles; a put, whose sender may pause for its node's saves, is
+    cut after ``idle`` seconds without a byte instead."""
+
+    def __init__(
+        self,
+        store: ReplicaStore,
+        token: str,
+        tls: PeerTls | None = None,
+        deadline: float = DEADLINE_SECONDS,
+        idle: float = PUT_IDLE_SECONDS,
+    ) -> None:
         self.store, self._token = store, token.encode()
         self._tls = tls
+        self.deadline, self.idle = deadline, idle
         self._sock: socket.socket | None = None
         self._open = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
+        # The unauthenticated connections, oldest first: all, and by address.
+        self._waiting: dict[int, _Gate] = {}
+        self._by_source: dict[str, dict[int, _Gate]] = {}
+        self._watchdog = Watchdog("ckptd-peer-bulk-deadline")
         self.served_bytes = 0
         """Bytes of replica files sent to restoring nodes (metrics)."""
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
+        self.evicted = 0
+        """Unauthenticated connections closed to make room for newer ones (tests)."""
         self.port = 0
+
+    @property
+    def cut(self) -> int:
+        """Connections cut at their deadline or evicted (tests)."""
+        return self._watchdog.fired
 
     def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: any free port); the port."""
@@ -110,38 +167,86 @@ class BulkServer:
         assert self._sock is not None
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except OSError:
                 return  # closed: the daemon stops
-            if not self._open.acquire(blocking=False):
-                log.warning("peer data connection refused: %d transfers at once", MAX_CONNECTIONS)
-                if self._tls is None:
-                    _refuse(conn, "too many transfers at once; try again")
-                else:  # no plain-text reason inside a TLS handshake: the caller sees it close
-                    conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            # The token's deadline runs from the connection, the handshake included.
+            gate = _Gate(str(addr[0]), time.monotonic(), 0)
+            gate.key = gate.ident = self._watchdog.arm(conn, min(AUTH_SECONDS, self.deadline))
+            with self._lock:
+                mine = self._by_source.setdefault(gate.source, {})
+                victim = None
+                if len(mine) >= MAX_UNAUTHENTICATED_PER_SOURCE:
+                    victim = next(iter(mine.values()))
+                elif len(self._waiting) >= MAX_UNAUTHENTICATED:
+                    victim = next(iter(self._waiting.values()))
+                if victim is not None:
+                    self._forget(victim)
+                    self.evicted += 1
+                mine[gate.ident] = self._waiting[gate.ident] = gate
+            if victim is not None:  # not logged: whoever floods the port would flood the log
+                self._watchdog.fire(victim.key)
+            threading.Thread(target=self._serve, args=(conn, gate), daemon=True).start()
 
-    def _serve(self, raw: socket.socket) -> None:
+    def _forget(self, gate: _Gate) -> None:
+        """``gate`` is no longer among the unauthenticated (under the lock)."""
+        if gate.waiting:
+            gate.waiting = False
+            del self._waiting[gate.ident]
+            mine = self._by_source[gate.source]
+            del mine[gate.ident]
+            if not mine:
+                del self._by_source[gate.source]
+
+    def _serve(self, raw: socket.socket, gate: _Gate) -> None:
         try:
             with raw:
-                raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                raw.settimeout(REQUEST_SECONDS)  # the TLS handshake included
-                if self._tls is None:
-                    self._handle(raw)
-                else:  # a caller without a certificate from the CA fails the handshake
-                    context = self._tls.server_context()  # renewed files: taken here
-                    with context.wrap_socket(raw, server_side=True) as conn:
-                        self._handle(conn)
-        except OSError as exc:  # the other end went away: it tries another peer
+                try:
+                    raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    raw.settimeout(min(AUTH_SECONDS, self.deadline))
+                    if self._tls is None:
+                        self._handle(raw, gate)
+                    else:  # a caller without a certificate from the CA fails the handshake
+                        context = self._tls.server_context()  # renewed files: taken here
+                        with context.wrap_socket(raw, server_side=True) as conn:
+                            self._handle(conn, gate)
+                finally:
+                    self._watchdog.disarm(gate.key)
+        except OSError as exc:  # the other end went away, or its deadline passed
             log.info("peer transfer ended early: %s", exc)
         finally:
-            self._open.release()
+            with self._lock:
+                self._forget(gate)
+            if gate.slot:
+                self._open.release()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, gate: _Gate) -> None:
+        """The token is good: leave the unauthenticated, take a transfer slot, and run
+        the rest of the request under the whole-request deadline."""
+        if not self._watchdog.disarm(gate.key):
+            raise OSError("the token came after its deadline, or newer connections took its place")
+        with self._lock:
+            self._forget(gate)
+        if not self._open.acquire(blocking=False):
+            log.warning("peer data connection refused: %d transfers at once", MAX_CONNECTIONS)
+            raise Unavailable("too many transfers at once; try again")
+        gate.slot = True
+        left = gate.started + self.deadline - time.monotonic()
+        gate.key = self._watchdog.arm(conn, max(left, 0.0))
+        conn.settimeout(max(min(left, self.deadline), 0.001))
+
+    def _handle(self, conn: socket.socket, gate: _Gate) -> None:
         try:
+            self._authenticate(conn)
+            self._admit(conn, gate)
             req = self._request(conn)
-            if req.get("op") == "put":
+            op = "put" if req.get("op") == "put" else "get"
+            if faults.armed(f"peer.bulk_{op}"):  # tests: a listener that fails
+                faults.hit(f"peer.bulk_{op}")
+            if op == "put":
+                # A put's bytes come as its sender reads them, pausing for its node's
+                # saves: bounded by silence, not by a deadline.
+                self._watchdog.disarm(gate.key)
                 self._put(conn, req)
                 return
             path, offset, length = self._get_target(req)
@@ -150,12 +255,12 @@ class BulkServer:
             _refuse(conn, str(exc))
             return
         try:
-            conn.settimeout(IDLE_SECONDS)
+            conn.settimeout(min(IDLE_SECONDS, self.deadline))
             self._send(conn, fd, offset, length)
         finally:
             os.close(fd)
 
-    def _request(self, conn: socket.socket) -> dict[str, Any]:
+    def _authenticate(self, conn: socket.socket) -> None:
         head = _recv_exact(conn, len(MAGIC) + 4)
         if head[: len(MAGIC)] != MAGIC:
             raise InvalidArgument("not a ckptd peer data request")
@@ -166,6 +271,8 @@ class BulkServer:
                 "peer data request without the shared token: give every daemon the "
                 "same peer_token_file"
             )
+
+    def _request(self, conn: socket.socket) -> dict[str, Any]:
         (size,) = struct.unpack("<I", _recv_exact(conn, 4))
         if size > MAX_REQUEST:
             raise InvalidArgument(f"request of {size} bytes (at most {MAX_REQUEST})")
@@ -219,7 +326,7 @@ class BulkServer:
         incoming = begun
         try:
             conn.sendall(b"GO")
-            conn.settimeout(PUT_IDLE_SECONDS)
+            conn.settimeout(self.idle)
             left = sum(r.size for r in incoming.manifest.ranks)
             view = memoryview(bytearray(CHUNK))
             while left:
@@ -230,7 +337,12 @@ class BulkServer:
                 left -= n
             held = incoming.finish()
         except BaseException as exc:
-            incoming.abort()
+            incoming.abort()  # its budget reservation with it
+            if isinstance(exc, TimeoutError):
+                log.warning("a replica of %s from a silent sender dropped", job)
+                exc = Unavailable(
+                    f"no replica bytes for {self.idle:g} s (peer_idle_seconds): dropped"
+                )
             if isinstance(exc, CkptdError):  # refused mid-stream (a crc, a size)
                 _refuse(conn, str(exc))
                 return

@@ -29,7 +29,7 @@ from typing import Protocol
 import google_crc32c
 
 from ckptd.core import checksum
-from ckptd.core.errors import DataLoss, NotFound
+from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.manifest import Manifest, ManifestInvalid, RankRecord
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -52,6 +52,15 @@ STREAMS = 4
 RANGE_BYTES = 64 * 2**20
 """Bytes per ranged read: a big file is read over several connections at once."""
 BUFFER_BYTES = 4 * 2**20
+
+
+def _check(record: RankRecord, crc: int, size: int) -> None:
+    """DataLoss unless the bytes that came are the manifest's."""
+    if size != record.size or crc != record.crc32c:
+        raise DataLoss(
+            f"{record.file} came as {size} bytes with crc32c {crc:08x}, not "
+            f"{record.size} with {record.crc32c:08x}"
+        )
 
 
 class PrestageMemory(Protocol):
@@ -115,6 +124,7 @@ class PeerFetcher:
         # Blocking socket reads: their own threads, never the I/O pool's, which
         # saves need while a restore is under way.
         self._streams = concurrent.futures.ThreadPoolExecutor(STREAMS, "ckptd-peer-get")
+        self._fell_back_from: set[str] = set()  # peers whose bulk failure was logged
         self._buffers = threading.local()
 
     def close(self) -> None:
@@ -338,17 +348,25 @@ class PeerFetcher:
         try:
             place = _Placer(fd)
             if peer.data_port:
-                crc, size = await self._ranges(peer, manifest, record, place)
+                try:
+                    _check(record, *await self._ranges(peer, manifest, record, place))
+                except (DataLoss, Unavailable) as exc:
+                    # Refused, cut, timed out or corrupt on the bulk listener: the same
+                    # peer's gRPC service may still give it (its own port, flow control).
+                    self._fell_back(peer, exc)
+                    _check(record, *await self._stream(peer, manifest, record, place))
             else:
-                crc, size = await self._stream(peer, manifest, record, place)
-            if size != record.size or crc != record.crc32c:
-                raise DataLoss(
-                    f"{record.file} came as {size} bytes with crc32c {crc:08x}, not "
-                    f"{record.size} with {record.crc32c:08x}"
-                )
+                _check(record, *await self._stream(peer, manifest, record, place))
             await self.io.run(os.fsync, fd)
         finally:
             os.close(fd)
+
+    def _fell_back(self, peer: Peer, exc: Exception) -> None:
+        """Log, once per peer, a bulk read that failed over to gRPC."""
+        if peer.node not in self._fell_back_from:
+            self._fell_back_from.add(peer.node)
+            log.warning("peer %s: replica data port failed (%s); reading through its "
+                        "Peer service instead", peer.node, exc)  # fmt: skip
 
     async def _ranges(
         self, peer: Peer, manifest: Manifest, record: RankRecord, place: _Placer

@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
+from ckptd.core.errors import DataLoss, Unavailable
 from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -72,6 +73,7 @@ class Replicator:
         self.sent_bytes = 0
         """Bytes of replicas sent (metrics)."""
         self.last_error = ""
+        self._fell_back_from: set[str] = set()
         self.saves_idle = asyncio.Event()
         """Set while no save is being written on this node (replication waits)."""
         self.saves_idle.set()
@@ -179,18 +181,7 @@ class Replicator:
             if manifest is None:
                 return False
             try:
-                if peer.data_port:
-                    request = {"job": st.job, "step": st.step, "manifest": manifest.to_json()}
-                    await push(
-                        peer.data_address,
-                        self.peers.token,
-                        request,
-                        lambda: self._pieces(st, manifest),
-                        sum(r.size for r in manifest.ranks),
-                        self.peers.tls,
-                        peer.host,
-                    )
-                else:
+                if not peer.data_port or not await self._push(peer, st, manifest):
                     await self.peers.stub(peer.address).PutReplica(
                         self._chunks(st, manifest),
                         metadata=self.peers.metadata,
@@ -200,6 +191,29 @@ class Replicator:
                 self.peers.fail(f"{peer.node} ({peer.address})", exc)
                 return False
         log.info("%s/%d replicated to %s", st.job, st.step, peer.node)
+        return True
+
+    async def _push(self, peer: Peer, st: Step, manifest: Manifest) -> bool:
+        """``st`` to ``peer``'s bulk listener; False (logged once per peer) if that
+        failed for a reason its Peer service may not share (the data port refused,
+        cut or timed out): the caller sends it with PutReplica instead."""
+        request = {"job": st.job, "step": st.step, "manifest": manifest.to_json()}
+        try:
+            await push(
+                peer.data_address,
+                self.peers.token,
+                request,
+                lambda: self._pieces(st, manifest),
+                sum(r.size for r in manifest.ranks),
+                self.peers.tls,
+                peer.host,
+            )
+        except (DataLoss, Unavailable) as exc:
+            if peer.node not in self._fell_back_from:
+                self._fell_back_from.add(peer.node)
+                log.warning("peer %s: replica data port failed (%s); sending through its "
+                            "Peer service instead", peer.node, exc)  # fmt: skip
+            return False
         return True
 
     async def _chunks(self, st: Step, manifest: Manifest) -> AsyncIterator[pb.ReplicaChunk]:

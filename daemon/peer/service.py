@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ckptd.core.errors import CkptdError, InvalidArgument
+from ckptd.core.errors import CkptdError, InvalidArgument, Unavailable
 from ckptd.core.manifest import ManifestInvalid
 from ckptd.core.names import check_name, check_step
 from ckptd.proto import ckptd_pb2 as pb
@@ -45,10 +45,13 @@ class PeerServicer(pb_grpc.PeerServicer):
         run: Run,
         on_replica: Callable[[Held], None] = lambda h: None,
         sender_check: SenderCheck | None = None,
+        idle: float = 300.0,
     ) -> None:
         self.node, self._token, self.store, self._run = node, token, store, run
         self.sender_check = sender_check
         """Who may send which node's replicas (None: this servicer takes none)."""
+        self.idle = idle
+        """Seconds a PutReplica stream may stay silent (``peer_idle_seconds``)."""
         self._on_replica = on_replica
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
@@ -92,7 +95,7 @@ class PeerServicer(pb_grpc.PeerServicer):
         await self._check(context)
         incoming = None
         try:
-            first = await anext(request_iterator, None)
+            first = await self._next(request_iterator)
             if first is None or not first.manifest_json:
                 raise InvalidArgument("a PutReplica starts with the replica's manifest")
             if self.sender_check is None:
@@ -104,7 +107,7 @@ class PeerServicer(pb_grpc.PeerServicer):
             incoming = begun
             if first.data:
                 await self._run(incoming.write, first.data)
-            async for chunk in request_iterator:
+            while (chunk := await self._next(request_iterator)) is not None:
                 await self._run(incoming.write, chunk.data)
             held = await self._run(incoming.finish)
         except BaseException as exc:
@@ -118,6 +121,17 @@ class PeerServicer(pb_grpc.PeerServicer):
         )
         self._on_replica(held)
         return pb.PutReplicaResponse(size_bytes=held.size)
+
+    async def _next(self, chunks: AsyncIterator[pb.ReplicaChunk]) -> pb.ReplicaChunk | None:
+        """The stream's next chunk (None: its end). A sender silent for ``idle``
+        seconds is dropped: its replica's budget reservation must not be held for
+        ever by a stream that claimed a size and stopped."""
+        try:
+            return await asyncio.wait_for(anext(chunks, None), self.idle)
+        except TimeoutError:
+            raise Unavailable(
+                f"no replica bytes for {self.idle:g} s (peer_idle_seconds): dropped"
+            ) from None
 
     async def GetReplicaFile(
         self, request: pb.GetReplicaFileRequest, context: Any

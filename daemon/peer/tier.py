@@ -56,9 +56,21 @@ class PeerTier:
         # A replica is taken only from the node it claims to be (identity.py).
         self.sender_check = SenderCheck(cfg.peer_identity, self.peers)
         self.servicer = PeerServicer(
-            cfg.node_id, token, self.store, io.run, sender_check=self.sender_check
+            cfg.node_id,
+            token,
+            self.store,
+            io.run,
+            sender_check=self.sender_check,
+            idle=cfg.peer_idle_seconds,
         )
-        self.bulk = BoundBulkServer(self.sender_check, self.store, token, self.tls)
+        self.bulk = BoundBulkServer(
+            self.sender_check,
+            self.store,
+            token,
+            self.tls,
+            cfg.peer_bulk_deadline_seconds,
+            cfg.peer_idle_seconds,
+        )
         self.data_port = cfg.peer_data_port
         self.replicator: Replicator | None = None
         self.fetcher: PeerFetcher | None = None
