@@ -24,7 +24,8 @@ from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
 from ..retention.policies import Policy, PolicyError, parse_policy
-from .config_checks import ConfigError, validate
+from .config_checks import ConfigError as ConfigError  # re-exported: callers import it from here
+from .config_checks import validate
 
 DEFAULT_ROOT = "/var/lib/ckptd"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
