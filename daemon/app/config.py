@@ -122,6 +122,11 @@ class Config:
     """Groups (gids or names) whose members may use every job."""
     shared_jobs: tuple[str, ...] = ()
     """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
+    sessions_per_uid: int = 0
+    """Sessions (connected clients) one uid may hold at once; root and the daemon's
+    uid are not counted. 0: three quarters of the daemon's session limit (a quarter
+    of its fd limit), so one user cannot take every slot from the others while a
+    single-user node keeps room for all its clients."""
     peer_address: str = "off"
     """``HOST:PORT`` (TCP) where the Peer service takes and serves replicas of other
     daemons' steps; ``off``: none (port 0: any free port, shown in status)."""
@@ -367,6 +372,11 @@ def _validate(cfg: Config) -> None:
     for pattern in cfg.shared_jobs:
         if "/" in pattern or not pattern:
             raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")
+    if cfg.sessions_per_uid < 0:
+        raise ConfigError(
+            f"invalid value for 'sessions_per_uid': {cfg.sessions_per_uid}; use a number of "
+            "sessions, or 0 for three quarters of the daemon's session limit"
+        )
 
 
 _NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")

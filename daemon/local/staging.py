@@ -439,3 +439,7 @@ class Staging:
             # A thread still reads or writes through a view (a failed transfer being
             # wound down): unmapping now would crash it, so the pages go at exit.
             log.warning("segment %s is still in use; it is unmapped at exit", seg.name)
+
+    def owned_by(self, owner: tuple[int, int]) -> list[str]:
+        """The uncommitted leases granted to process ``owner`` (``(uid, pid)``)."""
+        return [i for i, le in self._leases.items() if le.owner == owner and not le.committed]
