@@ -5,16 +5,18 @@ directory. Opening it must not leave its jobs open to every user (the first to
 touch one would own it), so start-up gives each job found there the owner its
 files show: the one uid, other than the operators', that owns files of the job
 (adopted files hard-linked in, the job's watched directory created for its
-user). Where the daemon wrote every file itself and no such uid exists, or
-several do, the job is recorded as :data:`UNASSIGNED`: closed to everyone but
-operators until an operator assigns it with ``ckptd own JOB USER``
-(:func:`assign`). The records are built in a side directory renamed into place
-at the end, so a start-up that dies halfway does it again from the start
-instead of leaving some jobs without a record.
+user) or asked for its watch (``<root>/.watched.json`` records who). Where the
+daemon wrote every file itself and no such uid exists, or several do, the job is
+recorded as :data:`UNASSIGNED`: closed to everyone but operators until an
+operator assigns it with ``ckptd own JOB USER`` (:func:`assign`). The records
+are built in a side directory renamed into place at the end, so a start-up that
+dies halfway does it again from the start instead of leaving some jobs without
+a record.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -33,6 +35,8 @@ UNASSIGNED = -1
 """The owner of a job whose owner could not be told: no uid matches it."""
 ORBAX_DIR = ".orbax"
 """Watched directories of jobs (adopt/adopter.py): created for the watching user."""
+WATCH_FILE = ".watched.json"
+"""The persisted watches (adopt/adopter.py), each with the uid that asked for it."""
 MAX_FILES_LOOKED_AT = 10_000
 """Files of one job whose owner is looked at: enough to find an adopted file."""
 
@@ -60,14 +64,19 @@ def read_one(path: Path) -> int:
 def infer(root: Path, operators: frozenset[int]) -> dict[str, int]:
     """Owners for the jobs of a root that has no owner records (see the module doc)."""
     owners: dict[str, int] = {}
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
-            continue
+    watchers = _watch_callers(root / WATCH_FILE)
+    dirs = {
+        e.name
+        for e in os.scandir(root)
+        if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+    }
+    for name in sorted(dirs | set(watchers)):
         try:
-            job = check_name("job", entry.name)
+            job = check_name("job", name)
         except InvalidArgument:
             continue
-        uids = _file_uids(Path(entry.path), root / ORBAX_DIR / job) - operators
+        uids = _file_uids(root / job, root / ORBAX_DIR / job) | watchers.get(job, set())
+        uids -= operators
         if len(uids) == 1:
             owners[job] = uids.pop()
             log.warning("job %r had no owner record; its files say uid %d", job, owners[job])
@@ -81,6 +90,22 @@ def infer(root: Path, operators: frozenset[int]) -> dict[str, int]:
                 job,
             )
     return owners
+
+
+def _watch_callers(path: Path) -> dict[str, set[int]]:
+    """Job -> the uid that asked for its watch, from the adopter's record."""
+    try:
+        raw = json.loads(path.read_bytes())
+        return {
+            str(job): {int(w["caller"]["uid"])}
+            for job, w in raw.items()
+            if isinstance(w, dict) and isinstance(w.get("caller"), dict)
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("cannot read the watches in %s for job owners: %s", path, exc)
+        return {}
 
 
 def _file_uids(*tops: Path) -> set[int]:
