@@ -155,10 +155,10 @@ def test_old_root_jobs_stay_their_owners(node: Node) -> None:
     node.daemon.stop()
     shutil.rmtree(root / ".owners")  # as a release that kept no owner records left it
     node.daemon.start()
-    assert (root / ".owners" / "old-watched").read_text() == str(uid(a))
-    assert node.run(a, "restore", "old-watched")["ok"]
     got = node.run(b, "restore", "old-watched")
     assert got.get("error") == "PERMISSION_DENIED", got
+    assert node.run(a, "restore", "old-watched")["ok"]
+    assert (root / ".owners" / "old-watched").read_text() == str(uid(a))
     for user in (b, a):  # nothing tells whose it is: closed to every user
         for action, *args in (("restore",), ("save", "2")):
             got = node.run(user, action, "old-plain", *args)
@@ -204,6 +204,8 @@ def test_a_lock_on_a_dead_clients_liveness_file_keeps_no_lease(node: Node) -> No
         assert locker.read() == {"ok": True}
         holder.proc.kill()  # a dies without committing; b keeps the lock
         holder.proc.wait()
+        # A save takes back the leases of clients whose liveness file nobody locks.
+        assert node.run(b, "save", "live-b", "1") == {"ok": True}
         node.wait_until("a's lease came back", lambda: node.daemon.status().leases_held == 0)
     finally:
         holder.stop()

@@ -220,7 +220,7 @@ class Staging:
             if self.allocated_bytes + need > self.budget_bytes:
                 raise StagingBusy(
                     f"staging budget exhausted: {size_bytes} bytes are needed and "
-                    f"{self.in_use_bytes} of {self.budget_bytes} are held: {self.holders()}; "
+                    f"{self.in_use_bytes} of {self.budget_bytes} are held: {self.holders(uid)}; "
                     "wait for earlier saves to reach LOCAL or raise staging_budget_bytes"
                 )
             self._reserved += need
@@ -231,8 +231,9 @@ class Staging:
             self._segments[seg.name] = seg
         return self._grant(job, seg, restore, holder, owner=owner)
 
-    def holders(self) -> str:
-        """What holds the leased memory right now, in words (for capacity errors)."""
+    def holders(self, uid: int | None = None) -> str:
+        """What holds the leased memory right now, in words (for capacity errors);
+        ``uid``: name only that user's jobs (the error goes to that user)."""
         kinds: dict[str, list[Lease]] = {}
         for lease in self._leases.values():
             if lease.committed:
@@ -247,7 +248,8 @@ class Staging:
         now = self._clock()
         parts = []
         for kind, leases in kinds.items():
-            jobs = sorted({lease.job for lease in leases})
+            jobs = sorted({le.job for le in leases if uid is None or le.segment.uid == uid})
+            jobs += ["other users'"] if len(jobs) < len({le.job for le in leases}) else []
             oldest = max(now - lease.granted_at for lease in leases)
             parts.append(
                 f"{sum(lease.segment.size for lease in leases)} bytes in {len(leases)} {kind} "
