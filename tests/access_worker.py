@@ -16,13 +16,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from security_worker import act as security_act  # noqa: E402
+from security_worker import act as security_act
 
-from ckptd.client import Client  # noqa: E402
-from ckptd.client.handoff import Liveness  # noqa: E402
-from ckptd.core.errors import CkptdError  # noqa: E402
-from ckptd.core.session import Session  # noqa: E402
-from ckptd.proto import ckptd_pb2 as pb  # noqa: E402
+from ckptd.client import Client
+from ckptd.client.handoff import Liveness
+from ckptd.core.errors import CkptdError
+from ckptd.core.session import Session
+from ckptd.proto import ckptd_pb2 as pb
 
 
 def say(message: dict[str, Any]) -> None:
