@@ -110,9 +110,11 @@ def test_wait_gone_follows_the_process_not_its_pid(tmp_path: Path) -> None:
         await asyncio.sleep(0)
         assert not waiting.done()
         child.kill()
-        await waiting  # returns at the exit (a zombie counts), not after the hour
+        assert await waiting  # at the exit (a zombie counts), not after the hour
         # A pid whose start time differs names another process: gone at once.
-        await wait_gone(os.getpid(), (process_start(os.getpid()) or 0) + 1, 3600.0)
+        assert await wait_gone(os.getpid(), (process_start(os.getpid()) or 0) + 1, 3600.0)
+        # A live process: still there when the wait ends.
+        assert not await wait_gone(os.getpid(), process_start(os.getpid()), 0.01)
 
     asyncio.run(asyncio.wait_for(scenario(), 600))
     child.wait()

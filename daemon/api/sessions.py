@@ -135,7 +135,9 @@ class SessionServer:
         self.sessions: dict[str, Peer] = {}
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._watchers: set[asyncio.Task[None]] = set()
+        self._watchers: dict[tuple[int, int], asyncio.Task[None]] = {}
+        """One per process whose sessions all closed: waits for its exit."""
+        self._left_at: dict[tuple[int, int], float] = {}
         self._accepting: asyncio.Task[None] | None = None
         self.max_sessions = session_limit()
         # A reserve of a quarter stays for the other users of a shared node.
@@ -171,9 +173,9 @@ class SessionServer:
             self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accepting
-        for task in [*self._tasks, *self._watchers]:
+        for task in [*self._tasks, *self._watchers.values()]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._watchers, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._watchers.values(), return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
         self.path.unlink(missing_ok=True)
@@ -257,12 +259,25 @@ class SessionServer:
         if self._of_process[peer.process] > 0:
             return
         del self._of_process[peer.process]
-        task = asyncio.get_running_loop().create_task(self._after_last(peer))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
+        loop = asyncio.get_running_loop()
+        self._left_at[peer.process] = loop.time()
+        if peer.process in self._watchers:  # one watcher per process, however often it leaves
+            return
+        task = loop.create_task(self._after_last(peer))
+        self._watchers[peer.process] = task
+        task.add_done_callback(lambda _: self._watchers.pop(peer.process, None))
 
     async def _after_last(self, peer: Peer) -> None:
-        await wait_gone(peer.pid, peer.started, self.idle_seconds)
+        loop = asyncio.get_running_loop()
+        wait = self.idle_seconds
+        while not await wait_gone(peer.pid, peer.started, wait):
+            if self._of_process[peer.process]:
+                return  # it has a session again: its next leaving starts a new wait
+            # Still running without a session: away idle_seconds since it last left?
+            wait = self._left_at[peer.process] + self.idle_seconds - loop.time()
+            if wait <= 0:
+                break
+        self._left_at.pop(peer.process, None)
         if self._of_process[peer.process] == 0:  # it opened no session since
             self.on_process_gone(peer.process)
 

@@ -79,24 +79,24 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-async def wait_gone(pid: int, started: int | None, timeout: float) -> None:
-    """Return once process ``pid``, started at ``started``, has exited (a zombie
-    counts as exited), or after ``timeout`` seconds if it still runs. A process
-    that cannot be followed (no pidfd on this kernel, a pid of another
-    namespace) is waited for the whole timeout."""
+async def wait_gone(pid: int, started: int | None, timeout: float) -> bool:
+    """True once process ``pid``, started at ``started``, has exited (a zombie
+    counts as exited); False after ``timeout`` seconds if it still runs. A process
+    that cannot be followed (no pidfd on this kernel, a pid of another namespace)
+    is waited for the whole timeout."""
     if pid <= 0 or started is None:
         await asyncio.sleep(timeout)
-        return
+        return False
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        return  # exited and reaped already
+        return True  # exited and reaped already
     except OSError:
         await asyncio.sleep(timeout)
-        return
+        return False
     try:
         if process_start(pid) != started:
-            return  # the pid names a later process: ours is gone
+            return True  # the pid names a later process: ours is gone
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()
 
@@ -108,8 +108,9 @@ async def wait_gone(pid: int, started: int | None, timeout: float) -> None:
         try:
             await asyncio.wait_for(exited, timeout)
         except TimeoutError:
-            pass
+            return False
         finally:
             loop.remove_reader(fd)
+        return True
     finally:
         os.close(fd)
