@@ -55,6 +55,9 @@ def test_a_job_is_reserved_while_its_first_call_runs(tmp_path: Path) -> None:
     first.__enter__()
     with pytest.raises(PermissionDenied):  # another uid, meanwhile
         acc.check_job(peer(OTHER), "j")
+    acc.allow_uids = frozenset({OTHER + 1})
+    with acc.claiming(peer(OTHER + 1), "j"):  # allowed on every job: uses it, claims nothing
+        assert acc.owner_of("j") == USER
     second = acc.claiming(peer(USER, pid=8), "j")  # the same uid joins the reservation
     second.__enter__()
     refused = ValueError("refused")

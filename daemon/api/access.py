@@ -135,7 +135,10 @@ class Access:
         if job not in self.owners and not self.privileged(peer):
             self._reread(job)  # once per job: assigned by `ckptd own` while we ran?
         self.check_job(peer, job)
-        reserving = job in self._claims or (job not in self.owners and not self.privileged(peer))
+        if job in self._claims:  # reserved: its uid's calls join, others just use it
+            reserving = self.owners[job] == peer.uid
+        else:
+            reserving = job not in self.owners and not self.privileged(peer)
         if not reserving:
             yield
             return
@@ -152,7 +155,11 @@ class Access:
                     del self._claims[job], self.owners[job]
             raise
         if self._claims.pop(job, None) is not None:  # the first to succeed records it
-            write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
+            try:
+                write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
+            except FileExistsError:  # `ckptd own` assigned it meanwhile: its record stands
+                self._reread(job)
+                return
             log.info("job %r belongs to uid %d from now on", job, peer.uid)
 
     def _reread(self, job: str) -> None:
