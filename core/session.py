@@ -94,6 +94,9 @@ class Session:
                 f"{path}: {exc.strerror or exc}): is `ckptd serve` running there, and is this "
                 "user in the socket's group? (set CKPTD_SOCKET or pass socket=...)"
             ) from None
+        if "error" in hello:  # refused (too many sessions): the daemon says what to do
+            sock.close()
+            raise from_status(grpc.StatusCode[hello["error"]], str(hello.get("message", "")))
         self._sock, self._pid = sock, os.getpid()
         self.token, self.uid = str(hello["session"]), int(hello["uid"])
 

@@ -1,8 +1,12 @@
 """Who may do what: jobs belong to a uid, memory to a process, paths to their readers.
 
-- **Jobs.** A job belongs to the uid that first acted on it (saved, restored,
-  adopted, watched, pinned); the owner is recorded in ``<root>/.owners/<job>``
-  before the first byte of the job is written, so it survives restarts. Another
+- **Jobs.** A job belongs to the uid whose call on it first succeeded (a lease
+  granted, a step adopted, a directory watched, a pin set); the owner is recorded
+  in ``<root>/.owners/<job>`` (owners.py) when that call succeeds, so a refused
+  call claims nothing, and a lease is granted before the first byte of the job is
+  written, so the record survives restarts. While the first call runs, the job is
+  reserved for its uid in memory. A root written before owners were recorded gets
+  its records from its files at start-up (owners.py), never opening a job to all. Another
   uid is refused with PERMISSION_DENIED unless the operator allows it: uids in
   ``allow_uids`` and members of a group in ``allow_gids`` may use every job;
   jobs matching a pattern in ``shared_jobs`` may be used by anyone who reaches
@@ -22,25 +26,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptd.core.errors import InvalidArgument, NotFound, PermissionDenied
-from ckptd.core.names import check_name
+from ckptd.core.errors import NotFound, PermissionDenied
 
 from ..adopt.paths import Caller
 from ..local.files import write_synced
 from ..local.staging import Staging
+from . import owners as records
 from .liveness import LiveJobs
+from .owners import OWNERS_DIR, UNASSIGNED
 from .sessions import Peer
 
 log = logging.getLogger("ckptd.access")
 
-OWNERS_DIR = ".owners"
 MAX_GRANTS = 256
 """Restore directories remembered per session (the newest)."""
 
@@ -63,21 +69,19 @@ class Access:
         self.allow_gids = frozenset(allow_gids)
         self.shared_jobs = shared_jobs
         self.owners: dict[str, int] = {}
+        self._claims: dict[str, int] = {}
+        """Jobs reserved for the uid of calls still running: how many such calls."""
         self._grants: dict[str, OrderedDict[Path, None]] = {}
         self._dir = root / OWNERS_DIR
         self.live = LiveJobs()
         """Jobs a live process is saving (calls that claim a job are save calls)."""
 
     def load(self) -> None:
-        """Read the recorded owners (start-up)."""
-        self._dir.mkdir(mode=0o750, exist_ok=True)
-        for entry in os.scandir(self._dir):
-            try:
-                job = check_name("job", entry.name)
-                with open(entry.path, "rb") as f:
-                    self.owners[job] = int(f.read(32).decode().strip())
-            except (InvalidArgument, ValueError, OSError) as exc:
-                log.warning("ignoring owner record %s: %s", entry.path, exc)
+        """Read the recorded owners (start-up); a root without records gets them from
+        its files first (owners.py)."""
+        if not self._dir.is_dir():
+            records.write_all(self._dir, records.infer(self.root, self.operators))
+        self.owners = records.read_records(self._dir)
 
     # -- jobs ----------------------------------------------------------------
     def owner_of(self, job: str) -> int | None:
@@ -104,22 +108,72 @@ class Access:
             or any(fnmatch.fnmatchcase(job, p) for p in self.shared_jobs)
         )
 
-    def check_job(self, peer: Peer, job: str, claim: bool = True) -> None:
-        """Refuse ``peer`` on another uid's job; ``claim``: record it as the owner of
-        a job nobody owns yet (operators never claim: their jobs stay open to the
-        uid that saves them)."""
-        if not self.may_use(peer, job):
+    def check_job(self, peer: Peer, job: str) -> None:
+        """Refuse ``peer`` on another uid's job (or one no owner was assigned yet)."""
+        if self.may_use(peer, job):
+            return
+        if self.owners[job] == UNASSIGNED:
+            self._reread(job)  # `ckptd own` may have assigned it since
+            if self.may_use(peer, job):
+                return
+        if self.owners[job] == UNASSIGNED:
             raise PermissionDenied(
-                f"job {job!r} belongs to uid {self.owners[job]}, and this process runs as "
-                f"uid {peer.uid}; use your own job name, or ask the operator to add your "
-                "uid to allow_uids (or the job to shared_jobs) in the ckptd config"
+                f"job {job!r} was saved before this ckptd recorded job owners, and its "
+                f"files do not tell whose it is; ask the operator to run `ckptd own {job} "
+                "<your user>`, or use another job name"
             )
-        if claim:
-            self.live.saving(peer.token, job, peer.uid)
-        if claim and job not in self.owners and not self.privileged(peer):
-            write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
-            self.owners[job] = peer.uid
+        raise PermissionDenied(
+            f"job {job!r} belongs to uid {self.owners[job]}, and this process runs as "
+            f"uid {peer.uid}; use your own job name, or ask the operator to add your "
+            "uid to allow_uids (or the job to shared_jobs) in the ckptd config"
+        )
+
+    @contextlib.contextmanager
+    def claiming(self, peer: Peer, job: str) -> Iterator[None]:
+        """Check ``peer`` on ``job`` and, if the job has no owner, make ``peer``'s uid
+        its owner once the body succeeds (recorded on disk then). Meanwhile the job
+        is reserved for that uid: other uids are refused, and if every call that
+        reserved it fails, nobody owns it (operators never claim: their jobs stay
+        open to the uid that saves them)."""
+        if job not in self.owners and not self.privileged(peer):
+            self._reread(job)  # once per job: assigned by `ckptd own` while we ran?
+        self.check_job(peer, job)
+        self.live.saving(peer.token, job, peer.uid)
+        if job in self._claims:  # reserved: its uid's calls join, others just use it
+            reserving = self.owners[job] == peer.uid
+        else:
+            reserving = job not in self.owners and not self.privileged(peer)
+        if not reserving:
+            yield
+            return
+        self.owners[job] = peer.uid
+        self._claims[job] = self._claims.get(job, 0) + 1
+        try:
+            yield
+        except BaseException:
+            left = self._claims.get(job)
+            if left is not None:  # no call of it succeeded yet
+                if left > 1:
+                    self._claims[job] = left - 1
+                else:
+                    del self._claims[job], self.owners[job]
+            raise
+        if self._claims.pop(job, None) is not None:  # the first to succeed records it
+            try:
+                write_synced(self._dir / job, str(peer.uid).encode(), 0o640)
+            except FileExistsError:  # `ckptd own` assigned it meanwhile: its record stands
+                self._reread(job)
+                return
             log.info("job %r belongs to uid %d from now on", job, peer.uid)
+
+    def _reread(self, job: str) -> None:
+        """Pick up an owner record written while the daemon runs (``ckptd own``)."""
+        if job in self._claims:
+            return
+        try:
+            self.owners[job] = records.read_one(self._dir / job)
+        except (OSError, ValueError):
+            return
 
     # -- memory and files ------------------------------------------------------
     def open_lease(self, peer: Peer, request: dict[str, Any]) -> int:
@@ -132,6 +186,18 @@ class Access:
         return os.open(
             self.staging.path_of(lease.segment), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         )
+
+    def process_gone(self, process: tuple[int, int]) -> None:
+        """A process's last session closed and it exited (or stayed away past
+        lease_timeout_seconds, sessions.py): take back the leases it never committed."""
+        for lease_id in self.staging.owned_by(process):
+            log.warning(
+                "lease %s reclaimed: process %d (uid %d) that held it is gone",
+                lease_id,
+                process[1],
+                process[0],
+            )
+            self.staging.release(lease_id)
 
     def grant(self, peer: Peer, directory: Path) -> None:
         """Let ``peer`` open the files under ``directory`` (a restore's answer)."""

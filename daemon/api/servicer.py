@@ -142,10 +142,10 @@ class Servicer(pb_grpc.CkptdServicer):
             )
         return peer
 
-    def _job(self, context: Any, name: str, claim: bool = False) -> tuple[Peer, str]:
-        """The caller and a validated job name it may use (``claim``: and now owns)."""
+    def _job(self, context: Any, name: str) -> tuple[Peer, str]:
+        """The caller and a validated job name it may use."""
         peer, job = self._peer(context), check_name("job", name)
-        self.s.access.check_job(peer, job, claim)
+        self.s.access.check_job(peer, job)
         return peer, job
 
     def _own_lease(self, peer: Peer, lease_id: str) -> None:
@@ -159,14 +159,15 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
-        peer, job = self._job(context, request.job, claim=True)
-        self.s.saver.staging.check_fits(request.size_bytes)
-        await self.s.admission.check_space(request.size_bytes)
+        peer, job = self._job(context, request.job)
+        with self.s.access.claiming(peer, job):  # owned only once a lease is granted
+            self.s.saver.staging.check_fits(request.size_bytes)
+            await self.s.admission.check_space(request.size_bytes)
+            holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
+            lease = await self.s.saver.acquire_lease(
+                job, request.size_bytes, request.wait_seconds, holder, peer.process
+            )
         self.history.seen(job)
-        holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
-        lease = await self.s.saver.acquire_lease(
-            job, request.size_bytes, request.wait_seconds, holder, peer.process
-        )
         return messages.lease(lease)
 
     @_rpc
@@ -184,7 +185,7 @@ class Servicer(pb_grpc.CkptdServicer):
     async def CommitShards(
         self, request: pb.CommitShardsRequest, context: Any
     ) -> pb.CommitShardsResponse:
-        peer, _ = self._job(context, request.job, claim=True)
+        peer, job = self._job(context, request.job)
         self._own_lease(peer, request.lease_id)
         # Thousands of shards: their table is checked with array operations, but the
         # tree spec is parsed per leaf (and older clients send a message per shard):
@@ -199,7 +200,8 @@ class Servicer(pb_grpc.CkptdServicer):
             else await asyncio.to_thread(self.parser.parse, request, known)
         )
         # The request itself is journaled: a restarted daemon replays it as received.
-        state = await self.s.saver.commit(parsed, request.SerializeToString())
+        with self.s.access.claiming(peer, job):  # a no-op for a job its lease claimed
+            state = await self.s.saver.commit(parsed, request.SerializeToString())
         return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
 
     @_rpc
@@ -273,8 +275,9 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        _, job = self._job(context, request.job, claim=True)
-        await self.s.pins.set(job, check_step(request.step), request.pinned)
+        peer, job = self._job(context, request.job)
+        with self.s.access.claiming(peer, job):
+            await self.s.pins.set(job, check_step(request.step), request.pinned)
         return pb.PinResponse()
 
     @_rpc
@@ -308,19 +311,20 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def Adopt(self, request: pb.AdoptRequest, context: Any) -> pb.AdoptResponse:
-        peer, job = self._job(context, request.job, claim=True)
+        peer, job = self._job(context, request.job)
         step = check_step(request.step)
         metrics = check_metrics(request.metrics)
         if not request.path:
             raise InvalidArgument("no path given; name the finished directory to adopt")
-        st = await self.s.adopter.adopt(
-            job,
-            step,
-            self.s.adopter.source(self.s.access.caller(peer), request.path),
-            metrics=metrics,
-            milestone=request.milestone,
-            caller=self.s.access.caller(peer),
-        )
+        with self.s.access.claiming(peer, job):
+            st = await self.s.adopter.adopt(
+                job,
+                step,
+                self.s.adopter.source(self.s.access.caller(peer), request.path),
+                metrics=metrics,
+                milestone=request.milestone,
+                caller=self.s.access.caller(peer),
+            )
         assert st.manifest is not None
         return pb.AdoptResponse(
             state=st.state,  # type: ignore[arg-type]
@@ -330,10 +334,11 @@ class Servicer(pb_grpc.CkptdServicer):
 
     @_rpc
     async def Watch(self, request: pb.WatchRequest, context: Any) -> pb.WatchResponse:
-        peer, job = self._job(context, request.job, claim=True)
-        path = await self.s.adopter.watch(
-            job, request.directory, self.s.access.caller(peer), request.layout
-        )
+        peer, job = self._job(context, request.job)
+        with self.s.access.claiming(peer, job):
+            path = await self.s.adopter.watch(
+                job, request.directory, self.s.access.caller(peer), request.layout
+            )
         remote = f"{self.s.remote_url}/{job}" if self.s.remote_url else ""
         return pb.WatchResponse(directory=str(path), remote_directory=remote)
 
@@ -341,11 +346,12 @@ class Servicer(pb_grpc.CkptdServicer):
     async def EnsureLocal(
         self, request: pb.EnsureLocalRequest, context: Any
     ) -> pb.EnsureLocalResponse:
-        peer, job = self._job(context, request.job, claim=True)
+        peer, job = self._job(context, request.job)
         step = check_step(request.step) if request.HasField("step") else None
-        st, path, fetched, linked = await self.s.adopter.ensure_local(
-            job, step, request.directory, self.s.access.caller(peer), request.layout
-        )
+        with self.s.access.claiming(peer, job):
+            st, path, fetched, linked = await self.s.adopter.ensure_local(
+                job, step, request.directory, self.s.access.caller(peer), request.layout
+            )
         return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)
 
     @_rpc

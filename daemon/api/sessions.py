@@ -10,6 +10,16 @@ servicer maps it back to the :class:`Peer`. The session lives exactly as long as
 that connection: when the process exits, the kernel closes it and the token dies
 with it, so a token cannot outlive the process it was issued to.
 
+A session also keeps the leases of its process: when the last session of a
+process closes, the daemon waits for that process to exit (a pidfd, checked
+against the process start time recorded when the session opened, so a reused
+pid is not mistaken for it) and then takes back the leases it was granted and
+never committed; a process that lives on without a session loses them after
+``lease_timeout_seconds``. No file another user could lock keeps them.
+
+Each uid may hold at most ``sessions_per_uid`` sessions (operators are not
+counted), so one user cannot take every slot of the daemon's session limit.
+
 The same connection carries file descriptors back (``SCM_RIGHTS``): the memory of
 a lease and the files of a restore are opened by the daemon and handed to the one
 process they were granted to, so the segments can stay 0600 and nobody else can
@@ -33,6 +43,7 @@ import resource
 import secrets
 import socket
 import struct
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +51,8 @@ from typing import Any
 
 from ckptd.core.errors import CkptdError
 from ckptd.core.session import MAX_LINE, session_path
+
+from ..local.liveness import process_start, wait_gone
 
 log = logging.getLogger("ckptd.sessions")
 
@@ -65,6 +78,8 @@ class Peer:
     """Primary and supplementary groups (read from /proc when the session opened)."""
     pid: int
     token: str
+    started: int | None = None
+    """The process's start time (``/proc/<pid>/stat``), to tell it from a reused pid."""
 
     @property
     def process(self) -> tuple[int, int]:
@@ -103,15 +118,33 @@ class SessionServer:
         socket_path: Path,
         openers: dict[str, Opener],
         on_close: Callable[[str], None] = lambda token: None,
+        on_process_gone: Callable[[tuple[int, int]], None] = lambda process: None,
+        idle_seconds: float = 600.0,
+        per_uid: int = 0,
+        exempt: frozenset[int] = frozenset(),
     ) -> None:
+        """``on_process_gone(process)``: the last session of ``(uid, pid)`` closed and
+        the process exited, or opened no session again within ``idle_seconds``.
+        ``per_uid``: sessions one uid may hold (0: three quarters of the limit);
+        uids in ``exempt`` (operators) are not counted."""
         self.path = Path(session_path(str(socket_path)))
         self.openers = openers
         self.on_close = on_close
+        self.on_process_gone = on_process_gone
+        self.idle_seconds = idle_seconds
         self.sessions: dict[str, Peer] = {}
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watchers: dict[tuple[int, int], asyncio.Task[None]] = {}
+        """One per process whose sessions all closed: waits for its exit."""
+        self._left_at: dict[tuple[int, int], float] = {}
         self._accepting: asyncio.Task[None] | None = None
         self.max_sessions = session_limit()
+        # A reserve of a quarter stays for the other users of a shared node.
+        self.per_uid = per_uid or max(1, self.max_sessions * 3 // 4)
+        self.exempt = exempt
+        self._of_uid: Counter[int] = Counter()
+        self._of_process: Counter[tuple[int, int]] = Counter()
 
     def peer(self, token: str) -> Peer | None:
         """The live session with this token, or None."""
@@ -140,9 +173,9 @@ class SessionServer:
             self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accepting
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._watchers.values()]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._watchers.values(), return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
         self.path.unlink(missing_ok=True)
@@ -152,11 +185,14 @@ class SessionServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._sock)
-            if len(self._tasks) >= self.max_sessions:
-                log.warning("refusing a session: %d are open already", len(self._tasks))
+            conn.setblocking(False)
+            refusal = self._refusal(conn)
+            if refusal:
+                log.warning("refusing a session: %s", refusal)
+                with contextlib.suppress(OSError):  # a fresh socket's buffer takes it
+                    conn.send(json.dumps(_error("RESOURCE_EXHAUSTED", refusal)).encode() + b"\n")
                 conn.close()
                 continue
-            conn.setblocking(False)
             task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -167,8 +203,10 @@ class SessionServer:
         try:
             pid, uid, gid = peer_credentials(conn)
             token = secrets.token_urlsafe(24)
-            peer = Peer(uid, gid, process_groups(pid, uid, gid), pid, token)
+            peer = Peer(uid, gid, process_groups(pid, uid, gid), pid, token, process_start(pid))
             self.sessions[token] = peer
+            self._of_uid[uid] += 1
+            self._of_process[peer.process] += 1
             await _send(conn, {"session": token, "uid": uid, "pid": pid})
             buf = b""
             while True:
@@ -185,9 +223,63 @@ class SessionServer:
         except (ConnectionError, OSError) as exc:
             log.debug("session closed: %s", exc)
         finally:
-            if self.sessions.pop(token, None) is not None:
+            peer_gone = self.sessions.pop(token, None)
+            if peer_gone is not None:
+                self._closed(peer_gone)
                 self.on_close(token)
             conn.close()
+
+    def _refusal(self, conn: socket.socket) -> str:
+        """Why a new connection gets no session (empty: it gets one). Never names
+        another user or their jobs."""
+        if len(self._tasks) >= self.max_sessions:
+            return (
+                f"the daemon has {len(self._tasks)} sessions open, its limit (a quarter of "
+                "its file descriptor limit); close clients you no longer use, or retry later"
+            )
+        try:
+            _, uid, _ = peer_credentials(conn)
+        except OSError:
+            return ""  # the session itself fails and says why
+        if uid not in self.exempt and self._of_uid[uid] >= self.per_uid:
+            return (
+                f"uid {uid} holds {self._of_uid[uid]} ckptd sessions, the most one user may "
+                f"(sessions_per_uid = {self.per_uid}); close clients you no longer use (each "
+                "Client holds one until close()), or ask the operator to raise "
+                "sessions_per_uid in the ckptd config"
+            )
+        return ""
+
+    def _closed(self, peer: Peer) -> None:
+        """Count a session gone; the last of its process starts the wait for its exit."""
+        self._of_uid[peer.uid] -= 1
+        if self._of_uid[peer.uid] <= 0:
+            del self._of_uid[peer.uid]
+        self._of_process[peer.process] -= 1
+        if self._of_process[peer.process] > 0:
+            return
+        del self._of_process[peer.process]
+        loop = asyncio.get_running_loop()
+        self._left_at[peer.process] = loop.time()
+        if peer.process in self._watchers:  # one watcher per process, however often it leaves
+            return
+        task = loop.create_task(self._after_last(peer))
+        self._watchers[peer.process] = task
+        task.add_done_callback(lambda _: self._watchers.pop(peer.process, None))
+
+    async def _after_last(self, peer: Peer) -> None:
+        loop = asyncio.get_running_loop()
+        wait = self.idle_seconds
+        while not await wait_gone(peer.pid, peer.started, wait):
+            if self._of_process[peer.process]:
+                return  # it has a session again: its next leaving starts a new wait
+            # Still running without a session: away idle_seconds since it last left?
+            wait = self._left_at[peer.process] + self.idle_seconds - loop.time()
+            if wait <= 0:
+                break
+        self._left_at.pop(peer.process, None)
+        if self._of_process[peer.process] == 0:  # it opened no session since
+            self.on_process_gone(peer.process)
 
     async def _answer(self, conn: socket.socket, peer: Peer, line: bytes) -> None:
         fd = -1
@@ -198,7 +290,7 @@ class SessionServer:
             fd = self.openers[request["op"]](peer, request)
             await _send(conn, {"ok": True}, fd)
         except CkptdError as exc:
-            await _send(conn, {"error": exc.status.name, "message": str(exc)})
+            await _send(conn, _error(exc.status.name, str(exc)))
         except (ValueError, TypeError) as exc:
             await _send(conn, {"error": "INVALID_ARGUMENT", "message": f"bad request: {exc}"})
         except OSError as exc:
@@ -206,6 +298,10 @@ class SessionServer:
         finally:
             if fd >= 0:
                 os.close(fd)  # the peer has its own copy now
+
+
+def _error(status: str, message: str) -> dict[str, Any]:
+    return {"error": status, "message": message}
 
 
 async def _send(conn: socket.socket, message: dict[str, Any], fd: int = -1) -> None:

@@ -1,5 +1,5 @@
 """The ``ckptd`` command: serve, ls, events, pin, unpin, adopt, demo (status: cli_status;
-pull, verify: cli_tiers; tables and progress bars: cli_view).
+pull, verify: cli_tiers; own: cli_own; tables and progress bars: cli_view).
 
 Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 """
@@ -22,7 +22,7 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import __version__
-from . import cli_status, cli_tiers, logs
+from . import cli_own, cli_status, cli_tiers, logs
 from . import config as config_mod
 from .cli_status import plain
 from .cli_view import human_bytes, print_table, socket_arg
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     socket_arg(p)
     p.set_defaults(fn=cmd_adopt)
     cli_tiers.add_parsers(sub)
+    cli_own.add_parser(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
     p.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
     p.add_argument("--save-every", type=int, default=5, help="save every N steps (default: 5)")

@@ -129,6 +129,11 @@ class Config:
     """Groups (gids or names) whose members may use every job."""
     shared_jobs: tuple[str, ...] = ()
     """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
+    sessions_per_uid: int = 0
+    """Sessions (connected clients) one uid may hold at once; root and the daemon's
+    uid are not counted. 0: three quarters of the daemon's session limit (a quarter
+    of its fd limit), so one user cannot take every slot from the others while a
+    single-user node keeps room for all its clients."""
     peer_address: str = "off"
     """``HOST:PORT`` (TCP) where the Peer service takes and serves replicas of other
     daemons' steps; ``off``: none (port 0: any free port, shown in status)."""

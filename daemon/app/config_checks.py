@@ -112,3 +112,8 @@ def validate(cfg: Config) -> None:
     for pattern in cfg.shared_jobs:
         if "/" in pattern or not pattern:
             raise ConfigError(f"invalid value for 'shared_jobs': {pattern!r} is not a job pattern")
+    if cfg.sessions_per_uid < 0:
+        raise ConfigError(
+            f"invalid value for 'sessions_per_uid': {cfg.sessions_per_uid}; use a number of "
+            "sessions, or 0 for three quarters of the daemon's session limit"
+        )

@@ -175,7 +175,13 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     config.socket.unlink(missing_ok=True)
     access = daemon.access
     sessions = SessionServer(
-        config.socket, {"lease": access.open_lease, "file": access.open_file}, access.forget
+        config.socket,
+        {"lease": access.open_lease, "file": access.open_file},
+        access.forget,
+        on_process_gone=access.process_gone,
+        idle_seconds=config.lease_timeout_seconds,
+        per_uid=config.sessions_per_uid,
+        exempt=access.operators,
     )
     try:
         await sessions.start(group)  # before the gRPC socket: every call needs a session

@@ -5,10 +5,16 @@ Each client process holds a shared flock on a small file in the shm directory,
 :data:`HOLDER_HEADER` metadata of the calls that get it a lease. The kernel
 drops the lock when the process dies, however it dies, so "nobody holds the
 lock" means "the client is gone": no timer, no heartbeat.
+
+That file is only a hint that frees memory sooner: another user may open it and
+hold a lock on it too, so it can never be what keeps a lease. A lease granted
+to a process is kept by that process itself: :func:`wait_gone` follows it with
+a pidfd once its last session closed (api/sessions.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -59,3 +65,52 @@ def locked_by_others(path: Path) -> bool:
     finally:
         os.close(fd)  # closing also drops our probe lock
     return False
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat``
+    field 22): with the pid, a name no later process can have. None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        # The command name (field 2) may hold spaces and parentheses: split after it.
+        return int(raw[raw.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def wait_gone(pid: int, started: int | None, timeout: float) -> bool:
+    """True once process ``pid``, started at ``started``, has exited (a zombie
+    counts as exited); False after ``timeout`` seconds if it still runs. A process
+    that cannot be followed (no pidfd on this kernel, a pid of another namespace)
+    is waited for the whole timeout."""
+    if pid <= 0 or started is None:
+        await asyncio.sleep(timeout)
+        return False
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True  # exited and reaped already
+    except OSError:
+        await asyncio.sleep(timeout)
+        return False
+    try:
+        if process_start(pid) != started:
+            return True  # the pid names a later process: ours is gone
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:  # a pidfd turns readable when its process exits
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_exit)
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(fd)
+        return True
+    finally:
+        os.close(fd)

@@ -425,3 +425,7 @@ class Staging(SegmentPool):
                 with contextlib.suppress(OSError):
                     (self.shm_dir / holder).unlink()
         return expired
+
+    def owned_by(self, owner: tuple[int, int]) -> list[str]:
+        """The uncommitted leases granted to process ``owner`` (``(uid, pid)``)."""
+        return [i for i, le in self._leases.items() if le.owner == owner and not le.committed]
