@@ -304,9 +304,21 @@ def peer_daemon(make_daemon: Any, tmp_path: Path) -> tuple[Any, int]:
     """A daemon taking replicas, with short limits; (it, its Peer service port)."""
     token = tmp_path / "peer-token"
     token.write_text(CLUSTER_TOKEN + "\n")
+    token.chmod(0o600)
+    # The node "src" whose replicas the tests send: a replica is taken only from the
+    # `peers` entry answering as its node (daemon/peer/identity.py), here 127.0.0.1.
+    src_port = free_port()
+    make_daemon(
+        extra_args=[
+            "--node-id", "src",
+            "--peer-address", f"127.0.0.1:{src_port}",
+            "--peer-token-file", str(token),
+        ]  # fmt: skip
+    )
     port = free_port()
     args = [
         "--peer-address", f"127.0.0.1:{port}",
+        "--peers", f"127.0.0.1:{src_port}",
         "--peer-token-file", str(token),
         "--peer-budget-bytes", "1GB",
         "--peer-bulk-deadline-seconds", "1",

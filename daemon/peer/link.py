@@ -66,8 +66,8 @@ def read_token(path: str) -> str:
         who = " and ".join(w for bit, w in readers if mode & bit)
         raise InvalidArgument(
             f"peer_token_file {path} is readable by {who} (mode {stat.S_IMODE(mode):04o}): "
-            f"anyone who reads it can act as a peer; run `chmod 600 {path}` (a Kubernetes "
-            "Secret: defaultMode: 0400)"
+            f"anyone who reads it can act as a peer; run `chmod 600 {path}` (in Kubernetes, "
+            "mount the Secret with defaultMode 0400)"
         )
     if len(token.encode()) < MIN_TOKEN_BYTES:
         raise InvalidArgument(
