@@ -308,13 +308,12 @@ def peer_daemon(make_daemon: Any, tmp_path: Path) -> tuple[Any, int]:
     # The node "src" whose replicas the tests send: a replica is taken only from the
     # `peers` entry answering as its node (daemon/peer/identity.py), here 127.0.0.1.
     src_port = free_port()
-    make_daemon(
-        extra_args=[
-            "--node-id", "src",
-            "--peer-address", f"127.0.0.1:{src_port}",
-            "--peer-token-file", str(token),
-        ]  # fmt: skip
-    )
+    src_args = [
+        "--node-id", "src",
+        "--peer-address", f"127.0.0.1:{src_port}",
+        "--peer-token-file", str(token),
+    ]  # fmt: skip
+    make_daemon(extra_args=src_args)
     port = free_port()
     args = [
         "--peer-address", f"127.0.0.1:{port}",
