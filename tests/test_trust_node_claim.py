@@ -10,6 +10,8 @@ and says why; it takes over once the first is gone and its claim is stale.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,28 @@ def test_same_root_retakes_at_once_and_release_hands_over(remote: RemoteTarget) 
         assert await other.acquire()
         forced = claim(r, "root-c", clock, takeover=True)  # the operator's word
         assert await forced.acquire()
+
+    remote.run(body)
+
+
+def test_a_holder_that_died_on_this_host_is_taken_over_at_once(remote: RemoteTarget) -> None:
+    """A daemon SIGKILLed here and started again on a new disk (a new root) need not
+    wait for staleness: its claim names this boot, this pid namespace and a process
+    that is gone. A twin on another host (another boot id) still has to wait."""
+    clock = Clock()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a real process of this host, now exited: its pid names nobody
+
+    async def body(r: Remote) -> None:
+        dead = claim(r, "root-a", clock)
+        dead.mine.pid, dead.mine.pid_started = child.pid, 1  # 1 tick after boot: not it
+        assert await dead.acquire()
+        twin = claim(r, "root-b", clock)
+        twin.mine.boot_id = "another-host"
+        assert not await twin.acquire()  # the holder ran elsewhere: wait for staleness
+        here = claim(r, "root-c", clock)
+        assert await here.acquire()  # same boot and namespace, process gone: at once
+        assert not await claim(r, "root-d", clock).acquire()  # a live holder: refused
 
     remote.run(body)
 

@@ -13,6 +13,10 @@ A daemon takes the claim when it is absent, or held by:
 
 - the same root (a restart of the same daemon: its root id is kept in the root),
 - a holder that released it (a clean stop),
+- a holder that was a process of this very host's current boot and pid namespace
+  and is no longer running (a daemon SIGKILLed or crashed here, then started on a
+  new disk: same boot id, namespace and pid, and the pid's start time differs or
+  the pid is gone; a twin on another host never matches, since its boot id differs),
 - a holder whose heartbeat is older than ``node_claim_stale_seconds`` and two of
   the holder's own heartbeat intervals (by this daemon's clock: hosts' clocks must
   agree within that margin), or
@@ -41,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..local.files import read_small, replace_synced
+from ..local.liveness import process_start
 from .base import Remote
 
 log = logging.getLogger("ckptd.claim")
@@ -71,6 +76,13 @@ class ClaimRecord:
     heartbeat_seconds: float = 0.0
     """The holder's heartbeat interval: its claim is never stale before two of them."""
     released: bool = False
+    boot_id: str = ""
+    """The holder host's boot id (``/proc/sys/kernel/random/boot_id``)."""
+    pid_ns: int = 0
+    """The inode of the holder's pid namespace: its pid means something only there."""
+    pid_started: int = -1
+    """The holder process's start time (clock ticks after boot): with the pid, a name
+    no later process has."""
 
     def to_bytes(self) -> bytes:
         """The record as stored."""
@@ -88,6 +100,20 @@ class ClaimRecord:
     def describe(self) -> str:
         """Who holds the claim, for messages."""
         return f"host {self.host} (pid {self.pid}, started {time.ctime(self.started_unix)})"
+
+
+def _boot_id() -> str:
+    try:
+        return read_small(Path("/proc/sys/kernel/random/boot_id")).decode().strip()
+    except OSError:
+        return ""
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def root_id(root: Path) -> str:
@@ -131,6 +157,9 @@ class NodeClaim:
             now,
             now,
             heartbeat_seconds,
+            boot_id=_boot_id(),
+            pid_ns=_pid_ns(),
+            pid_started=process_start(os.getpid()) or -1,
         )
         self.held = False
         self.reason = "the node name's claim in the bucket is not taken yet"
@@ -151,6 +180,16 @@ class NodeClaim:
         # The holder may beat more slowly than this daemon's setting expects.
         limit = max(self.stale_seconds, 2 * rec.heartbeat_seconds)
         return self.clock() - rec.heartbeat_unix > limit
+
+    def _dead_here(self, rec: ClaimRecord) -> bool:
+        """Whether ``rec``'s holder ran on this host, in this boot and pid namespace,
+        and has exited: only then can this daemon know it is gone without waiting."""
+        mine = self.mine
+        if not mine.boot_id or rec.boot_id != mine.boot_id or rec.pid_ns != mine.pid_ns:
+            return False
+        if rec.pid_started < 0 or mine.pid_ns == 0:
+            return False
+        return process_start(rec.pid) != rec.pid_started
 
     async def acquire(self) -> bool:
         """One attempt to take (or keep) the claim; returns whether it is held."""
@@ -189,6 +228,8 @@ class NodeClaim:
             return "same root's"
         if rec.released:
             return "released"
+        if self._dead_here(rec):
+            return "dead local process's"
         if self._stale(rec):
             return "stale"
         return "operator's takeover of the" if self._takeover else ""
