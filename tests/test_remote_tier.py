@@ -128,6 +128,8 @@ def test_aws_cli_lists_the_layout(make_daemon: Any, s3_server: Any) -> None:
     )
     assert out.returncode == 0, out.stderr
     keys = sorted(line.split()[-1] for line in out.stdout.splitlines())
+    assert "ckpt/_nodes/test-node/instance" in keys  # the node name's claim
+    keys = [k for k in keys if not k.startswith("ckpt/_nodes/")]
     assert keys == ["ckpt/" + k for k in expected_layout("aws", [3])]
 
 

@@ -47,7 +47,7 @@ def cmd_own(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``own`` on the main parser."""
     p = sub.add_parser("own", help="give a job that has no owner to a user (operators)")
-    p.add_argument("job")
+    p.add_argument("job", help="the job to assign (one with no recorded owner)")
     p.add_argument("user", help="user name or uid")
     p.add_argument("--root", help="the daemon's root (default: the config's, else the daemon's)")
     p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")

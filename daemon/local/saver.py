@@ -75,6 +75,8 @@ class Saver:
         self.journal = journal
         self.step_timeout_seconds = step_timeout_seconds
         self._pending: dict[tuple[str, int], PendingStep] = {}
+        self._settling: set[tuple[str, int]] = set()
+        """Steps committed on disk whose leases are still being given back (not LOCAL yet)."""
         self._layouts = RankLayouts()
 
     # -- leases --------------------------------------------------------------
@@ -139,6 +141,11 @@ class Saver:
         pending = self._pending.get(key)
         if st is not None and st.state == pb.SAVE_STATE_STAGING:
             # Another rank of the save in progress under this number: it joins.
+            if pending is None and key in self._settling:
+                raise Conflict(
+                    f"step {req.step} of job {req.job!r} is already committed by all its "
+                    "ranks; save under a new step number"
+                )
             if pending is None or pending.step is not st:
                 raise Conflict(
                     f"step {req.step} of job {req.job!r} is being adopted here; save under a "
@@ -352,8 +359,12 @@ class Saver:
             self._forget_if_done(pending, force=True)
         # The memory goes back before LOCAL is announced, so whoever sees LOCAL can
         # save again at once (the journal's fsync is small and shared).
-        await self._settle(pending, committed=True)
-        self.catalog.committed(st, manifest)
+        self._settling.add(st.key)  # no await since the line above: no gap
+        try:
+            await self._settle(pending, committed=True)
+            self.catalog.committed(st, manifest)
+        finally:
+            self._settling.discard(st.key)
         log.info(
             "%s/%d LOCAL in %.3f s (%d bytes)",
             st.job,
