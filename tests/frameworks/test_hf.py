@@ -157,8 +157,11 @@ def test_kill_mid_save_resumes_exactly_from_ckptd_with_disk_intact_or_lost(
     SaveHandle(d.client(JOB), 4).wait("durable", timeout=120)
 
     # The node is lost: a fresh daemon and an empty output_dir on a bucket as it was
-    # at the kill (a copy, so the intact-disk resume below can run beside it).
-    shutil.copytree(tmp_path / "bucket", tmp_path / "bucket2")
+    # at the kill (a copy, so the intact-disk resume below can run beside it). Not the
+    # node name's claim: it is the live daemon d's, and on a lost node its daemon is gone.
+    shutil.copytree(
+        tmp_path / "bucket", tmp_path / "bucket2", ignore=shutil.ignore_patterns("_nodes")
+    )
     fresh: Daemon = remote_daemon(make_daemon, file_bucket(tmp_path, "bucket2"))
     lost = start("--out", str(tmp_path / "out2"), "--result", str(tmp_path / "lost.pt"),
                  "--job", JOB, "--socket", str(fresh.socket), "--resume", "ckptd-true")  # fmt: skip
