@@ -8,6 +8,7 @@ running as root; skipped otherwise (the reason says why).
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -82,6 +83,41 @@ def _ensure_users() -> None:
             )
 
 
+def as_user(user: str) -> dict[str, Any]:
+    """``subprocess`` keyword arguments running a command as ``user``, a member of
+    the socket group."""
+    return {
+        "user": user,
+        "group": GROUP,
+        "extra_groups": [GROUP],
+        "env": {**os.environ, "HOME": "/tmp"},
+    }
+
+
+@contextlib.contextmanager
+def two_user_daemon(prefix: str, extra_args: list[str]) -> Iterator[tuple[Path, DaemonProcess]]:
+    """A root daemon whose socket both test users reach (group ``GROUP``), in a fresh
+    world-searchable directory under /tmp; ``(that directory, the daemon)``. Skips,
+    saying why, where the users cannot be made or cannot run the worker."""
+    _ensure_users()
+    _python()
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(base, 0o755)  # the users reach the socket through it
+    daemon = DaemonProcess(
+        base / "root",
+        base / "run" / "ckptd.sock",
+        extra_args=["--socket-group", GROUP, *extra_args],
+        log_path=base / "daemon.log",
+    )
+    daemon.start()
+    try:
+        yield base, daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(segment_dir(segment_prefix(daemon.root)), ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 class Node:
     """The daemon, its directories, and a way to act as either user."""
 
@@ -91,10 +127,7 @@ class Node:
     def run(self, user: str, action: str, job: str, *args: str) -> dict[str, Any]:
         out = subprocess.run(
             [*_python(), str(WORKER), str(self.daemon.socket), action, job, *args],
-            user=user,
-            group=GROUP,
-            extra_groups=[GROUP],
-            env={**os.environ, "HOME": "/tmp"},
+            **as_user(user),
             capture_output=True,
             text=True,
             timeout=120,
@@ -106,10 +139,7 @@ class Node:
     def hold_lease(self, user: str, job: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
         proc = subprocess.Popen(
             [*_python(), str(WORKER), str(self.daemon.socket), "hold-lease", job],
-            user=user,
-            group=GROUP,
-            extra_groups=[GROUP],
-            env={**os.environ, "HOME": "/tmp"},
+            **as_user(user),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

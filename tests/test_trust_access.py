@@ -15,12 +15,10 @@ skipped otherwise, saying why); they act through tests/access_worker.py.
 from __future__ import annotations
 
 import json
-import os
 import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,8 +27,7 @@ from typing import Any
 import pytest
 
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import segment_prefix
-from tests.test_security import GROUP, USERS, _ensure_users, _python
+from tests.test_security import USERS, _python, as_user, two_user_daemon
 
 WORKER = Path(__file__).with_name("access_worker.py")
 CKPTD = [sys.executable, "-m", "ckptd.daemon.app.cli"]
@@ -51,10 +48,7 @@ class Node:
     def run(self, user: str, action: str, job: str, *args: str) -> dict[str, Any]:
         out = subprocess.run(
             self._cmd(action, job, *args),
-            user=user,
-            group=GROUP,
-            extra_groups=[GROUP],
-            env={**os.environ, "HOME": "/tmp"},
+            **as_user(user),
             capture_output=True,
             text=True,
             timeout=120,
@@ -66,10 +60,7 @@ class Node:
     def start(self, user: str, action: str, job: str, *args: str) -> Worker:
         proc = subprocess.Popen(
             self._cmd(action, job, *args),
-            user=user,
-            group=GROUP,
-            extra_groups=[GROUP],
-            env={**os.environ, "HOME": "/tmp"},
+            **as_user(user),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -115,31 +106,9 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    _ensure_users()
-    _python()  # skips, saying why, if the test users could not run the worker
-    base = Path(tempfile.mkdtemp(prefix="cktr", dir="/tmp"))
-    os.chmod(base, 0o755)
-    daemon = DaemonProcess(
-        base / "root",
-        base / "run" / "ckptd.sock",
-        extra_args=[
-            "--socket-group",
-            GROUP,
-            "--sessions-per-uid",
-            str(PER_UID),
-            "--lease-timeout-seconds",
-            "1",
-        ],
-        log_path=base / "daemon.log",
-    )
-    daemon.start()
-    try:
+    args = ["--sessions-per-uid", str(PER_UID), "--lease-timeout-seconds", "1"]
+    with two_user_daemon("cktr", args) as (base, daemon):
         yield Node(base, daemon)
-    finally:
-        daemon.stop()
-        for seg in Path("/dev/shm").glob(segment_prefix(daemon.root) + "*"):
-            seg.unlink(missing_ok=True)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def uid(user: str) -> int:

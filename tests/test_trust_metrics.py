@@ -5,11 +5,9 @@ through the alert rules with promtool on a real daemon's scrape."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +23,11 @@ from ckptd.daemon.api.liveness import LiveJobs
 from ckptd.daemon.app import config
 from ckptd.daemon.app.launcher import DaemonProcess
 from ckptd.daemon.app.metrics import job_labels_shown
-from ckptd.daemon.local.staging import segment_prefix
 
 from .conftest import Daemon
 from .test_deploy_observe import PROMETHEUS, promtool
 from .test_metrics import scrape
-from .test_security import GROUP, USERS, WORKER, _ensure_users, _python
+from .test_security import USERS, WORKER, _python, as_user, two_user_daemon
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -191,34 +188,15 @@ def test_a_job_is_live_while_a_session_that_saved_it_is_open() -> None:
 @pytest.fixture
 def shared_node() -> Iterator[DaemonProcess]:
     """A daemon whose socket the two test users share (no shared jobs configured)."""
-    _ensure_users()
-    _python()  # skips, saying why, if the test users could not run the worker
-    base = Path(tempfile.mkdtemp(prefix="ckmet", dir="/tmp"))
-    os.chmod(base, 0o755)
-    daemon = DaemonProcess(
-        base / "root",
-        base / "run" / "ckptd.sock",
-        extra_args=["--socket-group", GROUP],
-        log_path=base / "daemon.log",
-    )
-    daemon.start()
-    try:
+    with two_user_daemon("ckmet", []) as (_, daemon):
         yield daemon
-    finally:
-        daemon.stop()
-        for seg in Path("/dev/shm").glob(segment_prefix(daemon.root) + "*"):
-            seg.unlink(missing_ok=True)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _as(user: str, socket: Path, *args: str, hold: bool = False) -> subprocess.Popen[str]:
     """The worker as ``user``; ``hold``: a trainer that keeps its session (a lease)."""
     proc = subprocess.Popen(
         [*_python(), str(WORKER), str(socket), *args],
-        user=user,
-        group=GROUP,
-        extra_groups=[GROUP],
-        env={**os.environ, "HOME": "/tmp"},
+        **as_user(user),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

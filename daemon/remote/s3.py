@@ -96,19 +96,23 @@ class S3Remote(Remote):
     async def _s3(self, method: str, **kwargs: Any) -> Any:
         return await self.fs._call_s3(method, **kwargs)
 
-    async def put_bytes(self, key: str, data: bytes) -> None:
-        """One PutObject; the store verifies the CRC32C sent with it."""
+    async def _put_object(self, key: str, data: bytes, value: int, **extra: Any) -> Any:
+        """One PutObject carrying ``data``'s CRC32C ``value``, which the store verifies."""
         bucket, obj = self._bucket_key(key)
-        value = checksum.value(data)
-        out = await self._s3(
+        return await self._s3(
             "put_object",
             Bucket=bucket,
             Key=obj,
             Body=data,
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum.to_base64(value),
-            Metadata={META_CRC: str(value)},
+            **extra,
         )
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """One PutObject; the store verifies the CRC32C sent with it."""
+        value = checksum.value(data)
+        out = await self._put_object(key, data, value, Metadata={META_CRC: str(value)})
         await self._verify_stored(key, value, [value], out)
 
     conditional_writes = True  # If-None-Match / If-Match on PutObject (AWS; SeaweedFS)
@@ -132,19 +136,9 @@ class S3Remote(Remote):
     async def write_if(self, key: str, data: bytes, version: str | None) -> str | None:
         """A conditional PutObject: ``If-None-Match: *`` to create, ``If-Match: <etag>``
         to replace; the store refuses (412) a write whose condition no longer holds."""
-        bucket, obj = self._bucket_key(key)
         cond = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
-        value = checksum.value(data)
         try:
-            out = await self._s3(
-                "put_object",
-                Bucket=bucket,
-                Key=obj,
-                Body=data,
-                ChecksumAlgorithm="CRC32C",
-                ChecksumCRC32C=checksum.to_base64(value),
-                **cond,
-            )
+            out = await self._put_object(key, data, checksum.value(data), **cond)
         except Exception as exc:
             if _precondition_failed(exc):
                 return None
