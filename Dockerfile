@@ -3,10 +3,7 @@
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY core ./core
-COPY daemon ./daemon
-COPY client ./client
-COPY proto ./proto
+COPY src ./src
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[s3,gcs]"
 
 FROM python:3.11-slim

@@ -100,22 +100,15 @@ bench-deps: venv
 proto: venv
 	$(PY) -m ckptd.proto.generate
 
-# mypy cannot follow setuptools' package-dir mapping in an editable install,
-# so it checks a tree of symlinks that mirrors the import names.
 typecheck: venv
-	@rm -rf .typecheck && mkdir -p .typecheck/ckptd
-	@ln -s ../../core .typecheck/ckptd/core
-	@ln -s ../../daemon .typecheck/ckptd/daemon
-	@ln -s ../../client .typecheck/ckptd/client
-	@ln -s ../../proto/python .typecheck/ckptd/proto
-	cd .typecheck && ../$(PY) -m mypy --config-file ../pyproject.toml -p ckptd.core -p ckptd.daemon -p ckptd.client
+	$(PY) -m mypy --config-file pyproject.toml
 
 lint: venv typecheck
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) .typecheck build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
 
 # MaxText's own checkpointing and train loop through ckptd's Orbax CheckpointManager
 # (tests/frameworks/test_maxtext.py). MaxText needs Python 3.12, so it gets its own

@@ -230,7 +230,7 @@ def source_digest() -> str:
 
     h = hashlib.sha256()
     for sub in ("daemon", "client", "proto"):
-        for path in sorted((REPO_ROOT / sub).rglob("*.py")):
+        for path in sorted((REPO_ROOT / "src" / "ckptd" / sub).rglob("*.py")):
             try:
                 data = path.read_bytes()
             except OSError:

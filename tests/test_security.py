@@ -47,7 +47,10 @@ def _python() -> list[str]:
     (pyenv under /root): then the system's python of the same version runs the
     worker with the venv's site-packages added (same ABI).
     """
-    for needed in (WORKER, Path(__file__).resolve().parents[1] / "core" / "session.py"):
+    for needed in (
+        WORKER,
+        Path(__file__).resolve().parents[1] / "src" / "ckptd" / "core" / "session.py",
+    ):
         if not all(p.stat().st_mode & stat.S_IXOTH for p in Path(needed).resolve().parents):
             pytest.skip(f"{needed} is not reachable by other users (a directory above lacks o+x)")
     if _world_usable(sys.executable):

@@ -14,8 +14,9 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-"""Where the stubs live (``proto/python``: the ``ckptd.proto`` package)."""
-PROTO_FILE = PROTO_DIR.parent / "ckptd" / "v1" / "ckptd.proto"
+"""Where the stubs live (``src/ckptd/proto``: the ``ckptd.proto`` package)."""
+PROTO_FILE = PROTO_DIR.parents[2] / "proto" / "ckptd" / "v1" / "ckptd.proto"
+"""The schema, at the repository's ``proto/ckptd/v1/`` (a clone, not an installed wheel)."""
 GENERATED = ("ckptd_pb2.py", "ckptd_pb2.pyi", "ckptd_pb2_grpc.py")
 
 
