@@ -9,8 +9,8 @@ import pytest
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD
+from ckptd.daemon.lifecycle.drain import Backoff
 from ckptd.daemon.remote.base import RemoteError
-from ckptd.daemon.remote.drain import Backoff
 from ckptd.daemon.remote.file import FileRemote
 from ckptd.daemon.remote.gcs import GCSRemote
 from ckptd.daemon.remote.layout import (

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ckptd.core.errors import Conflict
 
 from . import faults
-from .local.files import fsync_dir, write_synced
+from .files import fsync_dir, write_synced
 
 if TYPE_CHECKING:
     from .remote.base import Remote

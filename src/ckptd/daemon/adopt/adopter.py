@@ -45,8 +45,8 @@ from ckptd.core.errors import (
 from ckptd.core.manifest import KIND_DIRECTORY, Manifest
 
 from ..catalog import Catalog, Step
+from ..files import replace_synced
 from ..io import IoPool
-from ..local.files import replace_synced
 from ..local.saver import retire_replaced
 from ..local.store import LocalStore
 from ..restore.fetcher import Fetcher

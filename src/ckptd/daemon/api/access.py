@@ -38,7 +38,7 @@ from typing import Any
 from ckptd.core.errors import NotFound, PermissionDenied
 
 from ..adopt.paths import Caller
-from ..local.files import write_synced
+from ..files import write_synced
 from ..local.staging import Staging
 from . import owners as records
 from .liveness import LiveJobs

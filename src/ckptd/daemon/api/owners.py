@@ -26,7 +26,7 @@ from pathlib import Path
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.names import check_name
 
-from ..local.files import fsync_dir, replace_synced, write_synced
+from ..files import fsync_dir, replace_synced, write_synced
 
 log = logging.getLogger("ckptd.access")
 

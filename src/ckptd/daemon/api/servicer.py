@@ -40,13 +40,13 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from ..adopt.adopter import Adopter
 from ..catalog import MAX_WAIT_SECONDS, Catalog
+from ..lifecycle.pins import Pins
 from ..local.admission import Admission
 from ..local.liveness import HOLDER_HEADER
 from ..local.records import INLINE_SHARDS
 from ..local.saver import Saver
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
-from ..retention.pins import Pins
 from ..retention.planner import Retention
 from . import messages
 from .access import Access

@@ -19,7 +19,7 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..commit import RenameCommit
-from ..local.files import write_synced
+from ..files import write_synced
 from ..remote import fetch
 from ..remote.backends import open_remote
 from ..remote.base import Remote

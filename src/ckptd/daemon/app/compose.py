@@ -25,6 +25,9 @@ from ..api.requests import parse_commit
 from ..api.servicer import Services
 from ..catalog import Catalog
 from ..io import IoPool, set_nice
+from ..lifecycle.drain import Drain
+from ..lifecycle.evictor import Evictor
+from ..lifecycle.pins import Pins, load_pins
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
 from ..local.journal import Journal
 from ..local.pending import CommitRequest
@@ -35,12 +38,9 @@ from ..peer.tier import PeerTier
 from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.claim import NodeClaim, root_id
-from ..remote.drain import Drain
 from ..remote.index import NodeIndex
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
-from ..retention.evictor import Evictor
-from ..retention.pins import Pins, load_pins
 from ..retention.planner import Retention
 from .config import Config
 from .metrics import Metrics, Sources, job_labels_shown

@@ -36,7 +36,7 @@ from ckptd.core.errors import InvalidArgument
 from ckptd.core.timeline import Forks, check_forks, check_timeline
 
 from .. import faults
-from .files import fsync_dir
+from ..files import fsync_dir
 from .journal_format import Lost, Scan, check, frame, scan
 
 log = logging.getLogger("ckptd.journal")

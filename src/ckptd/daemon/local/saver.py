@@ -34,8 +34,8 @@ from ckptd.core.timeline import Forks
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Step
+from ..files import write_file_checksummed
 from ..io import IoPool
-from .files import write_file_checksummed
 from .journal import Entry, Journal
 from .pending import CommitRequest, PendingStep
 from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records

@@ -29,7 +29,7 @@ from ckptd.core.manifest import MANIFEST, Manifest
 
 from .. import faults
 from ..commit import RenameCommit, Runner
-from .files import fsync_dir, read_small
+from ..files import fsync_dir, read_small
 
 log = logging.getLogger("ckptd.localstore")
 

@@ -33,7 +33,7 @@ from ckptd.core.format import ALIGN, round_up
 from ckptd.core.manifest import MANIFEST, Manifest, RankRecord
 from ckptd.core.names import check_name, check_step
 
-from ..local.files import fsync_dir, open_direct, read_small, write_synced
+from ..files import fsync_dir, open_direct, read_small, write_synced
 
 INCOMING = ".incoming"
 BUFFER = 4 * 2**20

@@ -30,8 +30,8 @@ from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Event, Step
+from ..files import open_direct
 from ..io import IoPool
-from ..local.files import open_direct
 from ..local.store import LocalStore
 from .bulk_client import push
 from .link import CHUNK, Limiter, Peer, Peers

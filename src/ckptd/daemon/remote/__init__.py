@@ -1,1 +1,1 @@
-"""The remote tier: one fsspec adapter, its backends, the key layout, the drain and fetches."""
+"""The remote tier: one fsspec adapter, its backends, the key layout, publish, retract and fetch."""

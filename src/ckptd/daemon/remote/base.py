@@ -38,8 +38,8 @@ from ckptd.core.format import round_up
 
 from .. import faults
 from ..commit import Commit, MarkerCommit
+from ..files import open_direct
 from ..io import gather_all, in_thread
-from ..local.files import open_direct
 from .errors import CONNECTION_ERRORS, TRANSIENT_ERRNOS, RemoteError
 from .layout import COMMIT_FILE
 from .ranged import (

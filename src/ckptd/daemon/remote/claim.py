@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..local.files import read_small, replace_synced
+from ..files import read_small, replace_synced
 from ..local.liveness import process_start
 from .base import Remote
 

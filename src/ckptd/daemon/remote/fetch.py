@@ -16,8 +16,8 @@ from ckptd.core.manifest import Manifest, ManifestInvalid
 from ckptd.core.names import check_name
 from ckptd.core.timeline import abandoned, merge
 
+from ..files import open_dir_beneath
 from ..io import gather_all, in_thread
-from ..local.files import open_dir_beneath
 from .base import Remote
 from .index import bucket_lineage, marker_entry
 from .layout import (

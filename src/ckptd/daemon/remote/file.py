@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 from ckptd.core import checksum
 
 from ..commit import Commit, RenameCommit
-from ..local.files import fsync_dir, replace_synced
+from ..files import fsync_dir, replace_synced
 from .base import Remote, parts, read_part
 from .layout import COMMIT_FILE
 

@@ -18,8 +18,8 @@ from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from ..catalog import Catalog, Step
+from ..files import read_small
 from ..io import IoPool
-from ..local.files import read_small
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
 from ..remote import fetch

@@ -40,8 +40,8 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
 from ..catalog import Catalog, Step
+from ..files import data_offset, read_data_direct, read_header
 from ..io import CRC, IoPool
-from ..local.files import data_offset, read_data_direct, read_header
 from ..local.liveness import check_holder
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore

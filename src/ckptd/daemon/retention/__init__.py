@@ -1,1 +1,1 @@
-"""Retention: pure policies, the per-job plan, the evictor that applies it, and pins."""
+"""Retention: the pure policies and the per-job plan of what each tier keeps."""

@@ -27,7 +27,7 @@ from ..remote.base import Remote
 from ..remote.index import NodeIndex
 from ..remote.layout import pin_key
 from ..remote.retract import delete_copy, retract_marker
-from .planner import Retention
+from ..retention.planner import Retention
 
 log = logging.getLogger("ckptd.evictor")
 

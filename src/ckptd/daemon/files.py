@@ -23,8 +23,8 @@ from ckptd.core import checksum
 from ckptd.core.format import round_up
 from ckptd.core.health import NonFiniteCount
 
-from .. import faults
-from ..io import CRC
+from . import faults
+from .io import CRC
 
 WRITE_CHUNK = 64 * 2**20
 """Bytes per write call: large enough for full NVMe queues, small enough to stay interruptible."""

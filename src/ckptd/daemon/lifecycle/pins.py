@@ -15,8 +15,8 @@ from pathlib import Path
 from ckptd.core.errors import from_os_error
 
 from ..catalog import Catalog
+from ..files import replace_synced
 from ..io import IoPool
-from ..local.files import replace_synced
 from ..remote.base import Remote
 from ..remote.index import NodeIndex
 from ..remote.layout import pin_key

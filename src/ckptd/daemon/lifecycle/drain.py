@@ -35,11 +35,11 @@ from .. import faults
 from ..catalog import Catalog, Event, Step
 from ..io import IoPool
 from ..local.store import LocalStore
+from ..remote.base import Remote
+from ..remote.claim import NodeClaim
+from ..remote.index import NodeIndex
+from ..remote.publish import Publisher
 from ..retention.planner import Retention
-from .base import Remote
-from .claim import NodeClaim
-from .index import NodeIndex
-from .publish import Publisher
 
 log = logging.getLogger("ckptd.drain")
 
