@@ -74,6 +74,15 @@ dashboard: venv promtool
 	$(PY) -m pip install -q -e '.[docs]'
 	$(PY) deploy/grafana/render.py
 
+# The documentation site (mkdocs.yml, docs/): the generated reference pages checked
+# against the code, then the site built into site/ with --strict (a broken link or
+# anchor fails it). After changing a config key or a metric: $(PY) docs/gen_reference.py
+.PHONY: docs
+docs: venv
+	$(PY) -m pip install -q -e '.[docs]'
+	$(PY) docs/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 # The test extra includes jax and Orbax, which the benchmarks compare against.
 bench: venv bench-deps
 	$(PY) bench/run_all.py

@@ -184,8 +184,8 @@ def test_a_half_uploaded_step_is_invisible_to_orbax(
 
 
 def readme_example() -> str:
-    """The MaxText-style example from the README, exactly as printed there."""
-    text = (REPO / "README.md").read_text()
+    """The MaxText-style example of the Orbax guide (docs/guides/orbax.md), exactly as printed."""
+    text = (REPO / "docs/guides/orbax.md").read_text()
     return text.split("<!-- orbax-example -->\n```python\n", 1)[1].split("```", 1)[0]
 
 

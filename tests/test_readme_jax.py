@@ -1,4 +1,4 @@
-"""The README's "JAX users" example, exactly as printed: trained, stopped, resumed in a
+"""The JAX guide's example (docs/guides/jax.md), exactly as printed: trained, stopped, resumed in a
 new process from ckptd, and bit-identical to a run never stopped."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ print(json.dumps({
 
 
 def readme_example() -> str:
-    """The code block after the ``jax-example`` marker in README.md."""
-    text = (REPO / "README.md").read_text()
+    """The code block after the ``jax-example`` marker in the JAX guide."""
+    text = (REPO / "docs/guides/jax.md").read_text()
     return text.split("<!-- jax-example -->\n```python\n", 1)[1].split("```", 1)[0]
 
 

@@ -1,4 +1,4 @@
-"""The README's "PyTorch users" example, exactly as printed: SIGKILLed right after a
+"""The PyTorch guide's example (docs/guides/pytorch.md), exactly as printed: SIGKILLed right after a
 ``dcp.async_save`` returned, resumed in a new process with ``dcp.load`` through ckptd,
 and bit-identical to a run never stopped (every loss after the resume, and the final
 parameters and optimizer state)."""
@@ -75,8 +75,8 @@ print(json.dumps({
 
 
 def readme_example() -> str:
-    """The code block after the ``torch-example`` marker in README.md."""
-    text = (REPO / "README.md").read_text()
+    """The code block after the ``torch-example`` marker in the PyTorch guide."""
+    text = (REPO / "docs/guides/pytorch.md").read_text()
     return text.split("<!-- torch-example -->\n```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -121,7 +121,7 @@ def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
 
     fresh = make_daemon()
     jax_example = _jax_example_beside(fresh, tmp_path)
-    rc, out = run(fresh, steps)  # never stopped (the README's JAX example ran there first)
+    rc, out = run(fresh, steps)  # never stopped (the JAX guide's example ran there first)
     assert rc == 0
     straight = out[-1]
     assert jax_example.returncode == 0, jax_example.stderr[-3000:]
@@ -136,7 +136,7 @@ def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
 
 
 def _jax_example_beside(d: Daemon, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """The README's JAX example run on the same daemon first: each example has its own
+    """The JAX guide's example run on the same daemon first: each example has its own
     job, so running one after the other works as printed."""
     from . import test_readme_jax
 
