@@ -92,9 +92,7 @@ def configuration_page() -> str:
         shown = f"`{default}`" if default and f.name != "node_id" else (default or "(none)")
         env = f"CKPTD_{f.name.upper()}"
         flag = "--" + f.name.replace("_", "-")
-        rows.append(
-            f"| `{f.name}` | {shown} | `{env}`<br>`{flag}` | {_markdown(texts[f.name])} |"
-        )
+        rows.append(f"| `{f.name}` | {shown} | `{env}`<br>`{flag}` | {_markdown(texts[f.name])} |")
     return "\n".join(
         [
             "# Configuration reference",

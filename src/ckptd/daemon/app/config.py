@@ -39,7 +39,7 @@ def _default_node_id() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Everything ``ckptd serve`` needs; see the README's configuration reference."""
+    """Everything ``ckptd serve`` needs; docs/reference/configuration.md is generated from it."""
 
     root: Path = Path(DEFAULT_ROOT)
     """Local tier directory (on NVMe). Holds ``<job>/<step>/`` and ``.staging``."""
