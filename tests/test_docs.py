@@ -160,3 +160,14 @@ def test_readme_quickstart_runs_as_printed(make_daemon: Any, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "restored" in proc.stdout
     assert d.client("quickstart").latest_step() == 100
+
+
+def test_docs_cited_by_the_code_exist() -> None:
+    cited = {
+        (m, p.relative_to(REPO))
+        for p in (REPO / "src").rglob("*.py")
+        for m in re.findall(r"\bdocs/[\w/.-]+?\.md\b", p.read_text())
+    }
+    assert cited, "the code cites no docs page: the pattern is wrong"
+    missing = sorted(f"{path} cites {doc}" for doc, path in cited if not (REPO / doc).exists())
+    assert missing == []
