@@ -31,13 +31,18 @@ def _run(cmd: list[str], cwd: Path) -> str:
 
 
 def _build_wheel(tmp_path: Path) -> Path:
-    """``pip wheel --no-deps . -w DIR`` on a copy of the clone; no build isolation, so
-    setuptools comes from this environment rather than an index."""
+    """`make wheel` on a copy of the clone: ``pip wheel --no-deps`` without build
+    isolation, so setuptools comes from this environment rather than an index."""
     clone = tmp_path / "clone"
     shutil.copytree(REPO, clone, ignore=_NOT_COPIED)
+    # This environment stands for the clone's .venv: a stamp newer than pyproject.toml
+    # tells make it is set up (the target would otherwise build one).
+    stamp = tmp_path / "venv-ready"
+    stamp.touch()
     dist = tmp_path / "dist"
-    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-    _run([*pip, "--quiet", ".", "-w", str(dist)], clone)
+    make = shutil.which("make")
+    assert make is not None, "make is not installed"
+    _run([make, "wheel", f"PY={sys.executable}", f"STAMP={stamp}", f"DIST={dist}"], clone)
     (wheel,) = dist.glob("ckptd-*.whl")
     return wheel
 
