@@ -14,7 +14,9 @@ COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 # Numeric, so Kubernetes' runAsNonRoot can check it (deploy/k8s runs it as 2000:2000).
 USER 2000:2000
-ENV CKPTD_ROOT=/var/lib/ckptd CKPTD_SOCKET=/run/ckptd/ckptd.sock
+# No CKPTD_* settings here: they would override the operator's config file. The
+# daemon's built-in root and socket are these two volumes; settings come from a file
+# (CKPTD_CONFIG or `serve --config`, as deploy/k8s mounts its ConfigMap).
 VOLUME ["/var/lib/ckptd", "/run/ckptd"]
 # SIGTERM finishes acknowledged saves before exit: give it time (terminationGracePeriodSeconds).
 STOPSIGNAL SIGTERM

@@ -148,3 +148,39 @@ $(MAXTEXT_STAMP): pyproject.toml Makefile
 .PHONY: test-maxtext
 test-maxtext: venv $(MAXTEXT_STAMP)
 	$(PY) -m pytest -q tests/frameworks/test_maxtext.py
+
+# Distribution: `make wheel` writes dist/ckptd-<version>-py3-none-any.whl (install it
+# with `pip install dist/ckptd-*.whl`); `make image` builds the daemon's image
+# $(IMAGE):$(TAG) from the Dockerfile with docker, podman or buildah, whichever works
+# here (CONTAINER_ENGINE=... to choose); `make push REGISTRY=registry.example.com/team`
+# pushes it as $(REGISTRY)/$(IMAGE):$(TAG), the name deploy/k8s/kustomization.yaml's
+# `images:` then gives the manifests.
+.PHONY: wheel image push
+DIST ?= dist
+IMAGE ?= ckptd
+TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?=
+# docker needs its daemon answering; podman and buildah need none.
+CONTAINER_ENGINE ?= $(shell for e in docker podman buildah; do \
+	command -v $$e >/dev/null 2>&1 || continue; \
+	if [ $$e != docker ] || docker info >/dev/null 2>&1; then echo $$e; break; fi; done)
+define no_engine
+{ echo "make $@: no container engine to build with: none of docker (with its daemon running), podman or buildah works here. Install one (podman needs no daemon), start the docker daemon, or set CONTAINER_ENGINE=<command>." >&2; exit 1; }
+endef
+
+wheel: venv
+	rm -rf build  # a stale build/lib would put deleted modules into the wheel
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation . -w $(DIST)
+	@ls $(DIST)/ckptd-*.whl
+
+image:
+	@test -n "$(CONTAINER_ENGINE)" || $(no_engine)
+	@test -n "$(TAG)" || { echo "make $@: no TAG (pyproject.toml's version was not found); set TAG=..." >&2; exit 1; }
+	@if [ "$(notdir $(CONTAINER_ENGINE))" = buildah ]; then \
+		set -x; $(CONTAINER_ENGINE) bud -t $(IMAGE):$(TAG) -f Dockerfile . ; \
+	else set -x; $(CONTAINER_ENGINE) build -t $(IMAGE):$(TAG) -f Dockerfile . ; fi
+
+push: image
+	@test -n "$(REGISTRY)" || { echo "make $@: set REGISTRY to where the image goes, e.g. make push REGISTRY=registry.example.com/team (it is pushed as REGISTRY/$(IMAGE):$(TAG))" >&2; exit 1; }
+	$(CONTAINER_ENGINE) tag $(IMAGE):$(TAG) $(REGISTRY)/$(IMAGE):$(TAG)
+	$(CONTAINER_ENGINE) push $(REGISTRY)/$(IMAGE):$(TAG)

@@ -6,7 +6,7 @@
 
 Buffers are anonymous mmaps (page-aligned, as ``O_DIRECT`` needs) touched once
 up front, because on these VMs touching fresh memory costs more than the copy
-itself (see DESIGN.md, Performance notes). I/O goes in 64 MiB chunks.
+itself (see docs/architecture.md, "Performance notes"). I/O goes in 64 MiB chunks.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def catalog() -> Catalog:
 
 
 def kinds(c: Catalog) -> list[str]:
-    return [e.kind_name for e in c.events()]
+    return [pb.StepEvent.Name(e.kind).removeprefix("STEP_EVENT_") for e in c.events()]
 
 
 def test_a_save_walks_the_table_and_emits_one_event_per_transition() -> None:

@@ -86,9 +86,21 @@ def _metrics_address(container: dict[str, Any], toml: Path) -> str:
     return config.load(toml, env=env).metrics_address
 
 
+def _kind(name: str, kind: str) -> dict[str, Any]:
+    """The one object of ``kind`` in manifest ``name``."""
+    (doc,) = (d for d in _docs(name) if d["kind"] == kind)
+    return doc
+
+
+def _node_tmpfiles() -> list[str]:
+    """The tmpfiles.d lines that prepare a node's directories for the DaemonSet."""
+    lines = (K8S / "node.tmpfiles").read_text().splitlines()
+    return [" ".join(ln.split()) for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
 def _ckptd_pod_specs() -> list[dict[str, Any]]:
     daemonset = _docs("daemonset.yaml")[0]["spec"]["template"]["spec"]
-    job = _docs("trainer-job.yaml")[0]["spec"]["template"]["spec"]
+    job = _kind("trainer-job.yaml", "Job")["spec"]["template"]["spec"]
     return [daemonset, job]
 
 
@@ -127,15 +139,18 @@ def test_manifests_agree_with_the_config_and_the_image(tmp_path: Path) -> None:
             get = daemon[probe]["httpGet"]
             assert ports.get(get["port"], get["port"]) == int(port)
             assert get["path"] in ("/healthz", "/readyz")
-        # The daemon runs as the image's user, on directories handed to it first.
+        # The daemon runs as the image's user, on directories that are its own already:
+        # a hostPath it writes is one node.tmpfiles makes for that uid (no root
+        # container hands it over), any other volume is given to its group by fsGroup.
         ctx = daemon["securityContext"]
         assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["runAsNonRoot"]) == (uid, gid, True)
-        prepare = next(c for c in containers if c["name"] == "prepare-dirs")
-        assert f"chown {uid}:{gid}" in prepare["command"][-1]
-        prepared = {m["mountPath"] for m in prepare["volumeMounts"]}
-        assert str(cfg.root) in prepared
-        for path in prepared:  # every directory it chowns is a hostPath of the daemon
-            assert "hostPath" in volumes[mounts[path]]
+        for path in (str(cfg.root), str(cfg.socket.parent)):
+            host = volumes[mounts[path]].get("hostPath")
+            if host is None:
+                assert spec["securityContext"]["fsGroup"] == gid, path
+            else:
+                assert host["type"] == "Directory", host  # a node not prepared says so
+                assert f"d {host['path']} 0750 {uid} {gid} -" in _node_tmpfiles(), host
         assert spec["terminationGracePeriodSeconds"] >= 120  # finish acknowledged saves
     job = _ckptd_pod_specs()[1]
     sidecar = next(c for c in job["initContainers"] if c["name"] == "ckptd")
@@ -248,9 +263,11 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed")
     unit = (REPO / "deploy" / "systemd" / "ckptd.service").read_text()
     assert "Type=notify" in unit
-    # The unit names the installed path; verify it against this venv's ckptd.
+    # The unit names the installed path (verify needs it to exist): verify a copy that
+    # names this venv's ckptd instead, and nothing else changed.
+    (installed,) = re.findall(r"^ExecStart=(\S+)", unit, re.MULTILINE)
     ckptd = str(Path(sys.executable).with_name("ckptd"))
-    (tmp_path / "ckptd.service").write_text(unit.replace("/usr/local/bin/ckptd", ckptd))
+    (tmp_path / "ckptd.service").write_text(unit.replace(installed, ckptd))
     out = subprocess.run(
         [tool, "verify", str(tmp_path / "ckptd.service")],
         capture_output=True,

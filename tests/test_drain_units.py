@@ -20,7 +20,6 @@ from ckptd.daemon.remote.layout import (
     manifest_key,
     marker_key,
     parse_marker,
-    parse_pin,
     parse_step_name,
     pin_key,
     spread,
@@ -111,9 +110,6 @@ def test_adopted_keys_keep_the_tree_where_orbax_reads_it() -> None:
     assert file_key("j", 7, "n", "files/default/_METADATA", adopted=True) == "j/7/default/_METADATA"
     assert file_key("j", 7, "n", "rank-00000.safetensors") == "j/7/n/rank-00000.safetensors"
     assert pin_key("j", 7, adopted=True) == "j/7.ckptd/_pinned"
-    assert parse_pin("j/7.ckptd/_pinned") == ("j", 7)
-    assert parse_pin("j/7/_pinned") == ("j", 7)
-    assert parse_pin("j/7/default/_pinned") is None
 
 
 def test_rank_files_spread_by_node_in_ranges_that_do_not_move_with_the_step() -> None:

@@ -14,7 +14,7 @@ from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import Manifest, ManifestInvalid, RankRecord, ShardRecord
 from ckptd.core.names import check_tree_path
 from ckptd.daemon.remote import index
-from ckptd.daemon.remote.layout import file_key, parse_marker, parse_pin, tree_path
+from ckptd.daemon.remote.layout import file_key, parse_marker, tree_path
 
 from .test_remote_names import NODE, set_field
 
@@ -66,7 +66,7 @@ def test_valid_manifests_pass_both_kinds() -> None:
 def test_version_1_reads_as_the_same_columns() -> None:
     old = Manifest.from_json(json.dumps(_arrays_v1()))
     new = Manifest.from_json(json.dumps(_arrays()))
-    assert old.shards.to_plain() == new.shards.to_plain()
+    assert old.shards.columns_json() == new.shards.columns_json()
     assert old.shard_records() == new.shard_records()
     assert old.shard_records()[0].index == [[0, 4]]
     assert old.to_json() == json.dumps(_arrays_v1())  # a copy keeps the text it came as
@@ -218,8 +218,6 @@ def test_listed_keys_with_bad_names_are_skipped() -> None:
         "job/-3/_complete/node",
     ):
         assert parse_marker(bad) is None, bad
-    assert parse_pin("job/3/_pinned") == ("job", 3)
-    assert parse_pin("a..b/3/_pinned") is None and parse_pin("job/²/_pinned") is None
 
 
 def test_file_keys_refuse_names_that_leave_the_step() -> None:

@@ -136,7 +136,6 @@ def test_one_address_cannot_hold_more_than_its_share(
         for sock in socks[:extra]:  # closed for the newer ones (recv: the end, at once)
             sock.settimeout(BOUND)
             assert sock.recv(64) == b""
-        assert served.evicted == extra
     finally:
         for sock in socks:
             sock.close()

@@ -1,7 +1,7 @@
 """crc32c: the one verification module of ckptd (client and daemon).
 
 Every byte of a checkpoint is checked against the crc32c recorded when it was
-committed: one pass over the lease while it is written (``of_file_and_shards``),
+committed: one pass over the lease while it is written (``FileCrc``),
 streamed reads of files in bounded chunks (``of_file``, ``verify_step``; never a
 whole file in memory), views of memory already mapped (``of_ranges``), and the
 object stores' own checksums, which are plain crc32c of whole objects.
@@ -131,19 +131,6 @@ def of_ranges(data: memoryview | np.ndarray, ranges: Sequence[tuple[int, int]]) 
     """crc32c of each ``(offset, length)`` slice of ``data``, without copying it."""
     flat = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
     return [int(google_crc32c.extend(0, flat[o : o + n])) for o, n in ranges]
-
-
-def of_file_and_shards(
-    header: bytes, data: memoryview, data_length: int, ranges: Sequence[tuple[int, int]]
-) -> tuple[int, list[int]]:
-    """crc32c of the whole file (header + data) and of each shard, from memory.
-
-    The whole-file value is what object stores report natively (GCS crc32c, S3
-    CRC32C), so the drain can verify an upload end to end without re-reading.
-    """
-    stream = FileCrc(header, ranges, data_length)
-    stream.feed(np.frombuffer(data, np.uint8), data_length)
-    return stream.result()
 
 
 class FileCrc:

@@ -9,7 +9,7 @@ safetensors header names every tensor) or what a reader asks for (``records``).
 
 The same table travels on the wire (``pb.ShardTable``, see ``encode``/``decode``),
 sits in a validated commit and in a manifest, and is written to ``manifest.json``
-(format version 2, ``to_plain``/``from_plain``).
+(format version 2, ``columns_json``/``from_plain``).
 """
 
 from __future__ import annotations
@@ -157,16 +157,11 @@ class ShardTable:
             *(cat(name) for name in _INT_COLUMNS),
         )
 
-    def to_plain(self) -> dict[str, list[Any]]:
-        """JSON types, as ``manifest.json`` (version 2) stores the shards."""
-        plain: dict[str, list[Any]] = {"key": self.keys, "dtype": self.dtypes}
-        plain.update((name, getattr(self, name).tolist()) for name in _INT_COLUMNS)
-        return plain
-
     def columns_json(self) -> dict[str, str]:
-        """``to_plain``'s columns, each as compact JSON text. Every save of an unchanged
-        structure writes the same columns but crc32c, so their text is kept by content
-        (~60 ns a value to write, a hash of its bytes to find again)."""
+        """The columns as ``manifest.json`` (version 2) stores the shards, each as
+        compact JSON text. Every save of an unchanged structure writes the same
+        columns but crc32c, so their text is kept by content (~60 ns a value to
+        write, a hash of its bytes to find again)."""
         out = {"key": _cached_json(self.keys), "dtype": _cached_json(self.dtypes)}
         for name in _INT_COLUMNS:
             col = getattr(self, name)
@@ -175,7 +170,8 @@ class ShardTable:
 
     @staticmethod
     def from_plain(raw: Any) -> ShardTable:
-        """Parse ``to_plain``'s form; raises InvalidArgument naming the bad column."""
+        """Parse the shards of ``manifest.json`` (:meth:`columns_json`'s columns, as
+        JSON values); raises InvalidArgument naming the bad column."""
         if not isinstance(raw, dict) or set(raw) != {"key", "dtype", *_INT_COLUMNS}:
             raise InvalidArgument(
                 f"shards must hold the columns {sorted(['key', 'dtype', *_INT_COLUMNS])}"

@@ -1,8 +1,8 @@
 """One commit protocol: write under a temporary location, then one commit point.
 
-Nothing is visible in a tier until its commit point (DESIGN.md, crash rules 1-2).
-ckptd commits in four places, all through this protocol (Orbax's
-``TemporaryPath``: create, write, finalize):
+Nothing is visible in a tier until its commit point (docs/architecture.md,
+"Crash-consistency rules" 1-2). ckptd commits in four places, all through this
+protocol (Orbax's ``TemporaryPath``: create, write, finalize):
 
 - the local tier: a step's staging directory renamed to ``<root>/<job>/<step>``
   (:class:`RenameCommit`, ``manifest.json`` the last file in it);

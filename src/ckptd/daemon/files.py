@@ -1,9 +1,9 @@
 """Blocking file helpers of the local tier: fsynced writes, atomic replace, and large
 aligned ``O_DIRECT`` reads and writes between files and page-aligned memory.
 
-These VMs are slow to hand out fresh page cache (DESIGN.md, Performance notes),
-so checkpoint bytes move with ``O_DIRECT`` through memory that is already
-faulted in; filesystems that refuse it (tmpfs, some overlays) get plain I/O.
+These VMs are slow to hand out fresh page cache (docs/architecture.md,
+"Performance notes"), so checkpoint bytes move with ``O_DIRECT`` through memory
+that is already faulted in; filesystems that refuse it (tmpfs, some overlays) get plain I/O.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ class CommitParser:
         self._keep = keep
         self._lock = threading.Lock()  # big commits are parsed on threads
         self._last: OrderedDict[tuple[str, int], tuple[Any, ShardTable, str, Any]] = OrderedDict()
-        self.hits = 0
 
     def known(self, req: pb.CommitShardsRequest) -> tuple[ShardTable | None, Any]:
         """The checked table and tree spec of the last commit of (job, rank), each
@@ -68,7 +67,6 @@ class CommitParser:
         key = (req.job, req.rank)
         if req.HasField("table") and not req.shards:
             with self._lock:
-                self.hits += known_table is not None
                 self._last[key] = (req.table, parsed.table, req.tree_json, parsed.tree)
                 self._last.move_to_end(key)
                 while len(self._last) > self._keep:

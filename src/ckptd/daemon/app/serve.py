@@ -79,9 +79,9 @@ def _check_writable(directory: Path, key: str) -> None:
     raise StartupError(
         f"{key} {directory}: {target} is owned by uid {st.st_uid} gid {st.st_gid} with mode "
         f"{stat.S_IMODE(st.st_mode):04o} and this daemon runs as {who}, so it cannot write "
-        f"there; give the directory to that user (chown {uid}:{gid} {target}; in Kubernetes "
-        f"an initContainer that does so, or runAsUser matching its owner) or set {key} to "
-        "a directory it may write"
+        f"there; give the directory to that user (chown {uid}:{gid} {target}; for a "
+        "Kubernetes hostPath, a tmpfiles.d entry on the node as deploy/k8s/node.tmpfiles "
+        f"has, or runAsUser matching its owner) or set {key} to a directory it may write"
     )
 
 

@@ -247,8 +247,3 @@ class Event:
     tiers: tuple[int, ...]
     detail: str = ""
     attributes: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def kind_name(self) -> str:
-        """``LOCAL``, ``EVICTED_LOCAL``, ... (the enum name without its prefix)."""
-        return pb.StepEvent.Name(self.kind).removeprefix("STEP_EVENT_")

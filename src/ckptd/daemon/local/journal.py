@@ -120,8 +120,6 @@ class Journal:
         self._flusher: asyncio.Task[None] | None = None
         self._live: set[str] = set()
         self._size = 0
-        self.appends = 0
-        self.fsyncs = 0
         self.lost: list[Lost] = []
         """What :meth:`load` refused: damaged records and records that fail the schema."""
 
@@ -293,5 +291,3 @@ class Journal:
         if commits:
             faults.hit("journal.synced")  # on disk, not yet acknowledged
         self._size += len(data)
-        self.appends += 1
-        self.fsyncs += 1

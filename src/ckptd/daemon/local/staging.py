@@ -5,8 +5,8 @@ the daemon opens them by name, and the one process a lease is granted to gets a
 file descriptor over its session (api/access.py). A free segment is granted
 again only to the uid it was granted to before.
 
-Touching fresh memory is the slowest part of a save on these machines (see
-DESIGN.md, Performance notes), so segments are allocated once, faulted in by
+Touching fresh memory is the slowest part of a save on these machines
+(docs/architecture.md, "Performance notes"), so segments are allocated once, faulted in by
 ``posix_fallocate`` when created, and handed out again for later saves. The
 total held is bounded by ``staging_budget_bytes``. Segments are mapped without
 keeping a file descriptor (:mod:`.shm`), so a pool of many small segments never

@@ -195,12 +195,6 @@ class LocalStore:
             del self._spares[path]
             return path
 
-    @property
-    def spare_bytes(self) -> int:
-        """Disk space held by spare files (given back by :meth:`drop_spares`)."""
-        with self._spare_lock:
-            return sum(self._spares.values())
-
     def drop_spares(self) -> int:
         """Delete every spare file (the disk is short of space); returns the bytes freed."""
         with self._spare_lock:

@@ -136,8 +136,6 @@ class BulkServer:
         """Bytes of replica files sent to restoring nodes (metrics)."""
         self.received_bytes = 0
         """Bytes of replicas taken (metrics)."""
-        self.evicted = 0
-        """Unauthenticated connections closed to make room for newer ones (tests)."""
         self.port = 0
 
     @property
@@ -182,7 +180,6 @@ class BulkServer:
                     victim = next(iter(self._waiting.values()))
                 if victim is not None:
                     self._forget(victim)
-                    self.evicted += 1
                 mine[gate.ident] = self._waiting[gate.ident] = gate
             if victim is not None:  # not logged: whoever floods the port would flood the log
                 self._watchdog.fire(victim.key)

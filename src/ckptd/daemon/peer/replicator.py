@@ -232,7 +232,7 @@ class Replicator:
         for record in manifest.ranks:
             # O_DIRECT into one reused buffer: reading a step back through the page
             # cache would allocate fresh memory, slow on these VMs and taken from the
-            # trainer (DESIGN.md, Performance notes).
+            # trainer (docs/architecture.md, "Performance notes").
             fd, _ = await self.io.run(open_direct, directory / record.file, os.O_RDONLY)
             try:
                 offset = 0

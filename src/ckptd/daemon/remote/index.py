@@ -165,8 +165,6 @@ class NodeIndex:
         self._jobs: dict[str, dict[int, Entry]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._written: dict[str, float] = {}
-        self.migrated = 0
-        """Jobs whose index was built from a listing (a bucket from before the index)."""
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
@@ -258,7 +256,6 @@ class NodeIndex:
 
         await asyncio.gather(*(pinned(e) for e in entries.values()))
         if entries:
-            self.migrated += 1
             log.info(
                 "%s: no step index of node %s in the bucket; built one from %d markers",
                 job,

@@ -209,17 +209,6 @@ def pin_key(job: str, step: int, adopted: bool = False) -> str:
     return f"{record_prefix(job, step, adopted)}/_pinned"
 
 
-def parse_pin(key: str) -> tuple[str, int] | None:
-    """``(job, step)`` if ``key`` is a pin."""
-    parts = key.split("/")
-    if len(parts) != 3 or parts[2] != "_pinned":
-        return None
-    step, _ = _parse_step(parts[1])
-    if step is None or not _valid_names(key, job=parts[0]):
-        return None
-    return parts[0], step
-
-
 def parse_step_name(name: str) -> tuple[int | None, bool]:
     """A listed step directory's number (None: not a step ckptd writes) and whether it
     holds an adopted step's records (``<step>.ckptd``)."""

@@ -7,7 +7,7 @@ at commit before the client sees a byte:
   with aligned ``O_DIRECT`` reads into one of its free, already faulted staging
   segments, checks every shard's crc32c, and lends the segment to the client,
   whose arrays are views over it. No page cache is allocated, which is what
-  makes cold restores fast on these VMs (see DESIGN.md, Performance notes).
+  makes cold restores fast on these VMs (docs/architecture.md, "Performance notes").
   Once the client has mapped it, the segment is the trainer's memory: the
   daemon unlinks it and drops it from its pool and staging budget, so restored
   arrays the trainer keeps (an optimizer's state) never hold a lease.

@@ -1,6 +1,7 @@
 """The evictor's decisions for one job, as a pure function of what each tier holds.
 
-Safety rules on top of the tiers' policies (DESIGN.md, Retention):
+Safety rules on top of the tiers' policies (docs/architecture.md, "Retention safety
+rules"):
 
 - the newest complete checkpoint of a job in a tier is never evicted from it,
   whatever the policy (``KeepLatest(0)`` included);
