@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.core.redact import redact
 from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
@@ -305,39 +306,65 @@ def load(
     config_file: Path | None = None,
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, object] | None = None,
+    overrides: list[str] | None = None,
 ) -> Config:
-    """Merge the sources (later wins) and validate the result."""
+    """Merge the sources (later wins) and validate the result.
+
+    ``overrides``, when given, receives one line per value a later source replaced
+    with a different one (:func:`override_line`): the Dockerfile's or a unit's
+    ``CKPTD_ROOT`` beating the operator's config file must not go unsaid."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # key -> "<source> <raw value>" of the value in force
     if config_file is None and env.get(ENV_PREFIX + "CONFIG"):
         config_file = Path(env[ENV_PREFIX + "CONFIG"])
+
+    def put(key: str, value: Any, source: str, shown: str) -> None:
+        coerced = _coerce(key, value, source)
+        if overrides is not None and key in given and values[key] != coerced:
+            overrides.append(override_line(key, shown, given[key]))
+        values[key], given[key] = coerced, shown
+
     if config_file is not None:
         source = f"config file {config_file}"
         for key, value in load_file(config_file).items():
             _check_key(key, source)
-            values[key] = _coerce(key, value, source)
+            put(key, value, source, f"config file {config_file}'s {_shown(value)}")
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key in _FIELDS:
-            values[key] = _coerce(key, value, f"environment variable {name}")
+            source = f"environment variable {name}"
+            put(key, value, source, f"{source}={_shown(value)}")
     for key, value in (flags or {}).items():
         if value is not None:
             _check_key(key, "flags")
-            values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+            flag = f"flag --{key.replace('_', '-')}"
+            put(key, value, flag, f"{flag}={_shown(value)}")
     cfg = Config(**values)
     validate(cfg)
     return cfg
 
 
+def _shown(value: object) -> str:
+    """A raw value as an override line shows it (credentials in a URL masked)."""
+    return redact(",".join(map(str, value)) if isinstance(value, list) else str(value))
+
+
+def override_line(key: str, winner: str, loser: str) -> str:
+    """``root: environment variable CKPTD_ROOT=/a overrides config file f's /b``."""
+    return f"{key}: {winner} overrides {loser}"
+
+
 _NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")
-"""``CKPTD_*`` variables that are not config keys but are read elsewhere."""
+"""``CKPTD_*`` variables that are not config keys but are read elsewhere (the
+client's ``CKPTD_SOCKET`` is the ``socket`` key)."""
 
 
 def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
-    """A warning for each ``CKPTD_*`` variable that is no config key (a typo is
-    otherwise silently ignored), with the closest key when there is one."""
+    """One line for each ``CKPTD_*`` variable that is no config key (a typo would
+    otherwise be silently ignored), with the closest key when there is one."""
     env = os.environ if env is None else env
     out = []
     for name in sorted(env):
@@ -348,8 +375,19 @@ def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
             continue
         close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1)
         hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
-        out.append(f"environment variable {name} is not a ckptd setting and is ignored{hint}")
+        out.append(f"environment variable {name} is not a ckptd setting{hint}")
     return out
+
+
+def refuse_unknown_env(env: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`ConfigError` (exit 2) if a ``CKPTD_*`` variable is no setting:
+    a misspelt one would leave its key at the default without a word."""
+    unknown = unknown_env(env)
+    if unknown:
+        raise ConfigError(
+            "; ".join(unknown) + " (unset or rename it; every key's variable is CKPTD_<KEY>, "
+            "listed by ckptd serve --help)"
+        )
 
 
 def field_docs() -> dict[str, str]:
