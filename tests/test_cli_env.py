@@ -1,0 +1,107 @@
+"""The environment and the config file: a misspelt ``CKPTD_*`` variable stops
+start-up naming the key meant, and a value the environment or a flag overrides
+in the config file is said at start-up, never silently lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.daemon.app import config
+
+from .conftest import Daemon
+from .test_cli_operate import run
+
+
+def test_a_misspelt_variable_stops_serve_naming_the_key(tmp_path: Path) -> None:
+    out = run(
+        "serve",
+        "--root",
+        str(tmp_path / "root"),
+        "--socket",
+        str(tmp_path / "s.sock"),
+        env={"CKPTD_STAGING_BUDGT_BYTES": "1"},
+    )
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptd: error: "), out.stderr
+    assert "CKPTD_STAGING_BUDGT_BYTES" in lines[0]
+    assert "did you mean CKPTD_STAGING_BUDGET_BYTES?" in lines[0]
+    assert not (tmp_path / "root").exists()  # refused before anything was made
+
+
+def test_the_variables_ckptd_reads_elsewhere_are_no_typos() -> None:
+    env = {
+        "CKPTD_CONFIG": "/etc/ckptd.toml",
+        "CKPTD_FAILPOINTS": "",
+        "CKPTD_FAILPOINT_DIR": "/tmp/x",
+        "CKPTD_FUZZ_SEED": "3",
+        "CKPTD_SOCKET": "/run/ckptd/ckptd.sock",
+        "CKPTD_ROOT": "/x",
+    }
+    config.refuse_unknown_env(env)  # nothing raised
+    with pytest.raises(config.ConfigError, match="did you mean CKPTD_REMOTE"):
+        config.refuse_unknown_env({**env, "CKPTD_REMOTTE": "s3://b"})
+
+
+def test_load_reports_each_override_of_the_config_file(tmp_path: Path) -> None:
+    f = tmp_path / "ckptd.toml"
+    f.write_text('root = "/data/ckptd"\nwrite_workers = 3\nio_nice = 5\n')
+    said: list[str] = []
+    cfg = config.load(
+        f,
+        {"CKPTD_ROOT": "/var/lib/ckptd", "CKPTD_IO_NICE": "5", "CKPTD_WRITE_WORKERS": "4"},
+        {"write_workers": "6"},
+        said,
+    )
+    assert (str(cfg.root), cfg.write_workers, cfg.io_nice) == ("/var/lib/ckptd", 6, 5)
+    assert said == [
+        f"root: environment variable CKPTD_ROOT=/var/lib/ckptd overrides config file {f}'s "
+        "/data/ckptd",
+        f"write_workers: environment variable CKPTD_WRITE_WORKERS=4 overrides config file {f}'s 3",
+        "write_workers: flag --write-workers=6 overrides environment variable "
+        "CKPTD_WRITE_WORKERS=4",
+    ]  # io_nice: the same value from both, nothing lost
+
+
+def test_serve_and_verify_say_what_overrides_the_config_file(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    f = tmp_path / "ckptd.toml"
+    f.write_text('node_id = "from-file"\nwrite_workers = 3\n')
+    daemon: Daemon = make_daemon(
+        extra_args=["--config", str(f)], env={"CKPTD_WRITE_WORKERS": "4"}
+    )
+    assert daemon.status().node_id == "test-node"  # the launcher's flag won
+    log = daemon.log_text()
+    assert (
+        f"write_workers: environment variable CKPTD_WRITE_WORKERS=4 overrides config file {f}'s 3"
+        in log
+    )
+    assert f"node_id: flag --node-id=test-node overrides config file {f}'s from-file" in log
+    # The operator's commands say it too (on stderr, before their answer).
+    f.write_text(f'root = "{tmp_path / "file-root"}"\n')
+    out = run("verify", "--config", str(f), env={"CKPTD_ROOT": str(tmp_path / "env-root")})
+    assert (
+        f"ckptd: warning: root: environment variable CKPTD_ROOT={tmp_path / 'env-root'} "
+        f"overrides config file {f}'s {tmp_path / 'file-root'}" in out.stderr
+    ), out.stderr
+
+
+def test_the_client_warns_once_about_a_misspelt_socket_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckptd.core import wire
+
+    monkeypatch.delenv("CKPTD_SOCKET", raising=False)
+    monkeypatch.setenv("CKPTD_SOKET", "/run/elsewhere.sock")
+    monkeypatch.setenv("CKPTD_SOCKET_GROUP", "ckptd")  # the daemon's setting: no warning
+    monkeypatch.setattr(wire, "_warned_socket_variables", set())
+    with pytest.warns(UserWarning, match="CKPTD_SOKET .*did you mean CKPTD_SOCKET") as seen:
+        assert wire.socket_path() == wire.DEFAULT_SOCKET
+        wire.socket_path()  # once, not at every connection
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    monkeypatch.setenv("CKPTD_SOCKET", "/run/x.sock")
+    assert wire.socket_path() == "/run/x.sock"
