@@ -4,6 +4,9 @@ in the config file is said at start-up, never silently lost."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,7 @@ import pytest
 
 from ckptd.daemon.app import config
 
-from .conftest import Daemon
+from .conftest import CKPTD, Daemon
 from .test_cli_operate import run
 
 
@@ -71,9 +74,7 @@ def test_serve_and_verify_say_what_overrides_the_config_file(
 ) -> None:
     f = tmp_path / "ckptd.toml"
     f.write_text('node_id = "from-file"\nwrite_workers = 3\n')
-    daemon: Daemon = make_daemon(
-        extra_args=["--config", str(f)], env={"CKPTD_WRITE_WORKERS": "4"}
-    )
+    daemon: Daemon = make_daemon(extra_args=["--config", str(f)], env={"CKPTD_WRITE_WORKERS": "4"})
     assert daemon.status().node_id == "test-node"  # the launcher's flag won
     log = daemon.log_text()
     assert (
@@ -105,3 +106,45 @@ def test_the_client_warns_once_about_a_misspelt_socket_variable(
     assert len(seen) == 1, [str(w.message) for w in seen]
     monkeypatch.setenv("CKPTD_SOCKET", "/run/x.sock")
     assert wire.socket_path() == "/run/x.sock"
+
+
+def test_gs_without_credentials_fails_at_once_naming_them(tmp_path: Path) -> None:
+    # Nothing to find: no key file, an empty gcloud directory, and a metadata server
+    # address where nothing listens (a closed port on this host).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CKPTD_", "GOOGLE_", "GCE_", "CLOUDSDK_", "STORAGE_EMULATOR"))
+        and k != "NO_GCE_CHECK"
+    }
+    env = {
+        **clean,
+        "HOME": str(tmp_path / "home"),
+        "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+        "GCE_METADATA_HOST": closed,
+        "GCE_METADATA_IP": closed,
+    }
+    for args in (
+        ["serve", "--root", str(tmp_path / "r"), "--socket", str(tmp_path / "s.sock")],
+        ["pull", "job", str(tmp_path / "dest"), "--socket", str(tmp_path / "none.sock")],
+    ):
+        out = subprocess.run(
+            [CKPTD, *args, "--remote", "gs://ckptd-any-bucket/x"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,  # generous for a busy machine; gcsfs alone took ~50 s here
+        )
+        assert out.returncode == 2, out
+        errors = [x for x in out.stderr.splitlines() if x.startswith("ckptd: error:")]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        for name in (
+            "no Google Cloud credentials",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+            "gcloud auth application-default login",
+            f"metadata server at {closed}",
+        ):
+            assert name in errors[0], (name, errors[0])
