@@ -23,6 +23,8 @@ from ckptd.proto import ckptd_pb2 as pb
 from .. import __version__
 from . import cli_own, cli_status, cli_tiers, logs
 from . import config as config_mod
+from .cli_completion import add_completion_parser
+from .cli_help import add_config_options, name_placeholders
 from .cli_jobs import did_you_mean, with_hint
 from .cli_status import plain
 from .cli_view import human_bytes, print_table, socket_arg
@@ -217,22 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ckptd", description="Per-node checkpoint daemon for ML training."
     )
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
-    docs, defaults = config_mod.field_docs(), config_mod.default_values()
-    for key in config_mod.flag_names():
-        p.add_argument(
-            f"--{key.replace('_', '-')}",
-            dest=key,
-            default=None,
-            metavar="VALUE",
-            # argparse formats help with %: a literal one ("10%") is doubled.
-            help=(
-                f"{docs.get(key, '')} Default: {defaults[key] or '(none)'}. "
-                f"Config key {key}, env CKPTD_{key.upper()}."
-            ).replace("%", "%%"),
-        )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon. Every option is also a config file key and a CKPTD_<KEY> "
+        "environment variable; flags beat the environment, which beats the file.",
+    )
+    add_config_options(p)
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("ls", help="list checkpoints and their states")
     p.add_argument("job", nargs="?", help="only this job")
@@ -284,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=5, help="save every N steps (default: 5)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.set_defaults(fn=cmd_demo)
+    add_completion_parser(sub)
+    name_placeholders(parser)
     return parser
 
 
