@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_wheel_builds_without_deprecation_warnings(tmp_path: Path) -> None:
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", str(ROOT)]
-        + ["-w", str(tmp_path)],
+        [*build, str(ROOT), "-w", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -19,7 +19,9 @@ SHELLS = ("bash", "zsh")
 
 def _options(p: argparse.ArgumentParser) -> tuple[list[str], list[str], dict[str, list[str]]]:
     """A parser's option strings, those that take a value, and each fixed set of values."""
-    words, valued, choices = [], [], {}
+    words: list[str] = []
+    valued: list[str] = []
+    choices: dict[str, list[str]] = {}
     for action in p._actions:
         words += action.option_strings
         if action.option_strings and action.nargs != 0:

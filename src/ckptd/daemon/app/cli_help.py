@@ -160,9 +160,10 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         "--config", metavar="PATH", help="TOML config file (or $CKPTD_CONFIG)"
     )
     for key in config_mod.flag_names():
-        group = groups.get(_group_of(key)) or groups.setdefault(
-            "other", p.add_argument_group("other")
-        )
+        title = _group_of(key)
+        if title not in groups:  # a key no group names yet: listed, never lost
+            groups[title] = p.add_argument_group(title)
+        group = groups[title]
         choices = CHOICES.get(key)
         text = plain(docs.get(key, ""))
         if key.endswith("_bytes"):
@@ -170,12 +171,16 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         default = "off" if kinds[key] == "bool" else _default(key, defaults[key])
         text += f" Default: {default}. Config key {key}, env CKPTD_{key.upper()}."
         flag = f"--{key.replace('_', '-')}"
-        common = {"dest": key, "default": None, "help": text.replace("%", "%%")}
+        text = text.replace("%", "%%")  # argparse formats help with %: "10%" is doubled
         if kinds[key] == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
-        else:  # %: argparse formats help with it, so a literal one ("10%") is doubled
+            group.add_argument(
+                flag, dest=key, default=None, help=text, action=argparse.BooleanOptionalAction
+            )
+        else:
             shown = None if choices else metavar(key, kinds[key])  # None: {a,b,c}
-            group.add_argument(flag, metavar=shown, choices=choices, **common)
+            group.add_argument(
+                flag, dest=key, default=None, help=text, metavar=shown, choices=choices
+            )
 
 
 PLACEHOLDERS = {
