@@ -44,6 +44,8 @@ def test_help_is_plain_text_with_real_placeholders() -> None:
     titles = ["where and who:", "remote tier (bucket):", "retention:", "peer tier", "metrics:"]
     at = [serve.index(t) for t in titles]
     assert at == sorted(at), at
+    assert "other:" not in serve  # every key has its tier's group
+    assert "a POLICY is KeepLatest(n)" in serve  # what the policy source file used to say
     assert "pull [-h] [--step STEP] [--node NODE] [--config PATH] [--remote URL]" in " ".join(
         helps()["pull"].split()
     )

@@ -18,55 +18,25 @@ from . import config as config_mod
 from .config_checks import LOG_LEVELS
 
 GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    # (title, description, key prefixes or names); the first match wins.
-    (
-        "where and who",
-        "the local tier, the socket and this node's name",
-        (
-            "root",
-            "socket",
-            "node_id",
-            "log_level",
-        ),
-    ),
-    (
-        "saves and the local tier",
-        "shared memory, writers and local disk space",
-        (
-            "staging_",
-            "lease_",
-            "step_",
-            "write_",
-            "io_",
-            "local_floor",
-            "local_low_",
-        ),
-    ),
-    (
-        "remote tier (bucket)",
-        "where steps are drained to and how",
-        (
-            "remote",
-            "drain_",
-            "part_size",
-            "node_claim_",
-        ),
-    ),
-    ("retention", "which steps each tier keeps", ("retention_", "local_evict_")),
+    # (title, description, keys or key prefixes ending in "_"); the first match wins.
+    ("where and who", "the local tier, the socket and this node's name",
+     ("root", "socket", "node_id", "log_level")),
+    ("saves and the local tier", "shared memory, writers and local disk space",
+     ("staging_", "lease_", "step_", "write_", "io_", "local_floor", "local_low_")),
+    ("remote tier (bucket)", "where steps are drained to and how",
+     ("remote", "remote_", "drain_", "part_size_bytes", "node_claim_")),
+    ("retention",
+     "which steps each tier keeps; a POLICY is KeepLatest(n), KeepEverySteps(k), "
+     "KeepEverySeconds(s), KeepMilestones(), KeepBest('metric', n, mode='min'), "
+     "KeepSteps([...]), KeepAll(), or a list of them (a step any of them keeps is kept)",
+     ("retention_", "local_evict_")),
     ("adoption", "finished framework checkpoints handed to the daemon", ("adopt_",)),
-    (
-        "access",
-        "who may call the daemon and use which jobs",
-        (
-            "socket_group",
-            "allow_",
-            "shared_jobs",
-            "sessions_",
-        ),
-    ),
-    ("peer tier (replicas on other nodes)", "replication between the job's daemons", ("peer",)),
+    ("access", "who may call the daemon and use which jobs",
+     ("socket_group", "allow_", "shared_jobs", "sessions_")),
+    ("peer tier (replicas on other nodes)", "replication between the job's daemons",
+     ("peer_", "peers")),
     ("metrics", "the HTTP endpoint: /metrics, /healthz, /readyz", ("metrics_",)),
-)
+)  # fmt: skip
 """The groups of ``ckptd serve --help``, in order; a key no group names goes to "other"."""
 
 CHOICES = {
@@ -144,9 +114,6 @@ def _default(key: str, value: str) -> str:
 def _group_of(key: str) -> str:
     for title, _, names in GROUPS:
         if any(key == n or (n.endswith("_") and key.startswith(n)) for n in names):
-            return title
-    for title, _, names in GROUPS:  # "remote", "peer": whole words before an underscore
-        if any(key.startswith(n + "_") for n in names):
             return title
     return "other"
 
