@@ -4,6 +4,7 @@ in the config file is said at start-up, never silently lost."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -148,3 +149,27 @@ def test_gs_without_credentials_fails_at_once_naming_them(tmp_path: Path) -> Non
             f"metadata server at {closed}",
         ):
             assert name in errors[0], (name, errors[0])
+
+
+def test_gs_credentials_are_taken_from_where_google_auth_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptd.daemon.remote.errors import RemoteError
+    from ckptd.daemon.remote.gcs import credentials
+
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GCE_METADATA_IP", "GCE_METADATA_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_GCE_CHECK", "true")  # no metadata server asked, here or by google.auth
+    user = {"type": "authorized_user", "client_id": "c", "client_secret": "s", "refresh_token": "r"}
+    # gcloud's application-default file (from `gcloud auth application-default login`).
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    (tmp_path / "gcloud").mkdir()
+    (tmp_path / "gcloud" / "application_default_credentials.json").write_text(json.dumps(user))
+    assert credentials(os.environ).client_id == "c"
+    # An explicit key file wins; one that is missing is named in the error.
+    (tmp_path / "key.json").write_text(json.dumps({**user, "client_id": "k"}))
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "key.json"))
+    assert credentials(os.environ).client_id == "k"
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(RemoteError, match=r"no Google Cloud credentials.*missing\.json"):
+        credentials(os.environ)

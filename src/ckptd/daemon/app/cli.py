@@ -97,12 +97,18 @@ def _suggest_job(args: argparse.Namespace, job: str) -> None:
 
 
 def _job_hint(args: argparse.Namespace, job: str) -> str:
-    """:func:`cli_jobs.did_you_mean` over the daemon's jobs ("" if it cannot tell)."""
+    """:func:`cli_jobs.did_you_mean` over the daemon's jobs; "" if the daemon cannot
+    tell (a hint must never replace the error it decorates)."""
     try:
-        every = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=""))
-    except CkptdError:  # a hint must never replace the error it decorates
+        jobs = _daemon_jobs(args)
+    except CkptdError:
         return ""
-    return did_you_mean(job, {c.job for c in every.checkpoints}, "on this daemon")
+    return did_you_mean(job, jobs, "on this daemon")
+
+
+def _daemon_jobs(args: argparse.Namespace) -> set[str]:
+    every = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=""))
+    return {c.job for c in every.checkpoints}
 
 
 def _unhealthy(c: pb.CheckpointInfo) -> str:
