@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=5, help="save every N steps (default: 5)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.set_defaults(fn=cmd_demo)
-    add_completion_parser(sub)
+    add_completion_parser(parser, sub)
     name_placeholders(parser)
     return parser
 

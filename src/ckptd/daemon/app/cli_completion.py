@@ -94,15 +94,16 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
 
 def cmd_completion(args: argparse.Namespace) -> int:
     """Print the completion script for ``args.shell``."""
-    from .cli import build_parser  # the whole parser, this command included
-
-    parser = build_parser()
+    parser: argparse.ArgumentParser = args.parser
     print(bash_script(parser) if args.shell == "bash" else zsh_script(parser), end="")
     return 0
 
 
-def add_completion_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``completion`` on the main parser."""
+def add_completion_parser(
+    parser: argparse.ArgumentParser, sub: argparse._SubParsersAction[argparse.ArgumentParser]
+) -> None:
+    """Register ``completion`` on the main parser (``parser``, which it completes:
+    call it once every other command is added)."""
     p = sub.add_parser(
         "completion",
         help="print a shell completion script (bash, zsh)",
@@ -111,4 +112,4 @@ def add_completion_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
         'eval "$(ckptd completion zsh)" in ~/.zshrc after compinit.',
     )
     p.add_argument("shell", choices=SHELLS, help="the shell to complete in")
-    p.set_defaults(fn=cmd_completion)
+    p.set_defaults(fn=cmd_completion, parser=parser)

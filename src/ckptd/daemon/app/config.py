@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd.core.redact import redact
 from ckptd.core.wire import DEFAULT_SOCKET  # one default for both sides
 
 from ..local.admission import SpaceMark, parse_size
 from ..retention.policies import Policy, PolicyError, parse_policy
 from .config_checks import ConfigError as ConfigError  # re-exported: callers import it from here
 from .config_checks import validate
+from .config_sources import ENV_PREFIX as ENV_PREFIX  # re-exported: the CLI reads it here
+from .config_sources import override_line, refuse_unknown, shown, unknown_variables
 
 DEFAULT_ROOT = "/var/lib/ckptd"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
-ENV_PREFIX = "CKPTD_"
 
 
 def _default_node_id() -> str:
@@ -329,65 +329,33 @@ def load(
         source = f"config file {config_file}"
         for key, value in load_file(config_file).items():
             _check_key(key, source)
-            put(key, value, source, f"config file {config_file}'s {_shown(value)}")
+            put(key, value, source, f"config file {config_file}'s {shown(value)}")
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key in _FIELDS:
             source = f"environment variable {name}"
-            put(key, value, source, f"{source}={_shown(value)}")
+            put(key, value, source, f"{source}={shown(value)}")
     for key, value in (flags or {}).items():
         if value is not None:
             _check_key(key, "flags")
             flag = f"flag --{key.replace('_', '-')}"
-            put(key, value, flag, f"{flag}={_shown(value)}")
+            put(key, value, flag, f"{flag}={shown(value)}")
     cfg = Config(**values)
     validate(cfg)
     return cfg
 
 
-def _shown(value: object) -> str:
-    """A raw value as an override line shows it (credentials in a URL masked)."""
-    return redact(",".join(map(str, value)) if isinstance(value, list) else str(value))
-
-
-def override_line(key: str, winner: str, loser: str) -> str:
-    """``root: environment variable CKPTD_ROOT=/a overrides config file f's /b``."""
-    return f"{key}: {winner} overrides {loser}"
-
-
-_NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")
-"""``CKPTD_*`` variables that are not config keys but are read elsewhere (the
-client's ``CKPTD_SOCKET`` is the ``socket`` key)."""
-
-
 def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
     """One line for each ``CKPTD_*`` variable that is no config key (a typo would
     otherwise be silently ignored), with the closest key when there is one."""
-    env = os.environ if env is None else env
-    out = []
-    for name in sorted(env):
-        key = name[len(ENV_PREFIX) :]
-        if not name.startswith(ENV_PREFIX) or key.lower() in _FIELDS:
-            continue
-        if any(key == k or (k.endswith("_") and key.startswith(k)) for k in _NOT_KEYS):
-            continue
-        close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1)
-        hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
-        out.append(f"environment variable {name} is not a ckptd setting{hint}")
-    return out
+    return unknown_variables(os.environ if env is None else env, _FIELDS)
 
 
 def refuse_unknown_env(env: Mapping[str, str] | None = None) -> None:
-    """Raise :class:`ConfigError` (exit 2) if a ``CKPTD_*`` variable is no setting:
-    a misspelt one would leave its key at the default without a word."""
-    unknown = unknown_env(env)
-    if unknown:
-        raise ConfigError(
-            "; ".join(unknown) + " (unset or rename it; every key's variable is CKPTD_<KEY>, "
-            "listed by ckptd serve --help)"
-        )
+    """Raise :class:`ConfigError` (exit 2) if a ``CKPTD_*`` variable is no setting."""
+    refuse_unknown(os.environ if env is None else env, _FIELDS)
 
 
 def field_docs() -> dict[str, str]:
