@@ -92,6 +92,6 @@ def test_version_flag_help_and_unknown_environment_variables() -> None:
         {"CKPTD_STAGING_BUDGET": "1GiB", "CKPTD_ROOT": "/x", "CKPTD_FAILPOINTS": "", "HOME": "/"}
     )
     assert warnings == [
-        "environment variable CKPTD_STAGING_BUDGET is not a ckptd setting and is ignored; "
+        "environment variable CKPTD_STAGING_BUDGET is not a ckptd setting; "
         "did you mean CKPTD_STAGING_BUDGET_BYTES?"
     ]

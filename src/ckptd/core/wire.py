@@ -7,7 +7,10 @@ each speaks to the daemon the same way and gets the same errors
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -38,7 +41,28 @@ METADATA = ((PROTOCOL_HEADER, str(PROTOCOL_VERSION)),)
 
 def socket_path(socket: str | os.PathLike[str] | None = None) -> str:
     """The socket to use: the one given, else ``$CKPTD_SOCKET``, else the default."""
+    if not socket and not os.environ.get("CKPTD_SOCKET"):
+        _warn_misspelt_socket_variable(os.environ)
     return os.fspath(socket or os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET)
+
+
+_warned_socket_variables: set[str] = set()
+
+
+def _warn_misspelt_socket_variable(env: Mapping[str, str]) -> None:
+    """Warn (once per name) about a ``CKPTD_*`` variable that looks like a misspelt
+    ``CKPTD_SOCKET``: the client would otherwise go to the default socket without a
+    word. Other ``CKPTD_*`` names are the daemon's settings, often set beside it."""
+    for name in difflib.get_close_matches(
+        "CKPTD_SOCKET", [k for k in env if k.startswith("CKPTD_")], n=3, cutoff=0.85
+    ):
+        if name not in _warned_socket_variables:
+            _warned_socket_variables.add(name)
+            warnings.warn(
+                f"environment variable {name} is not read by ckptd; did you mean "
+                f"CKPTD_SOCKET? (using the default socket {DEFAULT_SOCKET})",
+                stacklevel=3,
+            )
 
 
 def error_from_rpc(exc: grpc.RpcError, socket: str) -> CkptdError:

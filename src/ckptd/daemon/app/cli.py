@@ -7,7 +7,6 @@ Errors print one line (``ckptd: error: ...``) and exit non-zero; no tracebacks.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckptd.core.errors import CkptdError, cli_line
+from ckptd.core.errors import CkptdError, NotFound, cli_line
 from ckptd.core.health import NONFINITE_METRIC
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
@@ -24,6 +23,9 @@ from ckptd.proto import ckptd_pb2 as pb
 from .. import __version__
 from . import cli_own, cli_status, cli_tiers, logs
 from . import config as config_mod
+from .cli_completion import add_completion_parser
+from .cli_help import add_config_options, name_placeholders
+from .cli_jobs import did_you_mean, with_hint
 from .cli_status import plain
 from .cli_view import human_bytes, print_table, socket_arg
 from .serve import serve
@@ -35,10 +37,14 @@ def _admin(args: argparse.Namespace) -> Connection:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     flags = {k: getattr(args, k) for k in config_mod.flag_names()}
-    cfg = config_mod.load(Path(args.config) if args.config else None, flags=flags)
+    config_mod.refuse_unknown_env()
+    overrides: list[str] = []
+    cfg = config_mod.load(
+        Path(args.config) if args.config else None, flags=flags, overrides=overrides
+    )
     logs.setup(cfg.log_level)  # third-party request logging capped, credentials masked
-    for warning in config_mod.unknown_env():
-        logging.getLogger("ckptd.server").warning("%s", warning)
+    for line in overrides:
+        logging.getLogger("ckptd.server").warning("%s", line)
     import uvloop
 
     uvloop.run(serve(cfg))
@@ -85,13 +91,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _suggest_job(args: argparse.Namespace, job: str) -> None:
     """On stderr: the job name this one is probably a typo of, or the jobs there are."""
+    hint = _job_hint(args, job)
+    if hint:
+        print(hint, file=sys.stderr)
+
+
+def _job_hint(args: argparse.Namespace, job: str) -> str:
+    """:func:`cli_jobs.did_you_mean` over the daemon's jobs; "" if the daemon cannot
+    tell (a hint must never replace the error it decorates)."""
+    try:
+        jobs = _daemon_jobs(args)
+    except CkptdError:
+        return ""
+    return did_you_mean(job, jobs, "on this daemon")
+
+
+def _daemon_jobs(args: argparse.Namespace) -> set[str]:
     every = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=""))
-    jobs = sorted({c.job for c in every.checkpoints})
-    close = difflib.get_close_matches(job, jobs, n=1, cutoff=0.6)
-    if close:
-        print(f"did you mean {close[0]!r}?", file=sys.stderr)
-    elif jobs:
-        print(f"jobs on this daemon: {', '.join(jobs[:20])}", file=sys.stderr)
+    return {c.job for c in every.checkpoints}
 
 
 def _unhealthy(c: pb.CheckpointInfo) -> str:
@@ -165,23 +182,35 @@ def cmd_events(args: argparse.Namespace) -> int:
             job=args.job or "", after_seq=after, wait_seconds=25.0 if args.follow else 0.0
         )
         resp = conn.call("ListEvents", req, 60.0)
+        if args.job and not after and not resp.events:  # nothing ever happened to it
+            print(f"no events for job {args.job!r}", file=sys.stderr)
+            _suggest_job(args, args.job)
         for e in resp.events:
             if args.json:
                 print(json.dumps(plain(e)), flush=args.follow)
                 continue
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time_unix))
-            kind = pb.StepEvent.Name(e.kind).removeprefix("STEP_EVENT_")
-            state = pb.SaveState.Name(e.state).removeprefix("SAVE_STATE_")
-            attrs = " ".join(f"{k}={v}" for k, v in sorted(e.attributes.items()))
-            note = " ".join(x for x in (attrs, e.detail) if x)
-            print(
-                f"{when} #{e.seq} {e.job}/{e.step} {kind} -> {state} {note}".rstrip(),
-                flush=args.follow,
-            )
+            print(event_line(e), flush=args.follow)
             after = e.seq
         after = max(after, resp.events[-1].seq if resp.events else after)
         if not args.follow:
             return 0
+
+
+def event_line(e: pb.EventRecord) -> str:
+    """``2026-01-02 03:04:05 #7 job/20 EVICTED_LOCAL -> DURABLE (remote) retention``:
+    the event, the step's state after it and the tiers holding it; a step the event
+    took out of the catalog (no copy left) says so rather than naming a state."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time_unix))
+    kind = pb.StepEvent.Name(e.kind).removeprefix("STEP_EVENT_")
+    if e.state == pb.SAVE_STATE_UNSPECIFIED:
+        after = "(no copy left on this node or in its bucket)"
+    else:
+        tiers = ",".join(pb.Tier.Name(t).removeprefix("TIER_").lower() for t in e.tiers)
+        after = f"-> {pb.SaveState.Name(e.state).removeprefix('SAVE_STATE_')}"
+        after += f" ({tiers})" if tiers else ""
+    attrs = " ".join(f"{k}={v}" for k, v in sorted(e.attributes.items()))
+    note = " ".join(x for x in (attrs, e.detail) if x)
+    return f"{when} #{e.seq} {e.job}/{e.step} {kind} {after} {note}".rstrip()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -196,22 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ckptd", description="Per-node checkpoint daemon for ML training."
     )
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
-    docs, defaults = config_mod.field_docs(), config_mod.default_values()
-    for key in config_mod.flag_names():
-        p.add_argument(
-            f"--{key.replace('_', '-')}",
-            dest=key,
-            default=None,
-            metavar="VALUE",
-            # argparse formats help with %: a literal one ("10%") is doubled.
-            help=(
-                f"{docs.get(key, '')} Default: {defaults[key] or '(none)'}. "
-                f"Config key {key}, env CKPTD_{key.upper()}."
-            ).replace("%", "%%"),
-        )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon. Every option is also a config file key and a CKPTD_<KEY> "
+        "environment variable; flags beat the environment, which beats the file.",
+    )
+    add_config_options(p)
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("ls", help="list checkpoints and their states")
     p.add_argument("job", nargs="?", help="only this job")
@@ -263,7 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=5, help="save every N steps (default: 5)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.set_defaults(fn=cmd_demo)
+    add_completion_parser(parser, sub)
+    name_placeholders(parser)
     return parser
+
+
+_NAMES_A_DAEMON_JOB = (cmd_pin, cmd_prefetch)
+"""Commands whose NOT_FOUND may come from a mistyped job (``pin``, ``unpin``, ``prefetch``)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -272,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except CkptdError as exc:  # the one family every user-facing error belongs to
-        print(cli_line(exc), file=sys.stderr)
+        line = cli_line(exc)
+        if isinstance(exc, NotFound) and args.fn in _NAMES_A_DAEMON_JOB:
+            line = with_hint(line, _job_hint(args, args.job))
+        print(line, file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

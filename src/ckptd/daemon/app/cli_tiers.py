@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ckptd.core.checksum import verify_step
-from ckptd.core.errors import CkptdError, PermissionDenied
+from ckptd.core.errors import CkptdError, NotFound, PermissionDenied
 from ckptd.core.manifest import MANIFEST, Manifest
 from ckptd.core.timeline import abandoned, merge
 from ckptd.core.wire import Connection
@@ -25,6 +25,7 @@ from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.layout import FILES_DIR, file_key, manifest_key, parse_marker
 from . import config as config_mod
+from .cli_jobs import bucket_jobs, did_you_mean, local_jobs, with_hint
 from .cli_view import ByteProgress, print_table, socket_arg
 from .config import Config
 
@@ -45,7 +46,11 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     works; failing that, the defaults."""
     env = os.environ if env is None else env
     flags = {k: getattr(args, k, None) for k in _WHERE}
-    cfg = config_mod.load(Path(args.config) if args.config else None, env, flags=flags)
+    config_mod.refuse_unknown_env(env)
+    overrides: list[str] = []
+    cfg = config_mod.load(Path(args.config) if args.config else None, env, flags, overrides)
+    for line in overrides:
+        print(f"ckptd: warning: {line}", file=sys.stderr)
     chosen = (
         args.config
         or env.get(config_mod.ENV_PREFIX + "CONFIG")
@@ -98,7 +103,10 @@ async def _pull_from(
 ) -> int:
     steps = await fetch.complete_steps(remote, job)
     if not steps:
-        raise CkptdError(f"the bucket {cfg.remote} holds no complete step of job {job!r}")
+        hint = did_you_mean(job, await bucket_jobs(remote), "in the bucket")
+        raise NotFound(
+            with_hint(f"the bucket {cfg.remote} holds no complete step of job {job!r}", hint)
+        )
     if step is None:  # the newest of the live history (core/timeline.py)
         seen = await fetch.newest_steps(remote, job, 1)
         forks = merge(*(s.forks for s in seen.values()))
@@ -298,6 +306,25 @@ def _verify_local(root: Path, job: str | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _verify_hint(cfg: Config, args: argparse.Namespace) -> str:
+    """For ``ckptd verify JOB`` finding nothing: the job meant, among those of the
+    tiers it looked in ("" when there is none to offer)."""
+    if not args.job:
+        return ""
+    jobs = [] if args.remote_only else local_jobs(cfg.root)
+    if cfg.remote and not args.local_only:
+
+        async def listed() -> list[str]:
+            remote = _remote(cfg)
+            try:
+                return await bucket_jobs(remote)
+            finally:
+                await remote.close()
+
+        jobs += asyncio.run(listed())
+    return did_you_mean(args.job, jobs, "there")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check crc32c of local copies (re-read) and remote copies (the store's checksums).
 
@@ -315,8 +342,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         what = f"of job {args.job!r} " if args.job else ""
         raise NothingToVerify(
-            f"nothing to verify: no checkpoint {what}{where.strip()}; pass --root / --remote "
-            "(or --config), or run it where `ckptd serve` runs so its root and bucket are used"
+            f"nothing to verify: no checkpoint {what}{where.strip()}; "
+            + (
+                _verify_hint(cfg, args)
+                or "pass --root / --remote (or --config), or run it "
+                "where `ckptd serve` runs so its root and bucket are used"
+            )
         )
     print_table(
         ["RESULT", "COPY", "DETAIL"],

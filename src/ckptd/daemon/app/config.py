@@ -26,10 +26,11 @@ from ..local.admission import SpaceMark, parse_size
 from ..retention.policies import Policy, PolicyError, parse_policy
 from .config_checks import ConfigError as ConfigError  # re-exported: callers import it from here
 from .config_checks import validate
+from .config_sources import ENV_PREFIX as ENV_PREFIX  # re-exported: the CLI reads it here
+from .config_sources import override_line, refuse_unknown, shown, unknown_variables
 
 DEFAULT_ROOT = "/var/lib/ckptd"
 DEFAULT_METRICS_ADDRESS = "127.0.0.1:9464"
-ENV_PREFIX = "CKPTD_"
 
 
 def _default_node_id() -> str:
@@ -305,51 +306,56 @@ def load(
     config_file: Path | None = None,
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, object] | None = None,
+    overrides: list[str] | None = None,
 ) -> Config:
-    """Merge the sources (later wins) and validate the result."""
+    """Merge the sources (later wins) and validate the result.
+
+    ``overrides``, when given, receives one line per value a later source replaced
+    with a different one (:func:`override_line`): the Dockerfile's or a unit's
+    ``CKPTD_ROOT`` beating the operator's config file must not go unsaid."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # key -> "<source> <raw value>" of the value in force
     if config_file is None and env.get(ENV_PREFIX + "CONFIG"):
         config_file = Path(env[ENV_PREFIX + "CONFIG"])
+
+    def put(key: str, value: Any, source: str, shown: str) -> None:
+        coerced = _coerce(key, value, source)
+        if overrides is not None and key in given and values[key] != coerced:
+            overrides.append(override_line(key, shown, given[key]))
+        values[key], given[key] = coerced, shown
+
     if config_file is not None:
         source = f"config file {config_file}"
         for key, value in load_file(config_file).items():
             _check_key(key, source)
-            values[key] = _coerce(key, value, source)
+            put(key, value, source, f"config file {config_file}'s {shown(value)}")
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key in _FIELDS:
-            values[key] = _coerce(key, value, f"environment variable {name}")
+            source = f"environment variable {name}"
+            put(key, value, source, f"{source}={shown(value)}")
     for key, value in (flags or {}).items():
         if value is not None:
             _check_key(key, "flags")
-            values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+            flag = f"flag --{key.replace('_', '-')}"
+            put(key, value, flag, f"{flag}={shown(value)}")
     cfg = Config(**values)
     validate(cfg)
     return cfg
 
 
-_NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")
-"""``CKPTD_*`` variables that are not config keys but are read elsewhere."""
-
-
 def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
-    """A warning for each ``CKPTD_*`` variable that is no config key (a typo is
-    otherwise silently ignored), with the closest key when there is one."""
-    env = os.environ if env is None else env
-    out = []
-    for name in sorted(env):
-        key = name[len(ENV_PREFIX) :]
-        if not name.startswith(ENV_PREFIX) or key.lower() in _FIELDS:
-            continue
-        if any(key == k or (k.endswith("_") and key.startswith(k)) for k in _NOT_KEYS):
-            continue
-        close = difflib.get_close_matches(key.lower(), list(_FIELDS), n=1)
-        hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
-        out.append(f"environment variable {name} is not a ckptd setting and is ignored{hint}")
-    return out
+    """One line for each ``CKPTD_*`` variable that is no config key (a typo would
+    otherwise be silently ignored), with the closest key when there is one."""
+    return unknown_variables(os.environ if env is None else env, _FIELDS)
+
+
+def refuse_unknown_env(env: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`ConfigError` (exit 2) if a ``CKPTD_*`` variable is no setting."""
+    refuse_unknown(os.environ if env is None else env, _FIELDS)
 
 
 def field_docs() -> dict[str, str]:
