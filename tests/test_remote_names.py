@@ -25,7 +25,7 @@ from ckptd.client import CheckpointCorrupt, CheckpointNotFound
 from ckptd.client import orbax as ckptd_orbax
 from ckptd.core.manifest import DATA_BY_STEP
 from ckptd.daemon.app.launcher import ckptd_command
-from ckptd.daemon.local.files import open_dir_beneath
+from ckptd.daemon.files import open_dir_beneath
 from ckptd.daemon.remote import index
 from ckptd.daemon.remote.backends import open_remote
 from ckptd.daemon.remote.layout import data_prefix, manifest_key, marker_key

@@ -292,7 +292,7 @@ def test_example_config_in_deploy_is_valid() -> None:
 def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Path) -> None:
     import mmap
 
-    from ckptd.daemon.local.files import write_file_direct
+    from ckptd.daemon.files import write_file_direct
     from ckptd.daemon.local.store import LocalStore
 
     store = LocalStore(tmp_path / "root", spare_max_bytes=10 * 2**20)
@@ -328,7 +328,7 @@ def test_rank_file_written_with_its_checksums_trailing_the_write(
     import mmap
 
     from ckptd.core import checksum
-    from ckptd.daemon.local import files
+    from ckptd.daemon import files
 
     base = tmp_path if where == "disk" else Path("/dev/shm")
     out = base / f"ckptd-test-{os.getpid()}.safetensors"
