@@ -267,8 +267,9 @@ class Daemon:
         )
         await self._check_remote()
         await self.adopter.load()
-        if self.claim is not None:
-            await self._claim_node(self.claim)
+        if self.claim is not None:  # before the drain; its loop renews it (or tries again)
+            await self.claim.try_acquire(30)
+            self.supervisor.service("claim", self.claim.run)
         if self.drain is not None:
             # With a jitter the node's index is read in the background (the drain's
             # first act): local restores need nothing from the bucket, so a restarting
@@ -287,16 +288,6 @@ class Daemon:
         if self.peer is not None:
             await self.peer.start(self.supervisor.service, self.supervisor.spawn)
         self.started = True
-
-    async def _claim_node(self, claim: NodeClaim) -> None:
-        """Claim the node name in the bucket before the drain starts; its loop renews it
-        (and tries again when this first attempt fails)."""
-        try:
-            await asyncio.wait_for(claim.acquire(), 30)
-        except Exception as exc:  # the claim's loop tries again
-            claim.reason = redact(f"cannot read the node name's claim: {_reason(exc)}")
-            log.warning("%s", claim.reason)
-        self.supervisor.service("claim", claim.run)
 
     async def _check_remote(self) -> None:
         """Check the remote tier: one clear error at start-up, not a stack of retries."""

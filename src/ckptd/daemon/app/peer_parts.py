@@ -8,6 +8,8 @@ to :class:`PeerTier`, which binds and starts them.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from ckptd.core.errors import FailedPrecondition, InvalidArgument
@@ -36,8 +38,9 @@ def build_peer_tier(
     memory: PrestageMemory,
 ) -> PeerTier:
     """Every part of the peer tier, wired; ``memory``: where pre-staged files also go
-    into shared memory (the restore fetcher). Raises FailedPrecondition (a bad token
-    file or TLS files) with what to fix."""
+    into shared memory (the restore fetcher). Called on the daemon's event loop, which
+    the bulk listener's threads ask for sender checks. Raises FailedPrecondition (a bad
+    token file or TLS files) with what to fix."""
     try:
         token = read_token(options.token_file)
     except InvalidArgument as exc:
@@ -46,7 +49,7 @@ def build_peer_tier(
     replicas = ReplicaStore(options.root, options.budget_bytes)
     peers = Peers(options.node_id, options.peers, token, tls)
     # A replica is taken only from the node it claims to be (identity.py).
-    sender_check = SenderCheck(options.identity, peers)
+    sender_check = SenderCheck(options.identity, peers, asyncio.get_running_loop())
     servicer = PeerServicer(
         options.node_id,
         token,

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -76,7 +75,6 @@ class PeerTier:
         spawn: Callable[[str, Coroutine[Any, Any, None]], None],
     ) -> None:
         """Load the replicas held, serve them, start replicating and pre-staging."""
-        self.sender_check.loop = asyncio.get_running_loop()
         held = await self.io.run(self.store.load)
         server = self._server
         if server is not None:
