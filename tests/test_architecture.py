@@ -186,6 +186,23 @@ def test_no_import_cycle_between_daemon_packages() -> None:
     assert cycles(units) == []
 
 
+def test_no_daemon_service_takes_an_untyped_configuration() -> None:
+    """Each service gets its typed option group (app/options.py) or plain values, never
+    the whole configuration as ``Any``."""
+    untyped = []
+    for p in (SRC / "daemon").rglob("*.py"):
+        for node in ast.walk(parse(p)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                untyped += [
+                    f"{p.relative_to(SRC)}:{node.lineno}: {node.name}({a.arg})"
+                    for a in args
+                    if re.fullmatch(r"cfg|conf|config|options|settings", a.arg)
+                    and (a.annotation is None or ast.unparse(a.annotation) in ("Any", "object"))
+                ]
+    assert untyped == []
+
+
 def test_the_daemon_never_imports_the_client() -> None:
     offenders = [
         str(p.relative_to(REPO))
