@@ -30,7 +30,10 @@ class FakeDisk:
         self.free += relief
 
 
-def admission(tmp_path: Path, disk: FakeDisk, floor: str = "100MiB") -> Admission:
+def admission(
+    tmp_path: Path, disk: FakeDisk, floor: str = "100MiB", relief: int | None = None
+) -> Admission:
+    """``relief``: bytes the relief pass frees (None: admission has no relief pass)."""
     store = LocalStore(tmp_path)
     staging = Staging("ckptd-test-", 512 * MiB, 600.0, shm_dir=tmp_path)
     space = DiskSpace(tmp_path, SpaceMark.parse("50%"), SpaceMark.parse(floor), disk.measure)
@@ -38,7 +41,8 @@ def admission(tmp_path: Path, disk: FakeDisk, floor: str = "100MiB") -> Admissio
     async def run_io(fn: object, *args: object) -> object:
         return fn(*args)  # type: ignore[operator]
 
-    return Admission(space, staging, store, run_io, "KeepLatest(3)")
+    relieve = None if relief is None else lambda: disk.relieve(relief)
+    return Admission(space, staging, store, run_io, "KeepLatest(3)", relieve)
 
 
 def test_a_save_that_fits_above_the_floor_is_admitted(tmp_path: Path) -> None:
@@ -50,8 +54,7 @@ def test_a_save_that_fits_above_the_floor_is_admitted(tmp_path: Path) -> None:
 
 def test_below_the_floor_one_local_pass_runs_then_the_save_is_refused(tmp_path: Path) -> None:
     disk = FakeDisk(free=250 * MiB)
-    adm = admission(tmp_path, disk)
-    adm.relieve = lambda: disk.relieve(0)  # nothing the retention may evict
+    adm = admission(tmp_path, disk, relief=0)  # nothing the retention may evict
     with pytest.raises(ResourceExhausted, match=r"0.05 GiB short.*retention_local = 'KeepLatest"):
         asyncio.run(adm.check_space(200 * MiB))
     assert disk.passes == 1
@@ -60,8 +63,7 @@ def test_below_the_floor_one_local_pass_runs_then_the_save_is_refused(tmp_path: 
 
 def test_a_relief_pass_that_frees_enough_admits_the_save(tmp_path: Path) -> None:
     disk = FakeDisk(free=250 * MiB)
-    adm = admission(tmp_path, disk)
-    adm.relieve = lambda: disk.relieve(100 * MiB)
+    adm = admission(tmp_path, disk, relief=100 * MiB)
     asyncio.run(adm.check_space(200 * MiB))
     assert disk.passes == 1
 

@@ -34,6 +34,175 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+# The daemon's floors (docs/architecture.md, "Floors"): a module imports only from its
+# own floor or below. Packages not named here are unplaced (a test fails on them); a
+# module directly under daemon/ is on the ground floor, except the entry point.
+GROUND, TIERS, LIFECYCLE, API, APP = range(5)
+FLOORS = {
+    "catalog": GROUND,
+    "local": TIERS,
+    "remote": TIERS,
+    "peer": TIERS,
+    "retention": LIFECYCLE,
+    "lifecycle": LIFECYCLE,
+    "restore": LIFECYCLE,
+    "adopt": LIFECYCLE,
+    "api": API,
+    "app": APP,
+    "__main__": APP,
+}
+FLOOR_NAMES = ("ground", "tiers", "lifecycle", "api", "app")
+
+
+def module_names(src: Path) -> dict[str, Path]:
+    """Every module under ``src`` (the ``ckptd`` package) by dotted name."""
+    names = {}
+    for path in src.rglob("*.py"):
+        parts = ("ckptd", *path.relative_to(src).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def import_edges(src: Path) -> dict[str, set[str]]:
+    """module -> the modules of the package it imports: every ``import`` and ``from``
+    statement anywhere in the file (under ``if TYPE_CHECKING:`` and inside functions
+    too), relative ones resolved, ``from pkg import mod`` counted as ``pkg.mod``."""
+    names = module_names(src)
+    edges: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module or ""
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names
+                ]
+            else:
+                continue
+            found |= {t for t in targets if t in names and t != name}
+        edges[name] = found
+    return edges
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of a daemon module (None: a package the table does not place)."""
+    parts = module.split(".")[2:]
+    if not parts:
+        return GROUND  # the daemon package's face
+    if len(parts) == 1 and parts[0] not in FLOORS and (SRC / "daemon" / f"{parts[0]}.py").exists():
+        return GROUND
+    return FLOORS.get(parts[0])
+
+
+def unit_of(module: str) -> str:
+    """The package (or top-level module) of the daemon a module belongs to."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "daemon"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_every_daemon_package_stands_on_a_floor() -> None:
+    unplaced = [
+        p.name
+        for p in (SRC / "daemon").iterdir()
+        if p.is_dir() and (p / "__init__.py").exists() and p.name not in FLOORS
+    ]
+    assert unplaced == [], f"add these packages to FLOORS (and docs/architecture.md): {unplaced}"
+
+
+def test_no_daemon_module_imports_a_floor_above_its_own() -> None:
+    upward = [
+        f"{a} ({FLOOR_NAMES[fa]}) imports {b} ({FLOOR_NAMES[fb]})"
+        for a, targets in sorted(import_edges(SRC).items())
+        if a.startswith("ckptd.daemon") and (fa := floor_of(a)) is not None
+        for b in sorted(targets)
+        if b.startswith("ckptd.daemon") and (fb := floor_of(b)) is not None and fb > fa
+    ]
+    assert upward == []
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert cycles(import_edges(SRC)) == []
+
+
+def test_no_import_cycle_between_daemon_packages() -> None:
+    """Lateral imports on one floor are allowed only one way between two packages."""
+    units: dict[str, set[str]] = {}
+    for a, targets in import_edges(SRC).items():
+        if a.startswith("ckptd.daemon."):
+            units.setdefault(unit_of(a), set()).update(
+                unit_of(b) for b in targets if b.startswith("ckptd.daemon.")
+            )
+    for unit, targets in units.items():
+        targets.discard(unit)
+    assert cycles(units) == []
+
+
+def test_no_daemon_service_takes_an_untyped_configuration() -> None:
+    """Each service gets its typed option group (app/options.py) or plain values, never
+    the whole configuration as ``Any``."""
+    untyped = []
+    for p in (SRC / "daemon").rglob("*.py"):
+        for node in ast.walk(parse(p)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                untyped += [
+                    f"{p.relative_to(SRC)}:{node.lineno}: {node.name}({a.arg})"
+                    for a in args
+                    if re.fullmatch(r"cfg|conf|config|options|settings", a.arg)
+                    and (a.annotation is None or ast.unparse(a.annotation) in ("Any", "object"))
+                ]
+    assert untyped == []
+
+
 def test_the_daemon_never_imports_the_client() -> None:
     offenders = [
         str(p.relative_to(REPO))

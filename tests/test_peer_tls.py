@@ -10,7 +10,6 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -22,6 +21,7 @@ from ckptd.daemon.app import config
 from ckptd.daemon.peer.bulk import BulkServer
 from ckptd.daemon.peer.bulk_client import push, read_range
 from ckptd.daemon.peer.link import Peers
+from ckptd.daemon.peer.options import PeerTlsFiles
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
 from ckptd.daemon.peer.service import PeerServicer
 from ckptd.daemon.peer.tls import PeerTls
@@ -37,13 +37,7 @@ FILES = {"rank-00000.safetensors": DATA}
 
 
 def tls_of(pki: Pki, server_name: str = "") -> PeerTls:
-    cfg = SimpleNamespace(
-        peer_tls_cert_file=str(pki.cert),
-        peer_tls_key_file=str(pki.key),
-        peer_tls_ca_file=str(pki.ca),
-        peer_tls_server_name=server_name,
-    )
-    tls = PeerTls.load(cfg)
+    tls = PeerTls.load(PeerTlsFiles(str(pki.cert), str(pki.key), str(pki.ca), server_name))
     assert tls is not None
     return tls
 
@@ -152,23 +146,10 @@ def test_a_replica_is_pushed_over_tls_and_a_short_one_is_dropped(
 def test_tls_files_are_checked_at_start_up(tmp_path: Path, pkis: tuple[Pki, Pki]) -> None:
     ours, rogue = pkis
     with pytest.raises(FailedPrecondition, match="cannot read peer_tls_key_file"):
-        PeerTls.load(
-            SimpleNamespace(
-                peer_tls_cert_file=str(ours.cert),
-                peer_tls_key_file=str(tmp_path / "missing.key"),
-                peer_tls_ca_file=str(ours.ca),
-                peer_tls_server_name="",
-            )
-        )
+        PeerTls.load(PeerTlsFiles(str(ours.cert), str(tmp_path / "missing.key"), str(ours.ca)))
     with pytest.raises(FailedPrecondition, match="its own private key"):
-        PeerTls.load(
-            SimpleNamespace(
-                peer_tls_cert_file=str(ours.cert),
-                peer_tls_key_file=str(rogue.key),  # not this certificate's key
-                peer_tls_ca_file=str(ours.ca),
-                peer_tls_server_name="",
-            )
-        )
+        # The key is not this certificate's.
+        PeerTls.load(PeerTlsFiles(str(ours.cert), str(rogue.key), str(ours.ca)))
     with pytest.raises(config.ConfigError, match="needs all of"):
         config.load(None, {}, {"peer_tls_cert_file": str(ours.cert)})
 

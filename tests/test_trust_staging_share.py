@@ -31,9 +31,7 @@ A, B = (1000, 11), (1001, 12)  # (uid, pid) of two users' processes
 
 
 def _staging(tmp_path: Path, share: float = 1.0) -> Staging:
-    st = Staging("ckptd-share-", 4 * G, 600.0, shm_dir=tmp_path)
-    st.share_per_uid = share
-    return st
+    return Staging("ckptd-share-", 4 * G, 600.0, shm_dir=tmp_path, share_per_uid=share)
 
 
 def test_a_uid_gets_no_more_than_its_configured_share(tmp_path: Path) -> None:

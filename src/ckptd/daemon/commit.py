@@ -27,18 +27,39 @@ import secrets
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ckptd.core.errors import Conflict
 
 from . import faults
 from .files import fsync_dir, write_synced
 
-if TYPE_CHECKING:
-    from .remote.base import Remote
-
 Runner = Callable[..., Awaitable[Any]]
 """Runs a blocking function off the event loop (``IoPool.run`` or ``asyncio.to_thread``)."""
+
+FILES_DIR = "files"
+"""Where an adopted tree sits inside ckptd's own step directory (beside manifest.json)."""
+COMMIT_FILE = "commit_success.txt"
+"""Orbax's commit point on object stores: uploaded after every other file of the tree."""
+
+
+class ObjectStore(Protocol):
+    """What a :class:`MarkerCommit` needs of a bucket (``remote.base.Remote`` is one).
+
+    Stated here, beneath the tiers, so the protocol does not import the remote tier
+    that implements it."""
+
+    async def put_bytes(self, key: str, data: bytes) -> None:
+        """Write one small object."""
+
+    async def delete(self, keys: list[str]) -> None:
+        """Delete these objects (missing ones are not an error)."""
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        """Every key under ``prefix``."""
+
+    async def exists(self, key: str) -> bool:
+        """Whether the object exists."""
 
 
 class Commit(abc.ABC):
@@ -148,7 +169,7 @@ class MarkerCommit(Commit):
     """Objects written in place under a prefix; readers count them only once the
     marker object exists, and ``finalize`` writes it last."""
 
-    def __init__(self, remote: Remote, prefix: str, marker_key: str) -> None:
+    def __init__(self, remote: ObjectStore, prefix: str, marker_key: str) -> None:
         self.remote = remote
         self.final = self.location = prefix
         self.marker_key = marker_key

@@ -1,4 +1,4 @@
-"""Blocking file helpers of the local tier: fsynced writes, atomic replace, and large
+"""Blocking file helpers beneath every tier: fsynced writes, atomic replace, and large
 aligned ``O_DIRECT`` reads and writes between files and page-aligned memory.
 
 These VMs are slow to hand out fresh page cache (docs/architecture.md,

@@ -20,7 +20,7 @@ from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.core.names import check_tree_path
 
-from ..remote.layout import COMMIT_FILE, FILES_DIR
+from ..commit import COMMIT_FILE, FILES_DIR
 from .paths import DIR_FLAGS
 
 MAX_FILES = 1_000_000

@@ -61,6 +61,7 @@ class Access:
         allow_uids: tuple[int, ...] = (),
         allow_gids: tuple[int, ...] = (),
         shared_jobs: tuple[str, ...] = (),
+        owners: dict[str, int] | None = None,
     ) -> None:
         self.root = root
         self.staging = staging
@@ -68,7 +69,9 @@ class Access:
         self.allow_uids = frozenset(allow_uids)
         self.allow_gids = frozenset(allow_gids)
         self.shared_jobs = shared_jobs
-        self.owners: dict[str, int] = {}
+        self.owners: dict[str, int] = {} if owners is None else owners
+        """Each job's owner uid. Filled in place (never replaced): the composition root
+        hands the same table to staging, which reuses a job's segments only for it."""
         self._claims: dict[str, int] = {}
         """Jobs reserved for the uid of calls still running: how many such calls."""
         self._grants: dict[str, OrderedDict[Path, None]] = {}
@@ -81,7 +84,7 @@ class Access:
         its files first (owners.py)."""
         if not self._dir.is_dir():
             records.write_all(self._dir, records.infer(self.root, self.operators))
-        self.owners = records.read_records(self._dir)
+        self.owners.update(records.read_records(self._dir))
 
     # -- jobs ----------------------------------------------------------------
     def owner_of(self, job: str) -> int | None:

@@ -34,16 +34,18 @@ from ..local.pending import CommitRequest
 from ..local.saver import Saver
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
-from ..peer.tier import PeerTier
 from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.claim import NodeClaim, root_id
 from ..remote.index import NodeIndex
+from ..remote.options import RemoteOptions
 from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
 from ..retention.planner import Retention
 from .config import Config
 from .metrics import Metrics, Sources, job_labels_shown
+from .options import Options
+from .peer_parts import build_peer_tier
 from .supervisor import Supervisor
 
 log = logging.getLogger("ckptd.server")
@@ -62,43 +64,130 @@ class Daemon:
         on_fatal: Callable[[str], None],
         measure_space: Callable[..., Space] = statvfs_space,
     ) -> None:
+        """Build every service, wired, in one phase: nothing here serves, starts a loop
+        or is assigned onto a service later, so :meth:`status` and the metrics answer
+        from the first request, while :meth:`start` still recovers."""
         cfg = self.config = config
+        opts = Options.of(cfg)
+        local, lifecycle = opts.local, opts.lifecycle
         self.started_at = time.time()
         self.supervisor = Supervisor(on_fatal)
-        self.catalog = Catalog(cfg.node_id)
-        set_nice(cfg.io_nice)  # before the I/O and checksum threads start
-        self.io = IoPool(2 * cfg.write_workers)
+        self.catalog = Catalog(local.node_id)
+        set_nice(local.io_nice)  # before the I/O and checksum threads start
+        self.io = IoPool(2 * local.write_workers)
+        # Evictions get threads of their own: behind a queue of rank-file writes they
+        # fell behind a sustained save rate and the disk filled (bench/soak).
+        self.evict_io = IoPool(2)
         # Spare files: at most what the staging budget lets be in flight at once.
-        self.store = LocalStore(cfg.root, cfg.staging_budget_bytes)
+        self.store = LocalStore(local.root, local.staging_budget_bytes)
+        owners: dict[str, int] = {}  # one table: Access fills it, staging reads it
         self.staging = Staging(
-            segment_prefix(cfg.root), cfg.staging_budget_bytes, cfg.lease_timeout_seconds
+            segment_prefix(local.root),
+            local.staging_budget_bytes,
+            local.lease_timeout_seconds,
+            uid_of=owners.get,
+            share_per_uid=local.staging_share_per_uid,
         )
         self.access = Access(
-            cfg.root, self.staging, cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs
+            local.root, self.staging, cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs, owners
         )
-        self.staging.uid_of = self.access.owner_of
-        self.staging.share_per_uid = cfg.staging_share_per_uid
-        self.remote: Remote | None = None
-        self.journal = Journal(cfg.root)
+        self.journal = Journal(local.root)
         self.saver = Saver(
             self.catalog,
             self.staging,
             self.store,
             self.io,
-            cfg.node_id,
+            local.node_id,
             self.supervisor.spawn,
             self.journal,
-            cfg.step_timeout_seconds,
+            local.step_timeout_seconds,
         )
-        self.disk = DiskSpace(cfg.root, cfg.local_low_watermark, cfg.local_floor, measure_space)
+        self.disk = DiskSpace(local.root, local.low_watermark, local.floor, measure_space)
+        self.remote = _remote(opts.remote)
+        self.retention = Retention(
+            self.catalog,
+            lifecycle.retention_local,
+            lifecycle.retention_remote if self.remote is not None else None,
+            evict_unuploaded=lifecycle.evict_unuploaded,
+        )
+        # This node's step index in the bucket (remote/index.py): one owner, shared by
+        # the drain (adds), the evictor (removes), pins and restores (reads).
+        self.index = (
+            NodeIndex(self.remote, local.node_id, opts.remote.read_jitter_seconds)
+            if self.remote is not None
+            else None
+        )
+        # The node name's claim in the bucket (remote/claim.py): without it the daemon
+        # saves locally but writes nothing there.
+        claim = self.claim = (
+            NodeClaim(
+                self.remote,
+                local.node_id,
+                root_id(local.root),
+                opts.remote.claim_heartbeat_seconds,
+                opts.remote.claim_stale_seconds,
+                opts.remote.claim_takeover,
+            )
+            if self.remote is not None
+            else None
+        )
+        self.evictor = Evictor(
+            self.catalog,
+            self.retention,
+            self.store,
+            self.disk,
+            self.evict_io,
+            self.remote,
+            self.index,
+            may_write_remote=(lambda: claim.held) if claim is not None else lambda: True,
+        )
         self.admission = Admission(
-            self.disk, self.staging, self.store, self.io.run, cfg.retention_local.describe()
+            self.disk,
+            self.staging,
+            self.store,
+            self.io.run,
+            lifecycle.retention_local.describe(),
+            relieve=self.evictor.relieve_local,
         )
-        self.drain: Drain | None = None
-        self.claim: NodeClaim | None = None
+        self.fetcher = Fetcher(
+            self.catalog, self.store, self.staging, self.io, self.remote, self.index
+        )
         self.peer = (
-            PeerTier(cfg, self.catalog, self.store, self.io)
-            if cfg.peers or cfg.peer_address.lower() != "off"
+            build_peer_tier(opts.peer, self.catalog, self.store, self.io, self.fetcher)
+            if opts.peer.enabled
+            else None
+        )
+        self.restorer = Restorer(
+            self.catalog,
+            self.store,
+            self.staging,
+            self.io,
+            self.fetcher,
+            self.peer.fetcher if self.peer is not None else None,
+        )
+        self.adopter = Adopter(
+            self.catalog,
+            self.store,
+            self.io,
+            self.restorer,
+            self.fetcher,
+            lifecycle.adopt_poll_seconds,
+            lifecycle.adopt_dirs,
+        )
+        self.pins = Pins(self.catalog, local.root, self.io, self.remote, self.index)
+        self.drain = (
+            Drain(
+                self.catalog,
+                self.remote,
+                self.index,
+                self.store,
+                self.io,
+                self.retention,
+                lifecycle.drain_retry_max_seconds,
+                lifecycle.drain_stall_seconds,
+                claim,
+            )
+            if self.remote is not None and self.index is not None
             else None
         )
         self.started = False
@@ -109,7 +198,7 @@ class Daemon:
                 self.catalog,
                 self.status,
                 self.drain_lag,
-                bool(cfg.remote),
+                self.remote is not None,
                 self._ready,
                 self.access.live.jobs,
                 lambda: job_labels_shown(
@@ -141,7 +230,8 @@ class Daemon:
         return f"background services failed: {', '.join(failed)}" if failed else ""
 
     async def start(self) -> None:
-        """Recover the local tier, open the remote tier, build the services on top."""
+        """Recover the local tier and replay the journal, check the remote tier, claim
+        the node name, then start every loop (the services exist since construction)."""
         cfg = self.config
         recovery = await self.io.run(self.store.recover)
         await self.io.run(self.access.load)
@@ -175,79 +265,21 @@ class Daemon:
             recovery.removed_staging,
             removed_segments,
         )
-        self.remote = await self._open_remote()
-        self.retention = Retention(
-            self.catalog,
-            cfg.retention_local,
-            cfg.retention_remote if self.remote is not None else None,
-            evict_unuploaded=cfg.local_evict_unuploaded,
-        )
-        # Evictions get threads of their own: behind a queue of rank-file writes they
-        # fell behind a sustained save rate and the disk filled (bench/soak).
-        self.evict_io = IoPool(2)
-        # This node's step index in the bucket (remote/index.py): one owner, shared by
-        # the drain (adds), the evictor (removes), pins and restores (reads).
-        self.index = (
-            NodeIndex(self.remote, cfg.node_id, cfg.remote_read_jitter_seconds)
-            if self.remote is not None
-            else None
-        )
-        self.evictor = Evictor(
-            self.catalog,
-            self.retention,
-            self.store,
-            self.disk,
-            self.evict_io,
-            self.remote,
-            self.index,
-        )
-        self.admission.relieve = self.evictor.relieve_local
-        self.fetcher = Fetcher(
-            self.catalog, self.store, self.staging, self.io, self.remote, self.index
-        )
-        if self.peer is not None and self.peer.fetcher is not None:
-            self.peer.fetcher.memory = self.fetcher  # pre-staging into shared memory
-        self.restorer = Restorer(
-            self.catalog,
-            self.store,
-            self.staging,
-            self.io,
-            self.fetcher,
-            self.peer.fetcher if self.peer is not None else None,
-        )
-        self.adopter = Adopter(
-            self.catalog,
-            self.store,
-            self.io,
-            self.restorer,
-            self.fetcher,
-            cfg.adopt_poll_seconds,
-            cfg.adopt_dirs,
-        )
-        self.pins = Pins(self.catalog, cfg.root, self.io, self.remote, self.index)
+        await self._check_remote()
         await self.adopter.load()
-        self.claim = await self._claim_node()
-        if self.remote is not None and self.index is not None:
-            self.drain = Drain(
-                self.catalog,
-                self.remote,
-                self.index,
-                self.store,
-                self.io,
-                self.retention,
-                cfg.drain_retry_max_seconds,
-                cfg.drain_stall_seconds,
-                self.claim,
-            )
+        if self.claim is not None:  # before the drain; its loop renews it (or tries again)
+            await self.claim.try_acquire(30)
+            self.supervisor.service("claim", self.claim.run)
+        if self.drain is not None:
             # With a jitter the node's index is read in the background (the drain's
             # first act): local restores need nothing from the bucket, so a restarting
             # job does not wait for it.
-            if not cfg.remote_read_jitter_seconds:
+            if not self.config.remote_read_jitter_seconds:
                 try:
                     await asyncio.wait_for(self.drain.resume(), 120)
                 except Exception as exc:
                     raise StartupError(
-                        redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")
+                        redact(f"cannot use remote {self.config.remote}: {_reason(exc)}")
                     ) from None
             self.supervisor.service("drain", self.drain.run)
         self.evictor.kick()  # apply the retention to what recovery found
@@ -257,46 +289,19 @@ class Daemon:
             await self.peer.start(self.supervisor.service, self.supervisor.spawn)
         self.started = True
 
-    async def _claim_node(self) -> NodeClaim | None:
-        """Claim the node name in the bucket (remote/claim.py) before the drain starts:
-        without the claim the daemon saves locally but writes nothing there."""
+    async def _check_remote(self) -> None:
+        """Check the remote tier: one clear error at start-up, not a stack of retries."""
         cfg = self.config
         if self.remote is None:
-            return None
-        claim = NodeClaim(
-            self.remote,
-            cfg.node_id,
-            await self.io.run(root_id, cfg.root),
-            cfg.node_claim_heartbeat_seconds,
-            cfg.node_claim_stale_seconds,
-            cfg.node_claim_takeover,
-        )
-        try:
-            await asyncio.wait_for(claim.acquire(), 30)
-        except Exception as exc:  # the claim's loop tries again
-            claim.reason = redact(f"cannot read the node name's claim: {_reason(exc)}")
-            log.warning("%s", claim.reason)
-        self.evictor.may_write_remote = lambda: claim.held
-        self.supervisor.service("claim", claim.run)
-        return claim
-
-    async def _open_remote(self) -> Remote | None:
-        """Open and check the remote tier: one clear error at start-up, not a stack of retries."""
-        cfg = self.config
-        if not cfg.remote:
             log.warning(
                 "no remote tier configured: checkpoints live only on this node's disk "
                 'and die with it (set remote = "s3://..." or "gs://...")'
             )
-            return None
+            return
         try:
-            remote = open_remote(
-                cfg.remote, cfg.remote_endpoint_url, cfg.part_size_bytes, cfg.drain_concurrency
-            )
-            await asyncio.wait_for(remote.check(), 30)
+            await asyncio.wait_for(self.remote.check(), 30)
         except Exception as exc:
             raise StartupError(redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")) from None
-        return remote
 
     def services(self) -> Services:
         """What the wire API calls."""
@@ -394,6 +399,18 @@ class Daemon:
             fetch_done_bytes=self.fetcher.in_flight_done,
             **(self.peer.status() if self.peer is not None else {}),
         )
+
+
+def _remote(options: RemoteOptions) -> Remote | None:
+    """The remote tier's backend (checked at start-up), or None without one."""
+    if not options.url:
+        return None
+    try:
+        return open_remote(
+            options.url, options.endpoint_url, options.part_size_bytes, options.concurrency
+        )
+    except Exception as exc:
+        raise StartupError(redact(f"cannot use remote {options.url}: {_reason(exc)}")) from None
 
 
 def _parse_record(body: bytes) -> CommitRequest:

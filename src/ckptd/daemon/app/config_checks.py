@@ -17,7 +17,7 @@ from ckptd.core.session import session_path
 from .http import parse_address
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config_fields import Config
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -167,12 +167,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         fatal.append(reason)
         stop.set()
 
+    # Every service is built before anything serves (compose.py: one phase).
     daemon = Daemon(config, on_fatal)
-    # Probes answer from the start: healthy (the loop runs), not ready while recovering.
-    http = await _start_http(config, daemon)
-    await daemon.start()
-    # The lock proves no live daemon owns the socket: a file there is stale.
-    config.socket.unlink(missing_ok=True)
     access = daemon.access
     sessions = SessionServer(
         config.socket,
@@ -183,12 +179,18 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         per_uid=config.sessions_per_uid,
         exempt=access.operators,
     )
+    servicer = Servicer(daemon.services(), sessions)
+    # Probes answer from the start: healthy (the loop runs), not ready while recovering.
+    http = await _start_http(config, daemon)
+    await daemon.start()
+    # The lock proves no live daemon owns the socket: a file there is stale.
+    config.socket.unlink(missing_ok=True)
     try:
         await sessions.start(group)  # before the gRPC socket: every call needs a session
     except OSError as exc:
         raise StartupError(f"cannot listen on {sessions.path}: {exc.strerror}") from None
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    pb_grpc.add_CkptdServicer_to_server(Servicer(daemon.services(), sessions), server)
+    pb_grpc.add_CkptdServicer_to_server(servicer, server)
     health = HealthServicer()  # grpc.health.v1: "" and "ckptd.v1.Ckptd"
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider

@@ -59,6 +59,7 @@ class Evictor:
         io: IoPool,
         remote: Remote | None,
         index: NodeIndex | None,
+        may_write_remote: Callable[[], bool] = lambda: True,
     ) -> None:
         self.catalog = catalog
         self.retention = retention
@@ -67,7 +68,7 @@ class Evictor:
         self.io = io
         self.remote = remote
         self.index = index
-        self.may_write_remote: Callable[[], bool] = lambda: True
+        self.may_write_remote = may_write_remote
         """Whether this daemon holds its node name's claim in the bucket (claim.py):
         without it, another daemon's copies would be deleted under the shared name."""
         self.evicted_local = 0

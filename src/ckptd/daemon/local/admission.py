@@ -135,6 +135,7 @@ class Admission:
         store: LocalStore,
         run_io: Callable[..., Awaitable[object]],
         retention_hint: str,
+        relieve: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.disk = disk
         self.staging = staging
@@ -142,8 +143,8 @@ class Admission:
         self._run_io = run_io
         self.retention_hint = retention_hint
         """The local retention as configured, named in the refusal."""
-        self.relieve: Callable[[], Awaitable[None]] | None = None
-        """A local-only eviction pass (set by the composition root to the evictor's)."""
+        self.relieve = relieve
+        """A local-only eviction pass (the evictor's), run before a save is refused."""
 
     def _disk_need(self, size_bytes: int) -> tuple[Space, int, int, int]:
         """(space, floor, bytes of saves still being written, free bytes a save needs)."""

@@ -228,7 +228,7 @@ class Saver:
         """Finish the handoffs a crashed daemon acknowledged (the journal's live records):
         each whose segment survived, and is trusted, is written and committed as if it
         had just arrived (replay.py)."""
-        return await replay_journal(self, entries, parse)
+        return await replay_journal(self.staging, self.journal, self.commit, entries, parse)
 
     def _check_complete(self, pending: PendingStep) -> None:
         """``step_timeout_seconds`` after a step began: fail it if ranks are missing."""

@@ -79,6 +79,7 @@ class Staging(SegmentPool):
         shm_dir: Path = SHM_DIR,
         clock: Callable[[], float] = time.monotonic,
         uid_of: Callable[[str], int | None] = lambda job: None,
+        share_per_uid: float = 1.0,
     ) -> None:
         super().__init__(prefix, shm_dir)
         self.uid_of = uid_of
@@ -87,7 +88,7 @@ class Staging(SegmentPool):
         self.lease_timeout_seconds = lease_timeout_seconds
         self._clock = clock
         self._leases: dict[str, Lease] = {}
-        self.share_per_uid = 1.0
+        self.share_per_uid = share_per_uid
         """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
         self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
         self._freed = asyncio.Event()

@@ -90,7 +90,9 @@ def socket_sender(conn: socket.socket) -> Sender:
 class SenderCheck:
     """Refuses a replica whose manifest names a node other than its sender."""
 
-    def __init__(self, mode: str, peers: Peers) -> None:
+    def __init__(
+        self, mode: str, peers: Peers, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         if mode not in MODES:
             raise FailedPrecondition(
                 f"invalid value for 'peer_identity': {mode!r}; use one of {MODES}"
@@ -103,8 +105,8 @@ class SenderCheck:
             shared = peers.tls is None or bool(peers.tls.server_name)
             mode = "address" if shared else "certificate"
         self.mode, self.peers = mode, peers
-        self.loop: asyncio.AbstractEventLoop | None = None
-        """The daemon's event loop (set when the tier starts): bulk threads ask on it."""
+        self.loop = loop
+        """The daemon's event loop: bulk threads ask on it (None: every check refused)."""
 
     async def check(self, node: str, sender: Sender) -> None:
         """Return if ``sender`` is ``node``'s daemon; else PermissionDenied, saying why."""

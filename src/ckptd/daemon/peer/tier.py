@@ -1,4 +1,4 @@
-"""The peer tier's parts, built from the config and started beside the daemon.
+"""The peer tier: its parts (built by the composition root), started beside the daemon.
 
 - the Peer service on ``peer_address`` (TCP), taking replicas and telling what it
   holds (service.py, replicas.py), and beside it the bulk listener serving their
@@ -12,23 +12,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
 
-from ckptd.core.errors import FailedPrecondition, InvalidArgument
-from ckptd.core.wire import CHANNEL_OPTIONS
-from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+from ckptd.core.errors import FailedPrecondition
 
-from ..catalog import Catalog
 from ..io import IoPool
-from ..local.store import LocalStore
 from .fetch import PeerFetcher
 from .identity import BoundBulkServer, SenderCheck
-from .link import Limiter, Peers, read_token
+from .link import Peers
+from .options import PeerOptions
 from .replicas import ReplicaStore
 from .replicator import Replicator
 from .service import PeerServicer
@@ -38,49 +34,40 @@ log = logging.getLogger("ckptd.peer")
 
 
 class PeerTier:
-    """Everything of the peer tier one daemon runs."""
+    """Everything of the peer tier one daemon runs, built by the composition root
+    (app/peer_parts.py); :meth:`start` binds the listeners and starts the loops."""
 
-    def __init__(self, cfg: Any, catalog: Catalog, store: LocalStore, io: IoPool) -> None:
-        try:
-            token = read_token(cfg.peer_token_file)
-        except InvalidArgument as exc:
-            raise FailedPrecondition(str(exc)) from None
-        self.tls = PeerTls.load(cfg)
+    def __init__(
+        self,
+        options: PeerOptions,
+        io: IoPool,
+        tls: PeerTls | None,
+        store: ReplicaStore,
+        peers: Peers,
+        sender_check: SenderCheck,
+        servicer: PeerServicer,
+        bulk: BoundBulkServer,
+        server: grpc.aio.Server | None,
+        replicator: Replicator | None,
+        fetcher: PeerFetcher | None,
+    ) -> None:
         self.io = io
-        self.catalog = catalog
-        self.listen = cfg.peer_address
+        self.tls = tls
+        self.listen = options.address
+        self.data_port = options.data_port
         self.address = ""
         """Where the Peer service answers (set once it does)."""
-        self.store = ReplicaStore(cfg.root, cfg.peer_budget_bytes)
-        self.peers = Peers(cfg.node_id, cfg.peers, token, self.tls)
-        # A replica is taken only from the node it claims to be (identity.py).
-        self.sender_check = SenderCheck(cfg.peer_identity, self.peers)
-        self.servicer = PeerServicer(
-            cfg.node_id,
-            token,
-            self.store,
-            io.run,
-            sender_check=self.sender_check,
-            idle=cfg.peer_idle_seconds,
-        )
-        self.bulk = BoundBulkServer(
-            self.sender_check,
-            self.store,
-            token,
-            self.tls,
-            cfg.peer_bulk_deadline_seconds,
-            cfg.peer_idle_seconds,
-        )
-        self.data_port = cfg.peer_data_port
-        self.replicator: Replicator | None = None
-        self.fetcher: PeerFetcher | None = None
-        if cfg.peers:
-            limiter = Limiter(cfg.peer_bandwidth_bytes)
-            self.replicator = Replicator(
-                catalog, store, io, self.peers, cfg.peer_replicas, limiter, cfg.peer_max_lag_seconds
-            )
-            self.fetcher = PeerFetcher(catalog, store, io, self.peers)
-        self._server: grpc.aio.Server | None = None
+        self.store = store
+        self.peers = peers
+        self.sender_check = sender_check
+        self.servicer = servicer
+        self.bulk = bulk
+        self._server = server
+        """The Peer service's gRPC server (None: ``peer_address`` is off); serving once
+        :meth:`start` bound it."""
+        self._serving = False
+        self.replicator = replicator
+        self.fetcher = fetcher
 
     async def start(
         self,
@@ -88,11 +75,9 @@ class PeerTier:
         spawn: Callable[[str, Coroutine[Any, Any, None]], None],
     ) -> None:
         """Load the replicas held, serve them, start replicating and pre-staging."""
-        self.sender_check.loop = asyncio.get_running_loop()
         held = await self.io.run(self.store.load)
-        if self.listen.strip().lower() not in ("", "off", "none", "false"):
-            server = grpc.aio.server(options=CHANNEL_OPTIONS)
-            pb_grpc.add_PeerServicer_to_server(self.servicer, server)
+        server = self._server
+        if server is not None:
             if self.tls is None:
                 port = server.add_insecure_port(self.listen)
             else:
@@ -116,7 +101,7 @@ class PeerTier:
                 ) from None
             data_port = self.servicer.data_port
             await server.start()
-            self._server = server
+            self._serving = True
             self.address = f"{host}:{port}"
             log.info(
                 "peer service on %s, replica data on port %d (%d replicas held)%s",
@@ -146,7 +131,7 @@ class PeerTier:
 
     async def stop(self) -> None:
         """Stop serving and close the channels."""
-        if self._server is not None:
+        if self._server is not None and self._serving:
             self.bulk.stop()
             await self._server.stop(grace=2)
         if self.fetcher is not None:

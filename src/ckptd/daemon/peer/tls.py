@@ -33,11 +33,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from ckptd.core.errors import FailedPrecondition
+
+from .options import PeerTlsFiles
 
 log = logging.getLogger("ckptd.peer")
 
@@ -89,17 +90,12 @@ class PeerTls:
         self._served_generation = 0
 
     @classmethod
-    def load(cls, cfg: Any) -> PeerTls | None:
-        """The TLS settings of ``cfg`` (None: plain TCP), files read and checked now so
+    def load(cls, files: PeerTlsFiles) -> PeerTls | None:
+        """The TLS of ``files`` (None: plain TCP), the files read and checked now so
         that a wrong path or a key not matching its certificate stops the start-up."""
-        if not cfg.peer_tls_cert_file:
+        if not files.cert_file:
             return None
-        return cls(
-            cfg.peer_tls_cert_file,
-            cfg.peer_tls_key_file,
-            cfg.peer_tls_ca_file,
-            cfg.peer_tls_server_name,
-        )
+        return cls(files.cert_file, files.key_file, files.ca_file, files.server_name)
 
     def refresh(self) -> bool:
         """Take the files again if they changed (looked at, at most, every

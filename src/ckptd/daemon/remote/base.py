@@ -27,7 +27,7 @@ import logging
 import mmap
 import os
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from .. import faults
 from ..commit import Commit, MarkerCommit
 from ..files import open_direct
 from ..io import gather_all, in_thread
+from .buffers import BufferPool, parts
 from .errors import CONNECTION_ERRORS, TRANSIENT_ERRNOS, RemoteError
 from .layout import COMMIT_FILE
 from .ranged import (
@@ -52,30 +53,6 @@ from .ranged import (
 )
 
 log = logging.getLogger("ckptd.remote")
-
-
-class BufferPool:
-    """``count`` page-aligned buffers of ``size`` bytes, touched once and reused."""
-
-    def __init__(self, count: int, size: int) -> None:
-        self.size = size
-        self._free: asyncio.Queue[mmap.mmap] = asyncio.Queue()
-        self._count = count
-        self._made = 0
-
-    @contextlib.asynccontextmanager
-    async def buffer(self) -> AsyncIterator[mmap.mmap]:
-        """Borrow a buffer (waits if all are in use)."""
-        if self._free.empty() and self._made < self._count:
-            self._made += 1
-            buf = mmap.mmap(-1, self.size)
-            np.frombuffer(buf, np.uint8)[:: mmap.PAGESIZE] = 0  # fault it in once
-            self._free.put_nowait(buf)
-        buf = await self._free.get()
-        try:
-            yield buf
-        finally:
-            self._free.put_nowait(buf)
 
 
 def read_part(path: Path, offset: int, length: int, buf: mmap.mmap) -> tuple[int, int]:
@@ -121,11 +98,6 @@ def _write_part(
 def _truncate_and_sync(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
     os.fsync(fd)
-
-
-def parts(size: int, part_size: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each part of a file (at least one, even if empty)."""
-    return [(o, min(part_size, size - o)) for o in range(0, size, part_size)] or [(0, 0)]
 
 
 class Remote(abc.ABC):

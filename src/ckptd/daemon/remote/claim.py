@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ckptd.core.redact import redact
+
 from ..files import read_small, replace_synced
 from ..local.liveness import process_start
 from .base import Remote
@@ -262,6 +264,20 @@ class NodeClaim:
             log.error("%s%s", "lost the claim: " if lost else "", reason)
         self._set(False, reason)
         return False
+
+    async def try_acquire(self, timeout: float) -> None:
+        """The start-up's attempt: a failure is not raised but kept as :attr:`reason`
+        (status shows it) and logged; :meth:`run` tries again."""
+        try:
+            await asyncio.wait_for(self.acquire(), timeout)
+        except Exception as exc:
+            why = (
+                "no answer within the time allowed (check the endpoint and the network)"
+                if isinstance(exc, TimeoutError)
+                else str(exc) or type(exc).__name__
+            )
+            self.reason = redact(f"cannot read the node name's claim: {why}")
+            log.warning("%s", self.reason)
 
     async def run(self) -> None:
         """Refresh the claim every heartbeat, or retry taking it (supervised)."""

@@ -13,7 +13,8 @@ from ckptd.core import checksum
 
 from ..commit import Commit, RenameCommit
 from ..files import fsync_dir, replace_synced
-from .base import Remote, parts, read_part
+from .base import Remote, read_part
+from .buffers import parts
 from .layout import COMMIT_FILE
 
 

@@ -51,16 +51,16 @@ from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, TREE_PREFIX
 from ckptd.core.names import check_name, check_step, check_tree_path
 
+# Re-exported: the bucket's keys use them; adoption (above the tiers) takes them from commit.py.
+from ..commit import COMMIT_FILE as COMMIT_FILE
+from ..commit import FILES_DIR as FILES_DIR
+
 log = logging.getLogger("ckptd.remote")
 
 ADOPTED_SUFFIX = ".ckptd"
 RANKS_PREFIX = "ranks-"
 DATA_DIR = "_data"
 """``<job>/_data/``: the rank files of the spread layout (not a step: never listed as one)."""
-FILES_DIR = "files"
-"""Where an adopted tree sits inside ckptd's own step directory (beside manifest.json)."""
-COMMIT_FILE = "commit_success.txt"
-"""Orbax's commit point on object stores: uploaded after every other file of the tree."""
 
 
 class MarkerKey(NamedTuple):

@@ -37,7 +37,6 @@ import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -47,9 +46,7 @@ from ckptd.core.format import round_up
 
 from .. import faults
 from ..io import gather_all
-
-if TYPE_CHECKING:
-    from .base import BufferPool
+from .buffers import BufferPool
 
 CHUNK = 4 * 2**20
 """Bytes read, checksummed and written at a time within a part (a multiple of 4 KiB)."""

@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 from ckptd.core import checksum
 
 from ..io import gather_all, in_thread
-from .base import Remote, parts, read_part
+from .base import Remote, read_part
+from .buffers import parts
 from .errors import RemoteError, transient_http_status
 from .ranged import RangeSource
 

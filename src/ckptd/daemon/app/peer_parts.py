@@ -1,0 +1,90 @@
+"""The peer tier's parts, built for the composition root from :class:`PeerOptions`.
+
+Apart from compose.py only for size: every part (the TLS files, the links to the
+peers, the replica store, the Peer service and its gRPC server, the bulk listener,
+the replicator and the fetcher) is built here, before anything serves, and handed
+to :class:`PeerTier`, which binds and starts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ckptd.core.errors import FailedPrecondition, InvalidArgument
+from ckptd.core.wire import CHANNEL_OPTIONS
+from ckptd.proto import ckptd_pb2_grpc as pb_grpc
+
+from ..catalog import Catalog
+from ..io import IoPool
+from ..local.store import LocalStore
+from ..peer.fetch import PeerFetcher, PrestageMemory
+from ..peer.identity import BoundBulkServer, SenderCheck
+from ..peer.link import Limiter, Peers, read_token
+from ..peer.options import PeerOptions
+from ..peer.replicas import ReplicaStore
+from ..peer.replicator import Replicator
+from ..peer.service import PeerServicer
+from ..peer.tier import PeerTier
+from ..peer.tls import PeerTls
+
+
+def build_peer_tier(
+    options: PeerOptions,
+    catalog: Catalog,
+    store: LocalStore,
+    io: IoPool,
+    memory: PrestageMemory,
+) -> PeerTier:
+    """Every part of the peer tier, wired; ``memory``: where pre-staged files also go
+    into shared memory (the restore fetcher). Called on the daemon's event loop, which
+    the bulk listener's threads ask for sender checks. Raises FailedPrecondition (a bad
+    token file or TLS files) with what to fix."""
+    try:
+        token = read_token(options.token_file)
+    except InvalidArgument as exc:
+        raise FailedPrecondition(str(exc)) from None
+    tls = PeerTls.load(options.tls)
+    replicas = ReplicaStore(options.root, options.budget_bytes)
+    peers = Peers(options.node_id, options.peers, token, tls)
+    # A replica is taken only from the node it claims to be (identity.py).
+    sender_check = SenderCheck(options.identity, peers, asyncio.get_running_loop())
+    servicer = PeerServicer(
+        options.node_id,
+        token,
+        replicas,
+        io.run,
+        sender_check=sender_check,
+        idle=options.idle_seconds,
+    )
+    bulk = BoundBulkServer(
+        sender_check,
+        replicas,
+        token,
+        tls,
+        options.bulk_deadline_seconds,
+        options.idle_seconds,
+    )
+    server = None
+    if options.serves:
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        pb_grpc.add_PeerServicer_to_server(servicer, server)
+    replicator = fetcher = None
+    if options.peers:
+        replicator = Replicator(
+            catalog,
+            store,
+            io,
+            peers,
+            options.replicas,
+            Limiter(options.bandwidth_bytes),
+            options.max_lag_seconds,
+        )
+        fetcher = PeerFetcher(catalog, store, io, peers)
+        # Set here, before anyone holds the fetcher: PeerFetcher takes no such
+        # constructor argument yet (the restore path's code, rewritten apart).
+        fetcher.memory = memory
+    return PeerTier(
+        options, io, tls, replicas, peers, sender_check, servicer, bulk, server, replicator, fetcher
+    )
