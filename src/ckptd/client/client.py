@@ -160,9 +160,7 @@ class Client(Saving):
         restarts do not change while this process lives); None while it has none."""
         if self._job_history is None:
             try:
-                resp = self.connection.call(
-                    "ListCheckpoints", pb.ListCheckpointsRequest(job=self.job)
-                )
+                resp = self.connection.list_checkpoints(pb.ListCheckpointsRequest(job=self.job))
             except CkptdUnavailable:
                 return None
             if not resp.history.first_seen_unix:
@@ -195,8 +193,7 @@ class Client(Saving):
         self.last_refusal = ""
         if self._last_bytes:
             try:
-                cap = self.connection.call(
-                    "CheckCapacity",
+                cap = self.connection.check_capacity(
                     pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes),
                 )
             except CkptdUnavailable as exc:
@@ -215,7 +212,7 @@ class Client(Saving):
 
     def pin(self, step: int, pinned: bool = True) -> None:
         """Pin a step: no tier evicts it until :meth:`unpin` (``ckptd pin`` does the same)."""
-        self.connection.call("Pin", pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
+        self.connection.pin(pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
 
     def unpin(self, step: int) -> None:
         """Undo :meth:`pin`; the retention policies decide again."""
@@ -243,7 +240,7 @@ class Client(Saving):
             milestone=milestone,
             metrics=_check_metrics(metrics),
         )
-        self.connection.call("Adopt", req, max(self.timeout, 600.0))
+        self.connection.adopt(req, max(self.timeout, 600.0))
         return SaveHandle(self, int(step))
 
     # -- public API ------------------------------------------------------------
@@ -299,7 +296,7 @@ class Client(Saving):
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""
-        resp = self.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=self.job))
+        resp = self.connection.list_checkpoints(pb.ListCheckpointsRequest(job=self.job))
         return [CheckpointInfo.of(c) for c in resp.checkpoints]
 
     def all_steps(self, healthy: bool = False) -> builtins.list[int]:

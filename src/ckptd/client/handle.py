@@ -178,7 +178,7 @@ class SaveHandle:
             wait_for=target,  # type: ignore[arg-type]
             timeout_seconds=timeout,
         )
-        status: pb.SaveStatus = self.connection.call("GetSaveStatus", req, timeout + 30.0)
+        status: pb.SaveStatus = self.connection.get_save_status(req, timeout + 30.0)
         return status
 
     def __repr__(self) -> str:

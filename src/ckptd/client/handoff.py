@@ -124,8 +124,8 @@ class Handoff:
 
         def once() -> Any:
             req = pb.AcquireLeaseRequest(job=self.job, size_bytes=size, wait_seconds=wait)
-            return self.connection.call(
-                "AcquireLease", req, wait + self.connection.timeout, self.liveness.metadata()
+            return self.connection.acquire_lease(
+                req, wait + self.connection.timeout, self.liveness.metadata()
             )
 
         lease = self.retrying(what, once)
@@ -143,15 +143,13 @@ class Handoff:
         since = time.monotonic()
         while True:
             try:
-                self.connection.call("CommitShards", req)
+                self.connection.commit_shards(req)
                 return
             except CkptdUnavailable:
                 lost = True  # the daemon may or may not have journaled it
                 if time.monotonic() - since >= self.reconnect_timeout:
                     raise
-                self.retrying(
-                    what, lambda: self.connection.call("GetStatus", pb.GetStatusRequest())
-                )
+                self.retrying(what, lambda: self.connection.get_status(pb.GetStatusRequest()))
             except NotFound:
                 renewed += 1
                 if renewed > 3:
@@ -170,8 +168,7 @@ class Handoff:
                 raise
 
     def _handed_off(self, req: pb.CommitShardsRequest) -> bool:
-        status = self.connection.call(
-            "GetSaveStatus",
+        status = self.connection.get_save_status(
             pb.GetSaveStatusRequest(job=req.job, step=req.step, timeout_seconds=0.0),
         )
         return req.rank in status.ranks_committed or status.state not in (
@@ -182,7 +179,7 @@ class Handoff:
     def release(self, lease_id: str) -> None:
         """Give a lease back after a failed save (best effort: the daemon also reclaims it)."""
         with contextlib.suppress(Exception):
-            self.connection.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), 10.0)
+            self.connection.release_lease(pb.ReleaseLeaseRequest(lease_id=lease_id), 10.0)
 
     def close(self) -> None:
         """Remove the liveness file: the daemon takes back anything still leased."""

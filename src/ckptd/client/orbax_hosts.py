@@ -36,7 +36,7 @@ def _allgather(row: np.ndarray) -> np.ndarray:
 
 def daemon_identity(client: Client) -> int:
     """A number naming the daemon this client talks to (host, node id, root, pid)."""
-    st = client.connection.call("GetStatus", pb.GetStatusRequest())
+    st = client.connection.get_status(pb.GetStatusRequest())
     name = f"{socket.gethostname()}|{st.node_id}|{st.root}|{st.pid}".encode()
     return int.from_bytes(hashlib.sha256(name).digest()[:8], "little", signed=True)
 
@@ -76,5 +76,5 @@ def process() -> tuple[int, int]:
 
 def has_remote(client: Client) -> bool:
     """Whether the daemon drains to a bucket (a save can become DURABLE)."""
-    status: Any = client.connection.call("GetStatus", pb.GetStatusRequest())
+    status: Any = client.connection.get_status(pb.GetStatusRequest())
     return bool(status.remote)

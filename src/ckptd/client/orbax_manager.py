@@ -322,7 +322,7 @@ class CheckpointManager:
         req = pb.RestoreRequest(
             job=self.client.job, rank=self.client.rank, step=step, shared_memory=False
         )
-        resp = self.client.connection.call("Restore", req, max(self.client.timeout, 600.0))
+        resp = self.client.connection.restore(req, max(self.client.timeout, 600.0))
         return items_lib.SavedStep.of(
             int(resp.step), json.loads(resp.manifest_json), self.client.rank
         )

@@ -43,7 +43,7 @@ def restore(
         if step is not None:
             req.step = int(step)
         try:
-            resp = conn.call("Restore", req, None, metadata)
+            resp = conn.restore(req, None, metadata)
         except CheckpointNotFound as exc:
             if attempt:
                 raise CheckpointCorrupt(
@@ -67,7 +67,7 @@ def restore(
             report = pb.ReportCorruptRequest(
                 job=job, step=resp.step, tier=resp.tier, detail=str(bad)
             )
-            conn.call("ReportCorrupt", report)
+            conn.report_corrupt(report)
             continue
         finally:
             reader.close()
@@ -91,7 +91,7 @@ def jax_leaf_builder(
             if fetched:
                 raise
         fetched = True
-        peers = conn.call("FetchPeers", pb.FetchPeersRequest(job=job, step=resp.step))
+        peers = conn.fetch_peers(pb.FetchPeersRequest(job=job, step=resp.step))
         for part in peers.parts:
             reader.add_part(part.directory, json.loads(part.manifest_json))
         return build_leaf(reader, spec, target)
@@ -113,11 +113,11 @@ def adopt_segment(
         fd = conn.session.open_lease(resp.lease.lease_id)
         mm = restore_mod.map_segment_locked(fd, resp.lease.size_bytes)
     except (OSError, CkptdError):
-        conn.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
+        conn.release_lease(pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
         raise
     try:
         held = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, client_holds=True)
-        conn.call("ReleaseLease", held)
+        conn.release_lease(held)
     except BaseException:
         mm.close()
         raise

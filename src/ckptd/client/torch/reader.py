@@ -207,8 +207,8 @@ class CkptdReader(StorageReader):
         (``local``: why this node's daemon has none)."""
         assert self.step is not None
         try:
-            peers = client.connection.call(
-                "FetchPeers", pb.FetchPeersRequest(job=self.job, step=self.step)
+            peers = client.connection.fetch_peers(
+                pb.FetchPeersRequest(job=self.job, step=self.step)
             )
         except CheckpointNotFound:
             raise local from None  # the daemon knows no such step at all

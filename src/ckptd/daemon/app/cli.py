@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    resp = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=args.job or ""))
+    resp = _admin(args).list_checkpoints(pb.ListCheckpointsRequest(job=args.job or ""))
     if args.json:
         print(json.dumps([plain(c) for c in resp.checkpoints], indent=1))
         return 0
@@ -85,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _suggest_job(args: argparse.Namespace, job: str) -> None:
     """On stderr: the job name this one is probably a typo of, or the jobs there are."""
-    every = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=""))
+    every = _admin(args).list_checkpoints(pb.ListCheckpointsRequest(job=""))
     jobs = sorted({c.job for c in every.checkpoints})
     close = difflib.get_close_matches(job, jobs, n=1, cutoff=0.6)
     if close:
@@ -113,14 +113,14 @@ def _kept_by(c: pb.CheckpointInfo) -> str:
 def cmd_pin(args: argparse.Namespace) -> int:
     pinned = args.command == "pin"
     req = pb.PinRequest(job=args.job, step=args.step, pinned=pinned)
-    _admin(args).call("Pin", req, 60.0)
+    _admin(args).pin(req, 60.0)
     what = "pinned: no tier evicts it" if pinned else "unpinned: retention applies again"
     print(f"{args.job}/{args.step} {what}")
     return 0
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    resp = _admin(args).call("Prefetch", pb.PrefetchRequest(job=args.job), 3600.0)
+    resp = _admin(args).prefetch(pb.PrefetchRequest(job=args.job), 3600.0)
     where = {"peer": "taken from a peer", "remote": "fetched from the bucket"}
     print(
         f"{args.job}/{resp.step}: local ({where.get(resp.source, 'it was already')}, "
@@ -133,14 +133,13 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     conn = _admin(args)
     path = os.path.abspath(args.path)
     req = pb.AdoptRequest(job=args.job, step=args.step, path=path, milestone=args.milestone)
-    resp = conn.call("Adopt", req, 3600.0)
+    resp = conn.adopt(req, 3600.0)
     print(
         f"{args.job}/{args.step} adopted from {path}: {resp.files} files, "
         f"{human_bytes(resp.size_bytes)}, LOCAL"
     )
     if args.wait == "durable":
-        status = conn.call(
-            "GetSaveStatus",
+        status = conn.get_save_status(
             pb.GetSaveStatusRequest(
                 job=args.job,
                 step=args.step,
@@ -164,7 +163,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         req = pb.ListEventsRequest(
             job=args.job or "", after_seq=after, wait_seconds=25.0 if args.follow else 0.0
         )
-        resp = conn.call("ListEvents", req, 60.0)
+        resp = conn.list_events(req, 60.0)
         for e in resp.events:
             if args.json:
                 print(json.dumps(plain(e)), flush=args.follow)
