@@ -81,8 +81,13 @@ class CheckpointInfo:
 class Owner(Protocol):
     """What a handle needs of its client: the job and the connection to the daemon."""
 
-    job: str
-    connection: Connection
+    @property
+    def job(self) -> str:
+        """The job saved."""
+
+    @property
+    def connection(self) -> Connection:
+        """The connection to the daemon."""
 
 
 class SaveHandle:

@@ -2,7 +2,9 @@
 
 The trainer must survive its sidecar: while the daemon is unreachable, a save
 keeps trying for ``reconnect_timeout`` seconds and then raises
-:class:`CkptdUnavailable` saying what to do. A commit whose answer was lost (the
+:class:`CkptdUnavailable` saying what to do. A client that never reached a daemon
+has nothing to wait for (a wrong socket, no ``ckptd serve``): it gives up after
+``connect_timeout`` seconds and says how to start one. A commit whose answer was lost (the
 daemon died after journaling it, or before) is sent again; its bytes are copied
 from the old segment, which this process still maps even after the daemon
 removed its name, so the caller's arrays are never read again after
@@ -25,8 +27,9 @@ import mmap
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +43,8 @@ log = logging.getLogger("ckptd.client")
 
 HOLDER_HEADER = "ckptd-holder"
 """gRPC metadata naming the liveness file (the daemon's staging.HOLDER_HEADER)."""
+MAPPED_SEGMENTS = 2
+"""Segments kept mapped between saves (the daemon reuses them)."""
 T = TypeVar("T")
 
 
@@ -81,17 +86,23 @@ class Handoff:
         connection: Connection,
         job: str,
         reconnect_timeout: float,
-        map_segment: Callable[[Any], mmap.mmap],
+        connect_timeout: float,
     ) -> None:
         self.connection = connection
         self.job = job
         self.reconnect_timeout = reconnect_timeout
+        self.connect_timeout = connect_timeout
         self.liveness = Liveness()
-        self._map_segment = map_segment
+        self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._warned = False
 
+    def patience(self) -> float:
+        """How long to keep trying while the daemon is unreachable: the reconnect
+        timeout once a daemon answered (it is restarting), else the connect timeout."""
+        return self.reconnect_timeout if self.connection.reached else self.connect_timeout
+
     def retrying(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, called again while the daemon is unreachable, up to the timeout."""
+        """``fn()``, called again while the daemon is unreachable, up to :meth:`patience`."""
         since: float | None = None
         while True:
             try:
@@ -99,13 +110,8 @@ class Handoff:
             except CkptdUnavailable as exc:
                 now = time.monotonic()
                 since = now if since is None else since
-                if now - since >= self.reconnect_timeout:
-                    raise CkptdUnavailable(
-                        f"{what}: the ckptd daemon at {self.connection.socket} has been "
-                        f"unreachable for {now - since:.0f} s (reconnect_timeout); check that "
-                        "the sidecar is running (`ckptd status`, its logs); training can go "
-                        f"on and save later. Last error: {exc}"
-                    ) from None
+                if now - since >= self.patience():
+                    raise self._unreachable(what, now - since, exc) from None
                 if not self._warned:
                     # str(exc), not exc: a logged exception keeps its traceback, and so
                     # this frame, alive in log handlers that store records, and with it
@@ -119,10 +125,26 @@ class Handoff:
                 self._warned = False
             return result
 
-    def acquire(self, size: int, wait: float, what: str) -> tuple[Any, mmap.mmap]:
+    def _unreachable(self, what: str, waited: float, exc: CkptdUnavailable) -> CkptdUnavailable:
+        socket = self.connection.socket
+        if not self.connection.reached:
+            return CkptdUnavailable(
+                f"{what}: no ckptd daemon answers at {socket} (tried for {waited:.0f} s; "
+                "this client never reached one). Start one with `ckptd serve --root "
+                f"/path/to/checkpoints --socket {socket}`, or point the client at the "
+                "running one with Client(job, socket=...) or CKPTD_SOCKET. Last error: "
+                f"{exc}"
+            )
+        return CkptdUnavailable(
+            f"{what}: the ckptd daemon at {socket} has been unreachable for {waited:.0f} s "
+            "(reconnect_timeout); check that the sidecar is running (`ckptd status`, its "
+            f"logs); training can go on and save later. Last error: {exc}"
+        )
+
+    def acquire(self, size: int, wait: float, what: str) -> tuple[pb.Lease, mmap.mmap]:
         """A lease of ``size`` bytes, mapped: ``(lease, mapping)``."""
 
-        def once() -> Any:
+        def once() -> pb.Lease:
             req = pb.AcquireLeaseRequest(job=self.job, size_bytes=size, wait_seconds=wait)
             return self.connection.acquire_lease(
                 req, wait + self.connection.timeout, self.liveness.metadata()
@@ -130,7 +152,7 @@ class Handoff:
 
         lease = self.retrying(what, once)
         try:
-            return lease, self._map_segment(lease)
+            return lease, self._map(lease)
         except BaseException:
             self.release(lease.lease_id)
             raise
@@ -181,6 +203,32 @@ class Handoff:
         with contextlib.suppress(Exception):
             self.connection.release_lease(pb.ReleaseLeaseRequest(lease_id=lease_id), 10.0)
 
+    def _map(self, lease: pb.Lease) -> mmap.mmap:
+        # A segment mapped for an earlier lease is mapped still: the daemon grants a
+        # segment again only to the uid it was granted to, so reusing it is safe.
+        name, size = lease.segment, lease.size_bytes
+        mm = self._segments.get(name)
+        if mm is not None and len(mm) >= size:
+            self._segments.move_to_end(name)
+            return mm
+        fd = self.connection.session.open_lease(lease.lease_id)
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._segments[name] = mm
+        while len(self._segments) > MAPPED_SEGMENTS:
+            old = self._segments.popitem(last=False)[1]
+            with contextlib.suppress(BufferError):
+                # A stager's tensors may still view it: then it is unmapped when the
+                # last of them goes, with the mapping object.
+                old.close()
+        return mm
+
     def close(self) -> None:
-        """Remove the liveness file: the daemon takes back anything still leased."""
+        """Unmap the segments and remove the liveness file: the daemon takes back
+        anything still leased."""
+        for mm in self._segments.values():
+            mm.close()
+        self._segments.clear()
         self.liveness.close()

@@ -28,8 +28,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument
-from ckptd.core.session import open_readable
-from ckptd.proto import ckptd_pb2 as pb
 
 from .. import restore as restore_mod
 from ..client import Client
@@ -207,9 +205,7 @@ class CkptdReader(StorageReader):
         (``local``: why this node's daemon has none)."""
         assert self.step is not None
         try:
-            peers = client.connection.fetch_peers(
-                pb.FetchPeersRequest(job=self.job, step=self.step)
-            )
+            peers = client.low_level.fetch_peers(self.step)
         except CheckpointNotFound:
             raise local from None  # the daemon knows no such step at all
         if not peers.parts:
@@ -219,9 +215,7 @@ class CkptdReader(StorageReader):
             if not any(r["rank"] == rank for r in manifest["ranks"]):
                 continue
 
-            def opener(path: str) -> int:
-                return open_readable(client.connection.session, path)
-
+            opener = client.low_level.open_readable
             try:
                 mm = restore_mod.map_file_verified(part.directory, manifest, rank, opener)
             except restore_mod.Corrupt as exc:

@@ -290,7 +290,7 @@ class CkptdWriter(StorageWriter):
         packed = stage.compact(tree) if stage is not None and not stage.failed else None
         if stage is not None and packed is not None:
             # Staged by async_save: handed off as it lies in the lease, no copy.
-            handle = client.commit_in_place(
+            handle = client.low_level.commit_in_place(
                 self.step,
                 packed,
                 stage.lease,
