@@ -44,7 +44,8 @@ def test_documented_error_names_are_the_classes_ckptd_client_exports(name: str) 
 
 
 def test_every_error_class_has_its_one_public_name() -> None:
-    classes = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, CkptdError)}
+    found = vars(errors).values()
+    classes = {v for v in found if isinstance(v, type) and issubclass(v, CkptdError)}
     for cls in classes:
         assert getattr(ckptd.client, cls.__name__) is cls, cls
     for code in grpc.StatusCode:
