@@ -13,7 +13,7 @@ from ckptd.core.errors import CkptdUnavailable
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restoring
+from . import restore_flow
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
 from .handoff import Handoff
@@ -297,7 +297,7 @@ class Client:
         # A restarting daemon is waited for (reconnect_timeout), like a save.
         return self._handoff.retrying(
             f"job {self.job!r} was not restored",
-            lambda: restoring.restore(
+            lambda: restore_flow.restore(
                 self.connection,
                 self.job,
                 self.rank if rank is None else rank,

@@ -37,7 +37,7 @@ from ckptd.core.errors import CkptdUnavailable, Conflict, NotFound
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restore as restore_mod
+from . import mapped_views
 
 log = logging.getLogger("ckptd.client")
 
@@ -64,7 +64,7 @@ class Liveness:
 
     def _create(self) -> None:
         name = f"ckptd-client-{os.getpid()}-{secrets.token_hex(8)}"
-        path = os.path.join(restore_mod.SHM_DIR, name)
+        path = os.path.join(mapped_views.SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._fd, self._pid, self.name = fd, os.getpid(), name
@@ -73,7 +73,7 @@ class Liveness:
         """Drop the lock and the file (only the process that made them)."""
         if self._fd >= 0 and self._pid == os.getpid():
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(restore_mod.SHM_DIR, self.name))
+                os.unlink(os.path.join(mapped_views.SHM_DIR, self.name))
             os.close(self._fd)
         self._fd = -1
 

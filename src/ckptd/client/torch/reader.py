@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument
 
-from .. import restore as restore_mod
+from .. import mapped_views
 from ..client import Client
 from ..distributed import restorable_steps
 from .common import (
@@ -217,10 +217,10 @@ class CkptdReader(StorageReader):
 
             opener = client.low_level.open_readable
             try:
-                mm = restore_mod.map_file_verified(part.directory, manifest, rank, opener)
-            except restore_mod.Corrupt as exc:
+                mm = mapped_views.map_file_verified(part.directory, manifest, rank, opener)
+            except mapped_views.Corrupt as exc:
                 raise CheckpointCorrupt(f"{self._what()}: {exc}", "DATA_LOSS") from None
-            tree, _ = restore_mod.build_tree(mm, manifest, rank)
+            tree, _ = mapped_views.build_tree(mm, manifest, rank)
             return tree  # type: ignore[no-any-return]
         raise CheckpointNotFound(
             f"{self._what()}: no part of rank {rank} on this node or in the bucket (is the "

@@ -6,7 +6,7 @@ copies each tensor once, into a lease of the node daemon laid out as the rank
 file's data section, and returns the state dict with its tensors replaced by views
 of that memory, so training may go on at once. When DCP then asks the writer to
 write, the tensors it resolves are those views: the writer commits the lease as it
-lies (:meth:`ckptd.client.Client.commit_in_place`), with the pickled objects and,
+lies (:meth:`ckptd.client.low_level.LowLevel.commit_in_place`), with the pickled objects and,
 on the coordinator, DCP's metadata appended in the headroom left for them.
 
 Whatever does not fit that shape (an item DCP did not write, leaving a hole; an

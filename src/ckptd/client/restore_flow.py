@@ -1,6 +1,7 @@
 """Client-side restore: ask the daemon for a step, build the tree over verified memory.
 
-Split out of client.py; :meth:`ckptd.client.Client.restore` is the entry point.
+:meth:`ckptd.client.Client.restore` is the entry point; the arrays are built by
+:mod:`.mapped_views`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ckptd.core.session import open_readable
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restore as restore_mod
+from . import mapped_views
 from .jax_arrays import CorruptShard, MissingShards, ShardReader, build_leaf
 
 log = logging.getLogger("ckptd.client")
@@ -60,9 +61,9 @@ def restore(
         try:
             if resp.HasField("lease"):
                 return adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
-            mm = restore_mod.map_file_verified(resp.directory, manifest, rank, opener)
-            return restore_mod.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
-        except (restore_mod.Corrupt, CorruptShard) as bad:
+            mm = mapped_views.map_file_verified(resp.directory, manifest, rank, opener)
+            return mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
+        except (mapped_views.Corrupt, CorruptShard) as bad:
             log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))
             report = pb.ReportCorruptRequest(
                 job=job, step=resp.step, tier=resp.tier, detail=str(bad)
@@ -111,7 +112,7 @@ def adopt_segment(
     """Map and lock the verified segment, then tell the daemon we hold it."""
     try:
         fd = conn.session.open_lease(resp.lease.lease_id)
-        mm = restore_mod.map_segment_locked(fd, resp.lease.size_bytes)
+        mm = mapped_views.map_segment_locked(fd, resp.lease.size_bytes)
     except (OSError, CkptdError):
         conn.release_lease(pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
         raise
@@ -121,6 +122,6 @@ def adopt_segment(
     except BaseException:
         mm.close()
         raise
-    return restore_mod.build_tree(
+    return mapped_views.build_tree(
         mm, manifest, rank, resp.data_offset_in_file, jax_leaf, target, adopt
     )
