@@ -33,14 +33,12 @@ def act(client: Client, socket: str, action: str, args: list[str]) -> dict[str, 
     conn = client.connection
     if action == "acquire":  # a lease of args[0] bytes, given back at once
         req = pb.AcquireLeaseRequest(job=client.job, size_bytes=int(args[0]))
-        conn.call(
-            "ReleaseLease", pb.ReleaseLeaseRequest(lease_id=conn.call("AcquireLease", req).lease_id)
-        )
+        conn.release_lease(pb.ReleaseLeaseRequest(lease_id=conn.acquire_lease(req).lease_id))
         return {}
     if action == "hold-live":  # a lease named with this process's liveness file
         liveness = Liveness()
         req = pb.AcquireLeaseRequest(job=client.job, size_bytes=4096)
-        lease = conn.call("AcquireLease", req, 30.0, liveness.metadata())
+        lease = conn.acquire_lease(req, 30.0, liveness.metadata())
         say({"ok": True, "lease_id": lease.lease_id, "holder": liveness.name})
         if sys.stdin.readline().strip() == "close-session":
             conn.session.reset()  # the process lives on, with no session

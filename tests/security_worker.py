@@ -32,22 +32,22 @@ def act(client: Client, action: str, args: list[str]) -> dict[str, Any]:
         state, _ = client.restore(shared_memory=False)
         return {"sum": float(np.asarray(state["w"]).sum())}
     if action == "status":
-        st = conn.call("GetSaveStatus", pb.GetSaveStatusRequest(job=client.job, step=int(args[0])))
+        st = conn.get_save_status(pb.GetSaveStatusRequest(job=client.job, step=int(args[0])))
         return {"state": st.state}
     if action == "list":
-        resp = conn.call("ListCheckpoints", pb.ListCheckpointsRequest())
+        resp = conn.list_checkpoints(pb.ListCheckpointsRequest())
         return {"jobs": sorted({c.job for c in resp.checkpoints})}
     if action == "pin":
-        conn.call("Pin", pb.PinRequest(job=client.job, step=int(args[0]), pinned=True))
+        conn.pin(pb.PinRequest(job=client.job, step=int(args[0]), pinned=True))
         return {}
     if action == "adopt":
-        conn.call("Adopt", pb.AdoptRequest(job=client.job, step=int(args[0]), path=args[1]))
+        conn.adopt(pb.AdoptRequest(job=client.job, step=int(args[0]), path=args[1]))
         return {}
     if action == "watch":
         return {"directory": str(ckptd_orbax.directory(client, args[0]))}
     if action == "ensure":
         req = pb.EnsureLocalRequest(job=client.job, directory=args[0])
-        return {"path": conn.call("EnsureLocal", req).path}
+        return {"path": conn.ensure_local(req).path}
     if action == "orbax-step":  # a finished Orbax-like step directory, written as us
         step = os.path.join(args[0], args[1])
         os.makedirs(step)
@@ -77,10 +77,10 @@ def act(client: Client, action: str, args: list[str]) -> dict[str, Any]:
         req = pb.CommitShardsRequest(job=client.job, step=1, rank=0, lease_id=args[0])
         req.node_ranks.append(0)
         req.world_size = 1
-        conn.call("CommitShards", req)
+        conn.commit_shards(req)
         return {}
     if action == "hold-lease":
-        lease = conn.call("AcquireLease", pb.AcquireLeaseRequest(job=client.job, size_bytes=4096))
+        lease = conn.acquire_lease(pb.AcquireLeaseRequest(job=client.job, size_bytes=4096))
         print(json.dumps({"lease_id": lease.lease_id, "segment": lease.segment}), flush=True)
         sys.stdin.read()
         return {}

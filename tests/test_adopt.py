@@ -284,7 +284,7 @@ def ensure_local(client: Any, directory: Path | None, layout: str = "", **kw: An
     """EnsureLocal into ``directory`` (None: the watched one) named as ``layout`` names steps."""
     where = str(directory) if directory else ""
     req = pb.EnsureLocalRequest(job=client.job, directory=where, layout=layout, **kw)
-    return client.connection.call("EnsureLocal", req)
+    return client.connection.ensure_local(req)
 
 
 def test_hf_checkpoints_come_back_under_the_name_the_trainer_looks_for(
@@ -296,7 +296,7 @@ def test_hf_checkpoints_come_back_under_the_name_the_trainer_looks_for(
     out = tmp_path / "out"
     files = hf_like(out / "checkpoint-3")
     watch = pb.WatchRequest(job="job", directory=str(out), layout="hf")
-    assert client.connection.call("Watch", watch).directory == str(out)  # scans at once
+    assert client.connection.watch(watch).directory == str(out)  # scans at once
     assert client.list() == []  # a checkpoint-N is never adopted by a scan
     assert json.loads((d.root / ".watched.json").read_text())["job"]["layout"] == "hf"
     client.adopt(3, out / "checkpoint-3").wait("durable", timeout=60)
@@ -344,10 +344,10 @@ def test_torchtitan_steps_are_adopted_once_dcp_wrote_its_metadata(
     metadata = (folder / "step-6" / ".metadata").read_bytes()
     (folder / "step-6" / ".metadata").unlink()  # its data is written, DCP's .metadata not yet
     watch = pb.WatchRequest(job="tt", directory=str(folder), layout="torchtitan")
-    client.connection.call("Watch", watch)
+    client.connection.watch(watch)
     assert [(c.step, c.adopted) for c in client.list()] == [(5, True)]
     (folder / "step-6" / ".metadata").write_bytes(metadata)
-    client.connection.call("Watch", watch)  # scans again
+    client.connection.watch(watch)  # scans again
     assert sorted(c.step for c in client.list()) == [5, 6]
 
     shutil.rmtree(folder / "step-5")
@@ -355,7 +355,7 @@ def test_torchtitan_steps_are_adopted_once_dcp_wrote_its_metadata(
     assert resp.path == str(folder / "step-5")
     for name, data in files.items():
         assert (folder / "step-5" / name).read_bytes() == data
-    client.connection.call("Watch", watch)  # what was put back is not adopted again
+    client.connection.watch(watch)  # what was put back is not adopted again
     assert sorted(c.step for c in client.list()) == [5, 6]
 
 

@@ -23,7 +23,7 @@ from .conftest import Daemon
 
 def _status(daemon: Daemon, job: str, step: int) -> pb.SaveStatus:
     req = pb.GetSaveStatusRequest(job=job, step=step)
-    status: pb.SaveStatus = daemon.connection.call("GetSaveStatus", req)
+    status: pb.SaveStatus = daemon.connection.get_save_status(req)
     return status
 
 

@@ -23,8 +23,8 @@ SECRET = "ckptdSecret/Zq8vX2mN5+pL0tR4wY7uI1oK3jH6gF9d"
 def everything_said(d: Daemon) -> str:
     """The daemon's log and every text its status, events and listing carry."""
     status = d.status()
-    events = d.connection.call("ListEvents", pb.ListEventsRequest())
-    listed = d.connection.call("ListCheckpoints", pb.ListCheckpointsRequest())
+    events = d.connection.list_events(pb.ListEventsRequest())
+    listed = d.connection.list_checkpoints(pb.ListCheckpointsRequest())
     return "\n".join([d.log_text(), str(status), str(events), str(listed)])
 
 

@@ -242,7 +242,7 @@ def test_non_root_daemon_on_root_owned_directories_says_what_to_fix() -> None:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    status = conn.call("GetStatus", pb.GetStatusRequest(), 10)
+                    status = conn.get_status(pb.GetStatusRequest(), 10)
                     break
                 except CkptdError:
                     assert proc.poll() is None, proc.communicate()[1]

@@ -106,7 +106,7 @@ def test_a_saved_array_donated_before_its_copy_fails_the_save_saying_why(daemon:
 
     client = daemon.client("donate")
     gate = threading.Event()
-    client._background.submit(gate.wait)  # the device copy queues behind this
+    client._saver._background.submit(gate.wait)  # the device copy queues behind this
     try:
         x = jax.numpy.arange(1024.0)
         handle = client.save(1, {"x": x})

@@ -150,9 +150,9 @@ def test_a_node_that_lost_its_disk_restores_from_a_peer_bit_exact(
     while a.status().peer_prestaged_bytes == 0:
         assert time.monotonic() < deadline, a.status()
         time.sleep(0.05)
-    first = a.connection.call("Restore", pb.RestoreRequest(job="job", rank=0, shared_memory=True))
+    first = a.connection.restore(pb.RestoreRequest(job="job", rank=0, shared_memory=True))
     assert first.step == 2 and first.lease.lease_id and first.data_offset_in_file == 0
-    a.connection.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=first.lease.lease_id))
+    a.connection.release_lease(pb.ReleaseLeaseRequest(lease_id=first.lease.lease_id))
     tree, _ = client.restore()
     same(tree, saved[2])
     fetched = a.events_of(pb.STEP_EVENT_FETCHED, "job", 2)

@@ -32,7 +32,7 @@ def call(d: Daemon, method: str, request: Any) -> tuple[str, str]:
     """``(status name, message)`` of one call ("OK", "" on success)."""
     with Connection(d.socket, timeout=30) as conn:
         try:
-            conn.call(method, request)
+            conn.call_by_name(method, request)
         except CkptdError as exc:
             return exc.code, str(exc)
     return "OK", ""
@@ -41,7 +41,7 @@ def call(d: Daemon, method: str, request: Any) -> tuple[str, str]:
 def commit_request(d: Daemon, job: str, step: int, **fields: Any) -> pb.CommitShardsRequest:
     """A valid one-shard commit on a fresh lease, with ``fields`` changed."""
     with Connection(d.socket) as conn:
-        lease = conn.call("AcquireLease", pb.AcquireLeaseRequest(job=job, size_bytes=4096))
+        lease = conn.acquire_lease(pb.AcquireLeaseRequest(job=job, size_bytes=4096))
     shard = pb.ShardDescriptor(key="a", dtype="<f4", shape=[4], offset=0, length=16)
     return pb.CommitShardsRequest(
         lease_id=lease.lease_id, job=job, step=step, shards=[shard], **fields
@@ -151,7 +151,7 @@ def test_pin_on_a_full_disk(small_tmpfs: Path, make_daemon: Any) -> None:
     fill(filler)
     code, message = call(d, "Pin", pb.PinRequest(job="p", step=1, pinned=True))
     assert code == "RESOURCE_EXHAUSTED" and "free space" in message, message
-    listed = Connection(d.socket).call("ListCheckpoints", pb.ListCheckpointsRequest(job="p"))
+    listed = Connection(d.socket).list_checkpoints(pb.ListCheckpointsRequest(job="p"))
     assert not listed.checkpoints[0].pinned
     assert not list(root.glob(".pins.json*")), "a partial pins file was left behind"
     filler.unlink()

@@ -75,7 +75,7 @@ def test_jobs_only_in_the_bucket_are_read_when_asked_for(make_daemon: Any, tmp_p
     shutil.rmtree(daemon.root / "away")  # this node holds "kept" only
     daemon.start()
     conn = daemon.client("kept").connection
-    everything = conn.call("ListCheckpoints", pb.ListCheckpointsRequest())
+    everything = conn.list_checkpoints(pb.ListCheckpointsRequest())
     assert {c.job for c in everything.checkpoints} == {"kept"}  # start-up read "kept" only
     away = daemon.client("away")
     assert [(c.step, c.tiers) for c in away.list()] == [(7, ("REMOTE",))]

@@ -51,7 +51,7 @@ def test_repeated_structure_reuses_the_plan_and_restores_every_step(daemon: Daem
         client.save(step, state).wait("local")
         tree, _ = client.restore(step=step)
         assert_same(state, tree)
-    assert client._planner.reused == 3
+    assert client._saver.planner.reused == 3
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_a_changed_shape_dtype_or_key_is_planned_again(daemon: Daemon) -> None:
         client.save(step, tree).wait("local")
         got, _ = client.restore(step=step)
         assert_same(tree, got)
-    assert client._planner.reused == 1
+    assert client._saver.planner.reused == 1
 
 
 def test_runs_of_one_dtype_are_copied_exactly_around_others(daemon: Daemon) -> None:

@@ -119,7 +119,7 @@ def test_daemon_refuses_a_bad_table_and_keeps_serving(daemon: Daemon) -> None:
     from ckptd.core.wire import Connection
 
     with Connection(daemon.socket) as conn:
-        lease = conn.call("AcquireLease", pb.AcquireLeaseRequest(job="t", size_bytes=4096))
+        lease = conn.acquire_lease(pb.AcquireLeaseRequest(job="t", size_bytes=4096))
     req = pb.CommitShardsRequest(lease_id=lease.lease_id, job="t", step=1, table=_bad({}))
     req.table.length = _u8([8, 16, 9])
     code, message = call(daemon, "CommitShards", req)

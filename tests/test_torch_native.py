@@ -119,7 +119,7 @@ def test_the_readme_snippet_resumes_a_fresh_model_and_optimizer(daemon: Daemon) 
     client = daemon.client("snippet")
     step = 3
     client.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step})
-    client._last.wait("local")  # type: ignore[union-attr]
+    client._saver.last.wait("local")  # type: ignore[union-attr]
     rng = torch.get_rng_state()  # (dropout's generator: not what this snippet is about)
     want = train(model, optimizer, constant, 3, 4)
 

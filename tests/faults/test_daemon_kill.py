@@ -118,7 +118,7 @@ def test_killed_holding_a_granted_lease_and_mid_copy(make_daemon: Any) -> None:
     client = daemon.client("copy")
     ledger = Ledger("copy", _state)
     copying, go_on = threading.Event(), threading.Event()
-    original = client._copy_into
+    original = client._saver.copy_arrays
 
     def slow_copy(mm: Any, entries: Any, arrays: Any) -> None:
         original(mm, entries[:1], arrays)  # half the state is in the lease
@@ -126,14 +126,14 @@ def test_killed_holding_a_granted_lease_and_mid_copy(make_daemon: Any) -> None:
         go_on.wait(60)
         original(mm, entries[1:], arrays)
 
-    client._copy_into = slow_copy  # type: ignore[method-assign]
+    client._saver.copy_arrays = slow_copy  # type: ignore[method-assign]
     saving = Background(lambda: ledger.save(client, 1))
     assert copying.wait(60)
     daemon.kill()  # the lease is granted, the bytes half copied, nothing committed
     daemon.restart()
     go_on.set()
     saving.result()  # committed on the new daemon from the copy this process kept
-    client._copy_into = original  # type: ignore[method-assign]
+    client._saver.copy_arrays = original  # type: ignore[method-assign]
     check_all(daemon, client, ledger)
 
 

@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 
 from ckptd.client import CheckpointNotFound, Client, FixedInterval
+from ckptd.client.saver import Saver
 from ckptd.core.wire import METADATA, Connection
 from ckptd.proto import ckptd_pb2 as pb
 from tests.helpers import state_for
@@ -110,9 +111,9 @@ class KillPoint:
 
 def instrument(point: KillPoint) -> None:
     """Wrap the client's RPC funnel and copy routines with the kill point's checks."""
-    original_call = Connection.call
-    original_copy = Client._copy_into
-    original_d2h = Client._copy_device_and_commit
+    original_call = Connection._unary
+    original_copy = Saver.copy_arrays
+    original_d2h = Saver._copy_device_and_commit
     local = threading.local()  # per d2h save: has its first array been copied yet?
     in_flight: list[Any] = []  # keeps the during-wait call alive (a dropped future cancels)
 
@@ -120,11 +121,12 @@ def instrument(point: KillPoint) -> None:
         self: Connection,
         method: str,
         request: Any,
+        response: Any,
         timeout: float | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> Any:
         if threading.current_thread().name == WATCHER_THREAD:
-            return original_call(self, method, request, timeout, metadata)
+            return original_call(self, method, request, response, timeout, metadata)
         point.at(f"before:{method}")
         waiting = method == "GetSaveStatus" and request.timeout_seconds > 0
         if waiting and point.arrive("during-wait"):
@@ -136,9 +138,9 @@ def instrument(point: KillPoint) -> None:
                     request, timeout=timeout or self.timeout, metadata=METADATA + metadata
                 )
             )
-            original_call(self, "GetStatus", pb.GetStatusRequest())
+            original_call(self, "GetStatus", pb.GetStatusRequest(), pb.DaemonStatus, None, ())
             point.stop()
-        reply = original_call(self, method, request, timeout, metadata)
+        reply = original_call(self, method, request, response, timeout, metadata)
         if method == "CommitShards":
             emit("HANDED", request.step)
         elif method == "Restore":
@@ -146,7 +148,7 @@ def instrument(point: KillPoint) -> None:
         point.at(f"after:{method}")
         return reply
 
-    def copy_into(self: Client, mm: Any, entries: list[Any], arrays: dict[str, Any]) -> None:
+    def copy_into(self: Saver, mm: Any, entries: list[Any], arrays: dict[str, Any]) -> None:
         if threading.current_thread().name.startswith(D2H_THREAD):
             # The d2h path copies one array per call: count each save's first one.
             original_copy(self, mm, entries, arrays)
@@ -159,13 +161,13 @@ def instrument(point: KillPoint) -> None:
             point.stop()
         original_copy(self, mm, entries, arrays)
 
-    def copy_device_and_commit(self: Client, *args: Any) -> None:
+    def copy_device_and_commit(self: Saver, *args: Any) -> None:
         local.copied = False
         original_d2h(self, *args)
 
-    Connection.call = call  # type: ignore[method-assign]
-    Client._copy_into = copy_into  # type: ignore[method-assign]
-    Client._copy_device_and_commit = copy_device_and_commit  # type: ignore[method-assign]
+    Connection._unary = call  # type: ignore[method-assign]
+    Saver.copy_arrays = copy_into  # type: ignore[method-assign]
+    Saver._copy_device_and_commit = copy_device_and_commit  # type: ignore[method-assign]
 
 
 def as_jax(tree: dict[str, np.ndarray]) -> dict[str, Any]:

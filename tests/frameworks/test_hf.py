@@ -132,9 +132,7 @@ def test_kill_mid_save_resumes_exactly_from_ckptd_with_disk_intact_or_lost(
     d: Daemon = remote_daemon(make_daemon, file_bucket(tmp_path))
     out = tmp_path / "out"
     # The watch knows the Trainer's names, and that only the Trainer says a step is done.
-    d.client(JOB).connection.call(
-        "Watch", pb.WatchRequest(job=JOB, directory=str(out), layout="hf")
-    )
+    d.client(JOB).connection.watch(pb.WatchRequest(job=JOB, directory=str(out), layout="hf"))
     ref = start("--out", str(tmp_path / "ref"), "--result", str(tmp_path / "ref.pt"),
                 "--save-total-limit", "0", "--native-check", "4")  # fmt: skip
     # Killed inside the save of step 6: model written, optimizer and trainer state not.
@@ -149,9 +147,7 @@ def test_kill_mid_save_resumes_exactly_from_ckptd_with_disk_intact_or_lost(
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not (out / "checkpoint-6" / "trainer_state.json").exists()  # half-written
     # Watch scans (synchronously) again: the half-written checkpoint-6 is never adopted.
-    d.client(JOB).connection.call(
-        "Watch", pb.WatchRequest(job=JOB, directory=str(out), layout="hf")
-    )
+    d.client(JOB).connection.watch(pb.WatchRequest(job=JOB, directory=str(out), layout="hf"))
     assert adopted_steps(d) == [2, 4]
     written4 = crcs(out / "checkpoint-4")
     SaveHandle(d.client(JOB), 4).wait("durable", timeout=120)

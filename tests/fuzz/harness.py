@@ -146,9 +146,9 @@ class Harness:
                         "durable", timeout=60
                     )
                     self.ctx.steps.append((job, step))
-        self.conn.call("Adopt", pb.AdoptRequest(job="fz-a", step=1000, path=self.ctx.paths[0]))
+        self.conn.adopt(pb.AdoptRequest(job="fz-a", step=1000, path=self.ctx.paths[0]))
         self.ctx.steps.append(("fz-a", 1000))
-        watch = self.conn.call("Watch", pb.WatchRequest(job="fz-b", directory=self.ctx.paths[1]))
+        watch = self.conn.watch(pb.WatchRequest(job="fz-b", directory=self.ctx.paths[1]))
         self.sentinel.allow(watch.directory)
         self.started = time.monotonic()
 
@@ -161,7 +161,7 @@ class Harness:
     def _setup_call(self, method: str, request: Any) -> Any:
         self.summary.setup_calls += 1
         try:
-            return self.conn.call(method, request, timeout=CASE_DEADLINE)
+            return self.conn.call_by_name(method, request, timeout=CASE_DEADLINE)
         except CkptdError:
             return None
 
@@ -197,7 +197,7 @@ class Harness:
         t0 = time.monotonic()
         code, message, response = "OK", "", None
         try:
-            response = self.conn.call(case.method, case.request, deadline, case.metadata)
+            response = self.conn.call_by_name(case.method, case.request, deadline, case.metadata)
         except CkptdError as exc:
             code, message = exc.code, str(exc)
         except Exception as exc:  # the client could not even send it
@@ -257,7 +257,7 @@ class Harness:
             self.summary.violate(f"daemon dead: {self.dead}\n{self.daemon.log_tail()}")
             return False
         try:
-            self.conn.call("GetStatus", pb.GetStatusRequest(), timeout=10)
+            self.conn.get_status(pb.GetStatusRequest(), timeout=10)
         except CkptdError as exc:
             self.summary.violate(f"GetStatus failed: {exc.code}: {exc}")
             return False
@@ -275,7 +275,7 @@ class Harness:
         self.release_all()
         deadline = time.monotonic() + timeout
         while True:
-            status: pb.DaemonStatus = self.conn.call("GetStatus", pb.GetStatusRequest())
+            status: pb.DaemonStatus = self.conn.get_status(pb.GetStatusRequest())
             idle = status.leases_held == 0 and status.staging_in_use_bytes == 0
             if idle or time.monotonic() > deadline:
                 return status
@@ -332,7 +332,7 @@ class Harness:
         """Stop the daemon and start it again on the same root: it must come back with
         every committed step (a step it acknowledged but cannot read back is set aside,
         which the damage check then reports)."""
-        listed = self.conn.call("ListCheckpoints", pb.ListCheckpointsRequest())
+        listed = self.conn.list_checkpoints(pb.ListCheckpointsRequest())
         local = sum(1 for c in listed.checkpoints if pb.TIER_LOCAL in c.tiers)
         offset = len(self.daemon.log_text())
         self.daemon.stop()

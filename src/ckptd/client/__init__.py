@@ -7,8 +7,13 @@ from .errors import (
     CheckpointNotFound,
     CkptdError,
     CkptdUnavailable,
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
     SaveFailed,
     TreeMismatch,
+    Unauthenticated,
 )
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
@@ -31,14 +36,19 @@ __all__ = [
     "CkptdError",
     "CkptdUnavailable",
     "Client",
+    "Conflict",
     "Continuous",
+    "FailedPrecondition",
     "FailureHistory",
     "FixedInterval",
     "Goodput",
+    "InvalidArgument",
+    "PermissionDenied",
     "SaveContext",
     "SaveFailed",
     "SaveHandle",
     "SavePolicy",
     "SpecificSteps",
     "TreeMismatch",
+    "Unauthenticated",
 ]

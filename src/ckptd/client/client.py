@@ -3,36 +3,29 @@
 from __future__ import annotations
 
 import builtins
-import contextlib
 import logging
-import mmap
 import os
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckptd.core.errors import CkptdUnavailable
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restoring
+from . import restore_flow
 from .goodput import Goodput
-from .handle import CheckpointInfo, SaveHandle, watch_stage
+from .handle import CheckpointInfo, SaveHandle
 from .handoff import Handoff
 from .jax_arrays import Replicas
-from .planning import Planner
+from .low_level import LowLevel
 from .policies import FailureHistory, SaveContext, SavePolicy
-from .saving import Saving, _check_metrics
+from .saver import Saver, check_metrics
 
 log = logging.getLogger("ckptd.client")
 
-_MAPPED_SEGMENTS = 2  # segments kept mapped between saves (the daemon reuses them)
 
-
-class Client(Saving):
+class Client:
     """Talks to the node's ckptd daemon over its unix socket.
 
     ``rank`` is this process's rank, ``node_ranks`` every rank that saves to the
@@ -47,6 +40,8 @@ class Client(Saving):
     only ``replica_id == 0``. ``reconnect_timeout``: while the daemon is
     unreachable (its sidecar restarting), :meth:`should_save` says False and
     :meth:`save` keeps trying this long before it raises :class:`CkptdUnavailable`.
+    ``connect_timeout``: the same patience while no daemon has ever answered this
+    client (no ``ckptd serve`` there, a wrong socket), so that mistake shows at once.
     """
 
     def __init__(
@@ -63,50 +58,78 @@ class Client(Saving):
         staging_timeout: float = 60.0,
         save_replicas: Replicas = False,
         reconnect_timeout: float = 60.0,
+        connect_timeout: float = 2.0,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
-        self.job = job
-        self.connection = Connection(socket, timeout)
-        """The connection to the daemon: adapters (orbax.py, distributed.py) call RPCs on it."""
-        self.socket = self.connection.socket
-        self.rank = rank
-        self.node_ranks = list(node_ranks) if node_ranks is not None else [rank]
-        self.world_size = world_size or max(self.node_ranks) + 1
-        self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
-        # numpy releases the GIL while copying, so a few threads copy into the
-        # lease faster than one (memory bandwidth, not CPU, is the limit).
-        threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
-        self._copier = ThreadPoolExecutor(threads, "ckptd-copy") if threads > 1 else None
         if policy is not None and not isinstance(policy, SavePolicy):
             raise TypeError(f"policy must be a ckptd.client SavePolicy, not {policy!r}")
+        self.job = job
+        self.connection = Connection(socket, timeout)
+        """The typed connection to the daemon (:class:`ckptd.core.wire.Connection`)."""
+        self.socket = self.connection.socket
         self.policy: SavePolicy = policy or Goodput()
-        self.staging_timeout = staging_timeout
         self.last_refusal = ""
         """Why the last :meth:`should_save` said False although the policy said True."""
-        self._last: SaveHandle | None = None
-        self._last_at: float | None = None
-        self._last_bytes = 0
-        self._last_reached: set[str] = set()
-        self._watch: dict[str, threading.Event] = {}
         self._job_history: pb.JobHistory | None = None
-        self._planner = Planner(save_replicas)
-        self._background = ThreadPoolExecutor(1, "ckptd-d2h")
-        self._copy_job: Future[None] | None = None
-        self._handoff = Handoff(self.connection, job, reconnect_timeout, self._map_segment)
         self._unreachable = False
+        self._handoff = Handoff(self.connection, job, reconnect_timeout, connect_timeout)
+        ranks = list(node_ranks) if node_ranks is not None else [rank]
+        self._saver = Saver(
+            self._handoff,
+            job,
+            rank,
+            ranks,
+            world_size or max(ranks) + 1,
+            copy_threads=copy_threads,
+            staging_timeout=staging_timeout,
+            save_replicas=save_replicas,
+            watched_stage=lambda: getattr(self.policy, "stage", "local"),
+        )
+        self.low_level = LowLevel(self.connection, job, rank, self._saver)
+        """What framework adapters call beyond this surface: leases they fill
+        themselves, in-place commits, the daemon's status, adoption of a directory."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._saver.rank
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Every rank that saves to this node's daemon."""
+        return self._saver.node_ranks
+
+    @node_ranks.setter
+    def node_ranks(self, ranks: Sequence[int]) -> None:
+        # Set after construction by adapters that ask the daemon first which ranks
+        # share it (a collective needs this client): before the first save.
+        self._saver.node_ranks = list(ranks)
+
+    @property
+    def world_size(self) -> int:
+        """The job's total number of ranks."""
+        return self._saver.world_size
+
+    @property
+    def staging_timeout(self) -> float:
+        """How long :meth:`save` waits for staging memory by default, in seconds."""
+        return self._saver.staging_timeout
+
+    @staging_timeout.setter
+    def staging_timeout(self, seconds: float) -> None:
+        self._saver.staging_timeout = seconds
 
     @property
     def save_replicas(self) -> Replicas:
         """Save every replica of a replicated jax array shard, not only ``replica_id == 0``
         (``"process"``: each distinct shard once per process)."""
-        return self._planner.save_replicas
+        return self._saver.planner.save_replicas
 
     @save_replicas.setter
     def save_replicas(self, on: Replicas) -> None:
-        self._planner.save_replicas = on
+        self._saver.planner.save_replicas = on
 
-    # -- plumbing ------------------------------------------------------------
     @property
     def timeout(self) -> float:
         """Default deadline of one RPC, in seconds."""
@@ -116,53 +139,42 @@ class Client(Saving):
     def timeout(self, seconds: float) -> None:
         self.connection.timeout = seconds
 
-    def _map_segment(self, lease: pb.Lease) -> mmap.mmap:
-        # A segment mapped for an earlier lease is mapped still: the daemon grants a
-        # segment again only to the uid it was granted to, so reusing it is safe.
-        name, size = lease.segment, lease.size_bytes
-        mm = self._segments.get(name)
-        if mm is not None and len(mm) >= size:
-            self._segments.move_to_end(name)
-            return mm
-        fd = self.connection.session.open_lease(lease.lease_id)
-        try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        self._segments[name] = mm
-        while len(self._segments) > _MAPPED_SEGMENTS:
-            old = self._segments.popitem(last=False)[1]
-            with contextlib.suppress(BufferError):
-                # A stager's tensors may still view it: then it is unmapped when the
-                # last of them goes, with the mapping object.
-                old.close()
-        return mm
+    # -- saving ------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        metadata: dict[str, Any] | None = None,
+        *,
+        milestone: bool = False,
+        metrics: dict[str, float] | None = None,
+        staging_timeout: float | None = None,
+    ) -> SaveHandle:
+        """Hand ``tree`` to the daemon as ``step``; returns once the daemon owns the bytes.
+
+        Arrays are copied into shared memory before this returns, so the caller
+        may mutate them right after. Wait on the handle for LOCAL / DURABLE.
+        ``milestone``: the remote tier keeps this step whatever its policy.
+        ``metrics``: numbers such as ``{"eval_loss": 1.7}`` for ``KeepBest``.
+        If earlier saves hold all staging memory, waits up to ``staging_timeout``
+        (default: the client's) and then raises :class:`CapacityExhausted`.
+        """
+        return self._saver.save(
+            step,
+            tree,
+            metadata,
+            milestone=milestone,
+            metrics=metrics,
+            staging_timeout=staging_timeout,
+        )
 
     # -- save decisions ---------------------------------------------------------
-    def _previous_reached(self, stage: str) -> bool:
-        """Has the previous save reached ``stage``? Never blocks, and costs no RPC per
-        call: a watcher thread waits on the daemon (server-side) and flips a flag."""
-        if self._last is None or stage in self._last_reached or stage in self._last.reached:
-            return True
-        done = self._watch.get(stage)
-        if done is None:
-            done = self._watch[stage] = threading.Event()
-            threading.Thread(
-                target=watch_stage, args=(self._last, stage, done), name="ckptd-watch", daemon=True
-            ).start()
-        if not done.is_set():
-            return False
-        self._last_reached.add(stage)
-        return True
-
     def _history(self) -> FailureHistory | None:
         """The daemon's record of this job's restarts, asked for once it has one (the
         restarts do not change while this process lives); None while it has none."""
         if self._job_history is None:
             try:
-                resp = self.connection.call(
-                    "ListCheckpoints", pb.ListCheckpointsRequest(job=self.job)
-                )
+                resp = self.connection.list_checkpoints(pb.ListCheckpointsRequest(job=self.job))
             except CkptdUnavailable:
                 return None
             if not resp.history.first_seen_unix:
@@ -180,24 +192,24 @@ class Client(Saving):
         In a multi-process job every rank must take the same decision: decide on
         one rank and broadcast it with your framework's collectives.
         """
-        if self._last is not None and int(step) == self._last.step:
+        last = self._saver.last
+        if last is not None and int(step) == last.step:
             return False
         ctx = SaveContext(
             int(step),
             time.monotonic(),
-            self._last.step if self._last else None,
-            self._last_at,
-            self._previous_reached,
+            last.step if last else None,
+            self._saver.last_at,
+            self._saver.previous_reached,
             self._history,
         )
         if not self.policy.should_save(ctx):
             return False
         self.last_refusal = ""
-        if self._last_bytes:
+        if self._saver.last_bytes:
             try:
-                cap = self.connection.call(
-                    "CheckCapacity",
-                    pb.CheckCapacityRequest(job=self.job, size_bytes=self._last_bytes),
+                cap = self.connection.check_capacity(
+                    pb.CheckCapacityRequest(job=self.job, size_bytes=self._saver.last_bytes),
                 )
             except CkptdUnavailable as exc:
                 # The sidecar is restarting: skip this save, never stop training.
@@ -215,7 +227,7 @@ class Client(Saving):
 
     def pin(self, step: int, pinned: bool = True) -> None:
         """Pin a step: no tier evicts it until :meth:`unpin` (``ckptd pin`` does the same)."""
-        self.connection.call("Pin", pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
+        self.connection.pin(pb.PinRequest(job=self.job, step=int(step), pinned=pinned))
 
     def unpin(self, step: int) -> None:
         """Undo :meth:`pin`; the retention policies decide again."""
@@ -241,9 +253,9 @@ class Client(Saving):
             step=int(step),
             path=os.path.abspath(path),
             milestone=milestone,
-            metrics=_check_metrics(metrics),
+            metrics=check_metrics(metrics),
         )
-        self.connection.call("Adopt", req, max(self.timeout, 600.0))
+        self.connection.adopt(req, max(self.timeout, 600.0))
         return SaveHandle(self, int(step))
 
     # -- public API ------------------------------------------------------------
@@ -285,7 +297,7 @@ class Client(Saving):
         # A restarting daemon is waited for (reconnect_timeout), like a save.
         return self._handoff.retrying(
             f"job {self.job!r} was not restored",
-            lambda: restoring.restore(
+            lambda: restore_flow.restore(
                 self.connection,
                 self.job,
                 self.rank if rank is None else rank,
@@ -299,7 +311,7 @@ class Client(Saving):
 
     def list(self) -> list[CheckpointInfo]:
         """This job's checkpoints on this node, newest first."""
-        resp = self.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=self.job))
+        resp = self.connection.list_checkpoints(pb.ListCheckpointsRequest(job=self.job))
         return [CheckpointInfo.of(c) for c in resp.checkpoints]
 
     def all_steps(self, healthy: bool = False) -> builtins.list[int]:
@@ -325,18 +337,12 @@ class Client(Saving):
         """Block until the last :meth:`save` reached ``stage`` (``"local"``: restorable
         on this node; ``"durable"``: in the bucket too), raising :class:`SaveFailed` if
         it failed (Orbax's ``wait_until_finished``). Returns at once with no save."""
-        if self._last is not None:
-            self._last.wait(stage, timeout=timeout)
+        if self._saver.last is not None:
+            self._saver.last.wait(stage, timeout=timeout)
 
     def close(self) -> None:
         """Close the channel and unmap shared memory."""
-        self._finish_copy()
-        self._background.shutdown(wait=True)
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-        for mm in self._segments.values():
-            mm.close()
-        self._segments.clear()
+        self._saver.close()
         self._handoff.close()
         self.connection.close()
 

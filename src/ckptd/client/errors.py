@@ -1,8 +1,8 @@
 """Exceptions raised by :class:`ckptd.client.Client`, carrying the daemon's message.
 
-They are the classes of the one error table in :mod:`ckptd.core.errors`, under
-the names trainers catch: a status the daemon sends back becomes the same class
-the daemon raised.
+They are the classes of the one error table in :mod:`ckptd.core.errors`, each
+under its one public name (the name tracebacks print, ``ckptd.client.<Name>``): a
+status the daemon sends back becomes the same class the daemon raised.
 """
 
 from ckptd.core.errors import (
@@ -14,8 +14,10 @@ from ckptd.core.errors import (
     Conflict,
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     SaveFailed,
     TreeMismatch,
+    Unauthenticated,
 )
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "Conflict",
     "FailedPrecondition",
     "InvalidArgument",
+    "PermissionDenied",
     "SaveFailed",
     "TreeMismatch",
+    "Unauthenticated",
 ]

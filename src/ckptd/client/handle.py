@@ -81,8 +81,13 @@ class CheckpointInfo:
 class Owner(Protocol):
     """What a handle needs of its client: the job and the connection to the daemon."""
 
-    job: str
-    connection: Connection
+    @property
+    def job(self) -> str:
+        """The job saved."""
+
+    @property
+    def connection(self) -> Connection:
+        """The connection to the daemon."""
 
 
 class SaveHandle:
@@ -178,7 +183,7 @@ class SaveHandle:
             wait_for=target,  # type: ignore[arg-type]
             timeout_seconds=timeout,
         )
-        status: pb.SaveStatus = self.connection.call("GetSaveStatus", req, timeout + 30.0)
+        status: pb.SaveStatus = self.connection.get_save_status(req, timeout + 30.0)
         return status
 
     def __repr__(self) -> str:

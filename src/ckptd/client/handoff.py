@@ -2,7 +2,9 @@
 
 The trainer must survive its sidecar: while the daemon is unreachable, a save
 keeps trying for ``reconnect_timeout`` seconds and then raises
-:class:`CkptdUnavailable` saying what to do. A commit whose answer was lost (the
+:class:`CkptdUnavailable` saying what to do. A client that never reached a daemon
+has nothing to wait for (a wrong socket, no ``ckptd serve``): it gives up after
+``connect_timeout`` seconds and says how to start one. A commit whose answer was lost (the
 daemon died after journaling it, or before) is sent again; its bytes are copied
 from the old segment, which this process still maps even after the daemon
 removed its name, so the caller's arrays are never read again after
@@ -25,8 +27,9 @@ import mmap
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -34,12 +37,14 @@ from ckptd.core.errors import CkptdUnavailable, Conflict, NotFound
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restore as restore_mod
+from . import mapped_views
 
 log = logging.getLogger("ckptd.client")
 
 HOLDER_HEADER = "ckptd-holder"
 """gRPC metadata naming the liveness file (the daemon's staging.HOLDER_HEADER)."""
+MAPPED_SEGMENTS = 2
+"""Segments kept mapped between saves (the daemon reuses them)."""
 T = TypeVar("T")
 
 
@@ -59,7 +64,7 @@ class Liveness:
 
     def _create(self) -> None:
         name = f"ckptd-client-{os.getpid()}-{secrets.token_hex(8)}"
-        path = os.path.join(restore_mod.SHM_DIR, name)
+        path = os.path.join(mapped_views.SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._fd, self._pid, self.name = fd, os.getpid(), name
@@ -68,7 +73,7 @@ class Liveness:
         """Drop the lock and the file (only the process that made them)."""
         if self._fd >= 0 and self._pid == os.getpid():
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(restore_mod.SHM_DIR, self.name))
+                os.unlink(os.path.join(mapped_views.SHM_DIR, self.name))
             os.close(self._fd)
         self._fd = -1
 
@@ -81,17 +86,23 @@ class Handoff:
         connection: Connection,
         job: str,
         reconnect_timeout: float,
-        map_segment: Callable[[Any], mmap.mmap],
+        connect_timeout: float,
     ) -> None:
         self.connection = connection
         self.job = job
         self.reconnect_timeout = reconnect_timeout
+        self.connect_timeout = connect_timeout
         self.liveness = Liveness()
-        self._map_segment = map_segment
+        self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._warned = False
 
+    def patience(self) -> float:
+        """How long to keep trying while the daemon is unreachable: the reconnect
+        timeout once a daemon answered (it is restarting), else the connect timeout."""
+        return self.reconnect_timeout if self.connection.reached else self.connect_timeout
+
     def retrying(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, called again while the daemon is unreachable, up to the timeout."""
+        """``fn()``, called again while the daemon is unreachable, up to :meth:`patience`."""
         since: float | None = None
         while True:
             try:
@@ -99,13 +110,8 @@ class Handoff:
             except CkptdUnavailable as exc:
                 now = time.monotonic()
                 since = now if since is None else since
-                if now - since >= self.reconnect_timeout:
-                    raise CkptdUnavailable(
-                        f"{what}: the ckptd daemon at {self.connection.socket} has been "
-                        f"unreachable for {now - since:.0f} s (reconnect_timeout); check that "
-                        "the sidecar is running (`ckptd status`, its logs); training can go "
-                        f"on and save later. Last error: {exc}"
-                    ) from None
+                if now - since >= self.patience():
+                    raise self._unreachable(what, now - since, exc) from None
                 if not self._warned:
                     # str(exc), not exc: a logged exception keeps its traceback, and so
                     # this frame, alive in log handlers that store records, and with it
@@ -119,18 +125,34 @@ class Handoff:
                 self._warned = False
             return result
 
-    def acquire(self, size: int, wait: float, what: str) -> tuple[Any, mmap.mmap]:
+    def _unreachable(self, what: str, waited: float, exc: CkptdUnavailable) -> CkptdUnavailable:
+        socket = self.connection.socket
+        if not self.connection.reached:
+            return CkptdUnavailable(
+                f"{what}: no ckptd daemon answers at {socket} (tried for {waited:.0f} s; "
+                "this client never reached one). Start one with `ckptd serve --root "
+                f"/path/to/checkpoints --socket {socket}`, or point the client at the "
+                "running one with Client(job, socket=...) or CKPTD_SOCKET. Last error: "
+                f"{exc}"
+            )
+        return CkptdUnavailable(
+            f"{what}: the ckptd daemon at {socket} has been unreachable for {waited:.0f} s "
+            "(reconnect_timeout); check that the sidecar is running (`ckptd status`, its "
+            f"logs); training can go on and save later. Last error: {exc}"
+        )
+
+    def acquire(self, size: int, wait: float, what: str) -> tuple[pb.Lease, mmap.mmap]:
         """A lease of ``size`` bytes, mapped: ``(lease, mapping)``."""
 
-        def once() -> Any:
+        def once() -> pb.Lease:
             req = pb.AcquireLeaseRequest(job=self.job, size_bytes=size, wait_seconds=wait)
-            return self.connection.call(
-                "AcquireLease", req, wait + self.connection.timeout, self.liveness.metadata()
+            return self.connection.acquire_lease(
+                req, wait + self.connection.timeout, self.liveness.metadata()
             )
 
         lease = self.retrying(what, once)
         try:
-            return lease, self._map_segment(lease)
+            return lease, self._map(lease)
         except BaseException:
             self.release(lease.lease_id)
             raise
@@ -143,15 +165,13 @@ class Handoff:
         since = time.monotonic()
         while True:
             try:
-                self.connection.call("CommitShards", req)
+                self.connection.commit_shards(req)
                 return
             except CkptdUnavailable:
                 lost = True  # the daemon may or may not have journaled it
                 if time.monotonic() - since >= self.reconnect_timeout:
                     raise
-                self.retrying(
-                    what, lambda: self.connection.call("GetStatus", pb.GetStatusRequest())
-                )
+                self.retrying(what, lambda: self.connection.get_status(pb.GetStatusRequest()))
             except NotFound:
                 renewed += 1
                 if renewed > 3:
@@ -170,8 +190,7 @@ class Handoff:
                 raise
 
     def _handed_off(self, req: pb.CommitShardsRequest) -> bool:
-        status = self.connection.call(
-            "GetSaveStatus",
+        status = self.connection.get_save_status(
             pb.GetSaveStatusRequest(job=req.job, step=req.step, timeout_seconds=0.0),
         )
         return req.rank in status.ranks_committed or status.state not in (
@@ -182,8 +201,34 @@ class Handoff:
     def release(self, lease_id: str) -> None:
         """Give a lease back after a failed save (best effort: the daemon also reclaims it)."""
         with contextlib.suppress(Exception):
-            self.connection.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), 10.0)
+            self.connection.release_lease(pb.ReleaseLeaseRequest(lease_id=lease_id), 10.0)
+
+    def _map(self, lease: pb.Lease) -> mmap.mmap:
+        # A segment mapped for an earlier lease is mapped still: the daemon grants a
+        # segment again only to the uid it was granted to, so reusing it is safe.
+        name, size = lease.segment, lease.size_bytes
+        mm = self._segments.get(name)
+        if mm is not None and len(mm) >= size:
+            self._segments.move_to_end(name)
+            return mm
+        fd = self.connection.session.open_lease(lease.lease_id)
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._segments[name] = mm
+        while len(self._segments) > MAPPED_SEGMENTS:
+            old = self._segments.popitem(last=False)[1]
+            with contextlib.suppress(BufferError):
+                # A stager's tensors may still view it: then it is unmapped when the
+                # last of them goes, with the mapping object.
+                old.close()
+        return mm
 
     def close(self) -> None:
-        """Remove the liveness file: the daemon takes back anything still leased."""
+        """Unmap the segments and remove the liveness file: the daemon takes back
+        anything still leased."""
+        for mm in self._segments.values():
+            mm.close()
+        self._segments.clear()
         self.liveness.close()

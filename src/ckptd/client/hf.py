@@ -196,7 +196,7 @@ def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -
         if step is not None:
             req.step = int(step)
         try:
-            resp = client.connection.call("EnsureLocal", req, timeout)
+            resp = client.low_level.ensure_local(req, timeout)
         except CkptdError as exc:
             if isinstance(exc, CheckpointNotFound) and step is None:
                 return _fallback(out)  # one process, and nothing adopted anywhere

@@ -71,8 +71,7 @@ def directory(client: Client, path: str | os.PathLike[str] | None = None) -> Pat
     another directory on the same filesystem (adoption uses hard links).
     Calling it again is harmless.
     """
-    req = pb.WatchRequest(job=client.job, directory=os.path.abspath(path) if path else "")
-    resp = client.connection.call("Watch", req)
+    resp = client.low_level.watch(os.path.abspath(path) if path else "")
     return Path(resp.directory)
 
 
@@ -82,7 +81,7 @@ def bucket_directory(client: Client) -> str:
     without a remote tier. Orbax reads ``gs://`` and local paths, not ``s3://``:
     restore S3 copies with :func:`ensure_local`."""
     # GetStatus, not Watch: asking where the bucket is must not change what is watched.
-    remote = client.connection.call("GetStatus", pb.GetStatusRequest()).remote
+    remote = client.low_level.status().remote
     return f"{remote.rstrip('/')}/{client.job}".removeprefix("file://") if remote else ""
 
 
@@ -107,7 +106,7 @@ def ensure_local(
     if step is not None:
         req.step = int(step)
     try:
-        resp = client.connection.call("EnsureLocal", req, timeout)
+        resp = client.low_level.ensure_local(req, timeout)
     except CheckpointNotFound:
         if step is not None:
             raise

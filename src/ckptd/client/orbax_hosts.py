@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import socket
-from typing import Any
 
 import numpy as np
-
-from ckptd.proto import ckptd_pb2 as pb
 
 from .client import Client
 from .distributed import MAX_CANDIDATES, restorable_steps
@@ -36,7 +33,7 @@ def _allgather(row: np.ndarray) -> np.ndarray:
 
 def daemon_identity(client: Client) -> int:
     """A number naming the daemon this client talks to (host, node id, root, pid)."""
-    st = client.connection.call("GetStatus", pb.GetStatusRequest())
+    st = client.low_level.status()
     name = f"{socket.gethostname()}|{st.node_id}|{st.root}|{st.pid}".encode()
     return int.from_bytes(hashlib.sha256(name).digest()[:8], "little", signed=True)
 
@@ -76,5 +73,5 @@ def process() -> tuple[int, int]:
 
 def has_remote(client: Client) -> bool:
     """Whether the daemon drains to a bucket (a save can become DURABLE)."""
-    status: Any = client.connection.call("GetStatus", pb.GetStatusRequest())
+    status = client.low_level.status()
     return bool(status.remote)

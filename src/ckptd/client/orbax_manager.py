@@ -33,7 +33,6 @@ from typing import Any
 from jax.experimental import multihost_utils
 
 from ckptd.core.errors import InvalidArgument
-from ckptd.proto import ckptd_pb2 as pb
 
 from . import orbax_hosts as hosts
 from . import orbax_items as items_lib
@@ -319,10 +318,7 @@ class CheckpointManager:
         """What the step's manifest says about its items (no array is read)."""
         if step == self._pending_step:
             self.wait_until_finished()  # this manager's own save, still being written
-        req = pb.RestoreRequest(
-            job=self.client.job, rank=self.client.rank, step=step, shared_memory=False
-        )
-        resp = self.client.connection.call("Restore", req, max(self.client.timeout, 600.0))
+        resp = self.client.low_level.locate(step, max(self.client.timeout, 600.0))
         return items_lib.SavedStep.of(
             int(resp.step), json.loads(resp.manifest_json), self.client.rank
         )

@@ -16,7 +16,7 @@ from ckptd.core import shard_wire
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
 from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards
-from .tree import flatten
+from .tree_spec import flatten
 
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
 Placed = dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]]

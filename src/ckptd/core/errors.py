@@ -5,8 +5,9 @@ The daemon raises these; the servicer turns one into the gRPC status named by it
 the CLI prints ``ckptd: error: <message>`` and exits with ``exit_code``. Every
 message says what went wrong and what the caller can do about it.
 
-The public client names (``CheckpointNotFound``, ``CapacityExhausted``, ...) are
-the same classes under the names trainers know.
+Each class has one public name, the one :mod:`ckptd.client` exports and tracebacks
+print (``ckptd.client.CkptdUnavailable``); the daemon's code also uses the shorter
+aliases below (``NotFound`` is ``CheckpointNotFound``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class TreeMismatch(InvalidArgument, ValueError):
     Also a ``ValueError``, which restore raised for these before."""
 
 
-class NotFound(CkptdError):
+class CheckpointNotFound(CkptdError):
     """No such lease, job or step (or no restorable step at all)."""
 
     status = grpc.StatusCode.NOT_FOUND
@@ -58,7 +59,7 @@ class Conflict(CkptdError):
     status = grpc.StatusCode.ALREADY_EXISTS
 
 
-class ResourceExhausted(CkptdError):
+class CapacityExhausted(CkptdError):
     """No room: staging memory held by earlier saves, or the local disk below its floor."""
 
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -70,13 +71,13 @@ class FailedPrecondition(CkptdError):
     status = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class DataLoss(CkptdError):
+class CheckpointCorrupt(CkptdError):
     """Every copy of the requested checkpoint is corrupt or incomplete."""
 
     status = grpc.StatusCode.DATA_LOSS
 
 
-class Unavailable(CkptdError):
+class CkptdUnavailable(CkptdError):
     """The daemon cannot be reached (not running, wrong socket, restarting)."""
 
     status = grpc.StatusCode.UNAVAILABLE
@@ -100,26 +101,36 @@ class SaveFailed(CkptdError):
     status = grpc.StatusCode.ABORTED
 
 
-# The names the client library has always exported: the same classes.
-CheckpointNotFound = NotFound
-CheckpointCorrupt = DataLoss
-CapacityExhausted = ResourceExhausted
-CkptdUnavailable = Unavailable
+PUBLIC: tuple[type[CkptdError], ...] = (
+    CkptdError,
+    InvalidArgument,
+    TreeMismatch,
+    CheckpointNotFound,
+    Conflict,
+    CapacityExhausted,
+    FailedPrecondition,
+    CheckpointCorrupt,
+    CkptdUnavailable,
+    PermissionDenied,
+    Unauthenticated,
+    SaveFailed,
+)
+"""Every error a trainer can catch, each under its one public name in :mod:`ckptd.client`."""
+for _cls in PUBLIC:
+    # Tracebacks and reprs print ``<module>.<name>``: make that the path a user
+    # imports it from (``from ckptd.client import CkptdUnavailable``), not this module.
+    _cls.__module__ = "ckptd.client"
+
+# The daemon's shorter names for the same classes (what each stands for on its side).
+NotFound = CheckpointNotFound
+DataLoss = CheckpointCorrupt
+ResourceExhausted = CapacityExhausted
+Unavailable = CkptdUnavailable
 
 _BY_STATUS: dict[grpc.StatusCode, type[CkptdError]] = {
     cls.status: cls
-    for cls in (
-        InvalidArgument,
-        NotFound,
-        Conflict,
-        ResourceExhausted,
-        FailedPrecondition,
-        DataLoss,
-        Unavailable,
-        PermissionDenied,
-        Unauthenticated,
-        SaveFailed,
-    )
+    for cls in PUBLIC
+    if cls not in (CkptdError, TreeMismatch)  # the base, and one the client raises itself
 }
 
 

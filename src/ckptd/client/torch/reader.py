@@ -28,10 +28,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument
-from ckptd.core.session import open_readable
-from ckptd.proto import ckptd_pb2 as pb
 
-from .. import restore as restore_mod
+from .. import mapped_views
 from ..client import Client
 from ..distributed import restorable_steps
 from .common import (
@@ -207,9 +205,7 @@ class CkptdReader(StorageReader):
         (``local``: why this node's daemon has none)."""
         assert self.step is not None
         try:
-            peers = client.connection.call(
-                "FetchPeers", pb.FetchPeersRequest(job=self.job, step=self.step)
-            )
+            peers = client.low_level.fetch_peers(self.step)
         except CheckpointNotFound:
             raise local from None  # the daemon knows no such step at all
         if not peers.parts:
@@ -219,14 +215,12 @@ class CkptdReader(StorageReader):
             if not any(r["rank"] == rank for r in manifest["ranks"]):
                 continue
 
-            def opener(path: str) -> int:
-                return open_readable(client.connection.session, path)
-
+            opener = client.low_level.open_readable
             try:
-                mm = restore_mod.map_file_verified(part.directory, manifest, rank, opener)
-            except restore_mod.Corrupt as exc:
+                mm = mapped_views.map_file_verified(part.directory, manifest, rank, opener)
+            except mapped_views.Corrupt as exc:
                 raise CheckpointCorrupt(f"{self._what()}: {exc}", "DATA_LOSS") from None
-            tree, _ = restore_mod.build_tree(mm, manifest, rank)
+            tree, _ = mapped_views.build_tree(mm, manifest, rank)
             return tree  # type: ignore[no-any-return]
         raise CheckpointNotFound(
             f"{self._what()}: no part of rank {rank} on this node or in the bucket (is the "

@@ -2,7 +2,7 @@
 
 Every rank saves its write items as one ckptd rank of the step (``Client.save``:
 one copy into the daemon's shared-memory lease, views of the tensors, no
-serialisation). It is also ``dcp.async_save``'s stager (staging.py): the state
+serialisation). It is also ``dcp.async_save``'s stager (lease_stage.py): the state
 is copied once, straight into the lease, and committed from there as it lies.
 DCP knows the checkpoint's ``Metadata`` only in ``finish()``,
 on the coordinator, after every rank has written. So the coordinator keeps its
@@ -34,7 +34,7 @@ from ckptd.core.errors import InvalidArgument
 
 from ..client import Client
 from ..handle import SaveHandle
-from . import staging
+from . import lease_stage
 from .common import (
     COORDINATOR,
     FORMAT,
@@ -112,7 +112,7 @@ class CkptdWriter(StorageWriter):
         self._save_id = uuid.uuid4().hex
         self.async_staging = async_staging
         self._stager: ThreadPoolExecutor | None = None
-        self._stage: staging.LeaseStage | None = None
+        self._stage: lease_stage.LeaseStage | None = None
         """The lease ``stage()`` filled for the save in progress (``async_save``)."""
         self.handoff = ""
         """How the last save reached the daemon: ``"in place"`` (staged by async_save:
@@ -149,10 +149,10 @@ class CkptdWriter(StorageWriter):
             self._stage = None
         rank = world()[0]
         try:
-            staged, self._stage = staging.stage(
+            staged, self._stage = lease_stage.stage(
                 self._source.get(rank), state_dict, rank == COORDINATOR
             )
-        except staging.Unsupported:
+        except lease_stage.Unsupported:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             stager = DefaultStager(StagingOptions(False, False, False, False))
@@ -290,7 +290,7 @@ class CkptdWriter(StorageWriter):
         packed = stage.compact(tree) if stage is not None and not stage.failed else None
         if stage is not None and packed is not None:
             # Staged by async_save: handed off as it lies in the lease, no copy.
-            handle = client.commit_in_place(
+            handle = client.low_level.commit_in_place(
                 self.step,
                 packed,
                 stage.lease,

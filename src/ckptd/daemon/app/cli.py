@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    resp = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=args.job or ""))
+    resp = _admin(args).list_checkpoints(pb.ListCheckpointsRequest(job=args.job or ""))
     if args.json:
         print(json.dumps([plain(c) for c in resp.checkpoints], indent=1))
         return 0
@@ -107,7 +107,7 @@ def _job_hint(args: argparse.Namespace, job: str) -> str:
 
 
 def _daemon_jobs(args: argparse.Namespace) -> set[str]:
-    every = _admin(args).call("ListCheckpoints", pb.ListCheckpointsRequest(job=""))
+    every = _admin(args).list_checkpoints(pb.ListCheckpointsRequest(job=""))
     return {c.job for c in every.checkpoints}
 
 
@@ -130,14 +130,14 @@ def _kept_by(c: pb.CheckpointInfo) -> str:
 def cmd_pin(args: argparse.Namespace) -> int:
     pinned = args.command == "pin"
     req = pb.PinRequest(job=args.job, step=args.step, pinned=pinned)
-    _admin(args).call("Pin", req, 60.0)
+    _admin(args).pin(req, 60.0)
     what = "pinned: no tier evicts it" if pinned else "unpinned: retention applies again"
     print(f"{args.job}/{args.step} {what}")
     return 0
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    resp = _admin(args).call("Prefetch", pb.PrefetchRequest(job=args.job), 3600.0)
+    resp = _admin(args).prefetch(pb.PrefetchRequest(job=args.job), 3600.0)
     where = {"peer": "taken from a peer", "remote": "fetched from the bucket"}
     print(
         f"{args.job}/{resp.step}: local ({where.get(resp.source, 'it was already')}, "
@@ -150,14 +150,13 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     conn = _admin(args)
     path = os.path.abspath(args.path)
     req = pb.AdoptRequest(job=args.job, step=args.step, path=path, milestone=args.milestone)
-    resp = conn.call("Adopt", req, 3600.0)
+    resp = conn.adopt(req, 3600.0)
     print(
         f"{args.job}/{args.step} adopted from {path}: {resp.files} files, "
         f"{human_bytes(resp.size_bytes)}, LOCAL"
     )
     if args.wait == "durable":
-        status = conn.call(
-            "GetSaveStatus",
+        status = conn.get_save_status(
             pb.GetSaveStatusRequest(
                 job=args.job,
                 step=args.step,
@@ -181,7 +180,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         req = pb.ListEventsRequest(
             job=args.job or "", after_seq=after, wait_seconds=25.0 if args.follow else 0.0
         )
-        resp = conn.call("ListEvents", req, 60.0)
+        resp = conn.list_events(req, 60.0)
         if args.job and not after and not resp.events:  # nothing ever happened to it
             print(f"no events for job {args.job!r}", file=sys.stderr)
             _suggest_job(args, args.job)

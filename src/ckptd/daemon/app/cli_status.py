@@ -233,7 +233,7 @@ def watch(
         while count is None or frames < count:
             if frames:
                 sleep(interval)
-            st = conn.call("GetStatus", pb.GetStatusRequest())
+            st = conn.get_status(pb.GetStatusRequest())
             now, t = scrape(st.metrics_address), time.monotonic()
             view = watch_view(st, now, before, t - at)
             if live is not None:
@@ -255,7 +255,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     conn = Connection(args.socket, timeout=30.0)
     if args.watch:
         return watch(conn, args.interval, args.count)
-    st = conn.call("GetStatus", pb.GetStatusRequest())
+    st = conn.get_status(pb.GetStatusRequest())
     if args.json:
         print(json.dumps(plain(st), indent=1))
         return 0

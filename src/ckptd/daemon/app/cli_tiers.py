@@ -60,8 +60,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     if chosen:
         return cfg
     try:
-        st = Connection(getattr(args, "socket", None), timeout=10.0).call(
-            "GetStatus", pb.GetStatusRequest()
+        st = Connection(getattr(args, "socket", None), timeout=10.0).get_status(
+            pb.GetStatusRequest()
         )
     except CkptdError:
         return cfg  # no daemon here: the defaults (said when nothing is found)

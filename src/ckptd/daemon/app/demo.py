@@ -91,8 +91,8 @@ def run_demo(steps: int = 40, save_every: int = 5, keep: bool = False) -> int:
         wait = pb.GetSaveStatusRequest(
             job=JOB, step=int(last_saved or 0), wait_for=pb.SAVE_STATE_LOCAL, timeout_seconds=60
         )
-        daemon.connection.call("GetSaveStatus", wait, 90.0)
-        rows = daemon.connection.call("ListCheckpoints", pb.ListCheckpointsRequest(job=JOB))
+        daemon.connection.get_save_status(wait, 90.0)
+        rows = daemon.connection.list_checkpoints(pb.ListCheckpointsRequest(job=JOB))
         say(
             "daemon holds: "
             + ", ".join(f"step {r.step} {state_name(r.state)}" for r in reversed(rows.checkpoints))

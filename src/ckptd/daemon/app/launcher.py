@@ -119,7 +119,7 @@ class DaemonProcess:
         try:
             while True:
                 try:
-                    probe.call("GetStatus", pb.GetStatusRequest())
+                    probe.get_status(pb.GetStatusRequest())
                     return
                 except Unavailable:
                     assert self.proc is not None
@@ -188,13 +188,13 @@ class DaemonProcess:
 
     def status(self) -> pb.DaemonStatus:
         """``GetStatus``."""
-        status: pb.DaemonStatus = self.connection.call("GetStatus", pb.GetStatusRequest())
+        status: pb.DaemonStatus = self.connection.get_status(pb.GetStatusRequest())
         return status
 
     def events(self, job: str = "", after: int = 0, wait: float = 0.0) -> list[pb.EventRecord]:
         """Step events newer than ``after`` (waiting up to ``wait`` s for one)."""
         req = pb.ListEventsRequest(job=job, after_seq=after, wait_seconds=wait)
-        resp: pb.ListEventsResponse = self.connection.call("ListEvents", req, wait + 60.0)
+        resp: pb.ListEventsResponse = self.connection.list_events(req, wait + 60.0)
         return list(resp.events)
 
     def wait_event(

@@ -1,13 +1,19 @@
-"""The save path of :class:`ckptd.client.Client` (split out of client.py): plan, lease,
-copy, hand off; and a lease a stager fills itself, handed off as it lies."""
+"""The save path of a :class:`ckptd.client.Client`: plan, lease, copy, hand off; and
+a lease a stager fills itself, handed off as it lies.
+
+The client owns one :class:`Saver`; the saver holds only what saving needs (the
+planner, the copy threads, the record of the previous save), and the client asks
+it what :meth:`Client.should_save` needs to know about that previous save.
+"""
 
 from __future__ import annotations
 
 import json
 import mmap
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,37 +26,81 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .copying import copy_into
-from .handle import SaveHandle
+from .handle import SaveHandle, watch_stage
 from .handoff import Handoff
-from .jax_arrays import ShardPlan
+from .jax_arrays import Replicas, ShardPlan
 from .planning import Planner, SavePlan, plan_in_place
 
 
-class Saving:
-    """Client's saves. The attributes are the client's (set in ``Client.__init__``)."""
+class Saver:
+    """Saves of one client: ``job`` as ``rank`` of ``node_ranks`` (``world_size`` in all).
 
-    job: str
-    rank: int
-    node_ranks: list[int]
-    world_size: int
-    staging_timeout: float
-    policy: Any
-    _planner: Planner
-    _handoff: Handoff
-    _background: ThreadPoolExecutor
-    _copy_job: Future[None] | None
-    _last: SaveHandle | None
-    _last_at: float | None
-    _last_bytes: int
-    _last_reached: set[str]
-    _watch: dict[str, threading.Event]
+    ``copy_threads`` copy large arrays into shared memory in parallel (1: on the
+    calling thread only); ``staging_timeout`` is how long a save waits for staging
+    memory; ``watched_stage`` says which stage of each save to start watching for
+    the next save decision (the client's policy's).
+    """
 
-    _copier: ThreadPoolExecutor | None
-    connection: Connection
-    _previous_reached: Callable[[str], bool]
-    """Client's: has the previous save reached a stage (for should_save)."""
+    def __init__(
+        self,
+        handoff: Handoff,
+        job: str,
+        rank: int,
+        node_ranks: Sequence[int],
+        world_size: int,
+        *,
+        copy_threads: int | None,
+        staging_timeout: float,
+        save_replicas: Replicas,
+        watched_stage: Callable[[], str],
+    ) -> None:
+        self.job = job
+        self.rank = rank
+        self.node_ranks = list(node_ranks)
+        self.world_size = world_size
+        self.staging_timeout = staging_timeout
+        self.planner = Planner(save_replicas)
+        self._handoff = handoff
+        self._watched_stage = watched_stage
+        # numpy releases the GIL while copying, so a few threads copy into the
+        # lease faster than one (memory bandwidth, not CPU, is the limit).
+        threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
+        self._copier = ThreadPoolExecutor(threads, "ckptd-copy") if threads > 1 else None
+        self._background = ThreadPoolExecutor(1, "ckptd-d2h")
+        self._copy_job: Future[None] | None = None
+        self.last: SaveHandle | None = None
+        """The previous save's handle (None before the first)."""
+        self.last_at: float | None = None
+        """When the previous save started (``time.monotonic()``)."""
+        self.last_bytes = 0
+        """The previous save's size in staging memory."""
+        self._reached: set[str] = set()
+        self._watch: dict[str, threading.Event] = {}
 
-    def _copy_into(self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]) -> None:
+    @property
+    def connection(self) -> Connection:
+        """The connection to the daemon (what a :class:`SaveHandle` waits on)."""
+        return self._handoff.connection
+
+    def previous_reached(self, stage: str) -> bool:
+        """Has the previous save reached ``stage``? Never blocks, and costs no RPC per
+        call: a watcher thread waits on the daemon (server-side) and flips a flag."""
+        if self.last is None or stage in self._reached or stage in self.last.reached:
+            return True
+        done = self._watch.get(stage)
+        if done is None:
+            done = self._watch[stage] = threading.Event()
+            threading.Thread(
+                target=watch_stage, args=(self.last, stage, done), name="ckptd-watch", daemon=True
+            ).start()
+        if not done.is_set():
+            return False
+        self._reached.add(stage)
+        return True
+
+    def copy_arrays(
+        self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]
+    ) -> None:
         """Copy every array into its place in the lease (:func:`copy_into`)."""
         copy_into(mm, entries, arrays, self._copier)
 
@@ -75,11 +125,11 @@ class Saving:
         """
         step, metrics, metadata_json = _save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
-        plan, arrays = self._planner.plan(tree)
+        plan, arrays = self.planner.plan(tree)
         host, device, data_len = arrays.host, arrays.device, plan.data_len
         started = time.monotonic()
         what = f"step {step} of job {self.job!r} was not saved"
-        self._finish_copy()  # one background copy at a time: it may use a mapped segment
+        self.finish_copy()  # one background copy at a time: it may use a mapped segment
         try:
             lease, mm = self._handoff.acquire(round_up(data_len), wait, what)
         except CapacityExhausted as exc:
@@ -87,7 +137,7 @@ class Saving:
         committed = False
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         try:
-            self._copy_into(mm, plan.host_entries, host)
+            self.copy_arrays(mm, plan.host_entries, host)
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             if device:
                 # jax arrays are immutable: copy them to host and hand off after returning.
@@ -138,15 +188,17 @@ class Saving:
 
     def _saved(self, handle: SaveHandle, started: float, size: int) -> SaveHandle:
         """Bookkeeping after a handoff: the last save, for should_save()."""
-        self._last, self._last_at, self._last_bytes = handle, started, size
-        self._last_reached, self._watch = set(), {}
+        self.last, self.last_at, self.last_bytes = handle, started, size
+        self._reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next
         # should_save() is seen there at once.
-        self._previous_reached(getattr(self.policy, "stage", "local"))
+        self.previous_reached(self._watched_stage())
         return handle
 
     # -- saving memory a stager filled itself -----------------------------------
-    def lease(self, size_bytes: int, staging_timeout: float | None = None) -> tuple[Any, mmap.mmap]:
+    def lease(
+        self, size_bytes: int, staging_timeout: float | None = None
+    ) -> tuple[pb.Lease, mmap.mmap]:
         """A lease of at least ``size_bytes`` and its mapping, for a stager that copies
         a state into it itself (DCP's ``async_save`` through ckptd) and then hands it
         off with :meth:`commit_in_place` or gives it back with :meth:`release`."""
@@ -154,7 +206,7 @@ class Saving:
         what = f"no shared memory for a save of job {self.job!r}"
         return self._handoff.acquire(round_up(max(1, size_bytes)), wait, what)
 
-    def release(self, lease: Any) -> None:
+    def release(self, lease: pb.Lease) -> None:
         """Give back a lease from :meth:`lease` that will not be committed."""
         self._handoff.release(lease.lease_id)
 
@@ -162,7 +214,7 @@ class Saving:
         self,
         step: int,
         tree: Any,
-        lease: Any,
+        lease: pb.Lease,
         mm: mmap.mmap,
         metadata: dict[str, Any] | None = None,
         *,
@@ -186,7 +238,7 @@ class Saving:
         mm: mmap.mmap,
         entries: list[TensorEntry],
         device: dict[str, ShardPlan],
-        req: Any,
+        req: pb.CommitShardsRequest,
         size: int,
     ) -> None:
         """Background: device-to-host copies into the lease, then the handoff."""
@@ -206,16 +258,24 @@ class Saving:
                         "state, or use ckptd.client.orbax.CheckpointManager, whose save() "
                         "returns once the arrays may be donated"
                     ) from None
-                self._copy_into(mm, [e], {e.key: host})
+                self.copy_arrays(mm, [e], {e.key: host})
             self._handoff.commit(req, mm, size, what)
         except BaseException:
             self._handoff.release(req.lease_id)
             raise
 
-    def _finish_copy(self) -> None:
+    def finish_copy(self) -> None:
+        """Wait for the background device-to-host copy of the last save, if any."""
         if self._copy_job is not None:
             self._copy_job.exception()  # wait; its handle reports any error
             self._copy_job = None
+
+    def close(self) -> None:
+        """Finish the last save's copy and stop the copy threads."""
+        self.finish_copy()
+        self._background.shutdown(wait=True)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
 
 
 def _save_args(
@@ -230,10 +290,10 @@ def _save_args(
         metadata_json = json.dumps(metadata or {})
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
-    return int(step), _check_metrics(metrics), metadata_json
+    return int(step), check_metrics(metrics), metadata_json
 
 
-def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+def check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):

@@ -6,7 +6,7 @@ copies each tensor once, into a lease of the node daemon laid out as the rank
 file's data section, and returns the state dict with its tensors replaced by views
 of that memory, so training may go on at once. When DCP then asks the writer to
 write, the tensors it resolves are those views: the writer commits the lease as it
-lies (:meth:`ckptd.client.Client.commit_in_place`), with the pickled objects and,
+lies (:meth:`ckptd.client.low_level.LowLevel.commit_in_place`), with the pickled objects and,
 on the coordinator, DCP's metadata appended in the headroom left for them.
 
 Whatever does not fit that shape (an item DCP did not write, leaving a hole; an
@@ -101,7 +101,7 @@ class LeaseStage:
         """Give the lease back (the save did not commit it)."""
         if not self.done:
             self.done = True
-            self.client.release(self.lease)
+            self.client.low_level.release(self.lease)
 
 
 class Unsupported(Exception):
@@ -128,7 +128,7 @@ def stage(client: Client, state_dict: Any, coordinator: bool) -> tuple[Any, Leas
     headroom = HEADROOM_BASE + HEADROOM_PER_OBJECT * objects[0]
     if coordinator:
         headroom += HEADROOM_PER_TENSOR * len(found)
-    lease, mm = client.lease(at + headroom)
+    lease, mm = client.low_level.lease(at + headroom)
     try:
         # CPU tensors as numpy views, over the client's copy threads in batches (~2x
         # faster here than a torch copy_ each); others (a GPU's) with torch's copy.
@@ -139,14 +139,14 @@ def stage(client: Client, state_dict: Any, coordinator: bool) -> tuple[Any, Leas
                 key = str(i)
                 entries.append(TensorEntry(key, arr.dtype, arr.shape, off, arr.nbytes))
                 arrays[key] = arr
-        client._copy_into(mm, entries, arrays)
+        client.low_level.copy_arrays(mm, entries, arrays)
         views = [
             _copy_into(mm, t, off, copied=str(i) in arrays)
             for i, (t, off) in enumerate(zip(found, offsets, strict=True))
         ]
         staged = _rebuild(state_dict, iter(views))
     except BaseException:
-        client.release(lease)
+        client.low_level.release(lease)
         raise
     return staged, LeaseStage(client, lease, mm, at)
 

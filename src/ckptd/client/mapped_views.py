@@ -20,7 +20,7 @@ from ckptd.core import checksum
 from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import table_of
 
-from .tree import unflatten
+from .tree_spec import unflatten
 
 SHM_DIR = "/dev/shm"
 

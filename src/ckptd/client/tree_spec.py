@@ -1,6 +1,6 @@
 """Pytree flattening: a tree into array leaves and a JSON spec, and back.
 
-Nodes are dict/list/tuple and, through :mod:`.pytree`, every other pytree node
+Nodes are dict/list/tuple and, through :mod:`.tree_nodes`, every other pytree node
 (NamedTuples, dataclasses, what ``jax.tree_util`` flattens). Array leaves (numpy
 arrays and scalars, ``jax.Array`` incl. typed PRNG keys, anything with
 ``__array__``) become shards with keys derived from their path; JSON-able leaves
@@ -36,7 +36,7 @@ from ckptd.core.errors import InvalidArgument, TreeMismatch
 from ckptd.core.format import dtype_to_str
 
 from .jax_arrays import is_jax_array, key_data_of
-from .pytree import MAX_TREE_DEPTH, Path, check_key, node_of, path_str, rebuild, too_deep
+from .tree_nodes import MAX_TREE_DEPTH, Path, check_key, node_of, path_str, rebuild, too_deep
 
 MAX_KEY_BYTES = 1024
 _UNSAFE = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -200,7 +200,7 @@ def unflatten(
 
     Without ``target``: dicts, lists and tuples as saved (other nodes as dicts by
     field name, or lists). With one: the target's own structure and node types
-    (:func:`ckptd.client.pytree.rebuild`), or :class:`TreeMismatch` naming the
+    (:func:`ckptd.client.tree_nodes.rebuild`), or :class:`TreeMismatch` naming the
     path where they differ. ``jax_leaf(spec_node, target_leaf)`` builds saved jax
     leaves.
     """

@@ -1,6 +1,7 @@
 """Client-side restore: ask the daemon for a step, build the tree over verified memory.
 
-Split out of client.py; :meth:`ckptd.client.Client.restore` is the entry point.
+:meth:`ckptd.client.Client.restore` is the entry point; the arrays are built by
+:mod:`.mapped_views`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ckptd.core.session import open_readable
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import restore as restore_mod
+from . import mapped_views
 from .jax_arrays import CorruptShard, MissingShards, ShardReader, build_leaf
 
 log = logging.getLogger("ckptd.client")
@@ -43,7 +44,7 @@ def restore(
         if step is not None:
             req.step = int(step)
         try:
-            resp = conn.call("Restore", req, None, metadata)
+            resp = conn.restore(req, None, metadata)
         except CheckpointNotFound as exc:
             if attempt:
                 raise CheckpointCorrupt(
@@ -60,14 +61,14 @@ def restore(
         try:
             if resp.HasField("lease"):
                 return adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
-            mm = restore_mod.map_file_verified(resp.directory, manifest, rank, opener)
-            return restore_mod.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
-        except (restore_mod.Corrupt, CorruptShard) as bad:
+            mm = mapped_views.map_file_verified(resp.directory, manifest, rank, opener)
+            return mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
+        except (mapped_views.Corrupt, CorruptShard) as bad:
             log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))
             report = pb.ReportCorruptRequest(
                 job=job, step=resp.step, tier=resp.tier, detail=str(bad)
             )
-            conn.call("ReportCorrupt", report)
+            conn.report_corrupt(report)
             continue
         finally:
             reader.close()
@@ -91,7 +92,7 @@ def jax_leaf_builder(
             if fetched:
                 raise
         fetched = True
-        peers = conn.call("FetchPeers", pb.FetchPeersRequest(job=job, step=resp.step))
+        peers = conn.fetch_peers(pb.FetchPeersRequest(job=job, step=resp.step))
         for part in peers.parts:
             reader.add_part(part.directory, json.loads(part.manifest_json))
         return build_leaf(reader, spec, target)
@@ -111,16 +112,16 @@ def adopt_segment(
     """Map and lock the verified segment, then tell the daemon we hold it."""
     try:
         fd = conn.session.open_lease(resp.lease.lease_id)
-        mm = restore_mod.map_segment_locked(fd, resp.lease.size_bytes)
+        mm = mapped_views.map_segment_locked(fd, resp.lease.size_bytes)
     except (OSError, CkptdError):
-        conn.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
+        conn.release_lease(pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
         raise
     try:
         held = pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id, client_holds=True)
-        conn.call("ReleaseLease", held)
+        conn.release_lease(held)
     except BaseException:
         mm.close()
         raise
-    return restore_mod.build_tree(
+    return mapped_views.build_tree(
         mm, manifest, rank, resp.data_offset_in_file, jax_leaf, target, adopt
     )
