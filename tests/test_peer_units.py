@@ -15,8 +15,8 @@ import pytest
 
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
-from ckptd.daemon.peer import fetch as peer_fetch
-from ckptd.daemon.peer.fetch import PeerFetcher
+from ckptd.daemon.peer import source as peer_source
+from ckptd.daemon.peer.source import PeerSource
 from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
 from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
 
@@ -252,11 +252,11 @@ class _Memory:
         self.kept: list[tuple[int, int]] = []  # (rank, lease)
         self.released: list[int] = []
 
-    async def prestage_lease(self, job: str, size: int) -> Any:
+    async def lease_for(self, job: str, size: int) -> Any:
         self.leases.append(len(self.leases))
         return SimpleNamespace(segment=self.leases[-1])
 
-    def keep_prefetched(self, job: str, step: int, rank: int, lease: Any) -> None:
+    def keep(self, job: str, step: int, rank: int, lease: Any) -> None:
         self.kept.append((rank, lease.segment))
 
     def release(self, lease: Any) -> None:
@@ -278,9 +278,9 @@ def test_staging_stops_once_a_restore_has_read_the_step(
         if record.rank == 1:
             st.read_at = 2.0  # a restore served the step (catalog.served)
 
-    monkeypatch.setattr(peer_fetch, "_stage_file", stage_file)
+    monkeypatch.setattr(peer_source, "_stage_file", stage_file)
     store = SimpleNamespace(step_dir=lambda job, step: tmp_path)
-    fetcher = PeerFetcher(_Catalog(), store, _Io(), None)  # type: ignore[arg-type]
+    fetcher = PeerSource(_Catalog(), store, _Io(), None)  # type: ignore[arg-type]
     memory = fetcher.memory = _Memory()
     try:
         asyncio.run(fetcher._stage(st, SimpleNamespace(ranks=ranks)))  # type: ignore[arg-type]

@@ -4,8 +4,8 @@
   holds (service.py, replicas.py), and beside it the bulk listener serving their
   bytes to restoring nodes (bulk.py, ``peer_data_port``), when that is set;
 - the replicator sending each job's newest local step to ``peer_replicas`` of
-  ``peers`` (replicator.py), and the fetcher restoring a wiped node from them
-  (fetch.py), when ``peers`` is set; at start-up the fetcher pre-stages every job
+  ``peers`` (replicator.py), and the source restoring a wiped node from them
+  (source.py), when ``peers`` is set; at start-up it pre-stages every job
   a peer holds a replica of and this node does not (a replacement node's root is
   empty), so the trainer's restore then reads a local copy.
 """
@@ -26,12 +26,12 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ..catalog import Catalog
 from ..io import IoPool
 from ..local.store import LocalStore
-from .fetch import PeerFetcher
 from .identity import BoundBulkServer, SenderCheck
 from .link import Limiter, Peers, read_token
 from .replicas import ReplicaStore
 from .replicator import Replicator
 from .service import PeerServicer
+from .source import PeerSource
 from .tls import PeerTls
 
 log = logging.getLogger("ckptd.peer")
@@ -73,13 +73,13 @@ class PeerTier:
         )
         self.data_port = cfg.peer_data_port
         self.replicator: Replicator | None = None
-        self.fetcher: PeerFetcher | None = None
+        self.source: PeerSource | None = None
         if cfg.peers:
             limiter = Limiter(cfg.peer_bandwidth_bytes)
             self.replicator = Replicator(
                 catalog, store, io, self.peers, cfg.peer_replicas, limiter, cfg.peer_max_lag_seconds
             )
-            self.fetcher = PeerFetcher(catalog, store, io, self.peers)
+            self.source = PeerSource(catalog, store, io, self.peers)
         self._server: grpc.aio.Server | None = None
 
     async def start(
@@ -124,20 +124,20 @@ class PeerTier:
             )  # fmt: skip
         if self.replicator is not None:
             service("replicator", self.replicator.run)
-        if self.fetcher is not None:
+        if self.source is not None:
             spawn("prestage", self.prestage())
 
     async def prestage(self) -> None:
         """Take back from the peers every job's newest step this node holds no copy
         of (a node that lost its disk), before the trainer asks."""
-        assert self.fetcher is not None
+        assert self.source is not None
         try:
-            jobs = sorted({job for job, _ in await self.fetcher.replicas()})
+            jobs = sorted({job for job, _ in await self.source.replicas()})
         except Exception as exc:
             log.warning("cannot ask the peers what they hold (%s)", exc)
             return
         for job in jobs:
-            await self.fetcher.ensure(job)
+            await self.source.ensure(job)
 
     def halt(self) -> None:
         """Tell the replicator to return (the supervisor then waits for it)."""
@@ -149,8 +149,8 @@ class PeerTier:
         if self._server is not None:
             self.bulk.stop()
             await self._server.stop(grace=2)
-        if self.fetcher is not None:
-            self.fetcher.close()
+        if self.source is not None:
+            self.source.close()
         await self.peers.close()
 
     def status(self) -> dict[str, Any]:
@@ -163,8 +163,8 @@ class PeerTier:
             "replicas_held": len(self.store.list()),
             "replicas_held_bytes": self.store.held_bytes,
             "replicated_bytes": self.replicator.sent_bytes if self.replicator else 0,
-            "peer_fetched_bytes": self.fetcher.fetched_bytes if self.fetcher else 0,
-            "peer_prestaged_bytes": self.fetcher.staged_bytes if self.fetcher else 0,
+            "peer_fetched_bytes": self.source.fetched_bytes if self.source else 0,
+            "peer_prestaged_bytes": self.source.staged_bytes if self.source else 0,
             "peer_served_bytes": self.servicer.served_bytes + self.bulk.served_bytes,
             "peer_received_bytes": self.servicer.received_bytes + self.bulk.received_bytes,
             "peer_error": next((e for e in errors if e), ""),
