@@ -16,9 +16,9 @@ import pytest
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.daemon.peer import source as peer_source
-from ckptd.daemon.peer.source import PeerSource
 from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
 from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
+from ckptd.daemon.peer.source import PeerSource
 
 
 def _manifest(step: int, files: dict[str, bytes], job: str = "j", node: str = "src") -> str:

@@ -270,9 +270,7 @@ def test_a_replacement_takes_only_a_part_the_bucket_names_for_the_rank() -> None
     real = _manifest(5, FILES, job="job", node="node-a")
     forged = _manifest(5, {"rank-00000.safetensors": DATA[::-1]}, job="job", node="node-c")
     b, c = Peer("node-b", "10.0.0.2:7000"), Peer("node-c", "10.0.0.3:7000")
-    fetcher = PeerSource(
-        SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace()
-    )  # type: ignore[arg-type]
+    fetcher = PeerSource(SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace())  # type: ignore[arg-type]
     taken: list[list[tuple[Peer, str]]] = []
 
     async def replicas(job: str = "", source: str | None = None) -> Any:
