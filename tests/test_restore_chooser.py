@@ -3,8 +3,10 @@ tier, and what happens when a tier fails (daemon/restore/chooser.py)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -197,3 +199,27 @@ def test_when_no_tier_gives_the_step_and_nothing_changed_the_reason_is_raised() 
     with pytest.raises(Unavailable, match="could not give 5"):
         _restore(catalog, [LocalTier(catalog), bucket])
     assert bucket.asked == [5]
+
+
+def test_the_api_reaches_the_tiers_only_through_the_restorer() -> None:
+    """The servicer translates; which tier gives a copy is the chooser's. The tiers
+    answer restore's interface by its shape and never import restore (above them)."""
+    daemon = Path(__file__).resolve().parent.parent / "src" / "ckptd" / "daemon"
+    api = {m for p in (daemon / "api").glob("*.py") for m in _daemon_imports(p)}
+    assert not {m for m in api if m.startswith(("remote", "peer"))}
+    assert {m for m in api if m.startswith("restore")} == {"restore.restorer"}
+    for tier in ("local", "peer", "remote"):
+        for p in (daemon / tier).glob("*.py"):
+            assert not {m for m in _daemon_imports(p) if m.startswith("restore")}, p
+
+
+def _daemon_imports(path: Path) -> set[str]:
+    """The daemon modules ``path`` imports, named from ``ckptd.daemon`` (``remote.read``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 2:
+            base = node.module or ""
+            found |= {base} if base else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckptd.daemon."):
+            found.add((node.module or "").removeprefix("ckptd.daemon."))
+    return found

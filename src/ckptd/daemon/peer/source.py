@@ -154,6 +154,7 @@ class PeerSource:
                 for (j, n), held in listed.items()
                 if j == job and (step is None or n == step)
             ]
+            self._own = {k: v for k, v in self._own.items() if k[0] != job}
             for (_, _, n), held in found:
                 self._own[(job, n)] = held
             return sorted((order for order, _ in found), reverse=True)

@@ -69,11 +69,9 @@ class Chooser:
         fastest holder that gives it); the tier it came from, or ""."""
         offers: list[tuple[Order, int, Tier]] = []
         for i, tier in enumerate(self.tiers):
-            offers += [
-                (order, i, tier)
-                for order in await tier.holds(job, step)
-                if not self._has_copy(job, order[2])
-            ]
+            offers += [(order, i, tier) for order in await tier.holds(job, step)]
+        # What the catalog knows a copy of is the restorer's choice (healthy, adopted).
+        offers = [o for o in offers if not self._has_copy(job, o[0][2])]
         known = [
             s.order
             for s in self.catalog.list(job)
