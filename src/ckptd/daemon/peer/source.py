@@ -40,6 +40,8 @@ ASK_AGAIN_SECONDS = 30.0
 
 Holders = list[tuple[Peer, str]]
 """The peers holding one replica, each with its manifest (JSON)."""
+Order = tuple[bool, int, int]
+"""A step's place in its job's history: ``Step.order`` (catalog/step.py)."""
 
 
 class PrestageMemory(Protocol):
@@ -81,8 +83,9 @@ class PeerSource:
         self.reader = ReplicaReader(io, peers)
         self._locks: dict[str, asyncio.Lock] = {}
         self._asked: dict[str, float] = {}
-        self._own: dict[tuple[str, int], Holders] = {}
-        """The holders of this node's replicas, as the last listing of their job found."""
+        self._own: dict[tuple[str, int], tuple[Order, Holders]] = {}
+        """This node's replicas, with their holders, as the last listing of their job
+        found them."""
         self.last_seconds = 0.0
         """How long the last fetch from peers took (status)."""
         self.staged_bytes = 0
@@ -126,62 +129,73 @@ class PeerSource:
             found.setdefault((r.job, r.step), []).append((peer, r.manifest_json))
         return found
 
-    async def holds(self, job: str, step: int | None) -> list[tuple[bool, int, int]]:
+    async def holds(self, job: str, step: int | None) -> list[Order]:
         """This node's steps of ``job`` (only ``step``, when given) the peers hold a
         replica of, newest first. Nothing while the local tier holds the step (or,
         with none given, any step of the job): only a node that lost its disk asks
         the peers, and a job with nothing anywhere (a first start) asks at most every
-        :data:`ASK_AGAIN_SECONDS`. A failure is logged (the bucket is next)."""
+        :data:`ASK_AGAIN_SECONDS` (meanwhile the last answer stands). A failure is
+        logged (the bucket is next)."""
         # Under the job's lock: a restore that comes while the start-up pre-staging
-        # fetches the job waits for it, then finds the copy local.
+        # (or another rank's restore) fetches the job waits for it, then finds the
+        # copy local.
         async with self._locks.setdefault(job, asyncio.Lock()):
-            local = [s for s in self.catalog.list(job) if s.local]
-            if step is None and local:
-                return []
-            if step is not None and any(s.step == step for s in local):
-                return []
-            since = time.monotonic() - self._asked.get(job, -1e18)
-            if step is None and since < ASK_AGAIN_SECONDS:
-                return []
+            return await self._holds(job, step)
+
+    async def _holds(self, job: str, step: int | None) -> list[Order]:
+        local = [s for s in self.catalog.list(job) if s.local]
+        if step is None and local:
+            return []
+        if step is not None and any(s.step == step for s in local):
+            return []
+        since = time.monotonic() - self._asked.get(job, -1e18)
+        if step is not None or since >= ASK_AGAIN_SECONDS:
             self._asked[job] = time.monotonic()
             try:
                 listed = await self.replicas(job)
             except Exception as exc:
                 log.warning("%s: no restore from peers (%s); the bucket is next", job, exc)
                 return []
-            found = [
-                ((True, int(json.loads(held[0][1]).get("timeline", 0)), n), held)
-                for (j, n), held in listed.items()
-                if j == job and (step is None or n == step)
-            ]
             self._own = {k: v for k, v in self._own.items() if k[0] != job}
-            for (_, _, n), held in found:
-                self._own[(job, n)] = held
-            return sorted((order for order, _ in found), reverse=True)
+            for (j, n), held in listed.items():
+                if j == job:
+                    timeline = int(json.loads(held[0][1]).get("timeline", 0))
+                    self._own[(job, n)] = ((True, timeline, n), held)
+        found = (order for (j, n), (order, _) in self._own.items() if j == job)
+        return sorted((o for o in found if step in (None, o[2])), reverse=True)
 
     async def bring(self, job: str, step: int, want: Want) -> Handed | None:
         """Take ``step`` back from the peers into the local tier: this node's own part
         if they hold a replica of it, else (a replacement node under a new name) the
         part the bucket names that holds the rank wanted (:meth:`ensure_part`)."""
-        known = self.catalog.get(job, step)
         async with self._locks.setdefault(job, asyncio.Lock()):
-            if known is not None and known.local:
-                return None  # fetched meanwhile (the bucket, another restore)
-            holders = self._own.pop((job, step), None)
-            if holders:
-                try:
-                    self._vouch(job, step, holders)
-                    await self.fetch(job, step, holders)
-                    return None
-                except Exception as exc:
-                    log.warning("%s: no restore from peers (%s); the bucket is next", job, exc)
-                    if known is None or want.rank is None:
-                        raise Unavailable(f"no peer gave {job}/{step}: {exc}") from None
+            if await self._take(job, step):
+                return None
+        known = self.catalog.get(job, step)
         if known is None or want.rank is None:
-            raise NotFound(f"no peer holds a replica of {job}/{step} of this node")
+            raise NotFound(f"no peer gave a replica of {job}/{step} of this node")
         if not await self.ensure_part(known, want.rank):
             raise Unavailable(f"no peer gave the part of {job}/{step} holding rank {want.rank}")
         return None
+
+    async def _take(self, job: str, step: int) -> bool:
+        """This node's own part of ``step`` from the peers the last listing found
+        holding it; whether the step is local now. A failure is logged, and that
+        listing's answer for the step forgotten."""
+        known = self.catalog.get(job, step)
+        if known is not None and known.local:
+            return True  # fetched meanwhile (the bucket, another restore, the pre-staging)
+        if (job, step) not in self._own:
+            return False
+        holders = self._own[(job, step)][1]
+        try:
+            self._vouch(job, step, holders)
+            await self.fetch(job, step, holders)
+        except Exception as exc:
+            del self._own[(job, step)]
+            log.warning("%s: no restore from peers (%s); the bucket is next", job, exc)
+            return False
+        return True
 
     def _vouch(self, job: str, step: int, holders: Holders) -> None:
         """Log a replica newer than every step of the bucket: nothing here can check
@@ -203,15 +217,12 @@ class PeerSource:
         """Make the newest step of ``job`` the peers hold of this node local, when the
         local tier has none and the bucket holds nothing newer (the start-up
         pre-staging); whether it did. A failure is logged."""
-        held = await self.holds(job, None)
-        in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
-        if not held or (in_bucket and max(in_bucket) > held[0]):
-            return False  # the bucket's step is a newer save: a restore takes that one
-        try:
-            await self.bring(job, held[0][2], Want(None))
-        except (NotFound, Unavailable):
-            return False
-        return True
+        async with self._locks.setdefault(job, asyncio.Lock()):
+            held = await self._holds(job, None)
+            in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
+            if not held or (in_bucket and max(in_bucket) > held[0]):
+                return False  # the bucket's step is a newer save: a restore takes that one
+            return await self._take(job, held[0][2])
 
     async def ensure_part(self, st: Step, rank: int) -> bool:
         """Make the part of ``st`` (a step the bucket holds, not this node) that holds
