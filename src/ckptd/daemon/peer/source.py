@@ -52,6 +52,15 @@ class PrestageMemory(Protocol):
     def release(self, lease: Lease) -> None: ...
 
 
+def _timeline(raw: str) -> int | None:
+    """The timeline a replica's manifest names (None: it is not a manifest)."""
+    try:
+        said = json.loads(raw)
+        return int(said.get("timeline", 0)) if isinstance(said, dict) else None
+    except (ValueError, TypeError):
+        return None
+
+
 STAGE_CHUNK = 8 * 2**20
 
 
@@ -158,8 +167,8 @@ class PeerSource:
                 return []
             self._own = {k: v for k, v in self._own.items() if k[0] != job}
             for (j, n), held in listed.items():
-                if j == job:
-                    timeline = int(json.loads(held[0][1]).get("timeline", 0))
+                timeline = _timeline(held[0][1])
+                if j == job and timeline is not None:  # a replica that does not parse: none
                     self._own[(job, n)] = ((True, timeline, n), held)
         found = (order for (j, n), (order, _) in self._own.items() if j == job)
         return sorted((o for o in found if step in (None, o[2])), reverse=True)
@@ -202,7 +211,7 @@ class PeerSource:
         it was ever committed by this node; its holders took it only from this
         node's authenticated daemon (identity.py), which is what vouches for it.
         Said, so a surprise has a trail."""
-        timeline = int(json.loads(holders[0][1]).get("timeline", 0))
+        timeline = _timeline(holders[0][1]) or 0
         in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
         if not in_bucket or max(in_bucket) < (True, timeline, step):
             log.warning(

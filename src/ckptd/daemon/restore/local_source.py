@@ -7,10 +7,11 @@ at commit before the client sees a byte:
   aligned ``O_DIRECT`` reads into one of the daemon's free, already faulted
   staging segments, every shard's crc32c is checked, and the segment is lent to
   the client, whose arrays are views over it. No page cache is allocated, which
-  is what makes cold restores fast (docs/architecture.md). Once the client has
-  mapped it, the segment is the trainer's memory: the daemon unlinks it and
-  drops it from its pool and staging budget, so restored arrays the trainer
-  keeps (an optimizer's state) never hold a lease.
+  is what makes cold restores fast on these VMs (docs/architecture.md,
+  "Performance notes"). Once the client has mapped it, the segment is the
+  trainer's memory: the daemon unlinks it and drops it from its pool and
+  staging budget, so restored arrays the trainer keeps (an optimizer's state)
+  never hold a lease.
 - the file: when no free segment fits, the client maps the file copy-on-write
   and checks the crc32c itself, reporting a mismatch with ReportCorrupt.
 
