@@ -15,10 +15,11 @@ import pytest
 
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
-from ckptd.daemon.peer import fetch as peer_fetch
-from ckptd.daemon.peer.fetch import PeerFetcher
+from ckptd.daemon.local.lease import Want
+from ckptd.daemon.peer import source as peer_source
 from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
 from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
+from ckptd.daemon.peer.source import PeerSource
 
 
 def _manifest(step: int, files: dict[str, bytes], job: str = "j", node: str = "src") -> str:
@@ -252,11 +253,11 @@ class _Memory:
         self.kept: list[tuple[int, int]] = []  # (rank, lease)
         self.released: list[int] = []
 
-    async def prestage_lease(self, job: str, size: int) -> Any:
+    async def lease_for(self, job: str, size: int) -> Any:
         self.leases.append(len(self.leases))
         return SimpleNamespace(segment=self.leases[-1])
 
-    def keep_prefetched(self, job: str, step: int, rank: int, lease: Any) -> None:
+    def keep(self, job: str, step: int, rank: int, lease: Any) -> None:
         self.kept.append((rank, lease.segment))
 
     def release(self, lease: Any) -> None:
@@ -278,9 +279,9 @@ def test_staging_stops_once_a_restore_has_read_the_step(
         if record.rank == 1:
             st.read_at = 2.0  # a restore served the step (catalog.served)
 
-    monkeypatch.setattr(peer_fetch, "_stage_file", stage_file)
+    monkeypatch.setattr(peer_source, "_stage_file", stage_file)
     store = SimpleNamespace(step_dir=lambda job, step: tmp_path)
-    fetcher = PeerFetcher(_Catalog(), store, _Io(), None)  # type: ignore[arg-type]
+    fetcher = PeerSource(_Catalog(), store, _Io(), None)  # type: ignore[arg-type]
     memory = fetcher.memory = _Memory()
     try:
         asyncio.run(fetcher._stage(st, SimpleNamespace(ranks=ranks)))  # type: ignore[arg-type]
@@ -289,3 +290,44 @@ def test_staging_stops_once_a_restore_has_read_the_step(
     assert staged == [0, 1]
     assert memory.kept == [(0, 0)] and memory.released == [1] and memory.leases == [0, 1]
     assert fetcher.staged_bytes == 10
+
+
+def test_a_restore_while_another_takes_the_job_back_from_peers_waits_for_it() -> None:
+    """Two ranks restore at once on a node that lost its disk: the second asks the
+    peers' holdings before the first has brought the step (the last answer stands:
+    the peers were asked a moment ago), then waits for the first's fetch and finds the
+    step local; it is fetched once. A replica whose manifest does not parse is no
+    step of the peers'."""
+    from ckptd.daemon.catalog import Catalog
+
+    catalog = Catalog("n")
+    source = PeerSource(catalog, None, None, SimpleNamespace())  # type: ignore[arg-type]
+    peer = Peer("b", "10.0.0.2:7000")
+    fetching, done, fetched = asyncio.Event(), asyncio.Event(), []
+
+    async def replicas(job: str = "", source: str | None = None) -> Any:
+        return {("j", 4): [(peer, _manifest(4, FILES, node="n"))], ("j", 5): [(peer, "{")]}
+
+    async def fetch(job: str, step: int, holders: Any, rank: int | None = None) -> None:
+        fetched.append(step)
+        fetching.set()
+        await done.wait()
+        catalog.peer_fetched(Manifest.from_json(holders[0][1]), "b")
+
+    source.replicas = replicas  # type: ignore[method-assign]
+    source.fetch = fetch  # type: ignore[method-assign]
+
+    async def run() -> list[Any]:
+        asked = [await source.holds("j", None), await source.holds("j", None)]
+        first = asyncio.ensure_future(source.bring("j", 4, Want(0)))
+        await fetching.wait()
+        second = asyncio.ensure_future(source.bring("j", 4, Want(1)))
+        done.set()
+        return [*asked, await first, await second, await source.holds("j", None)]
+
+    try:
+        answers = asyncio.run(run())
+    finally:
+        source.close()
+    assert answers == [[(True, 0, 4)], [(True, 0, 4)], None, None, []]
+    assert fetched == [4] and catalog.require("j", 4).local

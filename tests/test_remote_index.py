@@ -14,7 +14,7 @@ import pytest
 
 from ckptd.client import CheckpointNotFound, SaveHandle
 from ckptd.core.manifest import Manifest, RankRecord, rank_file_name
-from ckptd.daemon.remote import fetch, index
+from ckptd.daemon.remote import index, read
 from ckptd.daemon.remote.layout import manifest_key, marker_key, ranks_key
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -154,12 +154,12 @@ def test_a_rank_another_node_saved_is_found_in_one_listing_and_one_get(tmp_path:
         get_bytes, list_keys = r.get_bytes, r.list_keys
         r.get_bytes = lambda key: gets.append(key) or get_bytes(key)
         r.list_keys = lambda prefix: lists.append(prefix) or list_keys(prefix)
-        holders, complete = await fetch.rank_holders(r, "j", 7, 15)
+        holders, complete = await read.rank_holders(r, "j", 7, 15)
         assert holders == ["n7"] and complete == {f"n{i}" for i in range(10)} - {"n3"}
-        node, _, manifest = await fetch.node_manifest(r, "j", 7, {holders[0]}, 15, "x")
+        node, _, manifest = await read.node_manifest(r, "j", 7, {holders[0]}, 15, "x")
         assert node == "n7" and [k.rank for k in manifest.ranks] == [14, 15]
         assert (len(lists), len(gets)) == (1, 1)
-        assert (await fetch.rank_holders(r, "j", 7, 7))[0] == []  # n3's: not complete
+        assert (await read.rank_holders(r, "j", 7, 7))[0] == []  # n3's: not complete
 
     remote.run(body)
 

@@ -265,14 +265,12 @@ def test_a_replacement_takes_only_a_part_the_bucket_names_for_the_rank() -> None
     every peer for any replica holding its rank: one of a node with no part of that
     step in the bucket is not taken, however many peers hold it."""
     from ckptd.daemon.catalog import Step
-    from ckptd.daemon.peer.fetch import PeerFetcher
+    from ckptd.daemon.peer.source import PeerSource
 
     real = _manifest(5, FILES, job="job", node="node-a")
     forged = _manifest(5, {"rank-00000.safetensors": DATA[::-1]}, job="job", node="node-c")
     b, c = Peer("node-b", "10.0.0.2:7000"), Peer("node-c", "10.0.0.3:7000")
-    fetcher = PeerFetcher(
-        SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace()
-    )  # type: ignore[arg-type]
+    fetcher = PeerSource(SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace())  # type: ignore[arg-type]
     taken: list[list[tuple[Peer, str]]] = []
 
     async def replicas(job: str = "", source: str | None = None) -> Any:

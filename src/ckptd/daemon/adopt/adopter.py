@@ -49,7 +49,7 @@ from ..files import replace_synced
 from ..io import IoPool
 from ..local.saver import retire_replaced
 from ..local.store import LocalStore
-from ..restore.fetcher import Fetcher
+from ..remote.source import BucketSource
 from ..restore.restorer import Restorer
 from .paths import (
     DAEMON,
@@ -94,7 +94,7 @@ class Adopter:
         store: LocalStore,
         io: IoPool,
         restorer: Restorer,
-        fetcher: Fetcher,
+        bucket: BucketSource,
         poll_seconds: float,
         adopt_dirs: tuple[Path, ...] = (),
     ) -> None:
@@ -102,7 +102,7 @@ class Adopter:
         self.store = store
         self.io = io
         self.restorer = restorer
-        self.fetcher = fetcher
+        self.bucket = bucket
         self.root = store.root
         self.poll_seconds = poll_seconds
         self.adopt_dirs = list(adopt_dirs)
@@ -333,7 +333,7 @@ class Adopter:
         elif job in self.watches and self.watches[job].caller.uid != caller.uid:
             # Another user's watched directory: only its owner's files go there.
             check_writable(caller, self.watches[job].directory)
-        await self.fetcher.refresh(job)
+        await self.bucket.refresh(job)
         while True:
             st = self.restorer.choose(job, step, None, adopted=True)
             self.catalog.served(st)  # the evictor leaves it alone while it is put back
@@ -341,12 +341,12 @@ class Adopter:
             if not fetched:
                 break
             try:
-                await self.fetcher.to_local(st, 0, shared_memory=False)
+                await self.bucket.to_local(st, 0, shared_memory=False)
                 break
             except DataLoss:
                 if step is not None or not st.unusable:
                     raise
-                # The fetcher marked the bucket copy unusable: the next older step.
+                # The bucket source marked its copy unusable: the next older step.
                 log.warning(
                     "%s/%d does not verify in the bucket; trying an older step", job, st.step
                 )

@@ -45,7 +45,6 @@ from ..local.admission import Admission
 from ..local.liveness import HOLDER_HEADER
 from ..local.records import INLINE_SHARDS
 from ..local.saver import Saver
-from ..restore.fetcher import Fetcher
 from ..restore.restorer import Restorer
 from ..retention.planner import Retention
 from . import messages
@@ -110,7 +109,6 @@ class Services:
     admission: Admission
     retention: Retention
     restorer: Restorer
-    fetcher: Fetcher
     adopter: Adopter
     pins: Pins
     access: Access
@@ -222,10 +220,8 @@ class Servicer(pb_grpc.CkptdServicer):
     ) -> pb.ListCheckpointsResponse:
         peer = self._peer(context)
         job = self._job(context, request.job)[1] if request.job else ""
-        if job:  # what the bucket holds of it: read once in this daemon's life
-            await self.s.fetcher.refresh_quietly(job)
-            if self.s.restorer.peer is not None:  # a node that lost its disk
-                await self.s.restorer.peer.ensure(job)
+        if job:  # what the tiers hold of it (the bucket's index: read once in this life)
+            await self.s.restorer.learn(job)
         rows = [s for s in self.s.catalog.list(job) if self.s.access.may_use(peer, s.job)]
         plans = {j: self.s.retention.plan(j) for j in {s.job for s in rows}}
         return pb.ListCheckpointsResponse(
@@ -297,7 +293,7 @@ class Servicer(pb_grpc.CkptdServicer):
         self, request: pb.FetchPeersRequest, context: Any
     ) -> pb.FetchPeersResponse:
         peer, job = self._job(context, request.job)
-        parts = await self.s.fetcher.peers(job, check_step(request.step))
+        parts = await self.s.restorer.other_parts(job, check_step(request.step))
         for _, directory, _ in parts:
             self.s.access.grant(peer, directory)
         return pb.FetchPeersResponse(

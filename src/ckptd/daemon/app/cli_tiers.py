@@ -20,7 +20,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from ..commit import RenameCommit
 from ..files import write_synced
-from ..remote import fetch
+from ..remote import read
 from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.layout import FILES_DIR, file_key, manifest_key, parse_marker
@@ -101,14 +101,14 @@ async def _pull(cfg: Config, job: str, step: int | None, dest: Path, node: str |
 async def _pull_from(
     remote: Remote, cfg: Config, job: str, step: int | None, dest: Path, node: str | None
 ) -> int:
-    steps = await fetch.complete_steps(remote, job)
+    steps = await read.complete_steps(remote, job)
     if not steps:
         hint = did_you_mean(job, await bucket_jobs(remote), "in the bucket")
         raise NotFound(
             with_hint(f"the bucket {cfg.remote} holds no complete step of job {job!r}", hint)
         )
     if step is None:  # the newest of the live history (core/timeline.py)
-        seen = await fetch.newest_steps(remote, job, 1)
+        seen = await read.newest_steps(remote, job, 1)
         forks = merge(*(s.forks for s in seen.values()))
         live = [n for n, s in seen.items() if not abandoned(s.timeline or 0, n, forks)]
         step = max(live or steps)
@@ -122,7 +122,7 @@ async def _pull_from(
     for n in nodes:
         if n not in found.nodes:
             raise CkptdError(f"node {n!r} has no complete copy of step {step}")
-        _, raw, manifest = await fetch.node_manifest(remote, job, step, {n}, None, n, found.adopted)
+        _, raw, manifest = await read.node_manifest(remote, job, step, {n}, None, n, found.adopted)
         target = dest if len(nodes) == 1 else dest / n
         _writable_dir(target)
         if any(target.iterdir()):
@@ -131,7 +131,7 @@ async def _pull_from(
             if manifest.adopted:
                 await _pull_tree(remote, job, step, n, manifest, target, progress)
             else:
-                await fetch.download_files(remote, job, step, n, manifest, target, progress)
+                await read.download_files(remote, job, step, n, manifest, target, progress)
                 await asyncio.to_thread(write_synced, target / MANIFEST, raw)  # the manifest last
         print(
             f"pulled {job} step {step} ({n}) into {target}: {len(manifest.ranks)} files, "
@@ -158,7 +158,7 @@ async def _pull_tree(
     await asyncio.to_thread(shutil.rmtree, staging, True)  # an earlier pull's, cut short
     staging.mkdir(mode=0o750)
     try:
-        await fetch.download_files(remote, job, step, node, manifest, staging, progress)
+        await read.download_files(remote, job, step, node, manifest, staging, progress)
         target.rmdir()  # empty (checked): the tree takes its place
         await RenameCommit(target, staging / FILES_DIR).finalize()
     finally:
@@ -216,7 +216,7 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
         try:
             key = manifest_key(j, step, node, adopted)
             raw = await remote.get_bytes(key)
-            manifest = fetch.parse_remote_manifest(raw, key, j, step, node, adopted)
+            manifest = read.parse_remote_manifest(raw, key, j, step, node, adopted)
             bad = [
                 r.file
                 for r in manifest.ranks

@@ -31,6 +31,7 @@ from ..lifecycle.pins import Pins, load_pins
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
 from ..local.journal import Journal
 from ..local.pending import CommitRequest
+from ..local.prestaged import Prestaged
 from ..local.saver import Saver
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
@@ -39,8 +40,11 @@ from ..remote.base import Remote
 from ..remote.claim import NodeClaim, root_id
 from ..remote.index import NodeIndex
 from ..remote.options import RemoteOptions
-from ..restore.fetcher import Fetcher
+from ..remote.source import BucketSource
+from ..restore.chooser import Chooser
+from ..restore.local_source import LocalSource
 from ..restore.restorer import Restorer
+from ..restore.tier import Tier
 from ..retention.planner import Retention
 from .config import Config
 from .metrics import Metrics, Sources, job_labels_shown
@@ -149,28 +153,33 @@ class Daemon:
             lifecycle.retention_local.describe(),
             relieve=self.evictor.relieve_local,
         )
-        self.fetcher = Fetcher(
-            self.catalog, self.store, self.staging, self.io, self.remote, self.index
+        # The restore's tiers, fastest first: each answers restore/tier.py's interface.
+        memory = Prestaged(self.staging)
+        local_tier = LocalSource(self.catalog, self.store, self.staging, self.io)
+        self.bucket = BucketSource(
+            self.catalog, self.store, memory, self.io, self.remote, self.index
         )
         self.peer = (
-            build_peer_tier(opts.peer, self.catalog, self.store, self.io, self.fetcher)
+            build_peer_tier(opts.peer, self.catalog, self.store, self.io, memory)
             if opts.peer.enabled
             else None
         )
+        peer = self.peer.source if self.peer is not None else None
+        tiers: list[Tier] = [memory, local_tier, *([peer] if peer else []), self.bucket]
         self.restorer = Restorer(
             self.catalog,
             self.store,
             self.staging,
-            self.io,
-            self.fetcher,
-            self.peer.fetcher if self.peer is not None else None,
+            Chooser(self.catalog, tiers, local_tier),
+            local_tier,
+            self.bucket,
         )
         self.adopter = Adopter(
             self.catalog,
             self.store,
             self.io,
             self.restorer,
-            self.fetcher,
+            self.bucket,
             lifecycle.adopt_poll_seconds,
             lifecycle.adopt_dirs,
         )
@@ -311,7 +320,6 @@ class Daemon:
             admission=self.admission,
             retention=self.retention,
             restorer=self.restorer,
-            fetcher=self.fetcher,
             adopter=self.adopter,
             pins=self.pins,
             access=self.access,
@@ -395,8 +403,8 @@ class Daemon:
             last_event_seq=self.catalog.last_seq,
             metrics_address=self.metrics_address,
             remote_endpoint_url=redact(cfg.remote_endpoint_url or ""),
-            fetch_in_flight_bytes=self.fetcher.in_flight_bytes,
-            fetch_done_bytes=self.fetcher.in_flight_done,
+            fetch_in_flight_bytes=self.bucket.in_flight_bytes,
+            fetch_done_bytes=self.bucket.in_flight_done,
             **(self.peer.status() if self.peer is not None else {}),
         )
 

@@ -2,8 +2,9 @@
 
 Apart from compose.py only for size: every part (the TLS files, the links to the
 peers, the replica store, the Peer service and its gRPC server, the bulk listener,
-the replicator and the fetcher) is built here, before anything serves, and handed
-to :class:`PeerTier`, which binds and starts them.
+the replicator and the source restoring a lost disk from peers) is built here,
+before anything serves, and handed to :class:`PeerTier`, which binds and starts
+them.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from ..catalog import Catalog
 from ..io import IoPool
 from ..local.store import LocalStore
-from ..peer.fetch import PeerFetcher, PrestageMemory
 from ..peer.identity import BoundBulkServer, SenderCheck
 from ..peer.link import Limiter, Peers, read_token
 from ..peer.options import PeerOptions
 from ..peer.replicas import ReplicaStore
 from ..peer.replicator import Replicator
 from ..peer.service import PeerServicer
+from ..peer.source import PeerSource, PrestageMemory
 from ..peer.tier import PeerTier
 from ..peer.tls import PeerTls
 
@@ -38,7 +39,7 @@ def build_peer_tier(
     memory: PrestageMemory,
 ) -> PeerTier:
     """Every part of the peer tier, wired; ``memory``: where pre-staged files also go
-    into shared memory (the restore fetcher). Called on the daemon's event loop, which
+    into shared memory (the memory tier). Called on the daemon's event loop, which
     the bulk listener's threads ask for sender checks. Raises FailedPrecondition (a bad
     token file or TLS files) with what to fix."""
     try:
@@ -70,7 +71,7 @@ def build_peer_tier(
     if options.serves:
         server = grpc.aio.server(options=CHANNEL_OPTIONS)
         pb_grpc.add_PeerServicer_to_server(servicer, server)
-    replicator = fetcher = None
+    replicator = source = None
     if options.peers:
         replicator = Replicator(
             catalog,
@@ -81,10 +82,7 @@ def build_peer_tier(
             Limiter(options.bandwidth_bytes),
             options.max_lag_seconds,
         )
-        fetcher = PeerFetcher(catalog, store, io, peers)
-        # Set here, before anyone holds the fetcher: PeerFetcher takes no such
-        # constructor argument yet (the restore path's code, rewritten apart).
-        fetcher.memory = memory
+        source = PeerSource(catalog, store, io, peers, memory)
     return PeerTier(
-        options, io, tls, replicas, peers, sender_check, servicer, bulk, server, replicator, fetcher
+        options, io, tls, replicas, peers, sender_check, servicer, bulk, server, replicator, source
     )

@@ -147,7 +147,7 @@ class Drain:
     async def resume(self) -> None:
         """Match the local steps against this node's index in the bucket (start-up): one
         GET per job held locally; jobs only in the bucket are read when first asked for
-        (fetcher.py). Steps still to upload may have been cut mid-upload by the last
+        (remote/source.py). Steps still to upload may have been cut mid-upload by the last
         daemon: their files are looked for before they are sent again."""
         limit = asyncio.Semaphore(16)
 

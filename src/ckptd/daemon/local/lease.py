@@ -63,3 +63,23 @@ def segment_prefix(root: Path) -> str:
     """Segment-name prefix unique to a local-tier root, so daemons never clash."""
     digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
     return f"ckptd-{digest}-"
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A restore's answer in shared memory: a verified lease holding a rank file's
+    bytes from ``offset`` on (0: the whole file; else its data section)."""
+
+    lease: Lease
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a restore asks a tier for: ``rank``'s data (None: this node's own part,
+    every rank of it), in shared memory if ``shared_memory`` and a segment is free,
+    for a client of ``uid`` (a segment another uid mapped is never handed to it)."""
+
+    rank: int | None
+    shared_memory: bool = False
+    uid: int | None = None

@@ -31,7 +31,7 @@ Limits (:class:`BulkServer`): a caller must show the token within
 :data:`AUTH_SECONDS` before it takes a transfer slot; a ``get`` is cut at
 ``peer_bulk_deadline_seconds`` from its connection, a ``put`` after
 ``peer_idle_seconds`` without a byte. The reading and pushing sides fall back to
-the Peer gRPC service when this listener fails them (fetch.py, replicator.py).
+the Peer gRPC service when this listener fails them (transfer.py, replicator.py).
 """
 
 from __future__ import annotations

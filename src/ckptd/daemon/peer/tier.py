@@ -4,8 +4,8 @@
   holds (service.py, replicas.py), and beside it the bulk listener serving their
   bytes to restoring nodes (bulk.py, ``peer_data_port``), when that is set;
 - the replicator sending each job's newest local step to ``peer_replicas`` of
-  ``peers`` (replicator.py), and the fetcher restoring a wiped node from them
-  (fetch.py), when ``peers`` is set; at start-up the fetcher pre-stages every job
+  ``peers`` (replicator.py), and the source restoring a wiped node from them
+  (source.py), when ``peers`` is set; at start-up it pre-stages every job
   a peer holds a replica of and this node does not (a replacement node's root is
   empty), so the trainer's restore then reads a local copy.
 """
@@ -21,13 +21,13 @@ import grpc
 from ckptd.core.errors import FailedPrecondition
 
 from ..io import IoPool
-from .fetch import PeerFetcher
 from .identity import BoundBulkServer, SenderCheck
 from .link import Peers
 from .options import PeerOptions
 from .replicas import ReplicaStore
 from .replicator import Replicator
 from .service import PeerServicer
+from .source import PeerSource
 from .tls import PeerTls
 
 log = logging.getLogger("ckptd.peer")
@@ -49,7 +49,7 @@ class PeerTier:
         bulk: BoundBulkServer,
         server: grpc.aio.Server | None,
         replicator: Replicator | None,
-        fetcher: PeerFetcher | None,
+        source: PeerSource | None,
     ) -> None:
         self.io = io
         self.tls = tls
@@ -67,7 +67,7 @@ class PeerTier:
         :meth:`start` bound it."""
         self._serving = False
         self.replicator = replicator
-        self.fetcher = fetcher
+        self.source = source
 
     async def start(
         self,
@@ -109,20 +109,20 @@ class PeerTier:
             )  # fmt: skip
         if self.replicator is not None:
             service("replicator", self.replicator.run)
-        if self.fetcher is not None:
+        if self.source is not None:
             spawn("prestage", self.prestage())
 
     async def prestage(self) -> None:
         """Take back from the peers every job's newest step this node holds no copy
         of (a node that lost its disk), before the trainer asks."""
-        assert self.fetcher is not None
+        assert self.source is not None
         try:
-            jobs = sorted({job for job, _ in await self.fetcher.replicas()})
+            jobs = sorted({job for job, _ in await self.source.replicas()})
         except Exception as exc:
             log.warning("cannot ask the peers what they hold (%s)", exc)
             return
         for job in jobs:
-            await self.fetcher.ensure(job)
+            await self.source.ensure(job)
 
     def halt(self) -> None:
         """Tell the replicator to return (the supervisor then waits for it)."""
@@ -134,8 +134,8 @@ class PeerTier:
         if self._server is not None and self._serving:
             self.bulk.stop()
             await self._server.stop(grace=2)
-        if self.fetcher is not None:
-            self.fetcher.close()
+        if self.source is not None:
+            self.source.close()
         await self.peers.close()
 
     def status(self) -> dict[str, Any]:
@@ -148,8 +148,8 @@ class PeerTier:
             "replicas_held": len(self.store.list()),
             "replicas_held_bytes": self.store.held_bytes,
             "replicated_bytes": self.replicator.sent_bytes if self.replicator else 0,
-            "peer_fetched_bytes": self.fetcher.fetched_bytes if self.fetcher else 0,
-            "peer_prestaged_bytes": self.fetcher.staged_bytes if self.fetcher else 0,
+            "peer_fetched_bytes": self.source.fetched_bytes if self.source else 0,
+            "peer_prestaged_bytes": self.source.staged_bytes if self.source else 0,
             "peer_served_bytes": self.servicer.served_bytes + self.bulk.served_bytes,
             "peer_received_bytes": self.servicer.received_bytes + self.bulk.received_bytes,
             "peer_error": next((e for e in errors if e), ""),

@@ -1,1 +1,2 @@
-"""Restore: choose the newest verified copy, fetch it from the bucket if need be, hand it over."""
+"""Restore: one chooser over the tiers (each answers tier.py's interface) takes the
+newest verified step from its fastest holder, and the restorer hands it over."""

@@ -1,8 +1,9 @@
-"""Fetches from the bucket for restores: which steps it holds, a step made local
-again, and other nodes' parts of a step for restores that reshard across nodes.
+"""The bucket as a restore's tier: which steps it holds, a step made local again,
+and other nodes' parts of a step for restores that reshard across nodes.
 
 Every file is checked against its crc32c as it arrives and the copy is
 committed locally (``manifest.json`` last, one rename) before anything reads it.
+The bucket's read protocol itself (markers, manifests, downloads) is read.py.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckptd.core.errors import DataLoss, NotFound, ResourceExhausted
+from ckptd.core.errors import DataLoss, NotFound
 from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from ..catalog import Catalog, Step
 from ..files import read_small
 from ..io import IoPool
-from ..local.staging import Lease, Staging
+from ..local.lease import Handed, Lease, Want
+from ..local.prestaged import Prestaged
 from ..local.store import LocalStore
-from ..remote import fetch
-from ..remote.base import Remote
-from ..remote.index import NodeIndex
-from ..remote.ranged import Populate
+from . import read
+from .base import Remote
+from .index import NodeIndex
+from .ranged import Populate
 
 log = logging.getLogger("ckptd.restore")
 
@@ -33,29 +35,30 @@ OTHER_STEPS = 3
 """How many of a job's newest steps a node with none of its own learns from the others."""
 
 
-class Fetcher:
+class BucketSource:
     """Bucket-to-local transfers for restores (``remote`` None: nothing to fetch from)."""
+
+    name = "remote"
 
     def __init__(
         self,
         catalog: Catalog,
         store: LocalStore,
-        staging: Staging,
+        memory: Prestaged,
         io: IoPool,
         remote: Remote | None,
         index: NodeIndex | None,
     ) -> None:
         self.catalog = catalog
         self.store = store
-        self.staging = staging
+        self.memory = memory
+        """Where a download's other ranks wait for their restores (the memory tier)."""
         self.io = io
         self.remote = remote
         self.index = index
         self._asked_others: set[str] = set()
         """Jobs whose newest steps were learnt from other nodes' markers in this life."""
         self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
-        self._prefetched: dict[tuple[str, int, int], Lease] = {}
-        """Verified restore leases of other ranks, filled by a fetch from the bucket."""
         self.in_flight_bytes = 0
         """Bytes of the bucket fetches under way (``ckptd status``: restore progress)."""
         self.in_flight_done = 0
@@ -104,7 +107,7 @@ class Fetcher:
             )
         if not entries and job not in self._asked_others:
             self._asked_others.add(job)
-            for n, found in (await fetch.newest_steps(self.remote, job, OTHER_STEPS)).items():
+            for n, found in (await read.newest_steps(self.remote, job, OTHER_STEPS)).items():
                 self.catalog.discovered(
                     job,
                     n,
@@ -116,7 +119,7 @@ class Fetcher:
                 )
         if step is not None and self.catalog.get(job, step) is None:
             for adopted in (False, True):
-                nodes = await fetch.step_nodes(self.remote, job, step, adopted)
+                nodes = await read.step_nodes(self.remote, job, step, adopted)
                 if nodes:
                     self.catalog.discovered(job, step, nodes, adopted, timeline=None)
                     break
@@ -140,33 +143,30 @@ class Fetcher:
         """Every node whose part of ``st`` is complete in the bucket (its markers, listed:
         needed only to restore ranks this node's part does not hold)."""
         assert self.remote is not None
-        nodes = await fetch.step_nodes(self.remote, st.job, st.step, st.adopted)
+        nodes = await read.step_nodes(self.remote, st.job, st.step, st.adopted)
         if nodes:
             self.catalog.discovered(st.job, st.step, nodes, st.adopted, timeline=None)
         return set(self.catalog.require(st.job, st.step).remote_nodes)
 
-    def keep_prefetched(self, job: str, step: int, rank: int, lease: Lease) -> None:
-        """Keep a verified restore lease holding ``rank``'s whole file of ``step`` (a
-        pre-staging from a peer) for that rank's restore; it expires unclaimed like
-        any lease a client never used."""
-        old = self._prefetched.pop((job, step, rank), None)
-        if old is not None:
-            self.staging.release(old.lease_id)
-        self._prefetched[(job, step, rank)] = lease
+    async def holds(self, job: str, step: int | None) -> list[tuple[bool, int, int]]:
+        """The steps of ``job`` with a complete copy in the bucket that is not known to
+        be corrupt, newest first (learnt first: :meth:`refresh_quietly`)."""
+        if self.remote is None:
+            return []
+        await self.refresh_quietly(job, step)
+        return [
+            s.order
+            for s in self.catalog.list(job)
+            if s.in_remote and not s.unusable and (step is None or s.step == step)
+        ]
 
-    async def prestage_lease(self, job: str, size: int) -> Lease | None:
-        """A segment to pre-stage a file of ``size`` bytes into, if the budget allows
-        it and a save of the same size after it (None: the file stays on disk only)."""
-        return await self._restore_lease(job, size)
-
-    def release(self, lease: Lease) -> None:
-        """Give back a lease that was not filled (a failed pre-staging)."""
-        self.staging.release(lease.lease_id)
-
-    def take_prefetched(self, job: str, step: int, rank: int) -> Lease | None:
-        """The verified lease a fetch filled for ``rank``, if it is still granted."""
-        lease = self._prefetched.pop((job, step, rank), None)
-        return lease if lease is not None and self.staging.holds(lease) else None
+    async def bring(self, job: str, step: int, want: Want) -> Handed | None:
+        """:meth:`to_local` for a step the bucket holds; NotFound for one it does not."""
+        st = self.catalog.get(job, step)
+        if self.remote is None or st is None or not (st.in_remote or st.local):
+            raise NotFound(f"the bucket holds no copy of {job}/{step}")
+        lease = await self.to_local(st, want.rank, want.shared_memory)
+        return Handed(lease) if lease is not None else None
 
     async def to_local(self, st: Step, rank: int | None, shared_memory: bool) -> Lease | None:
         """Download a remote-only step into the cache dir, verify it, commit it locally.
@@ -209,7 +209,7 @@ class Fetcher:
                 known = {me}
             else:
                 raise NotFound("not this node's part")
-            node, raw, manifest = await fetch.node_manifest(
+            node, raw, manifest = await read.node_manifest(
                 self.remote, st.job, st.step, known, None if st.adopted else rank, me, st.adopted
             )
         except NotFound:  # another node's part holds the rank: ask the step's records
@@ -222,7 +222,7 @@ class Fetcher:
 
         async def memory_for(name: str) -> tuple[memoryview, Populate | None] | None:
             record = by_file[name]
-            got = await self._restore_lease(st.job, record.size) if shared_memory else None
+            got = await self.memory.lease_for(st.job, record.size) if shared_memory else None
             if got is None:
                 return None
             leases[record.rank] = got
@@ -232,7 +232,7 @@ class Fetcher:
         commit = await self.io.run(self.store.begin_step, st.job, st.step, self.io.run, True)
         try:
             with self._counted(manifest.size_bytes) as progress:
-                await fetch.download_files(
+                await read.download_files(
                     self.remote,
                     st.job,
                     st.step,
@@ -248,7 +248,7 @@ class Fetcher:
             await commit.finalize(raw)
         except BaseException:
             for held in leases.values():
-                self.staging.release(held.lease_id)
+                self.memory.release(held)
             await commit.abort()
             raise
         via = "shared memory" if leases else "disk"
@@ -263,7 +263,7 @@ class Fetcher:
         )
         lease = leases.pop(rank, None) if rank is not None else None
         for other, held in leases.items():
-            self._prefetched[(st.job, st.step, other)] = held
+            self.memory.keep(st.job, st.step, other, held)
         return lease
 
     async def _holder_manifest(
@@ -274,23 +274,23 @@ class Fetcher:
         node not ``tried`` already, in turn (a step drained before the ranks records)."""
         assert self.remote is not None
         if st.adopted:  # one tree, every node's copy whole: any complete node
-            return await fetch.node_manifest(
+            return await read.node_manifest(
                 self.remote, st.job, st.step, await self.other_nodes(st), None, "", True
             )
-        holders, complete = await fetch.rank_holders(self.remote, st.job, st.step, rank)
+        holders, complete = await read.rank_holders(self.remote, st.job, st.step, rank)
         if complete:
             self.catalog.discovered(st.job, st.step, complete, False, timeline=None)
         for node in holders:
             # Its part evicted since the listing, or not holding the rank after all.
             with contextlib.suppress(NotFound, FileNotFoundError):
-                return await fetch.node_manifest(
+                return await read.node_manifest(
                     self.remote, st.job, st.step, {node}, rank, node, False
                 )
         rest = set(self.catalog.require(st.job, st.step).remote_nodes) - {*holders, *tried}
         me = self.catalog.node_id
-        return await fetch.node_manifest(self.remote, st.job, st.step, rest, rank, me, False)
+        return await read.node_manifest(self.remote, st.job, st.step, rest, rank, me, False)
 
-    async def peers(self, job: str, step: int) -> list[tuple[str, Path, str]]:
+    async def other_parts(self, job: str, step: int) -> list[tuple[str, Path, str]]:
         """Other nodes' parts of ``step``, downloaded and verified once into
         ``<root>/.peers``: ``(node, directory, manifest json)`` each."""
         if self.remote is None:
@@ -313,13 +313,13 @@ class Fetcher:
         assert self.remote is not None
         # Only a part of the same save: a node that has not yet replaced its copy of an
         # earlier timeline's step under this number still has that one's.
-        _, raw, manifest = await fetch.node_manifest(
+        _, raw, manifest = await read.node_manifest(
             self.remote, st.job, st.step, {node}, None, node, st.adopted, st.timeline
         )
         commit = await self.io.run(self.store.begin_peer, st.job, st.step, node, self.io.run)
         try:
             with self._counted(manifest.size_bytes) as progress:
-                await fetch.download_files(
+                await read.download_files(
                     self.remote, st.job, st.step, node, manifest, commit.path, progress
                 )
             await commit.finalize(raw)
@@ -328,19 +328,3 @@ class Fetcher:
             raise
         self.catalog.peers_fetched(st, node)
         log.info("%s/%d: fetched node %s's part from %s", st.job, st.step, node, self.remote.url)
-
-    async def _restore_lease(self, job: str, size: int) -> Lease | None:
-        """A segment to download into: a free one, else a new one if the budget has room
-        for it and for a save of the same size after it (the client may keep it)."""
-        lease = self.staging.take_free(job, round_up(size))
-        budget = self.staging.budget_bytes
-        if lease is None and self.staging.allocated_bytes + 2 * round_up(size) <= budget:
-            try:
-                # Its pages are allocated as the parts arrive, so the first parts need
-                # not wait for the whole segment (fresh memory is slow on these VMs).
-                lease = await self.staging.acquire(
-                    job, round_up(size), restore=True, populate=False
-                )
-            except ResourceExhausted:
-                return None
-        return lease

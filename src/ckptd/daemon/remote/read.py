@@ -1,7 +1,8 @@
 """Reading checkpoints back from the remote tier: markers, manifests, verified downloads.
 
-Used by restore (bucket -> ``<root>/.cache`` -> committed locally), by fetches of
-other nodes' parts, and by ``ckptd pull`` (bucket -> any directory).
+Used by the bucket source for restores (source.py: bucket -> ``<root>/.cache`` ->
+committed locally, and other nodes' parts), and by ``ckptd pull`` (bucket -> any
+directory).
 """
 
 from __future__ import annotations
