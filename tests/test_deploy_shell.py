@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from ckptd.core.wire import DEFAULT_SOCKET
 from ckptd.daemon.app import config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,7 +235,7 @@ def test_the_image_and_the_unit_leave_settings_to_the_config_file() -> None:
     overriding = sorted(n for n in set_names if n[len("CKPTD_") :].lower() in keys)
     assert not overriding, f"settings that override the config file: {overriding}"
     (volume,) = re.findall(r"^VOLUME\s+(.*)$", dockerfile, re.MULTILINE)
-    socket_dir = str(Path(config.DEFAULT_SOCKET).parent)
+    socket_dir = str(Path(DEFAULT_SOCKET).parent)
     assert set(yaml.safe_load(volume)) == {config.DEFAULT_ROOT, socket_dir}
     (state,) = re.findall(r"^StateDirectory=(\S+)$", unit, re.MULTILINE)
     (runtime,) = re.findall(r"^RuntimeDirectory=(\S+)$", unit, re.MULTILINE)
