@@ -74,17 +74,17 @@ print(json.dumps({
 """
 
 
-def readme_example() -> str:
+def guide_example() -> str:
     """The code block after the ``torch-example`` marker in the PyTorch guide."""
     text = (REPO / "docs/guides/pytorch.md").read_text()
     return text.split("<!-- torch-example -->\n```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
+def test_guide_torch_example_killed_after_async_save_resumes_bit_identical(
     make_daemon: Any, tmp_path: Path
 ) -> None:
     script = tmp_path / "example.py"
-    script.write_text(PRELUDE + readme_example() + EPILOGUE)
+    script.write_text(PRELUDE + guide_example() + EPILOGUE)
 
     def run(d: Daemon, steps: int, kill_at: int = 0) -> tuple[int, list[dict[str, Any]]]:
         env = {
@@ -138,10 +138,10 @@ def test_readme_torch_example_killed_after_async_save_resumes_bit_identical(
 def _jax_example_beside(d: Daemon, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """The JAX guide's example run on the same daemon first: each example has its own
     job, so running one after the other works as printed."""
-    from . import test_readme_jax
+    from . import test_guide_jax
 
     script = tmp_path / "jax_example.py"
-    script.write_text(test_readme_jax.PRELUDE + test_readme_jax.readme_example())
+    script.write_text(test_guide_jax.PRELUDE + test_guide_jax.guide_example())
     env = {**os.environ, "CKPTD_SOCKET": str(d.socket), "NUM_STEPS": "3"}
     return subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240

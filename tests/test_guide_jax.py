@@ -44,15 +44,15 @@ print(json.dumps({
 """
 
 
-def readme_example() -> str:
+def guide_example() -> str:
     """The code block after the ``jax-example`` marker in the JAX guide."""
     text = (REPO / "docs/guides/jax.md").read_text()
     return text.split("<!-- jax-example -->\n```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_jax_example_resumes_bit_identical(make_daemon: Any, tmp_path: Path) -> None:
+def test_guide_jax_example_resumes_bit_identical(make_daemon: Any, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
-    script.write_text(PRELUDE + readme_example() + EPILOGUE)
+    script.write_text(PRELUDE + guide_example() + EPILOGUE)
 
     def run(d: Daemon, steps: int) -> dict[str, Any]:
         env = {**os.environ, "CKPTD_SOCKET": str(d.socket), "NUM_STEPS": str(steps)}
