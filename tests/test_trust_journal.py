@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ckptd.core import checksum
-from ckptd.daemon.app.compose import _parse_record
+from ckptd.daemon.app.startup import parse_record
 from ckptd.daemon.local.journal import JOURNAL, Entry, Journal
 from ckptd.daemon.local.journal_format import MARKER, frame, scan
 from ckptd.proto import ckptd_pb2 as pb
@@ -46,7 +46,7 @@ def written(root: Path, saves: list[tuple[str, str, str, int]] = SAVES) -> bytes
 def load(root: Path, data: bytes) -> tuple[list[Entry], Journal]:
     (root / JOURNAL).write_bytes(data)
     journal = Journal(root)
-    entries = journal.load(_parse_record)
+    entries = journal.load(parse_record)
     journal.close()
     return entries, journal
 

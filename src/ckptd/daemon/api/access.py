@@ -42,6 +42,7 @@ from ..files import write_synced
 from ..local.staging import Staging
 from . import owners as records
 from .liveness import LiveJobs
+from .options import Sharing
 from .owners import OWNERS_DIR, UNASSIGNED
 from .sessions import Peer
 
@@ -58,17 +59,16 @@ class Access:
         self,
         root: Path,
         staging: Staging,
-        allow_uids: tuple[int, ...] = (),
-        allow_gids: tuple[int, ...] = (),
-        shared_jobs: tuple[str, ...] = (),
+        sharing: Sharing | None = None,
         owners: dict[str, int] | None = None,
     ) -> None:
         self.root = root
         self.staging = staging
         self.operators = frozenset({0, os.geteuid()})
-        self.allow_uids = frozenset(allow_uids)
-        self.allow_gids = frozenset(allow_gids)
-        self.shared_jobs = shared_jobs
+        sharing = Sharing() if sharing is None else sharing  # None: the owner only
+        self.allow_uids = frozenset(sharing.allow_uids)
+        self.allow_gids = frozenset(sharing.allow_gids)
+        self.shared_jobs = sharing.shared_jobs
         self.owners: dict[str, int] = {} if owners is None else owners
         """Each job's owner uid. Filled in place (never replaced): the composition root
         hands the same table to staging, which reuses a job's segments only for it."""

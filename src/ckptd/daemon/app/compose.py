@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable
 
-from ckptd.core.errors import FailedPrecondition
 from ckptd.core.redact import redact
 from ckptd.proto import PROTOCOL_VERSION
 from ckptd.proto import ckptd_pb2 as pb
@@ -21,25 +20,20 @@ from ckptd.proto import ckptd_pb2 as pb
 from .. import __version__
 from ..adopt.adopter import Adopter
 from ..api.access import Access
-from ..api.requests import parse_commit
 from ..api.servicer import Services
 from ..catalog import Catalog
 from ..io import IoPool, set_nice
 from ..lifecycle.drain import Drain
 from ..lifecycle.evictor import Evictor
-from ..lifecycle.pins import Pins, load_pins
+from ..lifecycle.pins import Pins
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
 from ..local.journal import Journal
-from ..local.pending import CommitRequest
 from ..local.prestaged import Prestaged
 from ..local.saver import Saver
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
-from ..remote.backends import open_remote
-from ..remote.base import Remote
 from ..remote.claim import NodeClaim, root_id
 from ..remote.index import NodeIndex
-from ..remote.options import RemoteOptions
 from ..remote.source import BucketSource
 from ..restore.chooser import Chooser
 from ..restore.local_source import LocalSource
@@ -50,13 +44,10 @@ from .config import Config
 from .metrics import Metrics, Sources, job_labels_shown
 from .options import Options
 from .peer_parts import build_peer_tier
+from .startup import check_remote, open_remote_tier, recover, remote_error
 from .supervisor import Supervisor
 
 log = logging.getLogger("ckptd.server")
-
-
-class StartupError(FailedPrecondition):
-    """The daemon cannot start; the message says why and what to do."""
 
 
 class Daemon:
@@ -71,8 +62,8 @@ class Daemon:
         """Build every service, wired, in one phase: nothing here serves, starts a loop
         or is assigned onto a service later, so :meth:`status` and the metrics answer
         from the first request, while :meth:`start` still recovers."""
-        cfg = self.config = config
-        opts = Options.of(cfg)
+        self.config = config
+        opts = Options.of(config)
         local, lifecycle = opts.local, opts.lifecycle
         self.started_at = time.time()
         self.supervisor = Supervisor(on_fatal)
@@ -92,9 +83,7 @@ class Daemon:
             uid_of=owners.get,
             share_per_uid=local.staging_share_per_uid,
         )
-        self.access = Access(
-            local.root, self.staging, cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs, owners
-        )
+        self.access = Access(local.root, self.staging, opts.api.sharing, owners)
         self.journal = Journal(local.root)
         self.saver = Saver(
             self.catalog,
@@ -107,7 +96,7 @@ class Daemon:
             local.step_timeout_seconds,
         )
         self.disk = DiskSpace(local.root, local.low_watermark, local.floor, measure_space)
-        self.remote = _remote(opts.remote)
+        self.remote = open_remote_tier(opts.remote)
         self.retention = Retention(
             self.catalog,
             lifecycle.retention_local,
@@ -211,9 +200,9 @@ class Daemon:
                 self._ready,
                 self.access.live.jobs,
                 lambda: job_labels_shown(
-                    cfg.metrics_job_labels,
+                    opts.metrics.job_labels,
                     {*self.access.owners.values(), *self.access.live.uids()},
-                    bool(cfg.allow_uids or cfg.allow_gids or cfg.shared_jobs),
+                    opts.api.sharing.any,
                 ),
             )
         )
@@ -241,40 +230,17 @@ class Daemon:
     async def start(self) -> None:
         """Recover the local tier and replay the journal, check the remote tier, claim
         the node name, then start every loop (the services exist since construction)."""
-        cfg = self.config
-        recovery = await self.io.run(self.store.recover)
-        await self.io.run(self.access.load)
-        try:
-            handoffs = await self.io.run(self.journal.load, _parse_record)
-        except OSError as exc:
-            raise StartupError(f"cannot open the journal {self.journal.path}: {exc}") from None
-        pins = await self.io.run(load_pins, cfg.root)
-        try:  # the daemon's own segment directory, before the replay looks into it
-            await self.io.run(self.staging.open)
-        except (FailedPrecondition, OSError) as exc:
-            raise StartupError(f"cannot use {self.staging.dir} for shared memory: {exc}") from None
-        for m in recovery.manifests:
-            self.catalog.recovered(m, pinned=(m.job, m.step) in pins)
-        # Acknowledged handoffs the last daemon had not made LOCAL: finish them now,
-        # before any client can ask about them.
-        replayed = await self.saver.replay(handoffs, _parse_record)
-        if handoffs:
-            log.warning(
-                "journal: %d acknowledged handoffs were not LOCAL at the last exit; "
-                "%d are being written now",
-                len(handoffs),
-                replayed,
-            )
-        removed_segments = self.staging.remove_leftovers()
-        for line in recovery.skipped:
-            log.warning("ignoring step directory that is not a ckptd commit: %s", line)
-        log.info(
-            "recovered %d committed steps; removed %d staging leftovers and %d stale segments",
-            len(recovery.manifests),
-            recovery.removed_staging,
-            removed_segments,
+        await recover(
+            self.config.root,
+            self.catalog,
+            self.store,
+            self.staging,
+            self.journal,
+            self.saver,
+            self.access,
+            self.io,
         )
-        await self._check_remote()
+        await check_remote(self.remote, self.config.remote)
         await self.adopter.load()
         if self.claim is not None:  # before the drain; its loop renews it (or tries again)
             await self.claim.try_acquire(30)
@@ -287,9 +253,7 @@ class Daemon:
                 try:
                     await asyncio.wait_for(self.drain.resume(), 120)
                 except Exception as exc:
-                    raise StartupError(
-                        redact(f"cannot use remote {self.config.remote}: {_reason(exc)}")
-                    ) from None
+                    raise remote_error(self.config.remote, exc) from None
             self.supervisor.service("drain", self.drain.run)
         self.evictor.kick()  # apply the retention to what recovery found
         self.supervisor.service("evictor", self.evictor.run)
@@ -297,20 +261,6 @@ class Daemon:
         if self.peer is not None:
             await self.peer.start(self.supervisor.service, self.supervisor.spawn)
         self.started = True
-
-    async def _check_remote(self) -> None:
-        """Check the remote tier: one clear error at start-up, not a stack of retries."""
-        cfg = self.config
-        if self.remote is None:
-            log.warning(
-                "no remote tier configured: checkpoints live only on this node's disk "
-                'and die with it (set remote = "s3://..." or "gs://...")'
-            )
-            return
-        try:
-            await asyncio.wait_for(self.remote.check(), 30)
-        except Exception as exc:
-            raise StartupError(redact(f"cannot use remote {cfg.remote}: {_reason(exc)}")) from None
 
     def services(self) -> Services:
         """What the wire API calls."""
@@ -407,26 +357,3 @@ class Daemon:
             fetch_done_bytes=self.bucket.in_flight_done,
             **(self.peer.status() if self.peer is not None else {}),
         )
-
-
-def _remote(options: RemoteOptions) -> Remote | None:
-    """The remote tier's backend (checked at start-up), or None without one."""
-    if not options.url:
-        return None
-    try:
-        return open_remote(
-            options.url, options.endpoint_url, options.part_size_bytes, options.concurrency
-        )
-    except Exception as exc:
-        raise StartupError(redact(f"cannot use remote {options.url}: {_reason(exc)}")) from None
-
-
-def _parse_record(body: bytes) -> CommitRequest:
-    """A journaled ``CommitShards`` request, validated again as if it had just arrived."""
-    return parse_commit(pb.CommitShardsRequest.FromString(body))
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "no answer within the time allowed (check the endpoint and the network)"
-    return str(exc) or type(exc).__name__

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..api.options import ApiOptions, Sharing
 from ..lifecycle.options import LifecycleOptions
 from ..local.options import LocalOptions
 from ..peer.options import PeerOptions, PeerTlsFiles
 from ..remote.options import RemoteOptions
 from .config_fields import Config
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    """What the HTTP endpoints (/metrics, /healthz, /readyz) are configured with."""
+
+    address: str
+    """``metrics_address``: HOST:PORT to serve them on, or ``off``."""
+    job_labels: str
+    """``metrics_job_labels``: ``auto``, ``on`` or ``off`` (metrics.py)."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,8 @@ class Options:
     remote: RemoteOptions
     peer: PeerOptions
     lifecycle: LifecycleOptions
+    api: ApiOptions
+    metrics: MetricsOptions
 
     @classmethod
     def of(cls, cfg: Config) -> Options:
@@ -81,4 +94,11 @@ class Options:
                 adopt_poll_seconds=cfg.adopt_poll_seconds,
                 adopt_dirs=cfg.adopt_dirs,
             ),
+            api=ApiOptions(
+                socket_group=int(cfg.socket_group) if cfg.socket_group else -1,
+                sharing=Sharing(cfg.allow_uids, cfg.allow_gids, cfg.shared_jobs),
+                sessions_per_uid=cfg.sessions_per_uid,
+                session_idle_seconds=cfg.lease_timeout_seconds,
+            ),
+            metrics=MetricsOptions(address=cfg.metrics_address, job_labels=cfg.metrics_job_labels),
         )

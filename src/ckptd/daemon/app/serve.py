@@ -31,10 +31,12 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from .. import __version__
 from ..api.servicer import Servicer
 from ..api.sessions import SessionServer
-from .compose import Daemon, StartupError
+from .compose import Daemon
 from .config import DEFAULT_METRICS_ADDRESS, Config
 from .http import HealthServer, parse_address
 from .notify import notify
+from .options import MetricsOptions, Options
+from .startup import StartupError
 
 log = logging.getLogger("ckptd.server")
 
@@ -114,24 +116,24 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-async def _start_http(config: Config, daemon: Daemon) -> HealthServer | None:
-    """Serve /metrics, /healthz and /readyz where configured (see Config.metrics_address)."""
-    address = parse_address(config.metrics_address)
+async def _start_http(options: MetricsOptions, daemon: Daemon) -> HealthServer | None:
+    """Serve /metrics, /healthz and /readyz where configured (``metrics_address``)."""
+    address = parse_address(options.address)
     if address is None:
         return None
     http = HealthServer(daemon.metrics.exposition, daemon.unhealthy)
     try:
         await http.start(*address)
     except OSError as exc:
-        if config.metrics_address != DEFAULT_METRICS_ADDRESS:
+        if options.address != DEFAULT_METRICS_ADDRESS:
             raise StartupError(
-                f"cannot serve metrics on {config.metrics_address}: {exc.strerror}; set "
+                f"cannot serve metrics on {options.address}: {exc.strerror}; set "
                 "metrics_address to a free HOST:PORT (port 0: any free port) or off"
             ) from None
         log.warning(
             "metrics and health endpoints are off: %s is taken (%s), probably by another "
             "ckptd on this host; give each daemon its own metrics_address",
-            config.metrics_address,
+            options.address,
             exc.strerror,
         )
         return None
@@ -147,7 +149,9 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     kept crashing (after finishing the saves it had acknowledged).
     """
     _raise_fd_limit()
-    group = int(config.socket_group) if config.socket_group else -1
+    options = Options.of(config)
+    api = options.api
+    group = api.socket_group
     _check_writable(config.root, "root")
     _check_writable(config.socket.parent, "socket")
     try:
@@ -175,13 +179,13 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         {"lease": access.open_lease, "file": access.open_file},
         access.forget,
         on_process_gone=access.process_gone,
-        idle_seconds=config.lease_timeout_seconds,
-        per_uid=config.sessions_per_uid,
+        idle_seconds=api.session_idle_seconds,
+        per_uid=api.sessions_per_uid,
         exempt=access.operators,
     )
     servicer = Servicer(daemon.services(), sessions)
     # Probes answer from the start: healthy (the loop runs), not ready while recovering.
-    http = await _start_http(config, daemon)
+    http = await _start_http(options.metrics, daemon)
     await daemon.start()
     # The lock proves no live daemon owns the socket: a file there is stale.
     config.socket.unlink(missing_ok=True)
