@@ -61,8 +61,6 @@ class Planner:
     def __init__(self, save_replicas: Replicas = False) -> None:
         self.save_replicas = save_replicas
         self._last: SavePlan | None = None
-        self.reused = 0
-        """Saves planned from the last plan (for tests and benchmarks)."""
 
     def plan(self, tree: Any) -> tuple[SavePlan, Arrays]:
         """The plan of saving ``tree``, and its arrays."""
@@ -97,7 +95,6 @@ class Planner:
                 values_json,
                 last.tree_json if same else _json(spec),
             )
-            self.reused += 1
         else:
             entries = plan_layout(layout)
             dtypes = {k: dtype_to_str(dt) for k, dt, _ in layout}
