@@ -19,6 +19,8 @@ from ckptd.core.session import Session
 from ckptd.daemon.api import owners
 from ckptd.daemon.api.access import Access
 from ckptd.daemon.api.sessions import Peer, SessionServer
+from ckptd.daemon.app.config import Config
+from ckptd.daemon.app.options import Options
 from ckptd.daemon.local.liveness import process_start, wait_gone
 from ckptd.daemon.local.staging import Staging
 
@@ -65,6 +67,30 @@ def test_a_job_is_reserved_while_its_first_call_runs(tmp_path: Path) -> None:
     assert acc.owner_of("j") == USER  # the second call still runs
     second.__exit__(None, None, None)
     assert (acc.root / ".owners" / "j").read_text() == str(USER)
+
+
+def test_the_sharing_keys_reach_access_through_the_api_options(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    config = Config(
+        root=root,
+        socket=tmp_path / "s.sock",
+        allow_gids=(OTHER,),
+        shared_jobs=("team-*",),
+        sessions_per_uid=3,
+    )
+    api = Options.of(config).api
+    assert (api.socket_group, api.sessions_per_uid) == (-1, 3)  # no socket_group: none
+    assert api.sharing.any and not Options.of(Config(root=root)).api.sharing.any
+    acc = Access(root, Staging("ckptd-test-", 8 * 2**20, 10.0, shm_dir=tmp_path), api.sharing)
+    acc.load()
+    for job in ("mine", "team-a"):
+        with acc.claiming(peer(USER), job):
+            pass
+    acc.check_job(peer(OTHER), "mine")  # a member of an allowed group: every job
+    acc.check_job(peer(OTHER + 1), "team-a")  # a shared job: anyone
+    with pytest.raises(PermissionDenied, match="belongs to uid"):
+        acc.check_job(peer(OTHER + 1), "mine")
 
 
 def test_a_root_without_records_gets_owners_from_its_files(tmp_path: Path) -> None:
