@@ -311,6 +311,7 @@ class PeerSource:
         node's) from the peers holding ``replica``, check it, commit it."""
         t0 = time.monotonic()
         manifest = replica.manifest
+        peers = replica.peers
         me = self.catalog.node_id
         mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
@@ -320,14 +321,9 @@ class PeerSource:
             # Each file from its own first holder (files spread over the holders).
             givers = await asyncio.gather(
                 *(
-                    self.reader.file(
-                        commit.path,
-                        manifest,
-                        record,
-                        replica.peers[i % n :] + replica.peers[: i % n],
-                    )
+                    self.reader.file(commit.path, manifest, record, peers[i % n :] + peers[: i % n])
                     for i, record in enumerate(manifest.ranks)
-                    for n in (len(replica.peers),)
+                    for n in (len(peers),)
                 )
             )
             await commit.finalize(replica.text.encode())
