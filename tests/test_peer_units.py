@@ -308,11 +308,11 @@ def test_a_restore_while_another_takes_the_job_back_from_peers_waits_for_it() ->
     async def replicas(job: str = "", source: str | None = None) -> Any:
         return {("j", 4): [(peer, _manifest(4, FILES, node="n"))], ("j", 5): [(peer, "{")]}
 
-    async def fetch(job: str, step: int, holders: Any, rank: int | None = None) -> None:
+    async def fetch(job: str, step: int, replica: Any, rank: int | None = None) -> None:
         fetched.append(step)
         fetching.set()
         await done.wait()
-        catalog.peer_fetched(Manifest.from_json(holders[0][1]), "b")
+        catalog.peer_fetched(replica.manifest, "b")
 
     source.replicas = replicas  # type: ignore[method-assign]
     source.fetch = fetch  # type: ignore[method-assign]
@@ -331,3 +331,38 @@ def test_a_restore_while_another_takes_the_job_back_from_peers_waits_for_it() ->
         source.close()
     assert answers == [[(True, 0, 4)], [(True, 0, 4)], None, None, []]
     assert fetched == [4] and catalog.require("j", 4).local
+
+
+def test_only_a_replica_whose_manifest_parses_is_a_step_of_the_peers() -> None:
+    """A node that lost its disk lists its replicas: one whose manifest is JSON but no
+    manifest ckptd can read (a newer format, say) is no step of the peers' (the
+    chooser goes to the bucket for it, not to a fetch that must fail), and a step
+    whose first holder's copy is bad is taken from the holder whose copy is sound."""
+    from ckptd.daemon.catalog import Catalog
+
+    catalog = Catalog("n")
+    source = PeerSource(catalog, None, None, SimpleNamespace())  # type: ignore[arg-type]
+    b, c = Peer("b", "10.0.0.2:7000"), Peer("c", "10.0.0.3:7000")
+    unreadable = _manifest(6, FILES, node="n").replace('"format_version":2', '"format_version":99')
+    sound = _manifest(5, FILES, node="n")
+    taken: list[Any] = []
+
+    async def replicas(job: str = "", source: str | None = None) -> Any:
+        return {("j", 6): [(b, unreadable)], ("j", 5): [(b, "{"), (c, sound)]}
+
+    async def fetch(job: str, step: int, replica: Any, rank: int | None = None) -> None:
+        taken.append((step, replica.text, replica.peers))
+        catalog.peer_fetched(replica.manifest, "c")
+
+    source.replicas = replicas  # type: ignore[method-assign]
+    source.fetch = fetch  # type: ignore[method-assign]
+
+    async def run() -> None:
+        assert await source.holds("j", None) == [(True, 0, 5)]
+        assert await source.bring("j", 5, Want(0)) is None
+
+    try:
+        asyncio.run(run())
+    finally:
+        source.close()
+    assert taken == [(5, sound, [c])]

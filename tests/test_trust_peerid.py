@@ -271,13 +271,13 @@ def test_a_replacement_takes_only_a_part_the_bucket_names_for_the_rank() -> None
     forged = _manifest(5, {"rank-00000.safetensors": DATA[::-1]}, job="job", node="node-c")
     b, c = Peer("node-b", "10.0.0.2:7000"), Peer("node-c", "10.0.0.3:7000")
     fetcher = PeerSource(SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace())  # type: ignore[arg-type]
-    taken: list[list[tuple[Peer, str]]] = []
+    taken: list[Any] = []
 
     async def replicas(job: str = "", source: str | None = None) -> Any:
         return {("job", 5): [(b, real), (b, forged), (c, forged)]}
 
-    async def fetch(job: str, step: int, holders: list[tuple[Peer, str]], rank: int) -> None:
-        taken.append(holders)
+    async def fetch(job: str, step: int, replica: Any, rank: int) -> None:
+        taken.append(replica)
 
     fetcher.replicas = replicas  # type: ignore[method-assign]
     fetcher.fetch = fetch  # type: ignore[method-assign]
@@ -286,4 +286,4 @@ def test_a_replacement_takes_only_a_part_the_bucket_names_for_the_rank() -> None
         assert asyncio.run(fetcher.ensure_part(st, 0))
     finally:
         fetcher.close()
-    assert taken == [[(b, real)]]
+    assert [(r.text, r.peers) for r in taken] == [(real, [b])]

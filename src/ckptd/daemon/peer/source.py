@@ -14,9 +14,9 @@ copy. When no peer can give it, the chooser goes on to the bucket.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +39,7 @@ ASK_AGAIN_SECONDS = 30.0
 """A job none of whose steps is local asks the peers at most this often."""
 
 Holders = list[tuple[Peer, str]]
-"""The peers holding one replica, each with its manifest (JSON)."""
+"""The peers holding one replica, each with its manifest (JSON), as they list it."""
 Order = tuple[bool, int, int]
 """A step's place in its job's history: ``Step.order`` (catalog/step.py)."""
 
@@ -52,13 +52,15 @@ class PrestageMemory(Protocol):
     def release(self, lease: Lease) -> None: ...
 
 
-def _timeline(raw: str) -> int | None:
-    """The timeline a replica's manifest names (None: it is not a manifest)."""
-    try:
-        said = json.loads(raw)
-        return int(said.get("timeline", 0)) if isinstance(said, dict) else None
-    except (ValueError, TypeError):
-        return None
+@dataclass(frozen=True)
+class Replica:
+    """One replica of a step as the peers list it: its manifest, parsed once, and
+    the peers holding that very text."""
+
+    manifest: Manifest
+    text: str
+    """The manifest as the peers gave it: the commit writes it as it came."""
+    peers: list[Peer]
 
 
 STAGE_CHUNK = 8 * 2**20
@@ -99,7 +101,7 @@ class PeerSource:
         self.reader = ReplicaReader(io, peers)
         self._locks: dict[str, asyncio.Lock] = {}
         self._asked: dict[str, float] = {}
-        self._own: dict[tuple[str, int], tuple[Order, Holders]] = {}
+        self._own: dict[tuple[str, int], Replica] = {}
         """This node's replicas, with their holders, as the last listing of their job
         found them."""
         self.last_seconds = 0.0
@@ -145,6 +147,30 @@ class PeerSource:
             found.setdefault((r.job, r.step), []).append((peer, r.manifest_json))
         return found
 
+    async def _listing(
+        self, job: str, source: str | None = None
+    ) -> dict[tuple[str, int], list[Replica]]:
+        """:meth:`replicas`, each manifest parsed once: per step, its distinct
+        replicas in the order the peers named them, each with every peer holding
+        it. A replica whose manifest does not parse is none (logged)."""
+        found: dict[tuple[str, int], list[Replica]] = {}
+        bad: set[str] = set()
+        for (j, n), held in (await self.replicas(job, source)).items():
+            same: dict[str, Replica] = {}
+            for peer, text in held:
+                if text in same:
+                    same[text].peers.append(peer)
+                elif text not in bad:
+                    try:
+                        same[text] = Replica(Manifest.from_json(text), text, [peer])
+                    except (ManifestInvalid, ValueError) as exc:
+                        bad.add(text)
+                        log.warning("%s/%d: the replica held by %s is not taken (%s)",
+                                    j, n, peer.node, exc)  # fmt: skip
+            if same:
+                found[(j, n)] = list(same.values())
+        return found
+
     async def holds(self, job: str, step: int | None) -> list[Order]:
         """This node's steps of ``job`` (only ``step``, when given) the peers hold a
         replica of, newest first. Nothing while the local tier holds the step (or,
@@ -168,16 +194,15 @@ class PeerSource:
         if step is not None or since >= ASK_AGAIN_SECONDS:
             self._asked[job] = time.monotonic()
             try:
-                listed = await self.replicas(job)
+                listed = await self._listing(job)
             except Exception as exc:
                 log.warning("%s: no restore from peers (%s); the bucket is next", job, exc)
                 return []
             self._own = {k: v for k, v in self._own.items() if k[0] != job}
-            for (j, n), held in listed.items():
-                timeline = _timeline(held[0][1])
-                if j == job and timeline is not None:  # a replica that does not parse: none
-                    self._own[(job, n)] = ((True, timeline, n), held)
-        found = (order for (j, n), (order, _) in self._own.items() if j == job)
+            for (j, n), (first, *_) in listed.items():
+                if j == job:  # the first one named, as the peers answered
+                    self._own[(job, n)] = first
+        found = ((True, r.manifest.timeline, n) for (j, n), r in self._own.items() if j == job)
         return sorted((o for o in found if step in (None, o[2])), reverse=True)
 
     async def bring(self, job: str, step: int, want: Want) -> Handed | None:
@@ -203,29 +228,28 @@ class PeerSource:
             return True  # fetched meanwhile (the bucket, another restore, the pre-staging)
         if (job, step) not in self._own:
             return False
-        holders = self._own[(job, step)][1]
+        replica = self._own[(job, step)]
         try:
-            self._vouch(job, step, holders)
-            await self.fetch(job, step, holders)
+            self._vouch(job, step, replica)
+            await self.fetch(job, step, replica)
         except Exception as exc:
             del self._own[(job, step)]
             log.warning("%s: no restore from peers (%s); the bucket is next", job, exc)
             return False
         return True
 
-    def _vouch(self, job: str, step: int, holders: Holders) -> None:
+    def _vouch(self, job: str, step: int, replica: Replica) -> None:
         """Log a replica newer than every step of the bucket: nothing here can check
         it was ever committed by this node; its holders took it only from this
         node's authenticated daemon (identity.py), which is what vouches for it.
         Said, so a surprise has a trail."""
-        timeline = _timeline(holders[0][1]) or 0
         in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
-        if not in_bucket or max(in_bucket) < (True, timeline, step):
+        if not in_bucket or max(in_bucket) < (True, replica.manifest.timeline, step):
             log.warning(
                 "%s/%d: the replica held by %s is newer than the bucket's newest (%s); "
                 "taken on the word of its holders, who take a node's replicas only from "
                 "that node (peer_identity)",
-                job, step, ",".join(p.node for p, _ in holders),
+                job, step, ",".join(p.node for p in replica.peers),
                 max(in_bucket)[2] if in_bucket else "none",
             )  # fmt: skip
 
@@ -254,47 +278,44 @@ class PeerSource:
                 return False
             self._asked[key] = time.monotonic()
             try:
-                holders = await self._holding(st, rank)
-                if not holders:
+                replica = await self._holding(st, rank)
+                if replica is None:
                     return False
-                await self.fetch(st.job, st.step, holders, rank)
+                await self.fetch(st.job, st.step, replica, rank)
                 return True
             except Exception as exc:
                 log.warning("%s/%d: no restore from peers (%s); the bucket is next",
                             st.job, st.step, exc)  # fmt: skip
                 return False
 
-    async def _holding(self, st: Step, rank: int) -> Holders:
-        """The peers holding a replica of ``st`` whose part holds ``rank`` (the
-        replicas of the part most of them hold). Only a part of a node the bucket's
-        markers name for the step counts: any node of the job may hold replicas of
-        its own, and one claiming ranks of a step it has no part of in the bucket
-        would otherwise be taken for the missing node's."""
-        found: dict[str, Holders] = {}
-        for holder, raw in (await self.replicas(st.job, source="")).get(st.key, []):
-            try:
-                manifest = Manifest.from_json(raw)
-            except (ManifestInvalid, ValueError):  # a bad replica is no holder
-                continue
+    async def _holding(self, st: Step, rank: int) -> Replica | None:
+        """The replica of ``st`` whose part holds ``rank`` (of such parts, the one most
+        peers hold). Only a part of a node the bucket's markers name for the step
+        counts: any node of the job may hold replicas of its own, and one claiming
+        ranks of a step it has no part of in the bucket would otherwise be taken for
+        the missing node's."""
+        found: list[Replica] = []
+        for replica in (await self._listing(st.job, source="")).get(st.key, []):
+            manifest = replica.manifest
             if manifest.node not in st.remote_nodes:
                 log.warning("%s/%d: %s's replica held by %s is no part the bucket names; "
-                            "not taken", st.job, st.step, manifest.node, holder.node)  # fmt: skip
+                            "not taken", st.job, st.step, manifest.node,
+                            ",".join(p.node for p in replica.peers))  # fmt: skip
                 continue
             if not manifest.adopted and any(r.rank == rank for r in manifest.ranks):
-                found.setdefault(raw, []).append((holder, raw))
-        return max(found.values(), key=len, default=[])
+                found.append(replica)
+        return max(found, key=lambda r: len(r.peers), default=None)
 
-    async def fetch(self, job: str, step: int, holders: Holders, rank: int | None = None) -> None:
+    async def fetch(self, job: str, step: int, replica: Replica, rank: int | None = None) -> None:
         """Download this node's part of ``step`` (``rank``: the part holding it, any
-        node's) from ``holders``, check it, commit it."""
+        node's) from the peers holding ``replica``, check it, commit it."""
         t0 = time.monotonic()
-        raw = holders[0][1]
-        manifest = Manifest.from_json(raw)
+        manifest = replica.manifest
+        peers = replica.peers
         me = self.catalog.node_id
         mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
-        peers = [p for p, text in holders if text == raw]
         commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
         try:
             # Each file from its own first holder (files spread over the holders).
@@ -305,7 +326,7 @@ class PeerSource:
                     for n in (len(peers),)
                 )
             )
-            await commit.finalize(raw.encode())
+            await commit.finalize(replica.text.encode())
         except BaseException:
             await commit.abort()
             raise

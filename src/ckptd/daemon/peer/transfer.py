@@ -16,8 +16,6 @@ import os
 import threading
 from pathlib import Path
 
-import google_crc32c
-
 from ckptd.core import checksum
 from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.manifest import Manifest, RankRecord
@@ -185,7 +183,7 @@ class ReplicaReader:
             if size + len(chunk.data) > record.size:
                 raise DataLoss(f"{record.file} is longer than its {record.size} bytes")
             await self.io.run(place, memoryview(chunk.data), size)
-            crc = google_crc32c.extend(crc, chunk.data)
+            crc = checksum.extend(crc, chunk.data)
             size += len(chunk.data)
             self.fetched_bytes += len(chunk.data)
         return crc, size
