@@ -12,12 +12,9 @@ when a config key or a metric has no documentation.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import re
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,22 +33,11 @@ class Undocumented(Exception):
 
 
 def field_texts(cls: type) -> dict[str, str]:
-    """Each dataclass field's whole docstring (the string literal right after it),
-    whitespace folded; raises :class:`Undocumented` naming every field without one."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    assert isinstance(body, ast.ClassDef)
-    texts: dict[str, str] = {}
-    for node, after in zip(body.body, [*body.body[1:], None], strict=True):
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        doc = ""
-        if (
-            isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            doc = " ".join(after.value.value.split())
-        texts[node.target.id] = doc
+    """Each dataclass field's whole docstring (``config.field_texts``); raises
+    :class:`Undocumented` naming every field without one."""
+    from ckptd.daemon.app.config import field_texts as config_field_texts
+
+    texts = config_field_texts(cls)
     missing = [name for name, doc in texts.items() if not doc]
     if missing:
         raise Undocumented(
@@ -68,28 +54,17 @@ def _markdown(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _default_text(key: str, value: str) -> str:
-    """A default as a reader writes it: sizes in binary units, whole seconds bare."""
-    if key.endswith("_bytes") and value.isdigit() and int(value) > 0:
-        size = int(value)
-        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if size % scale == 0:
-                return f"{size // scale}{unit}"
-    if re.fullmatch(r"-?\d+\.0", value):
-        return value[:-2]
-    return value
-
-
 def configuration_page() -> str:
     """docs/reference/configuration.md: one row per key of ``Config``."""
+    from ckptd.daemon.app.cli_help import default_text
     from ckptd.daemon.app.config import Config, default_values
 
     texts = field_texts(Config)
     defaults = default_values()
     rows = []
     for f in dataclasses.fields(Config):
-        default = _default_text(f.name, defaults[f.name])
-        shown = f"`{default}`" if default and f.name != "node_id" else (default or "(none)")
+        default = default_text(f.name, defaults[f.name])
+        shown = f"`{default}`" if defaults[f.name] and f.name != "node_id" else default
         env = f"CKPTD_{f.name.upper()}"
         flag = "--" + f.name.replace("_", "-")
         rows.append(f"| `{f.name}` | {shown} | `{env}`<br>`{flag}` | {_markdown(texts[f.name])} |")

@@ -103,9 +103,11 @@ def metavar(key: str, kind: object) -> str:
     return "NAME"
 
 
-def _default(key: str, value: str) -> str:
+def default_text(key: str, value: str) -> str:
+    """A key's default as a user would type it (``4GiB``, ``600``; "(none)" when empty),
+    for ``--help`` and the generated configuration reference."""
     if key.endswith("_bytes") and value.isdigit():
-        return human_size(int(value)) + ("/s" if key == "peer_bandwidth_bytes" else "")
+        return human_size(int(value))  # as typed: a per-second key says so in its text
     if value.endswith(".0"):  # 600.0 seconds: typed as 600
         return value[:-2]
     return value or "(none)"
@@ -135,7 +137,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         text = plain(docs.get(key, ""))
         if key.endswith("_bytes"):
             text += " Sizes take units (512MiB, 4GiB) or plain bytes."
-        default = "off" if kinds[key] == "bool" else _default(key, defaults[key])
+        default = "off" if kinds[key] == "bool" else default_text(key, defaults[key])
         text += f" Default: {default}. Config key {key}, env CKPTD_{key.upper()}."
         flag = f"--{key.replace('_', '-')}"
         text = text.replace("%", "%%")  # argparse formats help with %: "10%" is doubled

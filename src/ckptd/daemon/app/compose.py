@@ -58,12 +58,14 @@ class Daemon:
         config: Config,
         on_fatal: Callable[[str], None],
         measure_space: Callable[..., Space] = statvfs_space,
+        options: Options | None = None,
     ) -> None:
         """Build every service, wired, in one phase: nothing here serves, starts a loop
         or is assigned onto a service later, so :meth:`status` and the metrics answer
-        from the first request, while :meth:`start` still recovers."""
+        from the first request, while :meth:`start` still recovers. ``options``: the
+        groups of ``config`` when the caller has already built them."""
         self.config = config
-        opts = Options.of(config)
+        opts = Options.of(config) if options is None else options
         local, lifecycle = opts.local, opts.lifecycle
         self.started_at = time.time()
         self.supervisor = Supervisor(on_fatal)

@@ -193,24 +193,32 @@ def refuse_unknown_env(env: Mapping[str, str] | None = None) -> None:
     refuse_unknown(os.environ if env is None else env, _FIELDS)
 
 
-def field_docs() -> dict[str, str]:
-    """Each key's help: the first sentence of its docstring in :class:`Config`."""
+def field_texts(cls: type = Config) -> dict[str, str]:
+    """Each field of the dataclass ``cls`` with its whole docstring (the string literal
+    right after it), whitespace folded; "" for a field without one."""
     import ast
     import inspect
-    import itertools
+    import textwrap
 
-    docs: dict[str, str] = {}
-    body = ast.parse(inspect.getsource(Config)).body[0].body  # type: ignore[attr-defined]
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-        ):
-            text = " ".join(str(after.value.value).split())
-            docs[node.target.id] = text.split(". ")[0].rstrip(".") + "."
-    return docs
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    texts: dict[str, str] = {}
+    for node, after in zip(body.body, [*body.body[1:], None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            doc = ""
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                doc = " ".join(after.value.value.split())
+            texts[node.target.id] = doc
+    return texts
+
+
+def field_docs() -> dict[str, str]:
+    """Each key's help: the first sentence of its docstring in :class:`Config`."""
+    return {k: t.split(". ")[0].rstrip(".") + "." for k, t in field_texts().items() if t}
 
 
 def default_values() -> dict[str, str]:

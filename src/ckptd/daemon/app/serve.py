@@ -172,7 +172,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         stop.set()
 
     # Every service is built before anything serves (compose.py: one phase).
-    daemon = Daemon(config, on_fatal)
+    daemon = Daemon(config, on_fatal, options=options)
     access = daemon.access
     sessions = SessionServer(
         config.socket,
