@@ -34,17 +34,22 @@ def rank_record(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
     return next(r for r in manifest["ranks"] if r["rank"] == rank)
 
 
-def map_segment_locked(fd: int, size: int) -> mmap.mmap:
+def map_segment_locked(fd: int, size: int, private: bool = False) -> mmap.mmap:
     """Map a daemon segment (``fd``, handed over by the session; owned by the mapping
     from now on) read-write and hold a shared flock on it while mapped.
 
     The daemon lends the segment for as long as the lock is held: the lock is
     released when the mapping is garbage collected (every array viewing it is
     gone) or when this process dies, and only then may the daemon reuse it.
+    ``private``: a segment the daemon keeps (its memory tier; ``fd`` read-only),
+    mapped copy-on-write: the arrays share its pages until they are written, and
+    what the trainer writes stays its own. Pages are mapped as they are first read,
+    not here (populating a private mapping would copy every page).
     """
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise

@@ -112,7 +112,9 @@ def adopt_segment(
     """Map and lock the verified segment, then tell the daemon we hold it."""
     try:
         fd = conn.session.open_lease(resp.lease.lease_id)
-        mm = mapped_views.map_segment_locked(fd, resp.lease.size_bytes)
+        # The memory tier keeps its segment for the next restart: map it copy-on-write.
+        private = resp.tier == pb.TIER_MEMORY
+        mm = mapped_views.map_segment_locked(fd, resp.lease.size_bytes, private)
     except (OSError, CkptdError):
         conn.release_lease(pb.ReleaseLeaseRequest(lease_id=resp.lease.lease_id))
         raise

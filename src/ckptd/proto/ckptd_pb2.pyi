@@ -48,6 +48,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_LOCAL: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
     TIER_PEER: _ClassVar[Tier]
+    TIER_MEMORY: _ClassVar[Tier]
 SAVE_STATE_UNSPECIFIED: SaveState
 SAVE_STATE_STAGING: SaveState
 SAVE_STATE_LOCAL: SaveState
@@ -81,6 +82,7 @@ TIER_UNSPECIFIED: Tier
 TIER_LOCAL: Tier
 TIER_REMOTE: Tier
 TIER_PEER: Tier
+TIER_MEMORY: Tier
 
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("job", "size_bytes", "wait_seconds")
@@ -512,7 +514,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes", "peer_address", "peers_known", "replicas_held", "replicas_held_bytes", "replicated_bytes", "peer_fetched_bytes", "peer_error", "peer_data_port", "peer_prestaged_bytes", "peer_served_bytes", "peer_received_bytes")
+    __slots__ = ("version", "protocol_version", "node_id", "root", "socket", "remote", "uptime_seconds", "staging_budget_bytes", "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight", "local_free_bytes", "local_used_bytes", "jobs", "checkpoints", "pid", "drain_queue", "drain_error", "retention_local", "retention_remote", "local_low_watermark_bytes", "local_floor_bytes", "evicted_local", "evicted_remote", "watched_directories", "adopted", "tasks", "job_errors", "last_event_seq", "metrics_address", "remote_endpoint_url", "fetch_in_flight_bytes", "fetch_done_bytes", "peer_address", "peers_known", "replicas_held", "replicas_held_bytes", "replicated_bytes", "peer_fetched_bytes", "peer_error", "peer_data_port", "peer_prestaged_bytes", "peer_served_bytes", "peer_received_bytes", "memory_tier_bytes", "memory_tier_files", "memory_tier_budget_bytes", "memory_tier_steps", "memory_tier_restores", "memory_tier_evicted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -558,6 +560,12 @@ class DaemonStatus(_message.Message):
     PEER_PRESTAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_FILES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_EVICTED_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: int
     node_id: str
@@ -603,7 +611,13 @@ class DaemonStatus(_message.Message):
     peer_prestaged_bytes: int
     peer_served_bytes: int
     peer_received_bytes: int
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ..., peer_address: _Optional[str] = ..., peers_known: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replicas_held_bytes: _Optional[int] = ..., replicated_bytes: _Optional[int] = ..., peer_fetched_bytes: _Optional[int] = ..., peer_error: _Optional[str] = ..., peer_data_port: _Optional[int] = ..., peer_prestaged_bytes: _Optional[int] = ..., peer_served_bytes: _Optional[int] = ..., peer_received_bytes: _Optional[int] = ...) -> None: ...
+    memory_tier_bytes: int
+    memory_tier_files: int
+    memory_tier_budget_bytes: int
+    memory_tier_steps: int
+    memory_tier_restores: int
+    memory_tier_evicted: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., root: _Optional[str] = ..., socket: _Optional[str] = ..., remote: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., staging_budget_bytes: _Optional[int] = ..., staging_allocated_bytes: _Optional[int] = ..., staging_in_use_bytes: _Optional[int] = ..., leases_held: _Optional[int] = ..., saves_in_flight: _Optional[int] = ..., local_free_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., checkpoints: _Optional[int] = ..., pid: _Optional[int] = ..., drain_queue: _Optional[int] = ..., drain_error: _Optional[str] = ..., retention_local: _Optional[str] = ..., retention_remote: _Optional[str] = ..., local_low_watermark_bytes: _Optional[int] = ..., local_floor_bytes: _Optional[int] = ..., evicted_local: _Optional[int] = ..., evicted_remote: _Optional[int] = ..., watched_directories: _Optional[int] = ..., adopted: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[TaskHealth, _Mapping]]] = ..., job_errors: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., metrics_address: _Optional[str] = ..., remote_endpoint_url: _Optional[str] = ..., fetch_in_flight_bytes: _Optional[int] = ..., fetch_done_bytes: _Optional[int] = ..., peer_address: _Optional[str] = ..., peers_known: _Optional[int] = ..., replicas_held: _Optional[int] = ..., replicas_held_bytes: _Optional[int] = ..., replicated_bytes: _Optional[int] = ..., peer_fetched_bytes: _Optional[int] = ..., peer_error: _Optional[str] = ..., peer_data_port: _Optional[int] = ..., peer_prestaged_bytes: _Optional[int] = ..., peer_served_bytes: _Optional[int] = ..., peer_received_bytes: _Optional[int] = ..., memory_tier_bytes: _Optional[int] = ..., memory_tier_files: _Optional[int] = ..., memory_tier_budget_bytes: _Optional[int] = ..., memory_tier_steps: _Optional[int] = ..., memory_tier_restores: _Optional[int] = ..., memory_tier_evicted: _Optional[int] = ...) -> None: ...
 
 class TaskHealth(_message.Message):
     __slots__ = ("name", "state", "restarts", "last_error")

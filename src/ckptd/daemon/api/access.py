@@ -186,9 +186,10 @@ class Access:
             raise PermissionDenied(
                 f"lease {lease.lease_id!r} was granted to another process; acquire your own"
             )
-        return os.open(
-            self.staging.path_of(lease.segment), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        )
+        # A segment the memory tier keeps is read-only to the client (it maps it
+        # copy-on-write): nothing a restored trainer does reaches the kept copy.
+        mode = os.O_RDONLY if lease.shared else os.O_RDWR
+        return os.open(self.staging.path_of(lease.segment), mode | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     def process_gone(self, process: tuple[int, int]) -> None:
         """A process's last session closed and it exited (or stayed away past

@@ -249,7 +249,7 @@ class Servicer(pb_grpc.CkptdServicer):
         resp = pb.RestoreResponse(
             job=job,
             step=plan.step.step,
-            tier=pb.TIER_LOCAL,
+            tier=pb.TIER_MEMORY if plan.tier == "memory" else pb.TIER_LOCAL,
             directory=str(plan.directory),
             manifest_json=plan.manifest.to_json(),
         )

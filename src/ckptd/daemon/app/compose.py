@@ -28,6 +28,7 @@ from ..lifecycle.evictor import Evictor
 from ..lifecycle.pins import Pins
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
 from ..local.journal import Journal
+from ..local.memory import MemoryTier
 from ..local.prestaged import Prestaged
 from ..local.saver import Saver
 from ..local.staging import Staging, segment_prefix
@@ -86,6 +87,13 @@ class Daemon:
             share_per_uid=local.staging_share_per_uid,
         )
         self.access = Access(local.root, self.staging, opts.api.sharing, owners)
+        self.memory = MemoryTier(
+            self.staging,
+            self.catalog,
+            local.memory_tier_steps,
+            local.memory_tier_bytes,
+            self.supervisor.spawn,
+        )
         self.journal = Journal(local.root)
         self.saver = Saver(
             self.catalog,
@@ -96,6 +104,7 @@ class Daemon:
             self.supervisor.spawn,
             self.journal,
             local.step_timeout_seconds,
+            self.memory,
         )
         self.disk = DiskSpace(local.root, local.low_watermark, local.floor, measure_space)
         self.remote = open_remote_tier(opts.remote)
@@ -156,7 +165,13 @@ class Daemon:
             else None
         )
         peer = self.peer.source if self.peer is not None else None
-        tiers: list[Tier] = [memory, local_tier, *([peer] if peer else []), self.bucket]
+        tiers: list[Tier] = [
+            self.memory,
+            memory,
+            local_tier,
+            *([peer] if peer else []),
+            self.bucket,
+        ]
         self.restorer = Restorer(
             self.catalog,
             self.store,
@@ -224,6 +239,12 @@ class Daemon:
         ]
         return max(0.0, time.time() - min(waiting)) if waiting else 0.0
 
+    def process_gone(self, process: tuple[int, int]) -> None:
+        """A client process exited (sessions.py): its uncommitted leases come back, and
+        the memory tier checks what it wrote, ahead of its restart."""
+        self.access.process_gone(process)
+        self.memory.writer_gone(process)
+
     def unhealthy(self) -> str:
         """Why the daemon is not healthy (a background service gave up); empty if it is."""
         failed = [h.name for h in self.supervisor.health.values() if h.state == "failed"]
@@ -241,6 +262,7 @@ class Daemon:
             self.saver,
             self.access,
             self.io,
+            self.memory,
         )
         await check_remote(self.remote, self.config.remote)
         await self.adopter.load()
@@ -301,6 +323,7 @@ class Daemon:
         if self.supervisor.jobs_running:
             log.info("finishing %d acknowledged saves before exit", self.supervisor.jobs_running)
         await self.supervisor.finish_jobs()
+        self.memory.close()
         self.staging.close()
         self.journal.close()
         self.evict_io.close()
@@ -358,4 +381,5 @@ class Daemon:
             fetch_in_flight_bytes=self.bucket.in_flight_bytes,
             fetch_done_bytes=self.bucket.in_flight_done,
             **(self.peer.status() if self.peer is not None else {}),
+            **self.memory.status(),
         )

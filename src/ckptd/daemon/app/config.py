@@ -74,6 +74,8 @@ def _coerce(key: str, value: object, source: str) -> Any:
             return SpaceMark.parse(value)
         if key.endswith("_bytes"):
             size = parse_size(value)
+            if key == "memory_tier_bytes" and size == 0:  # 0: the staging budget
+                return 0
             if size <= 0:
                 raise ValueError("must be positive")
             return size
@@ -89,6 +91,10 @@ def _coerce(key: str, value: object, source: str) -> Any:
             if key == "io_nice":  # 0 is meaningful here (no change); the range is checked later
                 if n < 0:
                     raise ValueError("must be 0 (no change) to 19 (lowest)")
+                return n
+            if key == "memory_tier_steps":  # 0: the memory tier is off
+                if n < 0:
+                    raise ValueError("must be 0 (no memory tier) or a number of steps")
                 return n
             if key == "peer_data_port":  # 0: any free port, -1: none
                 if not -1 <= n <= 65535:

@@ -43,6 +43,14 @@ class Config:
     fraction (above 0, at most 1; 1: no cap but the budget). Whatever the value,
     while another uid waits for staging memory, a uid already holding leases gets
     no new one past an even split of the budget among the uids holding or waiting."""
+    memory_tier_steps: int = 1
+    """Newest steps of each job kept in shared memory after they are LOCAL, so a
+    trainer restarting on this node restores from memory, not from disk (0: off).
+    Kept memory is part of ``staging_budget_bytes`` and is given back first when a
+    save needs it."""
+    memory_tier_bytes: int = 0
+    """Most shared memory the memory tier keeps on this node, for all jobs (0: as
+    much of ``staging_budget_bytes`` as saves leave free)."""
     lease_timeout_seconds: float = 600.0
     """A lease held this long without a commit is reclaimed (clients of this release
     are watched directly: their leases come back as soon as they exit)."""

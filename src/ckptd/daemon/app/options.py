@@ -47,6 +47,8 @@ class Options:
                 node_id=cfg.node_id,
                 staging_budget_bytes=cfg.staging_budget_bytes,
                 staging_share_per_uid=cfg.staging_share_per_uid,
+                memory_tier_steps=cfg.memory_tier_steps,
+                memory_tier_bytes=cfg.memory_tier_bytes,
                 lease_timeout_seconds=cfg.lease_timeout_seconds,
                 step_timeout_seconds=cfg.step_timeout_seconds,
                 write_workers=cfg.write_workers,

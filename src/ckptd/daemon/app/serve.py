@@ -178,7 +178,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         config.socket,
         {"lease": access.open_lease, "file": access.open_file},
         access.forget,
-        on_process_gone=access.process_gone,
+        on_process_gone=daemon.process_gone,
         idle_seconds=api.session_idle_seconds,
         per_uid=api.sessions_per_uid,
         exempt=access.operators,

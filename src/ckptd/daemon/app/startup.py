@@ -21,6 +21,7 @@ from ..catalog import Catalog
 from ..io import IoPool
 from ..lifecycle.pins import load_pins
 from ..local.journal import Journal
+from ..local.memory import MemoryTier
 from ..local.pending import CommitRequest
 from ..local.saver import Saver
 from ..local.staging import Staging
@@ -48,6 +49,7 @@ async def recover(
     saver: Saver,
     access: Access,
     io: IoPool,
+    memory: MemoryTier,
 ) -> None:
     """Rebuild the catalog from the local tier, then finish the acknowledged handoffs
     the last daemon had not made LOCAL, before any client can ask about them."""
@@ -72,6 +74,9 @@ async def recover(
             len(handoffs),
             replayed,
         )
+    kept = memory.adopt_leftovers()  # a crashed daemon's memory tier, before the sweep
+    if kept:
+        log.info("memory tier: took back %d rank files a crashed daemon kept", kept)
     removed_segments = staging.remove_leftovers()
     for line in recovery.skipped:
         log.warning("ignoring step directory that is not a ckptd commit: %s", line)

@@ -244,6 +244,12 @@ class Catalog(StepTable):
         self._relineage(st.job, st)
         self._emit(st, pb.STEP_EVENT_FETCHED, **attributes)
 
+    def in_memory(self, st: Step, ranks: frozenset[int]) -> None:
+        """The memory tier keeps ``ranks``' files of ``st`` (local/memory.py): listed as
+        a tier of the step; not a transition, so no event."""
+        if self.get(st.job, st.step) is st:
+            st._set(memory_ranks=ranks)
+
     def replicated(self, st: Step, nodes: frozenset[str]) -> None:
         """This node's part of ``st`` is a complete replica on peer daemons ``nodes``;
         they drop their older replica of the job, so older steps lose those nodes."""

@@ -62,6 +62,7 @@ _FIELDS = frozenset(
         "durable_at",
         "remote_nodes",
         "replica_nodes",
+        "memory_ranks",
         "peers",
         "pinned",
         "adopted",
@@ -106,6 +107,8 @@ class Step:
     """Peer daemons holding a replica of this node's part (the peer tier: a peer
     keeps the newest replica per job and source node, so only the newest step
     replicated has any)."""
+    memory_ranks: frozenset[int]
+    """This node's ranks whose rank file the memory tier keeps (local/memory.py)."""
     pinned: bool
     adopted: bool
     """An adopted directory tree (its remote layout differs: see remote/layout.py)."""
@@ -142,6 +145,7 @@ class Step:
             "durable_at": 0.0,
             "remote_nodes": frozenset(),
             "replica_nodes": frozenset(),
+            "memory_ranks": frozenset(),
             "peers": frozenset(),
             "pinned": False,
             "adopted": False,
@@ -208,10 +212,18 @@ class Step:
     def tiers(self) -> list[pb.Tier]:
         """The tiers holding a copy (``pb.Tier`` values)."""
         return (
-            [pb.TIER_LOCAL] * self.local
+            [pb.TIER_MEMORY] * self.in_memory
+            + [pb.TIER_LOCAL] * self.local
             + [pb.TIER_REMOTE] * self.in_remote
             + [pb.TIER_PEER] * bool(self.replica_nodes)
         )
+
+    @property
+    def in_memory(self) -> bool:
+        """Every rank of this node's part is kept in shared memory (the memory tier)."""
+        m = self.manifest
+        ranks = {r.rank for r in m.ranks} if m is not None else set(self.node_ranks)
+        return bool(self.memory_ranks) and ranks <= self.memory_ranks
 
     def reached(self, target: int) -> bool:
         """Has the save reached ``target`` (LOCAL or DURABLE)?"""

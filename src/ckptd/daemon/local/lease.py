@@ -25,6 +25,13 @@ class Segment:
     pages are allocated chunk by chunk as the data arrives, :meth:`populate`), and
     goes back to the pool only once whole: a client writing into a page never
     allocated would die of SIGBUS if /dev/shm were full."""
+    kept: tuple[str, int, int] | None = None
+    """``(job, step, rank)`` whose committed rank file the memory tier keeps here
+    (memory.py): not free for a lease until the tier lets it go."""
+    lent: bool = False
+    """A restore mapped it copy-on-write: never granted for a save again (the
+    restored arrays would change under the trainer); the tier removes it when it
+    lets it go, unless no process maps it any more."""
 
     def populate(self, offset: int = 0, length: int | None = None) -> None:
         """Allocate the pages of ``[offset, offset + length)`` (default: all); raises
@@ -57,6 +64,9 @@ class Lease:
     owner: tuple[int, int] | None = None
     """``(uid, pid)`` of the process the lease was granted to: only it may open the
     segment (None: nobody outside the daemon, e.g. a replayed handoff)."""
+    shared: bool = False
+    """A restore lease on a segment the memory tier keeps: the client gets a
+    read-only descriptor and maps it copy-on-write; the segment stays the tier's."""
 
 
 def segment_prefix(root: Path) -> str:

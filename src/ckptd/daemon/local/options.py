@@ -22,6 +22,10 @@ class LocalOptions:
     """``staging_budget_bytes``: most shared memory held in leases at once."""
     staging_share_per_uid: float
     """``staging_share_per_uid``: most of the budget one uid may hold."""
+    memory_tier_steps: int
+    """``memory_tier_steps``: newest steps per job kept in shared memory (0: off)."""
+    memory_tier_bytes: int
+    """``memory_tier_bytes``: most shared memory the memory tier keeps (0: the budget)."""
     lease_timeout_seconds: float
     """``lease_timeout_seconds``: an uncommitted lease held this long is reclaimed."""
     step_timeout_seconds: float

@@ -48,6 +48,9 @@ class PendingStep:
     writing: set[int] = field(default_factory=set)
     leases: dict[int, Lease] = field(default_factory=dict)
     """Each handed-off rank's lease, held until the step is LOCAL or FAILED."""
+    images: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """Each written rank whose data section starts its lease: ``(header length,
+    header crc32c, data length)``, for the memory tier (memory.py)."""
     timer: asyncio.TimerHandle | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the step is LOCAL or FAILED: newer saves of the job commit after that."""

@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
 
+from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, round_up
 from ckptd.core.health import NONFINITE_METRIC, NonFiniteCount
@@ -37,6 +38,7 @@ from ..catalog import Catalog, Step
 from ..files import write_file_checksummed
 from ..io import IoPool
 from .journal import Entry, Journal
+from .memory import Image, MemoryTier
 from .pending import CommitRequest, PendingStep
 from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
 from .replay import replay as replay_journal
@@ -65,6 +67,7 @@ class Saver:
         spawn: Spawn,
         journal: Journal,
         step_timeout_seconds: float = 600.0,
+        memory: MemoryTier | None = None,
     ) -> None:
         self.catalog = catalog
         self.staging = staging
@@ -74,6 +77,8 @@ class Saver:
         self._spawn = spawn
         self.journal = journal
         self.step_timeout_seconds = step_timeout_seconds
+        self.memory = memory
+        """Keeps the leases of committed steps instead of freeing them (memory.py)."""
         self._pending: dict[tuple[str, int], PendingStep] = {}
         self._settling: set[tuple[str, int]] = set()
         """Steps committed on disk whose leases are still being given back (not LOCAL yet)."""
@@ -279,6 +284,8 @@ class Saver:
                 health,
             )
             pending.nonfinite[req.rank] = health.result()
+            if req.data_offset == 0:  # the lease is the data section: the memory tier's
+                pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             args = (req, len(header), crcs)
             shards = await run(shard_records, *args) if many else shard_records(*args)
             record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
@@ -361,7 +368,7 @@ class Saver:
         # save again at once (the journal's fsync is small and shared).
         self._settling.add(st.key)  # no await since the line above: no gap
         try:
-            await self._settle(pending, committed=True)
+            await self._settle(pending, committed=True, keep=True)
             self.catalog.committed(st, manifest)
         finally:
             self._settling.discard(st.key)
@@ -399,10 +406,13 @@ class Saver:
         self.catalog.failed(pending.step, reason, "local")
         await self._settle(pending)
 
-    async def _settle(self, pending: PendingStep, committed: bool = False) -> None:
+    async def _settle(
+        self, pending: PendingStep, committed: bool = False, keep: bool = False
+    ) -> None:
         """Once the step is committed (renamed into place), LOCAL or FAILED, give back
         every lease no write still reads: journaled as done first, so a replay never
-        reads a reused segment."""
+        reads a reused segment. ``keep``: the step committed; the memory tier may keep
+        the leases instead (memory.py)."""
         if pending.step.state == pb.SAVE_STATE_STAGING and not committed:
             return
         if pending.timer is not None:
@@ -420,8 +430,32 @@ class Saver:
             # they are kept until a restart replays (and retires) them.
             log.exception("journal: cannot retire leases %s; keeping their memory", ids)
             return
-        for lease_id in ids:
-            self.staging.release(lease_id)
+        for rank, lease in done.items():
+            if not (keep and self._keep(pending, rank, lease)):
+                self.staging.release(lease.lease_id)
+
+    def _keep(self, pending: PendingStep, rank: int, lease: Lease) -> bool:
+        """Offer a committed rank's lease to the memory tier; True if it kept it."""
+        image = pending.images.get(rank)
+        written = pending.ranks.get(rank)
+        if self.memory is None or image is None or written is None:
+            return False
+        st = pending.step
+        header_len, header_crc, data_len = image
+        return self.memory.keep(
+            st,
+            lease,
+            Image(
+                st.job,
+                st.step,
+                rank,
+                st.timeline,
+                header_len,
+                header_crc,
+                data_len,
+                written[0].crc32c,
+            ),
+        )
 
     def _forget_if_done(self, pending: PendingStep, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""

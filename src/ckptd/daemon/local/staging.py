@@ -28,7 +28,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ckptd.core.errors import Conflict, NotFound, ResourceExhausted
@@ -63,6 +63,10 @@ __all__ = [
 
 log = logging.getLogger("ckptd.staging")
 
+KEPT_SUFFIX = ".kept"
+"""The memory tier's record beside a segment it keeps (memory.py): what the segment
+holds, so a daemon that restarts after a crash can serve it again."""
+
 
 class StagingBusy(ResourceExhausted):
     """The budget is held by in-flight saves right now; waiting may help."""
@@ -93,12 +97,25 @@ class Staging(SegmentPool):
         self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
         self._freed = asyncio.Event()
         self._swept_at = clock()
+        self.give_way: Callable[[int, int | None], Awaitable[None]] = _nothing
+        """Called when a lease of ``need`` bytes for ``uid`` finds no free segment and no
+        budget: the memory tier (memory.py) lets kept segments go, so a save never
+        waits or fails because of it."""
 
     # -- accounting --------------------------------------------------------
     @property
     def in_use_bytes(self) -> int:
         """Shared memory in leases (held by clients or being written)."""
         return sum(s.size for s in self._segments.values() if s.lease_id is not None)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Shared memory the memory tier keeps committed rank files in (memory.py)."""
+        return sum(s.size for s in self._segments.values() if s.kept is not None)
+
+    def free_segments(self) -> list[Segment]:
+        """Segments no lease holds and the memory tier does not keep."""
+        return [s for s in self._segments.values() if s.lease_id is None and s.kept is None]
 
     @property
     def committed_bytes(self) -> int:
@@ -122,7 +139,7 @@ class Staging(SegmentPool):
         self.sweep_dead_clients()
         removed = remove_legacy(self.shm_dir, self.prefix)
         for path in self.dir.iterdir():
-            if path.name not in self._segments:
+            if path.name.removesuffix(KEPT_SUFFIX) not in self._segments:
                 with contextlib.suppress(IsADirectoryError, PermissionError):
                     path.unlink(missing_ok=True)
                     removed += 1
@@ -173,8 +190,9 @@ class Staging(SegmentPool):
         """Whether :meth:`acquire` would grant ``size_bytes`` now without waiting."""
         self.reclaim_expired()
         need = round_up(max(size_bytes, 1), SEGMENT_GRANULE)
+        # Kept segments count as free: the memory tier gives them up for a save.
         free = [s for s in self._segments.values() if s.lease_id is None]
-        if any(s.size >= need for s in free):
+        if any(s.size >= need and not s.lent for s in free):
             return True
         return self.allocated_bytes - sum(s.size for s in free) + need <= self.budget_bytes
 
@@ -248,10 +266,12 @@ class Staging(SegmentPool):
                 f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
                 "operator to raise staging_budget_bytes"
             )
-        free = sorted(
-            (s for s in self._segments.values() if s.lease_id is None), key=lambda s: s.size
-        )
+        free = sorted(self.free_segments(), key=lambda s: s.size)
         seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
+        if seg is None and self.allocated_bytes + need > self.budget_bytes:
+            await self.give_way(need, uid)  # the memory tier's segments go first
+            free = sorted(self.free_segments(), key=lambda s: s.size)
+            seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
         if seg is None:
             # Drop free segments another uid used, then those too small, until the new
             # one fits the budget.
@@ -316,11 +336,7 @@ class Staging(SegmentPool):
         self.reclaim_expired()
         uid = self.uid_of(job) if uid is None else uid
         free = sorted(
-            (
-                s
-                for s in self._segments.values()
-                if s.lease_id is None and s.size >= size_bytes and s.uid in (None, uid)
-            ),
+            (s for s in self.free_segments() if s.size >= size_bytes and s.uid in (None, uid)),
             key=lambda s: s.size,
         )
         if not free:
@@ -359,8 +375,54 @@ class Staging(SegmentPool):
                 f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
             )
         del self._leases[lease_id]
+        if lease.shared and lease.segment.kept is not None:
+            # The memory tier keeps it; the client's copy-on-write mapping shares its
+            # pages until the tier lets it go (memory.py).
+            lease.segment.lease_id = None
+            return
         self._destroy(lease.segment)
         self._freed.set()  # the budget it held is free for saves waiting for memory
+        self._freed = asyncio.Event()
+
+    def grant_kept(self, job: str, seg: Segment) -> Lease:
+        """A restore lease on a segment the memory tier keeps, shared: the client maps
+        it copy-on-write and the segment is never granted for a save again."""
+        seg.lent = True
+        lease = self._grant(job, seg, restore=True)
+        lease.shared = True
+        return lease
+
+    def keep(self, lease: Lease, key: tuple[str, int, int]) -> None:
+        """End a committed save lease without freeing its segment: the memory tier
+        keeps ``key``'s rank file in it (memory.py)."""
+        if self._leases.pop(lease.lease_id, None) is not None:
+            lease.segment.lease_id = None
+            lease.segment.kept = key
+
+    def adopt_kept(
+        self, name: str, size: int, uid: int | None, key: tuple[str, int, int]
+    ) -> Segment:
+        """Take over a segment the memory tier of a crashed daemon kept (checked as
+        :meth:`adopt` checks; raises the same)."""
+        if not name.startswith(self.prefix) or "/" in name or name in (".", ".."):
+            raise ValueError(f"segment {name!r} is not one of this root's")
+        self.open()
+        mapping = open_trusted(self.dir / name, size, legacy=self.shm_dir / name)
+        seg = Segment(name, mapping.size, mapping, uid=uid, kept=key)
+        self._segments[name] = seg
+        return seg
+
+    def let_go(self, seg: Segment) -> None:
+        """The memory tier no longer keeps ``seg``: it is free for saves again, unless a
+        restore mapped it and a process maps it still (then it leaves the pool and the
+        budget: those pages are the trainer's now)."""
+        seg.kept = None
+        if seg.lease_id is not None:  # a restore lease not yet taken: it ends with it
+            return
+        if seg.lent and locked_by_others(self.dir / seg.name):
+            self._destroy(seg)
+        seg.lent = False
+        self._freed.set()  # wake saves waiting for memory
         self._freed = asyncio.Event()
 
     def get(self, lease_id: str) -> Lease:
@@ -387,7 +449,9 @@ class Staging(SegmentPool):
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             lease.segment.lease_id = None
-            if not lease.segment.populated:
+            if lease.segment.kept is None and lease.segment.lent:
+                self.let_go(lease.segment)  # let go while this restore lease was out
+            elif not lease.segment.populated:
                 self._destroy(lease.segment)
             self._freed.set()  # wake saves waiting for memory
             self._freed = asyncio.Event()
@@ -430,3 +494,7 @@ class Staging(SegmentPool):
     def owned_by(self, owner: tuple[int, int]) -> list[str]:
         """The uncommitted leases granted to process ``owner`` (``(uid, pid)``)."""
         return [i for i, le in self._leases.items() if le.owner == owner and not le.committed]
+
+
+async def _nothing(need: int, uid: int | None) -> None:
+    """No memory tier: nothing to give up."""

@@ -37,7 +37,8 @@ class RestorePlan:
     lease: Lease | None
     data_offset: int
     tier: str = "local"
-    """Where the copy came from: local, or remote (fetched from the bucket for it)."""
+    """Where the copy came from: memory (the memory tier's kept segment), local, or
+    remote (fetched from the bucket for it)."""
 
 
 class Restorer:
@@ -185,12 +186,12 @@ class Restorer:
             self.store.step_dir(job, st.step),
             handed.lease if handed else None,
             handed.offset if handed else 0,
-            # The metric's labels: a copy taken from a peer or shared memory is local.
-            "remote" if served.tier == "remote" else "local",
+            # The metric's labels: a copy taken from a peer or pre-staged is local.
+            _label(served.tier, handed.lease if handed else None),
         )
         if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
             # Another uid mapped that segment before: serve the verified file instead.
-            plan = replace(plan, lease=None, data_offset=0)
+            plan = replace(plan, lease=None, data_offset=0, tier="local")
         return plan
 
     async def other_parts(self, job: str, step: int) -> list[tuple[str, Path, str]]:
@@ -205,6 +206,13 @@ class Restorer:
     async def report_corrupt(self, job: str, step: int, detail: str) -> None:
         """Re-verify a copy a client found corrupt; if bad, set it aside."""
         await self.local.report_corrupt(job, step, detail)
+
+
+def _label(tier: str, lease: Lease | None) -> str:
+    """The restore's tier as the metrics and the client see it."""
+    if lease is not None and lease.shared:
+        return "memory"
+    return "remote" if tier == "remote" else "local"
 
 
 def _health_text(st: Step) -> str:
