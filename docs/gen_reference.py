@@ -101,6 +101,7 @@ class _Catalog:
             created_unix=1.0,
             local=True,
             in_remote=True,
+            in_memory=True,
             replica_nodes=["peer"],
             manifest=None,
         )
@@ -116,7 +117,7 @@ def metric_families() -> Iterator[tuple[str, str, str, dict[str, list[str]]]]:
     from ckptd.daemon.app.metrics import Metrics, Sources
     from ckptd.proto import ckptd_pb2 as pb
 
-    status = pb.DaemonStatus(peer_address="127.0.0.1:7070")
+    status = pb.DaemonStatus(peer_address="127.0.0.1:7070", memory_tier_steps=1)
     for name in ("drain", "evictor", "adopter"):
         status.tasks.add(name=name, state="running")
     sources = Sources(

@@ -47,8 +47,7 @@ from ckptd.core.manifest import KIND_DIRECTORY, Manifest
 from ..catalog import Catalog, Step
 from ..files import replace_synced
 from ..io import IoPool
-from ..local.saver import retire_replaced
-from ..local.store import LocalStore
+from ..local.store import LocalStore, retire_replaced
 from ..remote.source import BucketSource
 from ..restore.restorer import Restorer
 from .paths import (

@@ -61,6 +61,17 @@ def _tasks(st: pb.DaemonStatus) -> str:
     return ", ".join(parts) or "-"
 
 
+def _memory(st: pb.DaemonStatus) -> str:
+    if not st.memory_tier_steps:
+        return "off (memory_tier_steps = 0)"
+    return (
+        f"{human_bytes(st.memory_tier_bytes)} in {st.memory_tier_files} rank files "
+        f"(newest {st.memory_tier_steps} per job, at most "
+        f"{human_bytes(st.memory_tier_budget_bytes)}); {st.memory_tier_restores} restores, "
+        f"{st.memory_tier_evicted} let go"
+    )
+
+
 def _staging(st: pb.DaemonStatus) -> str:
     return (
         f"{human_bytes(st.staging_in_use_bytes)} in use, "
@@ -109,6 +120,7 @@ def status_rows(st: pb.DaemonStatus) -> list[list[str]]:
         ["checkpoints", f"{st.checkpoints} in {st.jobs} jobs, {human_bytes(st.local_used_bytes)}"],
         ["local free", human_bytes(st.local_free_bytes)],
         ["staging", _staging(st)],
+        ["memory tier", _memory(st)],
         ["leases held", str(st.leases_held)],
         [
             "retention",
@@ -198,6 +210,7 @@ def watch_view(st: pb.DaemonStatus, now: Scrape, before: Scrape | None, dt: floa
         ["bucket fetches", _fetching(st)],
         ["peer tier", _peer(st)],
         ["staging", _staging(st)],
+        ["memory tier", _memory(st)],
         ["local free", human_bytes(st.local_free_bytes)],
         ["background", _tasks(st)],
     ]

@@ -142,7 +142,7 @@ class Metrics:
             (self.bytes, ("local", "upload", "fetch")),
             (self.evictions, ("local", "remote")),
             (self.errors, ("local", "drain", "verify")),
-            (self.restores, ("local", "remote")),
+            (self.restores, ("memory", "local", "remote")),
         ):
             for value in values:
                 counter.labels(value)
@@ -218,6 +218,8 @@ class _Gauges(Collector):
             "ckptd_tier_bytes", "Bytes of checkpoints held, by tier.", labels=["tier"]
         )
         tier_bytes.add_metric(["local"], status.local_used_bytes)
+        if status.memory_tier_steps:  # rank files kept in shared memory
+            tier_bytes.add_metric(["memory"], status.memory_tier_bytes)
         peer_tier = bool(status.peer_address or status.peers_known or status.replicated_bytes)
         if peer_tier:  # replicas this node holds for its peers
             tier_bytes.add_metric(["peer"], status.replicas_held_bytes)
@@ -225,11 +227,20 @@ class _Gauges(Collector):
         steps = GaugeMetricFamily("ckptd_tier_steps", "Steps held, by tier.", labels=["tier"])
         all_steps = self.s.catalog.steps()
         steps.add_metric(["local"], sum(1 for st in all_steps if st.local))
+        if status.memory_tier_steps:
+            steps.add_metric(["memory"], sum(1 for st in all_steps if st.in_memory))
         if self.s.remote:
             steps.add_metric(["remote"], sum(1 for st in all_steps if st.in_remote))
         if peer_tier:  # this node's steps with a replica on a peer
             steps.add_metric(["peer"], sum(1 for st in all_steps if st.replica_nodes))
         yield steps
+        if status.memory_tier_steps:
+            yield CounterMetricFamily(
+                "ckptd_memory_tier_evictions",
+                "Rank files the memory tier let go: for a save's memory, a newer step, "
+                "memory_tier_bytes, or a copy that failed its check.",
+                value=status.memory_tier_evicted,
+            )
         if peer_tier:
             peer = CounterMetricFamily(
                 "ckptd_peer_bytes",
@@ -295,7 +306,8 @@ class _Gauges(Collector):
             if not when or st.job not in live:
                 continue
             tiers = (
-                (["local"] if st.local else [])
+                (["memory"] if st.in_memory else [])
+                + (["local"] if st.local else [])
                 + (["remote"] if st.in_remote else [])
                 + (["peer"] if st.replica_nodes else [])
             )

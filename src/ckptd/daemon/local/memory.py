@@ -48,6 +48,7 @@ from ckptd.core.errors import NotFound
 
 from ..catalog import Catalog, Event, Step
 from .lease import Handed, Lease, Segment, Want
+from .liveness import process_start
 from .staging import KEPT_SUFFIX, Staging
 
 log = logging.getLogger("ckptd.memory")
@@ -140,9 +141,14 @@ class MemoryTier:
         }
 
     # -- keeping --------------------------------------------------------------
-    def keep(self, st: Step, lease: Lease, image: Image) -> bool:
-        """Keep the committed rank file in ``lease`` (instead of giving the segment
-        back); False: not kept (the tier is off, or the file is larger than its cap)."""
+    def keep(
+        self, st: Step, rank: int, lease: Lease, layout: tuple[int, int, int], file_crc: int
+    ) -> bool:
+        """Keep ``rank``'s committed file of ``st``, whose data section is ``lease``
+        (``layout``: header length, header crc32c, data length), instead of giving
+        the segment back; False: not kept (the tier is off, or the file is larger
+        than its cap)."""
+        image = Image(st.job, st.step, rank, st.timeline, *layout, file_crc)
         seg = lease.segment
         if not self.steps or seg.size > self.budget_bytes or not seg.populated:
             return False
@@ -150,7 +156,7 @@ class MemoryTier:
         old = self._kept.pop(key, None)
         if old is not None:
             self._drop(old, "replaced")
-        self._write_record(seg, image)
+        self._write_record(seg, image, lease.owner)
         self.staging.keep(lease, key)
         self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None)
         self._mark(st)
@@ -307,9 +313,13 @@ class MemoryTier:
         self._kept.clear()
 
     # -- records --------------------------------------------------------------------
-    def _write_record(self, seg: Segment, image: Image) -> None:
+    def _write_record(self, seg: Segment, image: Image, writer: tuple[int, int] | None) -> None:
+        # The writer's start time with its pid: a later process under a reused pid
+        # is never taken for it (liveness.py).
+        started = process_start(writer[1]) if writer is not None else None
+        who = [*writer, started] if writer is not None and started is not None else None
         path = self.staging.path_of(seg).with_name(seg.name + KEPT_SUFFIX)
-        path.write_text(json.dumps({**asdict(image), "size": seg.size}))
+        path.write_text(json.dumps({**asdict(image), "size": seg.size, "writer": who}))
 
     def adopt_leftovers(self) -> int:
         """At start-up, before the staging leftovers are removed: take back the kept
@@ -321,13 +331,13 @@ class MemoryTier:
             name = record.name.removesuffix(KEPT_SUFFIX)
             try:
                 fields = json.loads(record.read_text())
-                size = int(fields.pop("size"))
-                taken += self._adopt(name, Image(**fields), size)
+                size, who = int(fields.pop("size")), fields.pop("writer", None)
+                taken += self._adopt(name, Image(**fields), size, who)
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("memory tier: not taking back segment %s: %s", name, exc)
         return taken
 
-    def _adopt(self, name: str, image: Image, size: int) -> bool:
+    def _adopt(self, name: str, image: Image, size: int, who: Any) -> bool:
         st = self.catalog.get(image.job, image.step)
         if st is None or st.manifest is None or st.timeline != image.timeline:
             return False
@@ -340,10 +350,23 @@ class MemoryTier:
         if size < image.data_len:
             return False
         seg = self.staging.adopt_kept(name, size, self.staging.uid_of(image.job), key)
-        # Its writer is unknown (it may live on): every restore checks it.
-        self._kept[key] = Kept(image, seg, None, False)
+        # A writer that lives on is followed again (its next session's end says when
+        # it exits); one already gone leaves nothing to wait for: checked once now.
+        # A record naming none: every restore checks it.
+        writer = _live_writer(who)
+        k = self._kept[key] = Kept(image, seg, writer, known_writer=who is not None)
         self._mark(st)
+        if k.known_writer and writer is None:
+            self._spawn(f"check memory tier {key}", self._check_quietly(k))
         return True
+
+
+def _live_writer(who: Any) -> tuple[int, int] | None:
+    """The ``(uid, pid)`` a record names, if that process still runs."""
+    if not isinstance(who, list) or len(who) != 3:
+        return None  # none named: unknown, never taken for gone
+    uid, pid, started = (int(x) for x in who)
+    return (uid, pid) if process_start(pid) == started else None
 
 
 def _key(k: Kept) -> tuple[str, int, int]:

@@ -38,12 +38,12 @@ from ..catalog import Catalog, Step
 from ..files import write_file_checksummed
 from ..io import IoPool
 from .journal import Entry, Journal
-from .memory import Image, MemoryTier
+from .memory import MemoryTier
 from .pending import CommitRequest, PendingStep
 from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
 from .replay import replay as replay_journal
 from .staging import Lease, Staging
-from .store import LocalStore
+from .store import LocalStore, retire_replaced
 
 log = logging.getLogger("ckptd.node")
 
@@ -431,49 +431,14 @@ class Saver:
             log.exception("journal: cannot retire leases %s; keeping their memory", ids)
             return
         for rank, lease in done.items():
-            if not (keep and self._keep(pending, rank, lease)):
+            image, written = pending.images.get(rank), pending.ranks.get(rank)
+            if not (keep and self.memory and image and written) or not self.memory.keep(
+                pending.step, rank, lease, image, written[0].crc32c
+            ):
                 self.staging.release(lease.lease_id)
-
-    def _keep(self, pending: PendingStep, rank: int, lease: Lease) -> bool:
-        """Offer a committed rank's lease to the memory tier; True if it kept it."""
-        image = pending.images.get(rank)
-        written = pending.ranks.get(rank)
-        if self.memory is None or image is None or written is None:
-            return False
-        st = pending.step
-        header_len, header_crc, data_len = image
-        return self.memory.keep(
-            st,
-            lease,
-            Image(
-                st.job,
-                st.step,
-                rank,
-                st.timeline,
-                header_len,
-                header_crc,
-                data_len,
-                written[0].crc32c,
-            ),
-        )
 
     def _forget_if_done(self, pending: PendingStep, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""
         failed = pending.step.state == pb.SAVE_STATE_FAILED and not pending.writing
         if (force or failed) and self._pending.get(pending.step.key) is pending:
             del self._pending[pending.step.key]
-
-
-async def retire_replaced(
-    catalog: Catalog, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
-) -> None:
-    """Before ``st`` commits: the local copy of the step its save replaces (an earlier
-    timeline's under the same number, core/timeline.py) goes, once nothing reads it,
-    so the new copy can be renamed into its place. Nothing to do if none."""
-    old = catalog.replacing(st)
-    if old is None:
-        return
-    await catalog.quiet(old)
-    if old.local:  # not set aside or evicted meanwhile
-        await io.run(store.evict, old.job, old.step, ticket=ticket)
-    catalog.replaced(old)

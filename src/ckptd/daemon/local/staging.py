@@ -26,22 +26,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from ckptd.core.errors import Conflict, NotFound, ResourceExhausted
+from ckptd.core.errors import ResourceExhausted
 from ckptd.core.format import round_up
 
 from .lease import Lease, Segment, segment_prefix
+from .lending import Lending
 from .liveness import (
-    SWEEP_SECONDS,
     check_holder,
-    locked_by_others,
-    sweep_dead_clients,
 )
-from .pool import SegmentPool
 from .segments import (
     SEGMENT_GRANULE,
     SHM_DIR,
@@ -72,8 +68,9 @@ class StagingBusy(ResourceExhausted):
     """The budget is held by in-flight saves right now; waiting may help."""
 
 
-class Staging(SegmentPool):
-    """Lease pool with a byte budget. Methods run on the daemon's event loop."""
+class Staging(Lending):
+    """Lease pool with a byte budget: what to grant (the leases' bookkeeping is
+    lending.py's). Methods run on the daemon's event loop."""
 
     def __init__(
         self,
@@ -85,53 +82,15 @@ class Staging(SegmentPool):
         uid_of: Callable[[str], int | None] = lambda job: None,
         share_per_uid: float = 1.0,
     ) -> None:
-        super().__init__(prefix, shm_dir)
-        self.uid_of = uid_of
-        """The uid owning a job (access.py): its leases reuse only its segments."""
+        super().__init__(prefix, shm_dir, lease_timeout_seconds, clock, uid_of)
         self.budget_bytes = budget_bytes
-        self.lease_timeout_seconds = lease_timeout_seconds
-        self._clock = clock
-        self._leases: dict[str, Lease] = {}
         self.share_per_uid = share_per_uid
         """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
         self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
-        self._freed = asyncio.Event()
-        self._swept_at = clock()
         self.give_way: Callable[[int, int | None], Awaitable[None]] = _nothing
         """Called when a lease of ``need`` bytes for ``uid`` finds no free segment and no
         budget: the memory tier (memory.py) lets kept segments go, so a save never
         waits or fails because of it."""
-
-    # -- accounting --------------------------------------------------------
-    @property
-    def in_use_bytes(self) -> int:
-        """Shared memory in leases (held by clients or being written)."""
-        return sum(s.size for s in self._segments.values() if s.lease_id is not None)
-
-    @property
-    def kept_bytes(self) -> int:
-        """Shared memory the memory tier keeps committed rank files in (memory.py)."""
-        return sum(s.size for s in self._segments.values() if s.kept is not None)
-
-    def free_segments(self) -> list[Segment]:
-        """Segments no lease holds and the memory tier does not keep."""
-        return [s for s in self._segments.values() if s.lease_id is None and s.kept is None]
-
-    @property
-    def committed_bytes(self) -> int:
-        """Shared memory of saves handed off and not yet written to disk."""
-        return sum(lease.segment.size for lease in self._leases.values() if lease.committed)
-
-    @property
-    def leases_held(self) -> int:
-        """Leases granted and not yet returned to the pool."""
-        return len(self._leases)
-
-    # -- lifecycle ---------------------------------------------------------
-    def sweep_dead_clients(self) -> int:
-        """Remove liveness files of clients that died (nobody holds their lock)."""
-        self._swept_at = self._clock()
-        return sweep_dead_clients(self.shm_dir)
 
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed or older) daemon on this root left behind."""
@@ -299,31 +258,6 @@ class Staging(SegmentPool):
         (share.py: other users' jobs are never named)."""
         return holders_text(self._leases.values(), uid, self._clock())
 
-    def _grant(
-        self,
-        job: str,
-        seg: Segment,
-        restore: bool = False,
-        holder: str = "",
-        lease_id: str = "",
-        owner: tuple[int, int] | None = None,
-    ) -> Lease:
-        lease = Lease(
-            lease_id or secrets.token_hex(12),
-            job,
-            seg,
-            self._clock(),
-            restore=restore,
-            holder=holder,
-            owner=owner,
-        )
-        seg.lease_id = lease.lease_id
-        uid = owner[0] if owner is not None else self.uid_of(job)
-        if uid is not None:  # never None again once someone could have mapped it
-            seg.uid = uid
-        self._leases[lease.lease_id] = lease
-        return lease
-
     def take_free(self, job: str, size_bytes: int, uid: int | None = None) -> Lease | None:
         """A restore lease on an already faulted free segment, or None (never allocates).
 
@@ -345,155 +279,6 @@ class Staging(SegmentPool):
         if len(free) < 2 and self.allocated_bytes + need > self.budget_bytes:
             return None
         return self._grant(job, free[0], restore=True)
-
-    def hold(self, lease: Lease, holder: str, owner: tuple[int, int] | None) -> bool:
-        """The client ``holder`` (process ``owner``) receives this (restore) lease: it
-        comes back at once if that client dies before it maps and locks the segment.
-        False (and the lease released) if another uid used the segment before."""
-        check_holder(holder)
-        if owner is not None and lease.segment.uid not in (None, owner[0]):
-            self.release(lease.lease_id)
-            return False
-        lease.holder, lease.owner = holder, owner
-        if owner is not None:
-            lease.segment.uid = owner[0]
-        return True
-
-    def holds(self, lease: Lease) -> bool:
-        """Whether ``lease`` is still granted (not expired and reclaimed)."""
-        return self._leases.get(lease.lease_id) is lease
-
-    def lend(self, lease_id: str) -> None:
-        """The client mapped a restore lease and holds it: the segment becomes the
-        trainer's memory. It leaves the pool and the budget (unlinked, the daemon's
-        mapping dropped), so restored arrays a trainer keeps for its whole run (an
-        optimizer's state) never hold staging memory; the pages go when the
-        trainer's last view of them does."""
-        lease = self.get(lease_id)
-        if not lease.restore:
-            raise Conflict(
-                f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
-            )
-        del self._leases[lease_id]
-        if lease.shared and lease.segment.kept is not None:
-            # The memory tier keeps it; the client's copy-on-write mapping shares its
-            # pages until the tier lets it go (memory.py).
-            lease.segment.lease_id = None
-            return
-        self._destroy(lease.segment)
-        self._freed.set()  # the budget it held is free for saves waiting for memory
-        self._freed = asyncio.Event()
-
-    def grant_kept(self, job: str, seg: Segment) -> Lease:
-        """A restore lease on a segment the memory tier keeps, shared: the client maps
-        it copy-on-write and the segment is never granted for a save again."""
-        seg.lent = True
-        lease = self._grant(job, seg, restore=True)
-        lease.shared = True
-        return lease
-
-    def keep(self, lease: Lease, key: tuple[str, int, int]) -> None:
-        """End a committed save lease without freeing its segment: the memory tier
-        keeps ``key``'s rank file in it (memory.py)."""
-        if self._leases.pop(lease.lease_id, None) is not None:
-            lease.segment.lease_id = None
-            lease.segment.kept = key
-
-    def adopt_kept(
-        self, name: str, size: int, uid: int | None, key: tuple[str, int, int]
-    ) -> Segment:
-        """Take over a segment the memory tier of a crashed daemon kept (checked as
-        :meth:`adopt` checks; raises the same)."""
-        if not name.startswith(self.prefix) or "/" in name or name in (".", ".."):
-            raise ValueError(f"segment {name!r} is not one of this root's")
-        self.open()
-        mapping = open_trusted(self.dir / name, size, legacy=self.shm_dir / name)
-        seg = Segment(name, mapping.size, mapping, uid=uid, kept=key)
-        self._segments[name] = seg
-        return seg
-
-    def let_go(self, seg: Segment) -> None:
-        """The memory tier no longer keeps ``seg``: it is free for saves again, unless a
-        restore mapped it and a process maps it still (then it leaves the pool and the
-        budget: those pages are the trainer's now)."""
-        seg.kept = None
-        if seg.lease_id is not None:  # a restore lease not yet taken: it ends with it
-            return
-        if seg.lent and locked_by_others(self.dir / seg.name):
-            self._destroy(seg)
-        seg.lent = False
-        self._freed.set()  # wake saves waiting for memory
-        self._freed = asyncio.Event()
-
-    def get(self, lease_id: str) -> Lease:
-        """The live lease with this id, or NotFound."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise NotFound(
-                f"unknown lease {lease_id[:40]!r}: it was never granted, was already committed, "
-                "or expired after lease_timeout_seconds; acquire a new lease"
-            )
-        return lease
-
-    def begin_commit(self, lease_id: str) -> Lease:
-        """Mark a lease as handed off: from now on the daemon owns its bytes."""
-        lease = self.get(lease_id)
-        if lease.committed:
-            raise Conflict(f"lease {lease_id!r} was already committed; acquire a new lease")
-        lease.committed = True
-        return lease
-
-    def release(self, lease_id: str) -> None:
-        """Return a lease to the pool (after its commit finished, or if the client gave up).
-        A segment not allocated whole (a download that failed) is dropped instead."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            lease.segment.lease_id = None
-            if lease.segment.kept is None and lease.segment.lent:
-                self.let_go(lease.segment)  # let go while this restore lease was out
-            elif not lease.segment.populated:
-                self._destroy(lease.segment)
-            self._freed.set()  # wake saves waiting for memory
-            self._freed = asyncio.Event()
-
-    def reclaim_expired(self) -> list[str]:
-        """Return leases whose client died (its liveness file is unlocked) or that
-        were held past the timeout without a commit."""
-        now = self._clock()
-        if now - self._swept_at > SWEEP_SECONDS:
-            self.sweep_dead_clients()
-        expired = []
-        dead: dict[str, bool] = {}
-        for lid, lease in list(self._leases.items()):
-            if lease.committed:
-                continue
-            if lease.holder:
-                if lease.holder not in dead:
-                    dead[lease.holder] = not locked_by_others(self.shm_dir / lease.holder)
-                if dead[lease.holder]:
-                    log.warning(
-                        "lease %s of job %s reclaimed: its client exited without committing",
-                        lid,
-                        lease.job,
-                    )
-                    expired.append(lid)
-                # A live client keeps its lease however slow it is (a device copy):
-                # taking it back could let two writers share a segment.
-                continue
-            if now - lease.granted_at > self.lease_timeout_seconds:
-                log.warning("lease %s for job %s expired without a commit", lid, lease.job)
-                expired.append(lid)
-        for lid in expired:
-            self.release(lid)
-        for holder, gone in dead.items():
-            if gone:  # a crashed client leaves its file behind; tidy it if we may
-                with contextlib.suppress(OSError):
-                    (self.shm_dir / holder).unlink()
-        return expired
-
-    def owned_by(self, owner: tuple[int, int]) -> list[str]:
-        """The uncommitted leases granted to process ``owner`` (``(uid, pid)``)."""
-        return [i for i, le in self._leases.items() if le.owner == owner and not le.committed]
 
 
 async def _nothing(need: int, uid: int | None) -> None:

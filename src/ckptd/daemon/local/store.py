@@ -28,8 +28,10 @@ from pathlib import Path
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from .. import faults
+from ..catalog import Catalog, Step
 from ..commit import RenameCommit, Runner
 from ..files import fsync_dir, read_small
+from ..io import IoPool
 
 log = logging.getLogger("ckptd.localstore")
 
@@ -202,3 +204,18 @@ class LocalStore:
         for path in spares:
             path.unlink(missing_ok=True)
         return sum(spares.values())
+
+
+async def retire_replaced(
+    catalog: Catalog, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
+) -> None:
+    """Before ``st`` commits: the local copy of the step its save replaces (an earlier
+    timeline's under the same number, core/timeline.py) goes, once nothing reads it,
+    so the new copy can be renamed into its place. Nothing to do if none."""
+    old = catalog.replacing(st)
+    if old is None:
+        return
+    await catalog.quiet(old)
+    if old.local:  # not set aside or evicted meanwhile
+        await io.run(store.evict, old.job, old.step, ticket=ticket)
+    catalog.replaced(old)

@@ -1,0 +1,255 @@
+"""The leases of a staging pool: granted, held, lent, kept, released, reclaimed.
+
+The bookkeeping half of staging (staging.py decides what to grant under the
+budget): every lease granted and to whom, the segments the memory tier keeps
+(memory.py), and the leases that come back on their own when the client that
+held them is gone (its liveness file unlocked: liveness.py) or, for clients
+naming no such file, after ``lease_timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ckptd.core.errors import Conflict, NotFound
+
+from .lease import Lease, Segment
+from .liveness import SWEEP_SECONDS, check_holder, locked_by_others, sweep_dead_clients
+from .pool import SegmentPool
+from .segments import open_trusted
+
+log = logging.getLogger("ckptd.staging")
+
+
+class Lending(SegmentPool):
+    """Leases over a pool's segments. Methods run on the daemon's event loop."""
+
+    def __init__(
+        self,
+        prefix: str,
+        shm_dir: Path,
+        lease_timeout_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        uid_of: Callable[[str], int | None] = lambda job: None,
+    ) -> None:
+        super().__init__(prefix, shm_dir)
+        self.uid_of = uid_of
+        """The uid owning a job (access.py): its leases reuse only its segments."""
+        self.lease_timeout_seconds = lease_timeout_seconds
+        self._clock = clock
+        self._leases: dict[str, Lease] = {}
+        self._freed = asyncio.Event()
+        self._swept_at = clock()
+
+    def _wake(self) -> None:
+        """Memory came back: wake the saves waiting for it."""
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    # -- accounting --------------------------------------------------------
+    @property
+    def in_use_bytes(self) -> int:
+        """Shared memory in leases (held by clients or being written)."""
+        return sum(s.size for s in self._segments.values() if s.lease_id is not None)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Shared memory the memory tier keeps committed rank files in (memory.py)."""
+        return sum(s.size for s in self._segments.values() if s.kept is not None)
+
+    def free_segments(self) -> list[Segment]:
+        """Segments no lease holds and the memory tier does not keep."""
+        return [s for s in self._segments.values() if s.lease_id is None and s.kept is None]
+
+    @property
+    def committed_bytes(self) -> int:
+        """Shared memory of saves handed off and not yet written to disk."""
+        return sum(lease.segment.size for lease in self._leases.values() if lease.committed)
+
+    @property
+    def leases_held(self) -> int:
+        """Leases granted and not yet returned to the pool."""
+        return len(self._leases)
+
+    # -- lifecycle ---------------------------------------------------------
+    def sweep_dead_clients(self) -> int:
+        """Remove liveness files of clients that died (nobody holds their lock)."""
+        self._swept_at = self._clock()
+        return sweep_dead_clients(self.shm_dir)
+
+    def _grant(
+        self,
+        job: str,
+        seg: Segment,
+        restore: bool = False,
+        holder: str = "",
+        lease_id: str = "",
+        owner: tuple[int, int] | None = None,
+    ) -> Lease:
+        lease = Lease(
+            lease_id or secrets.token_hex(12),
+            job,
+            seg,
+            self._clock(),
+            restore=restore,
+            holder=holder,
+            owner=owner,
+        )
+        seg.lease_id = lease.lease_id
+        uid = owner[0] if owner is not None else self.uid_of(job)
+        if uid is not None:  # never None again once someone could have mapped it
+            seg.uid = uid
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def hold(self, lease: Lease, holder: str, owner: tuple[int, int] | None) -> bool:
+        """The client ``holder`` (process ``owner``) receives this (restore) lease: it
+        comes back at once if that client dies before it maps and locks the segment.
+        False (and the lease released) if another uid used the segment before."""
+        check_holder(holder)
+        if owner is not None and lease.segment.uid not in (None, owner[0]):
+            self.release(lease.lease_id)
+            return False
+        lease.holder, lease.owner = holder, owner
+        if owner is not None:
+            lease.segment.uid = owner[0]
+        return True
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still granted (not expired and reclaimed)."""
+        return self._leases.get(lease.lease_id) is lease
+
+    def lend(self, lease_id: str) -> None:
+        """The client mapped a restore lease and holds it: the segment becomes the
+        trainer's memory. It leaves the pool and the budget (unlinked, the daemon's
+        mapping dropped), so restored arrays a trainer keeps for its whole run (an
+        optimizer's state) never hold staging memory; the pages go when the
+        trainer's last view of them does."""
+        lease = self.get(lease_id)
+        if not lease.restore:
+            raise Conflict(
+                f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
+            )
+        del self._leases[lease_id]
+        if lease.shared and lease.segment.kept is not None:
+            # The memory tier keeps it; the client's copy-on-write mapping shares its
+            # pages until the tier lets it go (memory.py).
+            lease.segment.lease_id = None
+            return
+        self._destroy(lease.segment)
+        self._wake()  # the budget it held is free for saves waiting for memory
+
+    def grant_kept(self, job: str, seg: Segment) -> Lease:
+        """A restore lease on a segment the memory tier keeps, shared: the client maps
+        it copy-on-write and the segment is never granted for a save again."""
+        seg.lent = True
+        lease = self._grant(job, seg, restore=True)
+        lease.shared = True
+        return lease
+
+    def keep(self, lease: Lease, key: tuple[str, int, int]) -> None:
+        """End a committed save lease without freeing its segment: the memory tier
+        keeps ``key``'s rank file in it (memory.py)."""
+        if self._leases.pop(lease.lease_id, None) is not None:
+            lease.segment.lease_id = None
+            lease.segment.kept = key
+
+    def adopt_kept(
+        self, name: str, size: int, uid: int | None, key: tuple[str, int, int]
+    ) -> Segment:
+        """Take over a segment the memory tier of a crashed daemon kept (checked as
+        :meth:`adopt` checks; raises the same)."""
+        if not name.startswith(self.prefix) or "/" in name or name in (".", ".."):
+            raise ValueError(f"segment {name!r} is not one of this root's")
+        self.open()
+        mapping = open_trusted(self.dir / name, size, legacy=self.shm_dir / name)
+        seg = Segment(name, mapping.size, mapping, uid=uid, kept=key)
+        self._segments[name] = seg
+        return seg
+
+    def let_go(self, seg: Segment) -> None:
+        """The memory tier no longer keeps ``seg``: it is free for saves again, unless a
+        restore mapped it and a process maps it still (then it leaves the pool and the
+        budget: those pages are the trainer's now)."""
+        seg.kept = None
+        if seg.lease_id is not None:  # a restore lease not yet taken: it ends with it
+            return
+        if seg.lent and locked_by_others(self.dir / seg.name):
+            self._destroy(seg)
+        seg.lent = False
+        self._wake()
+
+    def get(self, lease_id: str) -> Lease:
+        """The live lease with this id, or NotFound."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(
+                f"unknown lease {lease_id[:40]!r}: it was never granted, was already committed, "
+                "or expired after lease_timeout_seconds; acquire a new lease"
+            )
+        return lease
+
+    def begin_commit(self, lease_id: str) -> Lease:
+        """Mark a lease as handed off: from now on the daemon owns its bytes."""
+        lease = self.get(lease_id)
+        if lease.committed:
+            raise Conflict(f"lease {lease_id!r} was already committed; acquire a new lease")
+        lease.committed = True
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        """Return a lease to the pool (after its commit finished, or if the client gave up).
+        A segment not allocated whole (a download that failed) is dropped instead."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            lease.segment.lease_id = None
+            if lease.segment.kept is None and lease.segment.lent:
+                self.let_go(lease.segment)  # let go while this restore lease was out
+            elif not lease.segment.populated:
+                self._destroy(lease.segment)
+            self._wake()
+
+    def reclaim_expired(self) -> list[str]:
+        """Return leases whose client died (its liveness file is unlocked) or that
+        were held past the timeout without a commit."""
+        now = self._clock()
+        if now - self._swept_at > SWEEP_SECONDS:
+            self.sweep_dead_clients()
+        expired = []
+        dead: dict[str, bool] = {}
+        for lid, lease in list(self._leases.items()):
+            if lease.committed:
+                continue
+            if lease.holder:
+                if lease.holder not in dead:
+                    dead[lease.holder] = not locked_by_others(self.shm_dir / lease.holder)
+                if dead[lease.holder]:
+                    log.warning(
+                        "lease %s of job %s reclaimed: its client exited without committing",
+                        lid,
+                        lease.job,
+                    )
+                    expired.append(lid)
+                # A live client keeps its lease however slow it is (a device copy):
+                # taking it back could let two writers share a segment.
+                continue
+            if now - lease.granted_at > self.lease_timeout_seconds:
+                log.warning("lease %s for job %s expired without a commit", lid, lease.job)
+                expired.append(lid)
+        for lid in expired:
+            self.release(lid)
+        for holder, gone in dead.items():
+            if gone:  # a crashed client leaves its file behind; tidy it if we may
+                with contextlib.suppress(OSError):
+                    (self.shm_dir / holder).unlink()
+        return expired
+
+    def owned_by(self, owner: tuple[int, int]) -> list[str]:
+        """The uncommitted leases granted to process ``owner`` (``(uid, pid)``)."""
+        return [i for i, le in self._leases.items() if le.owner == owner and not le.committed]
