@@ -28,7 +28,7 @@ import numpy as np
 from ckptd.client import CheckpointNotFound, Client, SaveFailed
 from ckptd.client.handle import SaveHandle
 from ckptd.daemon.app.launcher import ckptd_command
-from ckptd.daemon.local.staging import segment_dir, segment_prefix
+from ckptd.daemon.local.staging import KEPT_SUFFIX, segment_dir, segment_prefix
 
 SHM = Path("/dev/shm")
 _probe_steps = itertools.count(int(time.time()))  # a new step for every probe
@@ -124,7 +124,9 @@ def check_no_leaks(daemon: Any, baseline: tuple[int, int] | None = None) -> None
     status = daemon.status()
     assert status.leases_held == 0, f"{status.leases_held} leases still held"
     assert status.saves_in_flight == 0
-    on_disk = sum(p.stat().st_size for p in segment_dir(segment_prefix(daemon.root)).iterdir())
+    seg_dir = segment_dir(segment_prefix(daemon.root))
+    # The memory tier's records (<segment>.kept) are not segments: each names one.
+    on_disk = sum(p.stat().st_size for p in seg_dir.iterdir() if p.suffix != KEPT_SUFFIX)
     assert on_disk == status.staging_allocated_bytes, "segments in /dev/shm the daemon lost"
     if baseline is not None and daemon.proc is not None:
         fds, threads = proc_counts(daemon.proc.pid)

@@ -24,7 +24,16 @@ from ..helpers import flip_byte, state_for
 from .invariants import Ledger, check_all
 
 MIB = 2
-ARGS = ["--drain-retry-max-seconds", "1", "--retention-local", "KeepLatest(10)"]
+# The memory tier off: these faults are the disk's and the bucket's, and a restore
+# served from the intact copy kept in memory would never read the flipped files.
+ARGS = [
+    "--drain-retry-max-seconds",
+    "1",
+    "--retention-local",
+    "KeepLatest(10)",
+    "--memory-tier-steps",
+    "0",
+]
 
 
 def _setup(make_daemon: Any, tmp_path: Path, steps: int = 2) -> tuple[Daemon, Any, Ledger, str]:

@@ -24,7 +24,9 @@ def checkpoint_info(st: Step, plan: Plan | None) -> pb.CheckpointInfo:
         job=st.job,
         step=st.step,
         state=st.state,  # type: ignore[arg-type]
-        tiers=st.tiers(),
+        # The memory tier only here (`ckptd ls`): events and save states follow the
+        # lifecycle, which a copy kept in memory is not part of.
+        tiers=[pb.TIER_MEMORY] * st.in_memory + st.tiers(),
         # A bucket-only step has no local manifest: its time is the one its index entry
         # or marker recorded (the catalog's), never 0 (1970 in every listing).
         created_unix=m.created_unix if m else st.time,

@@ -212,8 +212,7 @@ class Step:
     def tiers(self) -> list[pb.Tier]:
         """The tiers holding a copy (``pb.Tier`` values)."""
         return (
-            [pb.TIER_MEMORY] * self.in_memory
-            + [pb.TIER_LOCAL] * self.local
+            [pb.TIER_LOCAL] * self.local
             + [pb.TIER_REMOTE] * self.in_remote
             + [pb.TIER_PEER] * bool(self.replica_nodes)
         )

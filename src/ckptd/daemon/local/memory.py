@@ -298,11 +298,18 @@ class MemoryTier:
         self.catalog.in_memory(st, ranks)
 
     def _on_event(self, event: Event) -> None:
-        """A step gone from the catalog, or saved again on a new timeline: its copies go."""
+        """A step gone from the catalog, saved again on a new timeline, or no longer
+        restorable (its local copy set aside with none in the bucket, or found
+        unusable): its copies go."""
         key = (event.job, event.step)
         for k in [k for k in self._kept.values() if (k.image.job, k.image.step) == key]:
             st = self.catalog.get(k.image.job, k.image.step)
-            if st is None or st.timeline != k.image.timeline:
+            if (
+                st is None
+                or st.timeline != k.image.timeline
+                or st.unusable
+                or not (st.local or st.in_remote)
+            ):
                 self._evict(k, "its step is gone")
 
     def close(self) -> None:
