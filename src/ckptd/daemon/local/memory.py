@@ -156,7 +156,11 @@ class MemoryTier:
         old = self._kept.pop(key, None)
         if old is not None:
             self._drop(old, "replaced")
-        self._write_record(seg, image, lease.owner)
+        try:
+            self._write_record(seg, image, lease.owner)
+        except OSError as exc:  # /dev/shm full: the step is LOCAL all the same
+            log.warning("memory tier: not keeping %s/%d rank %d: %s", *key, exc)
+            return False
         self.staging.keep(lease, key)
         self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None)
         self._mark(st)
@@ -250,7 +254,7 @@ class MemoryTier:
                 raise
             done, k.checking = k.checking, None
             k.quiet = ok and quiet
-            if not ok:
+            if not ok and self._kept.get(_key(k)) is k:
                 log.error(
                     "the memory tier's copy of %s/%d rank %d does not match its crc32c; "
                     "letting it go",
@@ -288,7 +292,10 @@ class MemoryTier:
     def _drop(self, k: Kept, why: str) -> None:
         with contextlib.suppress(OSError):
             self.staging.path_of(k.segment).with_name(k.segment.name + KEPT_SUFFIX).unlink()
-        self.staging.let_go(k.segment)
+        if k.checking is not None:  # a thread reads it: given back once it is done
+            k.checking.add_done_callback(lambda _: self.staging.let_go(k.segment))
+        else:
+            self.staging.let_go(k.segment)
         st = self.catalog.get(k.image.job, k.image.step)
         if st is not None:
             self._mark(st)
