@@ -150,6 +150,14 @@ def daemon(make_daemon: Any) -> Daemon:
     return d
 
 
+@pytest.fixture
+def disk_daemon(make_daemon: Any) -> Daemon:
+    """One running daemon without the memory tier: its restores read the disk (for
+    tests of what the disk's copies do, which a copy kept in memory would bypass)."""
+    d: Daemon = make_daemon(extra_args=["--memory-tier-steps", "0"])
+    return d
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[Any]:
     """One SeaweedFS S3 server for the whole session (buckets per test)."""

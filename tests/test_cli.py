@@ -24,16 +24,17 @@ def test_ls_and_status_tables_and_json(daemon: Daemon) -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["JOB", "STEP", "STATE", "TIERS"]
-    assert lines[1].split()[:4] == ["cli-job", "20", "LOCAL", "local"]
+    assert lines[1].split()[:4] == ["cli-job", "20", "LOCAL", "memory,local"]
     assert "milestone" in lines[2]
     js = json.loads(run("ls", "cli-job", "--json", "--socket", str(daemon.socket)).stdout)
     assert [(r["step"], r["state"], r["tiers"]) for r in js] == [
-        (20, "LOCAL", ["LOCAL"]),
+        (20, "LOCAL", ["MEMORY", "LOCAL"]),
         (10, "LOCAL", ["LOCAL"]),
     ]
     assert js[1]["milestone"] is True and js[0]["size_bytes"] > 4000
     st = run("status", "--socket", str(daemon.socket))
     assert st.returncode == 0 and "test-node" in st.stdout and "2 in 1 jobs" in st.stdout
+    assert "memory tier" in st.stdout and "in 1 rank files (newest 1 per job" in st.stdout
     sj = json.loads(run("status", "--json", "--socket", str(daemon.socket)).stdout)
     assert sj["node_id"] == "test-node" and sj["checkpoints"] == 2 and sj["protocol_version"] == 1
 

@@ -63,8 +63,13 @@ def test_a_scrape_counts_saves_bytes_latency_and_restores(daemon: Daemon) -> Non
     assert value(m, "ckptd_saves_total", result="local") == 1
     assert value(m, "ckptd_bytes_total", stage="local") > 4096 * 4
     assert value(m, "ckptd_handoff_to_local_seconds_count") == 1
-    assert value(m, "ckptd_restores_total", tier="local") == 1
+    # The trainer's restore of the step it just saved: from the memory tier.
+    assert value(m, "ckptd_restores_total", tier="memory") == 1
+    assert value(m, "ckptd_restores_total", tier="local") == 0
     assert value(m, "ckptd_tier_steps", tier="local") == 1
+    assert value(m, "ckptd_tier_steps", tier="memory") == 1
+    assert value(m, "ckptd_tier_bytes", tier="memory") > 4096 * 4
+    assert value(m, "ckptd_exposure_seconds", job="scraped", tier="memory") >= 0
     assert value(m, "ckptd_local_free_bytes") > 0
     exposure = value(m, "ckptd_exposure_seconds", job="scraped", tier="local")
     # Now minus the step's handoff: between these bounds, whatever the machine's load.

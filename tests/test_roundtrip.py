@@ -202,7 +202,8 @@ def test_list_and_restore_newest_and_missing(daemon: Daemon) -> None:
     for step in (1, 3, 5):
         client.save(step, {"x": np.full(4, step)}, metadata={"s": step}).wait("local")
     assert [c.step for c in client.list()] == [5, 3, 1]
-    assert all(c.state == "LOCAL" and c.tiers == ("LOCAL",) for c in client.list())
+    # Local only (no bucket); the newest is kept in memory too.
+    assert all(c.state == "LOCAL" and c.tiers[-1:] == ("LOCAL",) for c in client.list())
     tree, meta = client.restore()
     assert meta == {"s": 5} and tree["x"][0] == 5
     # A save below the newest is the newest save (a new timeline): it is what comes back.
@@ -231,47 +232,49 @@ def test_restart_rescans_committed_steps(daemon: Daemon) -> None:
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])
-def test_flipped_byte_is_detected_and_never_served(daemon: Daemon, shared_memory: bool) -> None:
-    client = daemon.client("rot")
+def test_flipped_byte_is_detected_and_never_served(
+    disk_daemon: Daemon, shared_memory: bool
+) -> None:
+    client = disk_daemon.client("rot")
     client.save(1, {"x": np.arange(100, dtype=np.int64)}).wait("local")
     client.save(2, {"x": np.arange(100, dtype=np.int64) * 2}).wait("local")
     client.save(3, {"x": np.arange(100, dtype=np.int64) * 3}).wait("local")
-    flip_byte(daemon.root / "rot" / "3" / "rank-00000.safetensors")
+    flip_byte(disk_daemon.root / "rot" / "3" / "rank-00000.safetensors")
     # the newest copy is corrupt: it is set aside and the newest intact one is served
     tree, _ = client.restore(shared_memory=shared_memory)
     np.testing.assert_array_equal(tree["x"], np.arange(100) * 2)
     assert [c.step for c in client.list()] == [2, 1]
-    set_aside = daemon.events_of(pb.STEP_EVENT_SET_ASIDE, "rot")
+    set_aside = disk_daemon.events_of(pb.STEP_EVENT_SET_ASIDE, "rot")
     assert [e.step for e in set_aside] == [3] and "x" in set_aside[0].detail
-    assert len(list((daemon.root / ".corrupt").iterdir())) == 1
+    assert len(list((disk_daemon.root / ".corrupt").iterdir())) == 1
     # asking for a corrupt step by number is an error, not a silent substitute
-    flip_byte(daemon.root / "rot" / "1" / "rank-00000.safetensors", where=-1)
+    flip_byte(disk_daemon.root / "rot" / "1" / "rank-00000.safetensors", where=-1)
     with pytest.raises(CheckpointCorrupt, match="step 1"):
         client.restore(step=1, shared_memory=shared_memory)
     assert [c.step for c in client.list()] == [2]
 
 
-def test_restore_checks_every_chunk_and_the_header(daemon: Daemon) -> None:
+def test_restore_checks_every_chunk_and_the_header(disk_daemon: Daemon) -> None:
     """Restore checks the whole file's crc from chunks read and checksummed side by side:
     a flipped bit in a later chunk names its shard; one in the header's padding (no
     shard covers it) is caught too."""
-    client = daemon.client("chunks")
+    client = disk_daemon.client("chunks")
     state = state_for(0, 20)  # 20 MiB: three 8 MiB chunks
     for step in (1, 2, 3):
         client.save(step, state).wait("local")
-    flip_byte(daemon.root / "chunks" / "3" / "rank-00000.safetensors", where=4096 + 18 * 2**20)
-    flip_byte(daemon.root / "chunks" / "2" / "rank-00000.safetensors", where=4000)
+    flip_byte(disk_daemon.root / "chunks" / "3" / "rank-00000.safetensors", where=4096 + 18 * 2**20)
+    flip_byte(disk_daemon.root / "chunks" / "2" / "rank-00000.safetensors", where=4000)
     tree, _ = client.restore()
     np.testing.assert_array_equal(tree["w0"], state["w0"])
     assert [c.step for c in client.list()] == [1]
-    details = {e.step: e.detail for e in daemon.events_of(pb.STEP_EVENT_SET_ASIDE, "chunks")}
+    details = {e.step: e.detail for e in disk_daemon.events_of(pb.STEP_EVENT_SET_ASIDE, "chunks")}
     assert "w3" in details[3] and "header or padding" in details[2]
 
 
-def test_truncated_file_is_corrupt(daemon: Daemon) -> None:
-    client = daemon.client("trunc")
+def test_truncated_file_is_corrupt(disk_daemon: Daemon) -> None:
+    client = disk_daemon.client("trunc")
     client.save(1, {"x": np.arange(5000, dtype=np.int64)}).wait("local")
-    f = daemon.root / "trunc" / "1" / "rank-00000.safetensors"
+    f = disk_daemon.root / "trunc" / "1" / "rank-00000.safetensors"
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size - 100)
     with pytest.raises(CheckpointCorrupt):
@@ -345,7 +348,7 @@ def test_only_restore_leases_can_be_held_by_the_client(daemon: Daemon) -> None:
     assert "not a restore lease" in (info.value.details() or "")
 
 
-def test_many_saves_reuse_one_lease_segment(daemon: Daemon, tmp_path: Path) -> None:
+def test_many_saves_reuse_two_lease_segments(daemon: Daemon, tmp_path: Path) -> None:
     client = daemon.client("reuse")
     state = {"w": np.zeros(2**20, np.float32)}
     for step in range(6):
@@ -353,7 +356,10 @@ def test_many_saves_reuse_one_lease_segment(daemon: Daemon, tmp_path: Path) -> N
         client.save(step, state).wait("local")
     segs = [p for p in Path("/dev/shm").iterdir() if p.name.startswith("ckptd-")]
     st = status(daemon)
-    assert st.staging_allocated_bytes == 4 * 2**20  # one 4 MiB segment, reused six times
+    # Two 4 MiB segments, reused in turn: the newest step kept in one (the memory
+    # tier), the next save written into the other.
+    assert st.staging_allocated_bytes == 2 * 4 * 2**20
+    assert st.memory_tier_files == 1
     assert st.leases_held == 0 and len(segs) >= 1
     tree, _ = client.restore()
     assert float(tree["w"][0]) == 6.0

@@ -33,7 +33,13 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def _exposure(samples: Samples) -> dict[tuple[tuple[str, str], ...], float]:
-    return {labels: v for (name, labels), v in samples.items() if name == "ckptd_exposure_seconds"}
+    """The exposure series, but the memory tier's (the local tier's, or older: no rule
+    alerts on it)."""
+    return {
+        labels: v
+        for (name, labels), v in samples.items()
+        if name == "ckptd_exposure_seconds" and ("tier", "memory") not in labels
+    }
 
 
 def _scrape_until(daemon: DaemonProcess, done: Any, what: str) -> Samples:
