@@ -47,7 +47,8 @@ SLACK = {"rss_bytes": 8 * MIB, "rss_anon_bytes": 8 * MIB, "fds": 4, "threads": 2
 STATUS_FIELDS = (  # copied from GetStatus into each sample
     "staging_allocated_bytes", "staging_in_use_bytes", "leases_held", "saves_in_flight",
     "drain_queue", "drain_error", "checkpoints", "local_used_bytes", "evicted_local",
-    "evicted_remote", "job_errors",
+    "evicted_remote", "job_errors", "memory_tier_bytes", "memory_tier_files",
+    "memory_tier_evicted",
 )
 # fmt: on
 
@@ -209,6 +210,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     floor = max(2**30, shutil.disk_usage(run_dir).free - int(args.disk_cap_gib * 2**30))
     extra = ["--remote", f"file://{run_dir / 'bucket'}", "--local-floor", str(floor)]
     extra += ["--retention-local", keep, "--retention-remote", keep]
+    if args.memory_tier_steps is not None:
+        extra += ["--memory-tier-steps", str(args.memory_tier_steps)]
+    if args.staging_budget_mib:
+        extra += ["--staging-budget-bytes", f"{args.staging_budget_mib}MiB"]
     daemon = Daemon(root, run_dir / "ckptd.sock", extra_args=extra).start()
     notes: list[str] = []
     try:
@@ -311,6 +316,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         },
         "save_block_s": block,
         "saves_blocked_over_1s": sum(r.get("blocked_over_1s", 0) for r in results),
+        "error_types": dict(sum((Counter(r["error_types"]) for r in results), Counter())),
+        "memory_tier": {k: curve[-1][k] for k in STATUS_FIELDS if k.startswith("memory_tier")},
         "shm_left_behind": left,
         "notes": notes,
         "daemon_warning_count": len(warnings),
@@ -338,6 +345,11 @@ def report(doc: dict[str, Any]) -> bool:
         ["MiB/s handed off", doc["mib_per_s"]],
         ["save() blocked s: P50 / P99 / max", " / ".join(f"{blk.get(q, 0):.3f}" for q in BLOCK_Q)],
         ["saves blocked over 1 s", doc["saves_blocked_over_1s"]],
+        ["save errors by type", doc["error_types"] or "-"],
+        ["memory tier at the end: MiB / files / let go",
+         "{memory_tier_bytes} / {memory_tier_files} / {memory_tier_evicted}".format(
+             **{**doc["memory_tier"],
+                "memory_tier_bytes": doc["memory_tier"]["memory_tier_bytes"] // MIB})],
         ["peak checkpoints listed under load (bound)", f"{bl['peak_checkpoints']} ({bl['bound']})"],
         ["peak local tier MiB under load", bl["peak_local_used_bytes"] / MIB],
         ["last steps LOCAL at the end", yes[not doc["final_check_problems"]]],
@@ -388,6 +400,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--step-seconds", type=float, default=0.02, help="simulated compute per step (0.02)"
+    )
+    p.add_argument(
+        "--memory-tier-steps", type=int, help="the daemon's memory_tier_steps (default: its own)"
+    )
+    p.add_argument(
+        "--staging-budget-mib", type=int, help="the daemon's staging budget (default: its own)"
     )
     p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch dir (same disk)")
     p.add_argument("--name", default="soak", help="results file bench/results/NAME.json")
