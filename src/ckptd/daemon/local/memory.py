@@ -340,6 +340,10 @@ class MemoryTier:
         if size < image.data_len:
             return False
         seg = self.staging.adopt_kept(name, size, self.staging.uid_of(image.job), key)
+        # A trainer the last daemon restored from it may map it still: when the tier
+        # lets it go, it goes back to the pool only if nobody maps it (else a save
+        # would write under that trainer's restored arrays).
+        seg.lent = True
         # Its writer is unknown (it may live on): every restore checks it.
         self._kept[key] = Kept(image, seg, None, False)
         self._mark(st)
