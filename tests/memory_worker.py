@@ -4,6 +4,7 @@ Usage: ``python memory_worker.py SOCKET JOB``; then one command a line on stdin,
 each answered by one line on stdout:
 
 - ``save STEP SEED``: save ``state(SEED)`` as STEP, wait until LOCAL: ``LOCAL``.
+- ``dcp-save STEP SEED``: the same through ``dcp.save`` of ``torch_state(SEED)``.
 - ``restore``: restore the newest step and keep the arrays: ``RESTORED <step>``.
 - ``check SEED``: whether the arrays it keeps are still ``state(SEED)``: ``SAME`` or
   ``CHANGED``.
@@ -39,6 +40,19 @@ def state(seed: int) -> dict[str, np.ndarray]:
     }
 
 
+def torch_state(seed: int) -> dict[str, Any]:
+    """A deterministic torch state of about 2 MiB in tensors of four dtypes."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "weight": torch.randn(512, 512, generator=g),
+        "bias": torch.randn(4096, generator=g, dtype=torch.float64),
+        "half": torch.randn(256, 1024, generator=g).to(torch.bfloat16),
+        "steps": torch.randint(0, 2**40, (8, 64), generator=g, dtype=torch.int64),
+    }
+
+
 def same(tree: Any, want: dict[str, np.ndarray]) -> bool:
     """Bit-exact, dtypes and shapes included."""
     return sorted(tree) == sorted(want) and all(
@@ -58,6 +72,14 @@ def main() -> None:
         if cmd == "save":
             step, seed = int(args[0]), int(args[1])
             client.save(step, state(seed), metadata={"step": step}).wait("local")
+            out = "LOCAL"
+        elif cmd == "dcp-save":  # through torch.distributed.checkpoint
+            import torch.distributed.checkpoint as dcp
+
+            from ckptd.client.torch import CkptdWriter
+
+            step, seed = int(args[0]), int(args[1])
+            dcp.save(torch_state(seed), checkpoint_id=step, storage_writer=CkptdWriter(client))
             out = "LOCAL"
         elif cmd == "restore":
             held, meta = client.restore()

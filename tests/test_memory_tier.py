@@ -173,7 +173,9 @@ def test_a_copy_its_writer_corrupted_is_never_served(make_daemon: Any, writer: s
     d = memory_daemon(make_daemon)
     t = Trainer(d, "bad")
     t.save(4, seed=4)
-    assert d.status().memory_tier_files == 1
+    tree, tier = restore(d, "bad")  # checked while its writer lives: intact
+    assert tier == "memory"
+    assert_exact(tree, state(4))
     assert t.do("corrupt") == "CORRUPTED"  # through its own mapping: the kept bytes
     if writer == "exited":
         t.kill()  # the tier checks the copy once its writer is gone, and lets it go
@@ -357,3 +359,49 @@ def test_arrays_restored_from_memory_never_change_under_the_trainer(
     for step in (2, 3, 4):
         t.save(step, seed=step)
     assert t.do("check 1") == "SAME"
+
+
+# -- 8. another uid -------------------------------------------------------------------------------
+@pytest.mark.parametrize("daemon_crash", [False, True])
+def test_another_uid_never_gets_the_first_uids_segment(daemon_crash: bool) -> None:
+    from .test_security import Node, two_user_daemon
+
+    with two_user_daemon("ckmem", ["--shared-jobs", "shared-*"]) as (base, d):
+        node = Node(base, d, base)
+        want = float(np.arange(4096, dtype=np.float32).sum())
+        assert node.run("ckptd-ta", "save", "shared-m", "1") == {"ok": True}
+        wait_status(d, lambda s: s.memory_tier_files == 1)
+        if daemon_crash:  # a segment taken back: its uid must be known still
+            d.kill()
+            d.restart()
+            assert d.status().memory_tier_files == 1
+        before = d.status().memory_tier_restores
+        assert node.run("ckptd-tb", "restore", "shared-m") == {"ok": True, "sum": want}
+        assert d.status().memory_tier_restores == before  # served from the disk
+        assert node.run("ckptd-ta", "restore", "shared-m") == {"ok": True, "sum": want}
+        assert d.status().memory_tier_restores == before + 1  # the tier held it all along
+
+
+# -- 9. torch DCP ---------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_dcp_reader_restores_from_memory_after_a_trainer_sigkill(make_daemon: Any) -> None:
+    torch = pytest.importorskip("torch", reason="the DCP reader needs torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ckptd.client.torch import CkptdReader
+
+    from .memory_worker import torch_state
+
+    d = memory_daemon(make_daemon)
+    t = Trainer(d, "dcp")
+    assert t.do("dcp-save 6 6") == "LOCAL"
+    t.kill()
+    wait_status(d, lambda s: s.memory_tier_files == 1)
+    want = torch_state(6)
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    before = d.status().memory_tier_restores
+    dcp.load(got, storage_reader=CkptdReader("dcp", socket=d.socket))
+    assert d.status().memory_tier_restores > before
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
