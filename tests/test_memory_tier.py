@@ -40,8 +40,12 @@ def _no_trainer_left() -> Iterator[None]:
 
 # -- helpers ---------------------------------------------------------------------------
 def memory_daemon(make_daemon: Any, *args: str, **kw: Any) -> Daemon:
-    """A daemon whose retention keeps every step (the tier's rules alone decide)."""
-    d: Daemon = make_daemon(extra_args=["--retention-local", "KeepLatest(100)", *args], **kw)
+    """A daemon whose retention keeps every step (the tier's rules alone decide), with
+    the tier's default of one step per job unless ``args`` say otherwise."""
+    d: Daemon = make_daemon(
+        extra_args=["--retention-local", "KeepLatest(100)", "--memory-tier-steps", "1", *args],
+        **kw,
+    )
     return d
 
 
@@ -405,3 +409,34 @@ def test_the_dcp_reader_restores_from_memory_after_a_trainer_sigkill(make_daemon
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
         assert torch.equal(got[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+
+
+# -- a rank from memory, another rank's file corrupt on disk ---------------------------------
+def test_a_corrupt_file_of_another_rank_is_set_aside_when_one_rank_came_from_memory(
+    make_daemon: Any,
+) -> None:
+    jax = pytest.importorskip("jax")
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from .helpers import flip_byte
+
+    d = memory_daemon(make_daemon)
+    m = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    host = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+
+    def clients() -> list[Any]:
+        return [d.client("ranks", rank=r, node_ranks=[0, 1], world_size=2) for r in (0, 1)]
+
+    for step in (1, 2):
+        w = jax.device_put(host * step, NamedSharding(m, P("x", "y")))
+        for h in [c.save(step, {"w": w}) for c in clients()]:
+            h.wait("local", 60)
+    assert memory_steps(d, "ranks") == [2] and d.status().memory_tier_files == 2
+    flip_byte(d.root / "ranks" / "2" / "rank-00000.safetensors")
+    # Rank 1's own file comes from memory; the global array needs rank 0's shards,
+    # read from its file: corrupt, so step 2 is set aside and step 1 is served.
+    tree, _ = clients()[1].restore()
+    np.testing.assert_array_equal(np.asarray(tree["w"]), host)
+    assert [e.step for e in d.events_of(pb.STEP_EVENT_SET_ASIDE, "ranks")] == [2]
+    assert memory_steps(d, "ranks") == []
