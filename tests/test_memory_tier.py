@@ -8,12 +8,12 @@ line the trainer prints, never a sleep.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,7 @@ def kept_segments(daemon: Daemon) -> list[Path]:
 
 
 def flip(segment: Path, where: int = 8192) -> None:
-    """Root writes into a kept segment by name (outside the tier's model: see below)."""
+    """Write into a kept segment by name, as root (the tests run as root)."""
     with open(segment, "r+b") as f:
         f.seek(where)
         b = f.read(1)
@@ -146,7 +146,7 @@ def flip(segment: Path, where: int = 8192) -> None:
         f.write(bytes([b[0] ^ 0x40]))
 
 
-# -- 1. a trainer killed after a save restarts from memory -----------------------------
+# -- a trainer killed after a save restarts from memory -----------------------------
 def test_a_killed_trainer_restores_from_memory_bit_exact_and_copy_on_write(
     make_daemon: Any,
 ) -> None:
@@ -164,14 +164,11 @@ def test_a_killed_trainer_restores_from_memory_bit_exact_and_copy_on_write(
     assert tier == "memory"
     assert_exact(again, state(5))
     assert not np.asarray(tree["f32"]).any()  # the first restore's writes stayed its own
-    m = d.metrics_url()
-    import urllib.request
-
-    text = urllib.request.urlopen(m, timeout=30).read().decode()
+    text = urllib.request.urlopen(d.metrics_url(), timeout=30).read().decode()
     assert 'ckptd_restores_total{tier="memory"} 2.0' in text
 
 
-# -- 2. a corrupt copy is never served -------------------------------------------------
+# -- a corrupt copy is never served -------------------------------------------------
 @pytest.mark.parametrize("writer", ["alive", "exited"])
 def test_a_copy_its_writer_corrupted_is_never_served(make_daemon: Any, writer: str) -> None:
     d = memory_daemon(make_daemon)
@@ -211,12 +208,10 @@ def test_a_copy_corrupted_while_the_daemon_was_down_is_never_served(make_daemon:
     assert memory_steps(d, "down") == []
 
 
-# -- 3. saves come first -----------------------------------------------------------------
+# -- saves come first -----------------------------------------------------------------
 def test_memory_pressure_evicts_the_tier_before_a_save_waits(make_daemon: Any) -> None:
     # A save's segment is 4 MiB: the budget holds two and a half.
-    d = memory_daemon(
-        make_daemon, "--staging-budget-bytes", "10MiB", "--memory-tier-steps", "100"
-    )
+    d = memory_daemon(make_daemon, "--staging-budget-bytes", "10MiB", "--memory-tier-steps", "100")
     clients = [d.client("p0", staging_timeout=0.0), d.client("p1", staging_timeout=0.0)]
     for step in range(1, 6):
         for c in clients:
@@ -234,7 +229,7 @@ def test_memory_pressure_evicts_the_tier_before_a_save_waits(make_daemon: Any) -
         assert_exact(tree, state(5))
 
 
-# -- 4. a daemon restart ------------------------------------------------------------------
+# -- a daemon restart ------------------------------------------------------------------
 def test_a_daemon_sigkill_keeps_the_memory_tier(make_daemon: Any) -> None:
     d = memory_daemon(make_daemon)
     saved_by_trainer(d, "crash", 3, seed=3)
@@ -276,7 +271,7 @@ def test_segments_gone_after_a_daemon_sigkill_restore_from_disk(make_daemon: Any
     assert_exact(tree, state(3))
 
 
-# -- 5. two jobs, one budget ----------------------------------------------------------------
+# -- two jobs, one budget ----------------------------------------------------------------
 def test_two_jobs_share_the_tiers_cap(make_daemon: Any) -> None:
     d = memory_daemon(make_daemon, "--memory-tier-bytes", "4MiB")
     assert d.status().memory_tier_budget_bytes == 4 * 2**20
@@ -295,7 +290,7 @@ def test_two_jobs_share_the_tiers_cap(make_daemon: Any) -> None:
     assert d.status().memory_tier_bytes <= 4 * 2**20
 
 
-# -- 6. how many steps -------------------------------------------------------------------------
+# -- how many steps -------------------------------------------------------------------------
 def test_a_newer_step_replaces_the_older_in_memory(make_daemon: Any) -> None:
     d = memory_daemon(make_daemon)
     t = Trainer(d, "newer")
@@ -324,7 +319,7 @@ def test_memory_tier_steps_0_keeps_nothing(make_daemon: Any) -> None:
     assert_exact(tree, state(1))
 
 
-# -- 7. timelines -----------------------------------------------------------------------------
+# -- timelines -----------------------------------------------------------------------------
 def test_a_step_number_reused_on_a_new_timeline_never_serves_the_old_bytes(
     make_daemon: Any,
 ) -> None:
@@ -365,7 +360,7 @@ def test_arrays_restored_from_memory_never_change_under_the_trainer(
     assert t.do("check 1") == "SAME"
 
 
-# -- 8. another uid -------------------------------------------------------------------------------
+# -- another uid -------------------------------------------------------------------------------
 @pytest.mark.parametrize("daemon_crash", [False, True])
 def test_another_uid_never_gets_the_first_uids_segment(daemon_crash: bool) -> None:
     from .test_security import Node, two_user_daemon
@@ -386,7 +381,7 @@ def test_another_uid_never_gets_the_first_uids_segment(daemon_crash: bool) -> No
         assert d.status().memory_tier_restores == before + 1  # the tier held it all along
 
 
-# -- 9. torch DCP ---------------------------------------------------------------------------------
+# -- torch DCP ---------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_dcp_reader_restores_from_memory_after_a_trainer_sigkill(make_daemon: Any) -> None:
     torch = pytest.importorskip("torch", reason="the DCP reader needs torch")
