@@ -313,19 +313,22 @@ class MemoryTier:
 
     def adopt_leftovers(self) -> int:
         """At start-up, before the staging leftovers are removed: take back the kept
-        segments of a daemon that crashed, each whose record matches a LOCAL step."""
+        segments of a daemon that crashed, each whose record matches a LOCAL step, within
+        this daemon's limits; how many rank files it keeps."""
         if not self.steps or not self.staging.dir.is_dir():
             return 0
-        taken = 0
         for record in sorted(self.staging.dir.glob("*" + KEPT_SUFFIX)):
             name = record.name.removesuffix(KEPT_SUFFIX)
             try:
                 fields = json.loads(record.read_text())
                 size = int(fields.pop("size"))
-                taken += self._adopt(name, Image(**fields), size)
+                self._adopt(name, Image(**fields), size)
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("memory tier: not taking back segment %s: %s", name, exc)
-        return taken
+        # The last daemon may have kept more (its limits were larger): these are ours.
+        for job in sorted({k.image.job for k in self._kept.values()}):
+            self._trim(job)
+        return self.files
 
     def _adopt(self, name: str, image: Image, size: int) -> bool:
         st = self.catalog.get(image.job, image.step)
