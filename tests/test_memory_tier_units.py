@@ -210,3 +210,24 @@ def test_a_restarted_daemon_takes_back_only_records_that_match_the_catalog(
         assert m.staging.remove_leftovers() >= 4  # b's and step 2's segments and records
 
     run(body)
+
+
+def test_a_restarted_daemon_keeps_no_more_than_its_own_limits(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, steps=3)
+        images = [await n.save("a", step, step, owner=None) for step in (1, 2, 3)]
+        # The new daemon keeps one step per job: the newest is taken back, no more.
+        m = Node(tmp_path, steps=1)
+        for image in images:
+            st = m.catalog.begin(image.job, image.step)
+            rec = RankRecord(
+                0, "rank-00000.safetensors", image.header_len + image.data_len, image.file_crc, None
+            )
+            m.catalog.committed(
+                st, Manifest(image.job, image.step, "node-a", 1, 1.0, [rec], timeline=0)
+            )
+        m.tier.adopt_leftovers()
+        assert m.kept() == [("a", 3)]
+        assert m.tier.kept_bytes <= m.tier.budget_bytes
+
+    run(body)
