@@ -8,6 +8,7 @@ line the trainer prints, never a sleep.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 from ckptd.daemon.local.staging import KEPT_SUFFIX, segment_dir, segment_prefix
 from ckptd.proto import ckptd_pb2 as pb
 
-from .conftest import Daemon
+from .conftest import CKPTD, Daemon
 from .memory_worker import state
 
 WORKER = Path(__file__).with_name("memory_worker.py")
@@ -300,6 +301,18 @@ def test_a_newer_step_replaces_the_older_in_memory(make_daemon: Any) -> None:
     t.kill()
     st = wait_status(d, lambda s: s.memory_tier_files == 1)
     assert st.memory_tier_evicted == 2
+    ls = subprocess.run(
+        [CKPTD, "ls", "newer", "--json", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ls.returncode == 0, ls.stderr
+    assert [(r["step"], r["tiers"]) for r in json.loads(ls.stdout)] == [
+        (3, ["MEMORY", "LOCAL"]),
+        (2, ["LOCAL"]),
+        (1, ["LOCAL"]),
+    ]
     tree, tier = restore(d, "newer", step=2)
     assert tier == "other"
     assert_exact(tree, state(2))
