@@ -340,8 +340,8 @@ def test_a_step_number_reused_on_a_new_timeline_never_serves_the_old_bytes(
     t = Trainer(d, "tl")
     t.save(3, seed=3)
     t.save(5, seed=5)
-    assert t.do("restore") == "RESTORED 5"  # a rollback to 5, then to 3's number
-    t.save(3, seed=33)  # a new timeline: step 3 again, other bytes
+    assert t.do("restore") == "RESTORED 5"
+    t.save(3, seed=33)  # a rollback saves under an older step's number: a new timeline
     t.kill()
     tree, _ = restore(d, "tl", step=3)
     assert_exact(tree, state(33))
