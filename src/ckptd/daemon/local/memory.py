@@ -337,19 +337,22 @@ class MemoryTier:
 
     def adopt_leftovers(self) -> int:
         """At start-up, before the staging leftovers are removed: take back the kept
-        segments of a daemon that crashed, each whose record matches a LOCAL step."""
+        segments of a daemon that crashed, each whose record matches a LOCAL step, within
+        this daemon's limits; how many rank files it keeps."""
         if not self.steps or not self.staging.dir.is_dir():
             return 0
-        taken = 0
         for record in sorted(self.staging.dir.glob("*" + KEPT_SUFFIX)):
             name = record.name.removesuffix(KEPT_SUFFIX)
             try:
                 fields = json.loads(record.read_text())
                 size, who = int(fields.pop("size")), fields.pop("writer", None)
-                taken += self._adopt(name, Image(**fields), size, who)
+                self._adopt(name, Image(**fields), size, who)
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("memory tier: not taking back segment %s: %s", name, exc)
-        return taken
+        # The last daemon may have kept more (its limits were larger): these are ours.
+        for job in sorted({k.image.job for k in self._kept.values()}):
+            self._trim(job)
+        return self.files
 
     def _adopt(self, name: str, image: Image, size: int, who: Any) -> bool:
         st = self.catalog.get(image.job, image.step)
@@ -364,6 +367,10 @@ class MemoryTier:
         if size < image.data_len:
             return False
         seg = self.staging.adopt_kept(name, size, self.staging.uid_of(image.job), key)
+        # A trainer the last daemon restored from it may map it still: when the tier
+        # lets it go, it goes back to the pool only if nobody maps it (else a save
+        # would write under that trainer's restored arrays).
+        seg.lent = True
         # A writer that lives on is followed again (its next session's end says when
         # it exits); one already gone leaves nothing to wait for: checked once now.
         # A record naming none: every restore checks it.

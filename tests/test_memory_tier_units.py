@@ -1,0 +1,233 @@
+"""The memory tier's rules alone (local/memory.py), on a real staging pool (in a temp
+directory) and a real catalog: which copy a save takes first, when a copy is checked,
+and which leftovers a restarted daemon takes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.core import checksum
+from ckptd.core.errors import NotFound
+from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.daemon.catalog import Catalog
+from ckptd.daemon.local import memory as memory_module
+from ckptd.daemon.local.lease import Want
+from ckptd.daemon.local.memory import Image, MemoryTier
+from ckptd.daemon.local.staging import KEPT_SUFFIX, Staging
+
+MiB = 2**20
+UID = os.getuid()
+HEADER = b"h" * 64
+
+
+class Node:
+    """A staging pool, a catalog and the tier over them; background work is awaited
+    by :meth:`settle` (the daemon's supervisor would run it)."""
+
+    def __init__(self, tmp_path: Path, budget: int = 16 * MiB, steps: int = 1) -> None:
+        self.staging = Staging("ckptd-test-", budget, 600.0, shm_dir=tmp_path)
+        self.staging.open()
+        self.catalog = Catalog("node-a")
+        self.spawned: list[asyncio.Task[None]] = []
+        self.tier = MemoryTier(self.staging, self.catalog, steps, 0, self._spawn)
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        self.spawned.append(asyncio.ensure_future(coro))
+
+    async def settle(self) -> None:
+        await asyncio.gather(*self.spawned)
+        self.spawned.clear()
+
+    async def save(
+        self, job: str, step: int, fill: int, owner: tuple[int, int] | None = (UID, 1)
+    ) -> Image:
+        """A committed one-rank step of 4 MiB whose lease the tier is offered."""
+        data = bytes([fill]) * (4 * MiB)
+        lease = await self.staging.acquire(job, len(data), owner=owner)
+        lease.segment.view(0, len(data))[:] = data
+        file_crc = checksum.value(HEADER + data)
+        st = self.catalog.begin(job, step)
+        record = RankRecord(0, "rank-00000.safetensors", len(HEADER) + len(data), file_crc, None)
+        self.catalog.committed(
+            st,
+            Manifest(
+                job=job,
+                step=step,
+                node="node-a",
+                world_size=1,
+                created_unix=1.0,
+                ranks=[record],
+                timeline=st.timeline,
+                forks=st.forks,
+            ),
+        )
+        image = Image(
+            job, step, 0, st.timeline, len(HEADER), checksum.value(HEADER), len(data), file_crc
+        )
+        if not self.tier.keep(st, lease, image):
+            self.staging.release(lease.lease_id)
+        return image
+
+    def kept(self) -> list[tuple[str, int]]:
+        return sorted((j, s) for (j, s, _) in self.tier._kept)
+
+    def flip(self, job: str, step: int) -> None:
+        seg = self.tier._kept[(job, step, 0)].segment
+        view = seg.view(0, 8)
+        view[3] ^= 0x40
+
+    async def bring(self, job: str, step: int) -> None:
+        """A restore from the tier; its lease is given back at once."""
+        handed = await self.tier.bring(job, step, Want(0, True, UID))
+        assert handed is not None
+        self.staging.release(handed.lease.lease_id)
+
+
+def run(body: Any) -> None:
+    asyncio.run(body())
+
+
+def test_a_save_takes_an_older_step_first_then_the_least_recently_kept(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB, steps=2)
+        await n.save("b", 1, 3)
+        await n.save("a", 1, 1)
+        await n.save("a", 2, 2)
+        held = [await n.staging.acquire("c", 4 * MiB, owner=(UID, 2))]  # room left
+        assert len(n.kept()) == 3 and n.tier.evicted == 0
+        held.append(await n.staging.acquire("c", 4 * MiB, owner=(UID, 2)))  # full
+        assert n.kept() == [("a", 2), ("b", 1)]  # a/1: older than its job's newest
+        held.append(await n.staging.acquire("c", 4 * MiB, owner=(UID, 2)))
+        assert n.kept() == [("a", 2)]  # newest steps both: the one kept first went
+        assert n.tier.evicted == 2 and n.tier.kept_bytes == 4 * MiB
+        assert n.staging.allocated_bytes <= n.staging.budget_bytes
+        for lease in held:
+            n.staging.release(lease.lease_id)
+
+    run(body)
+
+
+def test_a_save_never_waits_while_the_tier_holds_memory(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=8 * MiB, steps=10)
+        for step in range(1, 6):  # each save finds the whole budget kept
+            await n.save("a", step, step)
+            assert n.tier.kept_bytes <= 8 * MiB
+        assert n.kept() == [("a", 4), ("a", 5)]
+
+    run(body)
+
+
+def test_a_copy_is_checked_at_every_restore_while_its_writer_lives(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path)
+        await n.save("a", 1, 7, owner=(UID, 4242))
+        await n.bring("a", 1)
+        n.flip("a", 1)  # the live writer writes into it
+        with pytest.raises(NotFound, match="failed its checksum"):
+            await n.bring("a", 1)
+        assert n.kept() == [] and n.tier.evicted == 1
+
+    run(body)
+
+
+def test_a_copy_is_checked_once_after_its_writer_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks: list[tuple[str, int]] = []
+    real = memory_module._intact
+
+    def counted(k: Any) -> bool:
+        checks.append((k.image.job, k.image.step))
+        return real(k)
+
+    monkeypatch.setattr(memory_module, "_intact", counted)
+
+    async def body() -> None:
+        n = Node(tmp_path)
+        await n.save("a", 1, 7, owner=(UID, 4242))
+        await n.save("b", 1, 8, owner=None)  # a replayed handoff: writer unknown
+        n.tier.writer_gone((UID, 4242))
+        await n.settle()
+        assert checks == [("a", 1)]  # in the background, before any restore
+        for _ in range(3):
+            await n.bring("a", 1)
+            await n.bring("b", 1)
+        assert checks == [("a", 1)] + [("b", 1)] * 3  # an unknown writer: every time
+
+    run(body)
+
+
+def test_a_copy_of_another_timeline_is_never_served(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, steps=3)
+        await n.save("a", 5, 5)
+        await n.save("a", 6, 6)
+        n.catalog.begin("a", 5)  # a rollback saves step 5 again: a new timeline
+        assert n.kept() == [("a", 6)]  # the old step 5 went with its step
+        with pytest.raises(NotFound):
+            await n.bring("a", 5)
+
+    run(body)
+
+
+def test_a_restarted_daemon_takes_back_only_records_that_match_the_catalog(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, steps=3)
+        good = await n.save("a", 1, 1, owner=None)
+        other = await n.save("a", 2, 2, owner=None)
+        bad = await n.save("b", 1, 3, owner=None)
+        records = sorted(n.staging.dir.glob("*" + KEPT_SUFFIX))
+        assert len(records) == 3
+        # What the records say, rewritten: b's crc32c is another file's.
+        for r in records:
+            fields = json.loads(r.read_text())
+            if fields["job"] == "b":
+                r.write_text(json.dumps({**fields, "file_crc": fields["file_crc"] ^ 1}))
+        # A new daemon on the same segments: step 2 is gone from its catalog.
+        m = Node(tmp_path, steps=3)
+        for image in (good, bad):
+            st = m.catalog.begin(image.job, image.step)
+            rec = RankRecord(
+                0, "rank-00000.safetensors", image.header_len + image.data_len, image.file_crc, None
+            )
+            m.catalog.committed(
+                st, Manifest(image.job, image.step, "node-a", 1, 1.0, [rec], timeline=0)
+            )
+        del other
+        assert m.tier.adopt_leftovers() == 1
+        assert m.kept() == [("a", 1)]
+        await m.bring("a", 1)
+        assert m.staging.remove_leftovers() >= 4  # b's and step 2's segments and records
+
+    run(body)
+
+
+def test_a_restarted_daemon_keeps_no_more_than_its_own_limits(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, steps=3)
+        images = [await n.save("a", step, step, owner=None) for step in (1, 2, 3)]
+        # The new daemon keeps one step per job: the newest is taken back, no more.
+        m = Node(tmp_path, steps=1)
+        for image in images:
+            st = m.catalog.begin(image.job, image.step)
+            rec = RankRecord(
+                0, "rank-00000.safetensors", image.header_len + image.data_len, image.file_crc, None
+            )
+            m.catalog.committed(
+                st, Manifest(image.job, image.step, "node-a", 1, 1.0, [rec], timeline=0)
+            )
+        m.tier.adopt_leftovers()
+        assert m.kept() == [("a", 3)]
+        assert m.tier.kept_bytes <= m.tier.budget_bytes
+
+    run(body)
