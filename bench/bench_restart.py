@@ -9,7 +9,7 @@ trainer process restores it. Arms, on the same state in the same run, interleave
   ckptd's cold restore;
 - ``dlrover``: DLRover Flash Checkpoint (``DdpCheckpointer``) saving to memory,
   its agent's saver in a process of its own; the new trainer's ``load_checkpoint()``
-  from shared memory (its own venv: ``make .venv-dlrover``);
+  from shared memory (its own venv: ``make bench-dlrover``);
 - ``dcp``: PyTorch DCP ``save`` to a directory, the new trainer's ``dcp.load``.
 
 Every step's files are evicted from the page cache before the restart (the memory
@@ -40,7 +40,15 @@ from common import (
     summarize,
     write_results,
 )
-from restart_arms import Arm, DlroverAgent, python_ok, this_python, tier_args, write_image
+from restart_arms import (
+    Arm,
+    DlroverAgent,
+    python_ok,
+    this_python,
+    tier_args,
+    versions,
+    write_image,
+)
 from transformer_arms import eight_array_state, leaves, transformer_state
 
 ARMS = ("ckptd-memory", "ckptd-disk", "dlrover", "dcp")
@@ -96,11 +104,13 @@ def run(args: argparse.Namespace, run_dir: Path, notes: list[str]) -> dict[str, 
     """Start the daemons, then per state: one warm-up and ``--reps`` rounds of every arm."""
     arms = args.arms.split(",")
     if "dlrover" in arms and (why := python_ok(args.dlrover_python, "dlrover")):
-        notes.append(f"dlrover arm skipped ({why}): `make .venv-dlrover` installs it")
+        notes.append(f"dlrover arm skipped ({why}): `make bench-dlrover` installs it")
         arms.remove("dlrover")
     if "dcp" in arms and (why := python_ok(this_python(), "torch.distributed.checkpoint")):
         notes.append(f"dcp arm skipped ({why}): `make bench-deps`")
         arms.remove("dcp")
+    if not arms:
+        raise SystemExit(f"bench_restart: no arm left to run: {'; '.join(notes)}")
     layouts = images(args, run_dir)
     base = ["--retention-local", "KeepLatest(2)"]
     flag = not args.no_tier_flag
@@ -170,6 +180,12 @@ def run(args: argparse.Namespace, run_dir: Path, notes: list[str]) -> dict[str, 
         "nbytes": {s: layout["nbytes"] for s, layout in layouts.items()},
         "arms": arms,
         "daemon_args": {a: d.args for a, d in daemons.items()},
+        "versions": {
+            "dlrover_venv": versions(args.dlrover_python, ("dlrover", "torch"))
+            if "dlrover" in arms
+            else {},
+            "venv": versions(this_python(), ("torch", "numpy")),
+        },
         "loadavg_start_end": [*load, os.getloadavg()],
     }
 

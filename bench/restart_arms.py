@@ -185,10 +185,10 @@ class Arm:
                 saver.wait()
             if self.agent is not None:
                 self.agent.reset()
-            if self.daemon is not None:  # cold: a tier-less daemon reads the disk
-                drop_caches(self.daemon.root / cfg["job"])
-            elif self.name == "dcp":
-                drop_caches(cfg["dir"])
+            # Cold: a daemon without the memory tier, and DCP, read the step's files.
+            files = self.daemon.root / cfg["job"] if self.daemon is not None else cfg.get("dir")
+            if self.name != "dlrover" and not drop_caches(str(files)):
+                raise RuntimeError(f"{self.name}: no files under {files} to evict")
             settle()
             t_spawn = time.clock_gettime(time.CLOCK_MONOTONIC)
             restorer = self._spawn("restore", cfg, log)
@@ -216,6 +216,13 @@ def python_ok(python: str, module: str) -> str | None:
     code = f"import torch, {module}"
     r = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def versions(python: str, dists: tuple[str, ...]) -> dict[str, str]:
+    """The installed versions of ``dists`` in ``python``'s environment (for the results)."""
+    code = "import importlib.metadata as m, sys; print(*[m.version(d) for d in sys.argv[1:]])"
+    r = subprocess.run([python, "-c", code, *dists], capture_output=True, text=True, check=False)
+    return dict(zip(dists, r.stdout.split(), strict=False))
 
 
 def this_python() -> str:
