@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally clauses run
     notes: list[str] = []
+    if args.no_tier_flag:
+        notes.append("--no-tier-flag: ckptd-memory ran the same daemon as ckptd-disk")
     with run_directory(args.dir, "restart") as run_dir:
         res = run(args, run_dir, notes)
     out = report(res, args)
