@@ -84,7 +84,7 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The test extra includes jax and Orbax, which the benchmarks compare against.
-bench: venv bench-deps
+bench: venv bench-deps bench-dlrover
 	$(PY) bench/run_all.py
 
 # torch for the DCP tests and bench_transformer.py's PyTorch DCP arm, always a CPU build:
@@ -105,6 +105,27 @@ endef
 
 bench-deps: venv
 	$(install_torch_cpu)
+
+# DLRover Flash Checkpoint for bench_restart.py's dlrover arm, in a venv of its own:
+# dlrover without its dependency list (its extras pull frameworks), the modules its flash
+# checkpoint imports, and the CPU torch above (PY is this venv's python here). The
+# constraint torch<0 makes pip fail rather than ever fetch a (CUDA) torch.
+DLROVER_VENV := .venv-dlrover
+DLROVER_STAMP := $(DLROVER_VENV)/.installed
+DLROVER_DEPS := numpy==2.4.6 psutil==7.2.2 pynvml==13.0.1 Deprecated==1.3.1 \
+	packaging==26.4 requests==2.34.2 grpcio==1.85.3
+
+$(DLROVER_STAMP): PY := $(DLROVER_VENV)/bin/python
+$(DLROVER_STAMP): Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(DLROVER_VENV) || python3 -m venv $(DLROVER_VENV)
+	$(install_torch_cpu)
+	printf 'torch<0\n' > $(DLROVER_VENV)/no-torch.txt
+	$(PY) -m pip install -q --no-deps dlrover==0.6.1
+	$(PY) -m pip install -q -c $(DLROVER_VENV)/no-torch.txt $(DLROVER_DEPS)
+	touch $@
+
+.PHONY: bench-dlrover
+bench-dlrover: $(DLROVER_STAMP)
 
 proto: venv
 	$(PY) -m ckptd.proto.generate
