@@ -81,7 +81,7 @@ def test_wiped_local_tier_restores_same_bits_from_bucket(
     for step in (1, 2):
         client.save(step, state_for(step, 12), metadata={"step": step}).wait("durable", 120)
     assert [(c.step, c.state, c.tiers) for c in client.list()] == [
-        (2, "DURABLE", ("LOCAL", "REMOTE")),
+        (2, "DURABLE", ("MEMORY", "LOCAL", "REMOTE")),  # the newest kept in memory too
         (1, "DURABLE", ("LOCAL", "REMOTE")),
     ]
     assert daemon.stop() == 0
@@ -234,7 +234,8 @@ def test_coalescing_uploads_newest_and_milestones_only(
 
 def test_flipped_local_byte_is_served_from_the_bucket(make_daemon: Any, s3_server: Any) -> None:
     remote = s3_target(s3_server, "ckptd-flip")
-    daemon = remote_daemon(make_daemon, remote)
+    # The memory tier off: its intact copy would be served and the disk's never read.
+    daemon = remote_daemon(make_daemon, remote, extra_args=["--memory-tier-steps", "0"])
     client = daemon.client("flip")
     client.save(1, state_for(1, 4)).wait("durable", 60)
     flip_byte(daemon.root / "flip" / "1" / "rank-00000.safetensors", where=-10)

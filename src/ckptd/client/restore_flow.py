@@ -40,7 +40,9 @@ def restore(
         return open_readable(conn.session, path)
 
     for attempt in range(8):
-        req = pb.RestoreRequest(job=job, rank=rank, shared_memory=shared_memory, healthy=healthy)
+        req = pb.RestoreRequest(
+            job=job, rank=rank, shared_memory=shared_memory, healthy=healthy, copy_on_write=True
+        )
         if step is not None:
             req.step = int(step)
         try:

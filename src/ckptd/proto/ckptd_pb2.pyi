@@ -315,18 +315,20 @@ class JobHistory(_message.Message):
     def __init__(self, first_seen_unix: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "shared_memory", "healthy")
+    __slots__ = ("job", "step", "rank", "shared_memory", "healthy", "copy_on_write")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    COPY_ON_WRITE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     shared_memory: bool
     healthy: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    copy_on_write: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., healthy: _Optional[bool] = ..., copy_on_write: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("job", "step", "tier", "directory", "manifest_json", "lease", "data_offset_in_file")

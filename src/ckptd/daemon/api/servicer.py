@@ -235,7 +235,14 @@ class Servicer(pb_grpc.CkptdServicer):
         step = check_step(request.step) if request.HasField("step") else None
         holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
         plan = await self.s.restorer.restore(
-            job, step, request.rank, request.shared_memory, holder, peer.process, request.healthy
+            job,
+            step,
+            request.rank,
+            request.shared_memory,
+            holder,
+            peer.process,
+            request.healthy,
+            request.copy_on_write,
         )
         if plan.lease is None or len(plan.manifest.ranks) > 1:
             # The client opens files of the step itself next (its own rank's, or other

@@ -93,3 +93,5 @@ class Want:
     rank: int | None
     shared_memory: bool = False
     uid: int | None = None
+    copy_on_write: bool = False
+    """The client maps a segment the memory tier keeps copy-on-write (memory.py)."""

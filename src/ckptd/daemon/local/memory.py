@@ -162,7 +162,12 @@ class MemoryTier:
             log.warning("memory tier: not keeping %s/%d rank %d: %s", *key, exc)
             return False
         self.staging.keep(lease, key)
-        self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None)
+        k = self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None)
+        if lease.owner is not None and process_start(lease.owner[1]) is None:
+            # Killed between its save's acknowledgement and LOCAL (the common crash):
+            # nothing will say it exited; checked once now, before its restart asks.
+            k.writer = None
+            self._spawn(f"check memory tier {key}", self._check_quietly(k))
         self._mark(st)
         self._trim(image.job)
         return key in self._kept
@@ -196,11 +201,14 @@ class MemoryTier:
             self._evict(victim, "a save needed the memory")
 
     def _room(self, need: int, uid: int | None) -> bool:
+        """Whether staging can grant ``need`` bytes to ``uid`` now: a free segment it
+        may reuse, or budget once it drops the free ones it may not (staging.py)."""
         staging = self.staging
         free = staging.free_segments()
         if any(s.size >= need and s.uid in (None, uid) for s in free):
             return True
-        return staging.allocated_bytes + need <= staging.budget_bytes
+        dropped = sum(s.size for s in free)
+        return staging.allocated_bytes - dropped + need <= staging.budget_bytes
 
     def _value(self, k: Kept) -> tuple[bool, float]:
         """Sort key, least valuable first: steps older than their job's newest kept
@@ -219,7 +227,7 @@ class MemoryTier:
     async def bring(self, job: str, step: int, want: Want) -> Handed | None:
         """The wanted rank's kept file, checked, as a shared restore lease."""
         k = self._kept.get((job, step, -1 if want.rank is None else want.rank))
-        if k is None or not want.shared_memory:
+        if k is None or not (want.shared_memory and want.copy_on_write):
             raise NotFound(f"the memory tier holds no copy of {job}/{step} rank {want.rank}")
         st = self.catalog.get(job, step)
         if st is None or st.timeline != k.image.timeline:

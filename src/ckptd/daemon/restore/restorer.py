@@ -168,13 +168,15 @@ class Restorer:
         holder: str = "",
         owner: tuple[int, int] | None = None,
         healthy: bool = False,
+        copy_on_write: bool = False,
     ) -> RestorePlan:
         """Pick a step and, if asked and a segment is free, its rank's data in shared memory.
         ``holder``: the client's liveness file; its lease comes back if it dies.
         ``owner``: ``(uid, pid)`` of the client, the only process that may map it.
-        ``healthy``: only a step known to hold no NaN/Inf."""
+        ``healthy``: only a step known to hold no NaN/Inf. ``copy_on_write``: the
+        client maps a segment the memory tier keeps copy-on-write."""
         check_holder(holder)  # before any memory is taken: a refusal leaves nothing held
-        want = Want(rank, shared_memory, owner[0] if owner else None)
+        want = Want(rank, shared_memory, owner[0] if owner else None, copy_on_write)
         served = await self.chooser.restore(
             job, step, want, lambda: self.choose(job, step, rank, healthy=healthy)
         )
