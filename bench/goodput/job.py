@@ -136,10 +136,9 @@ class Saver:
 
     def restore(self, state: Any) -> tuple[int, Any]:
         """The newest checkpoint's (step, state) restored onto ``state`` (its shapes,
-        dtypes and shardings), or (0, None); the restore call's
-        times and tier in ``restore_call``. The state is ready when this returns (JAX
-        dispatches asynchronously: a copy still in flight would be charged to the
-        first step instead)."""
+        dtypes and shardings), or (0, None); the restore call's times and tier in
+        ``restore_call``. The state is ready when this returns (JAX dispatches
+        asynchronously: a copy still in flight would be charged to the first step)."""
         import jax
 
         if self.client is not None:
