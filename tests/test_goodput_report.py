@@ -78,3 +78,20 @@ def test_the_table_shows_both_tiers_side_by_side() -> None:
     assert column["arm"] == "ckptd-learned-nomem"
     assert column["restore call P50/P90 s"] == "1.00/1.40"
     assert column["memory/disk"] == "1/1"
+
+
+def test_a_restart_with_no_checkpoint_yet_has_no_restore_to_break_down() -> None:
+    report = load_report()
+    fresh = events("""
+        start 100.0
+        restored 0 101.0
+        step 1 102.0 aa
+        start 110.0
+        restored 0 111.0
+        step 1 114.0 aa
+    """)
+    row = report.summarize(fresh, 40.0, 1.0, 1.0, {1: "aa"})
+    assert row["restore_s_p50"] == 1.0  # the restart itself still counts
+    assert row["restarts"][0]["tier"] is None
+    assert row["first_step_s_p50"] is None
+    assert (row["restores_from_memory"], row["restores_from_disk"]) == (0, 0)

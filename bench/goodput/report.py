@@ -16,7 +16,10 @@ CAL_EVERY = 5
 HEADERS = ["arm", "MTBF s", "goodput", "spread", "lost P50/P90 s", "restored P50/P90 s",
            "restore call P50/P90 s", "memory/disk", "first step P50 s", "interval P50 s",
            "overhead %", "bit-exact"]  # fmt: skip
-"""The table's columns (:func:`row_of`); restored: process start to state restored."""
+"""The table's columns (:func:`row_of`). restored: process start to state restored
+(every restart); restore call: the restore alone, and memory/disk: where it came
+from; first step: process start to the first step done (restore call and first step:
+restarts that restored a checkpoint)."""
 
 
 def step_times(steps: list[Any]) -> list[float]:
@@ -109,6 +112,7 @@ def summarize(
         if i > 0:  # the first process starts the run; the others restart after a failure
             restore.append(life["restored"][1] - life["start"])
             restarts.append({
+                "step": life["restored"][0],  # 0: no checkpoint yet, a fresh start
                 "restored_s": restore[-1],
                 "restore_call_s": life["call"][0] if life["call"] else None,
                 "tier": life["call"][1] if life["call"] else None,
@@ -132,7 +136,8 @@ def summarize(
 
     mean_dt = statistics.fmean(dts) if dts else None
     calls = [r["restore_call_s"] for r in restarts if r["restore_call_s"] is not None]
-    firsts = [r["first_step_s"] for r in restarts if r["first_step_s"] is not None]
+    # Restarts that restored a checkpoint (a fresh start's first step has no restore).
+    firsts = [r["first_step_s"] for r in restarts if r["tier"] and r["first_step_s"] is not None]
     return {
         "goodput": final / (seconds * rate),
         "final_step": final,
