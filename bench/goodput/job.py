@@ -3,7 +3,9 @@
 A JAX MLP on CPU trained with optax Adam on data that is a function of the step
 number only, so the run is deterministic: the loss at step ``s`` is the same bits
 whether the job ran straight through or was killed and resumed. Parameters plus
-Adam's two moments make a state of ``--state-mib``.
+Adam's two moments make a state of ``--state-mib``; ``--ballast-mib`` adds an array
+no step touches (the checkpoint and its restore grow, the step time does not). A
+restart restores onto the state's shapes: no state is built only to be replaced.
 
 It restores the newest checkpoint its arm can find, then trains forever,
 appending to ``--progress`` (one line per event, flushed, so a SIGKILL loses
@@ -11,6 +13,10 @@ nothing written before it):
 
     start <unix time>                 process started (before jax is imported)
     restored <step> <unix time>       state restored (step 0: from scratch)
+    restore <step> <begin> <end> <tier>
+                                      the restore call alone (unix times; after a
+                                      checkpoint was found): tier ``memory`` (the
+                                      daemon's memory tier) or ``disk``
     step <step> <unix time> <loss>    step done; <loss> is the float32's bits in hex
     saved <step> <unix time>          a save of <step> was started (returned)
     policy <interval> <cost> <base> <mtbf>
@@ -41,8 +47,10 @@ def log(out: TextIO, *fields: object) -> None:
     out.flush()
 
 
-def build(state_mib: int, seed: int) -> tuple[Any, Any, Any]:
-    """(initial state, jitted train step, batch function) for a ~state_mib MiB state."""
+def build(state_mib: int, seed: int, ballast_mib: int = 0) -> tuple[Any, Any, Any]:
+    """(initial state function, train step, batch function) for a ~state_mib
+    MiB trained state plus ``ballast_mib`` MiB no step touches (a frozen table: the
+    checkpoint grows, the step time does not)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -51,12 +59,20 @@ def build(state_mib: int, seed: int) -> tuple[Any, Any, Any]:
     # params + mu + nu: three float32 copies of `layers` width x width matrices.
     layers = max(1, round(state_mib * 2**20 / (3 * 4 * width * width)))
     key = jax.random.key(seed)
-    params = {
-        f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / width**0.5
-        for i in range(layers)
-    }
     tx = optax.adam(1e-4)
-    state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def init() -> Any:
+        params = {
+            f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / width**0.5
+            for i in range(layers)
+        }
+        state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        if ballast_mib:
+            rows = ballast_mib * 2**20 // (4 * width)
+            # Distinct values, made at memory speed (random ones take seconds per GiB).
+            iota = jax.jit(lambda: jnp.arange(rows * width, dtype=jnp.float32))
+            state["ballast"] = iota().reshape(rows, width)
+        return state
 
     def loss_fn(p: Any, x: Any, y: Any) -> Any:
         h = x
@@ -65,11 +81,16 @@ def build(state_mib: int, seed: int) -> tuple[Any, Any, Any]:
         return jnp.mean((h - y) ** 2)
 
     @jax.jit
-    def train(state: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    def update(state: Any, x: Any, y: Any) -> tuple[Any, Any]:
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt": opt, "step": state["step"] + 1}, loss
+
+    def train(state: Any, x: Any, y: Any) -> tuple[Any, Any]:
+        # The ballast stays out of the jitted step: passed through it, it is copied.
+        trained, loss = update({k: v for k, v in state.items() if k != "ballast"}, x, y)
+        return dict(state, **trained), loss
 
     @jax.jit
     def batch(step: Any) -> tuple[Any, Any]:
@@ -77,14 +98,15 @@ def build(state_mib: int, seed: int) -> tuple[Any, Any, Any]:
         x = jax.random.normal(k, (256, width))
         return x, jnp.sin(x)
 
-    return state, train, batch
+    return init, train, batch
 
 
 class Saver:
     """The arm's checkpointing: restore the newest step; decide and start saves."""
 
-    def __init__(self, args: argparse.Namespace, state: Any) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.arm = args.arm
+        self.restore_call: tuple[float, float, str] | None = None  # (begin, end, tier)
         self.client: Any = None
         self.mngr: Any = None
         if self.arm.startswith("ckptd"):
@@ -113,17 +135,34 @@ class Saver:
             self.mngr = ocp.CheckpointManager(Path(args.dir), options=options)
 
     def restore(self, state: Any) -> tuple[int, Any]:
-        """The newest checkpoint's (step, state), or (0, state)."""
+        """The newest checkpoint's (step, state) restored onto ``state`` (its shapes,
+        dtypes and shardings), or (0, None); the restore call's times and tier in
+        ``restore_call``. The state is ready when this returns (JAX dispatches
+        asynchronously: a copy still in flight would be charged to the first step)."""
+        import jax
+
         if self.client is not None:
             step = self.client.latest_step()
             if step is not None:
+                # The daemon counts the restores its memory tier answered: one more
+                # after this call means this one came from memory.
+                before = self.client.low_level.status().memory_tier_restores
+                begin = time.time()
                 tree, _ = self.client.restore(step, target=state)
+                jax.block_until_ready(tree)
+                end = time.time()
+                hit = self.client.low_level.status().memory_tier_restores > before
+                self.restore_call = (begin, end, "memory" if hit else "disk")
                 return step, tree
         if self.mngr is not None:
             step = self.mngr.latest_step()
             if step is not None:
-                return step, self.mngr.restore(step, args=self.ocp.args.StandardRestore(state))
-        return 0, state
+                begin = time.time()
+                tree = self.mngr.restore(step, args=self.ocp.args.StandardRestore(state))
+                jax.block_until_ready(tree)
+                self.restore_call = (begin, time.time(), "disk")
+                return step, tree
+        return 0, None
 
     def maybe_save(self, step: int, state: Any) -> bool:
         """Save ``state`` (the state after ``step`` steps) if the arm's policy says so."""
@@ -150,15 +189,27 @@ def main() -> int:
                     help="Goodput()'s node_mtbf_seconds (the node-loss variant)")  # fmt: skip
     ap.add_argument("--interval-steps", type=int, default=10)
     ap.add_argument("--state-mib", type=int, default=256)
+    ap.add_argument("--ballast-mib", type=int, default=0, help="state no step touches")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this step")
     args = ap.parse_args()
     out = args.progress.open("a")
     log(out, "start", time.time())
-    state, train, batch = build(args.state_mib, args.seed)
-    saver = Saver(args, state)
-    step, state = saver.restore(state)
+    import jax
+
+    init, train, batch = build(args.state_mib, args.seed, args.ballast_mib)
+    saver = Saver(args)
+    # A restart restores onto the state's shapes alone: building a state only to
+    # overwrite it would be charged to every restart.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                          jax.eval_shape(init))  # fmt: skip
+    step, state = saver.restore(shapes)
+    if state is None:
+        state = init()
     log(out, "restored", step, time.time())
+    if saver.restore_call is not None:
+        log(out, "restore", step, *saver.restore_call)
     import numpy as np
 
     while args.max_steps is None or step < args.max_steps:

@@ -11,6 +11,16 @@ from typing import Any
 
 import numpy as np
 
+CAL_EVERY = 5
+"""The Young/Daly arms' calibration run saves every CAL_EVERY steps."""
+HEADERS = ["arm", "MTBF s", "goodput", "spread", "lost P50/P90 s", "restored P50/P90 s",
+           "restore call P50/P90 s", "memory/disk", "first step P50 s", "interval P50 s",
+           "overhead %", "bit-exact"]  # fmt: skip
+"""The table's columns (:func:`row_of`). restored: process start to state restored
+(every restart); restore call: the restore alone, and memory/disk: where it came
+from; first step: process start to the first step done (restore call and first step:
+restarts that restored a checkpoint)."""
+
 
 def step_times(steps: list[Any]) -> list[float]:
     """Seconds between consecutive steps, after a life's first two (compilation)."""
@@ -30,6 +40,32 @@ def still_restoring(events: list[list[str]]) -> bool:
     return not any(e[0] == "step" for e in events[last + 1 :])
 
 
+def calibration(work: Path) -> dict[str, Any]:
+    """The calibration figures from the uninterrupted runs' event files."""
+    steps = [(int(e[1]), float(e[2]), e[3]) for e in parse(work / "noop" / "progress.log")
+             if e[0] == "step" and len(e) == 4]  # fmt: skip
+    dts = step_times(steps)
+    base = statistics.median(dts)
+    reference = {s: bits for s, _, bits in steps}
+    cal: dict[str, Any] = {
+        "base_step_s": base,
+        "steps_per_s": 1.0 / base,
+        "noop_mean_step_s": statistics.fmean(dts),
+        "reference_steps": len(reference),
+        "yd_cost_s": None,
+        "_reference": reference,
+    }
+    # Saving every CAL_EVERY steps: its steps' slowdown per save is its effective cost.
+    for name in ("yd-cal", "orbax-cal"):  # orbax-cal: a run of an earlier version
+        if (work / name / "progress.log").exists():
+            o_dts = step_times([(int(e[1]), float(e[2])) for e in
+                                parse(work / name / "progress.log")
+                                if e[0] == "step" and len(e) == 4])  # fmt: skip
+            cal["yd_cost_s"] = max((statistics.fmean(o_dts) - base) * CAL_EVERY, 0.0)
+            break
+    return cal
+
+
 def summarize(
     events: list[list[str]],
     seconds: float,
@@ -45,11 +81,14 @@ def summarize(
     policy: list[tuple[float, ...]] = []  # Goodput()'s (interval, cost, base) per save
     for e in events:
         if e[0] == "start":
-            lives.append({"start": float(e[1]), "steps": [], "saves": [], "restored": None})
+            lives.append({"start": float(e[1]), "steps": [], "saves": [], "restored": None,
+                          "call": None})  # fmt: skip
         elif not lives:
             continue
         elif e[0] == "restored" and len(e) == 3:
             lives[-1]["restored"] = (int(e[1]), float(e[2]))
+        elif e[0] == "restore" and len(e) == 5:
+            lives[-1]["call"] = (float(e[3]) - float(e[2]), e[4])
         elif e[0] == "step" and len(e) == 4:
             lives[-1]["steps"].append((int(e[1]), float(e[2]), e[3]))
         elif e[0] == "saved" and len(e) == 3:
@@ -64,6 +103,7 @@ def summarize(
     else:
         final = final_probe or 0
     lost, restore, intervals, dts = [], [], [], []
+    restarts: list[dict[str, Any]] = []  # each restart's parts (the memory tier's figures)
     mismatched = 0
     reached: int | None = None  # the progress of the last process that restored
     for i, life in enumerate(lives):
@@ -71,6 +111,15 @@ def summarize(
             continue  # killed before it restored: it held no progress of its own
         if i > 0:  # the first process starts the run; the others restart after a failure
             restore.append(life["restored"][1] - life["start"])
+            restarts.append({
+                "step": life["restored"][0],  # 0: no checkpoint yet, a fresh start
+                "restored_s": restore[-1],
+                "restore_call_s": life["call"][0] if life["call"] else None,
+                "tier": life["call"][1] if life["call"] else None,
+                # The first step pays for what the restore left undone (pages mapped
+                # lazily) and for compiling, the same in every arm.
+                "first_step_s": life["steps"][0][1] - life["start"] if life["steps"] else None,
+            })  # fmt: skip
         if reached is not None:  # a failure: what was reached minus what came back
             lost.append((reached - life["restored"][0]) * base_step)
         reached = max((s[0] for s in life["steps"]), default=life["restored"][0])
@@ -86,6 +135,9 @@ def summarize(
         return float(np.percentile(xs, q)) if xs else None
 
     mean_dt = statistics.fmean(dts) if dts else None
+    calls = [r["restore_call_s"] for r in restarts if r["restore_call_s"] is not None]
+    # Restarts that restored a checkpoint (a fresh start's first step has no restore).
+    firsts = [r["first_step_s"] for r in restarts if r["tier"] and r["first_step_s"] is not None]
     return {
         "goodput": final / (seconds * rate),
         "final_step": final,
@@ -94,6 +146,12 @@ def summarize(
         "lost_s_p90": pct(lost, 90),
         "restore_s_p50": pct(restore, 50),
         "restore_s_p90": pct(restore, 90),
+        "restore_call_s_p50": pct(calls, 50),
+        "restore_call_s_p90": pct(calls, 90),
+        "first_step_s_p50": pct(firsts, 50),
+        "restores_from_memory": sum(1 for r in restarts if r["tier"] == "memory"),
+        "restores_from_disk": sum(1 for r in restarts if r["tier"] == "disk"),
+        "restarts": restarts,
         "interval_s_p50": pct(intervals, 50),
         "saves": sum(len(life["saves"]) for life in lives),
         "step_s": mean_dt,
@@ -115,6 +173,9 @@ def row_of(s: dict[str, Any]) -> list[str]:
         f"{s['goodput_min']:.3f}-{s['goodput_max']:.3f}",
         f"{fmt(s['lost_s_p50'])}/{fmt(s['lost_s_p90'])}",
         f"{fmt(s['restore_s_p50'])}/{fmt(s['restore_s_p90'])}",
+        f"{fmt(s['restore_call_s_p50'])}/{fmt(s['restore_call_s_p90'])}",
+        f"{s['restores_from_memory']}/{s['restores_from_disk']}",
+        fmt(s["first_step_s_p50"]),
         fmt(s["interval_s_p50"]), fmt(s["overhead_pct"], 1), str(s["bit_exact"]),
     ]  # fmt: skip
 
@@ -143,6 +204,11 @@ def summarize_cells(cells: list[dict[str, Any]], args: Any) -> list[dict[str, An
                 "goodput_min": min(g), "goodput_max": max(g), "runs": len(rs),
                 "lost_s_p50": med("lost_s_p50"), "lost_s_p90": med("lost_s_p90"),
                 "restore_s_p50": med("restore_s_p50"), "restore_s_p90": med("restore_s_p90"),
+                "restore_call_s_p50": med("restore_call_s_p50"),
+                "restore_call_s_p90": med("restore_call_s_p90"),
+                "first_step_s_p50": med("first_step_s_p50"),
+                "restores_from_memory": sum(r.get("restores_from_memory", 0) for r in rs),
+                "restores_from_disk": sum(r.get("restores_from_disk", 0) for r in rs),
                 "interval_s_p50": med("interval_s_p50"), "overhead_pct": med("overhead_pct"),
                 "noop_step_s": med("noop_step_s"),
                 "bit_exact": all(r["bit_exact"] for r in rs),

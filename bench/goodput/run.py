@@ -33,6 +33,10 @@ of the job's restarts), ``ckptd-continuous`` (``Continuous()``, today's default)
 ``orbax-continuous`` (``ContinuousCheckpointingPolicy``) and ``orbax-yd``: Orbax
 every k steps, k from Young/Daly with Orbax's *effective* cost of a save, measured
 in a calibration run (every 5 steps; cost = the slowdown of its steps per save).
+``--memory-tier off|both``: each ckptd arm also (both) or only (off) as
+``<arm>-nomem``, its daemon's memory tier off (``--memory-tier-steps 0``: restarts
+restore from disk). The table breaks restarts down: process start to state
+restored, the restore call alone and its tier (memory/disk), start to first step.
 
 Variants (``--variant``): ``trainer`` (the trainer process dies, the node and its
 daemon live on: restores come from the local tier) and ``node`` (the node is
@@ -68,7 +72,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from report import parse, plot, row_of, step_times, still_restoring, summarize, summarize_cells
+from report import (
+    CAL_EVERY,
+    HEADERS,
+    calibration,
+    parse,
+    plot,
+    row_of,
+    step_times,
+    still_restoring,
+    summarize,
+    summarize_cells,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -83,9 +98,10 @@ from ckptd.daemon.local.segments import segment_dir  # noqa: E402
 QUICK_ARMS = ["ckptd-learned", "orbax-continuous", "orbax-yd"]
 ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "orbax-continuous", "orbax-yd")
 TORCH_ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "dcp-yd")
+NOMEM = "-nomem"
+"""An arm's name with the daemon's memory tier off (--memory-tier)."""
 YD_ARMS = {"orbax-yd": "orbax-interval", "dcp-yd": "dcp-interval"}
 """Arms saving every k steps, k from Young/Daly with the cost calibrate() measures."""
-CAL_EVERY = 5
 BUCKET = "goodput"
 
 
@@ -117,23 +133,27 @@ class Run:
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
         self.progress = work / "progress.log"
+        base = arm.removesuffix(NOMEM)
         self.daemon: Daemon | None = None
         self.node_losses: list[float] = []  # seconds from the kill to the new daemon ready
         self.cmd = [
             sys.executable,
             str(HERE / ("torch_job.py" if args.framework == "torch" else "job.py")),
             "--arm",
-            YD_ARMS.get(arm, arm),
+            YD_ARMS.get(base, base),
             "--progress",
             str(self.progress),
             "--state-mib",
             str(args.state_mib),
             "--dir",
             str(work / "orbax"),
+            *(["--ballast-mib", str(args.ballast_mib)] if args.ballast_mib else []),
             *extra,
         ]
         if arm.startswith("ckptd"):
             daemon_args = ["--retention-local", "KeepLatest(2)"]
+            if arm.endswith(NOMEM):
+                daemon_args += ["--memory-tier-steps", "0"]
             env: dict[str, str] = {}
             if s3 is not None:
                 # Each run its own prefix in the one bucket; the node keeps its name
@@ -148,6 +168,8 @@ class Run:
                 env=env,
                 log_path=work / "ckptd.log",
                 start_timeout=120.0,
+                # Room for the memory tier's kept step and the saves in flight.
+                staging_budget=f"{max(512, 4 * (args.state_mib + args.ballast_mib))}MiB",
             )
             self.cmd += ["--socket", str(self.daemon.socket)]
 
@@ -235,6 +257,8 @@ def noop_step(args: argparse.Namespace, index: int) -> float:
         run.settle()
     steps = [(int(e[1]), float(e[2])) for e in parse(run.progress)
              if e[0] == "step" and len(e) == 4]  # fmt: skip
+    if not step_times(steps):
+        sys.exit(f"the noop run {run.work} timed no step: raise --noop-seconds")
     return statistics.median(step_times(steps))
 
 
@@ -249,32 +273,6 @@ def calibrate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         run.go([], args.calibrate_seconds)
         run.settle()
     return calibration(work)
-
-
-def calibration(work: Path) -> dict[str, Any]:
-    """The calibration figures from the uninterrupted runs' event files."""
-    steps = [(int(e[1]), float(e[2]), e[3]) for e in parse(work / "noop" / "progress.log")
-             if e[0] == "step" and len(e) == 4]  # fmt: skip
-    dts = step_times(steps)
-    base = statistics.median(dts)
-    reference = {s: bits for s, _, bits in steps}
-    cal: dict[str, Any] = {
-        "base_step_s": base,
-        "steps_per_s": 1.0 / base,
-        "noop_mean_step_s": statistics.fmean(dts),
-        "reference_steps": len(reference),
-        "yd_cost_s": None,
-        "_reference": reference,
-    }
-    # Saving every CAL_EVERY steps: its steps' slowdown per save is its effective cost.
-    for name in ("yd-cal", "orbax-cal"):  # orbax-cal: a run of an earlier version
-        if (work / name / "progress.log").exists():
-            o_dts = step_times([(int(e[1]), float(e[2])) for e in
-                                parse(work / name / "progress.log")
-                                if e[0] == "step" and len(e) == 4])  # fmt: skip
-            cal["yd_cost_s"] = max((statistics.fmean(o_dts) - base) * CAL_EVERY, 0.0)
-            break
-    return cal
 
 
 def run_cells(
@@ -292,7 +290,7 @@ def run_cells(
         turn = g % len(args.arms)
         for arm in [*args.arms[turn:], *args.arms[:turn]]:
             extra: list[str] = []
-            if arm == "ckptd-goodput":
+            if arm.removesuffix(NOMEM) == "ckptd-goodput":
                 extra = ["--node-mtbf" if s3 is not None else "--mtbf", str(mtbf)]
             if arm in YD_ARMS:
                 extra = ["--interval-steps", str(k)]
@@ -352,8 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=("trainer", "node"), default="trainer",
                     help="trainer: the process dies; node: its daemon and disk too")  # fmt: skip
     ap.add_argument("--state-mib", type=int, default=256, help="the job's state size")
-    ap.add_argument("--noop-seconds", type=float, default=20.0,
-                    help="the failure-free runs around each arm's run")  # fmt: skip
+    ap.add_argument("--ballast-mib", type=int, default=0,
+                    help="JAX job: state no step touches (bigger restores)")  # fmt: skip
+    ap.add_argument("--memory-tier", choices=("on", "off", "both"), default="on",
+                    help=f"the ckptd arms' daemon memory tier; off/both: arms named "
+                    f"<arm>{NOMEM} run with it off")  # fmt: skip
+    ap.add_argument("--noop-seconds", type=float, default=None,
+                    help="the failure-free runs around each arm's (20; --quick: 12)")  # fmt: skip
     ap.add_argument("--calibrate-seconds", type=float, default=None,
                     help="the uninterrupted runs' length (default: --seconds + 15)")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
@@ -369,14 +372,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:  # the default policy against the two Orbax arms, under 10 minutes
         args.seconds, args.mtbf, args.seeds = 40.0, [20.0, 60.0], [1]
-        args.noop_seconds = 12.0
+        args.noop_seconds = args.noop_seconds or 12.0
         args.arms = args.arms or (QUICK_ARMS if args.framework == "jax" else None)
     if args.framework == "torch" and args.variant == "node":
         ap.error("the node variant runs the JAX job only")
+    if args.framework == "torch" and args.ballast_mib:
+        ap.error("--ballast-mib is an option of the JAX job only")
+    args.noop_seconds = args.noop_seconds or 20.0
     known = TORCH_ARMS if args.framework == "torch" else ARMS
     args.arms = args.arms or list(known)
     if unknown := [a for a in args.arms if a not in known]:
         ap.error(f"not arms of the {args.framework} job: {unknown}")
+    tiers = {"on": [""], "off": [NOMEM], "both": ["", NOMEM]}[args.memory_tier]
+    args.arms = [arm + t for arm in args.arms for t in (tiers if arm.startswith("ckptd") else [""])]
     suffix = {"node": "-node"}.get(args.variant, "") + (
         "-torch" if args.framework == "torch" else ""
     )
@@ -398,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if s3 is not None:
             s3.close()
     summary = summarize_cells(cells, args)
-    headers = ["arm", "MTBF s", "goodput", "spread", "lost P50/P90 s", "restore P50/P90 s",
-               "interval P50 s", "overhead %", "bit-exact"]  # fmt: skip
-    print_table(headers, [row_of(s) for s in summary], title=f"variant: {args.variant}")
+    print_table(HEADERS, [row_of(s) for s in summary], title=f"variant: {args.variant}")
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "calibration": cal,
                "cells": cells, "summary": summary}  # fmt: skip
     path = write_results(args.name, results)
