@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from ckptd.daemon.local.staging import KEPT_SUFFIX, Staging
 
 MiB = 2**20
 UID = os.getuid()
+LIVE = os.getpid()
+"""A writer that lives (this process)."""
 HEADER = b"h" * 64
 
 
@@ -71,7 +74,8 @@ class Node:
         image = Image(
             job, step, 0, st.timeline, len(HEADER), checksum.value(HEADER), len(data), file_crc
         )
-        if not self.tier.keep(st, lease, image):
+        layout = (image.header_len, image.header_crc, image.data_len)
+        if not self.tier.keep(st, 0, lease, layout, image.file_crc):
             self.staging.release(lease.lease_id)
         return image
 
@@ -85,7 +89,7 @@ class Node:
 
     async def bring(self, job: str, step: int) -> None:
         """A restore from the tier; its lease is given back at once."""
-        handed = await self.tier.bring(job, step, Want(0, True, UID))
+        handed = await self.tier.bring(job, step, Want(0, True, UID, copy_on_write=True))
         assert handed is not None
         self.staging.release(handed.lease.lease_id)
 
@@ -128,7 +132,7 @@ def test_a_save_never_waits_while_the_tier_holds_memory(tmp_path: Path) -> None:
 def test_a_copy_is_checked_at_every_restore_while_its_writer_lives(tmp_path: Path) -> None:
     async def body() -> None:
         n = Node(tmp_path)
-        await n.save("a", 1, 7, owner=(UID, 4242))
+        await n.save("a", 1, 7, owner=(UID, LIVE))
         await n.bring("a", 1)
         n.flip("a", 1)  # the live writer writes into it
         with pytest.raises(NotFound, match="failed its checksum"):
@@ -152,15 +156,42 @@ def test_a_copy_is_checked_once_after_its_writer_is_gone(
 
     async def body() -> None:
         n = Node(tmp_path)
-        await n.save("a", 1, 7, owner=(UID, 4242))
+        await n.save("a", 1, 7, owner=(UID, LIVE))
         await n.save("b", 1, 8, owner=None)  # a replayed handoff: writer unknown
-        n.tier.writer_gone((UID, 4242))
+        n.tier.writer_gone((UID, LIVE))
         await n.settle()
         assert checks == [("a", 1)]  # in the background, before any restore
         for _ in range(3):
             await n.bring("a", 1)
             await n.bring("b", 1)
         assert checks == [("a", 1)] + [("b", 1)] * 3  # an unknown writer: every time
+
+    run(body)
+
+
+def test_a_writer_gone_before_its_step_was_kept_is_checked_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The common crash: the trainer dies after its save was acknowledged, before
+    LOCAL; no session end will say so later."""
+    checks: list[tuple[str, int]] = []
+    real = memory_module._intact
+
+    def counted(k: Any) -> bool:
+        checks.append((k.image.job, k.image.step))
+        return real(k)
+
+    monkeypatch.setattr(memory_module, "_intact", counted)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # exited and reaped: its pid names no process
+
+    async def body() -> None:
+        n = Node(tmp_path)
+        await n.save("a", 1, 7, owner=(UID, dead.pid))
+        await n.settle()
+        assert checks == [("a", 1)]  # at once, in the background
+        await n.bring("a", 1)
+        assert checks == [("a", 1)]  # and never again
 
     run(body)
 
