@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
@@ -341,7 +342,14 @@ class MemoryTier:
         started = process_start(writer[1]) if writer is not None else None
         who = [*writer, started] if writer is not None and started is not None else None
         path = self.staging.path_of(seg).with_name(seg.name + KEPT_SUFFIX)
-        path.write_text(json.dumps({**asdict(image), "size": seg.size, "writer": who}))
+        text = json.dumps({**asdict(image), "size": seg.size, "writer": who}).encode()
+        # 0600 like the segment it names; never through a link.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
 
     def adopt_leftovers(self) -> int:
         """At start-up, before the staging leftovers are removed: take back the kept
