@@ -179,6 +179,10 @@ def restore(cfg: dict[str, Any]) -> dict[str, Any]:
         from ckptd.client import Client
 
         client = Client(cfg["job"], socket=cfg["socket"], timeout=600.0)
+        # What a restarting trainer asks first (is there a step to resume?): the
+        # connection is set up here, as DLRover's checkpointer connects to its agent.
+        if client.latest_step() is None:
+            raise RuntimeError("ckptd lists no step to resume from")
         t0 = now()
         tree, meta = client.restore()
         t1 = now()
