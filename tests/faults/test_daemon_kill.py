@@ -259,7 +259,9 @@ def test_killed_restoring_from_the_bucket(make_daemon: Any, tmp_path: Path, poin
 
 @pytest.mark.faults
 def test_killed_reading_a_restore_into_shared_memory(make_daemon: Any) -> None:
-    daemon: Daemon = make_daemon()
+    # The memory tier off: the restore must read the disk (the memory tier's own
+    # crash cases are tests/test_memory_tier.py's).
+    daemon: Daemon = make_daemon(extra_args=["--memory-tier-steps", "0"])
     client = daemon.client("read")
     ledger = Ledger("read", _state)
     ledger.save(client, 1).wait("local")
