@@ -142,17 +142,23 @@ def test_a_copy_is_checked_at_every_restore_while_its_writer_lives(tmp_path: Pat
     run(body)
 
 
-def test_a_copy_is_checked_once_after_its_writer_is_gone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    checks: list[tuple[str, int]] = []
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every crc check of a kept copy, as ``(job, step)``, in order."""
+    seen: list[tuple[str, int]] = []
     real = memory_module._intact
 
     def counted(k: Any) -> bool:
-        checks.append((k.image.job, k.image.step))
+        seen.append((k.image.job, k.image.step))
         return real(k)
 
     monkeypatch.setattr(memory_module, "_intact", counted)
+    return seen
+
+
+def test_a_copy_is_checked_once_after_its_writer_is_gone(
+    tmp_path: Path, checks: list[tuple[str, int]]
+) -> None:
 
     async def body() -> None:
         n = Node(tmp_path)
@@ -170,18 +176,10 @@ def test_a_copy_is_checked_once_after_its_writer_is_gone(
 
 
 def test_a_writer_gone_before_its_step_was_kept_is_checked_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, checks: list[tuple[str, int]]
 ) -> None:
     """The common crash: the trainer dies after its save was acknowledged, before
     LOCAL; no session end will say so later."""
-    checks: list[tuple[str, int]] = []
-    real = memory_module._intact
-
-    def counted(k: Any) -> bool:
-        checks.append((k.image.job, k.image.step))
-        return real(k)
-
-    monkeypatch.setattr(memory_module, "_intact", counted)
     dead = subprocess.Popen(["true"])
     dead.wait()  # exited and reaped: its pid names no process
 
