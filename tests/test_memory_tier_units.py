@@ -8,14 +8,14 @@ import asyncio
 import json
 import os
 import subprocess
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptd.core import checksum
-from ckptd.core.errors import NotFound
+from ckptd.core.errors import NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.daemon.catalog import Catalog
 from ckptd.daemon.local import memory as memory_module
@@ -258,5 +258,41 @@ def test_a_restarted_daemon_keeps_no_more_than_its_own_limits(tmp_path: Path) ->
         m.tier.adopt_leftovers()
         assert m.kept() == [("a", 3)]
         assert m.tier.kept_bytes <= m.tier.budget_bytes
+
+    run(body)
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path) -> Iterator[Path]:
+    """A 10 MiB tmpfs: a shared-memory filesystem smaller than the staging budget."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=10m,mode=1777", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_shm_filesystem_takes_the_tiers_memory_first(small_shm: Path) -> None:
+    async def body() -> None:
+        n = Node(small_shm, budget=64 * MiB, steps=10)  # the budget would allow 16
+        await n.save("a", 1, 1)
+        await n.save("a", 2, 2)  # 8 of the 10 MiB kept
+        b = await n.staging.acquire("b", 4 * MiB, owner=(UID, 2))
+        assert n.kept() == [("a", 2)] and n.tier.evicted == 1  # the older step went
+        c = await n.staging.acquire("c", 4 * MiB, owner=(UID, 2))
+        assert n.kept() == [] and n.tier.evicted == 2
+        # Nothing left to let go: the filesystem's own limit is the answer.
+        with pytest.raises(ResourceExhausted, match="cannot allocate"):
+            await n.staging.acquire("d", 4 * MiB, owner=(UID, 2))
+        for lease in (b, c):
+            n.staging.release(lease.lease_id)
 
     run(body)

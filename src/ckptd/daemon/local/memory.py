@@ -12,7 +12,8 @@ Rules (docs/architecture.md, "The memory tier"):
 
 - **Saves first.** Kept segments are part of the staging budget, and a lease that
   finds no free segment and no budget takes them first (:meth:`MemoryTier.give_way`,
-  called by staging): a save never waits or fails because the tier holds memory.
+  called by staging), as does one the shm filesystem cannot hold (:meth:`shed`): a
+  save never waits or fails because the tier holds memory.
   Within its own limits the tier keeps ``memory_tier_steps`` newest steps per job
   and at most ``memory_tier_bytes`` in all; older steps go first.
 - **Checked before it is handed out.** The process that wrote a segment still maps
@@ -117,6 +118,7 @@ class MemoryTier:
         self.evicted = 0
         """Copies let go: for a save's memory, a newer step, the byte cap, a failed check."""
         staging.give_way = self.give_way
+        staging.shed = self.shed
         catalog.subscribe(self._on_event)
 
     # -- what it holds ------------------------------------------------------
@@ -200,6 +202,20 @@ class MemoryTier:
                 if self._kept.get(_key(victim)) is not victim:
                     continue
             self._evict(victim, "a save needed the memory")
+
+    async def shed(self, need: int) -> bool:
+        """The shm filesystem is full: let kept segments go, the least valuable first,
+        until at least ``need`` bytes are free to reuse or remove; False if none."""
+        released = 0
+        while self._kept and released < need:
+            victim = min(self._kept.values(), key=self._value)
+            if victim.checking is not None:
+                await asyncio.shield(victim.checking)
+                if self._kept.get(_key(victim)) is not victim:
+                    continue
+            released += victim.segment.size
+            self._evict(victim, "the shared-memory filesystem is full")
+        return released > 0
 
     def _room(self, need: int, uid: int | None) -> bool:
         """Whether staging can grant ``need`` bytes to ``uid`` now: a free segment it

@@ -88,6 +88,9 @@ class Staging(Lending):
         """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
         self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
         self.give_way: Callable[[int, int | None], Awaitable[None]] = _nothing
+        self.shed: Callable[[int], Awaitable[bool]] = _none_shed
+        """Called when the shm filesystem cannot hold a new segment of ``need`` bytes:
+        the memory tier lets at least that much go; False if it held nothing."""
         """Called when a lease of ``need`` bytes for ``uid`` finds no free segment and no
         budget: the memory tier (memory.py) lets kept segments go, so a save never
         waits or fails because of it."""
@@ -245,13 +248,31 @@ class Staging(Lending):
                     f"{self.holders(uid)}; wait for earlier saves to reach LOCAL, or ask the "
                     "operator to raise staging_budget_bytes"
                 )
+            seg = await self._create_or_shed(need, populate, uid)
+        return self._grant(job, seg, restore, holder, owner=owner)
+
+    async def _create_or_shed(self, need: int, populate: bool, uid: int | None) -> Segment:
+        """A new segment of ``need`` bytes; if the shm filesystem is full (a tmpfs
+        smaller than the budget), the memory tier's segments go first and one that
+        fits is reused, or the free ones are removed to make room, and one more try."""
+        for last in (False, True):
             self._reserved += need
             try:
                 seg = await asyncio.to_thread(self._create, need, populate)
+                self._segments[seg.name] = seg
+                return seg
+            except ResourceExhausted:
+                if last or not await self.shed(need):
+                    raise
             finally:
                 self._reserved -= need
-            self._segments[seg.name] = seg
-        return self._grant(job, seg, restore, holder, owner=owner)
+            free = self.free_segments()
+            fit = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
+            if fit is not None:
+                return fit
+            for s in free:
+                self._destroy(s)
+        raise AssertionError("unreachable")
 
     def holders(self, uid: int | None) -> str:
         """What holds the leased memory right now, in words, as ``uid`` may see it
@@ -283,3 +304,8 @@ class Staging(Lending):
 
 async def _nothing(need: int, uid: int | None) -> None:
     """No memory tier: nothing to give up."""
+
+
+async def _none_shed(need: int) -> bool:
+    """No memory tier: nothing to let go."""
+    return False
