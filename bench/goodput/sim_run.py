@@ -144,7 +144,15 @@ def cell(
         "oracle_steps": k_or,
         "oracle_tried": tried,
         "failures_mean": statistics.fmean(len(f) for _, f in traces),
-        "arms": {arm: {**summary(v), "per_trace": v} for arm, v in per.items()},
+        "arms": {
+            arm: {
+                **summary(v),
+                # paired on the same traces: far tighter than the arms' own intervals
+                "minus_oracle": summary([a - b for a, b in zip(v, per["oracle"], strict=True)]),
+                "per_trace": v,
+            }
+            for arm, v in per.items()
+        },
     }
 
 
@@ -158,6 +166,13 @@ def table(cells: list[dict[str, Any]]) -> str:
         rows.append(
             f"| {c['mtbf_seconds']:g} | {c['failures_mean']:.1f} | {' | '.join(vals)} | {ks} |"
         )
+    rows += ["", "paired, arm - oracle on the same traces (mean ± 95% CI):", head, rows[1]]
+    for c in cells:
+        diff = [c["arms"][a]["minus_oracle"] for a in ARMS]
+        vals = [f"{d['mean']:+.4f} ± {d['ci95']:.4f}" for d in diff]
+        ks = f"{c['young_daly_steps']} / {c['oracle_steps']}"
+        head = f"| {c['mtbf_seconds']:g} | {c['failures_mean']:.1f}"
+        rows.append(f"{head} | {' | '.join(vals)} | {ks} |")
     return "\n".join(rows)
 
 
