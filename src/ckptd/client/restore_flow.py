@@ -67,10 +67,11 @@ def restore(
             return mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
         except (mapped_views.Corrupt, CorruptShard) as bad:
             log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))
-            # What the client checks itself are the local tier's rank files (other ranks'
-            # shards): a memory tier's copy was checked by the daemon before it was sent.
-            tier = pb.TIER_LOCAL if resp.tier == pb.TIER_MEMORY else resp.tier
-            report = pb.ReportCorruptRequest(job=job, step=resp.step, tier=tier, detail=str(bad))
+            # The client checks only rank files of the local tier (its own, or other ranks'
+            # shards); a segment it was handed was checked by the daemon before it was sent.
+            report = pb.ReportCorruptRequest(
+                job=job, step=resp.step, tier=pb.TIER_LOCAL, detail=str(bad)
+            )
             conn.report_corrupt(report)
             continue
         finally:

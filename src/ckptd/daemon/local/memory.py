@@ -191,17 +191,10 @@ class MemoryTier:
         """Let kept segments go until a lease of ``need`` bytes for ``uid`` fits: first
         a segment it can reuse as it is (no fresh memory), the least valuable first;
         else the least valuable, until the budget has room."""
-        while self._kept:
-            if self._room(need, uid):
-                return
+        while self._kept and not self._room(need, uid):
             victims = sorted(self._kept.values(), key=self._value)
             fits = [k for k in victims if k.segment.size >= need and k.segment.uid in (None, uid)]
-            victim = (fits or victims)[0]
-            if victim.checking is not None:
-                await asyncio.shield(victim.checking)  # a check reads it: bounded, short
-                if self._kept.get(_key(victim)) is not victim:
-                    continue
-            self._evict(victim, "a save needed the memory")
+            await self._let_go((fits or victims)[0], "a save needed the memory")
 
     async def shed(self, need: int) -> bool:
         """The shm filesystem is full: let kept segments go, the least valuable first,
@@ -209,13 +202,19 @@ class MemoryTier:
         released = 0
         while self._kept and released < need:
             victim = min(self._kept.values(), key=self._value)
-            if victim.checking is not None:
-                await asyncio.shield(victim.checking)
-                if self._kept.get(_key(victim)) is not victim:
-                    continue
-            released += victim.segment.size
-            self._evict(victim, "the shared-memory filesystem is full")
+            if await self._let_go(victim, "the shared-memory filesystem is full"):
+                released += victim.segment.size
         return released > 0
+
+    async def _let_go(self, k: Kept, why: str) -> bool:
+        """Let ``k`` go once no check reads it (bounded, short); False if it went
+        meanwhile."""
+        if k.checking is not None:
+            await asyncio.shield(k.checking)
+        if self._kept.get(_key(k)) is not k:
+            return False
+        self._evict(k, why)
+        return True
 
     def _room(self, need: int, uid: int | None) -> bool:
         """Whether staging can grant ``need`` bytes to ``uid`` now: a free segment it

@@ -284,7 +284,7 @@ class Saver:
                 health,
             )
             pending.nonfinite[req.rank] = health.result()
-            if req.data_offset == 0:  # the lease is the data section: the memory tier's
+            if req.data_offset == 0 and self.memory is not None and self.memory.steps:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             args = (req, len(header), crcs)
             shards = await run(shard_records, *args) if many else shard_records(*args)
@@ -431,11 +431,15 @@ class Saver:
             log.exception("journal: cannot retire leases %s; keeping their memory", ids)
             return
         for rank, lease in done.items():
-            image, written = pending.images.get(rank), pending.ranks.get(rank)
-            if not (keep and self.memory and image and written) or not self.memory.keep(
-                pending.step, rank, lease, image, written[0].crc32c
-            ):
+            if not (keep and self._kept_in_memory(pending, rank, lease)):
                 self.staging.release(lease.lease_id)
+
+    def _kept_in_memory(self, pending: PendingStep, rank: int, lease: Lease) -> bool:
+        """Offer a committed rank's lease to the memory tier; True if it kept it."""
+        image, written = pending.images.get(rank), pending.ranks.get(rank)
+        if self.memory is None or image is None or written is None:
+            return False
+        return self.memory.keep(pending.step, rank, lease, image, written[0].crc32c)
 
     def _forget_if_done(self, pending: PendingStep, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""

@@ -88,12 +88,12 @@ class Staging(Lending):
         """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
         self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
         self.give_way: Callable[[int, int | None], Awaitable[None]] = _nothing
-        self.shed: Callable[[int], Awaitable[bool]] = _none_shed
-        """Called when the shm filesystem cannot hold a new segment of ``need`` bytes:
-        the memory tier lets at least that much go; False if it held nothing."""
         """Called when a lease of ``need`` bytes for ``uid`` finds no free segment and no
         budget: the memory tier (memory.py) lets kept segments go, so a save never
         waits or fails because of it."""
+        self.shed: Callable[[int], Awaitable[bool]] = _none_shed
+        """Called when the shm filesystem cannot hold a new segment of ``need`` bytes:
+        the memory tier lets at least that much go; False if it held nothing."""
 
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed or older) daemon on this root left behind."""
@@ -255,24 +255,27 @@ class Staging(Lending):
         """A new segment of ``need`` bytes; if the shm filesystem is full (a tmpfs
         smaller than the budget), the memory tier's segments go first and one that
         fits is reused, or the free ones are removed to make room, and one more try."""
-        for last in (False, True):
-            self._reserved += need
-            try:
-                seg = await asyncio.to_thread(self._create, need, populate)
-                self._segments[seg.name] = seg
-                return seg
-            except ResourceExhausted:
-                if last or not await self.shed(need):
-                    raise
-            finally:
-                self._reserved -= need
-            free = self.free_segments()
-            fit = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
-            if fit is not None:
-                return fit
-            for s in free:
-                self._destroy(s)
-        raise AssertionError("unreachable")
+        try:
+            return await self._new_segment(need, populate)
+        except ResourceExhausted:
+            if not await self.shed(need):
+                raise
+        free = self.free_segments()
+        fit = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
+        if fit is not None:
+            return fit
+        for s in free:
+            self._destroy(s)
+        return await self._new_segment(need, populate)
+
+    async def _new_segment(self, need: int, populate: bool) -> Segment:
+        self._reserved += need  # counted while it is made, off the loop
+        try:
+            seg = await asyncio.to_thread(self._create, need, populate)
+        finally:
+            self._reserved -= need
+        self._segments[seg.name] = seg
+        return seg
 
     def holders(self, uid: int | None) -> str:
         """What holds the leased memory right now, in words, as ``uid`` may see it
