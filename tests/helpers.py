@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,3 +22,27 @@ def state_for(seed: int, mib: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     n = mib * 2**20 // 4 // 4
     return {f"w{i}": rng.standard_normal(n, dtype=np.float32) for i in range(4)}
+
+
+@contextlib.contextmanager
+def own_tmpfs(path: Path, size: str, mode: str = "") -> Iterator[Path]:
+    """A tmpfs of the test's own mounted at ``path`` (made here; ``size`` as mount
+    takes it, "64m"), so its free space is known and nothing else on the machine
+    writes there. Skips the test where it cannot be mounted (it needs root);
+    unmounted on exit, lazily if something still holds it."""
+    import pytest  # only the tests that mount one need it, never a trainer subprocess
+
+    path.mkdir()
+    options = f"size={size}" + (f",mode={mode}" if mode else "")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=False)

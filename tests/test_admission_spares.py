@@ -4,8 +4,6 @@ spare (a file later saves overwrite in place, which frees nothing)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from ckptd.daemon.app.launcher import event_is
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import RemoteTarget
+from .helpers import own_tmpfs
 from .test_remote_tier import remote_daemon
 
 MiB = 2**20
@@ -28,18 +27,8 @@ def tmpfs_64m(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs, so its free space is known and nothing else on the machine
     writes there. Unmounted after the daemon on it stopped (fixtures tear down in
     reverse: make_daemon, requested after this one, stops first)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs of the test's own needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mnt
-    if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with own_tmpfs(tmp_path / "tmpfs", "64m") as mnt:
+        yield mnt
 
 
 def state(step: int) -> dict[str, np.ndarray]:

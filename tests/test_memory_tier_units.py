@@ -23,6 +23,8 @@ from ckptd.daemon.local.lease import Want
 from ckptd.daemon.local.memory import Image, MemoryTier
 from ckptd.daemon.local.staging import KEPT_SUFFIX, Staging
 
+from .helpers import own_tmpfs
+
 MiB = 2**20
 UID = os.getuid()
 LIVE = os.getpid()
@@ -265,19 +267,8 @@ def test_a_restarted_daemon_keeps_no_more_than_its_own_limits(tmp_path: Path) ->
 @pytest.fixture
 def small_shm(tmp_path: Path) -> Iterator[Path]:
     """A 10 MiB tmpfs: a shared-memory filesystem smaller than the staging budget."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=10m,mode=1777", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
+    with own_tmpfs(tmp_path / "shm", "10m", mode="1777") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_shm_filesystem_takes_the_tiers_memory_first(small_shm: Path) -> None:

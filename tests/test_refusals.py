@@ -11,7 +11,6 @@ import errno
 import json
 import math
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from ckptd.daemon.adopt.tree import finished_steps
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
+from .helpers import own_tmpfs
 
 
 def call(d: Daemon, method: str, request: Any) -> tuple[str, str]:
@@ -121,17 +121,8 @@ def test_deeply_nested_dtype_is_refused(daemon: Daemon) -> None:
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs (root only), unmounted after the daemon on it stopped."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with own_tmpfs(tmp_path / "tmpfs", "16m") as mnt:
+        yield mnt
 
 
 def fill(path: Path) -> None:

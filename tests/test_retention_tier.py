@@ -17,6 +17,7 @@ from ckptd.client import CapacityExhausted, Client, Continuous, FixedInterval
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import CKPTD, Daemon, RemoteTarget
+from .helpers import own_tmpfs
 from .test_remote_tier import expected_layout, remote_daemon, s3_target
 
 LOCAL2 = ["--retention-local", "KeepLatest(2)"]
@@ -109,18 +110,8 @@ def test_coalescing_drain_still_uploads_what_the_bucket_keeps(
 def own_disk(tmp_path: Path) -> Iterator[Path]:
     """A 512 MiB filesystem of the test's own (tmpfs), so its free space is known and no
     other process on the machine changes it. Unmounted after the daemons stopped."""
-    path = tmp_path / "own-disk"
-    path.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()}")
-    yield path
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    with own_tmpfs(tmp_path / "own-disk", "512m") as path:
+        yield path
 
 
 def test_floor_refuses_saves_and_keeps_serving(own_disk: Path, make_daemon: Any) -> None:

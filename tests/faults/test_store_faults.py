@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from ckptd.client.handle import SaveHandle
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..conftest import Daemon
-from ..helpers import state_for
+from ..helpers import own_tmpfs, state_for
 from .invariants import Ledger, check_all
 from .proxy import FaultProxy
 
@@ -148,19 +147,8 @@ def test_store_killed_and_restarted(make_daemon: Any, tmp_path: Path) -> None:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 48 MiB tmpfs of the test's own (never the shared disk's free space)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    run = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if run.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({run.stderr.strip()}); needs root")
-    try:
+    with own_tmpfs(tmp_path / "small", "48m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_fails_saves_cleanly_and_recovers(make_daemon: Any, small_disk: Path) -> None:
