@@ -67,11 +67,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 8arrays only, 2 repetitions")
     p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch dir (bench disk)")
     p.add_argument("--dlrover-python", default=str(DLROVER_PYTHON), help="python with dlrover")
-    p.add_argument(
-        "--no-tier-flag",
-        action="store_true",
-        help="start both ckptd daemons without --memory-tier-steps (a daemon without the tier)",
-    )
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.reps = 0.25, 2
@@ -113,7 +108,6 @@ def run(args: argparse.Namespace, run_dir: Path, notes: list[str]) -> dict[str, 
         raise SystemExit(f"bench_restart: no arm left to run: {'; '.join(notes)}")
     layouts = images(args, run_dir)
     base = ["--retention-local", "KeepLatest(2)"]
-    flag = not args.no_tier_flag
     daemons: dict[str, Daemon] = {}
     log = open(run_dir / "agents.log", "a")  # noqa: SIM115  (closed in the finally clause)
     agent: DlroverAgent | None = None
@@ -127,7 +121,7 @@ def run(args: argparse.Namespace, run_dir: Path, notes: list[str]) -> dict[str, 
                     run_dir / f"root-{arm}",
                     run_dir / f"{arm}.sock",
                     staging_budget="3GiB",
-                    extra_args=[*base, *tier_args(steps, flag)],
+                    extra_args=[*base, *tier_args(steps)],
                 )
                 daemons[arm] = d.start()
         for state in layouts:
@@ -251,8 +245,6 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 verdict = "-" if v is None else ("met" if v <= limit else "NOT met")
                 shown = "-" if v is None else f"{v:.2f}"
                 print(f"  {key}: {shown} ({verdict})")
-    if args.no_tier_flag:
-        print("  (--no-tier-flag: both ckptd daemons ran without the memory tier flag)")
     return {"ratios": ratios, "goals": goals}
 
 
@@ -261,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally clauses run
     notes: list[str] = []
-    if args.no_tier_flag:
-        notes.append("--no-tier-flag: ckptd-memory ran the same daemon as ckptd-disk")
     with run_directory(args.dir, "restart") as run_dir:
         res = run(args, run_dir, notes)
     out = report(res, args)

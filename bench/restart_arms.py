@@ -32,13 +32,9 @@ TRAINER = BENCH_DIR / "restart_trainer.py"
 ALIGN = 4096
 
 
-def tier_args(steps: int, with_flag: bool = True) -> list[str]:
-    """``ckptd serve`` flags for a memory tier of ``steps`` steps per job (0: off).
-
-    ``with_flag=False`` leaves the flag out (a daemon that has no memory tier yet
-    refuses it): both ckptd arms then run the same daemon.
-    """
-    return ["--memory-tier-steps", str(steps)] if with_flag else []
+def tier_args(steps: int) -> list[str]:
+    """``ckptd serve`` flags for a memory tier of ``steps`` steps per job (0: off)."""
+    return ["--memory-tier-steps", str(steps)]
 
 
 def write_image(state: Tree, path: Path) -> dict[str, Any]:
