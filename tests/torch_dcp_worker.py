@@ -169,4 +169,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # Skip the interpreter's finalization: torch's gloo threads can abort a process
+    # there after destroy_process_group ("terminate called without an active
+    # exception", pytorch/pytorch#190489), rarely, once every check above has passed.
+    os._exit(code)
