@@ -180,8 +180,14 @@ class Client:
             if not resp.history.first_seen_unix:
                 return None  # not seen yet (no save), or a daemon without the record
             self._job_history = resp.history
-        seen = self._job_history
-        return FailureHistory(max(time.time() - seen.first_seen_unix, 0.0), seen.restarts)
+        seen, now = self._job_history, time.time()
+        return FailureHistory(
+            max(now - seen.first_seen_unix, 0.0),
+            seen.restarts,
+            tuple(max(now - t, 0.0) for t in reversed(seen.restart_unix)),
+            seen.fleet_observed_seconds,
+            seen.fleet_restarts,
+        )
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: the policy's answer, and room for the save.

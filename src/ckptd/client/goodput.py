@@ -37,16 +37,29 @@ Measured online, re-estimated as conditions change:
 
 The failure rates: ``mtbf_seconds`` is the mean time between failures that
 restart the trainer (job-wide: with N nodes failing independently, the node
-MTBF divided by N). Left at None it is learned from the daemon's record of the
-job (daemon/api/history.py): ``T / (n + 1)`` after ``n`` restarts in the ``T``
-seconds since the daemon first saw the job. That estimate is short while little
-has been seen (a young job saves often, as ``Continuous()`` does) and grows as
-failure-free time accumulates; it never exceeds the time observed, so it errs
-towards saving too often rather than losing work. ``node_mtbf_seconds`` counts
-the failures that also lose the node's disk (restored from the bucket; set it
-with ``stage="durable"`` so each save is measured until it is in the bucket).
-It is configured only: a lost node's daemon loses its record with it.
-``mtbf_seconds=math.inf`` counts node losses only.
+MTBF divided by N). Left at None it is learned (:func:`learned_mtbf`) from the
+daemon's record of the job (daemon/api/history.py, kept across daemon restarts):
+``n`` restarts in ``T`` seconds of the job's active time, and a prior ``M0``:
+``prior_mtbf_seconds`` if given, else the node's record of every other job
+(their active time over their restarts + 1). The estimate is
+
+    M = (T + M0) / (n + 1)
+
+the prior weighing as one failure interval: a young job on a node that has seen
+few failures saves at about ``tau*(M0)``, not at every step; with no prior at all
+(``M0`` = 0) it is ``T / (n + 1)``, short while little has been seen (it saves
+often) and growing as failure-free time accumulates. It never exceeds what was
+observed plus the prior, so it errs towards saving too often. When the rate
+changes, the newest restarts overrule it: the newest 8 restarts within
+``M / 2.5`` of each other on average (a bad rack: about 1% likely at the old
+rate) give ``M = age of the 8th newest / 8``; no restart for ``4 M`` (a quiet
+week: 2% likely) gives ``M = age of the newest / 2``.
+
+``node_mtbf_seconds`` counts the failures that also lose the node's disk
+(restored from the bucket; set it with ``stage="durable"`` so each save is
+measured until it is in the bucket). It is configured only: a lost node's
+daemon loses its record with it. ``mtbf_seconds=math.inf`` counts node losses
+only.
 
 Until one save has been measured the policy saves as soon as the previous save
 is in (``Continuous()``), then widens the interval to ``tau*``.
@@ -64,12 +77,34 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from .policies import SaveContext, SavePolicy
+from .policies import FailureHistory, SaveContext, SavePolicy
 
 _BASE_WINDOW = 64
 _COST_WINDOW = 8
 _MIN_QUIET = 2
 """Steps timed with no save in flight between two saves (the base step time's feed)."""
+_RECENT = 8
+"""Restarts in the window that may overrule the long-run estimate (a rate change)."""
+_FASTER = 2.5
+"""How much shorter the window's MTBF must be to overrule (P ~ 1% at a steady rate)."""
+_QUIETER = 4.0
+"""How many MTBFs without a restart overrule the estimate (P = e^-4 at a steady rate)."""
+
+
+def learned_mtbf(seen: FailureHistory, prior_mtbf: float | None = None) -> float:
+    """The trainer MTBF learned from the daemon's record (see the module): the
+    long-run estimate with its prior, unless the newest restarts say the rate
+    changed. ``prior_mtbf`` None: the node's record of the other jobs, if any."""
+    prior = prior_mtbf
+    if prior is None and seen.fleet_observed_seconds > 0:
+        prior = seen.fleet_observed_seconds / (seen.fleet_restarts + 1)
+    mtbf = (max(seen.observed_seconds, 0.0) + (prior or 0.0)) / (seen.restarts + 1)
+    ages = seen.restart_ages
+    if len(ages) >= _RECENT and ages[_RECENT - 1] / _RECENT < mtbf / _FASTER:
+        return ages[_RECENT - 1] / _RECENT
+    if ages and ages[0] > _QUIETER * mtbf:
+        return ages[0] / 2
+    return max(mtbf, 1e-3)
 
 
 def optimal_interval(
@@ -112,6 +147,8 @@ class Goodput(SavePolicy):
     ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide;
     None: learned from the daemon's record of this job's restarts; inf: not counted).
     ``node_mtbf_seconds``: those that lose the node too (None: not counted).
+    ``prior_mtbf_seconds``: the MTBF a job starts from while it has seen little
+    (None: the node's record of other jobs); ignored with ``mtbf_seconds``.
     ``min_interval_seconds`` / ``max_interval_seconds`` clamp ``tau*``.
     ``warmup_steps``: steps timed before the first save (a base step time to measure
     the first save's cost against; the first steps' compilation is outvoted by the
@@ -121,6 +158,7 @@ class Goodput(SavePolicy):
     mtbf_seconds: float | None = None
     node_mtbf_seconds: float | None = None
     stage: str = "local"
+    prior_mtbf_seconds: float | None = None
     min_interval_seconds: float = 0.0
     max_interval_seconds: float | None = None
     warmup_steps: int = 3
@@ -147,7 +185,7 @@ class Goodput(SavePolicy):
     def __post_init__(self) -> None:
         if self.stage not in ("local", "durable"):
             raise ValueError(f"stage must be 'local' or 'durable', not {self.stage!r}")
-        for name in ("mtbf_seconds", "node_mtbf_seconds"):
+        for name in ("mtbf_seconds", "node_mtbf_seconds", "prior_mtbf_seconds"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, not {value!r}")
@@ -207,16 +245,14 @@ class Goodput(SavePolicy):
             self._durable_open = False
 
     def _mtbf(self, ctx: SaveContext) -> float:
-        """The trainer MTBF: configured, or learned (``T / (n + 1)``, see the module)."""
+        """The trainer MTBF: configured, or learned (:func:`learned_mtbf`)."""
         if self.mtbf_seconds is not None:
             return self.mtbf_seconds
         seen = ctx.history()
         if seen is None:  # a daemon without the record: this process's own life
             first = ctx.now if self._first_now is None else self._first_now
-            observed, restarts = ctx.now - first, 0
-        else:
-            observed, restarts = seen.observed_seconds, seen.restarts
-        return max(observed, 1e-3) / (restarts + 1)
+            seen = FailureHistory(ctx.now - first, 0)
+        return learned_mtbf(seen, self.prior_mtbf_seconds)
 
     def _interval(self, ctx: SaveContext) -> float:
         cost = self.save_cost_seconds
@@ -248,4 +284,4 @@ class Goodput(SavePolicy):
         return ctx.now - ctx.last_save_at >= self.interval_seconds
 
 
-__all__ = ["Goodput", "expected_goodput", "optimal_interval"]
+__all__ = ["Goodput", "expected_goodput", "learned_mtbf", "optimal_interval"]

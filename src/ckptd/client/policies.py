@@ -27,9 +27,15 @@ class FailureHistory:
     """What the daemon has seen of this job's failures (daemon/api/history.py)."""
 
     observed_seconds: float
-    """Since the daemon first saw the job."""
+    """The job's active time on this node (daemon/api/history.py)."""
     restarts: int
     """Trainer restarts (processes that restored the job's steps) in that time."""
+    restart_ages: tuple[float, ...] = ()
+    """Seconds since each of the newest restarts, newest first (at most 32)."""
+    fleet_observed_seconds: float = 0.0
+    """Every other job's active time on this node, summed (the prior's record)."""
+    fleet_restarts: int = 0
+    """Their restarts, summed."""
 
 
 def _no_history() -> FailureHistory | None:

@@ -116,6 +116,8 @@ class Services:
     status: Callable[[], pb.DaemonStatus]
     restored: Callable[[str], None]
     """Counts a Restore answered, by the tier its copy came from (the metrics)."""
+    history: JobHistory
+    """Each job's restarts, for Goodput()'s learned failure rate (history.py)."""
 
 
 class Servicer(pb_grpc.CkptdServicer):
@@ -125,8 +127,7 @@ class Servicer(pb_grpc.CkptdServicer):
         self.s = services
         self.sessions = sessions
         self.parser = CommitParser()
-        self.history = JobHistory()
-        """Each job's restarts, for Goodput()'s learned failure rate (history.py)."""
+        self.history = services.history
 
     def _peer(self, context: Any) -> Peer:
         """The caller, from its session token (UNAUTHENTICATED without a live one)."""

@@ -20,6 +20,8 @@ from ckptd.proto import ckptd_pb2 as pb
 from .. import __version__
 from ..adopt.adopter import Adopter
 from ..api.access import Access
+from ..api.history import FILE_NAME as HISTORY_FILE
+from ..api.history import JobHistory
 from ..api.servicer import Services
 from ..catalog import Catalog
 from ..io import IoPool, set_nice
@@ -95,6 +97,7 @@ class Daemon:
             self.supervisor.spawn,
         )
         self.journal = Journal(local.root)
+        self.history = JobHistory(local.root / HISTORY_FILE)
         self.saver = Saver(
             self.catalog,
             self.staging,
@@ -300,6 +303,7 @@ class Daemon:
             remote_url=self.remote.url if self.remote is not None else "",
             status=self.status,
             restored=self.metrics.restored,
+            history=self.history,
         )
 
     async def stop(self) -> None:
@@ -323,6 +327,7 @@ class Daemon:
         if self.supervisor.jobs_running:
             log.info("finishing %d acknowledged saves before exit", self.supervisor.jobs_running)
         await self.supervisor.finish_jobs()
+        self.history.close()
         self.memory.close()
         self.staging.close()
         self.journal.close()
