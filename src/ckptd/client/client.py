@@ -85,6 +85,7 @@ class Client:
             staging_timeout=staging_timeout,
             save_replicas=save_replicas,
             watched_stage=lambda: getattr(self.policy, "stage", "local"),
+            upload_interval=lambda: float(getattr(self.policy, "upload_interval_seconds", 0.0)),
         )
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
         """What framework adapters call beyond this surface: leases they fill
@@ -208,6 +209,7 @@ class Client:
             self._saver.last_at,
             self._saver.previous_reached,
             self._history,
+            self._saver.previous_uploaded,
         )
         if not self.policy.should_save(ctx):
             return False

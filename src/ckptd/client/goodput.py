@@ -21,6 +21,23 @@ and setting dG/dtau = 0 gives
 Young's ``sqrt(2 C M)`` when the latencies are small). The restart cost does not
 move ``tau*``: it is paid per failure whatever the interval.
 
+Two levels (``node_mtbf_seconds`` given, ``stage="local"``), after the multi-level
+checkpointing literature (SCR; Di et al.): a save every ``tau`` seconds goes to
+the local tier, and every ``k``-th one on to the bucket, where an upload costs
+the trainer ``C_D`` (the extra step time from LOCAL to DURABLE: the drain's CPU
+and network) and a node loss loses the work since the newest upload. Per cycle
+of ``k`` saves the overhead is ``(C + C_D / k) / tau + (lambda_t + k lambda_n) tau / 2``,
+least at
+
+    k*   = sqrt(C_D lambda_t / (C lambda_n))    (the better whole number beside it)
+    tau* = sqrt(2 (C + C_D / k) A / (lambda_t + k lambda_n))
+
+so free uploads (``C_D`` 0) go with every save (``k`` 1, ``tau*`` as above) and
+dear ones under rare node losses with every ``k``-th. The policy asks the
+daemon's drain for that pace (``upload_interval_seconds = k tau``, sent with
+each commit; daemon/lifecycle/pace.py); the saves the pace skips end
+SUPERSEDED.
+
 Measured online, re-estimated as conditions change:
 
 - the base step time: the lower quartile of the last 64 steps with no save in
@@ -33,7 +50,9 @@ Measured online, re-estimated as conditions change:
   called ``save()`` until the save reached ``stage`` of (step time - base);
   ``C`` is their median, so a one-off stall does not swing the interval;
 - ``L``: the median time from a save's start to it reaching LOCAL (and, with
-  ``node_mtbf_seconds``, DURABLE).
+  ``node_mtbf_seconds``, DURABLE: of the saves actually uploaded);
+- ``C_D`` (two levels): the median over the last 8 uploads of the extra step time
+  from the save's LOCAL to its DURABLE.
 
 The failure rates: ``mtbf_seconds`` is the mean time between failures that
 restart the trainer (job-wide: with N nodes failing independently, the node
@@ -124,6 +143,33 @@ def optimal_interval(
     return math.sqrt(2.0 * max(cost, 0.0) * available / (rate_t + rate_n))
 
 
+def two_level_interval(
+    cost: float,
+    upload_cost: float,
+    mtbf: float | None,
+    node_mtbf: float,
+    local_latency: float = 0.0,
+    durable_latency: float = 0.0,
+) -> tuple[float, int]:
+    """``(tau, k)``: save locally every ``tau`` seconds and upload every ``k``-th save
+    (see the module's two-level model); ``k`` 1 when uploads cost the trainer
+    nothing, ``tau`` then :func:`optimal_interval`'s."""
+    rate_t = 1.0 / mtbf if mtbf else 0.0
+    rate_n = 1.0 / node_mtbf
+    cost, upload_cost = max(cost, 0.0), max(upload_cost, 0.0)
+    if cost <= 0.0 or upload_cost <= 0.0 or rate_t <= 0.0:
+        k = 1
+    else:  # g(k) = (C + C_D / k)(lambda_t + k lambda_n) is least at sqrt(C_D lambda_t / C lambda_n)
+        best = math.sqrt(upload_cost * rate_t / (cost * rate_n))
+        k = min(
+            {max(math.floor(best), 1), max(math.ceil(best), 1)},
+            key=lambda n: (cost + upload_cost / n) * (rate_t + n * rate_n),
+        )
+    available = max(1.0 - rate_t * local_latency - rate_n * durable_latency, 0.05)
+    tau = math.sqrt(2.0 * (cost + upload_cost / k) * available / (rate_t + k * rate_n))
+    return tau, k
+
+
 def expected_goodput(
     interval: float,
     cost: float,
@@ -181,6 +227,12 @@ class Goodput(SavePolicy):
     _extra: float | None = field(default=None, init=False, repr=False)
     """Extra seconds the open save has cost so far (None: no save being measured)."""
     _durable_open: bool = field(default=False, init=False, repr=False)
+    _uploads: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
+    _upload_extra: float | None = field(default=None, init=False, repr=False)
+    """Extra seconds the open save's upload has cost so far (two levels only)."""
+    upload_interval_seconds: float = field(default=0.0, init=False)
+    """Seconds between the uploads the daemon's drain starts for this job (0: every
+    save, as soon as it can): ``k * interval_seconds`` of the two-level model."""
 
     def __post_init__(self) -> None:
         if self.stage not in ("local", "durable"):
@@ -212,6 +264,16 @@ class Goodput(SavePolicy):
         """Median effective cost of the recent saves (None before one is measured)."""
         return statistics.median(self._costs) if self._costs else None
 
+    @property
+    def upload_cost_seconds(self) -> float | None:
+        """Median extra step time of the recent uploads, from LOCAL to DURABLE (two
+        levels only; None before one is measured)."""
+        return statistics.median(self._uploads) if self._uploads else None
+
+    @property
+    def _two_levels(self) -> bool:
+        return self.node_mtbf_seconds is not None and self.stage == "local"
+
     def _observe(self, ctx: SaveContext) -> None:
         """Account the step that just ended (from the previous call to this one)."""
         dt = None if self._prev_now is None else ctx.now - self._prev_now
@@ -235,14 +297,21 @@ class Goodput(SavePolicy):
             self._quiet_run += 1
         elif base is not None:
             self._extra += max(dt - base, 0.0)
+        if self._upload_extra is not None and base is not None:
+            self._upload_extra += max(dt - base, 0.0)
         if self._extra is not None and ctx.previous_reached(self.stage):
             self._quiet_run = 0
             self._costs.append(self._extra)
             self._to_local.append(ctx.now - (self._seen_save_at or ctx.now))
             self._extra = None
+            if self._durable_open and self._two_levels:
+                self._upload_extra = 0.0  # the upload's cost: from here to DURABLE
         if self._durable_open and ctx.previous_reached("durable"):
-            self._to_durable.append(ctx.now - (self._seen_save_at or ctx.now))
-            self._durable_open = False
+            if ctx.previous_uploaded():  # not a save the pace (or coalescing) skipped
+                self._to_durable.append(ctx.now - (self._seen_save_at or ctx.now))
+                if self._upload_extra is not None:
+                    self._uploads.append(self._upload_extra)
+            self._durable_open, self._upload_extra = False, None
 
     def _mtbf(self, ctx: SaveContext) -> float:
         """The trainer MTBF: configured, or learned (:func:`learned_mtbf`)."""
@@ -259,13 +328,22 @@ class Goodput(SavePolicy):
         if cost is None:
             return self.min_interval_seconds
         self.mtbf_estimate_seconds = self._mtbf(ctx)
-        tau = optimal_interval(
-            cost,
-            self.mtbf_estimate_seconds,
-            statistics.median(self._to_local) if self._to_local else 0.0,
-            self.node_mtbf_seconds,
-            statistics.median(self._to_durable) if self._to_durable else 0.0,
-        )
+        to_local = statistics.median(self._to_local) if self._to_local else 0.0
+        to_durable = statistics.median(self._to_durable) if self._to_durable else 0.0
+        if self._two_levels and self.node_mtbf_seconds is not None:
+            tau, k = two_level_interval(
+                cost,
+                self.upload_cost_seconds or 0.0,
+                self.mtbf_estimate_seconds,
+                self.node_mtbf_seconds,
+                to_local,
+                to_durable,
+            )
+            self.upload_interval_seconds = k * tau if k > 1 else 0.0
+        else:
+            tau = optimal_interval(
+                cost, self.mtbf_estimate_seconds, to_local, self.node_mtbf_seconds, to_durable
+            )
         tau = max(tau, self.min_interval_seconds)
         if self.max_interval_seconds is not None:
             tau = min(tau, self.max_interval_seconds)
@@ -284,4 +362,10 @@ class Goodput(SavePolicy):
         return ctx.now - ctx.last_save_at >= self.interval_seconds
 
 
-__all__ = ["Goodput", "expected_goodput", "learned_mtbf", "optimal_interval"]
+__all__ = [
+    "Goodput",
+    "expected_goodput",
+    "learned_mtbf",
+    "optimal_interval",
+    "two_level_interval",
+]

@@ -196,6 +196,8 @@ def watch_stage(handle: SaveHandle, stage: str, done: threading.Event) -> None:
         handle.wait_copied()
         while True:
             st = handle._status(STAGES[stage], 30.0)
+            if st.reached:
+                handle.reached.add(stage)
             if st.reached or st.final:
                 return
     except Exception:  # a background watcher must never die loudly

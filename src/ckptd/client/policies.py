@@ -60,6 +60,9 @@ class SaveContext:
     history: Callable[[], FailureHistory | None] = _no_history
     """The daemon's record of this job's restarts (None where it has none); asks
     the daemon the first time only."""
+    previous_uploaded: Callable[[], bool] = lambda: True
+    """Whether the previous save reached DURABLE itself (not skipped by the upload
+    pace or coalescing); meaningful once ``previous_reached("durable")``."""
 
 
 class SavePolicy(ABC):

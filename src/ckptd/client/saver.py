@@ -38,7 +38,8 @@ class Saver:
     ``copy_threads`` copy large arrays into shared memory in parallel (1: on the
     calling thread only); ``staging_timeout`` is how long a save waits for staging
     memory; ``watched_stage`` says which stage of each save to start watching for
-    the next save decision (the client's policy's).
+    the next save decision (the client's policy's); ``upload_interval`` the pace
+    the daemon's drain uploads the job at (the policy's, 0: as fast as it can).
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class Saver:
         staging_timeout: float,
         save_replicas: Replicas,
         watched_stage: Callable[[], str],
+        upload_interval: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -62,6 +64,7 @@ class Saver:
         self.planner = Planner(save_replicas)
         self._handoff = handoff
         self._watched_stage = watched_stage
+        self._upload_interval = upload_interval
         # numpy releases the GIL while copying, so a few threads copy into the
         # lease faster than one (memory bandwidth, not CPU, is the limit).
         threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
@@ -81,6 +84,11 @@ class Saver:
     def connection(self) -> Connection:
         """The connection to the daemon (what a :class:`SaveHandle` waits on)."""
         return self._handoff.connection
+
+    def previous_uploaded(self) -> bool:
+        """Whether the previous save reached DURABLE (not only ended: a save the
+        drain's pace skipped ends SUPERSEDED); as far as the watcher has seen."""
+        return self.last is not None and "durable" in self.last.reached
 
     def previous_reached(self, stage: str) -> bool:
         """Has the previous save reached ``stage``? Never blocks, and costs no RPC per
@@ -184,6 +192,7 @@ class Saver:
             metadata_json=metadata_json,
             milestone=milestone,
             metrics=metrics,
+            upload_interval_seconds=self._upload_interval(),
         )
 
     def _saved(self, handle: SaveHandle, started: float, size: int) -> SaveHandle:

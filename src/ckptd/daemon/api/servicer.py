@@ -118,6 +118,8 @@ class Services:
     """Counts a Restore answered, by the tier its copy came from (the metrics)."""
     history: JobHistory
     """Each job's restarts, for Goodput()'s learned failure rate (history.py)."""
+    paced: Callable[[str, float], None]
+    """Sets a job's upload pace, as its commits ask (lifecycle/pace.py)."""
 
 
 class Servicer(pb_grpc.CkptdServicer):
@@ -201,6 +203,7 @@ class Servicer(pb_grpc.CkptdServicer):
         # The request itself is journaled: a restarted daemon replays it as received.
         with self.s.access.claiming(peer, job):  # a no-op for a job its lease claimed
             state = await self.s.saver.commit(parsed, request.SerializeToString())
+        self.s.paced(job, request.upload_interval_seconds)
         return pb.CommitShardsResponse(state=state)  # type: ignore[arg-type]
 
     @_rpc

@@ -304,6 +304,7 @@ class Daemon:
             status=self.status,
             restored=self.metrics.restored,
             history=self.history,
+            paced=self.drain.pace.ask if self.drain is not None else lambda job, seconds: None,
         )
 
     async def stop(self) -> None:

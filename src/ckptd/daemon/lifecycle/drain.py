@@ -17,7 +17,9 @@ an error) shows as the drain's error in status while it keeps waiting. At
 start-up, the node's index of each job it holds locally (one GET per job, never
 a listing of the bucket) says which steps are DURABLE; the others are queued
 again, and their files already in the bucket with the right crc32c are not sent
-twice.
+twice. A job may ask for an upload pace (pace.py): its newest step then waits
+until the job's interval has passed since its last upload started, and the
+steps the pace skipped become SUPERSEDED when a newer one goes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..remote.claim import NodeClaim
 from ..remote.index import NodeIndex
 from ..remote.publish import Publisher
 from ..retention.planner import Retention
+from .pace import UploadPace
 
 log = logging.getLogger("ckptd.drain")
 
@@ -117,6 +120,8 @@ class Drain:
         """The step being published and its task (cancelled if the step is replaced)."""
         self.resumed = False
         """The node's index matched against the local steps (:meth:`resume`)."""
+        self.pace = UploadPace()
+        """Each job's upload pace, as its newest commit asked (pace.py)."""
         catalog.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
@@ -203,11 +208,16 @@ class Drain:
             if st is None:
                 self._wake.clear()
                 if self.pick() is None:
-                    # Woken by new work; every PERIOD_SECONDS anyway, because time-based
-                    # remote policies change what the bucket wants as time passes.
+                    # Woken by new work, or a paced job's turn; every PERIOD_SECONDS
+                    # anyway, because time-based remote policies change what the
+                    # bucket wants as time passes.
+                    paced = self.pace.next_due(self._waiting_jobs())
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), min(PERIOD_SECONDS, next_revival))
+                        await asyncio.wait_for(
+                            self._wake.wait(), min(PERIOD_SECONDS, next_revival, paced)
+                        )
                 continue
+            self._paced_out(st)
             try:
                 await self._drain(st)
             except BaseException:
@@ -279,7 +289,7 @@ class Drain:
             if s.state == pb.SAVE_STATE_LOCAL and s.local and not s.busy:
                 by_job.setdefault(s.job, []).append(s)
         newest = [max(steps, key=lambda s: s.order) for steps in by_job.values()]
-        fresh = [s for s in newest if not self._newer_in_remote(s)]
+        fresh = [s for s in newest if not self._newer_in_remote(s) and self.pace.ready(s.job)]
         if fresh:
             return max(fresh, key=lambda s: s.local_at)
         older = [
@@ -287,8 +297,26 @@ class Drain:
             for job, steps in by_job.items()
             for s in steps
             if s.step in self.retention.plan(job).remote_wants
+            and (s.milestone or not self.pace.interval(job))
         ]
         return max(older, key=lambda s: s.order) if older else None
+
+    def _waiting_jobs(self) -> set[str]:
+        return {s.job for s in self.catalog.steps() if s.state == pb.SAVE_STATE_LOCAL}
+
+    def _paced_out(self, st: Step) -> None:
+        """``st`` of a paced job goes up: the older steps the pace skipped never will."""
+        interval = self.pace.interval(st.job)
+        if not interval or st.milestone:
+            return
+        self.pace.started(st.job)
+        for s in self.catalog.list(st.job):
+            if s.order < st.order and s.state == pb.SAVE_STATE_LOCAL and not s.milestone:
+                self.catalog.superseded(
+                    s,
+                    f"not uploaded: the job uploads at most every {interval:.3g} s (its "
+                    f"policy's upload interval); step {st.step} went instead",
+                )
 
     def _newer_in_remote(self, st: Step) -> bool:
         return any(
