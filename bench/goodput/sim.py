@@ -292,6 +292,8 @@ def simulate(
             blocking = costs.save_blocking.draw(rng)
             local = max(costs.to_local.draw(rng), blocking)
             upload = max(costs.to_durable.draw(rng) - local, 0.0)
+            if costs.to_durable == costs.to_local:  # one commit, to remote storage
+                upload = 0.0
             drained = policy.durable(step) if levelled else True  # type: ignore[attr-defined]
             new = _Save(step, work, t, t + local, upload, drained)
             drain.queue(new)
