@@ -247,3 +247,31 @@ def test_the_plot_has_a_panel_per_failure_mix(tmp_path: Path) -> None:
     results.write_text(json.dumps({"cells": []}))
     with pytest.raises(ValueError, match="no cells"):
         sim_plot.plot(results)
+
+
+def test_skipping_quiet_steps_changes_nothing_for_serial_peer_saves() -> None:
+    costs = sim.Costs.load(arm="orbax")  # commits in ~8 s: some saves wait at k = 5
+    trace = sim.failure_trace(1800.0, 4 * 3600, seed=5, node_fraction=0.3)
+    runs = [
+        sim.simulate(lambda: FixedInterval(5), costs, trace, 4 * 3600, 5, skip=s, serial=True)
+        for s in (True, False)
+    ]
+    assert runs[0].pop("skipped_steps") > 0 and runs[1].pop("skipped_steps") == 0
+    assert runs[0] == pytest.approx(runs[1], rel=1e-9)
+
+
+def test_sim_run_says_what_is_wrong_with_a_costs_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for text, says in (
+        (None, "no costs file at"),
+        ("{not json", "is not JSON"),
+        ('{"arms": {"orbax": {}}}', "no costs for arm 'ckptd'"),
+    ):
+        path = tmp_path / "costs.json"
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit) as exit_:
+            sim_run.main(["--costs", str(path), "--traces", "1"])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err

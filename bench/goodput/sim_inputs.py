@@ -2,13 +2,28 @@
 failure traces.
 
 A costs file (bench/goodput/costs-default.json; measured files in the same
-format) holds the trainer's step time, top-level defaults, and one section per
-arm under ``"arms"``: ``ckptd`` (``Client.save``), ``orbax`` (Orbax
-``CheckpointManager`` async save), ``dcp`` (torch DCP ``async_save``), ``dlrover``
-(a memory snapshot every step, disk every N). An arm's costs are its section
-laid over the top level; a file without ``"arms"`` (the older, flat format) is
-the ``ckptd`` arm alone. Each cost is a number (constant), a lognormal
-``{"median": s, "sigma": s}`` or ``{"samples": [s, ...]}`` drawn uniformly.
+format) holds ``note`` (what was measured, how, where), ``trainer``
+("gpu-like", "jax" or "placeholder"), ``command`` (what reproduces it), the
+trainer's ``step`` (one step with no save in flight), top-level defaults, and
+one section per arm under ``"arms"``: ``ckptd`` (``Client.save``), ``orbax``
+(Orbax ``CheckpointManager`` async save), ``dcp`` (torch DCP ``async_save``),
+``dlrover`` (a memory snapshot every step, disk every N); the last two are
+optional. An arm's costs are its section laid over the top level; a file
+without ``"arms"`` (the older, flat format) is the ``ckptd`` arm alone. The keys:
+
+- ``save_blocking``: seconds ``save()`` blocks the trainer;
+- ``save_effective``: extra seconds the following ``effective_spread_steps``
+  steps (an int, default 1) take in total while the save commits;
+- ``to_local``: save start to restorable after a trainer-only failure (ckptd:
+  LOCAL; a peer writing to remote storage: its commit; DLRover: in memory);
+- ``to_durable``: save start to restorable after a node loss, on an idle drain
+  (ckptd: DURABLE in the bucket). Equal to ``to_local`` (the same value): one
+  commit, to remote storage, durable as soon as committed;
+- ``restart``: trainer failure to the new process's first step (restore
+  included); ``node_restart``: node loss to the first step on a new node.
+
+Each cost is a number (constant), a lognormal ``{"median": s, "sigma": s}`` or
+``{"samples": [s, ...]}`` (measured values, drawn uniformly).
 """
 
 from __future__ import annotations

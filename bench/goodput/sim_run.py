@@ -320,11 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 <= f <= 1 for f in args.node_fraction) or min(args.weibull_shape) <= 0:
         ap.error("--node-fraction takes fractions in [0, 1], --weibull-shape shapes > 0")
     try:
+        if "ckptd" not in cost_arms(args.costs):
+            ap.error(f"{args.costs} has no costs for arm 'ckptd': its arms and the oracle need it")
         costs = load_costs(args.costs)
     except ValueError as e:
         ap.error(str(e))
-    if "ckptd" not in costs:
-        ap.error(f"{args.costs} has no ckptd section: the ckptd arms and the oracle need it")
     horizon = args.horizon_hours * 3600
     started = time.monotonic()
     cells = []
