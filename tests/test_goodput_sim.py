@@ -275,3 +275,23 @@ def test_sim_run_says_what_is_wrong_with_a_costs_file(
             sim_run.main(["--costs", str(path), "--traces", "1"])
         assert exit_.value.code == 2
         assert says in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class _PacedEvery(FixedInterval):
+    """Saves every ``steps``, asking the drain for an upload pace, as the two-level
+    ``Goodput()`` does."""
+
+    upload_interval_seconds: float = 0.0
+
+
+@pytest.mark.parametrize(("pace", "lost"), [(0.0, 14.0), (25.0, 34.0)])
+def test_the_drain_keeps_the_upload_pace_a_policy_asks_for(pace: float, lost: float) -> None:
+    # saves every 10 steps of 1 s, LOCAL 0.5 s after, a 5 s upload. Unpaced, step
+    # n's is DURABLE at n + 5.5: at 64.5, step 50's. Paced to 25 s between upload
+    # starts: step 10's goes at 10.5, 30's at 35.5 (20's superseded while it
+    # waits), 50's at 60.5 (DURABLE only at 65.5): at 64.5 the newest is step 30's.
+    costs = exact_costs(save_blocking=0.0, save_effective=0.0, to_local=0.5, to_durable=5.5)
+    trace = [sim.Failure(64.5, node=True)]
+    run = sim.simulate(lambda: _PacedEvery(10, pace), costs, trace, 100.0, seed=1)
+    assert run["lost_seconds"] == pytest.approx(lost)

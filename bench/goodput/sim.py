@@ -21,7 +21,9 @@ MTBF from it as it does on the real stack.
 A save of a :class:`Levelled` policy (DLRover's memory snapshots) that is not
 durable never reaches the drain: only a trainer failure can restore it. With
 ``serial``, a save first waits for the previous one to commit (Orbax's and DCP's
-``save()`` while an async save is in flight).
+``save()`` while an async save is in flight). A policy with an
+``upload_interval_seconds`` (the upload pace its commits ask of the daemon) has
+the drain start uploads no closer together than that.
 
 Steps between two saves are skipped in O(1) (cumulative step times) where the
 policy provably cannot save in them; tests/test_goodput_sim.py checks that the
@@ -90,42 +92,59 @@ class _Save:
     """Goes to durable storage (False: a memory snapshot, lost with the node)."""
     durable_at: float | None = None
     """None: not uploaded (yet, superseded by a newer save, or never: not drained)."""
-    drain_before: tuple[float, _Save | None, float | None] = (0.0, None, None)
-    """The drain's free time, waiting save and its DURABLE time before this save was
-    queued (a save lost before LOCAL never reaches the drain: undone)."""
+    drain_before: tuple[float, float, float, _Save | None, float | None] = (
+        0.0,
+        -math.inf,
+        0.0,
+        None,
+        None,
+    )
+    """The drain's free time, newest upload start, pace, waiting save and its DURABLE
+    time before this save was queued (a save lost before LOCAL never reaches the
+    drain: undone)."""
+    gate: tuple[float, float] = (0.0, -math.inf)
+    """The drain's free time and newest upload start its upload waited on (restored
+    when a newer save takes its place before it starts)."""
 
 
 class _Drain:
     """The daemon's drain: one upload at a time, newest first (a save still waiting
-    when a newer one is LOCAL is never uploaded)."""
+    when a newer one is LOCAL is never uploaded), and each upload started at least
+    ``pace`` seconds after the previous one (lifecycle/pace.py: the job's newest
+    commit sets it; 0, the default, uploads as soon as the drain is free)."""
 
     def __init__(self) -> None:
         self.free = 0.0  # the time the drain is next free
+        self.started = -math.inf  # the time the newest upload started
+        self.pace = 0.0
         self.waiting: _Save | None = None  # a save whose upload has not started
 
-    def queue(self, new: _Save) -> None:
+    def queue(self, new: _Save, pace: float = 0.0) -> None:
         """``new`` joins the drain once LOCAL: sets its ``durable_at``."""
         w = self.waiting
-        new.drain_before = (self.free, w, w.durable_at if w is not None else None)
+        was = w.durable_at if w is not None else None
+        new.drain_before = (self.free, self.started, self.pace, w, was)
         if not new.drained:
             return
-        if w is not None and w.durable_at is not None:
-            start = w.durable_at - w.upload
-            if start > new.local_at:  # not started: the newer one goes instead
-                self.free, w.durable_at = start, None
-        new.durable_at = max(new.local_at, self.free) + new.upload
-        self.waiting = new if new.durable_at - new.upload > new.local_at else None
-        self.free = new.durable_at
+        self.pace = pace
+        if w is not None and w.durable_at is not None and w.durable_at - w.upload > new.local_at:
+            # not started when the newer one is LOCAL: the newer one goes instead
+            (self.free, self.started), w.durable_at = w.gate, None
+        new.gate = (self.free, self.started)
+        start = max(new.local_at, self.free, self.started + self.pace)
+        new.durable_at = start + new.upload
+        self.waiting = new if start > new.local_at else None
+        self.free, self.started = new.durable_at, start
 
     def undo(self, save: _Save) -> None:
         """``save`` was lost before LOCAL: it never reached the drain."""
-        self.free, self.waiting, was = save.drain_before
+        self.free, self.started, self.pace, self.waiting, was = save.drain_before
         if self.waiting is not None:
             self.waiting.durable_at = was
 
     def node_lost(self, at: float) -> None:
-        """The node (and the drain's queue with it) is gone at ``at``."""
-        self.free, self.waiting = at, None
+        """The node (and the drain's queue and paces with it) is gone at ``at``."""
+        self.free, self.started, self.pace, self.waiting = at, -math.inf, 0.0, None
 
 
 class _View:
@@ -296,7 +315,8 @@ def simulate(
                 upload = 0.0
             drained = policy.durable(step) if levelled else True  # type: ignore[attr-defined]
             new = _Save(step, work, t, t + local, upload, drained)
-            drain.queue(new)
+            # a policy that paces the uploads (Goodput's two levels) says so on its save
+            drain.queue(new, float(getattr(policy, "upload_interval_seconds", 0.0) or 0.0))
             saves.append(new)
             view.mine = mine = new
             settled = 0
