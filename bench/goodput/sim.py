@@ -230,6 +230,23 @@ def _quiet_steps(
     return 0
 
 
+def _survivors(
+    saves: list[_Save], drain: _Drain, failed_at: float, lost_at: float, node: bool
+) -> tuple[list[_Save], _Save | None]:
+    """After a failure at ``failed_at`` (the node lost at ``lost_at`` if ``node``):
+    the saves still worth keeping (from the newest durable one on) and the newest
+    save that survived, the one the next life restores."""
+    if saves and saves[-1].local_at > failed_at:  # lost before LOCAL: never queued
+        drain.undo(saves[-1])
+    keep = [s for s in saves if s.local_at <= failed_at]
+    if node:
+        keep = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
+        drain.node_lost(lost_at)
+    newest = keep[-1] if keep else None
+    durable = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
+    return (keep[keep.index(durable[-1]) :] if durable else keep), newest
+
+
 def simulate(
     make_policy: Callable[[], SavePolicy],
     costs: Costs,
@@ -344,15 +361,7 @@ def simulate(
             t = nxt.at + (costs.node_restart if node else costs.restart).draw(rng)
             nxt = next(fails, None)
         down += t - failed_at
-        if saves and saves[-1].local_at > failed_at:  # lost before LOCAL: never queued
-            drain.undo(saves[-1])
-        keep = [s for s in saves if s.local_at <= failed_at]
-        if node:
-            keep = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
-            drain.node_lost(lost_at)
-        newest = keep[-1] if keep else None
-        durable = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
-        saves = keep[keep.index(durable[-1]) :] if durable else keep
+        saves, newest = _survivors(saves, drain, failed_at, lost_at, node)
         lost += work - (newest.work if newest else 0.0)
         step, work = (newest.step, newest.work) if newest else (0, 0.0)
         if node:  # the new node's daemon starts the record again
