@@ -66,10 +66,15 @@ def plot(results: Path, out: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     doc, mixes = _by_mix(results)
-    fig, axes = plt.subplots(
-        1, len(mixes), figsize=(6.5 * len(mixes), 4.8), squeeze=False, sharey=True
+    cols = min(len(mixes), 2)  # two panels a row: the figure stays readable on a page
+    rows = -(-len(mixes) // cols)
+    fig, grid = plt.subplots(
+        rows, cols, figsize=(6.5 * cols, 4.8 * rows), squeeze=False, sharey=True
     )
-    for ax, ((shape, nodes), group) in zip(axes[0], sorted(mixes.items()), strict=True):
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(mixes) :]:
+        ax.set_visible(False)
+    for ax, ((shape, nodes), group) in zip(axes, sorted(mixes.items()), strict=False):
         group = sorted(group, key=lambda c: c["mtbf_seconds"])
         x = [c["mtbf_seconds"] for c in group]
         names = [n for n in group[0]["arms"] if n != "oracle"]
@@ -97,8 +102,9 @@ def plot(results: Path, out: Path | None = None) -> Path:
         kind = "exponential" if shape == 1 else f"Weibull shape {shape:g}"
         ax.set_title(f"{kind}, node losses {100 * nodes:g}%")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("goodput (mean, 95% CI)")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    for row in grid:
+        row[0].set_ylabel("goodput (mean, 95% CI)")
+    axes[len(mixes) - 1].legend(fontsize=8, loc="lower right")
     hours = doc.get("horizon_hours")
     fig.suptitle(
         f"Simulated goodput: {doc.get('traces', '?')} traces of {hours:g} h per cell"
