@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -125,3 +126,172 @@ def test_weibull_trace_keeps_the_mtbf_and_the_node_mix() -> None:
     assert statistics.fmean(gaps) == pytest.approx(100.0, rel=0.05)
     assert statistics.stdev(gaps) > 1.3 * statistics.fmean(gaps)  # bursty, unlike shape 1
     assert sum(f.node for f in trace) / len(trace) == pytest.approx(0.25, abs=0.02)
+
+
+def test_costs_per_arm_overlay_the_top_level_and_the_flat_format_is_ckptd(
+    tmp_path: Path,
+) -> None:
+    flat = {
+        "note": "old format",
+        "step": 1.0,
+        "save_blocking": 0.2,
+        "save_effective": {"median": 0.1, "sigma": 0.3},
+        "to_local": 0.3,
+        "to_durable": {"samples": [4.0, 6.0]},
+        "restart": 60.0,
+        "node_restart": 300.0,
+    }
+    old = tmp_path / "flat.json"
+    old.write_text(json.dumps(flat))
+    assert sim.cost_arms(old) == ("ckptd",)
+    ckptd = sim.Costs.load(old)
+    assert ckptd == sim.Costs.load(old, arm="ckptd")
+    assert ckptd.save_blocking == sim.Dist(0.2)
+    assert ckptd.to_durable == sim.Dist(samples=(4.0, 6.0))
+    with pytest.raises(ValueError, match=r"no costs for arm 'orbax'.*add an \"arms\""):
+        sim.Costs.load(old, arm="orbax")
+
+    top = {k: flat[k] for k in ("step", "restart", "node_restart")}
+    arms = {
+        "ckptd": {k: flat[k] for k in ("save_blocking", "save_effective", "to_local")},
+        "orbax": {"save_blocking": 0.5, "save_effective": 2.0, "effective_spread_steps": 4}
+        | {"to_local": 8.0, "to_durable": 8.0, "restart": 62.0},
+    }
+    arms["ckptd"]["to_durable"] = flat["to_durable"]
+    new = tmp_path / "arms.json"
+    new.write_text(json.dumps({"note": "new format", **top, "arms": arms}))
+    assert sim.cost_arms(new) == ("ckptd", "orbax")
+    assert sim.Costs.load(new) == ckptd  # the same costs, split between the levels
+    orbax = sim.Costs.load(new, arm="orbax")
+    assert (orbax.save_blocking, orbax.restart) == (sim.Dist(0.5), sim.Dist(62.0))
+    assert orbax.node_restart == sim.Dist(300.0)  # not overridden: the top level's
+    assert (orbax.effective_spread_steps, orbax.save_cost) == (4, 2.5)
+
+    del arms["orbax"]["to_durable"]
+    new.write_text(json.dumps({**top, "arms": arms}))
+    with pytest.raises(ValueError, match="arm 'orbax': no to_durable"):
+        sim.Costs.load(new, arm="orbax")
+
+
+def test_the_default_costs_have_every_peer_arm() -> None:
+    assert set(sim.cost_arms()) == {"ckptd", "orbax", "dcp", "dlrover"}
+    ckptd, orbax = sim.Costs.load(), sim.Costs.load(arm="orbax")
+    assert orbax.save_cost > ckptd.save_cost  # the measured ratios, not a copy
+    assert orbax.to_durable == orbax.to_local  # Orbax commits to the remote directory
+    assert sim.Costs.load(arm="dlrover").restart == ckptd.restart  # the top level's
+
+
+def test_dlrover_restores_memory_after_a_trainer_failure_and_disk_after_a_node_loss() -> None:
+    # steps of 1 s, a 0.1 s memory snapshot after each (step n's in memory at 1.1 n),
+    # every 10th also to storage, a 10 s upload: step 10's durable at 21, step 20's
+    # at 32, step 30's at 43, step 40's (in memory at 44) only at 54.
+    costs = exact_costs(save_blocking=0.1, save_effective=0.0, to_local=0.1, to_durable=10.1)
+    lost = {}
+    for node in (False, True):
+        trace = [sim.Failure(50.05, node=node)]  # in step 46 (49.5 .. 50.5)
+        run = sim.simulate(lambda: sim.FlashCheckpoint(10), costs, trace, 100.0, seed=1)
+        lost[node] = run["lost_seconds"]
+    assert lost[False] == pytest.approx(0.0)  # step 45's snapshot, in memory
+    assert lost[True] == pytest.approx(15.0)  # back to step 30, the newest on storage
+    arm = sim_run.Arm("dlrover", durable_steps=10)
+    assert (arm(), arm.costs, arm.serial) == (sim.FlashCheckpoint(10), "dlrover", False)
+
+
+def test_serial_saves_wait_for_the_previous_commit() -> None:
+    # every 10 steps of 1 s, each save committed 25 s after it starts: a save() that
+    # waits for the previous one paces the trainer to 10 steps per 25 s
+    costs = exact_costs(save_blocking=0.1, save_effective=0.0, to_local=25.0, to_durable=25.0)
+    horizon = 5000.0
+    run = sim.simulate(lambda: FixedInterval(10), costs, [], horizon, seed=1, serial=True)
+    assert run["goodput"] == pytest.approx(10 / 25, abs=0.01)
+    assert run["overhead"] == pytest.approx(15 / 25, abs=0.01)
+    free = sim.simulate(lambda: FixedInterval(10), costs, [], horizon, seed=1)
+    assert free["goodput"] == pytest.approx(10 / 10.1, abs=0.001)
+
+
+def test_peer_arms_run_with_their_own_costs() -> None:
+    ckptd = exact_costs()
+    orbax = exact_costs(save_blocking=0.5, save_effective=0.0, to_local=2.0, to_durable=2.0)
+    dlrover = exact_costs(save_blocking=0.05, save_effective=0.0, to_local=0.05)
+    costs = {"ckptd": ckptd, "orbax": orbax, "dlrover": dlrover}
+    got = sim_run.cell(costs, 600.0, 2 * 3600.0, 2, shape=1.0, node_fraction=0.5)
+    arms = got["arms"]
+    assert "dcp-yd" not in arms  # no dcp costs: no dcp arm
+    assert {"orbax-continuous", "orbax-yd", "dlrover", "oracle"} <= set(arms)
+    k = sim_run.young_daly_steps(orbax, 600.0)  # sqrt(2 * 0.5 * 600) = 24.5
+    assert (arms["orbax-yd"]["steps"], got["young_daly_steps"], k) == (24, 15, 24)
+    assert arms["orbax-yd"]["overhead"]["mean"] == pytest.approx(0.5 / 24.5, rel=0.05)
+    assert arms["young-daly"]["overhead"]["mean"] == pytest.approx(0.18 / 15.18, rel=0.05)
+    assert arms["dlrover"]["overhead"]["mean"] == pytest.approx(0.05 / 1.05, rel=0.05)
+    assert arms["dlrover"]["durable_steps"] == sim_run.young_daly_steps(dlrover, 1200.0)
+    # orbax-continuous saves once each 2 s commit is in: 0.5 s every 3 steps or so
+    assert arms["orbax-continuous"]["overhead"]["mean"] > 0.1
+    text = sim_run.table([got])
+    assert "| orbax-yd | " in text and "| 24 steps |" in text
+
+
+def test_the_plot_has_a_panel_per_failure_mix(tmp_path: Path) -> None:
+    sim_plot = _load("sim_plot")
+    arm = {"mean": 0.9, "ci95": 0.01}
+    cells = [
+        {"mtbf_seconds": m, "weibull_shape": 1.0, "node_fraction": f, "arms": {"goodput": arm}}
+        | {"oracle_steps": 10}
+        for m in (600, 3600)
+        for f in (0.0, 0.3)
+    ]
+    results = tmp_path / "sim.json"
+    results.write_text(json.dumps({"horizon_hours": 1, "traces": 2, "cells": cells}))
+    out = sim_plot.plot(results)
+    assert out == tmp_path / "sim.png" and out.read_bytes()[:4] == b"\x89PNG"
+    assert sim_plot.panels(results) == [(1.0, 0.0), (1.0, 0.3)]
+    results.write_text(json.dumps({"cells": []}))
+    with pytest.raises(ValueError, match="no cells"):
+        sim_plot.plot(results)
+
+
+def test_skipping_quiet_steps_changes_nothing_for_serial_peer_saves() -> None:
+    costs = sim.Costs.load(arm="orbax")  # commits in ~8 s: some saves wait at k = 5
+    trace = sim.failure_trace(1800.0, 4 * 3600, seed=5, node_fraction=0.3)
+    runs = [
+        sim.simulate(lambda: FixedInterval(5), costs, trace, 4 * 3600, 5, skip=s, serial=True)
+        for s in (True, False)
+    ]
+    assert runs[0].pop("skipped_steps") > 0 and runs[1].pop("skipped_steps") == 0
+    assert runs[0] == pytest.approx(runs[1], rel=1e-9)
+
+
+def test_sim_run_says_what_is_wrong_with_a_costs_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for text, says in (
+        (None, "no costs file at"),
+        ("{not json", "is not JSON"),
+        ('{"arms": {"orbax": {}}}', "no costs for arm 'ckptd'"),
+    ):
+        path = tmp_path / "costs.json"
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit) as exit_:
+            sim_run.main(["--costs", str(path), "--traces", "1"])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class _PacedEvery(FixedInterval):
+    """Saves every ``steps``, asking the drain for an upload pace, as the two-level
+    ``Goodput()`` does."""
+
+    upload_interval_seconds: float = 0.0
+
+
+@pytest.mark.parametrize(("pace", "lost"), [(0.0, 14.0), (25.0, 34.0)])
+def test_the_drain_keeps_the_upload_pace_a_policy_asks_for(pace: float, lost: float) -> None:
+    # saves every 10 steps of 1 s, LOCAL 0.5 s after, a 5 s upload. Unpaced, step
+    # n's is DURABLE at n + 5.5: at 64.5, step 50's. Paced to 25 s between upload
+    # starts: step 10's goes at 10.5, 30's at 35.5 (20's superseded while it
+    # waits), 50's at 60.5 (DURABLE only at 65.5): at 64.5 the newest is step 30's.
+    costs = exact_costs(save_blocking=0.0, save_effective=0.0, to_local=0.5, to_durable=5.5)
+    trace = [sim.Failure(64.5, node=True)]
+    run = sim.simulate(lambda: _PacedEvery(10, pace), costs, trace, 100.0, seed=1)
+    assert run["lost_seconds"] == pytest.approx(lost)

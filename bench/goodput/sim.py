@@ -18,114 +18,67 @@ MTBF from it as it does on the real stack.
 
     goodput = useful training seconds (the surviving steps' undisturbed time) / wall
 
+A save of a :class:`Levelled` policy (DLRover's memory snapshots) that is not
+durable never reaches the drain: only a trainer failure can restore it. With
+``serial``, a save first waits for the previous one to commit (Orbax's and DCP's
+``save()`` while an async save is in flight). A policy with an
+``upload_interval_seconds`` (the upload pace its commits ask of the daemon) has
+the drain start uploads no closer together than that.
+
 Steps between two saves are skipped in O(1) (cumulative step times) where the
 policy provably cannot save in them; tests/test_goodput_sim.py checks that the
-skip changes nothing. The costs come from a JSON file (costs-default.json:
-placeholders until measured on the real stack); bench/goodput/sim_run.py runs
-the cells and the oracle.
+skip changes nothing. The costs and failure traces come from sim_inputs.py (a
+costs JSON file per arm: costs-default.json holds placeholders until measured on
+the real stack); bench/goodput/sim_run.py runs the cells, the peers and the
+oracle.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import numpy as np
+from sim_inputs import COSTS_DEFAULT, Costs, Dist, Failure, cost_arms, failure_trace
 
 from ckptd.client.goodput import Goodput
 from ckptd.client.policies import FailureHistory, FixedInterval, SaveContext, SavePolicy
 
-COSTS_DEFAULT = Path(__file__).with_name("costs-default.json")
 _FEED = 66
 """Steps fed to ``Goodput`` after a skip: its base-step window (64) is then filled
 with real steps only, as if no step had been skipped."""
 
 
-@dataclass(frozen=True)
-class Dist:
-    """A cost distribution: lognormal (``median``, ``sigma``) or ``samples`` drawn
-    uniformly."""
+@runtime_checkable
+class Levelled(Protocol):
+    """A policy with two save levels: ``durable(step)`` says whether the save it
+    asked for at ``step`` also goes to durable storage (survives a node loss).
+    Saves of a policy without it all go to the drain (ckptd: LOCAL, then the
+    bucket), or, for a peer that writes to remote storage directly, are durable
+    once committed (its ``to_durable`` equal to its ``to_local``)."""
 
-    median: float = 0.0
-    sigma: float = 0.0
-    samples: tuple[float, ...] = ()
-
-    @classmethod
-    def of(cls, spec: Any) -> Dist:
-        """From a JSON value: a number, {"median", "sigma"} or {"samples": [...]}."""
-        if isinstance(spec, int | float):
-            return cls(float(spec))
-        if "samples" in spec:
-            return cls(samples=tuple(float(x) for x in spec["samples"]))
-        return cls(float(spec["median"]), float(spec.get("sigma", 0.0)))
-
-    @property
-    def mean(self) -> float:
-        """The distribution's mean."""
-        if self.samples:
-            return sum(self.samples) / len(self.samples)
-        return self.median * math.exp(self.sigma**2 / 2)
-
-    def draw(self, rng: random.Random) -> float:
-        """One value."""
-        if self.samples:
-            return rng.choice(self.samples)
-        return self.median * math.exp(rng.gauss(0.0, self.sigma)) if self.sigma else self.median
+    def durable(self, step: int) -> bool:
+        """True if the save at ``step`` goes to durable storage too."""
+        ...
 
 
 @dataclass(frozen=True)
-class Costs:
-    """What the trainer and the stack cost: the fields of costs-default.json."""
+class FlashCheckpoint(SavePolicy):
+    """DLRover's flash checkpoint: a snapshot to the node's shared memory every
+    step (it survives a trainer failure, not a node loss), and every
+    ``durable_steps`` steps the snapshot persisted to storage too."""
 
-    step: Dist
-    save_blocking: Dist
-    save_effective: Dist
-    to_local: Dist
-    to_durable: Dist
-    restart: Dist
-    node_restart: Dist
-    effective_spread_steps: int = 1
+    durable_steps: int
 
-    @classmethod
-    def load(cls, path: Path = COSTS_DEFAULT) -> Costs:
-        """Read a costs JSON file (keys other than the fields, e.g. "note", ignored)."""
-        doc = json.loads(Path(path).read_text())
-        names = ("step", "save_blocking", "save_effective", "to_local", "to_durable")
-        dists = {k: Dist.of(doc[k]) for k in (*names, "restart", "node_restart")}
-        return cls(**dists, effective_spread_steps=int(doc.get("effective_spread_steps", 1)))
+    def should_save(self, ctx: SaveContext) -> bool:
+        return True
 
-    @property
-    def save_cost(self) -> float:
-        """Mean trainer seconds per save (blocking + effective)."""
-        return self.save_blocking.mean + self.save_effective.mean
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A failure at wall time ``at``: a node loss if ``node``, else a trainer failure."""
-
-    at: float
-    node: bool = False
-
-
-def failure_trace(
-    mtbf: float, horizon: float, seed: int, shape: float = 1.0, node_fraction: float = 0.0
-) -> list[Failure]:
-    """Failures over ``horizon`` seconds, gaps Weibull(``shape``) with mean ``mtbf``
-    (shape 1: exponential; < 1: bursty), each a node loss with ``node_fraction``."""
-    rng = random.Random(seed)
-    scale = mtbf / math.gamma(1.0 + 1.0 / shape)
-    out, t = [], 0.0
-    while True:
-        t += rng.weibullvariate(scale, shape)
-        if t >= horizon:
-            return out
-        out.append(Failure(t, rng.random() < node_fraction))
+    def durable(self, step: int) -> bool:
+        """Every ``durable_steps``-th step's snapshot is persisted."""
+        return step % self.durable_steps == 0
 
 
 @dataclass
@@ -135,11 +88,63 @@ class _Save:
     started: float
     local_at: float
     upload: float
+    drained: bool = True
+    """Goes to durable storage (False: a memory snapshot, lost with the node)."""
     durable_at: float | None = None
-    """None: not uploaded (yet, or superseded by a newer save)."""
-    drain_before: tuple[float, _Save | None, float | None] = (0.0, None, None)
-    """The drain's free time, waiting save and its DURABLE time before this save was
-    queued (a save lost before LOCAL never reaches the drain: undone)."""
+    """None: not uploaded (yet, superseded by a newer save, or never: not drained)."""
+    drain_before: tuple[float, float, float, _Save | None, float | None] = (
+        0.0,
+        -math.inf,
+        0.0,
+        None,
+        None,
+    )
+    """The drain's free time, newest upload start, pace, waiting save and its DURABLE
+    time before this save was queued (a save lost before LOCAL never reaches the
+    drain: undone)."""
+    gate: tuple[float, float] = (0.0, -math.inf)
+    """The drain's free time and newest upload start its upload waited on (restored
+    when a newer save takes its place before it starts)."""
+
+
+class _Drain:
+    """The daemon's drain: one upload at a time, newest first (a save still waiting
+    when a newer one is LOCAL is never uploaded), and each upload started at least
+    ``pace`` seconds after the previous one (lifecycle/pace.py: the job's newest
+    commit sets it; 0, the default, uploads as soon as the drain is free)."""
+
+    def __init__(self) -> None:
+        self.free = 0.0  # the time the drain is next free
+        self.started = -math.inf  # the time the newest upload started
+        self.pace = 0.0
+        self.waiting: _Save | None = None  # a save whose upload has not started
+
+    def queue(self, new: _Save, pace: float = 0.0) -> None:
+        """``new`` joins the drain once LOCAL: sets its ``durable_at``."""
+        w = self.waiting
+        was = w.durable_at if w is not None else None
+        new.drain_before = (self.free, self.started, self.pace, w, was)
+        if not new.drained:
+            return
+        self.pace = pace
+        if w is not None and w.durable_at is not None and w.durable_at - w.upload > new.local_at:
+            # not started when the newer one is LOCAL: the newer one goes instead
+            (self.free, self.started), w.durable_at = w.gate, None
+        new.gate = (self.free, self.started)
+        start = max(new.local_at, self.free, self.started + self.pace)
+        new.durable_at = start + new.upload
+        self.waiting = new if start > new.local_at else None
+        self.free, self.started = new.durable_at, start
+
+    def undo(self, save: _Save) -> None:
+        """``save`` was lost before LOCAL: it never reached the drain."""
+        self.free, self.started, self.pace, self.waiting, was = save.drain_before
+        if self.waiting is not None:
+            self.waiting.durable_at = was
+
+    def node_lost(self, at: float) -> None:
+        """The node (and the drain's queue and paces with it) is gone at ``at``."""
+        self.free, self.started, self.pace, self.waiting = at, -math.inf, 0.0, None
 
 
 class _View:
@@ -225,6 +230,23 @@ def _quiet_steps(
     return 0
 
 
+def _survivors(
+    saves: list[_Save], drain: _Drain, failed_at: float, lost_at: float, node: bool
+) -> tuple[list[_Save], _Save | None]:
+    """After a failure at ``failed_at`` (the node lost at ``lost_at`` if ``node``):
+    the saves still worth keeping (from the newest durable one on) and the newest
+    save that survived, the one the next life restores."""
+    if saves and saves[-1].local_at > failed_at:  # lost before LOCAL: never queued
+        drain.undo(saves[-1])
+    keep = [s for s in saves if s.local_at <= failed_at]
+    if node:
+        keep = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
+        drain.node_lost(lost_at)
+    newest = keep[-1] if keep else None
+    durable = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
+    return (keep[keep.index(durable[-1]) :] if durable else keep), newest
+
+
 def simulate(
     make_policy: Callable[[], SavePolicy],
     costs: Costs,
@@ -232,22 +254,30 @@ def simulate(
     horizon: float,
     seed: int,
     skip: bool = True,
+    serial: bool = False,
 ) -> dict[str, float]:
-    """One arm over one trace: goodput and counts. ``make_policy`` builds the policy
-    of each life (a new ``Client`` per restart)."""
+    """One arm over one trace: goodput, overhead and counts. ``make_policy`` builds
+    the policy of each life (a new ``Client`` per restart); ``serial``: a save
+    first waits for the previous one to be committed (to_local), as Orbax's and
+    DCP's ``save()`` do while an async save is in flight.
+
+    ``overhead`` is the fraction of the trainer's running time (wall time less the
+    restarts) spent blocked in saves and in the slowdown that follows them: the
+    step-time cost of the arm's saves at the interval it chose."""
     rng = random.Random(seed * 7919 + 1)
     steps = _Steps(costs.step, seed, max(int(horizon / max(costs.step.mean, 1e-3)) + 1000, 1000))
     spread = max(costs.effective_spread_steps, 1)
     t, i, step, work = 0.0, 0, 0, 0.0
     saves: list[_Save] = []  # this and earlier lives', newest last, pruned
-    drain_free, waiting = 0.0, None  # the drain's next free time; a save it has not started
+    drain = _Drain()
     record = _Record(0.0)
     fails = iter(failures)
     nxt = next(fails, None)
     n_saves = n_fail = skipped = 0
-    lost = 0.0
+    lost = overhead = down = 0.0
     while t < horizon:
         policy, mine, settled = make_policy(), None, 0
+        levelled = isinstance(policy, Levelled)
         slow: list[list[float]] = []  # [steps left, seconds per step] of open slowdowns
 
         view = _View()
@@ -274,6 +304,7 @@ def simulate(
                 failed_at = fail_t
                 break
             t, work, i, step = t + d, work + base, i + 1, step + 1
+            overhead += d - base
             view.now = record.now = t
             if mine is not None and t >= mine.local_at:
                 settled += 1  # calls that saw the newest save in
@@ -287,19 +318,22 @@ def simulate(
             )
             if not policy.should_save(ctx):
                 continue
+            if serial and mine is not None and mine.local_at > t:
+                wait = mine.local_at - t  # save() waits out the previous save's commit
+                if t + wait > fail_t:
+                    failed_at = fail_t
+                    break
+                t, overhead = t + wait, overhead + wait
             n_saves += 1
             blocking = costs.save_blocking.draw(rng)
             local = max(costs.to_local.draw(rng), blocking)
             upload = max(costs.to_durable.draw(rng) - local, 0.0)
-            new = _Save(step, work, t, t + local, upload)
-            new.drain_before = (drain_free, waiting, waiting and waiting.durable_at)
-            if waiting is not None and waiting.durable_at is not None:
-                start = waiting.durable_at - waiting.upload
-                if start > new.local_at:  # not started: the newer one goes instead
-                    drain_free, waiting.durable_at = start, None
-            new.durable_at = max(new.local_at, drain_free) + upload
-            waiting = new if new.durable_at - upload > new.local_at else None
-            drain_free = new.durable_at
+            if costs.to_durable == costs.to_local:  # one commit, to remote storage
+                upload = 0.0
+            drained = policy.durable(step) if levelled else True  # type: ignore[attr-defined]
+            new = _Save(step, work, t, t + local, upload, drained)
+            # a policy that paces the uploads (Goodput's two levels) says so on its save
+            drain.queue(new, float(getattr(policy, "upload_interval_seconds", 0.0) or 0.0))
             saves.append(new)
             view.mine = mine = new
             settled = 0
@@ -307,9 +341,11 @@ def simulate(
             if effective > 0:
                 slow.append([spread, effective / spread])
             if t + blocking > fail_t:
+                overhead += fail_t - t
                 failed_at = fail_t
                 break
             t += blocking
+            overhead += blocking
         if failed_at is None:
             break
         # The failure: restore the newest save that survived it; restart, and restart
@@ -324,17 +360,8 @@ def simulate(
                 node, lost_at = True, nxt.at
             t = nxt.at + (costs.node_restart if node else costs.restart).draw(rng)
             nxt = next(fails, None)
-        if saves and saves[-1].local_at > failed_at:  # lost before LOCAL: never queued
-            drain_free, waiting, was = saves[-1].drain_before
-            if waiting is not None:
-                waiting.durable_at = was
-        keep = [s for s in saves if s.local_at <= failed_at]
-        if node:
-            keep = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
-            drain_free, waiting = lost_at, None
-        newest = keep[-1] if keep else None
-        durable = [s for s in keep if s.durable_at is not None and s.durable_at <= lost_at]
-        saves = keep[keep.index(durable[-1]) :] if durable else keep
+        down += t - failed_at
+        saves, newest = _survivors(saves, drain, failed_at, lost_at, node)
         lost += work - (newest.work if newest else 0.0)
         step, work = (newest.step, newest.work) if newest else (0, 0.0)
         if node:  # the new node's daemon starts the record again
@@ -343,6 +370,7 @@ def simulate(
             record.restarts += 1  # the new process restored the job's steps
     return {
         "goodput": work / t if t > 0 else 0.0,
+        "overhead": overhead / (t - down) if t > down else 0.0,
         "saves": n_saves,
         "failures": n_fail,
         "lost_seconds": lost,
@@ -351,4 +379,14 @@ def simulate(
     }
 
 
-__all__ = ["COSTS_DEFAULT", "Costs", "Dist", "Failure", "failure_trace", "simulate"]
+__all__ = [
+    "COSTS_DEFAULT",
+    "Costs",
+    "Dist",
+    "Failure",
+    "FlashCheckpoint",
+    "Levelled",
+    "cost_arms",
+    "failure_trace",
+    "simulate",
+]

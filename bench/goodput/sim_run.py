@@ -1,25 +1,38 @@
 """Goodput per arm per cell from the simulator (bench/goodput/sim.py), with the oracle.
 
-Arms, each on the same failure traces and step-time draws:
+Arms, each on the same failure traces and step-time draws, each with its own
+costs (its section of the costs file: ckptd, orbax, dcp, dlrover; an arm whose
+section the file lacks is left out):
 
 - ``goodput``: ckptd ``Goodput()``, the default (MTBF learned from the record);
 - ``goodput-mtbf``: ``Goodput(mtbf_seconds=MTBF)``, told the true MTBF;
 - ``continuous``: ckptd ``Continuous()``;
 - ``young-daly``: ``FixedInterval(k)``, ``k`` steps of Young/Daly's ``sqrt(2 C M)``
-  from the true MTBF and the mean cost;
-- ``oracle``: ``FixedInterval(k)`` at the ``k`` with the best mean goodput over the
-  cell's traces, found by search (a log grid around the model's optimum, then
-  golden-section between the grid's neighbours of the best).
+  from the true MTBF and ckptd's mean cost;
+- ``oracle``: ckptd's ``FixedInterval(k)`` at the ``k`` with the best mean goodput
+  over the cell's traces, found by search (a log grid around the model's
+  optimum, then golden-section between the grid's neighbours of the best);
+- ``orbax-continuous``: Orbax's ``ContinuousCheckpointingPolicy`` (save when no
+  save is in progress: the previous one committed), with Orbax's costs;
+- ``orbax-yd``, ``dcp-yd``: every ``k`` steps at Young/Daly's ``k`` from their own
+  mean cost and the true MTBF (tuned peers); a save waits for the previous one
+  to commit, as their ``save()`` does;
+- ``dlrover``: DLRover's flash checkpoint, a memory snapshot every step and every
+  ``N`` steps to storage, ``N`` at Young/Daly from the node-loss MTBF
+  (MTBF / node fraction) and its save cost.
 
     .venv/bin/python bench/goodput/sim_run.py --mtbf 600,3600,21600,86400 --horizon-hours 72
 
 A cell's goodput is the mean over its traces with a 95% confidence interval
-(normal, 1.96 standard errors).
+(normal, 1.96 standard errors); its overhead the fraction of the trainer's
+running time (restarts excluded) spent in save blocking and the slowdown after
+saves. ``--plot`` also draws bench/results/NAME.png (bench/goodput/sim_plot.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -34,12 +47,26 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim import COSTS_DEFAULT, Costs, Failure, failure_trace, simulate
+from sim import COSTS_DEFAULT, Costs, Failure, FlashCheckpoint, cost_arms, failure_trace, simulate
 
 from ckptd.client.goodput import Goodput
 from ckptd.client.policies import Continuous, FixedInterval, SavePolicy
 
-ARMS = ("goodput", "goodput-mtbf", "continuous", "young-daly", "oracle")
+ARMS = (
+    "goodput",
+    "goodput-mtbf",
+    "continuous",
+    "young-daly",
+    "oracle",
+    "orbax-continuous",
+    "orbax-yd",
+    "dcp-yd",
+    "dlrover",
+)
+COSTS_OF = {"orbax-continuous": "orbax", "orbax-yd": "orbax", "dcp-yd": "dcp", "dlrover": "dlrover"}
+"""The costs-file section of each peer arm (every other arm: ``ckptd``)."""
+_SERIAL = frozenset({"orbax-continuous", "orbax-yd", "dcp-yd"})
+"""Arms whose ``save()`` waits for the previous save to commit."""
 _PHI = (math.sqrt(5) - 1) / 2
 
 
@@ -55,6 +82,7 @@ class Arm:
     name: str
     mtbf: float = 0.0
     steps: int = 1
+    durable_steps: int = 1
 
     def __call__(self) -> SavePolicy:
         if self.name == "goodput":
@@ -63,26 +91,57 @@ class Arm:
             return Goodput(mtbf_seconds=self.mtbf)
         if self.name == "continuous":
             return Continuous()
+        if self.name == "orbax-continuous":
+            # with Orbax's costs "local" is its commit (finalize): no save in progress
+            return Continuous(stage="local")
+        if self.name == "dlrover":
+            return FlashCheckpoint(self.durable_steps)
         return FixedInterval(self.steps)
 
+    @property
+    def costs(self) -> str:
+        """The section of the costs file this arm runs with."""
+        return COSTS_OF.get(self.name, "ckptd")
 
-def _one(job: tuple[Callable[[], SavePolicy], Costs, list[Failure], float, int]) -> float:
-    make, costs, failures, horizon, seed = job
-    return simulate(make, costs, failures, horizon, seed)["goodput"]
+    @property
+    def serial(self) -> bool:
+        """Whether a save waits for the previous one to commit."""
+        return self.name in _SERIAL
+
+
+def _one(job: tuple[Callable[[], SavePolicy], Costs, list[Failure], float, int, bool]) -> Any:
+    make, costs, failures, horizon, seed, serial = job
+    run = simulate(make, costs, failures, horizon, seed, serial=serial)
+    return {"goodput": run["goodput"], "overhead": run["overhead"]}
 
 
 _POOL: list[Executor] = []
 """The worker pool main() opens (none: run in this process, as the tests do)."""
 
 
-def run_traces(
-    make: Callable[[], SavePolicy], costs: Costs, traces: list[Any], horizon: float
-) -> list[float]:
-    """Goodput of one arm on each ``(seed, failures)`` trace."""
-    jobs = [(make, costs, f, horizon, seed) for seed, f in traces]
+def run_arm(
+    make: Callable[[], SavePolicy],
+    costs: Costs,
+    traces: list[Any],
+    horizon: float,
+    serial: bool = False,
+) -> list[dict[str, float]]:
+    """Goodput and overhead of one arm on each ``(seed, failures)`` trace."""
+    jobs = [(make, costs, f, horizon, seed, serial) for seed, f in traces]
     if _POOL:
         return list(_POOL[0].map(_one, jobs))
     return [_one(job) for job in jobs]
+
+
+def run_traces(
+    make: Callable[[], SavePolicy],
+    costs: Costs,
+    traces: list[Any],
+    horizon: float,
+    serial: bool = False,
+) -> list[float]:
+    """Goodput of one arm on each ``(seed, failures)`` trace."""
+    return [r["goodput"] for r in run_arm(make, costs, traces, horizon, serial)]
 
 
 def oracle(
@@ -90,12 +149,22 @@ def oracle(
 ) -> tuple[int, list[float], dict[int, float]]:
     """The fixed interval (steps) with the best mean goodput on ``traces``: its
     interval, its per-trace goodputs, and every interval tried with its mean."""
+    best, runs, tried = oracle_runs(costs, traces, horizon, mtbf)
+    return best, [r["goodput"] for r in runs], tried
+
+
+def oracle_runs(
+    costs: Costs, traces: list[Any], horizon: float, mtbf: float
+) -> tuple[int, list[dict[str, float]], dict[int, float]]:
+    """:func:`oracle`, with the best interval's whole runs (goodput, overhead)."""
     seen: dict[int, list[float]] = {}
+    runs: dict[int, list[dict[str, float]]] = {}
 
     def mean(k: int) -> float:
         k = max(k, 1)
         if k not in seen:
-            seen[k] = run_traces(Arm("fixed", steps=k), costs, traces, horizon)
+            runs[k] = run_arm(Arm("fixed", steps=k), costs, traces, horizon)
+            seen[k] = [r["goodput"] for r in runs[k]]
         return statistics.fmean(seen[k])
 
     k0 = young_daly_steps(costs, mtbf)
@@ -114,7 +183,7 @@ def oracle(
     for k in range(max(int(a) - 1, 1), int(b) + 2):
         mean(k)
     best = max(seen, key=lambda k: statistics.fmean(seen[k]))
-    return best, seen[best], {k: statistics.fmean(v) for k, v in sorted(seen.items())}
+    return best, runs[best], {k: statistics.fmean(v) for k, v in sorted(seen.items())}
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -124,83 +193,150 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"mean": m, "ci95": half, "min": min(values), "max": max(values)}
 
 
+def load_costs(path: Path) -> dict[str, Costs]:
+    """Every arm's costs in a costs file, by section (``ckptd``, ``orbax``, ...)."""
+    return {arm: Costs.load(path, arm) for arm in cost_arms(path)}
+
+
+def peer_arms(
+    costs: dict[str, Costs], mtbf: float, horizon: float, node_fraction: float
+) -> list[Arm]:
+    """The peer arms the costs file has costs for, tuned to the true MTBF."""
+    arms: list[Arm] = []
+    if "orbax" in costs:
+        arms.append(Arm("orbax-continuous"))
+        arms.append(Arm("orbax-yd", steps=young_daly_steps(costs["orbax"], mtbf)))
+    if "dcp" in costs:
+        arms.append(Arm("dcp-yd", steps=young_daly_steps(costs["dcp"], mtbf)))
+    if "dlrover" in costs:
+        dl = costs["dlrover"]
+        if node_fraction > 0:  # to storage at Young/Daly for the node losses alone
+            n = young_daly_steps(dl, mtbf / node_fraction)
+        else:  # no node loss to survive: storage once per horizon
+            n = int(horizon / dl.step.mean) + 1
+        arms.append(Arm("dlrover", durable_steps=n))
+    return arms
+
+
 def cell(
-    costs: Costs, mtbf: float, horizon: float, n: int, shape: float, node_fraction: float
+    costs: dict[str, Costs] | Costs,
+    mtbf: float,
+    horizon: float,
+    n: int,
+    shape: float,
+    node_fraction: float,
 ) -> dict[str, Any]:
-    """Every arm on ``n`` traces of one cell."""
+    """Every arm (those ``costs`` has a section for) on ``n`` traces of one cell."""
+    if isinstance(costs, Costs):
+        costs = {"ckptd": costs}
+    ck = costs["ckptd"]
     traces = [(seed, failure_trace(mtbf, horizon, seed, shape, node_fraction)) for seed in range(n)]
-    k_yd = young_daly_steps(costs, mtbf)
-    makes = {
-        "goodput": Arm("goodput"),
-        "goodput-mtbf": Arm("goodput-mtbf", mtbf),
-        "continuous": Arm("continuous"),
-        "young-daly": Arm("fixed", steps=k_yd),
-    }
-    per = {arm: run_traces(make, costs, traces, horizon) for arm, make in makes.items()}
-    k_or, per["oracle"], tried = oracle(costs, traces, horizon, mtbf)
+    k_yd = young_daly_steps(ck, mtbf)
+    arms = [
+        Arm("goodput"),
+        Arm("goodput-mtbf", mtbf),
+        Arm("continuous"),
+        Arm("young-daly", steps=k_yd),
+        *peer_arms(costs, mtbf, horizon, node_fraction),
+    ]
+    runs = {a.name: run_arm(a, costs[a.costs], traces, horizon, a.serial) for a in arms}
+    k_or, runs["oracle"], tried = oracle_runs(ck, traces, horizon, mtbf)
+    arms.append(Arm("oracle", steps=k_or))
+    oracle_goodput = [r["goodput"] for r in runs["oracle"]]
+    out: dict[str, Any] = {}
+    for a in sorted(arms, key=lambda a: ARMS.index(a.name)):
+        v = [r["goodput"] for r in runs[a.name]]
+        out[a.name] = {
+            **summary(v),
+            # paired on the same traces: far tighter than the arms' own intervals
+            "minus_oracle": summary([x - y for x, y in zip(v, oracle_goodput, strict=True)]),
+            "overhead": summary([r["overhead"] for r in runs[a.name]]),
+            "costs": a.costs,
+            "steps": a.steps if a.name in ("young-daly", "oracle", "orbax-yd", "dcp-yd") else None,
+            "durable_steps": a.durable_steps if a.name == "dlrover" else None,
+            "per_trace": v,
+        }
     return {
         "mtbf_seconds": mtbf,
+        "weibull_shape": shape,
+        "node_fraction": node_fraction,
         "young_daly_steps": k_yd,
         "oracle_steps": k_or,
         "oracle_tried": tried,
         "failures_mean": statistics.fmean(len(f) for _, f in traces),
-        "arms": {
-            arm: {
-                **summary(v),
-                # paired on the same traces: far tighter than the arms' own intervals
-                "minus_oracle": summary([a - b for a, b in zip(v, per["oracle"], strict=True)]),
-                "per_trace": v,
-            }
-            for arm, v in per.items()
-        },
+        "arms": out,
     }
 
 
 def table(cells: list[dict[str, Any]]) -> str:
-    """The cells as a markdown table: goodput mean +- 95% CI per arm."""
-    head = "| MTBF s | failures | " + " | ".join(ARMS) + " | k YD / oracle |"
-    rows = [head, "|" + "---|" * (len(ARMS) + 3)]
+    """The cells as a markdown table, a row per arm: goodput (mean ± 95% CI), paired
+    difference to the oracle, step-time overhead, and the interval where fixed."""
+    rows = [
+        "| MTBF s | mix | failures | arm | goodput | arm - oracle | overhead | interval |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in cells:
-        vals = [f"{c['arms'][a]['mean']:.4f} ± {c['arms'][a]['ci95']:.4f}" for a in ARMS]
-        ks = f"{c['young_daly_steps']} / {c['oracle_steps']}"
-        rows.append(
-            f"| {c['mtbf_seconds']:g} | {c['failures_mean']:.1f} | {' | '.join(vals)} | {ks} |"
-        )
-    rows += ["", "paired, arm - oracle on the same traces (mean ± 95% CI):", head, rows[1]]
-    for c in cells:
-        diff = [c["arms"][a]["minus_oracle"] for a in ARMS]
-        vals = [f"{d['mean']:+.4f} ± {d['ci95']:.4f}" for d in diff]
-        ks = f"{c['young_daly_steps']} / {c['oracle_steps']}"
-        head = f"| {c['mtbf_seconds']:g} | {c['failures_mean']:.1f}"
-        rows.append(f"{head} | {' | '.join(vals)} | {ks} |")
+        mix = f"w{c.get('weibull_shape', 1.0):g} n{c.get('node_fraction', 0.0):g}"
+        for name, a in c["arms"].items():
+            d, o = a["minus_oracle"], a.get("overhead")
+            k = f"{a['steps']} steps" if a.get("steps") else ""
+            if a.get("durable_steps"):
+                k = f"1 / {a['durable_steps']} steps"
+            over = f"{100 * o['mean']:.2f}%" if o else ""
+            rows.append(
+                f"| {c['mtbf_seconds']:g} | {mix} | {c['failures_mean']:.1f} | {name} "
+                f"| {a['mean']:.4f} ± {a['ci95']:.4f} | {d['mean']:+.4f} ± {d['ci95']:.4f} "
+                f"| {over} | {k} |"
+            )
     return "\n".join(rows)
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give numbers separated by commas, e.g. 600,3600"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The CLI: cells of MTBF x one horizon, a table on stdout, JSON in bench/results."""
+    """The CLI: cells of MTBF x failure mix over one horizon, a table on stdout, JSON
+    (and with --plot a figure) in bench/results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mtbf", default="600,3600,21600,86400", help="seconds, comma-separated")
+    ap.add_argument("--mtbf", type=_floats, default="600,3600,21600,86400", help="seconds, a,b,c")
     ap.add_argument("--horizon-hours", type=float, default=72.0)
     ap.add_argument("--traces", type=int, default=100)
-    ap.add_argument("--weibull-shape", type=float, default=1.0, help="1: exponential")
-    ap.add_argument("--node-fraction", type=float, default=0.0)
+    ap.add_argument("--weibull-shape", type=_floats, default="1", help="1: exponential; a,b")
+    ap.add_argument("--node-fraction", type=_floats, default="0", help="node losses; a,b")
     ap.add_argument("--costs", type=Path, default=COSTS_DEFAULT)
     ap.add_argument("--quick", action="store_true", help="10 traces, 24 h")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     ap.add_argument("--name", default="goodput-sim", help="bench/results/NAME.json")
+    ap.add_argument("--plot", action="store_true", help="also bench/results/NAME.png")
     args = ap.parse_args(argv)
     if args.quick:
         args.traces, args.horizon_hours = min(args.traces, 10), min(args.horizon_hours, 24.0)
-    costs = Costs.load(args.costs)
+    if any(not 0 <= f <= 1 for f in args.node_fraction) or min(args.weibull_shape) <= 0:
+        ap.error("--node-fraction takes fractions in [0, 1], --weibull-shape shapes > 0")
+    try:
+        if "ckptd" not in cost_arms(args.costs):
+            ap.error(f"{args.costs} has no costs for arm 'ckptd': its arms and the oracle need it")
+        costs = load_costs(args.costs)
+    except ValueError as e:
+        ap.error(str(e))
     horizon = args.horizon_hours * 3600
     started = time.monotonic()
     cells = []
     with ProcessPoolExecutor(args.jobs) as pool:
         _POOL.append(pool)
-        for m in (float(x) for x in args.mtbf.split(",")):
-            shape, nodes = args.weibull_shape, args.node_fraction
+        for shape, nodes, m in itertools.product(args.weibull_shape, args.node_fraction, args.mtbf):
             cells.append(cell(costs, m, horizon, args.traces, shape, nodes))
-            print(f"MTBF {m:g} s done at {time.monotonic() - started:.0f} s", file=sys.stderr)
+            t = time.monotonic() - started
+            print(
+                f"MTBF {m:g} s (shape {shape:g}, nodes {nodes:g}) done at {t:.0f} s",
+                file=sys.stderr,
+            )
         _POOL.clear()
     print(table(cells))
     from common import write_results
@@ -213,11 +349,16 @@ def main(argv: list[str] | None = None) -> int:
             "weibull_shape": args.weibull_shape,
             "node_fraction": args.node_fraction,
             "costs_file": str(args.costs),
+            "costs_arms": sorted(costs),
             "seconds": time.monotonic() - started,
             "cells": cells,
         },
     )
     print(f"wrote {path}", file=sys.stderr)
+    if args.plot:
+        from sim_plot import plot
+
+        print(f"wrote {plot(path)}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,175 @@
+"""The simulator's inputs: cost distributions per arm (a costs JSON file) and
+failure traces.
+
+A costs file (bench/goodput/costs-default.json; measured files in the same
+format) holds ``note`` (what was measured, how, where), ``trainer``
+("gpu-like", "jax" or "placeholder"), ``command`` (what reproduces it), the
+trainer's ``step`` (one step with no save in flight), top-level defaults, and
+one section per arm under ``"arms"``: ``ckptd`` (``Client.save``), ``orbax``
+(Orbax ``CheckpointManager`` async save), ``dcp`` (torch DCP ``async_save``),
+``dlrover`` (a memory snapshot every step, disk every N); the last two are
+optional. An arm's costs are its section laid over the top level; a file
+without ``"arms"`` (the older, flat format) is the ``ckptd`` arm alone. The keys:
+
+- ``save_blocking``: seconds ``save()`` blocks the trainer;
+- ``save_effective``: extra seconds the following ``effective_spread_steps``
+  steps (an int, default 1) take in total while the save commits;
+- ``to_local``: save start to restorable after a trainer-only failure (ckptd:
+  LOCAL; a peer writing to remote storage: its commit; DLRover: in memory);
+- ``to_durable``: save start to restorable after a node loss, on an idle drain
+  (ckptd: DURABLE in the bucket). Equal to ``to_local`` (the same value): one
+  commit, to remote storage, durable as soon as committed;
+- ``restart``: trainer failure to the new process's first step (restore
+  included); ``node_restart``: node loss to the first step on a new node.
+
+Each cost is a number (constant), a lognormal ``{"median": s, "sigma": s}`` or
+``{"samples": [s, ...]}`` (measured values, drawn uniformly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COSTS_DEFAULT = Path(__file__).with_name("costs-default.json")
+_DISTS = (
+    "step",
+    "save_blocking",
+    "save_effective",
+    "to_local",
+    "to_durable",
+    "restart",
+    "node_restart",
+)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A cost distribution: lognormal (``median``, ``sigma``) or ``samples`` drawn
+    uniformly."""
+
+    median: float = 0.0
+    sigma: float = 0.0
+    samples: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, spec: Any) -> Dist:
+        """From a JSON value: a number, {"median", "sigma"} or {"samples": [...]}."""
+        if isinstance(spec, int | float) and not isinstance(spec, bool):
+            return cls(float(spec))
+        if isinstance(spec, dict) and spec.get("samples"):
+            return cls(samples=tuple(float(x) for x in spec["samples"]))
+        if isinstance(spec, dict) and "median" in spec:
+            return cls(float(spec["median"]), float(spec.get("sigma", 0.0)))
+        raise ValueError(
+            f"a cost must be a number, {{'median': s, 'sigma': s}} or "
+            f"{{'samples': [s, ...]}}, not {spec!r}"
+        )
+
+    @property
+    def mean(self) -> float:
+        """The distribution's mean."""
+        if self.samples:
+            return sum(self.samples) / len(self.samples)
+        return self.median * math.exp(self.sigma**2 / 2)
+
+    def draw(self, rng: random.Random) -> float:
+        """One value."""
+        if self.samples:
+            return rng.choice(self.samples)
+        return self.median * math.exp(rng.gauss(0.0, self.sigma)) if self.sigma else self.median
+
+
+def _arms(doc: dict[str, Any]) -> dict[str, Any]:
+    """The file's arm sections; the flat (older) format is the ckptd arm alone."""
+    arms = doc.get("arms")
+    return {"ckptd": doc} if arms is None else dict(arms)
+
+
+def cost_arms(path: Path = COSTS_DEFAULT) -> tuple[str, ...]:
+    """The arms a costs file has costs for (``ckptd`` alone in the flat format)."""
+    return tuple(_arms(_read(path)))
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no costs file at {path}: pass --costs with an existing file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e}): fix it or pass another --costs") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a costs file is a JSON object (see costs-default.json)")
+    return doc
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the trainer and one arm's stack cost (one arm of a costs file)."""
+
+    step: Dist
+    save_blocking: Dist
+    save_effective: Dist
+    to_local: Dist
+    to_durable: Dist
+    restart: Dist
+    node_restart: Dist
+    effective_spread_steps: int = 1
+
+    @classmethod
+    def load(cls, path: Path = COSTS_DEFAULT, arm: str = "ckptd") -> Costs:
+        """``arm``'s costs from a costs JSON file: its section under ``"arms"`` over
+        the top-level keys (keys other than the fields, e.g. "note", ignored)."""
+        doc = _read(path)
+        arms = _arms(doc)
+        if arm not in arms:
+            raise ValueError(
+                f"{path} has no costs for arm {arm!r} (it has: {', '.join(sorted(arms))}); "
+                f'add an "arms": {{"{arm}": {{...}}}} section or leave the arm out'
+            )
+        spec = {k: v for k, v in doc.items() if k != "arms"} | dict(arms[arm])
+        missing = [k for k in _DISTS if k not in spec]
+        if missing:
+            raise ValueError(
+                f"{path}, arm {arm!r}: no {', '.join(missing)} (see costs-default.json)"
+            )
+        try:
+            dists = {k: Dist.of(spec[k]) for k in _DISTS}
+        except ValueError as e:
+            raise ValueError(f"{path}, arm {arm!r}: {e}") from None
+        return cls(**dists, effective_spread_steps=int(spec.get("effective_spread_steps", 1)))
+
+    @property
+    def save_cost(self) -> float:
+        """Mean trainer seconds per save (blocking + effective)."""
+        return self.save_blocking.mean + self.save_effective.mean
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure at wall time ``at``: a node loss if ``node``, else a trainer failure."""
+
+    at: float
+    node: bool = False
+
+
+def failure_trace(
+    mtbf: float, horizon: float, seed: int, shape: float = 1.0, node_fraction: float = 0.0
+) -> list[Failure]:
+    """Failures over ``horizon`` seconds, gaps Weibull(``shape``) with mean ``mtbf``
+    (shape 1: exponential; < 1: bursty), each a node loss with ``node_fraction``."""
+    rng = random.Random(seed)
+    scale = mtbf / math.gamma(1.0 + 1.0 / shape)
+    out, t = [], 0.0
+    while True:
+        t += rng.weibullvariate(scale, shape)
+        if t >= horizon:
+            return out
+        out.append(Failure(t, rng.random() < node_fraction))
+
+
+__all__ = ["COSTS_DEFAULT", "Costs", "Dist", "Failure", "cost_arms", "failure_trace"]
