@@ -295,3 +295,24 @@ def test_the_drain_keeps_the_upload_pace_a_policy_asks_for(pace: float, lost: fl
     trace = [sim.Failure(64.5, node=True)]
     run = sim.simulate(lambda: _PacedEvery(10, pace), costs, trace, 100.0, seed=1)
     assert run["lost_seconds"] == pytest.approx(lost)
+
+
+def test_the_nodes_record_keeps_a_young_job_from_saving_at_every_step() -> None:
+    # Two failure-free hours of a new job on a node whose earlier jobs ran 3 days
+    # with 12 restarts (MTBF 6 h): it saves at about tau*(6 h) from the start; with
+    # no record it saves far more often while its own record is short.
+    costs = exact_costs()
+    alone = sim.simulate(Goodput, costs, [], 7200, seed=1)
+    with_record = sim.simulate(Goodput, costs, [], 7200, seed=1, fleet=(3 * 86400.0, 12))
+    assert with_record["saves"] < alone["saves"] / 3
+    assert with_record["overhead"] < alone["overhead"]
+
+
+def test_the_simulated_record_gives_the_restarts_times() -> None:
+    record = sim._Record(0.0, (3600.0, 2))
+    for t in (100.0, 250.0):
+        record.restarted(t)
+    record.now = 300.0
+    seen = record.history()
+    assert seen.restart_ages == (50.0, 200.0) and seen.restarts == 2
+    assert (seen.fleet_observed_seconds, seen.fleet_restarts) == (3600.0, 2)

@@ -163,15 +163,26 @@ class _View:
         # a superseded save has ended for good: reached, as the client answers
         return s.durable_at is None or self.now >= s.durable_at
 
+    def uploaded(self) -> bool:
+        return self.mine is not None and self.mine.durable_at is not None
+
 
 class _Record:
     """The simulated daemon's record of the job (daemon/api/history.py)."""
 
-    def __init__(self, first_seen: float) -> None:
+    def __init__(self, first_seen: float, fleet: tuple[float, int] = (0.0, 0)) -> None:
         self.first_seen, self.restarts, self.now = first_seen, 0, first_seen
+        self.times: list[float] = []
+        self.fleet = fleet
+        """The node's record of its other jobs: (active seconds, restarts)."""
+
+    def restarted(self, at: float) -> None:
+        self.restarts += 1
+        self.times = [*self.times[-31:], at]
 
     def history(self) -> FailureHistory:
-        return FailureHistory(self.now - self.first_seen, self.restarts)
+        ages = tuple(self.now - t for t in reversed(self.times))
+        return FailureHistory(self.now - self.first_seen, self.restarts, ages, *self.fleet)
 
 
 class _Steps:
@@ -255,6 +266,7 @@ def simulate(
     seed: int,
     skip: bool = True,
     serial: bool = False,
+    fleet: tuple[float, int] = (0.0, 0),
 ) -> dict[str, float]:
     """One arm over one trace: goodput, overhead and counts. ``make_policy`` builds
     the policy of each life (a new ``Client`` per restart); ``serial``: a save
@@ -263,14 +275,16 @@ def simulate(
 
     ``overhead`` is the fraction of the trainer's running time (wall time less the
     restarts) spent blocked in saves and in the slowdown that follows them: the
-    step-time cost of the arm's saves at the interval it chose."""
+    step-time cost of the arm's saves at the interval it chose. ``fleet``: the
+    node's record of its earlier jobs (active seconds, restarts), ``Goodput()``'s
+    prior until a node loss replaces the node."""
     rng = random.Random(seed * 7919 + 1)
     steps = _Steps(costs.step, seed, max(int(horizon / max(costs.step.mean, 1e-3)) + 1000, 1000))
     spread = max(costs.effective_spread_steps, 1)
     t, i, step, work = 0.0, 0, 0, 0.0
     saves: list[_Save] = []  # this and earlier lives', newest last, pruned
     drain = _Drain()
-    record = _Record(0.0)
+    record = _Record(0.0, fleet)
     fails = iter(failures)
     nxt = next(fails, None)
     n_saves = n_fail = skipped = 0
@@ -315,6 +329,7 @@ def simulate(
                 mine.started if mine else None,
                 view.reached,
                 record.history,
+                view.uploaded,
             )
             if not policy.should_save(ctx):
                 continue
@@ -364,10 +379,10 @@ def simulate(
         saves, newest = _survivors(saves, drain, failed_at, lost_at, node)
         lost += work - (newest.work if newest else 0.0)
         step, work = (newest.step, newest.work) if newest else (0, 0.0)
-        if node:  # the new node's daemon starts the record again
+        if node:  # the new node's daemon starts the record again, with no other job's
             record = _Record(t)
         if newest is not None:
-            record.restarts += 1  # the new process restored the job's steps
+            record.restarted(t)  # the new process restored the job's steps
     return {
         "goodput": work / t if t > 0 else 0.0,
         "overhead": overhead / (t - down) if t > down else 0.0,

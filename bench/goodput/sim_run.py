@@ -109,9 +109,9 @@ class Arm:
         return self.name in _SERIAL
 
 
-def _one(job: tuple[Callable[[], SavePolicy], Costs, list[Failure], float, int, bool]) -> Any:
-    make, costs, failures, horizon, seed, serial = job
-    run = simulate(make, costs, failures, horizon, seed, serial=serial)
+def _one(job: tuple[Callable[[], SavePolicy], Costs, list[Failure], float, int, bool, Any]) -> Any:
+    make, costs, failures, horizon, seed, serial, fleet = job
+    run = simulate(make, costs, failures, horizon, seed, serial=serial, fleet=fleet)
     return {"goodput": run["goodput"], "overhead": run["overhead"]}
 
 
@@ -126,8 +126,10 @@ def run_arm(
     horizon: float,
     serial: bool = False,
 ) -> list[dict[str, float]]:
-    """Goodput and overhead of one arm on each ``(seed, failures)`` trace."""
-    jobs = [(make, costs, f, horizon, seed, serial) for seed, f in traces]
+    """Goodput and overhead of one arm on each ``(seed, failures[, fleet])`` trace."""
+    jobs = [
+        (make, costs, t[1], horizon, t[0], serial, t[2] if len(t) > 2 else (0.0, 0)) for t in traces
+    ]
     if _POOL:
         return list(_POOL[0].map(_one, jobs))
     return [_one(job) for job in jobs]
@@ -225,12 +227,26 @@ def cell(
     n: int,
     shape: float,
     node_fraction: float,
+    fleet_days: float = 0.0,
 ) -> dict[str, Any]:
-    """Every arm (those ``costs`` has a section for) on ``n`` traces of one cell."""
+    """Every arm (those ``costs`` has a section for) on ``n`` traces of one cell.
+    ``fleet_days``: the node's record of earlier jobs, that many days of active time
+    with the restarts a trace of the same MTBF and shape has in them (``Goodput()``'s
+    prior; 0: a node with no record)."""
     if isinstance(costs, Costs):
         costs = {"ckptd": costs}
     ck = costs["ckptd"]
-    traces = [(seed, failure_trace(mtbf, horizon, seed, shape, node_fraction)) for seed in range(n)]
+    earlier = fleet_days * 86400
+
+    def fleet(seed: int) -> tuple[float, int]:
+        if not earlier:
+            return (0.0, 0)
+        return (earlier, len(failure_trace(mtbf, earlier, seed + 1_000_003, shape, 0.0)))
+
+    traces = [
+        (seed, failure_trace(mtbf, horizon, seed, shape, node_fraction), fleet(seed))
+        for seed in range(n)
+    ]
     k_yd = young_daly_steps(ck, mtbf)
     arms = [
         Arm("goodput"),
@@ -258,12 +274,13 @@ def cell(
         }
     return {
         "mtbf_seconds": mtbf,
+        "fleet_days": fleet_days,
         "weibull_shape": shape,
         "node_fraction": node_fraction,
         "young_daly_steps": k_yd,
         "oracle_steps": k_or,
         "oracle_tried": tried,
-        "failures_mean": statistics.fmean(len(f) for _, f in traces),
+        "failures_mean": statistics.fmean(len(t[1]) for t in traces),
         "arms": out,
     }
 
@@ -314,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     ap.add_argument("--name", default="goodput-sim", help="bench/results/NAME.json")
     ap.add_argument("--plot", action="store_true", help="also bench/results/NAME.png")
+    ap.add_argument(
+        "--fleet-days",
+        type=float,
+        default=3.0,
+        help="the node's record of earlier jobs, in days at the same MTBF (Goodput()'s "
+        "prior; 0: a node with no record)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.traces, args.horizon_hours = min(args.traces, 10), min(args.horizon_hours, 24.0)
@@ -331,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(args.jobs) as pool:
         _POOL.append(pool)
         for shape, nodes, m in itertools.product(args.weibull_shape, args.node_fraction, args.mtbf):
-            cells.append(cell(costs, m, horizon, args.traces, shape, nodes))
+            cells.append(cell(costs, m, horizon, args.traces, shape, nodes, args.fleet_days))
             t = time.monotonic() - started
             print(
                 f"MTBF {m:g} s (shape {shape:g}, nodes {nodes:g}) done at {t:.0f} s",
@@ -348,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             "traces": args.traces,
             "weibull_shape": args.weibull_shape,
             "node_fraction": args.node_fraction,
+            "fleet_days": args.fleet_days,
             "costs_file": str(args.costs),
             "costs_arms": sorted(costs),
             "seconds": time.monotonic() - started,
