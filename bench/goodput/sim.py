@@ -68,13 +68,15 @@ class Levelled(Protocol):
 @dataclass(frozen=True)
 class FlashCheckpoint(SavePolicy):
     """DLRover's flash checkpoint: a snapshot to the node's shared memory every
-    step (it survives a trainer failure, not a node loss), and every
-    ``durable_steps`` steps the snapshot persisted to storage too."""
+    ``memory_steps`` steps (it survives a trainer failure, not a node loss), and
+    every ``durable_steps`` steps (a multiple of it) the snapshot persisted to
+    storage too: its ``save_memory_interval`` / ``save_storage_interval``."""
 
     durable_steps: int
+    memory_steps: int = 1
 
     def should_save(self, ctx: SaveContext) -> bool:
-        return True
+        return ctx.step % self.memory_steps == 0
 
     def durable(self, step: int) -> bool:
         """Every ``durable_steps``-th step's snapshot is persisted."""

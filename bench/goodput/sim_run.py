@@ -83,6 +83,7 @@ class Arm:
     mtbf: float = 0.0
     steps: int = 1
     durable_steps: int = 1
+    memory_steps: int = 1
 
     def __call__(self) -> SavePolicy:
         if self.name == "goodput":
@@ -95,7 +96,7 @@ class Arm:
             # with Orbax's costs "local" is its commit (finalize): no save in progress
             return Continuous(stage="local")
         if self.name == "dlrover":
-            return FlashCheckpoint(self.durable_steps)
+            return FlashCheckpoint(self.durable_steps, self.memory_steps)
         return FixedInterval(self.steps)
 
     @property
@@ -212,11 +213,15 @@ def peer_arms(
         arms.append(Arm("dcp-yd", steps=young_daly_steps(costs["dcp"], mtbf)))
     if "dlrover" in costs:
         dl = costs["dlrover"]
-        if node_fraction > 0:  # to storage at Young/Daly for the node losses alone
+        # tuned as its users would: memory at Young/Daly for every failure (all but
+        # node losses restore from it), storage at Young/Daly for the node losses alone
+        m = young_daly_steps(dl, mtbf)
+        if node_fraction > 0:
             n = young_daly_steps(dl, mtbf / node_fraction)
         else:  # no node loss to survive: storage once per horizon
             n = int(horizon / dl.step.mean) + 1
-        arms.append(Arm("dlrover", durable_steps=n))
+        n = max(round(n / m), 1) * m
+        arms.append(Arm("dlrover", durable_steps=n, memory_steps=m))
     return arms
 
 
@@ -270,8 +275,15 @@ def cell(
             "costs": a.costs,
             "steps": a.steps if a.name in ("young-daly", "oracle", "orbax-yd", "dcp-yd") else None,
             "durable_steps": a.durable_steps if a.name == "dlrover" else None,
+            "memory_steps": a.memory_steps if a.name == "dlrover" else None,
             "per_trace": v,
         }
+    mine = out["goodput"]["per_trace"]
+    out["goodput"]["minus_peers"] = {
+        name: summary([x - y for x, y in zip(mine, a["per_trace"], strict=True)])
+        for name, a in out.items()
+        if name in COSTS_OF
+    }
     return {
         "mtbf_seconds": mtbf,
         "fleet_days": fleet_days,
@@ -298,13 +310,19 @@ def table(cells: list[dict[str, Any]]) -> str:
             d, o = a["minus_oracle"], a.get("overhead")
             k = f"{a['steps']} steps" if a.get("steps") else ""
             if a.get("durable_steps"):
-                k = f"1 / {a['durable_steps']} steps"
+                k = f"{a.get('memory_steps') or 1} / {a['durable_steps']} steps"
             over = f"{100 * o['mean']:.2f}%" if o else ""
             rows.append(
                 f"| {c['mtbf_seconds']:g} | {mix} | {c['failures_mean']:.1f} | {name} "
                 f"| {a['mean']:.4f} ± {a['ci95']:.4f} | {d['mean']:+.4f} ± {d['ci95']:.4f} "
                 f"| {over} | {k} |"
             )
+    rows += ["", "| MTBF s | mix | goodput - peer, paired (mean ± 95% CI) |", "|---|---|---|"]
+    for c in cells:
+        mix = f"w{c.get('weibull_shape', 1.0):g} n{c.get('node_fraction', 0.0):g}"
+        diffs = c["arms"]["goodput"].get("minus_peers", {})
+        text = ", ".join(f"{p} {d['mean']:+.4f} ± {d['ci95']:.4f}" for p, d in diffs.items())
+        rows.append(f"| {c['mtbf_seconds']:g} | {mix} | {text} |")
     return "\n".join(rows)
 
 
