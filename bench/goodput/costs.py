@@ -20,7 +20,8 @@ event lines (``saving``/``saved``/``step``/``local``) and the daemon's step even
     save_effective  sum over the steps begun before the save was LOCAL of
                     (step time - median undisturbed step time), clipped at 0 per step
     to_local        save start to LOCAL (Orbax: its finalization)
-    to_durable      save start to DURABLE in the bucket (Orbax: its finalization)
+    to_durable      save start to DURABLE in the bucket, saves started on an idle
+                    drain (Orbax: its finalization)
     restart         trainer SIGKILL to the new process's first step
     node_restart    daemon and trainer SIGKILL to the first step on the new daemon
 
@@ -54,6 +55,9 @@ sys.path.insert(0, str(HERE.parents[1]))  # tests.servers: the SeaweedFS server
 from common import DEFAULT_WORK_DIR, print_table, write_results  # noqa: E402
 
 JOB = "goodput"
+INTERVALS = {"ckptd": 16, "orbax": 8}
+"""Steps between saves (0.5 s steps): room for ckptd's upload to end before the next
+save (its to_durable on an idle drain), for Orbax's finalization."""
 BUCKET = "goodput-costs"
 LOCAL, DURABLE = 2, 7  # ckptd.v1.StepEvent: STEP_EVENT_LOCAL, STEP_EVENT_DURABLE
 
@@ -67,11 +71,12 @@ class Arm:
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         self.progress = self.work / "progress.log"
+        self.interval = args.interval_steps or INTERVALS[arm]
         self.kills: dict[str, list[float]] = {"restart": [], "node_restart": []}
         self.reached: dict[int, tuple[float | None, float | None]] = {}
         self.daemon: Any = None
         self.cmd = [sys.executable, str(HERE / "job.py"), "--trainer", args.trainer,
-                    "--arm", f"{arm}-interval", "--interval-steps", str(args.interval_steps),
+                    "--arm", f"{arm}-interval", "--interval-steps", str(self.interval),
                     "--progress", str(self.progress), "--state-mib", str(args.state_mib),
                     "--compute-seconds", str(args.compute_seconds),
                     "--dir", str(self.work / "orbax")]  # fmt: skip
@@ -129,8 +134,7 @@ class Arm:
     ) -> None:
         """Wait (polling the job's event file: this is a benchmark driver) until life
         ``n`` (``proc``) made ``saves`` saves, its last one reached ``stage`` and the job is
-        half an interval past it (no save in flight when it dies)."""
-        k = self.args.interval_steps
+        a step past it (no save in flight when it dies)."""
         deadline = time.monotonic() + 600.0
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -142,7 +146,7 @@ class Arm:
             started = [int(e[1]) for e in life if e[0] == "saving" and len(e) == 3]
             steps = [int(e[1]) for e in life if e[0] == "step" and len(e) == 4]
             idle = bool(made) and started[-1] == made[-1]  # not inside save()
-            past = idle and len(made) >= saves and steps[-1] >= made[-1] + k // 2
+            past = idle and len(made) >= saves and steps[-1] > made[-1]
             if past and self._restorable(made[-1], stage, life):
                 return
             time.sleep(0.05)
@@ -198,26 +202,29 @@ def costs_file(args: argparse.Namespace, arms: dict[str, Any], command: str) -> 
         if key in ckptd.get("costs", {}):
             top[key] = ckptd["costs"][key]
     gpu = (
-        f" (a {args.compute_seconds} s wait per step for the accelerator's compute, a "
-        "host-side update of 1/16 of the state, a device-to-host copy per save)"
+        f" (a {args.compute_seconds} s wait per step standing in for the accelerator's "
+        "compute, a host-side update of 1/16 of the state, a device-to-host copy per save)"
         if args.trainer == "gpu-like"
         else ""
     )
+    every = args.interval_steps or INTERVALS
     note = (
-        f"Measured by bench/goodput/costs.py on this machine ({os.cpu_count()} CPUs): "
-        f"the {args.trainer} trainer of bench/goodput/job.py"
-        + gpu
-        + f", a {args.state_mib} MiB state (params and two moments), a save every "
-        f"{args.interval_steps} steps. ckptd: Client.save to a ckptd daemon (memory tier "
-        "on) draining to a SeaweedFS S3 bucket on 127.0.0.1; restart: the trainer "
-        "SIGKILLed, restored from the daemon's memory tier; node_restart: daemon and "
-        "trainer SIGKILLed, the root wiped, a new daemon on the empty root, restored from "
-        "the bucket (software only: no machine provisioning). orbax: CheckpointManager "
-        "async saves to a directory on local disk standing in for the bucket (which "
-        "flatters Orbax: a bucket is slower), so to_local = to_durable = its "
-        "finalization and node_restart = restart (restored from that directory). "
-        "step: steps with no save in flight (save start to DURABLE), both arms; "
-        "save_effective: the extra time of the steps begun before LOCAL."
+        f"Measured by bench/goodput/costs.py on a {os.cpu_count()}-CPU VM shared with "
+        f"other work: the {args.trainer} trainer of bench/goodput/job.py{gpu}, a "
+        f"{args.state_mib} MiB state (params and two moments), a save every {every} "
+        "steps. ckptd: Client.save (FixedInterval) to a ckptd daemon, memory tier on, "
+        "draining to a SeaweedFS S3 bucket on 127.0.0.1; to_durable: saves started on an "
+        "idle drain; restart: trainer SIGKILL to the new process's first step, restored "
+        "from the daemon's memory tier; node_restart: daemon and trainer SIGKILLed, the "
+        "root wiped, a new daemon on the empty root, restored from the bucket (software "
+        "only: no machine provisioning). orbax: CheckpointManager async saves to a "
+        "directory on local disk standing in for the bucket, which flatters Orbax (a "
+        "bucket is slower): to_local = to_durable = its finalization, node_restart = "
+        "restart (restored from that directory; includes importing jax). step: steps "
+        "with no save in flight (save start to DURABLE), both arms pooled; "
+        "save_effective: the extra time, over the median such step, of the steps begun "
+        "before LOCAL (clipped at 0 per step); save_blocking includes the device-to-host "
+        "copy."
     )
     return {"note": note, "trainer": args.trainer, "command": command, **top,
             "arms": {arm: a["costs"] for arm, a in arms.items()}}  # fmt: skip
@@ -231,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the job's state (default: 256 gpu-like, 64 jax)")  # fmt: skip
     ap.add_argument("--compute-seconds", type=float, default=0.5,
                     help="gpu-like: the accelerator's compute per step")  # fmt: skip
-    ap.add_argument("--interval-steps", type=int, default=10,
-                    help="a save every this many steps (room to reach DURABLE)")  # fmt: skip
+    ap.add_argument("--interval-steps", type=int, default=None,
+                    help="a save every this many steps (default: ckptd 16, orbax 8)")  # fmt: skip
     ap.add_argument("--arms", nargs="+", choices=("ckptd", "orbax"), default=["ckptd", "orbax"])
     ap.add_argument("--saves", type=int, default=20, help="restorable saves per arm, at least")
     ap.add_argument("--restarts", type=int, default=5, help="trainer restarts per arm")
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the costs file (default bench/goodput/costs-<trainer>.json)")  # fmt: skip
     args = ap.parse_args(argv)
     args.state_mib = args.state_mib or (256 if args.trainer == "gpu-like" else 64)
-    if args.state_mib < 1 or args.interval_steps < 2 or args.saves < 1:
+    if args.state_mib < 1 or (args.interval_steps or 2) < 2 or args.saves < 1:
         ap.error("--state-mib must be >= 1, --interval-steps >= 2 and --saves >= 1")
     if min(args.restarts, args.node_restarts) < 0:
         ap.error("--restarts and --node-restarts must be >= 0")

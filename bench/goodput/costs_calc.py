@@ -67,7 +67,9 @@ def measure(
     events: list[list[str]], reached: dict[int, tuple[float | None, float | None]]
 ) -> dict[str, Any]:
     """Samples of step, save_blocking, save_effective (and the steps each spreads
-    over), to_local and to_durable from one arm's event lines."""
+    over), to_local and to_durable from one arm's event lines. to_durable counts the
+    saves made on an idle drain (every earlier save DURABLE by their start): one
+    queued behind an upload measures the queue; ``to_durable_queued`` has them all."""
     saves = saves_of(events, reached)
     by_life = [steps_of(life) for life in lives(events)]
     # A save is in flight from its start until DURABLE (or LOCAL; to the life's end
@@ -80,14 +82,18 @@ def measure(
         raise ValueError("no step ran without a save in flight: raise --interval-steps")
     base = statistics.median(quiet)
     out: dict[str, Any] = {"step": quiet, "save_blocking": [], "save_effective": [],
-                           "spread_steps": [], "to_local": [], "to_durable": []}  # fmt: skip
+                           "spread_steps": [], "to_local": [], "to_durable": [],
+                           "to_durable_queued": []}  # fmt: skip
     for s in saves:
         if s["returned"] is None or s["local"] is None:
             continue  # killed before it was restorable
         out["save_blocking"].append(s["returned"] - s["start"])
         out["to_local"].append(s["local"] - s["start"])
         if s["durable"] is not None:
-            out["to_durable"].append(s["durable"] - s["start"])
+            out["to_durable_queued"].append(s["durable"] - s["start"])
+            earlier = [p["durable"] for p in saves if p["start"] < s["start"]]
+            if all(d is None or d <= s["start"] for d in earlier):
+                out["to_durable"].append(s["durable"] - s["start"])
         after = [end - begin for _, begin, end in by_life[s["life"]]
                  if s["returned"] <= begin < s["local"]]  # fmt: skip
         out["save_effective"].append(sum(max(0.0, d - base) for d in after))
@@ -130,7 +136,7 @@ def plan_of(restarts: int, node_restarts: int) -> list[str]:
     """The kills in order, node losses spread among the trainer restarts."""
     plan = ["restart"] * restarts
     for i in range(node_restarts):
-        plan.insert(round((i + 1) * len(plan) / (node_restarts + 1)) + i, "node_restart")
+        plan.insert(round((i + 1) * restarts / (node_restarts + 1)) + i, "node_restart")
     return plan
 
 
