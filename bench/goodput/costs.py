@@ -287,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["arm", "cost", "median s", "P10 s", "P90 s", "n"]
     print_table(headers, table(doc), title=f"costs: {args.trainer} trainer")
     steps = {arm: statistics.median(m["step"]) for arm, m in measured.items()}
-    extra = {"wall_seconds": time.monotonic() - t0, "undisturbed_step_median_s": steps}
+    queued = {arm: m["to_durable_queued"] for arm, m in measured.items()}
+    extra = {"wall_seconds": time.monotonic() - t0, "undisturbed_step_median_s": steps,
+             "to_durable_every_save_s": queued}  # fmt: skip
     path = write_results(f"goodput-costs-{args.trainer}", {**doc, **extra})
     print(f"wrote {out} and {path} in {time.monotonic() - t0:.0f} s")
     return 0
