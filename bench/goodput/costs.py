@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     """Measure every arm, print the table, write the costs file and the results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trainer", choices=("gpu-like", "jax"), default="gpu-like")
-    ap.add_argument("--state-mib", type=int, default=None,
-                    help="the job's state (default: 256 gpu-like, 64 jax)")  # fmt: skip
+    ap.add_argument("--state-mib", type=int, default=256,
+                    help="the job's state (run.py's default too)")  # fmt: skip
     ap.add_argument("--compute-seconds", type=float, default=0.5,
                     help="gpu-like: the accelerator's compute per step")  # fmt: skip
     ap.add_argument("--interval-steps", type=int, default=None,
@@ -248,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="the costs file (default bench/goodput/costs-<trainer>.json)")  # fmt: skip
     args = ap.parse_args(argv)
-    args.state_mib = args.state_mib or (256 if args.trainer == "gpu-like" else 64)
     if args.state_mib < 1 or (args.interval_steps or 2) < 2 or args.saves < 1:
         ap.error("--state-mib must be >= 1, --interval-steps >= 2 and --saves >= 1")
     if min(args.restarts, args.node_restarts) < 0:
