@@ -1,16 +1,22 @@
 """The goodput cost measurement's arithmetic (bench/goodput/costs_calc.py) on synthetic
 event lines: which steps are undisturbed, the blocking time, the effective cost (the
 extra time of the steps begun before the save was LOCAL), restarts, and the costs
-file's entries. The timings themselves are the benchmark's, not tested here."""
+file's entries; and the GPU-like trainer (bench/goodput/gpu_like.py) it measures,
+which must resume bit for bit through a real daemon and through Orbax. The timings
+themselves are the benchmark's, not tested here."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+
+from ckptd.proto import ckptd_pb2 as pb
 
 GOODPUT_DIR = Path(__file__).resolve().parents[1] / "bench" / "goodput"
 
@@ -170,3 +176,39 @@ def test_gpu_like_trainer_touches_a_sixteenth_of_its_state_per_step() -> None:
 def test_gpu_like_trainer_rejects_a_bad_size() -> None:
     with pytest.raises(ValueError, match="--state-mib"):
         gpu_like.GpuLike(0, seed=0, compute_seconds=0.5)
+
+
+def run_job(progress: Path, *args: str) -> list[list[str]]:
+    """bench/goodput/job.py with the GPU-like trainer (no compute wait), to its end."""
+    job = [sys.executable, str(GOODPUT_DIR / "job.py"), "--trainer", "gpu-like"]
+    cmd = [*job, "--compute-seconds", "0", "--state-mib", "2", "--progress", str(progress), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return events(progress.read_text())
+
+
+def losses(log: list[list[str]]) -> dict[int, str]:
+    return {int(e[1]): e[3] for e in log if e[0] == "step"}
+
+
+def test_gpu_like_job_resumes_bit_exact_from_ckptd(daemon: Any, tmp_path: Path) -> None:
+    reference = losses(run_job(tmp_path / "noop.log", "--arm", "noop", "--max-steps", "20"))
+    save = ["--arm", "ckptd-interval", "--interval-steps", "5", "--socket", str(daemon.socket)]
+    first = run_job(tmp_path / "a.log", *save, "--max-steps", "12")
+    assert [int(e[1]) for e in first if e[0] == "saving"] == [5, 10]
+    assert [int(e[1]) for e in first if e[0] == "saved"] == [5, 10]
+    daemon.wait_event(lambda e: e.kind == pb.STEP_EVENT_LOCAL and e.step == 10, job="goodput")
+    second = run_job(tmp_path / "b.log", *save, "--max-steps", "20")
+    assert next(e for e in second if e[0] == "restore")[:2] == ["restore", "10"]
+    assert losses(second) == {s: b for s, b in reference.items() if s > 10}
+
+
+def test_gpu_like_job_resumes_bit_exact_from_orbax(tmp_path: Path) -> None:
+    reference = losses(run_job(tmp_path / "noop.log", "--arm", "noop", "--max-steps", "14"))
+    save = ["--arm", "orbax-interval", "--interval-steps", "4", "--dir", str(tmp_path / "ckpt")]
+    first = run_job(tmp_path / "a.log", *save, "--max-steps", "10")
+    # Orbax's finalization of each save is logged (its to_local), after the save began.
+    assert [int(e[1]) for e in first if e[0] == "local"] == [4, 8]
+    second = run_job(tmp_path / "b.log", *save, "--max-steps", "14")
+    assert next(e for e in second if e[0] == "restored")[1] == "8"
+    assert losses(second) == {s: b for s, b in reference.items() if s > 8}

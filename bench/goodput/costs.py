@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     s3 = None
     measured: dict[str, Any] = {}
     t0 = time.monotonic()
+    args.work_dir = args.work_dir / args.trainer
     shutil.rmtree(args.work_dir, ignore_errors=True)  # a fresh bucket and directories
     try:
         if "ckptd" in args.arms:
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 arm.close()
             m = measure(events, arm.reached)
+            # Where each restore came from (memory: the daemon's memory tier).
+            m["restore_tiers"] = [e[4] for e in events if e[0] == "restore" and len(e) == 5]
             kills = {k: restarts(events, v) for k, v in arm.kills.items()}
             if name == "orbax":  # its directory stands in for the bucket (see the note)
                 kills["node_restart"] = kills["restart"]
@@ -287,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(headers, table(doc), title=f"costs: {args.trainer} trainer")
     steps = {arm: statistics.median(m["step"]) for arm, m in measured.items()}
     queued = {arm: m["to_durable_queued"] for arm, m in measured.items()}
+    tiers = {arm: m["restore_tiers"] for arm, m in measured.items()}
     extra = {"wall_seconds": time.monotonic() - t0, "undisturbed_step_median_s": steps,
-             "to_durable_every_save_s": queued}  # fmt: skip
+             "to_durable_every_save_s": queued, "restore_tiers": tiers}  # fmt: skip
     path = write_results(f"goodput-costs-{args.trainer}", {**doc, **extra})
     print(f"wrote {out} and {path} in {time.monotonic() - t0:.0f} s")
     return 0
