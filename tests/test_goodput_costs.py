@@ -101,6 +101,16 @@ def test_orbax_finalization_stands_for_local_and_durable() -> None:
     assert m["spread_steps"] == [1]
 
 
+def test_orbax_finalization_logged_after_the_next_save_began_counts() -> None:
+    # The save of step 8 waits for step 3's finalization, logged after "saving 8".
+    log = LOG.replace(
+        "step 8 108.2 3f800000",
+        "step 8 108.2 3f800000\nsaving 8 108.2\nlocal 3 108.4\nsaved 8 108.5",
+    )
+    m = calc.measure(events(log), {})
+    assert m["to_local"][0] == pytest.approx(6.4)
+
+
 def test_a_save_killed_before_local_is_not_a_sample() -> None:
     m = calc.measure(events(LOG), {})  # never LOCAL: in flight to the life's end
     assert m["save_blocking"] == []

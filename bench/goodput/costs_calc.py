@@ -50,16 +50,20 @@ def saves_of(
     ``local`` event line (Orbax's finalization) stands for both."""
     out: list[dict[str, Any]] = []
     for n, life in enumerate(lives(events)):
+        mine: dict[int, dict[str, Any]] = {}  # this life's saves by step
         for e in life:
             if e[0] == "saving" and len(e) == 3:
                 step = int(e[1])
                 local, durable = reached.get(step, (None, None))
-                out.append({"step": step, "life": n, "start": float(e[2]), "returned": None,
-                            "local": local, "durable": durable})  # fmt: skip
-            elif e[0] == "saved" and len(e) == 3 and out and out[-1]["step"] == int(e[1]):
-                out[-1]["returned"] = float(e[2])
-            elif e[0] == "local" and len(e) == 3 and out and out[-1]["step"] == int(e[1]):
-                out[-1]["local"] = out[-1]["durable"] = float(e[2])
+                mine[step] = {"step": step, "life": n, "start": float(e[2]), "returned": None,
+                              "local": local, "durable": durable}  # fmt: skip
+                out.append(mine[step])
+            elif e[0] == "saved" and len(e) == 3 and int(e[1]) in mine:
+                mine[int(e[1])]["returned"] = float(e[2])
+            elif e[0] == "local" and len(e) == 3 and int(e[1]) in mine:
+                # Orbax finalizes a save while the next one waits for it: its line may
+                # come after the next save's "saving".
+                mine[int(e[1])]["local"] = mine[int(e[1])]["durable"] = float(e[2])
     return out
 
 

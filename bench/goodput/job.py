@@ -193,6 +193,14 @@ class Saver:
                 return step, tree
         return 0, None
 
+    def close(self) -> None:
+        """Let the save in flight finish (a job that stops at --max-steps) and let go."""
+        if self.client is not None:
+            self.client.close()
+        if self.mngr is not None:
+            self.mngr.wait_until_finished()
+            self.mngr.close()
+
     def maybe_save(self, step: int, state: Any) -> bool:
         """Save ``state`` (the state after ``step`` steps) if the arm's policy says so.
         ``state`` may be a function returning it: called only for a save (a GPU
@@ -264,6 +272,7 @@ def main() -> int:
         bits = np.asarray(loss, np.float32).view(np.uint32)  # waits for the step
         log(out, "step", step, time.time(), f"{int(bits):08x}")
         save(out, saver, step, state)
+    saver.close()
     return 0
 
 
@@ -284,6 +293,7 @@ def train_gpu_like(args: argparse.Namespace, out: TextIO) -> int:
         step += 1
         log(out, "step", step, time.time(), bits)
         save(out, saver, step, model.to_host)  # the D2H copy only if it saves
+    saver.close()
     return 0
 
 
