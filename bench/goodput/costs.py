@@ -34,7 +34,6 @@ gpu-like measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -46,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from costs_calc import arm_costs, lives, measure, plan_of, restarts, table
+from costs_calc import arm_costs, dumps, lives, measure, plan_of, restarts, table
 from report import parse
 
 HERE = Path(__file__).resolve().parent
@@ -203,15 +202,16 @@ def costs_file(args: argparse.Namespace, arms: dict[str, Any], command: str) -> 
             top[key] = ckptd["costs"][key]
     gpu = (
         f" (a {args.compute_seconds} s wait per step standing in for the accelerator's "
-        "compute, a host-side update of 1/16 of the state, a device-to-host copy per save)"
+        "compute, a host-side update of 1/16 of the state, a device-to-host copy per save, "
+        "counted in save_blocking)"
         if args.trainer == "gpu-like"
         else ""
     )
-    every = args.interval_steps or INTERVALS
+    every = ", ".join(f"{a} every {args.interval_steps or k}" for a, k in INTERVALS.items())
     note = (
         f"Measured by bench/goodput/costs.py on a {os.cpu_count()}-CPU VM shared with "
         f"other work: the {args.trainer} trainer of bench/goodput/job.py{gpu}, a "
-        f"{args.state_mib} MiB state (params and two moments), a save every {every} "
+        f"{args.state_mib} MiB state (params and two moments), saves: {every} "
         "steps. ckptd: Client.save (FixedInterval) to a ckptd daemon, memory tier on, "
         "draining to a SeaweedFS S3 bucket on 127.0.0.1; to_durable: saves started on an "
         "idle drain; restart: trainer SIGKILL to the new process's first step, restored "
@@ -223,8 +223,7 @@ def costs_file(args: argparse.Namespace, arms: dict[str, Any], command: str) -> 
         "restart (restored from that directory; includes importing jax). step: steps "
         "with no save in flight (save start to DURABLE), both arms pooled; "
         "save_effective: the extra time, over the median such step, of the steps begun "
-        "before LOCAL (clipped at 0 per step); save_blocking includes the device-to-host "
-        "copy."
+        "before LOCAL (clipped at 0 per step)."
     )
     return {"note": note, "trainer": args.trainer, "command": command, **top,
             "arms": {arm: a["costs"] for arm, a in arms.items()}}  # fmt: skip
@@ -285,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         if s3 is not None:
             s3.close()
     doc = costs_file(args, measured, command)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.write_text(dumps(doc))
     headers = ["arm", "cost", "median s", "P10 s", "P90 s", "n"]
     print_table(headers, table(doc), title=f"costs: {args.trainer} trainer")
     steps = {arm: statistics.median(m["step"]) for arm, m in measured.items()}

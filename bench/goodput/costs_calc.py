@@ -4,7 +4,9 @@ events -> samples of each cost -> the costs file's entries and the table
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -157,3 +159,10 @@ def table(doc: dict[str, Any]) -> list[list[object]]:
             med, p10, p90 = quantiles(dist["samples"])
             rows.append([arm, key, f"{med:.3f}", f"{p10:.3f}", f"{p90:.3f}", len(dist["samples"])])
     return rows
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """``doc`` as indented JSON with each list of numbers on one line (the samples)."""
+    text = json.dumps(doc, indent=1)
+    numbers = re.compile(r"\[([-+0-9.eE,\s]*)\]")
+    return numbers.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
