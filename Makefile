@@ -68,6 +68,12 @@ goodput: venv
 	$(PY) -m pip install -q -e '.[docs]'
 	$(PY) bench/goodput/run.py --quick
 
+# The goodput simulator's costs, measured (bench/goodput/costs.py): the GPU-like
+# trainer, ckptd and Orbax, ~6 minutes; writes bench/goodput/costs-gpu-like.json.
+.PHONY: goodput-costs
+goodput-costs: venv
+	$(PY) bench/goodput/costs.py --trainer gpu-like
+
 # The README's dashboard screenshot: a live daemon, SeaweedFS and Prometheus, every
 # panel's own PromQL drawn by matplotlib (deploy/grafana/render.py; about 2 minutes).
 dashboard: venv promtool

@@ -148,6 +148,7 @@ class Run:
             "--dir",
             str(work / "orbax"),
             *(["--ballast-mib", str(args.ballast_mib)] if args.ballast_mib else []),
+            *(["--trainer", args.trainer] if args.trainer != "jax" else []),
             *extra,
         ]
         if arm.startswith("ckptd"):
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", choices=("trainer", "node"), default="trainer",
                     help="trainer: the process dies; node: its daemon and disk too")  # fmt: skip
     ap.add_argument("--state-mib", type=int, default=256, help="the job's state size")
+    ap.add_argument("--trainer", choices=("jax", "gpu-like"), default="jax",
+                    help="JAX job: the JAX MLP or gpu_like.py's GPU stand-in")  # fmt: skip
     ap.add_argument("--ballast-mib", type=int, default=0,
                     help="JAX job: state no step touches (bigger restores)")  # fmt: skip
     ap.add_argument("--memory-tier", choices=("on", "off", "both"), default="on",
@@ -378,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the node variant runs the JAX job only")
     if args.framework == "torch" and args.ballast_mib:
         ap.error("--ballast-mib is an option of the JAX job only")
+    if args.trainer != "jax" and (args.framework == "torch" or args.ballast_mib):
+        ap.error("--trainer gpu-like runs with the JAX job (--framework jax), without ballast")
     args.noop_seconds = args.noop_seconds or 20.0
     known = TORCH_ARMS if args.framework == "torch" else ARMS
     args.arms = args.arms or list(known)
