@@ -321,3 +321,29 @@ def test_the_simulated_record_gives_the_restarts_times() -> None:
     seen = record.history()
     assert seen.restart_ages == (50.0, 200.0) and seen.restarts == 2
     assert (seen.fleet_observed_seconds, seen.fleet_restarts) == (3600.0, 2)
+
+
+def test_the_validation_predicts_each_real_run_on_its_own_kill_times() -> None:
+    sim_validate = _load("sim_validate")
+    run = _load("run")
+    assert sim_validate.kill_times(20.0, 90.0, 2) == run.kill_times(20.0, 90.0, 2)
+    results = {
+        "args": {"seconds": "90"},
+        "calibration": {"yd_cost_s": 0.5, "base_step_s": 1.0},
+        "cells": [
+            {"arm": arm, "mtbf_s": 60.0, "seed": seed, "goodput": g}
+            for arm, seed, g in [
+                ("ckptd-learned", 1, 0.9), ("ckptd-learned", 2, 0.95),
+                ("orbax-yd", 1, 0.1), ("orbax-yd", 2, 0.2),
+            ]
+        ],
+    }  # fmt: skip
+    costs = {
+        "ckptd": exact_costs(restart=1.0),
+        "orbax": exact_costs(save_blocking=0.5, restart=1.0),
+    }
+    rows = {r["arm"]: r for r in sim_validate.validate(results, costs, repeats=2)}
+    assert rows["ckptd-learned"]["schedules"] == 2
+    assert 0.8 < rows["ckptd-learned"]["predicted_p50"] < 1.0
+    # Orbax every 8 steps (sqrt(2 * 0.5 * 60) / 1): far above the made-up 0.1-0.2
+    assert not rows["orbax-yd"]["agrees"] and rows["orbax-yd"]["predicted_p50"] > 0.5
