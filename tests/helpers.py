@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -46,3 +49,20 @@ def own_tmpfs(path: Path, size: str, mode: str = "") -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+GOODPUT_DIR = Path(__file__).resolve().parents[1] / "bench" / "goodput"
+
+
+def load_goodput(name: str) -> ModuleType:
+    """A bench/goodput script as a module (bench/ is scripts, not a package; its
+    scripts import each other and bench/common.py by name)."""
+    for extra in (GOODPUT_DIR, GOODPUT_DIR.parent):
+        if str(extra) not in sys.path:
+            sys.path.insert(0, str(extra))
+    spec = importlib.util.spec_from_file_location(name, GOODPUT_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

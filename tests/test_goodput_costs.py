@@ -7,31 +7,18 @@ themselves are the benchmark's, not tested here."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from ckptd.proto import ckptd_pb2 as pb
 
-GOODPUT_DIR = Path(__file__).resolve().parents[1] / "bench" / "goodput"
+from .helpers import GOODPUT_DIR, load_goodput
 
-
-def _load(name: str) -> ModuleType:
-    """A bench/goodput script as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, GOODPUT_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-calc = _load("costs_calc")
+calc = load_goodput("costs_calc")
 
 
 def events(text: str) -> list[list[str]]:
@@ -151,7 +138,7 @@ def test_node_losses_are_spread_among_the_restarts() -> None:
     assert "node_restart" not in calc.plan_of(5, 0)
 
 
-gpu_like = _load("gpu_like")
+gpu_like = load_goodput("gpu_like")
 
 
 def test_gpu_like_trainer_resumes_bit_exact_from_its_host_copy() -> None:

@@ -71,7 +71,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from report import (
     CAL_EVERY,
     HEADERS,
@@ -84,6 +83,7 @@ from report import (
     summarize,
     summarize_cells,
 )
+from sim_inputs import kill_times
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -103,17 +103,6 @@ NOMEM = "-nomem"
 YD_ARMS = {"orbax-yd": "orbax-interval", "dcp-yd": "dcp-interval"}
 """Arms saving every k steps, k from Young/Daly with the cost calibrate() measures."""
 BUCKET = "goodput"
-
-
-def kill_times(mtbf: float, seconds: float, seed: int) -> list[float]:
-    """Failure times in [0, seconds): a Poisson process of rate 1/mtbf."""
-    rng = np.random.default_rng(seed)
-    times, t = [], 0.0
-    while True:
-        t += float(rng.exponential(mtbf))
-        if t >= seconds:
-            return times
-        times.append(t)
 
 
 class Run:

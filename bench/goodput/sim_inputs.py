@@ -172,4 +172,18 @@ def failure_trace(
         out.append(Failure(t, rng.random() < node_fraction))
 
 
-__all__ = ["COSTS_DEFAULT", "Costs", "Dist", "Failure", "cost_arms", "failure_trace"]
+def kill_times(mtbf: float, seconds: float, seed: int) -> list[float]:
+    """The real harness's failure times in [0, seconds) (bench/goodput/run.py): a
+    Poisson process of rate 1/mtbf, numpy's exponential draws from ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    times, t = [], 0.0
+    while True:
+        t += float(rng.exponential(mtbf))
+        if t >= seconds:
+            return times
+        times.append(t)
+
+
+__all__ = ["COSTS_DEFAULT", "Costs", "Dist", "Failure", "cost_arms", "failure_trace", "kill_times"]

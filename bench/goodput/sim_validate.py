@@ -28,22 +28,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from sim import Costs, Failure, simulate  # noqa: E402
+from sim_inputs import kill_times  # noqa: E402
 
 from ckptd.client.goodput import Goodput  # noqa: E402
 from ckptd.client.policies import Continuous, FixedInterval, SavePolicy  # noqa: E402
-
-
-def kill_times(mtbf: float, seconds: float, seed: int) -> list[float]:
-    """run.py's failure schedule (the same draws: numpy's exponential from ``seed``)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    times, t = [], 0.0
-    while True:
-        t += float(rng.exponential(mtbf))
-        if t >= seconds:
-            return times
-        times.append(t)
 
 
 def arm_policy(arm: str, mtbf: float, yd_steps: int) -> tuple[SavePolicy, str, bool]:
