@@ -333,3 +333,16 @@ def test_the_validation_predicts_each_real_run_on_its_own_kill_times() -> None:
     assert 0.8 < rows["ckptd-learned"]["predicted_p50"] < 1.0
     # Orbax every 8 steps (sqrt(2 * 0.5 * 60) / 1): far above the made-up 0.1-0.2
     assert not rows["orbax-yd"]["agrees"] and rows["orbax-yd"]["predicted_p50"] > 0.5
+
+
+def test_an_arm_measured_at_its_own_pace_runs_with_those_costs() -> None:
+    # Orbax blocks far less when its saves follow each other (measured so): the
+    # continuous arm takes its own section where the costs file has one.
+    slow = exact_costs(save_blocking=0.5, save_effective=0.0, to_local=1.0, to_durable=1.0)
+    fast = exact_costs(save_blocking=0.1, save_effective=0.0, to_local=1.0, to_durable=1.0)
+    costs = {"ckptd": exact_costs(), "orbax": slow, "orbax-continuous": fast}
+    arms = sim_run.cell(costs, 600.0, 3600.0, 1, shape=1.0, node_fraction=0.0)["arms"]
+    assert arms["orbax-continuous"]["costs"] == "orbax-continuous"
+    assert arms["orbax-yd"]["costs"] == "orbax"
+    # a save of 0.1 s at every 1 s step (its commit is in by the step's end)
+    assert arms["orbax-continuous"]["overhead"]["mean"] == pytest.approx(0.1 / 1.1, rel=0.05)

@@ -58,6 +58,7 @@ def predict(
     for seed in seeds:
         kills = [Failure(t) for t in kill_times(mtbf, seconds, seed)]
         _, section, serial = arm_policy(arm, mtbf, yd_steps)
+        section = arm if arm in costs else section  # measured at the arm's own pace
 
         def make() -> SavePolicy:  # a new policy per life, as a restarted trainer builds
             return arm_policy(arm, mtbf, yd_steps)[0]
