@@ -8,6 +8,7 @@ import itertools
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,11 @@ from .helpers import GOODPUT_DIR, load_goodput
 
 sim = load_goodput("sim")
 sim_run = load_goodput("sim_run")
+
+
+def goodputs(make: Any, costs: Any, traces: Any, horizon: float) -> list[float]:
+    """One arm's goodput on each trace."""
+    return [r["goodput"] for r in sim_run.run_arm(make, costs, traces, horizon)]
 
 
 def exact_costs(**changes: object) -> object:
@@ -74,10 +80,11 @@ def test_no_failures_fixed_interval_is_the_closed_form() -> None:
 def test_the_oracle_beats_every_fixed_interval_on_its_traces() -> None:
     costs, horizon, mtbf = sim.Costs.load(), 2 * 3600.0, 600.0
     traces = [(s, sim.failure_trace(mtbf, horizon, s)) for s in range(3)]
-    best, per_trace, _tried = sim_run.oracle(costs, traces, horizon, mtbf)
+    best, runs, _tried = sim_run.oracle_runs(costs, traces, horizon, mtbf)
+    per_trace = [r["goodput"] for r in runs]
     ours = statistics.fmean(per_trace)
     for k in (1, 2, 4, 7, 10, 13, 16, 19, 22, 26, 32, 45, 70, 120):
-        fixed = sim_run.run_traces(lambda k=k: FixedInterval(k), costs, traces, horizon)
+        fixed = goodputs(lambda k=k: FixedInterval(k), costs, traces, horizon)
         assert ours >= statistics.fmean(fixed) - 1e-12, k
     assert 5 <= best <= 40
 
@@ -85,8 +92,9 @@ def test_the_oracle_beats_every_fixed_interval_on_its_traces() -> None:
 def test_goodput_told_the_mtbf_lands_near_the_oracle() -> None:
     costs, horizon, mtbf = sim.Costs.load(), 8 * 3600.0, 600.0
     traces = [(s, sim.failure_trace(mtbf, horizon, s)) for s in range(2)]
-    _best, per_trace, _tried = sim_run.oracle(costs, traces, horizon, mtbf)
-    told = sim_run.run_traces(lambda: Goodput(mtbf_seconds=mtbf), costs, traces, horizon)
+    _best, runs, _tried = sim_run.oracle_runs(costs, traces, horizon, mtbf)
+    per_trace = [r["goodput"] for r in runs]
+    told = goodputs(lambda: Goodput(mtbf_seconds=mtbf), costs, traces, horizon)
     assert statistics.fmean(told) == pytest.approx(statistics.fmean(per_trace), rel=0.01)
 
 

@@ -136,30 +136,12 @@ def run_arm(
     return [_one(job) for job in jobs]
 
 
-def run_traces(
-    make: Callable[[], SavePolicy],
-    costs: Costs,
-    traces: list[Any],
-    horizon: float,
-    serial: bool = False,
-) -> list[float]:
-    """Goodput of one arm on each ``(seed, failures)`` trace."""
-    return [r["goodput"] for r in run_arm(make, costs, traces, horizon, serial)]
-
-
-def oracle(
-    costs: Costs, traces: list[Any], horizon: float, mtbf: float
-) -> tuple[int, list[float], dict[int, float]]:
-    """The fixed interval (steps) with the best mean goodput on ``traces``: its
-    interval, its per-trace goodputs, and every interval tried with its mean."""
-    best, runs, tried = oracle_runs(costs, traces, horizon, mtbf)
-    return best, [r["goodput"] for r in runs], tried
-
-
 def oracle_runs(
     costs: Costs, traces: list[Any], horizon: float, mtbf: float
 ) -> tuple[int, list[dict[str, float]], dict[int, float]]:
-    """:func:`oracle`, with the best interval's whole runs (goodput, overhead)."""
+    """The fixed interval (steps) with the best mean goodput on ``traces``: its
+    interval, its runs (goodput, overhead per trace), and every interval tried with
+    its mean."""
     seen: dict[int, list[float]] = {}
     runs: dict[int, list[dict[str, float]]] = {}
 

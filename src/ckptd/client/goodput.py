@@ -270,10 +270,6 @@ class Goodput(SavePolicy):
         levels only; None before one is measured)."""
         return statistics.median(self._uploads) if self._uploads else None
 
-    @property
-    def _two_levels(self) -> bool:
-        return self.node_mtbf_seconds is not None and self.stage == "local"
-
     def _observe(self, ctx: SaveContext) -> None:
         """Account the step that just ended (from the previous call to this one)."""
         dt = None if self._prev_now is None else ctx.now - self._prev_now
@@ -304,7 +300,7 @@ class Goodput(SavePolicy):
             self._costs.append(self._extra)
             self._to_local.append(ctx.now - (self._seen_save_at or ctx.now))
             self._extra = None
-            if self._durable_open and self._two_levels:
+            if self._durable_open and self.stage == "local":  # two levels (see the module)
                 self._upload_extra = 0.0  # the upload's cost: from here to DURABLE
         if self._durable_open and ctx.previous_reached("durable"):
             if ctx.previous_uploaded():  # not a save the pace (or coalescing) skipped
@@ -330,14 +326,11 @@ class Goodput(SavePolicy):
         self.mtbf_estimate_seconds = self._mtbf(ctx)
         to_local = statistics.median(self._to_local) if self._to_local else 0.0
         to_durable = statistics.median(self._to_durable) if self._to_durable else 0.0
-        if self._two_levels and self.node_mtbf_seconds is not None:
+        node_mtbf = self.node_mtbf_seconds
+        if node_mtbf is not None and self.stage == "local":  # two levels (see the module)
+            upload_cost = self.upload_cost_seconds or 0.0
             tau, k = two_level_interval(
-                cost,
-                self.upload_cost_seconds or 0.0,
-                self.mtbf_estimate_seconds,
-                self.node_mtbf_seconds,
-                to_local,
-                to_durable,
+                cost, upload_cost, self.mtbf_estimate_seconds, node_mtbf, to_local, to_durable
             )
             self.upload_interval_seconds = k * tau if k > 1 else 0.0
         else:
