@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,8 +17,7 @@ from ckptd.client.policies import Continuous, SaveContext
 from ckptd.daemon.lifecycle.pace import UploadPace
 from ckptd.proto import ckptd_pb2 as pb
 
-from .conftest import RemoteTarget
-from .test_remote_tier import remote_daemon
+from .test_remote_tier import remote_daemon, s3_target
 
 
 def test_free_uploads_go_with_every_save() -> None:
@@ -104,8 +102,8 @@ class Paced(Continuous):
     upload_interval_seconds: float = 0.0
 
 
-def test_the_drain_keeps_the_pace_a_job_asks_for(make_daemon: Any, tmp_path: Path) -> None:
-    d = remote_daemon(make_daemon, RemoteTarget("file", f"file://{tmp_path}/bucket", {}))
+def test_the_drain_keeps_the_pace_a_job_asks_for(make_daemon: Any, s3_server: Any) -> None:
+    d = remote_daemon(make_daemon, s3_target(s3_server, "ckptd-paced"))
     client = Client("paced", socket=d.socket, policy=Paced(upload_interval_seconds=2.0))
     w = {"w": np.arange(64.0)}
     client.save(1, w).wait("durable")
