@@ -104,9 +104,11 @@ def test_a_save_killed_before_local_is_not_a_sample() -> None:
     assert m["step"] == pytest.approx([1.0, 1.0])  # only the steps before it
 
 
-def test_restart_is_kill_to_the_next_life_s_first_step() -> None:
+def test_restart_is_kill_to_the_start_of_the_next_life_s_first_step() -> None:
     log = LOG + "start 110.0\nrestored 3 111.0\nstep 4 112.5 3f800000\nstep 5 113.5 3f800000\n"
-    assert calc.restarts(events(log), [109.5]) == pytest.approx([3.0])
+    # The first step ends 3.0 s after the kill; the simulator runs that step itself,
+    # so the restart is the time to its start (one undisturbed 1.0 s step less).
+    assert calc.restarts(events(log), [109.5], 1.0) == pytest.approx([2.0])
     assert len(calc.lives(events(log))) == 2
     # Steps of each life only: the second life's first step is not timed.
     assert [s for s, _, _ in calc.steps_of(calc.lives(events(log))[1])] == [5]
@@ -209,3 +211,39 @@ def test_gpu_like_job_resumes_bit_exact_from_orbax(tmp_path: Path) -> None:
     second = run_job(tmp_path / "b.log", *save, "--max-steps", "14")
     assert next(e for e in second if e[0] == "restored")[1] == "8"
     assert losses(second) == {s: b for s, b in reference.items() if s > 8}
+
+
+def test_the_pace_is_the_median_gap_between_save_starts_within_a_life() -> None:
+    log = (
+        "start 100.0\nsaving 2 101.0\nsaving 4 103.0\nsaving 6 105.5\n"
+        "start 110.0\nsaving 8 111.0\nsaving 10 113.0\n"  # no gap across lives
+    )
+    assert calc.interval_of(events(log)) == pytest.approx(2.0)
+
+
+def test_a_life_s_first_saves_are_measured_apart_from_the_later_ones() -> None:
+    # Two lives of three saves each: the first two of a life warm up (slow).
+    lives = []
+    for life, t0 in enumerate((100.0, 200.0)):
+        rows = [f"start {t0}", f"restored 0 {t0}"]
+        t = t0
+        for n, blocking in enumerate((0.5 + life, 0.3, 0.1), start=1):
+            step = 4 * n
+            rows += [f"step {step - 1} {t + 1} 0", f"step {step} {t + 2} 0"]
+            rows += [f"saving {step} {t + 2}", f"saved {step} {t + 2 + blocking}"]
+            t += 4
+        rows += [f"step 99 {t + 1} 0", f"step 100 {t + 2} 0"]
+        lives += rows
+    log = "\n".join(lives) + "\n"
+    reached = {4 * n: (None, None) for n in (1, 2, 3)}
+    m = calc.measure(events(log), {k: (1e9, None) for k in reached})
+    assert m["save_index"] == [1, 2, 3, 1, 2, 3]
+    costs = calc.arm_costs(m, {})
+    assert costs["save_blocking"]["samples"] == pytest.approx([0.1, 0.1])
+    first, second = costs["first_saves"]
+    assert first["save_blocking"]["samples"] == pytest.approx([0.5, 1.5])
+    assert second["save_blocking"]["samples"] == pytest.approx([0.3, 0.3])
+    # lives too short to have later saves: every save in the section, no first_saves
+    m["save_index"] = [1, 2, 1, 2, 1, 2]
+    assert "first_saves" not in calc.arm_costs(m, {})
+    assert len(calc.arm_costs(m, {})["save_blocking"]["samples"]) == 6

@@ -32,7 +32,7 @@ def exact_costs(**changes: object) -> object:
     fixed: dict[str, object] = {
         f.name: sim.Dist(getattr(costs, f.name).median)
         for f in dataclasses.fields(costs)
-        if f.name != "effective_spread_steps"
+        if isinstance(getattr(costs, f.name), sim.Dist)
     }
     fixed.update({k: sim.Dist(v) for k, v in changes.items()})
     return sim.Costs(**fixed)
@@ -354,3 +354,54 @@ def test_an_arm_measured_at_its_own_pace_runs_with_those_costs() -> None:
     assert arms["orbax-yd"]["costs"] == "orbax"
     # a save of 0.1 s at every 1 s step (its commit is in by the step's end)
     assert arms["orbax-continuous"]["overhead"]["mean"] == pytest.approx(0.1 / 1.1, rel=0.05)
+
+
+def test_each_save_draws_the_costs_measured_at_the_pace_nearest_its_own(
+    tmp_path: Path,
+) -> None:
+    # The same stack measured saving every 8 s and every 2 s: a save's costs depend
+    # on how long ago the previous one was (warm buffers, a commit still running).
+    top = {"step": 1.0, "restart": 60.0, "node_restart": 300.0}
+    save = {"save_effective": 0.0, "to_local": 0.5, "to_durable": 0.5}
+    arms = {
+        "ckptd": {"save_blocking": 0.3, "interval_s": 8.0, **save},
+        "ckptd-every-2": {"save_blocking": 0.05, "interval_s": 2.0, "pace_of": "ckptd", **save},
+    }
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({**top, "arms": arms}))
+    costs = sim.Costs.load(path)
+    assert [c.interval_s for c in costs.paces] == [2.0]
+    assert costs.at(2.4).save_blocking == sim.Dist(0.05)
+    assert costs.at(6.0).save_blocking == costs.at(None).save_blocking == sim.Dist(0.3)
+    # A policy saving every 2 steps (1 s each) pays the 2-s pace's blocking per save.
+    run = sim.simulate(lambda: FixedInterval(2), costs, [], 3600.0, seed=1)
+    assert run["overhead"] == pytest.approx(0.05 / 2.05, rel=0.02)
+    run = sim.simulate(lambda: FixedInterval(8), costs, [], 3600.0, seed=1)
+    assert run["overhead"] == pytest.approx(0.3 / 8.3, rel=0.02)
+    # An arm without paces, or with a pace of unknown interval, keeps its own costs.
+    arms["ckptd"].pop("interval_s")
+    path.write_text(json.dumps({**top, "arms": arms}))
+    assert sim.Costs.load(path).at(2.0).save_blocking == sim.Dist(0.3)
+
+
+def test_a_life_s_first_saves_draw_their_own_costs(tmp_path: Path) -> None:
+    top = {"step": 1.0, "restart": 5.0, "node_restart": 300.0}
+    ckptd = {"save_blocking": 0.1, "save_effective": 0.0, "to_local": 0.5, "to_durable": 0.5}
+    ckptd["first_saves"] = [{"save_blocking": 2.0}, {"save_blocking": 1.0}]  # type: ignore[assignment]
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({**top, "arms": {"ckptd": ckptd}}))
+    costs = sim.Costs.load(path)
+    assert [costs.for_save(n, 4.0).save_blocking.median for n in (1, 2, 3, 9)] == [2, 1, 0.1, 0.1]
+    assert costs.for_save(1, None).to_local == sim.Dist(0.5)  # the rest: the section's
+    # One life of 100 steps saving every 10: 2 + 1 + 8 x 0.1 s blocked.
+    run = sim.simulate(lambda: FixedInterval(10), costs, [], 103.8, seed=1)
+    assert run["saves"] == 10
+    assert run["overhead"] * run["wall_seconds"] == pytest.approx(3.8)
+    # A restart begins a new life: its first saves are slow again.
+    again = sim.simulate(lambda: FixedInterval(10), costs, [sim.Failure(50.5)], 200.0, seed=1)
+    assert again["failures"] == 1
+    assert again["overhead"] > run["overhead"]
+    ckptd["first_saves"] = {"save_blocking": 2.0}  # type: ignore[assignment]
+    path.write_text(json.dumps({**top, "arms": {"ckptd": ckptd}}))
+    with pytest.raises(ValueError, match="first_saves must be a list"):
+        sim.Costs.load(path)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from costs_calc import arm_costs, dumps, lives, measure, plan_of, restarts, table
+from costs_calc import arm_costs, dumps, interval_of, lives, measure, plan_of, restarts, table
 from report import parse
 
 HERE = Path(__file__).resolve().parent
@@ -82,20 +82,15 @@ class Arm:
         if arm == "ckptd":
             from common import Daemon
 
+            remote = [
+                *("--remote", f"s3://{BUCKET}/{args.trainer}", "--node-id", "node0"),
+                *("--retention-remote", "KeepLatest(2)"),
+            ]
             self.daemon = Daemon(
                 self.work / "root",
                 self.work / "ckptd.sock",
-                extra_args=[
-                    "--retention-local",
-                    "KeepLatest(2)",
-                    "--remote",
-                    f"s3://{BUCKET}/{args.trainer}",
-                    "--node-id",
-                    "node0",
-                    "--retention-remote",
-                    "KeepLatest(2)",
-                ],
-                env=s3.env(),
+                extra_args=["--retention-local", "KeepLatest(2)", *(remote if s3 else [])],
+                env=s3.env() if s3 else None,
                 log_path=self.work / "ckptd.log",
                 start_timeout=120.0,
                 # Room for the memory tier's kept step and the saves in flight.
@@ -213,8 +208,16 @@ def costs_file(args: argparse.Namespace, arms: dict[str, Any], command: str) -> 
         f"other work: the {args.trainer} trainer of bench/goodput/job.py{gpu}, a "
         f"{args.state_mib} MiB state (params and two moments), saves: {every} "
         "steps. ckptd: Client.save (FixedInterval) to a ckptd daemon, memory tier on, "
-        "draining to a SeaweedFS S3 bucket on 127.0.0.1; to_durable: saves started on an "
-        "idle drain; restart: trainer SIGKILL to the new process's first step, restored "
+        + (
+            "no bucket (to_durable = to_local, node_restart = restart: for trainer-only "
+            "failures); restart:"
+            if args.no_bucket
+            else "draining to a SeaweedFS S3 bucket on 127.0.0.1 (its server shares the "
+            "VM's CPUs, which a remote bucket does not); to_durable: saves started on an "
+            "idle drain; restart:"
+        )
+        + " trainer SIGKILL to the new process's first step, less one "
+        "undisturbed step (the simulator runs it), restored "
         "from the daemon's memory tier; node_restart: daemon and trainer SIGKILLed, the "
         "root wiped, a new daemon on the empty root, restored from the bucket (software "
         "only: no machine provisioning). orbax: CheckpointManager async saves to a "
@@ -223,8 +226,12 @@ def costs_file(args: argparse.Namespace, arms: dict[str, Any], command: str) -> 
         "restart (restored from that directory; includes importing jax). step: steps "
         "with no save in flight (save start to DURABLE), both arms pooled; "
         "save_effective: the extra time, over the median such step, of the steps begun "
-        "before LOCAL (clipped at 0 per step)."
+        "before LOCAL (clipped at 0 per step). first_saves: the save costs of each life's "
+        "first and second saves (warming up), the arm's own those of the saves after them; "
+        "interval_s: the median seconds between save starts of a life (the pace measured)."
     )
+    if args.no_bucket and "restart" in top:
+        top["node_restart"] = top["restart"]
     return {"note": note, "trainer": args.trainer, "command": command, **top,
             "arms": {arm: a["costs"] for arm, a in arms.items()}}  # fmt: skip
 
@@ -246,7 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR / "goodput-costs")
     ap.add_argument("--out", type=Path, default=None,
                     help="the costs file (default bench/goodput/costs-<trainer>.json)")  # fmt: skip
+    ap.add_argument("--no-bucket", action="store_true",
+                    help="ckptd without a bucket, as bench/goodput/run.py without --node "
+                         "runs it: to_durable = to_local, no node restarts")  # fmt: skip
+    ap.add_argument("--name", default=None,
+                    help="bench/results/NAME.json (default goodput-costs-<trainer>)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.no_bucket and args.node_restarts:
+        ap.error("--no-bucket has no node to lose: add --node-restarts 0")
     if args.state_mib < 1 or (args.interval_steps or 2) < 2 or args.saves < 1:
         ap.error("--state-mib must be >= 1, --interval-steps >= 2 and --saves >= 1")
     if min(args.restarts, args.node_restarts) < 0:
@@ -261,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir = args.work_dir / args.trainer
     shutil.rmtree(args.work_dir, ignore_errors=True)  # a fresh bucket and directories
     try:
-        if "ckptd" in args.arms:
+        if "ckptd" in args.arms and not args.no_bucket:
             from tests.servers import SeaweedS3
 
             s3 = SeaweedS3(args.work_dir / "seaweed", volume_size_limit_mb=8192).start()
@@ -276,10 +290,15 @@ def main(argv: list[str] | None = None) -> int:
             m = measure(events, arm.reached)
             # Where each restore came from (memory: the daemon's memory tier).
             m["restore_tiers"] = [e[4] for e in events if e[0] == "restore" and len(e) == 5]
-            kills = {k: restarts(events, v) for k, v in arm.kills.items()}
+            m["interval_s"] = interval_of(events)
+            kills = {
+                k: restarts(events, v, statistics.median(m["step"])) for k, v in arm.kills.items()
+            }
             if name == "orbax":  # its directory stands in for the bucket (see the note)
                 kills["node_restart"] = kills["restart"]
             measured[name] = {**m, "costs": arm_costs(m, kills)}
+            if name == "ckptd" and args.no_bucket:  # nothing to upload: local is all
+                measured[name]["costs"]["to_durable"] = measured[name]["costs"]["to_local"]
     finally:
         if s3 is not None:
             s3.close()
@@ -292,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     tiers = {arm: m["restore_tiers"] for arm, m in measured.items()}
     extra = {"wall_seconds": time.monotonic() - t0, "undisturbed_step_median_s": steps,
              "to_durable_every_save_s": queued, "restore_tiers": tiers}  # fmt: skip
-    path = write_results(f"goodput-costs-{args.trainer}", {**doc, **extra})
+    path = write_results(args.name or f"goodput-costs-{args.trainer}", {**doc, **extra})
     print(f"wrote {out} and {path} in {time.monotonic() - t0:.0f} s")
     return 0
 

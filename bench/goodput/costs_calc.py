@@ -4,6 +4,7 @@ events -> samples of each cost -> the costs file's entries and the table
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -90,9 +91,14 @@ def measure(
     out: dict[str, Any] = {"step": quiet, "save_blocking": [], "save_effective": [],
                            "spread_steps": [], "to_local": [], "to_durable": [],
                            "to_durable_queued": []}  # fmt: skip
+    out["save_index"] = []
     for s in saves:
         if s["returned"] is None or s["local"] is None:
             continue  # killed before it was restorable
+        # the save's place in its life: a life's first saves pay for warming up
+        out["save_index"].append(
+            sum(1 for p in saves if p["life"] == s["life"] and p["start"] <= s["start"])
+        )
         out["save_blocking"].append(s["returned"] - s["start"])
         out["to_local"].append(s["local"] - s["start"])
         if s["durable"] is not None:
@@ -107,15 +113,28 @@ def measure(
     return out
 
 
-def restarts(events: list[list[str]], kills: Sequence[float]) -> list[float]:
-    """Seconds from each kill to the first step logged after it."""
+def restarts(events: list[list[str]], kills: Sequence[float], step: float) -> list[float]:
+    """Seconds from each kill to the start of the new process's first step: to the
+    first step logged after it, less ``step`` (an undisturbed step: the simulator
+    runs that step itself; what the first step takes beyond it, e.g. compiling,
+    stays in the restart)."""
     steps = sorted(float(e[2]) for e in events if e[0] == "step" and len(e) == 4)
     out = []
     for k in kills:
         first = next((t for t in steps if t > k), None)
         if first is not None:
-            out.append(first - k)
+            out.append(max(first - k - step, 0.0))
     return out
+
+
+def interval_of(events: list[list[str]]) -> float:
+    """The median seconds between two save starts of one life (the pace the save
+    costs were measured at)."""
+    gaps = []
+    for life in lives(events):
+        starts = [float(e[2]) for e in life if e[0] == "saving" and len(e) == 3]
+        gaps += [b - a for a, b in itertools.pairwise(starts)]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
@@ -124,14 +143,47 @@ def quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
     return float(q[0]), float(q[1]), float(q[2])
 
 
+FIRST_SAVES = 2
+"""A life's first saves measured apart: they pay for warming up (a new process's
+first leases, fresh memory for the segment the memory tier keeps, Orbax's first
+async save), which the saves after them do not."""
+_PER_SAVE = ("save_blocking", "save_effective", "to_local")
+
+
+def split_first_saves(
+    measured: dict[str, Any],
+) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:
+    """The per-save samples (``_PER_SAVE``) of the saves after a life's first
+    :data:`FIRST_SAVES`, and those of each of the first; all in the first part, and
+    no first saves, where the lives were too short to have saves after them."""
+    index = measured.get("save_index") or []
+    later = [i for i, n in enumerate(index) if n > FIRST_SAVES]
+    if not later:
+        return {k: list(measured[k]) for k in _PER_SAVE}, []
+    pick = lambda rows: {k: [measured[k][i] for i in rows] for k in _PER_SAVE}  # noqa: E731
+    firsts = [pick([i for i, n in enumerate(index) if n == k]) for k in range(1, FIRST_SAVES + 1)]
+    return pick(later), [f for f in firsts if f["save_blocking"]]
+
+
 def arm_costs(measured: dict[str, Any], kills: dict[str, list[float]]) -> dict[str, Any]:
-    """One arm's ARMCOSTS for the costs file ({"samples": [...]} each)."""
+    """One arm's ARMCOSTS for the costs file ({"samples": [...]} each): the save costs
+    of a life's later saves, ``first_saves`` for each of its first ones."""
     out: dict[str, Any] = {}
+    later, firsts = split_first_saves(measured)
     for key in ("save_blocking", "save_effective", "to_local", "to_durable"):
-        if not measured[key]:
+        samples = later[key] if key in later else measured[key]
+        if not samples and key == "to_durable":
+            continue  # saves so close together that the drain was never idle: see pace_of
+        if not samples:
             raise ValueError(f"no save measured its {key}: run longer (--saves)")
-        out[key] = {"samples": [round(v, 6) for v in measured[key]]}
+        out[key] = {"samples": [round(v, 6) for v in samples]}
+    if firsts:
+        out["first_saves"] = [
+            {k: {"samples": [round(v, 6) for v in f[k]]} for k in _PER_SAVE} for f in firsts
+        ]
     out["effective_spread_steps"] = max(1, math.ceil(statistics.median(measured["spread_steps"])))
+    if measured.get("interval_s"):
+        out["interval_s"] = round(measured["interval_s"], 3)
     for key in ("restart", "node_restart"):
         if kills.get(key):
             out[key] = {"samples": [round(v, 6) for v in kills[key]]}

@@ -21,7 +21,9 @@ MTBF from it as it does on the real stack.
 A save of a :class:`Levelled` policy (DLRover's memory snapshots) that is not
 durable never reaches the drain: only a trainer failure can restore it. With
 ``serial``, a save first waits for the previous one to commit (Orbax's and DCP's
-``save()`` while an async save is in flight). A policy with an
+``save()`` while an async save is in flight). Each save's costs are its arm's
+measured at the pace nearest the time since the previous save, and a life's first
+saves' their own (``Costs.for_save``). A policy with an
 ``upload_interval_seconds`` (the upload pace its commits ask of the daemon) has
 the drain start uploads no closer together than that.
 
@@ -269,6 +271,7 @@ def simulate(
     skip: bool = True,
     serial: bool = False,
     fleet: tuple[float, int] = (0.0, 0),
+    start: Dist | None = None,
 ) -> dict[str, float]:
     """One arm over one trace: goodput, overhead and counts. ``make_policy`` builds
     the policy of each life (a new ``Client`` per restart); ``serial``: a save
@@ -279,11 +282,11 @@ def simulate(
     restarts) spent blocked in saves and in the slowdown that follows them: the
     step-time cost of the arm's saves at the interval it chose. ``fleet``: the
     node's record of its earlier jobs (active seconds, restarts), ``Goodput()``'s
-    prior until a node loss replaces the node."""
+    prior until a node loss replaces the node. ``start``: the first process's start
+    to its first step (None: at once; a real run of a minute pays for it)."""
     rng = random.Random(seed * 7919 + 1)
     steps = _Steps(costs.step, seed, max(int(horizon / max(costs.step.mean, 1e-3)) + 1000, 1000))
-    spread = max(costs.effective_spread_steps, 1)
-    t, i, step, work = 0.0, 0, 0, 0.0
+    t, i, step, work = (start.draw(rng) if start else 0.0), 0, 0, 0.0
     saves: list[_Save] = []  # this and earlier lives', newest last, pruned
     drain = _Drain()
     record = _Record(0.0, fleet)
@@ -292,7 +295,7 @@ def simulate(
     n_saves = n_fail = skipped = 0
     lost = overhead = down = 0.0
     while t < horizon:
-        policy, mine, settled = make_policy(), None, 0
+        policy, mine, settled, in_life = make_policy(), None, 0, 0
         levelled = isinstance(policy, Levelled)
         slow: list[list[float]] = []  # [steps left, seconds per step] of open slowdowns
 
@@ -342,10 +345,12 @@ def simulate(
                     break
                 t, overhead = t + wait, overhead + wait
             n_saves += 1
-            blocking = costs.save_blocking.draw(rng)
-            local = max(costs.to_local.draw(rng), blocking)
-            upload = max(costs.to_durable.draw(rng) - local, 0.0)
-            if costs.to_durable == costs.to_local:  # one commit, to remote storage
+            in_life += 1
+            paced = costs.for_save(in_life, t - mine.started if mine is not None else None)
+            blocking = paced.save_blocking.draw(rng)
+            local = max(paced.to_local.draw(rng), blocking)
+            upload = max(paced.to_durable.draw(rng) - local, 0.0)
+            if paced.to_durable == paced.to_local:  # one commit, to remote storage
                 upload = 0.0
             drained = policy.durable(step) if levelled else True  # type: ignore[attr-defined]
             new = _Save(step, work, t, t + local, upload, drained)
@@ -354,8 +359,9 @@ def simulate(
             saves.append(new)
             view.mine = mine = new
             settled = 0
-            effective = costs.save_effective.draw(rng)
+            effective = paced.save_effective.draw(rng)
             if effective > 0:
+                spread = max(paced.effective_spread_steps, 1)
                 slow.append([spread, effective / spread])
             if t + blocking > fail_t:
                 overhead += fail_t - t

@@ -19,8 +19,21 @@ without ``"arms"`` (the older, flat format) is the ``ckptd`` arm alone. The keys
 - ``to_durable``: save start to restorable after a node loss, on an idle drain
   (ckptd: DURABLE in the bucket). Equal to ``to_local`` (the same value): one
   commit, to remote storage, durable as soon as committed;
-- ``restart``: trainer failure to the new process's first step (restore
-  included); ``node_restart``: node loss to the first step on a new node.
+- ``restart``: trainer failure to the start of the new process's first step
+  (restore included; measured to that step's end less one undisturbed step, which
+  the simulator runs itself); ``node_restart``: the same after a node loss, on a
+  new node;
+- ``first_saves`` (optional): a list of objects, the save costs of a life's
+  first, second, ... save (laid over the section): a new process's first saves
+  pay for warming up (first leases, fresh memory, a framework's first async
+  save); the section's own save costs are those of the saves after them;
+- ``interval_s`` (optional): the seconds between save starts the save costs were
+  measured at. A save's cost depends on its pace (buffers and page cache still
+  warm from the previous save, an async commit still running): a section with
+  ``"pace_of": ARM`` holds ARM's save costs measured at another ``interval_s``
+  (laid over ARM's section: e.g. no ``to_durable`` where saves came too close
+  together for the drain ever to be idle), and the simulator draws each save's
+  costs from ARM's pace nearest (in ratio) the time since the previous save.
 
 Each cost is a number (constant), a lognormal ``{"median": s, "sigma": s}`` or
 ``{"samples": [s, ...]}`` (measured values, drawn uniformly).
@@ -31,7 +44,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +132,12 @@ class Costs:
     restart: Dist
     node_restart: Dist
     effective_spread_steps: int = 1
+    interval_s: float = 0.0
+    """Seconds between save starts the save costs were measured at (0: unknown)."""
+    paces: tuple[Costs, ...] = ()
+    """The same arm's save costs measured at other paces (``pace_of`` sections)."""
+    first_saves: tuple[Costs, ...] = ()
+    """The save costs of a life's first saves, one each (``first_saves``)."""
 
     @classmethod
     def load(cls, path: Path = COSTS_DEFAULT, arm: str = "ckptd") -> Costs:
@@ -131,7 +150,16 @@ class Costs:
                 f"{path} has no costs for arm {arm!r} (it has: {', '.join(sorted(arms))}); "
                 f'add an "arms": {{"{arm}": {{...}}}} section or leave the arm out'
             )
-        spec = {k: v for k, v in doc.items() if k != "arms"} | dict(arms[arm])
+        paces = tuple(  # what differs at another pace, over the arm's own section
+            cls._section(path, doc, name, dict(arms[arm]) | spec)
+            for name, spec in arms.items()
+            if name != arm and isinstance(spec, dict) and spec.get("pace_of") == arm
+        )
+        return replace(cls._section(path, doc, arm, arms[arm]), paces=paces)
+
+    @classmethod
+    def _section(cls, path: Path, doc: dict[str, Any], arm: str, section: Any) -> Costs:
+        spec = {k: v for k, v in doc.items() if k != "arms"} | dict(section)
         missing = [k for k in _DISTS if k not in spec]
         if missing:
             raise ValueError(
@@ -141,7 +169,33 @@ class Costs:
             dists = {k: Dist.of(spec[k]) for k in _DISTS}
         except ValueError as e:
             raise ValueError(f"{path}, arm {arm!r}: {e}") from None
-        return cls(**dists, effective_spread_steps=int(spec.get("effective_spread_steps", 1)))
+        firsts = spec.get("first_saves") or []
+        if not isinstance(firsts, list) or not all(isinstance(f, dict) for f in firsts):
+            raise ValueError(f"{path}, arm {arm!r}: first_saves must be a list of objects")
+        plain = {k: v for k, v in spec.items() if k != "first_saves"}
+        return cls(
+            **dists,
+            effective_spread_steps=int(spec.get("effective_spread_steps", 1)),
+            interval_s=float(spec.get("interval_s", 0.0)),
+            first_saves=tuple(cls._section(path, doc, arm, plain | f) for f in firsts),
+        )
+
+    def for_save(self, index: int, gap: float | None) -> Costs:
+        """The costs of a life's ``index``-th save (from 1), ``gap`` seconds after the
+        previous one started (None: the first): its pace's (:meth:`at`), and of
+        those its own if it is one of the life's first saves."""
+        paced = self.at(gap)
+        return paced.first_saves[index - 1] if index <= len(paced.first_saves) else paced
+
+    def at(self, gap: float | None) -> Costs:
+        """The save costs measured at the pace nearest (in ratio) ``gap``, the seconds
+        since the previous save started (None, a life's first save: the sparsest)."""
+        every = [c for c in (self, *self.paces) if c.interval_s > 0]
+        if not self.paces or len(every) < len(self.paces) + 1:
+            return self
+        if gap is None or gap <= 0:
+            return max(every, key=lambda c: c.interval_s)
+        return min(every, key=lambda c: abs(math.log(gap / c.interval_s)))
 
     @property
     def save_cost(self) -> float:

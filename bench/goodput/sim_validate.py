@@ -64,7 +64,9 @@ def predict(
             return arm_policy(arm, mtbf, yd_steps)[0]
 
         for r in range(repeats):
-            run = simulate(make, costs[section], kills, seconds, seed * 1000 + r, serial=serial)
+            c = costs[section]
+            # the first process starts as a restarted one does (less a restore of nothing)
+            run = simulate(make, c, kills, seconds, seed * 1000 + r, serial=serial, start=c.restart)
             out.append(run["goodput"])
     return out
 
