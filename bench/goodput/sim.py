@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from sim_inputs import COSTS_DEFAULT, Costs, Dist, Failure, cost_arms, failure_trace
+from sim_inputs import COSTS_DEFAULT, Costs, Dist, Failure, NodeRecord, cost_arms, failure_trace
+from sim_inputs import Record as _Record
 
 from ckptd.client.goodput import Goodput
-from ckptd.client.policies import FailureHistory, FixedInterval, SaveContext, SavePolicy
+from ckptd.client.policies import FixedInterval, SaveContext, SavePolicy
 
 _FEED = 66
 """Steps fed to ``Goodput`` after a skip: its base-step window (64) is then filled
@@ -169,24 +170,6 @@ class _View:
         return self.mine is not None and self.mine.durable_at is not None
 
 
-class _Record:
-    """The simulated daemon's record of the job (daemon/api/history.py)."""
-
-    def __init__(self, first_seen: float, fleet: tuple[float, int] = (0.0, 0)) -> None:
-        self.first_seen, self.restarts, self.now = first_seen, 0, first_seen
-        self.times: list[float] = []
-        self.fleet = fleet
-        """The node's record of its other jobs: (active seconds, restarts)."""
-
-    def restarted(self, at: float) -> None:
-        self.restarts += 1
-        self.times = [*self.times[-31:], at]
-
-    def history(self) -> FailureHistory:
-        ages = tuple(self.now - t for t in reversed(self.times))
-        return FailureHistory(self.now - self.first_seen, self.restarts, ages, *self.fleet)
-
-
 class _Steps:
     """The executed steps' undisturbed times, drawn in chunks, with their cumulative
     sums so that a run of steps is skipped in O(1) (the same draws in every arm)."""
@@ -237,7 +220,7 @@ def _quiet_steps(
         and save is not None
         and settled >= 3
         and policy.save_cost_seconds is not None
-        and policy.node_mtbf_seconds is None
+        and policy.node_mtbf_estimate_seconds is None
     ):
         return -int(min(save.started + policy.interval_seconds - now, 1e12))
     return 0
@@ -269,6 +252,7 @@ def simulate(
     skip: bool = True,
     serial: bool = False,
     fleet: tuple[float, int] = (0.0, 0),
+    node_fleet: tuple[float, int] | None = None,
 ) -> dict[str, float]:
     """One arm over one trace: goodput, overhead and counts. ``make_policy`` builds
     the policy of each life (a new ``Client`` per restart); ``serial``: a save
@@ -279,14 +263,17 @@ def simulate(
     restarts) spent blocked in saves and in the slowdown that follows them: the
     step-time cost of the arm's saves at the interval it chose. ``fleet``: the
     node's record of its earlier jobs (active seconds, restarts), ``Goodput()``'s
-    prior until a node loss replaces the node."""
+    prior until a node loss replaces the node. ``node_fleet``: the bucket's record of
+    node names (node-seconds, replacements) besides this node's own, which a node
+    loss does not take (it counts one replacement more); None: no such record."""
     rng = random.Random(seed * 7919 + 1)
     steps = _Steps(costs.step, seed, max(int(horizon / max(costs.step.mean, 1e-3)) + 1000, 1000))
     spread = max(costs.effective_spread_steps, 1)
     t, i, step, work = 0.0, 0, 0, 0.0
     saves: list[_Save] = []  # this and earlier lives', newest last, pruned
     drain = _Drain()
-    record = _Record(0.0, fleet)
+    bucket = NodeRecord(*node_fleet) if node_fleet is not None else None
+    record = _Record(0.0, fleet, bucket)
     fails = iter(failures)
     nxt = next(fails, None)
     n_saves = n_fail = skipped = 0
@@ -382,7 +369,9 @@ def simulate(
         lost += work - (newest.work if newest else 0.0)
         step, work = (newest.step, newest.work) if newest else (0, 0.0)
         if node:  # the new node's daemon starts the record again, with no other job's
-            record = _Record(t)
+            record = _Record(t, node=bucket)  # the bucket's record of the name survives
+            if bucket is not None:
+                bucket.replacements += 1
         if newest is not None:
             record.restarted(t)  # the new process restored the job's steps
     return {

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptd.client.policies import FailureHistory
+
 COSTS_DEFAULT = Path(__file__).with_name("costs-default.json")
 _DISTS = (
     "step",
@@ -186,4 +188,54 @@ def kill_times(mtbf: float, seconds: float, seed: int) -> list[float]:
         times.append(t)
 
 
-__all__ = ["COSTS_DEFAULT", "Costs", "Dist", "Failure", "cost_arms", "failure_trace", "kill_times"]
+@dataclass
+class NodeRecord:
+    """The simulated bucket's record of node names (daemon/remote/node_fleet.py):
+    the other names' node-seconds and replacements; this node's own name adds its
+    time since the simulation's start. It outlives a node loss."""
+
+    seconds: float = 0.0
+    replacements: int = 0
+
+
+class Record:
+    """The simulated daemon's record of the job (daemon/api/history.py), and the
+    bucket's of the node names (None: no bucket record)."""
+
+    def __init__(
+        self, first_seen: float, fleet: tuple[float, int] = (0.0, 0), node: NodeRecord | None = None
+    ) -> None:
+        self.first_seen, self.restarts, self.now = first_seen, 0, first_seen
+        self.times: list[float] = []
+        self.fleet = fleet
+        """The node's record of its other jobs: (active seconds, restarts)."""
+        self.node = node
+
+    def restarted(self, at: float) -> None:
+        self.restarts += 1
+        self.times = [*self.times[-31:], at]
+
+    def history(self) -> FailureHistory:
+        ages = tuple(self.now - t for t in reversed(self.times))
+        node = self.node
+        return FailureHistory(
+            self.now - self.first_seen,
+            self.restarts,
+            ages,
+            *self.fleet,
+            node.seconds + self.now if node is not None else 0.0,
+            node.replacements if node is not None else 0,
+        )
+
+
+__all__ = [
+    "COSTS_DEFAULT",
+    "Costs",
+    "Dist",
+    "Failure",
+    "NodeRecord",
+    "Record",
+    "cost_arms",
+    "failure_trace",
+    "kill_times",
+]

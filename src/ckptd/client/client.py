@@ -188,6 +188,11 @@ class Client:
             tuple(max(now - t, 0.0) for t in reversed(seen.restart_unix)),
             seen.fleet_observed_seconds,
             seen.fleet_restarts,
+            seen.node_observed_seconds,
+            seen.node_replacements,
+            # Ranks not told apart by node (node_ranks unset) count as a node each:
+            # more nodes, more frequent node losses, which errs towards saving often.
+            max(-(-self.world_size // max(len(self.node_ranks), 1)), 1),
         )
 
     def should_save(self, step: int) -> bool:

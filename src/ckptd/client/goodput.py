@@ -76,8 +76,17 @@ week: 2% likely) gives ``M = age of the newest / 2``.
 
 ``node_mtbf_seconds`` counts the failures that also lose the node's disk
 (restored from the bucket; set it with ``stage="durable"`` so each save is
-measured until it is in the bucket). It is configured only: a lost node's
-daemon loses its record with it. ``mtbf_seconds=math.inf`` counts node losses
+measured until it is in the bucket). Left at None it is learned
+(:func:`learned_node_mtbf`) from the bucket's record of node names, which
+outlives a lost node as the daemon's record does not: each name's claim keeps
+how long it has been claimed and how often a new disk replaced its node
+(daemon/remote/claim.py), and the daemon sums this node's and a sample of the
+fleet's (daemon/remote/node_fleet.py): ``r`` replacements in ``S`` node-seconds
+give a node MTBF of ``S / (r + 1)`` per node (the unseen next loss weighing as one
+interval, as above: it errs towards saving often), divided by the ``N`` nodes the
+job spans (``Client``'s ``world_size`` over its ``node_ranks``). With no bucket
+(``S`` 0) there is no node level. A node MTBF, configured or learned, brings the
+two levels with ``stage="local"``. ``mtbf_seconds=math.inf`` counts node losses
 only.
 
 Until one save has been measured the policy saves as soon as the previous save
@@ -124,6 +133,16 @@ def learned_mtbf(seen: FailureHistory, prior_mtbf: float | None = None) -> float
     if ages and ages[0] > _QUIETER * mtbf:
         return ages[0] / 2
     return max(mtbf, 1e-3)
+
+
+def learned_node_mtbf(seen: FailureHistory) -> float | None:
+    """The job's node MTBF learned from the bucket's record of node names (see the
+    module): ``S / (r + 1)`` per node over the ``job_nodes`` the job spans; None
+    with no record (no bucket)."""
+    if seen.node_observed_seconds <= 0:
+        return None
+    per_node = seen.node_observed_seconds / (seen.node_replacements + 1)
+    return max(per_node / max(seen.job_nodes, 1), 1e-3)
 
 
 def optimal_interval(
@@ -192,7 +211,8 @@ class Goodput(SavePolicy):
 
     ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide;
     None: learned from the daemon's record of this job's restarts; inf: not counted).
-    ``node_mtbf_seconds``: those that lose the node too (None: not counted).
+    ``node_mtbf_seconds``: those that lose the node too (None: learned from the
+    bucket's record of replaced nodes; not counted without a bucket).
     ``prior_mtbf_seconds``: the MTBF a job starts from while it has seen little
     (None: the node's record of other jobs); ignored with ``mtbf_seconds``.
     ``min_interval_seconds`` / ``max_interval_seconds`` clamp ``tau*``.
@@ -212,6 +232,9 @@ class Goodput(SavePolicy):
     interval_seconds: float = field(default=0.0, init=False)
     mtbf_estimate_seconds: float | None = field(default=None, init=False)
     """The trainer MTBF in force: ``mtbf_seconds``, or the learned estimate."""
+    node_mtbf_estimate_seconds: float | None = field(default=None, init=False)
+    """The job's node MTBF in force: ``node_mtbf_seconds``, or the learned estimate
+    (None: node losses not counted)."""
     _prev_now: float | None = field(default=None, init=False, repr=False)
     _first_now: float | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
@@ -284,7 +307,7 @@ class Goodput(SavePolicy):
                 self._costs.append(self._extra)  # superseded before it was in
             self._seen_save_at = ctx.last_save_at
             self._extra = 0.0
-            self._durable_open = self.node_mtbf_seconds is not None
+            self._durable_open = self.node_mtbf_estimate_seconds is not None
         base = self.base_step_seconds
         if dt is None:
             return
@@ -319,14 +342,21 @@ class Goodput(SavePolicy):
             seen = FailureHistory(ctx.now - first, 0)
         return learned_mtbf(seen, self.prior_mtbf_seconds)
 
+    def _node_mtbf(self, ctx: SaveContext) -> float | None:
+        """The job's node MTBF: configured, or learned (:func:`learned_node_mtbf`)."""
+        if self.node_mtbf_seconds is not None:
+            return self.node_mtbf_seconds
+        seen = ctx.history()
+        return learned_node_mtbf(seen) if seen is not None else None
+
     def _interval(self, ctx: SaveContext) -> float:
         cost = self.save_cost_seconds
         if cost is None:
             return self.min_interval_seconds
         self.mtbf_estimate_seconds = self._mtbf(ctx)
+        node_mtbf = self.node_mtbf_estimate_seconds = self._node_mtbf(ctx)
         to_local = statistics.median(self._to_local) if self._to_local else 0.0
         to_durable = statistics.median(self._to_durable) if self._to_durable else 0.0
-        node_mtbf = self.node_mtbf_seconds
         if node_mtbf is not None and self.stage == "local":  # two levels (see the module)
             upload_cost = self.upload_cost_seconds or 0.0
             tau, k = two_level_interval(
@@ -335,7 +365,7 @@ class Goodput(SavePolicy):
             self.upload_interval_seconds = k * tau if k > 1 else 0.0
         else:
             tau = optimal_interval(
-                cost, self.mtbf_estimate_seconds, to_local, self.node_mtbf_seconds, to_durable
+                cost, self.mtbf_estimate_seconds, to_local, node_mtbf, to_durable
             )
         tau = max(tau, self.min_interval_seconds)
         if self.max_interval_seconds is not None:
@@ -359,6 +389,7 @@ __all__ = [
     "Goodput",
     "expected_goodput",
     "learned_mtbf",
+    "learned_node_mtbf",
     "optimal_interval",
     "two_level_interval",
 ]
