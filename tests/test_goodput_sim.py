@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from ckptd.client.goodput import Goodput
-from ckptd.client.policies import Continuous, FixedInterval
+from ckptd.client.policies import (
+    Continuous,
+    FailureHistory,
+    FixedInterval,
+    SaveContext,
+    SavePolicy,
+)
 
 from .helpers import GOODPUT_DIR, load_goodput
 
@@ -312,6 +318,41 @@ def test_the_simulated_record_gives_the_restarts_times() -> None:
     seen = record.history()
     assert seen.restart_ages == (50.0, 200.0) and seen.restarts == 2
     assert (seen.fleet_observed_seconds, seen.fleet_restarts) == (3600.0, 2)
+
+
+class _Watch(SavePolicy):
+    """Never saves; keeps each step's record of failures, as the policy sees it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, FailureHistory | None]] = []
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        self.seen.append((ctx.now, ctx.history()))
+        return False
+
+
+def test_a_node_loss_keeps_the_buckets_record_of_the_node_name() -> None:
+    # A node loss at 50 s (back about 300 s later): the new node's daemon starts the
+    # job's record afresh, but the bucket's record of node names (1 h and 2
+    # replacements besides this node's own time) survives it, one replacement more,
+    # its time still counted from 0.
+    watch = _Watch()
+    trace = [sim.Failure(50.0, node=True)]
+    sim.simulate(lambda: watch, exact_costs(), trace, 500.0, seed=1, node_fleet=(3600.0, 2))
+    before = [(t, h) for t, h in watch.seen if t < 50.0]
+    after = [(t, h) for t, h in watch.seen if t > 50.0]
+    assert before and after
+    for t, h in before + after:
+        assert h is not None
+        assert h.node_observed_seconds == pytest.approx(3600.0 + t)
+    assert {h.node_replacements for _, h in before if h} == {2}
+    assert {h.node_replacements for _, h in after if h} == {3}
+    t, h = after[0]
+    assert h is not None and h.observed_seconds < t - 50.0  # the job's record did not
+    # Without a bucket record (the default): no node-seconds, as before.
+    bare = _Watch()
+    sim.simulate(lambda: bare, exact_costs(), trace, 500.0, seed=1)
+    assert {h.node_observed_seconds for _, h in bare.seen if h} == {0.0}
 
 
 def test_the_validation_predicts_each_real_run_on_its_own_kill_times() -> None:
