@@ -154,6 +154,7 @@ def test_the_fleet_sample_sums_this_node_and_at_most_sixteen_others(tmp_path: Pa
 
 def test_a_failing_sample_is_taken_again_later(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr(node_fleet, "RETRY_SECONDS", 0.0)  # no waiting in a test
+    monkeypatch.setattr(node_fleet, "START_JITTER_SECONDS", 0.0)
     clock = Clock()
 
     class FailsOnce:

@@ -7,7 +7,8 @@ this node's claim and a random sample of at most :data:`SAMPLE` other names'
 (``_nodes/`` listed once, the sampled claims read), they give the node-loss
 rate ``Goodput()`` learns: ``observed_seconds`` (now minus each name's first
 claim, summed) and ``replacements`` (summed). The sample is taken in the
-background at most every :data:`REFRESH_SECONDS`, never before serving; a failure
+background (the first within :data:`START_JITTER_SECONDS` of the start, at random),
+then at most every :data:`REFRESH_SECONDS`, never before serving; a failure
 is logged at debug level and the sample is taken again later (it only tunes a
 save interval). Its cost: one delimited LIST of ``_nodes/`` (a page per 1,000
 names) and :data:`SAMPLE` GETs per daemon and refresh.
@@ -33,6 +34,9 @@ REFRESH_SECONDS = 3600.0
 """Seconds between two samples of the fleet."""
 RETRY_SECONDS = 300.0
 """Seconds before a failed sample is taken again."""
+START_JITTER_SECONDS = 300.0
+"""The first sample waits a random time up to this: a fleet restarted at once does not
+list ``_nodes/`` all in the same second."""
 TIMEOUT_SECONDS = 60.0
 """Longest a sample may take (a store that hangs must not hold up the daemon's stop)."""
 
@@ -74,8 +78,10 @@ class NodeFleet:
         self.others = [r for r in records if r is not None]
 
     async def run(self) -> None:
-        """Sample now and then every :data:`REFRESH_SECONDS` (supervised: never raises
+        """Sample soon and then every :data:`REFRESH_SECONDS` (supervised: never raises
         for a store that fails; it retries after :data:`RETRY_SECONDS`)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self._rng.uniform(0, START_JITTER_SECONDS))
         while not self._stop.is_set():
             wait = REFRESH_SECONDS
             try:
