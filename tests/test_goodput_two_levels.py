@@ -189,8 +189,14 @@ def test_a_node_replaced_on_a_new_disk_is_counted_in_the_job_history(
     seen = again.connection.list_checkpoints(pb.ListCheckpointsRequest(job="lost")).history
     assert seen.node_replacements == 1
     assert seen.node_observed_seconds >= before.node_observed_seconds
+    assert seen.node_names == 1  # its own claim (the fleet sample comes later)
     history = again._history()
     assert history is not None and history.node_replacements == 1
+    # The client keeps the record between asks: the node names age as time passes.
+    again._history_at -= 100.0  # as if asked 100 s ago
+    later = again._history()
+    assert later is not None
+    assert later.node_observed_seconds >= history.node_observed_seconds + 100.0
     # A client of 8 ranks, 4 on this node: the job spans 2 nodes.
     wide = Client("lost", socket=d.socket, node_ranks=[0, 1, 2, 3], world_size=8)
     spread = wide._history()

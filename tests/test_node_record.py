@@ -139,15 +139,16 @@ def test_the_fleet_sample_sums_this_node_and_at_most_sixteen_others(tmp_path: Pa
             assert await claim(r, f"root-p{i}", clock, node=f"other-{i}", takeover=True).acquire()
         mine = claim(r, "root-a", clock)
         fleet = NodeFleet(r, mine, clock, random.Random(3))
-        assert fleet.totals() == (0.0, 0)  # nothing held, nothing sampled
+        assert fleet.totals() == (0.0, 0, 0)  # nothing held, nothing sampled
         clock.now += 100
         assert await mine.acquire()
-        assert fleet.totals() == (0.0, 0)  # this node's own claim, just taken
+        assert fleet.totals() == (0.0, 0, 1)  # this node's own claim, just taken
         await fleet.sample()
         assert len(fleet.others) == SAMPLE
         assert all(rec.node != "n1" for rec in fleet.others)
         clock.now += 50
-        assert fleet.totals() == (50.0 + SAMPLE * 150.0, SAMPLE)
+        # each of the SAMPLE + 1 names ages a second a second (the client carries it on)
+        assert fleet.totals() == (50.0 + SAMPLE * 150.0, SAMPLE, SAMPLE + 1)
 
     bucket(tmp_path).run(body)
 

@@ -113,9 +113,9 @@ class JobHistory:
         self,
         path: Path | None = None,
         clock: Callable[[], float] = time.time,
-        nodes: Callable[[], tuple[float, int]] = lambda: (0.0, 0),
+        nodes: Callable[[], tuple[float, int, int]] = lambda: (0.0, 0, 0),
     ) -> None:
-        """``nodes``: the node names' record, (observed seconds, replacements)."""
+        """``nodes``: the node names' record, (observed seconds, replacements, names)."""
         self._clock = clock
         self._nodes = nodes
         self._path = path
@@ -162,7 +162,7 @@ class JobHistory:
             return pb.JobHistory()
         now = self._clock()
         others = [r for j, r in self._jobs.items() if j != job]
-        node_seconds, node_replacements = self._nodes()
+        node_seconds, node_replacements, node_names = self._nodes()
         return pb.JobHistory(
             first_seen_unix=now - rec.observed(now),
             restarts=rec.restarts(),
@@ -171,6 +171,7 @@ class JobHistory:
             fleet_restarts=sum(r.restarts() for r in others),
             node_observed_seconds=node_seconds,
             node_replacements=node_replacements,
+            node_names=node_names,
         )
 
     def close(self) -> None:

@@ -234,9 +234,10 @@ class Daemon:
     def _ready(self) -> bool:
         return self.started
 
-    def _node_totals(self) -> tuple[float, int]:
-        """The node names' record for JobHistory: (observed seconds, replacements)."""
-        return self.node_fleet.totals() if self.node_fleet is not None else (0.0, 0)
+    def _node_totals(self) -> tuple[float, int, int]:
+        """The node names' record for JobHistory: (observed seconds, replacements,
+        names)."""
+        return self.node_fleet.totals() if self.node_fleet is not None else (0.0, 0, 0)
 
     def drain_lag(self) -> float:
         """Seconds the oldest step waiting for the bucket has waited since its handoff."""

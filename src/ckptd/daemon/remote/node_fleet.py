@@ -59,13 +59,13 @@ class NodeFleet:
         """The sampled claims of other node names (empty before the first sample)."""
         self._stop = asyncio.Event()
 
-    def totals(self) -> tuple[float, int]:
-        """``(observed_seconds, replacements)`` over this node's claim (while this
-        daemon holds it) and the sampled ones; ``(0.0, 0)`` with neither."""
+    def totals(self) -> tuple[float, int, int]:
+        """``(observed_seconds, replacements, names)`` over this node's claim (while
+        this daemon holds it) and the sampled ones; ``(0.0, 0, 0)`` with neither."""
         now = self.clock()
         records = [*([self.claim.mine] if self.claim.held else []), *self.others]
         observed = sum(max(now - r.since_unix, 0.0) for r in records)
-        return observed, sum(r.replacements for r in records)
+        return observed, sum(r.replacements for r in records), len(records)
 
     async def sample(self) -> None:
         """List the node names once and read up to :data:`SAMPLE` others' claims."""
