@@ -60,7 +60,8 @@ def test_a_crashed_drain_is_restarted_and_shown(make_daemon: Any, tmp_path: Path
     client = daemon.client("sup")
     client.save(1, {"x": np.arange(10)}).wait("durable", 60)
     tasks = {t.name: t for t in daemon.status().tasks}
-    assert set(tasks) == {"drain", "evictor", "adopter", "claim"}  # claim: the node name's
+    # claim: the node name's; node-fleet: the sample of the names' records
+    assert set(tasks) == {"drain", "evictor", "adopter", "claim", "node-fleet"}
     assert tasks["drain"].state == "running" and tasks["drain"].restarts == 1
     assert "No space left on device" in tasks["drain"].last_error
     assert tasks["evictor"].restarts == 0

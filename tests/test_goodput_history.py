@@ -151,3 +151,5 @@ def test_a_restarted_daemon_remembers_and_a_new_job_starts_from_the_node(daemon:
     prior = fresh._history()
     assert prior is not None and prior.restarts == 0 and prior.fleet_restarts == 2
     assert prior.fleet_observed_seconds >= seen.observed_seconds
+    # No bucket: no record of node names, so no node level (as without the record).
+    assert (prior.node_observed_seconds, prior.node_replacements) == (0.0, 0)

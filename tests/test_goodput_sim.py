@@ -13,12 +13,19 @@ from typing import Any
 import pytest
 
 from ckptd.client.goodput import Goodput
-from ckptd.client.policies import Continuous, FixedInterval
+from ckptd.client.policies import (
+    Continuous,
+    FailureHistory,
+    FixedInterval,
+    SaveContext,
+    SavePolicy,
+)
 
 from .helpers import GOODPUT_DIR, load_goodput
 
 sim = load_goodput("sim")
 sim_run = load_goodput("sim_run")
+sim_inputs = load_goodput("sim_inputs")
 
 
 def goodputs(make: Any, costs: Any, traces: Any, horizon: float) -> list[float]:
@@ -314,6 +321,41 @@ def test_the_simulated_record_gives_the_restarts_times() -> None:
     assert (seen.fleet_observed_seconds, seen.fleet_restarts) == (3600.0, 2)
 
 
+class _Watch(SavePolicy):
+    """Never saves; keeps each step's record of failures, as the policy sees it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, FailureHistory | None]] = []
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        self.seen.append((ctx.now, ctx.history()))
+        return False
+
+
+def test_a_node_loss_keeps_the_buckets_record_of_the_node_name() -> None:
+    # A node loss at 50 s (back about 300 s later): the new node's daemon starts the
+    # job's record afresh, but the bucket's record of node names (1 h and 2
+    # replacements besides this node's own time) survives it, one replacement more,
+    # its time still counted from 0.
+    watch = _Watch()
+    trace = [sim.Failure(50.0, node=True)]
+    sim.simulate(lambda: watch, exact_costs(), trace, 500.0, seed=1, node_fleet=(3600.0, 2))
+    before = [(t, h) for t, h in watch.seen if t < 50.0]
+    after = [(t, h) for t, h in watch.seen if t > 50.0]
+    assert before and after
+    for t, h in before + after:
+        assert h is not None
+        assert h.node_observed_seconds == pytest.approx(3600.0 + t)
+    assert {h.node_replacements for _, h in before if h} == {2}
+    assert {h.node_replacements for _, h in after if h} == {3}
+    t, h = after[0]
+    assert h is not None and h.observed_seconds < t - 50.0  # the job's record did not
+    # Without a bucket record (the default): no node-seconds, as before.
+    bare = _Watch()
+    sim.simulate(lambda: bare, exact_costs(), trace, 500.0, seed=1)
+    assert {h.node_observed_seconds for _, h in bare.seen if h} == {0.0}
+
+
 def test_the_validation_predicts_each_real_run_on_its_own_kill_times() -> None:
     sim_validate = load_goodput("sim_validate")
     # the schedules the real harness ran (it records how many kills each had)
@@ -405,3 +447,27 @@ def test_a_life_s_first_saves_draw_their_own_costs(tmp_path: Path) -> None:
     path.write_text(json.dumps({**top, "arms": {"ckptd": ckptd}}))
     with pytest.raises(ValueError, match="first_saves must be a list"):
         sim.Costs.load(path)
+
+
+def test_a_rate_that_changes_is_phases_of_their_own_mtbf(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A quiet day, a bad one (a failure every 10 minutes), a quiet day again.
+    phases = [(21600.0, 86400.0), (600.0, 86400.0), (21600.0, 86400.0)]
+    counts = [0, 0, 0]
+    for seed in range(20):
+        trace = sim_inputs.phased_trace(phases, seed)
+        assert trace == sorted(trace, key=lambda f: f.at) and trace[-1].at < 3 * 86400
+        for f in trace:
+            counts[int(f.at // 86400)] += 1
+    assert counts[1] / 20 == pytest.approx(144, rel=0.1)  # 86400 / 600
+    assert counts[0] / 20 < 10 and counts[2] / 20 < 10
+    assert sim_inputs.mean_mtbf(phases) == pytest.approx(3 * 86400 / (4 + 144 + 4))
+    got = sim_run.cell(
+        exact_costs(), 1800.0, 7200.0, 2, 1.0, 0.0, phases=[(3600.0, 3600.0), (300.0, 3600.0)]
+    )
+    assert got["phases"] == [(3600.0, 3600.0), (300.0, 3600.0)]
+    assert got["arms"]["goodput"]["mean"] > 0
+    with pytest.raises(SystemExit):
+        sim_run.main(["--phases", "600x24,abc"])
+    assert "MTBF-seconds x hours" in capsys.readouterr().err

@@ -5,6 +5,7 @@ daemon's drain keeps the pace the policy asks for (a real daemon and bucket)."""
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 from ckptd.client import Client
-from ckptd.client.goodput import Goodput, optimal_interval, two_level_interval
-from ckptd.client.policies import Continuous, SaveContext
+from ckptd.client.goodput import Goodput, learned_node_mtbf, optimal_interval, two_level_interval
+from ckptd.client.policies import Continuous, FailureHistory, SaveContext
 from ckptd.daemon.lifecycle.pace import UploadPace
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -44,8 +45,10 @@ class Trainer:
     """Steps of 1 s; a save blocks 1 s and is LOCAL at the next step; its upload then
     slows each of the next ``upload_steps`` steps by ``slow`` until DURABLE."""
 
-    def __init__(self, upload_steps: int, slow: float) -> None:
-        self.upload_steps, self.slow = upload_steps, slow
+    def __init__(
+        self, upload_steps: int, slow: float, history: FailureHistory | None = None
+    ) -> None:
+        self.upload_steps, self.slow, self.history = upload_steps, slow, history
         self.now, self.save_at, self.local, self.durable = 0.0, None, -1, -1
 
     def run(self, policy: Goodput, steps: int) -> None:
@@ -58,7 +61,9 @@ class Trainer:
             ) -> bool:
                 return step >= (at[0] if stage == "local" else at[1])
 
-            ctx = SaveContext(step, self.now, last_step, self.save_at, reached)
+            ctx = SaveContext(
+                step, self.now, last_step, self.save_at, reached, lambda: self.history
+            )
             dt = 1.0 + (self.slow if local <= step < durable else 0.0)
             if policy.should_save(ctx):
                 last_step, self.save_at = step, self.now
@@ -79,6 +84,45 @@ def test_the_policy_measures_the_upload_and_asks_for_a_pace() -> None:
     single = Goodput(mtbf_seconds=300.0)
     Trainer(upload_steps=4, slow=2.0).run(single, 400)
     assert single.upload_interval_seconds == 0.0 and single.upload_cost_seconds is None
+
+
+def test_the_node_mtbf_learned_from_the_bucket() -> None:
+    assert learned_node_mtbf(FailureHistory(100.0, 0)) is None  # no bucket: no node level
+    # 3 replacements in 40 node-hours: 10 h per node (the next loss counts as one).
+    seen = FailureHistory(100.0, 0, node_observed_seconds=40 * 3600.0, node_replacements=3)
+    assert learned_node_mtbf(seen) == pytest.approx(10 * 3600.0)
+    # A job on 4 nodes loses one of them 4 times as often.
+    spread = FailureHistory(
+        100.0, 0, node_observed_seconds=40 * 3600.0, node_replacements=3, job_nodes=4
+    )
+    assert learned_node_mtbf(spread) == pytest.approx(2.5 * 3600.0)
+
+
+def test_the_learned_node_mtbf_brings_two_levels_and_a_configured_one_wins() -> None:
+    # Learned: 2 nodes, 180,000 node-seconds, 2 replacements: 30,000 s for the job.
+    seen = FailureHistory(
+        1000.0, 0, node_observed_seconds=180000.0, node_replacements=2, job_nodes=2
+    )
+    learned = Goodput(mtbf_seconds=300.0)
+    Trainer(upload_steps=4, slow=2.0, history=seen).run(learned, 400)
+    told = Goodput(mtbf_seconds=300.0, node_mtbf_seconds=30000.0)
+    Trainer(upload_steps=4, slow=2.0).run(told, 400)
+    assert learned.node_mtbf_estimate_seconds == pytest.approx(30000.0)
+    assert learned.upload_cost_seconds == pytest.approx(8.0)
+    assert learned.interval_seconds == pytest.approx(told.interval_seconds)
+    assert told.upload_interval_seconds > 0
+    assert learned.upload_interval_seconds == pytest.approx(told.upload_interval_seconds)
+    # An explicit node MTBF wins over the record.
+    wins = Goodput(mtbf_seconds=300.0, node_mtbf_seconds=30000.0)
+    rare = FailureHistory(1000.0, 0, node_observed_seconds=1e9, node_replacements=0)
+    Trainer(upload_steps=4, slow=2.0, history=rare).run(wins, 400)
+    assert wins.node_mtbf_estimate_seconds == 30000.0
+    assert wins.interval_seconds == pytest.approx(told.interval_seconds)
+    # No bucket (0 node-seconds): one level, no pace, as without the record.
+    alone = Goodput(mtbf_seconds=300.0)
+    Trainer(upload_steps=4, slow=2.0, history=FailureHistory(1000.0, 0)).run(alone, 400)
+    assert alone.node_mtbf_estimate_seconds is None
+    assert alone.upload_interval_seconds == 0.0 and alone.upload_cost_seconds is None
 
 
 def test_the_pace() -> None:
@@ -122,3 +166,40 @@ def test_the_drain_keeps_the_pace_a_job_asks_for(make_daemon: Any, s3_server: An
     (fourth,) = d.events_of(pb.STEP_EVENT_DRAINING, "paced", 4)
     assert fourth.time_unix - first.time_unix >= 2.0
     client.close()
+
+
+def test_a_node_replaced_on_a_new_disk_is_counted_in_the_job_history(
+    make_daemon: Any, s3_server: Any
+) -> None:
+    """The node dies (SIGKILL, its disk wiped): the daemon started in its place on the
+    new disk, under the same node name, takes the dead one's claim and tells its
+    clients of one replacement, which the lost daemon's own record could not."""
+    d = remote_daemon(make_daemon, s3_target(s3_server, "ckptd-replaced"))
+    w = {"w": np.arange(64.0)}
+    client = Client("lost", socket=d.socket)
+    client.save(1, w).wait("durable")
+    before = client.connection.list_checkpoints(pb.ListCheckpointsRequest(job="lost")).history
+    assert before.node_replacements == 0 and before.node_observed_seconds > 0
+    client.close()
+    d.kill()
+    shutil.rmtree(d.root)  # a new disk: a new root id
+    d.start()
+    again = Client("lost", socket=d.socket)
+    assert again.restore() is not None  # from the bucket
+    seen = again.connection.list_checkpoints(pb.ListCheckpointsRequest(job="lost")).history
+    assert seen.node_replacements == 1
+    assert seen.node_observed_seconds >= before.node_observed_seconds
+    assert seen.node_names == 1  # its own claim (the fleet sample comes later)
+    history = again._history()
+    assert history is not None and history.node_replacements == 1
+    # The client keeps the record between asks: the node names age as time passes.
+    again._history_at -= 100.0  # as if asked 100 s ago
+    later = again._history()
+    assert later is not None
+    assert later.node_observed_seconds >= history.node_observed_seconds + 100.0
+    # A client of 8 ranks, 4 on this node: the job spans 2 nodes.
+    wide = Client("lost", socket=d.socket, node_ranks=[0, 1, 2, 3], world_size=8)
+    spread = wide._history()
+    assert spread is not None and spread.job_nodes == 2
+    wide.close()
+    again.close()

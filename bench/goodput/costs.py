@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "orbax":  # its directory stands in for the bucket (see the note)
                 kills["node_restart"] = kills["restart"]
             measured[name] = {**m, "costs": arm_costs(m, kills)}
+            if name == "orbax":  # one commit: durable when finalized (the same samples)
+                measured[name]["costs"]["to_durable"] = measured[name]["costs"]["to_local"]
             if name == "ckptd" and args.no_bucket:  # nothing to upload: local is all
                 measured[name]["costs"]["to_durable"] = measured[name]["costs"]["to_local"]
     finally:

@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from sim_inputs import COSTS_DEFAULT, Costs, Dist, Failure, cost_arms, failure_trace
+from sim_inputs import COSTS_DEFAULT, Costs, Dist, Failure, NodeRecord, cost_arms, failure_trace
+from sim_inputs import Record as _Record
 
 from ckptd.client.goodput import Goodput
-from ckptd.client.policies import FailureHistory, FixedInterval, SaveContext, SavePolicy
+from ckptd.client.policies import FixedInterval, SaveContext, SavePolicy
 
 _FEED = 66
 """Steps fed to ``Goodput`` after a skip: its base-step window (64) is then filled
@@ -171,24 +172,6 @@ class _View:
         return self.mine is not None and self.mine.durable_at is not None
 
 
-class _Record:
-    """The simulated daemon's record of the job (daemon/api/history.py)."""
-
-    def __init__(self, first_seen: float, fleet: tuple[float, int] = (0.0, 0)) -> None:
-        self.first_seen, self.restarts, self.now = first_seen, 0, first_seen
-        self.times: list[float] = []
-        self.fleet = fleet
-        """The node's record of its other jobs: (active seconds, restarts)."""
-
-    def restarted(self, at: float) -> None:
-        self.restarts += 1
-        self.times = [*self.times[-31:], at]
-
-    def history(self) -> FailureHistory:
-        ages = tuple(self.now - t for t in reversed(self.times))
-        return FailureHistory(self.now - self.first_seen, self.restarts, ages, *self.fleet)
-
-
 class _Steps:
     """The executed steps' undisturbed times, drawn in chunks, with their cumulative
     sums so that a run of steps is skipped in O(1) (the same draws in every arm)."""
@@ -239,7 +222,7 @@ def _quiet_steps(
         and save is not None
         and settled >= 3
         and policy.save_cost_seconds is not None
-        and policy.node_mtbf_seconds is None
+        and policy.node_mtbf_estimate_seconds is None
     ):
         return -int(min(save.started + policy.interval_seconds - now, 1e12))
     return 0
@@ -272,6 +255,7 @@ def simulate(
     serial: bool = False,
     fleet: tuple[float, int] = (0.0, 0),
     start: Dist | None = None,
+    node_fleet: tuple[float, int] | None = None,
 ) -> dict[str, float]:
     """One arm over one trace: goodput, overhead and counts. ``make_policy`` builds
     the policy of each life (a new ``Client`` per restart); ``serial``: a save
@@ -283,13 +267,17 @@ def simulate(
     step-time cost of the arm's saves at the interval it chose. ``fleet``: the
     node's record of its earlier jobs (active seconds, restarts), ``Goodput()``'s
     prior until a node loss replaces the node. ``start``: the first process's start
-    to its first step (None: at once; a real run of a minute pays for it)."""
+    to its first step (None: at once; a real run of a minute pays for it).
+    ``node_fleet``: the bucket's record of node names (node-seconds, replacements)
+    besides this node's own, which a node loss does not take (it counts one
+    replacement more); None: no such record."""
     rng = random.Random(seed * 7919 + 1)
     steps = _Steps(costs.step, seed, max(int(horizon / max(costs.step.mean, 1e-3)) + 1000, 1000))
     t, i, step, work = (start.draw(rng) if start else 0.0), 0, 0, 0.0
     saves: list[_Save] = []  # this and earlier lives', newest last, pruned
     drain = _Drain()
-    record = _Record(0.0, fleet)
+    bucket = NodeRecord(*node_fleet) if node_fleet is not None else None
+    record = _Record(0.0, fleet, bucket)
     fails = iter(failures)
     nxt = next(fails, None)
     n_saves = n_fail = skipped = 0
@@ -307,7 +295,7 @@ def simulate(
                 q = _quiet_steps(policy, step, t, mine, settled)
                 if q < 0:
                     q = steps.skippable(i, min(-q, fail_t - t, horizon - t), _FEED)
-                else:
+                elif q > 0:
                     q = min(q, steps.skippable(i, min(fail_t, horizon) - t, 1))
                 if q > 0:
                     dt = float(steps.cum[i + q] - steps.cum[i])
@@ -350,7 +338,7 @@ def simulate(
             blocking = paced.save_blocking.draw(rng)
             local = max(paced.to_local.draw(rng), blocking)
             upload = max(paced.to_durable.draw(rng) - local, 0.0)
-            if paced.to_durable == paced.to_local:  # one commit, to remote storage
+            if costs.to_durable == costs.to_local:  # the arm's one commit, to remote storage
                 upload = 0.0
             drained = policy.durable(step) if levelled else True  # type: ignore[attr-defined]
             new = _Save(step, work, t, t + local, upload, drained)
@@ -388,7 +376,9 @@ def simulate(
         lost += work - (newest.work if newest else 0.0)
         step, work = (newest.step, newest.work) if newest else (0, 0.0)
         if node:  # the new node's daemon starts the record again, with no other job's
-            record = _Record(t)
+            record = _Record(t, node=bucket)  # the bucket's record of the name survives
+            if bucket is not None:
+                bucket.replacements += 1
         if newest is not None:
             record.restarted(t)  # the new process restored the job's steps
     return {

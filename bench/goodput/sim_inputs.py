@@ -48,6 +48,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ckptd.client.policies import FailureHistory
+
 COSTS_DEFAULT = Path(__file__).with_name("costs-default.json")
 _DISTS = (
     "step",
@@ -155,7 +157,11 @@ class Costs:
             for name, spec in arms.items()
             if name != arm and isinstance(spec, dict) and spec.get("pace_of") == arm
         )
-        return replace(cls._section(path, doc, arm, arms[arm]), paces=paces)
+        own = dict(arms[arm])
+        base = arms.get(own.get("pace_of"))  # a pace loaded alone: over its arm's section
+        if isinstance(base, dict):
+            own = dict(base) | own
+        return replace(cls._section(path, doc, arm, own), paces=paces)
 
     @classmethod
     def _section(cls, path: Path, doc: dict[str, Any], arm: str, section: Any) -> Costs:
@@ -226,6 +232,25 @@ def failure_trace(
         out.append(Failure(t, rng.random() < node_fraction))
 
 
+def phased_trace(
+    phases: list[tuple[float, float]], seed: int, shape: float = 1.0, node_fraction: float = 0.0
+) -> list[Failure]:
+    """Failures whose rate changes: ``(mtbf, seconds)`` phases one after another (a
+    bad rack for a day, a quiet week), each :func:`failure_trace` of its own MTBF."""
+    out: list[Failure] = []
+    start = 0.0
+    for n, (mtbf, seconds) in enumerate(phases):
+        trace = failure_trace(mtbf, seconds, seed * 1009 + n, shape, node_fraction)
+        out += [Failure(start + f.at, f.node) for f in trace]
+        start += seconds
+    return out
+
+
+def mean_mtbf(phases: list[tuple[float, float]]) -> float:
+    """The MTBF over all the phases (their time over their expected failures)."""
+    return sum(s for _, s in phases) / sum(s / m for m, s in phases)
+
+
 def kill_times(mtbf: float, seconds: float, seed: int) -> list[float]:
     """The real harness's failure times in [0, seconds) (bench/goodput/run.py): a
     Poisson process of rate 1/mtbf, numpy's exponential draws from ``seed``."""
@@ -240,4 +265,56 @@ def kill_times(mtbf: float, seconds: float, seed: int) -> list[float]:
         times.append(t)
 
 
-__all__ = ["COSTS_DEFAULT", "Costs", "Dist", "Failure", "cost_arms", "failure_trace", "kill_times"]
+@dataclass
+class NodeRecord:
+    """The simulated bucket's record of node names (daemon/remote/node_fleet.py):
+    the other names' node-seconds and replacements; this node's own name adds its
+    time since the simulation's start. It outlives a node loss."""
+
+    seconds: float = 0.0
+    replacements: int = 0
+
+
+class Record:
+    """The simulated daemon's record of the job (daemon/api/history.py), and the
+    bucket's of the node names (None: no bucket record)."""
+
+    def __init__(
+        self, first_seen: float, fleet: tuple[float, int] = (0.0, 0), node: NodeRecord | None = None
+    ) -> None:
+        self.first_seen, self.restarts, self.now = first_seen, 0, first_seen
+        self.times: list[float] = []
+        self.fleet = fleet
+        """The node's record of its other jobs: (active seconds, restarts)."""
+        self.node = node
+
+    def restarted(self, at: float) -> None:
+        self.restarts += 1
+        self.times = [*self.times[-31:], at]
+
+    def history(self) -> FailureHistory:
+        ages = tuple(self.now - t for t in reversed(self.times))
+        node = self.node
+        return FailureHistory(
+            self.now - self.first_seen,
+            self.restarts,
+            ages,
+            *self.fleet,
+            node.seconds + self.now if node is not None else 0.0,
+            node.replacements if node is not None else 0,
+        )
+
+
+__all__ = [
+    "COSTS_DEFAULT",
+    "Costs",
+    "Dist",
+    "Failure",
+    "NodeRecord",
+    "Record",
+    "cost_arms",
+    "failure_trace",
+    "kill_times",
+    "mean_mtbf",
+    "phased_trace",
+]

@@ -48,6 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sim import COSTS_DEFAULT, Costs, Failure, FlashCheckpoint, cost_arms, failure_trace, simulate
+from sim_inputs import mean_mtbf, phased_trace
+from sim_table import floats as _floats
+from sim_table import phases as _phases
+from sim_table import table
 
 from ckptd.client.goodput import Goodput
 from ckptd.client.policies import Continuous, FixedInterval, SavePolicy
@@ -68,6 +72,8 @@ COSTS_OF = {"orbax-continuous": "orbax", "orbax-yd": "orbax", "dcp-yd": "dcp", "
 _SERIAL = frozenset({"orbax-continuous", "orbax-yd", "dcp-yd"})
 """Arms whose ``save()`` waits for the previous save to commit."""
 _PHI = (math.sqrt(5) - 1) / 2
+NAMES_SAMPLED = 16
+"""Other node names whose claims the daemon samples (daemon/remote/node_fleet.py)."""
 
 
 def young_daly_steps(costs: Costs, mtbf: float) -> int:
@@ -111,8 +117,10 @@ class Arm:
 
 
 def _one(job: tuple[Callable[[], SavePolicy], Costs, list[Failure], float, int, bool, Any]) -> Any:
-    make, costs, failures, horizon, seed, serial, fleet = job
-    run = simulate(make, costs, failures, horizon, seed, serial=serial, fleet=fleet)
+    make, costs, failures, horizon, seed, serial, fleet, nodes = job
+    run = simulate(
+        make, costs, failures, horizon, seed, serial=serial, fleet=fleet, node_fleet=nodes
+    )
     return {"goodput": run["goodput"], "overhead": run["overhead"]}
 
 
@@ -127,10 +135,13 @@ def run_arm(
     horizon: float,
     serial: bool = False,
 ) -> list[dict[str, float]]:
-    """Goodput and overhead of one arm on each ``(seed, failures[, fleet])`` trace."""
+    """Goodput and overhead of one arm on each ``(seed, failures[, fleet[, node
+    names' record]])`` trace."""
     jobs = [
-        (make, costs, t[1], horizon, t[0], serial, t[2] if len(t) > 2 else (0.0, 0)) for t in traces
-    ]
+        (make, costs, t[1], horizon, t[0], serial, t[2] if len(t) > 2 else (0.0, 0),
+         t[3] if len(t) > 3 else None)
+        for t in traces
+    ]  # fmt: skip
     if _POOL:
         return list(_POOL[0].map(_one, jobs))
     return [_one(job) for job in jobs]
@@ -215,25 +226,41 @@ def cell(
     shape: float,
     node_fraction: float,
     fleet_days: float = 0.0,
+    phases: list[tuple[float, float]] | None = None,
+    only: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """Every arm (those ``costs`` has a section for) on ``n`` traces of one cell.
     ``fleet_days``: the node's record of earlier jobs, that many days of active time
     with the restarts a trace of the same MTBF and shape has in them (``Goodput()``'s
-    prior; 0: a node with no record)."""
+    prior; 0: a node with no record); with node losses, the bucket's record of 17
+    node names claimed that long, their replacements at the cell's node-loss rate
+    (the learned node MTBF's). ``phases``: ``(mtbf, seconds)`` one after another
+    instead (a rate that changes; ``mtbf`` their mean, ``horizon`` their sum).
+    ``only``: the arms to run (``goodput`` and the oracle always run; None: all)."""
     if isinstance(costs, Costs):
         costs = {"ckptd": costs}
     ck = costs["ckptd"]
     earlier = fleet_days * 86400
+
+    def names(seed: int) -> tuple[float, int] | None:
+        # the bucket's record of node names: this node's and 16 others', each claimed
+        # for as long as the node's record of earlier jobs, replaced at the cell's rate
+        if not earlier or not node_fraction:
+            return None
+        seconds = (1 + NAMES_SAMPLED) * earlier
+        return (seconds, len(failure_trace(mtbf / node_fraction, seconds, seed + 2_000_003)))
+
+    def trace(seed: int) -> list[Failure]:
+        if phases:
+            return phased_trace(phases, seed, shape, node_fraction)
+        return failure_trace(mtbf, horizon, seed, shape, node_fraction)
 
     def fleet(seed: int) -> tuple[float, int]:
         if not earlier:
             return (0.0, 0)
         return (earlier, len(failure_trace(mtbf, earlier, seed + 1_000_003, shape, 0.0)))
 
-    traces = [
-        (seed, failure_trace(mtbf, horizon, seed, shape, node_fraction), fleet(seed))
-        for seed in range(n)
-    ]
+    traces = [(seed, trace(seed), fleet(seed), names(seed)) for seed in range(n)]
     k_yd = young_daly_steps(ck, mtbf)
     arms = [
         Arm("goodput"),
@@ -242,6 +269,7 @@ def cell(
         Arm("young-daly", steps=k_yd),
         *peer_arms(costs, mtbf, horizon, node_fraction),
     ]
+    arms = [a for a in arms if only is None or a.name in only or a.name == "goodput"]
     # an arm measured on its own (e.g. Orbax at the continuous policy's pace, where
     # its save blocks less) has a section of its name; else its framework's
     section = {a.name: a.name if a.name in costs else a.costs for a in arms}
@@ -274,50 +302,13 @@ def cell(
         "fleet_days": fleet_days,
         "weibull_shape": shape,
         "node_fraction": node_fraction,
+        "phases": phases,
         "young_daly_steps": k_yd,
         "oracle_steps": k_or,
         "oracle_tried": tried,
         "failures_mean": statistics.fmean(len(t[1]) for t in traces),
         "arms": out,
     }
-
-
-def table(cells: list[dict[str, Any]]) -> str:
-    """The cells as a markdown table, a row per arm: goodput (mean ± 95% CI), paired
-    difference to the oracle, step-time overhead, and the interval where fixed."""
-    rows = [
-        "| MTBF s | mix | failures | arm | goodput | arm - oracle | overhead | interval |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cells:
-        mix = f"w{c.get('weibull_shape', 1.0):g} n{c.get('node_fraction', 0.0):g}"
-        for name, a in c["arms"].items():
-            d, o = a["minus_oracle"], a.get("overhead")
-            k = f"{a['steps']} steps" if a.get("steps") else ""
-            if a.get("durable_steps"):
-                k = f"{a.get('memory_steps') or 1} / {a['durable_steps']} steps"
-            over = f"{100 * o['mean']:.2f}%" if o else ""
-            rows.append(
-                f"| {c['mtbf_seconds']:g} | {mix} | {c['failures_mean']:.1f} | {name} "
-                f"| {a['mean']:.4f} ± {a['ci95']:.4f} | {d['mean']:+.4f} ± {d['ci95']:.4f} "
-                f"| {over} | {k} |"
-            )
-    rows += ["", "| MTBF s | mix | goodput - peer, paired (mean ± 95% CI) |", "|---|---|---|"]
-    for c in cells:
-        mix = f"w{c.get('weibull_shape', 1.0):g} n{c.get('node_fraction', 0.0):g}"
-        diffs = c["arms"]["goodput"].get("minus_peers", {})
-        text = ", ".join(f"{p} {d['mean']:+.4f} ± {d['ci95']:.4f}" for p, d in diffs.items())
-        rows.append(f"| {c['mtbf_seconds']:g} | {mix} | {text} |")
-    return "\n".join(rows)
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give numbers separated by commas, e.g. 600,3600"
-        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,7 +332,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the node's record of earlier jobs, in days at the same MTBF (Goodput()'s "
         "prior; 0: a node with no record)",
     )
+    ap.add_argument(
+        "--phases",
+        type=_phases,
+        default=None,
+        help="a rate that changes, instead of --mtbf and --horizon-hours: MTBF seconds x "
+        "hours, one phase after another, e.g. 21600x24,600x24,21600x24",
+    )
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=None,
+                    help="arms to run (default: all; goodput and the oracle always)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.phases:
+        args.mtbf = [mean_mtbf(args.phases)]
+        args.horizon_hours = sum(s for _, s in args.phases) / 3600
     if args.quick:
         args.traces, args.horizon_hours = min(args.traces, 10), min(args.horizon_hours, 24.0)
     if any(not 0 <= f <= 1 for f in args.node_fraction) or min(args.weibull_shape) <= 0:
@@ -358,7 +361,19 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(args.jobs) as pool:
         _POOL.append(pool)
         for shape, nodes, m in itertools.product(args.weibull_shape, args.node_fraction, args.mtbf):
-            cells.append(cell(costs, m, horizon, args.traces, shape, nodes, args.fleet_days))
+            cells.append(
+                cell(
+                    costs,
+                    m,
+                    horizon,
+                    args.traces,
+                    shape,
+                    nodes,
+                    args.fleet_days,
+                    args.phases,
+                    frozenset(args.arms) if args.arms else None,
+                )
+            )
             t = time.monotonic() - started
             print(
                 f"MTBF {m:g} s (shape {shape:g}, nodes {nodes:g}) done at {t:.0f} s",
@@ -376,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "weibull_shape": args.weibull_shape,
             "node_fraction": args.node_fraction,
             "fleet_days": args.fleet_days,
+            "phases": args.phases,
             "costs_file": str(args.costs),
             "costs_arms": sorted(costs),
             "seconds": time.monotonic() - started,

@@ -24,6 +24,10 @@ from .saver import Saver, check_metrics
 
 log = logging.getLogger("ckptd.client")
 
+HISTORY_REFRESH_SECONDS = 600.0
+"""Seconds between two asks for the daemon's record of the job (``Goodput()``'s
+failure rates): the bucket's sample of node names is refreshed hourly."""
+
 
 class Client:
     """Talks to the node's ckptd daemon over its unix socket.
@@ -72,6 +76,7 @@ class Client:
         self.last_refusal = ""
         """Why the last :meth:`should_save` said False although the policy said True."""
         self._job_history: pb.JobHistory | None = None
+        self._history_at = 0.0
         self._unreachable = False
         self._handoff = Handoff(self.connection, job, reconnect_timeout, connect_timeout)
         ranks = list(node_ranks) if node_ranks is not None else [rank]
@@ -171,23 +176,33 @@ class Client:
 
     # -- save decisions ---------------------------------------------------------
     def _history(self) -> FailureHistory | None:
-        """The daemon's record of this job's restarts, asked for once it has one (the
-        restarts do not change while this process lives); None while it has none."""
-        if self._job_history is None:
+        """The daemon's record of this job's restarts, asked for once it has one and
+        again every :data:`HISTORY_REFRESH_SECONDS` (the job's restarts do not change
+        while this process lives; the bucket's sample of node names does); None
+        while it has none. Between two asks the record's times are carried forward."""
+        now = time.time()
+        if self._job_history is None or now - self._history_at >= HISTORY_REFRESH_SECONDS:
             try:
                 resp = self.connection.list_checkpoints(pb.ListCheckpointsRequest(job=self.job))
             except CkptdUnavailable:
-                return None
-            if not resp.history.first_seen_unix:
+                resp = None
+            if resp is not None and resp.history.first_seen_unix:
+                self._job_history, self._history_at = resp.history, now
+            elif self._job_history is None:
                 return None  # not seen yet (no save), or a daemon without the record
-            self._job_history = resp.history
-        seen, now = self._job_history, time.time()
+        seen = self._job_history
         return FailureHistory(
             max(now - seen.first_seen_unix, 0.0),
             seen.restarts,
             tuple(max(now - t, 0.0) for t in reversed(seen.restart_unix)),
             seen.fleet_observed_seconds,
             seen.fleet_restarts,
+            # each node name summed ages a second a second
+            seen.node_observed_seconds + seen.node_names * max(now - self._history_at, 0.0),
+            seen.node_replacements,
+            # Ranks not told apart by node (node_ranks unset) count as a node each:
+            # more nodes, more frequent node losses, which errs towards saving often.
+            max(-(-self.world_size // max(len(self.node_ranks), 1)), 1),
         )
 
     def should_save(self, step: int) -> bool:

@@ -76,8 +76,17 @@ week: 2% likely) gives ``M = age of the newest / 2``.
 
 ``node_mtbf_seconds`` counts the failures that also lose the node's disk
 (restored from the bucket; set it with ``stage="durable"`` so each save is
-measured until it is in the bucket). It is configured only: a lost node's
-daemon loses its record with it. ``mtbf_seconds=math.inf`` counts node losses
+measured until it is in the bucket). Left at None it is learned
+(:func:`learned_node_mtbf`) from the bucket's record of node names, which
+outlives a lost node as the daemon's record does not: each name's claim keeps
+how long it has been claimed and how often a new disk replaced its node
+(daemon/remote/claim.py), and the daemon sums this node's and a sample of the
+fleet's (daemon/remote/node_fleet.py): ``r`` replacements in ``S`` node-seconds
+give a node MTBF of ``S / (r + 1)`` per node (the unseen next loss weighing as one
+interval, as above: it errs towards saving often), divided by the ``N`` nodes the
+job spans (``Client``'s ``world_size`` over its ``node_ranks``). With no bucket
+(``S`` 0) there is no node level. A node MTBF, configured or learned, brings the
+two levels with ``stage="local"``. ``mtbf_seconds=math.inf`` counts node losses
 only.
 
 Until one save has been measured the policy saves as soon as the previous save
@@ -92,11 +101,10 @@ per step (as the README's loops do); a loop that wants every possible save
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 
 from .policies import FailureHistory, SaveContext, SavePolicy
+from .window import Window
 
 _BASE_WINDOW = 64
 _COST_WINDOW = 8
@@ -124,6 +132,16 @@ def learned_mtbf(seen: FailureHistory, prior_mtbf: float | None = None) -> float
     if ages and ages[0] > _QUIETER * mtbf:
         return ages[0] / 2
     return max(mtbf, 1e-3)
+
+
+def learned_node_mtbf(seen: FailureHistory) -> float | None:
+    """The job's node MTBF learned from the bucket's record of node names (see the
+    module): ``S / (r + 1)`` per node over the ``job_nodes`` the job spans; None
+    with no record (no bucket)."""
+    if seen.node_observed_seconds <= 0:
+        return None
+    per_node = seen.node_observed_seconds / (seen.node_replacements + 1)
+    return max(per_node / max(seen.job_nodes, 1), 1e-3)
 
 
 def optimal_interval(
@@ -192,7 +210,8 @@ class Goodput(SavePolicy):
 
     ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide;
     None: learned from the daemon's record of this job's restarts; inf: not counted).
-    ``node_mtbf_seconds``: those that lose the node too (None: not counted).
+    ``node_mtbf_seconds``: those that lose the node too (None: learned from the
+    bucket's record of replaced nodes; not counted without a bucket).
     ``prior_mtbf_seconds``: the MTBF a job starts from while it has seen little
     (None: the node's record of other jobs); ignored with ``mtbf_seconds``.
     ``min_interval_seconds`` / ``max_interval_seconds`` clamp ``tau*``.
@@ -212,22 +231,23 @@ class Goodput(SavePolicy):
     interval_seconds: float = field(default=0.0, init=False)
     mtbf_estimate_seconds: float | None = field(default=None, init=False)
     """The trainer MTBF in force: ``mtbf_seconds``, or the learned estimate."""
+    node_mtbf_estimate_seconds: float | None = field(default=None, init=False)
+    """The job's node MTBF in force: ``node_mtbf_seconds``, or the learned estimate
+    (None: node losses not counted)."""
     _prev_now: float | None = field(default=None, init=False, repr=False)
     _first_now: float | None = field(default=None, init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)
-    _quiet: deque[float] = field(default_factory=lambda: deque(maxlen=_BASE_WINDOW), init=False)
+    _quiet: Window = field(default_factory=lambda: Window(_BASE_WINDOW, 0.25), init=False)
     _quiet_run: int = field(default=0, init=False, repr=False)
     """Quiet steps timed since the last save reached its stage."""
-    _costs: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
-    _to_local: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
-    _to_durable: deque[float] = field(
-        default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False
-    )
+    _costs: Window = field(default_factory=lambda: Window(_COST_WINDOW), init=False)
+    _to_local: Window = field(default_factory=lambda: Window(_COST_WINDOW), init=False)
+    _to_durable: Window = field(default_factory=lambda: Window(_COST_WINDOW), init=False)
     _seen_save_at: float | None = field(default=None, init=False, repr=False)
     _extra: float | None = field(default=None, init=False, repr=False)
     """Extra seconds the open save has cost so far (None: no save being measured)."""
     _durable_open: bool = field(default=False, init=False, repr=False)
-    _uploads: deque[float] = field(default_factory=lambda: deque(maxlen=_COST_WINDOW), init=False)
+    _uploads: Window = field(default_factory=lambda: Window(_COST_WINDOW), init=False)
     _upload_extra: float | None = field(default=None, init=False, repr=False)
     """Extra seconds the open save's upload has cost so far (two levels only)."""
     upload_interval_seconds: float = field(default=0.0, init=False)
@@ -255,20 +275,18 @@ class Goodput(SavePolicy):
     @property
     def base_step_seconds(self) -> float | None:
         """Lower-quartile step time with no save in flight (None before any)."""
-        if not self._quiet:
-            return None
-        return sorted(self._quiet)[(len(self._quiet) - 1) // 4]
+        return self._quiet.stat()
 
     @property
     def save_cost_seconds(self) -> float | None:
         """Median effective cost of the recent saves (None before one is measured)."""
-        return statistics.median(self._costs) if self._costs else None
+        return self._costs.stat()
 
     @property
     def upload_cost_seconds(self) -> float | None:
         """Median extra step time of the recent uploads, from LOCAL to DURABLE (two
         levels only; None before one is measured)."""
-        return statistics.median(self._uploads) if self._uploads else None
+        return self._uploads.stat()
 
     def _observe(self, ctx: SaveContext) -> None:
         """Account the step that just ended (from the previous call to this one)."""
@@ -284,7 +302,7 @@ class Goodput(SavePolicy):
                 self._costs.append(self._extra)  # superseded before it was in
             self._seen_save_at = ctx.last_save_at
             self._extra = 0.0
-            self._durable_open = self.node_mtbf_seconds is not None
+            self._durable_open = self.node_mtbf_estimate_seconds is not None
         base = self.base_step_seconds
         if dt is None:
             return
@@ -309,24 +327,32 @@ class Goodput(SavePolicy):
                     self._uploads.append(self._upload_extra)
             self._durable_open, self._upload_extra = False, None
 
-    def _mtbf(self, ctx: SaveContext) -> float:
-        """The trainer MTBF: configured, or learned (:func:`learned_mtbf`)."""
+    def _mtbf(self, ctx: SaveContext, seen: FailureHistory | None) -> float:
+        """The trainer MTBF: configured, or learned (:func:`learned_mtbf`) from ``seen``
+        (the daemon's record)."""
         if self.mtbf_seconds is not None:
             return self.mtbf_seconds
-        seen = ctx.history()
         if seen is None:  # a daemon without the record: this process's own life
             first = ctx.now if self._first_now is None else self._first_now
             seen = FailureHistory(ctx.now - first, 0)
         return learned_mtbf(seen, self.prior_mtbf_seconds)
 
+    def _node_mtbf(self, seen: FailureHistory | None) -> float | None:
+        """The job's node MTBF: configured, or learned (:func:`learned_node_mtbf`)."""
+        if self.node_mtbf_seconds is not None:
+            return self.node_mtbf_seconds
+        return learned_node_mtbf(seen) if seen is not None else None
+
     def _interval(self, ctx: SaveContext) -> float:
         cost = self.save_cost_seconds
         if cost is None:
             return self.min_interval_seconds
-        self.mtbf_estimate_seconds = self._mtbf(ctx)
-        to_local = statistics.median(self._to_local) if self._to_local else 0.0
-        to_durable = statistics.median(self._to_durable) if self._to_durable else 0.0
-        node_mtbf = self.node_mtbf_seconds
+        learned = self.mtbf_seconds is None or self.node_mtbf_seconds is None
+        seen = ctx.history() if learned else None  # asked once a step
+        self.mtbf_estimate_seconds = self._mtbf(ctx, seen)
+        node_mtbf = self.node_mtbf_estimate_seconds = self._node_mtbf(seen)
+        to_local = self._to_local.stat() or 0.0
+        to_durable = self._to_durable.stat() or 0.0
         if node_mtbf is not None and self.stage == "local":  # two levels (see the module)
             upload_cost = self.upload_cost_seconds or 0.0
             tau, k = two_level_interval(
@@ -335,7 +361,7 @@ class Goodput(SavePolicy):
             self.upload_interval_seconds = k * tau if k > 1 else 0.0
         else:
             tau = optimal_interval(
-                cost, self.mtbf_estimate_seconds, to_local, self.node_mtbf_seconds, to_durable
+                cost, self.mtbf_estimate_seconds, to_local, node_mtbf, to_durable
             )
         tau = max(tau, self.min_interval_seconds)
         if self.max_interval_seconds is not None:
@@ -359,6 +385,7 @@ __all__ = [
     "Goodput",
     "expected_goodput",
     "learned_mtbf",
+    "learned_node_mtbf",
     "optimal_interval",
     "two_level_interval",
 ]

@@ -36,6 +36,14 @@ class FailureHistory:
     """Every other job's active time on this node, summed (the prior's record)."""
     fleet_restarts: int = 0
     """Their restarts, summed."""
+    node_observed_seconds: float = 0.0
+    """The node names' record in the bucket (this node's and a sample of others'):
+    seconds since each was first claimed, summed (0: no bucket)."""
+    node_replacements: int = 0
+    """How often those names' nodes were lost and replaced by a new disk, summed."""
+    job_nodes: int = 1
+    """Nodes the job spans (the client's ranks over the ranks on this node): a job
+    loses one of its nodes that many times as often."""
 
 
 def _no_history() -> FailureHistory | None:

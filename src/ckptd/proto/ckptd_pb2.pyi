@@ -309,18 +309,24 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., history: _Optional[_Union[JobHistory, _Mapping]] = ...) -> None: ...
 
 class JobHistory(_message.Message):
-    __slots__ = ("first_seen_unix", "restarts", "restart_unix", "fleet_observed_seconds", "fleet_restarts")
+    __slots__ = ("first_seen_unix", "restarts", "restart_unix", "fleet_observed_seconds", "fleet_restarts", "node_observed_seconds", "node_replacements", "node_names")
     FIRST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     RESTART_UNIX_FIELD_NUMBER: _ClassVar[int]
     FLEET_OBSERVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FLEET_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_OBSERVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_REPLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAMES_FIELD_NUMBER: _ClassVar[int]
     first_seen_unix: float
     restarts: int
     restart_unix: _containers.RepeatedScalarFieldContainer[float]
     fleet_observed_seconds: float
     fleet_restarts: int
-    def __init__(self, first_seen_unix: _Optional[float] = ..., restarts: _Optional[int] = ..., restart_unix: _Optional[_Iterable[float]] = ..., fleet_observed_seconds: _Optional[float] = ..., fleet_restarts: _Optional[int] = ...) -> None: ...
+    node_observed_seconds: float
+    node_replacements: int
+    node_names: int
+    def __init__(self, first_seen_unix: _Optional[float] = ..., restarts: _Optional[int] = ..., restart_unix: _Optional[_Iterable[float]] = ..., fleet_observed_seconds: _Optional[float] = ..., fleet_restarts: _Optional[int] = ..., node_observed_seconds: _Optional[float] = ..., node_replacements: _Optional[int] = ..., node_names: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("job", "step", "rank", "shared_memory", "healthy", "copy_on_write")

@@ -22,6 +22,11 @@ is set aside (named in the log) and the record starts again: it only tunes an
 interval. Bounded: the :data:`MAX_JOBS` most recently used jobs, one process
 identity per rank.
 
+Each message also carries the node names' record from the bucket (``nodes``:
+remote/node_fleet.py), which outlives a lost node as this file does not: the
+time the sampled node names have been claimed and how often a new disk replaced
+one, Goodput()'s node-loss rate. A daemon without a bucket sends 0 and 0.
+
 Owned by the servicer's event loop (the only writer).
 """
 
@@ -104,8 +109,15 @@ class JobHistory:
     """Per job: active time observed and the trainer's restarts; kept in ``path``
     (None: in memory only)."""
 
-    def __init__(self, path: Path | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        path: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        nodes: Callable[[], tuple[float, int, int]] = lambda: (0.0, 0, 0),
+    ) -> None:
+        """``nodes``: the node names' record, (observed seconds, replacements, names)."""
         self._clock = clock
+        self._nodes = nodes
         self._path = path
         self._jobs: dict[str, _Job] = self._load() if path is not None else {}
         self._dirty = False
@@ -150,12 +162,16 @@ class JobHistory:
             return pb.JobHistory()
         now = self._clock()
         others = [r for j, r in self._jobs.items() if j != job]
+        node_seconds, node_replacements, node_names = self._nodes()
         return pb.JobHistory(
             first_seen_unix=now - rec.observed(now),
             restarts=rec.restarts(),
             restart_unix=rec.restart_times,
             fleet_observed_seconds=sum(r.observed(now) for r in others),
             fleet_restarts=sum(r.restarts() for r in others),
+            node_observed_seconds=node_seconds,
+            node_replacements=node_replacements,
+            node_names=node_names,
         )
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
 from ..remote.claim import NodeClaim, root_id
 from ..remote.index import NodeIndex
+from ..remote.node_fleet import NodeFleet
 from ..remote.source import BucketSource
 from ..restore.chooser import Chooser
 from ..restore.local_source import LocalSource
@@ -97,7 +98,7 @@ class Daemon:
             self.supervisor.spawn,
         )
         self.journal = Journal(local.root)
-        self.history = JobHistory(local.root / HISTORY_FILE)
+        self.history = JobHistory(local.root / HISTORY_FILE, nodes=self._node_totals)
         self.saver = Saver(
             self.catalog,
             self.staging,
@@ -138,6 +139,8 @@ class Daemon:
             if self.remote is not None
             else None
         )
+        # The node names' claims, sampled: the node-loss rate Goodput() learns (JobHistory).
+        self.node_fleet = NodeFleet(claim.remote, claim) if claim is not None else None
         self.evictor = Evictor(
             self.catalog,
             self.retention,
@@ -231,6 +234,11 @@ class Daemon:
     def _ready(self) -> bool:
         return self.started
 
+    def _node_totals(self) -> tuple[float, int, int]:
+        """The node names' record for JobHistory: (observed seconds, replacements,
+        names)."""
+        return self.node_fleet.totals() if self.node_fleet is not None else (0.0, 0, 0)
+
     def drain_lag(self) -> float:
         """Seconds the oldest step waiting for the bucket has waited since its handoff."""
         if self.drain is None:
@@ -272,6 +280,8 @@ class Daemon:
         if self.claim is not None:  # before the drain; its loop renews it (or tries again)
             await self.claim.try_acquire(30)
             self.supervisor.service("claim", self.claim.run)
+        if self.node_fleet is not None:  # in the background: it only tunes an interval
+            self.supervisor.service("node-fleet", self.node_fleet.run)
         if self.drain is not None:
             # With a jitter the node's index is read in the background (the drain's
             # first act): local restores need nothing from the bucket, so a restarting
@@ -318,6 +328,8 @@ class Daemon:
             self.peer.halt()
         if self.claim is not None:
             self.claim.stop()
+        if self.node_fleet is not None:
+            self.node_fleet.stop()
         await self.supervisor.stop_services()
         if self.peer is not None:
             await self.peer.stop()

@@ -22,6 +22,15 @@ A daemon takes the claim when it is absent, or held by:
   agree within that margin), or
 - anyone, once, when the operator says so (``node_claim_takeover``).
 
+The claim also keeps the node name's record, which outlives the node's disk (the
+daemon's own job record dies with it): when the name was first claimed
+(``since_unix``) and how often a new root took it over from a holder that had not
+released it (``replacements``: the node was lost and replaced, with a fresh disk;
+the newest :data:`REPLACED_KEPT` times in ``replaced_unix``). A restart on the same
+root and a clean release then a new root (a planned move) are not counted. Each
+write carries the record forward, so it costs no request of its own; node_fleet.py
+samples it to learn the node-loss rate that ``Goodput()`` saves for.
+
 Every takeover is a conditional write on the version it read, so of two daemons
 racing for a stale claim only one wins. One that does not hold the claim keeps
 saving to its local disk but uploads and deletes nothing in the bucket; its
@@ -41,7 +50,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ckptd.core.redact import redact
@@ -55,6 +64,8 @@ log = logging.getLogger("ckptd.claim")
 CLAIM_DIR = "_nodes"
 RETRY_SECONDS = 30.0
 """Longest wait between two attempts to take a claim this daemon does not hold."""
+REPLACED_KEPT = 32
+"""Replacement times a claim keeps (the newest)."""
 ROOT_ID_FILE = ".node-claim-id"
 """The root's id, kept in the root: a restart of the same daemon retakes its claim."""
 
@@ -85,6 +96,12 @@ class ClaimRecord:
     pid_started: int = -1
     """The holder process's start time (clock ticks after boot): with the pid, a name
     no later process has."""
+    since_unix: float = 0.0
+    """When the node name was first claimed (a record without it: its start time)."""
+    replacements: int = 0
+    """Takeovers by a new root of a claim its holder had not released: node losses."""
+    replaced_unix: list[float] = field(default_factory=list)
+    """When the newest :data:`REPLACED_KEPT` replacements happened, oldest first."""
 
     def to_bytes(self) -> bytes:
         """The record as stored."""
@@ -95,9 +112,25 @@ class ClaimRecord:
         """A stored record, or None if it is not one (then it counts as stale)."""
         try:
             raw = json.loads(data)
-            return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+            rec = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+            # Written before the record had a history: it starts at the holder's start.
+            rec.since_unix = float(rec.since_unix) or float(rec.started_unix)
+            rec.replacements = int(rec.replacements)
+            rec.replaced_unix = [float(t) for t in rec.replaced_unix][-REPLACED_KEPT:]
+            return rec
         except (ValueError, TypeError, KeyError):
             return None
+
+    def carry(self, prev: ClaimRecord | None, replaced: bool, now: float) -> None:
+        """Take the node name's record over from ``prev`` (None: the name starts
+        afresh, at ``now``), one replacement more if ``replaced``."""
+        if prev is None:
+            self.since_unix, self.replacements, self.replaced_unix = now, 0, []
+            return
+        self.since_unix = prev.since_unix
+        self.replacements = prev.replacements + replaced
+        times = [*prev.replaced_unix, now] if replaced else prev.replaced_unix
+        self.replaced_unix = times[-REPLACED_KEPT:]
 
     def describe(self) -> str:
         """Who holds the claim, for messages."""
@@ -159,6 +192,7 @@ class NodeClaim:
             now,
             now,
             heartbeat_seconds,
+            since_unix=now,
             boot_id=_boot_id(),
             pid_ns=_pid_ns(),
             pid_started=process_start(os.getpid()) or -1,
@@ -204,6 +238,7 @@ class NodeClaim:
                 return True
         current = await self.remote.read_versioned(self.key)
         if current is None:
+            self.mine.carry(None, False, self.clock())
             new = await self.remote.write_if(self.key, self.mine.to_bytes(), None)
             return self._won(new, "took the free")
         data, version = current
@@ -215,6 +250,9 @@ class NodeClaim:
         if not why:
             assert rec is not None  # an unreadable record is always taken
             return self._refused(rec)
+        # A new root taking a claim its holder did not give up: that node was lost.
+        replaced = rec is not None and why not in ("same root's", "released")
+        self.mine.carry(rec, replaced, self.clock())
         new = await self.remote.write_if(self.key, self.mine.to_bytes(), version)
         if new is not None:
             self._takeover = False
