@@ -354,6 +354,8 @@ class Daemon:
             staging_budget_bytes=staging.budget_bytes,
             staging_allocated_bytes=staging.allocated_bytes,
             staging_in_use_bytes=staging.in_use_bytes,
+            staging_segments_created=staging.segments_created,
+            staging_spares_made=staging.spares.made,
             leases_held=staging.leases_held,
             saves_in_flight=self.catalog.count(pb.SAVE_STATE_STAGING),
             local_free_bytes=space.free,
