@@ -140,7 +140,7 @@ def test_saves_racing_a_spare_are_granted_and_the_budget_holds(
         assert n.staging.allocated_bytes == 12 * MiB
         faults.release(paused_spare, FAILPOINT)
         await n.staging.spares.settle()
-        # Made too late: the saves hold its room, so it is removed, not pooled.
+        # Made too late: the saves made their own, so it is removed, not pooled.
         assert n.staging.spares.made == 0
         assert n.staging.allocated_bytes == 12 * MiB
         for lease in (first, second):
@@ -150,9 +150,7 @@ def test_saves_racing_a_spare_are_granted_and_the_budget_holds(
     run(body)
 
 
-def test_a_spare_made_while_the_pool_closes_is_removed(
-    tmp_path: Path, paused_spare: Path
-) -> None:
+def test_a_spare_made_while_the_pool_closes_is_removed(tmp_path: Path, paused_spare: Path) -> None:
     async def body() -> None:
         n = Node(tmp_path, budget=16 * MiB)
         await n.save("a", 1, 1)

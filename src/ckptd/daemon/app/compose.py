@@ -352,7 +352,7 @@ class Daemon:
             drain_error=redact(self.drain.last_error) if self.drain else "",
             uptime_seconds=time.time() - self.started_at,
             staging_budget_bytes=staging.budget_bytes,
-            staging_allocated_bytes=staging.allocated_bytes,
+            staging_allocated_bytes=staging.allocated_bytes + staging.spares.making_bytes,
             staging_in_use_bytes=staging.in_use_bytes,
             staging_segments_created=staging.segments_created,
             staging_spares_made=staging.spares.made,

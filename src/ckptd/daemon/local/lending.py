@@ -144,7 +144,6 @@ class Lending(SegmentPool):
             self._left_service(lease.segment)
             return
         self._destroy(lease.segment)
-        self._left_service(lease.segment)
         self._wake()  # the budget it held is free for saves waiting for memory
 
     def grant_kept(self, job: str, seg: Segment) -> Lease:

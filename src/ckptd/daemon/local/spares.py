@@ -1,9 +1,9 @@
 """Spare segments: a free segment made ready in the background when one leaves the
 staging pool's service, so the next save reuses memory already faulted in.
 
-A segment leaves the pool's service when a restore lends it to a trainer (mapped
-copy-on-write from the memory tier, or a restore lease the client keeps:
-lending.py), and while the memory tier keeps it (memory.py). A trainer restarted
+A segment leaves the pool's service while the memory tier keeps it (memory.py), and
+for good once a trainer restored from it maps it copy-on-write (lending.py). A
+trainer restarted
 from the memory tier owns the segment it restored from; its first save takes the
 pool's last free segment of that size, the tier keeps that one, and the second save
 would otherwise create a segment in its own blocking time. Fresh memory is the
@@ -20,8 +20,9 @@ Rules:
   save of that size besides every lease and kept segment: a save that comes while
   the spare is made still fits.
 - **Never in a save's way.** A spare being made is not counted in the budget a save
-  sees; if saves took the room meanwhile (or a free segment of that size came back),
-  the finished spare is removed instead of joining the pool.
+  sees (the status's allocated bytes do count it: it is memory held); if a save
+  made its own segment meanwhile, took the room, or a free segment of that size
+  came back, the finished spare is removed instead of joining the pool.
 - **An ordinary free segment once made.** The next lease of its size takes it by
   the pool's normal path.
 """
@@ -33,13 +34,11 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from .. import faults
 from .lease import Segment
-
-if TYPE_CHECKING:
-    from .staging import Staging
 
 log = logging.getLogger("ckptd.staging")
 
@@ -47,16 +46,45 @@ FAILPOINT = "staging.spare"
 """Hit by the worker before it creates a spare (faults.py): tests hold it there."""
 
 
+class Pool(Protocol):
+    """What spares need of the staging pool (staging.Staging)."""
+
+    budget_bytes: int
+    dir: Path
+    segments_created: int
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Shared memory held in segments (free, leased or kept)."""
+        ...
+
+    def free_segments(self) -> list[Segment]:
+        """Segments no lease holds and the memory tier does not keep."""
+        ...
+
+    def create_segment(self, size: int) -> Segment:
+        """A new faulted-in segment, not yet in the pool (any thread)."""
+        ...
+
+    def add_free(self, seg: Segment) -> None:
+        """A created segment joins the pool, free."""
+        ...
+
+    def remove_segment(self, seg: Segment) -> None:
+        """Unlink and unmap a created segment not in the pool (any thread)."""
+        ...
+
+
 class SpareSegments:
     """Spares for one staging pool. Methods run on the daemon's event loop, except
     where said."""
 
-    def __init__(self, staging: Staging) -> None:
+    def __init__(self, staging: Pool) -> None:
         self.staging = staging
         self.made = 0
         """Spares that joined the pool."""
         self._asked: dict[int, int | None] = {}  # size -> uid, decided at the loop's next turn
-        self._making: set[int] = set()
+        self._making: dict[int, int] = {}  # size -> segments_created when it began
         self._ready: list[Segment] = []  # made by the worker, not yet taken (under _lock)
         self._lock = threading.Lock()
         self._closed = False
@@ -85,7 +113,7 @@ class SpareSegments:
         if st.allocated_bytes + 2 * size > st.budget_bytes or not _shm_room(st, 2 * size):
             log.debug("no spare segment of %d bytes: the staging budget is tight", size)
             return
-        self._making.add(size)
+        self._making[size] = st.segments_created
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, "ckptd-spare")
         made = asyncio.get_running_loop().run_in_executor(self._worker, self._make, size)
@@ -107,9 +135,14 @@ class SpareSegments:
                 return
         self.staging.remove_segment(seg)
 
+    @property
+    def making_bytes(self) -> int:
+        """Shared memory of spares being made (not in the budget saves see)."""
+        return sum(self._making)
+
     def _made(self, size: int, done: asyncio.Future[None]) -> None:
         self._pending.discard(done)
-        self._making.discard(size)
+        created_before = self._making.pop(size)
         if not done.cancelled() and done.exception() is not None:
             log.debug("no spare segment of %d bytes: %s", size, done.exception())
         with self._lock:
@@ -117,6 +150,11 @@ class SpareSegments:
         st = self.staging
         for seg in ready:
             if self._closed or self._has_free(seg.size, None):
+                st.remove_segment(seg)
+            elif st.segments_created != created_before:
+                # A save came first and made its own: the pool has its segment back
+                # once that save is LOCAL, so a spare now would be one too many.
+                log.debug("spare segment %s removed: a save made its own meanwhile", seg.name)
                 st.remove_segment(seg)
             elif st.allocated_bytes + seg.size > st.budget_bytes:
                 log.debug("spare segment %s removed: saves took the budget meanwhile", seg.name)
@@ -146,7 +184,7 @@ class SpareSegments:
             self._worker.shutdown(wait=False, cancel_futures=True)
 
 
-def _shm_room(staging: Staging, need: int) -> bool:
+def _shm_room(staging: Pool, need: int) -> bool:
     """Whether the shm filesystem has ``need`` bytes free (a tmpfs smaller than the
     budget must not run out because of a spare)."""
     try:
