@@ -76,7 +76,8 @@ def _staging(st: pb.DaemonStatus) -> str:
     return (
         f"{human_bytes(st.staging_in_use_bytes)} in use, "
         f"{human_bytes(st.staging_allocated_bytes)} allocated of "
-        f"{human_bytes(st.staging_budget_bytes)} budget"
+        f"{human_bytes(st.staging_budget_bytes)} budget; "
+        f"{st.staging_segments_created} segments created, {st.staging_spares_made} spares"
     )
 
 

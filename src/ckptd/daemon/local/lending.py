@@ -141,6 +141,7 @@ class Lending(SegmentPool):
             # The memory tier keeps it; the client's copy-on-write mapping shares its
             # pages until the tier lets it go (memory.py).
             lease.segment.lease_id = None
+            self._left_service(lease.segment)
             return
         self._destroy(lease.segment)
         self._wake()  # the budget it held is free for saves waiting for memory
@@ -159,6 +160,7 @@ class Lending(SegmentPool):
         if self._leases.pop(lease.lease_id, None) is not None:
             lease.segment.lease_id = None
             lease.segment.kept = key
+            self._left_service(lease.segment)
 
     def adopt_kept(
         self, name: str, size: int, uid: int | None, key: tuple[str, int, int]
@@ -182,8 +184,13 @@ class Lending(SegmentPool):
             return
         if seg.lent and locked_by_others(self.dir / seg.name):
             self._destroy(seg)
+            self._left_service(seg)
         seg.lent = False
         self._wake()
+
+    def _left_service(self, seg: Segment) -> None:
+        """``seg`` no longer serves saves (a trainer maps it, or the memory tier keeps
+        it): staging may prepare a spare of its size (spares.py)."""
 
     def get(self, lease_id: str) -> Lease:
         """The live lease with this id, or NotFound."""

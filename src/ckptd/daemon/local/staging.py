@@ -46,6 +46,7 @@ from .segments import (
     segment_dir,
 )
 from .share import held_by_uid, holders_text, over_share
+from .spares import SpareSegments
 
 __all__ = [
     "SEGMENT_GRANULE",
@@ -94,6 +95,10 @@ class Staging(Lending):
         self.shed: Callable[[int], Awaitable[bool]] = _none_shed
         """Called when the shm filesystem cannot hold a new segment of ``need`` bytes:
         the memory tier lets at least that much go; False if it held nothing."""
+        self.segments_created = 0
+        """Segments created for a lease: fresh memory in a save's or restore's path."""
+        self.spares = SpareSegments(self)
+        """Free segments made in the background when one leaves service (spares.py)."""
 
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed or older) daemon on this root left behind."""
@@ -109,6 +114,7 @@ class Staging(Lending):
 
     def close(self) -> None:
         """Unlink every segment, and unmap those no view uses any more."""
+        self.spares.close()
         for seg in list(self._segments.values()):
             self._destroy(seg)
         self._leases.clear()
@@ -275,7 +281,28 @@ class Staging(Lending):
         finally:
             self._reserved -= need
         self._segments[seg.name] = seg
+        self.segments_created += 1
         return seg
+
+    # -- spares (spares.py) --------------------------------------------------
+    def _left_service(self, seg: Segment) -> None:
+        self.spares.want(seg.size, seg.uid)
+
+    def create_segment(self, size: int) -> Segment:
+        """A new segment of ``size`` bytes, faulted in, not yet in the pool (blocking:
+        any thread; :meth:`add_free` or :meth:`remove_segment` takes it)."""
+        return self._create(size)
+
+    def add_free(self, seg: Segment) -> None:
+        """A segment from :meth:`create_segment` joins the pool, free."""
+        self._segments[seg.name] = seg
+        self._wake()  # a save waiting for memory may take it
+
+    def remove_segment(self, seg: Segment) -> None:
+        """Unlink and unmap a segment :meth:`create_segment` made that is not in the
+        pool (any thread: it touches nothing the pool holds)."""
+        (self.dir / seg.name).unlink(missing_ok=True)
+        seg.mapping.close()
 
     def holders(self, uid: int | None) -> str:
         """What holds the leased memory right now, in words, as ``uid`` may see it

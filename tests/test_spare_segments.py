@@ -1,0 +1,165 @@
+"""Spare segments (local/spares.py): a segment that leaves the staging pool's service
+is replaced in the background, so a restarted trainer's saves reuse memory already
+faulted in instead of paying for fresh memory in their blocking time.
+
+Whether a lease got a new segment is read from the daemon's counter
+``staging_segments_created``; every wait is on a status field, a failpoint or the
+spares' own settling, never a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.daemon import faults
+from ckptd.daemon.local.lease import Want
+from ckptd.daemon.local.spares import FAILPOINT
+
+from .test_memory_tier import Trainer, memory_daemon, saved_by_trainer, wait_status
+from .test_memory_tier_units import Node
+
+MiB = 2**20
+UID = os.getuid()
+
+
+# -- against a real daemon ------------------------------------------------------------
+def test_a_restarted_trainers_second_save_reuses_a_segment(make_daemon: Any) -> None:
+    d = memory_daemon(make_daemon)
+    t = Trainer(d, "life")
+    t.save(1, seed=1)
+    t.save(2, seed=2)  # the pool holds two segments: step 2's (kept) and one free
+    t.kill()
+    st = wait_status(d, lambda s: s.memory_tier_files == 1)
+    created, spares = st.staging_segments_created, st.staging_spares_made
+    t = Trainer(d, "life")  # the next life maps step 2's segment copy-on-write
+    assert t.do("restore") == "RESTORED 2"
+    t.save(3, seed=3)  # takes the free segment; the tier keeps it
+    # The restored segment is the trainer's, step 3's is kept: the pool makes a
+    # spare in the background, as the trainer's next steps run.
+    wait_status(d, lambda s: s.staging_spares_made == spares + 1)
+    t.save(4, seed=4)
+    st = d.status()
+    assert st.staging_segments_created == created  # granted the spare: no fresh memory
+    assert st.staging_allocated_bytes <= st.staging_budget_bytes
+    t.save(5, seed=5)  # steady state: the tier gives step 3's segment back, no spare
+    st = d.status()
+    assert (st.staging_segments_created, st.staging_spares_made) == (created, spares + 1)
+    assert t.do("check 2") == "SAME"  # the restored arrays never changed
+
+
+def test_no_spare_when_nothing_left_the_pool(make_daemon: Any) -> None:
+    d = memory_daemon(make_daemon, "--memory-tier-steps", "0")
+    saved_by_trainer(d, "plain", 1, seed=1)
+    saved_by_trainer(d, "plain", 2, seed=2)
+    st = d.status()
+    assert (st.staging_segments_created, st.staging_spares_made) == (1, 0)
+
+
+# -- the pool's rules alone -----------------------------------------------------------
+def run(body: Any) -> None:
+    asyncio.run(body())
+
+
+async def lend_newest(n: Node, job: str, step: int) -> int:
+    """A trainer restores ``step`` from the tier copy-on-write and keeps it: it holds
+    the segment's flock (as a client mapping it does) on the descriptor returned."""
+    handed = await n.tier.bring(job, step, Want(0, True, UID, copy_on_write=True))
+    assert handed is not None
+    fd = os.open(n.staging.path_of(handed.lease.segment), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    n.staging.lend(handed.lease.lease_id)
+    return fd
+
+
+def test_a_lent_segment_is_replaced_by_a_spare_the_next_save_takes(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB)
+        await n.save("a", 1, 1)
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 1  # the first kept segment left no free one
+        await n.save("a", 2, 2)  # took the spare; step 1's segment is free again
+        await n.staging.spares.settle()
+        assert (n.staging.segments_created, n.staging.spares.made) == (1, 1)
+        trainer = await lend_newest(n, "a", 2)
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 1  # a free segment is left: no spare
+        await n.save("a", 3, 3)  # the free one; step 2's leaves the pool (the trainer's)
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 2
+        await n.save("a", 4, 4)
+        assert n.staging.segments_created == 1
+        assert n.staging.allocated_bytes <= n.staging.budget_bytes
+        os.close(trainer)
+
+    run(body)
+
+
+def test_a_tight_budget_makes_no_spare(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=8 * MiB)  # one kept segment and one save's
+        await n.save("a", 1, 1)
+        trainer = await lend_newest(n, "a", 1)
+        await n.staging.spares.settle()
+        os.close(trainer)
+        assert n.staging.spares.made == 0
+        assert n.staging.allocated_bytes == 4 * MiB  # nothing made
+        assert sorted(p.name for p in n.staging.dir.iterdir() if ".kept" not in p.name) == [
+            n.tier._kept[("a", 1, 0)].segment.name
+        ]
+
+    run(body)
+
+
+@pytest.fixture
+def paused_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The spare's worker stops at its failpoint until the test releases it."""
+    where = tmp_path / "failpoints"
+    where.mkdir()
+    monkeypatch.setenv(faults.DIR_VARIABLE, str(where))
+    monkeypatch.setitem(faults._POINTS, FAILPOINT, "pause")
+    return where
+
+
+def test_saves_racing_a_spare_are_granted_and_the_budget_holds(
+    tmp_path: Path, paused_spare: Path
+) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=12 * MiB)
+        await n.save("a", 1, 1)  # kept: 4 MiB held, room for a spare and one save
+        await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
+        # The spare is being made (held at its failpoint): saves never wait for it,
+        # nor fail because of it, even when they take the room it was made for.
+        first = await n.staging.acquire("b", 4 * MiB, owner=(UID, 2))
+        second = await n.staging.acquire("c", 4 * MiB, owner=(UID, 3))
+        assert n.staging.allocated_bytes == 12 * MiB
+        faults.release(paused_spare, FAILPOINT)
+        await n.staging.spares.settle()
+        # Made too late: the saves made their own, so it is removed, not pooled.
+        assert n.staging.spares.made == 0
+        assert n.staging.allocated_bytes == 12 * MiB
+        for lease in (first, second):
+            n.staging.release(lease.lease_id)
+        assert len([p for p in n.staging.dir.iterdir() if ".kept" not in p.name]) == 3
+
+    run(body)
+
+
+def test_a_spare_made_while_the_pool_closes_is_removed(tmp_path: Path, paused_spare: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB)
+        await n.save("a", 1, 1)
+        await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
+        n.tier.close()
+        n.staging.close()
+        faults.release(paused_spare, FAILPOINT)
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 0
+        assert not n.staging.dir.exists() or list(n.staging.dir.iterdir()) == []
+
+    run(body)
