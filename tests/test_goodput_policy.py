@@ -224,3 +224,25 @@ def test_the_client_default_is_goodput_learning_from_the_daemon(daemon: Any) -> 
     assert policy.save_cost_seconds is not None
     # Learned from the daemon's record: seen moments ago, no restart, so a short MTBF.
     assert policy.mtbf_estimate_seconds is not None and policy.mtbf_estimate_seconds < 3600
+
+
+def test_a_window_s_statistic_is_the_one_sorting_would_give() -> None:
+    import random
+
+    from ckptd.client.window import Window
+
+    rng = random.Random(5)
+    median, quartile = Window(8), Window(64, 0.25)
+    assert median.stat() is None and quartile.stat() is None
+    values: list[float] = []
+    for _ in range(200):
+        v = rng.random()
+        values.append(v)
+        median.append(v)
+        quartile.append(v)
+        last8, last64 = sorted(values[-8:]), sorted(values[-64:])
+        want = (last8[(len(last8) - 1) // 2] + last8[len(last8) // 2]) / 2
+        assert median.stat() == pytest.approx(want)
+        assert quartile.stat() == last64[(len(last64) - 1) // 4]  # read twice: cached
+        assert quartile.stat() == last64[(len(last64) - 1) // 4]
+    assert len(median) == 8 and list(median) == values[-8:]
