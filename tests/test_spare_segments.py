@@ -163,3 +163,19 @@ def test_a_spare_made_while_the_pool_closes_is_removed(tmp_path: Path, paused_sp
         assert not n.staging.dir.exists() or list(n.staging.dir.iterdir()) == []
 
     run(body)
+
+
+def test_no_spare_while_the_next_save_already_holds_a_segment(tmp_path: Path) -> None:
+    # The client hears LOCAL and starts its next save before the daemon's keep has
+    # been considered: that save's own segment comes back into the rotation once it
+    # is in, so a spare now would stay one segment too many for good.
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB)
+        following = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
+        await n.save("a", 1, 1)  # kept, no free segment left, a save in flight
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 0
+        n.staging.release(following.lease_id)
+        assert n.staging.allocated_bytes == 8 * MiB  # two segments, as before spares
+
+    run(body)

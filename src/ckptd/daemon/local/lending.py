@@ -188,6 +188,18 @@ class Lending(SegmentPool):
         seg.lent = False
         self._wake()
 
+    def saves_in_flight(self, size: int) -> bool:
+        """Whether a save lease holds a segment of at least ``size`` bytes (it goes
+        back into the saves' rotation once that save is in), or a lease's segment of
+        that size is being made (spares.py)."""
+        if self.making_own(size):
+            return True
+        return any(not x.restore and x.segment.size >= size for x in self._leases.values())
+
+    def making_own(self, size: int) -> bool:
+        """Whether a lease is having a segment of at least ``size`` bytes made now."""
+        return self._reserved >= size
+
     def _left_service(self, seg: Segment) -> None:
         """``seg`` no longer serves saves (a trainer maps it, or the memory tier keeps
         it): staging may prepare a spare of its size (spares.py)."""

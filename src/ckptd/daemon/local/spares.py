@@ -66,6 +66,14 @@ class Pool(Protocol):
         """A new faulted-in segment, not yet in the pool (any thread)."""
         ...
 
+    def saves_in_flight(self, size: int) -> bool:
+        """Whether a save lease holds (or is having made) a segment of ``size``."""
+        ...
+
+    def making_own(self, size: int) -> bool:
+        """Whether a lease is having a segment of at least ``size`` bytes made now."""
+        ...
+
     def add_free(self, seg: Segment) -> None:
         """A created segment joins the pool, free."""
         ...
@@ -110,6 +118,12 @@ class SpareSegments:
         st = self.staging
         if self._closed or size in self._making or self._has_free(size, uid):
             return
+        if st.saves_in_flight(size):
+            # The next save already has its segment (made it, or took a free one): the
+            # kept one it supersedes comes back free when it is in. A spare now would be
+            # one segment too many for good.
+            log.debug("no spare segment of %d bytes: a save in flight holds one", size)
+            return
         if st.allocated_bytes + 2 * size > st.budget_bytes or not _shm_room(st, 2 * size):
             log.debug("no spare segment of %d bytes: the staging budget is tight", size)
             return
@@ -151,7 +165,7 @@ class SpareSegments:
         for seg in ready:
             if self._closed or self._has_free(seg.size, None):
                 st.remove_segment(seg)
-            elif st.segments_created != created_before:
+            elif st.segments_created != created_before or st.making_own(seg.size):
                 # A save came first and made its own: the pool has its segment back
                 # once that save is LOCAL, so a spare now would be one too many.
                 log.debug("spare segment %s removed: a save made its own meanwhile", seg.name)
