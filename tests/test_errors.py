@@ -143,10 +143,15 @@ def test_bad_commit_is_refused_clearly(
     still_serving(daemon)
 
 
-def test_second_commit_of_same_step_and_rank_conflicts(daemon: Daemon) -> None:
+def test_second_commit_of_same_step_and_rank_conflicts(make_daemon: Any) -> None:
+    # The first commit's write is held, so the second surely comes while it is in
+    # flight (a fast write could otherwise be LOCAL first: then it is a new save).
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
     stub = daemon.stub()
     stub.CommitShards(good_request(stub, step=5), metadata=META)
+    daemon.wait_failpoint("write.begin")
     expect(grpc.StatusCode.ALREADY_EXISTS, "already", stub.CommitShards, good_request(stub, step=5))
+    daemon.release("write.begin")
     SaveHandle(daemon.client("errs"), 5).wait("local", timeout=30)
     # Once committed, a save under the same number is a new save: it begins a new
     # timeline and replaces the step (never an error, never silently dropped).
