@@ -125,8 +125,16 @@ def check_no_leaks(daemon: Any, baseline: tuple[int, int] | None = None) -> None
     assert status.leases_held == 0, f"{status.leases_held} leases still held"
     assert status.saves_in_flight == 0
     seg_dir = segment_dir(segment_prefix(daemon.root))
-    # The memory tier's records (<segment>.kept) are not segments: each names one.
-    on_disk = sum(p.stat().st_size for p in seg_dir.iterdir() if p.suffix != KEPT_SUFFIX)
+    # A spare segment being made in the background (local/spares.py) is counted in the
+    # status before its file is complete: poll until the two meet (or time out).
+    deadline = time.monotonic() + 30.0
+    while True:
+        # The memory tier's records (<segment>.kept) are not segments: each names one.
+        on_disk = sum(p.stat().st_size for p in seg_dir.iterdir() if p.suffix != KEPT_SUFFIX)
+        if on_disk == status.staging_allocated_bytes or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+        status = daemon.status()
     assert on_disk == status.staging_allocated_bytes, "segments in /dev/shm the daemon lost"
     if baseline is not None and daemon.proc is not None:
         fds, threads = proc_counts(daemon.proc.pid)
