@@ -122,6 +122,14 @@ def _read(path: Path) -> dict[str, Any]:
     return doc
 
 
+def _laid_over(arms: dict[str, Any], name: str) -> dict[str, Any]:
+    """Section ``name``; a ``pace_of`` section holds only what differs at its pace, so
+    it is laid over its arm's section."""
+    own = dict(arms[name])
+    base = arms.get(own.get("pace_of"))
+    return (dict(base) | own) if isinstance(base, dict) else own
+
+
 @dataclass(frozen=True)
 class Costs:
     """What the trainer and one arm's stack cost (one arm of a costs file)."""
@@ -152,16 +160,12 @@ class Costs:
                 f"{path} has no costs for arm {arm!r} (it has: {', '.join(sorted(arms))}); "
                 f'add an "arms": {{"{arm}": {{...}}}} section or leave the arm out'
             )
-        paces = tuple(  # what differs at another pace, over the arm's own section
-            cls._section(path, doc, name, dict(arms[arm]) | spec)
+        paces = tuple(
+            cls._section(path, doc, name, _laid_over(arms, name))
             for name, spec in arms.items()
             if name != arm and isinstance(spec, dict) and spec.get("pace_of") == arm
         )
-        own = dict(arms[arm])
-        base = arms.get(own.get("pace_of"))  # a pace loaded alone: over its arm's section
-        if isinstance(base, dict):
-            own = dict(base) | own
-        return replace(cls._section(path, doc, arm, own), paces=paces)
+        return replace(cls._section(path, doc, arm, _laid_over(arms, arm)), paces=paces)
 
     @classmethod
     def _section(cls, path: Path, doc: dict[str, Any], arm: str, section: Any) -> Costs:
