@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import increments
 from .errors import DataLoss, InvalidArgument
 from .names import MAX_NAME_BYTES, check_name, check_shard_key, check_step, check_tree_path
 from .shard_table import ShardTable, empty_table
@@ -30,6 +31,8 @@ DATA_LAYOUTS = (DATA_BY_STEP, DATA_SPREAD)
 KIND_DIRECTORY = "directory"
 TREE_PREFIX = "files/"
 """Every file of an adopted tree is recorded as ``files/<its path in the tree>``."""
+_INCREMENTAL = frozenset({"runs", "refs", "image_size", "image_crc32c", "digests"})
+"""A rank record's fields only an incremental file has (written only when set)."""
 MAX_WORLD_SIZE = 2**24
 MAX_FILE_BYTES = 2**62
 
@@ -80,6 +83,37 @@ class RankRecord:
     crc32c: int
     """crc32c of the whole file, as object stores report it."""
     tree: Any
+    runs: list[list[int]] | None = None
+    """An incremental file (core/increments.py): the image ranges it holds, ``[start,
+    length]`` each in file order; None: the file is the whole image."""
+    refs: list[list[int]] | None = None
+    """An incremental file's other image ranges, each held by an older step's file:
+    ``[start, length, step, offset there, crc32c]``."""
+    image_size: int | None = None
+    """An incremental file's image: its size and crc32c (a full file's are its own)."""
+    image_crc32c: int | None = None
+    digests: list[str] | None = None
+    """Each shard's strong digest, in the rank's table order (``""``: not computed),
+    where an incremental save computed or inherited them."""
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of the rank's image (the file a full save would have written)."""
+        return self.size if self.image_size is None else self.image_size
+
+    @property
+    def image_crc(self) -> int:
+        """crc32c of the rank's image."""
+        return self.crc32c if self.image_crc32c is None else self.image_crc32c
+
+    @property
+    def incremental(self) -> bool:
+        """The file holds only some of the image (the rest in older steps' files)."""
+        return self.runs is not None
+
+    def holders(self) -> set[int]:
+        """The older steps whose files this rank's references read."""
+        return {int(r[2]) for r in self.refs or ()}
 
 
 @dataclass(frozen=True)
@@ -113,6 +147,9 @@ class Manifest:
     change from step to step, so the store can partition the write load once."""
     timeline: int = 0
     """The job's timeline this step was saved on (core/timeline.py)."""
+    increment: int = 0
+    """Saves since the last full one in this step's chain of references (0: no rank
+    file references an older step)."""
     forks: Forks = ()
     """The job's lineage when this step was saved: ``(timeline, first step)`` of every
     timeline after the first (core/timeline.py)."""
@@ -136,6 +173,16 @@ class Manifest:
     def size_bytes(self) -> int:
         """Bytes of all rank files."""
         return sum(r.size for r in self.ranks)
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of every rank's image (what a restore hands over)."""
+        return sum(r.image_bytes for r in self.ranks)
+
+    def holders(self) -> set[int]:
+        """The older steps whose files this step's references read (each tier that
+        holds this step must hold them)."""
+        return {s for r in self.ranks for s in r.holders()}
 
     def to_json(self) -> str:
         """Serialise: compact, stable key order (equal manifests are equal bytes), and
@@ -174,7 +221,12 @@ class Manifest:
     def _plain(self) -> dict[str, Any]:
         """The manifest as JSON types, sharing (not copying) the records' values."""
         plain = {f.name: getattr(self, f.name) for f in fields(self)}
-        plain["ranks"] = [dict(vars(r)) for r in self.ranks]
+        # A full file's record has no incremental fields: its text stays what every
+        # ckptd wrote (and reads).
+        plain["ranks"] = [
+            {k: v for k, v in vars(r).items() if v is not None or k not in _INCREMENTAL}
+            for r in self.ranks
+        ]
         plain["shards"] = None  # to_json writes the columns' own text
         plain["format_version"] = FORMAT_VERSION
         return plain
@@ -204,6 +256,7 @@ class Manifest:
                 nonfinite=raw.get("nonfinite"),  # checked below
                 data_layout=raw.get("data_layout", DATA_BY_STEP),  # checked: an int
                 timeline=raw.get("timeline", 0),  # checked below
+                increment=raw.get("increment", 0),  # checked below
                 forks=check_forks(raw.get("forks")),
                 format_version=version,
             )
@@ -275,6 +328,7 @@ def _check(m: Manifest) -> None:
     if m.data_layout not in DATA_LAYOUTS:
         raise InvalidArgument(f"unknown data_layout {m.data_layout!r}; upgrade ckptd")
     check_timeline(m.timeline, m.forks)
+    _count("increment", m.increment, 2**31)
     # Job names up to 255 bytes were accepted before the 128-byte limit: their copies
     # stay readable (not set aside at start-up), though no call can name them now.
     _named("job", lambda v: check_name("job", v, MAX_NAME_BYTES), m.job)
@@ -313,7 +367,9 @@ def _check(m: Manifest) -> None:
         return
     t = m.shards
     t.check(placed=True)
-    size_of = {r.rank: r.size for r in m.ranks}
+    for r in m.ranks:
+        increments.check_rank(m.step, r, t)
+    size_of = {r.rank: r.image_bytes for r in m.ranks}
     try:
         sizes = np.fromiter(map(size_of.__getitem__, t.rank.tolist()), np.int64, len(t))
     except KeyError as exc:

@@ -85,26 +85,34 @@ TIER_PEER: Tier
 TIER_MEMORY: Tier
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("job", "size_bytes", "wait_seconds")
+    __slots__ = ("job", "size_bytes", "wait_seconds", "rank", "reuse_image")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REUSE_IMAGE_FIELD_NUMBER: _ClassVar[int]
     job: str
     size_bytes: int
     wait_seconds: float
-    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    rank: int
+    reuse_image: bool
+    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., reuse_image: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "segment", "size_bytes", "alignment")
+    __slots__ = ("lease_id", "segment", "size_bytes", "alignment", "holds_image", "holds_step")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_STEP_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment: str
     size_bytes: int
     alignment: int
-    def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ...) -> None: ...
+    holds_image: bool
+    holds_step: int
+    def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ..., holds_image: _Optional[bool] = ..., holds_step: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "client_holds")
@@ -167,7 +175,7 @@ class SliceSpec(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class CommitShardsRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds")
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +197,9 @@ class CommitShardsRequest(_message.Message):
     MILESTONE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job: str
     step: int
@@ -203,7 +214,10 @@ class CommitShardsRequest(_message.Message):
     milestone: bool
     metrics: _containers.ScalarMap[str, float]
     upload_interval_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ...) -> None: ...
+    incremental: bool
+    unchanged_since: int
+    unchanged: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ...) -> None: ...
 
 class CommitShardsResponse(_message.Message):
     __slots__ = ("state",)

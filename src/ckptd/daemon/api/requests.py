@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.health import RESERVED_PREFIX
@@ -118,7 +119,27 @@ def parse_commit(
         metadata=_json("metadata_json", req.metadata_json, {}),
         milestone=req.milestone,
         metrics=check_metrics(req.metrics),
+        incremental=req.incremental,
+        unchanged_since=req.unchanged_since,
+        unchanged=_unchanged(req, len(table)),
     )
+
+
+def _unchanged(req: pb.CommitShardsRequest, rows: int) -> npt.NDArray[np.bool_] | None:
+    """The trainer's word that rows of the table did not change since
+    ``unchanged_since``: one bit per row (numpy packbits, little bit order)."""
+    if not req.unchanged:
+        return None
+    if req.unchanged_since < 0 or req.unchanged_since >= req.step:
+        raise InvalidArgument(
+            f"unchanged_since = {req.unchanged_since} must be an earlier step than {req.step}"
+        )
+    if len(req.unchanged) != (rows + 7) // 8:
+        raise InvalidArgument(
+            f"unchanged holds {len(req.unchanged)} bytes; {rows} shards need {(rows + 7) // 8}"
+        )
+    bits = np.unpackbits(np.frombuffer(req.unchanged, np.uint8), bitorder="little")
+    return bits[:rows].astype(bool)
 
 
 def _from_descriptors(shards: Any) -> ShardTable:

@@ -7,6 +7,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ckptd.core.manifest import RankRecord
 from ckptd.core.shard_table import ShardTable
 
@@ -32,6 +35,12 @@ class CommitRequest:
     metadata: dict[str, Any]
     milestone: bool
     metrics: dict[str, float]
+    incremental: bool = False
+    """Shards equal to the previous step's are referenced, not written (core/increments.py)."""
+    unchanged_since: int = 0
+    unchanged: npt.NDArray[np.bool_] | None = None
+    """Per row of ``table``: the trainer's word that it did not change since step
+    ``unchanged_since`` (None: no word, compare digests)."""
 
 
 @dataclass
