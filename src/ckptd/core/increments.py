@@ -235,9 +235,16 @@ def check_rank(step: int, r: Any, table: ShardTable) -> None:
     """A manifest's rank record (``core.manifest.RankRecord``): its incremental fields
     must all be there or none, and describe a file ckptd could have written."""
     at = f"rank {r.rank}"
+    mine = table.of_rank(r.rank)
+    if r.digests is not None and (
+        not isinstance(r.digests, list)
+        or len(r.digests) != len(mine)
+        or not all(isinstance(d, str) for d in r.digests)
+    ):
+        raise InvalidArgument(f"{at}: digests must be one text per shard")
     if r.runs is None:
-        if any(v is not None for v in (r.refs, r.image_size, r.image_crc32c, r.digests)):
-            raise InvalidArgument(f"{at}: references, digests or an image without runs")
+        if any(v is not None for v in (r.refs, r.image_size, r.image_crc32c)):
+            raise InvalidArgument(f"{at}: references or an image without runs")
         return
     if r.image_size is None or r.image_crc32c is None or not isinstance(r.refs, list):
         raise InvalidArgument(f"{at}: runs without refs, image_size and image_crc32c")
@@ -248,11 +255,4 @@ def check_rank(step: int, r: Any, table: ShardTable) -> None:
         refs = refs_of(r.refs)
     except (TypeError, ValueError):
         raise InvalidArgument(f"{at}: refs must be [start, length, step, offset, crc32c]") from None
-    mine = table.of_rank(r.rank)
-    if r.digests is not None and (
-        not isinstance(r.digests, list)
-        or len(r.digests) != len(mine)
-        or not all(isinstance(d, str) for d in r.digests)
-    ):
-        raise InvalidArgument(f"{at}: digests must be one text per shard")
     check_record(step, r.size, r.image_size, r.runs, refs, mine)

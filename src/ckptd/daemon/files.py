@@ -219,6 +219,49 @@ def write_file_direct(
         os.close(fd)
 
 
+def write_runs_direct(
+    path: Path, header: bytes, data: memoryview, runs: Sequence[tuple[int, int]]
+) -> int:
+    """Write an incremental rank file: each ``(image start, length)`` run of the
+    image (``header`` then ``data``, the lease's data section) one after the other,
+    fsync, close; returns the file's crc32c.
+
+    Runs start on 4 KiB boundaries and all but the last are whole blocks
+    (core/increments.round_runs), so each goes out with aligned ``O_DIRECT`` writes
+    straight from the lease, like a full file; the last is padded and the padding
+    truncated away. The first run starts with the header."""
+    faults.hit("write.begin")
+    head = len(header)
+    pieces: list[tuple[int, int, int]] = []  # file offset, data offset, length
+    at = 0
+    for start, length in runs:
+        if start < head:  # the first run: the header, then the data it reaches into
+            pieces.append((at + head, 0, start + length - head))
+        else:
+            pieces.append((at, start - head, length))
+        at += length
+    fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    crc = checksum.value(header)
+    try:
+        if direct:  # O_DIRECT needs an aligned source buffer; anonymous mmaps are
+            with mmap.mmap(-1, len(header)) as buf:
+                buf.write(header)
+                _pwrite_all(fd, memoryview(buf), 0)
+        else:
+            _pwrite_all(fd, memoryview(header), 0)
+        for offset, start, length in pieces:
+            crc = checksum.extend(crc, data[start : start + length])
+            # Whole blocks for O_DIRECT: only the last run can end inside one, and the
+            # lease is at least its data rounded up, so the padding is the lease's.
+            n = round_up(length) if direct else length
+            _pwrite_all(fd, data[start : start + n], offset)
+        os.ftruncate(fd, at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return crc
+
+
 def _write_all(
     fd: int,
     header: bytes,

@@ -29,6 +29,7 @@ from ..lifecycle.drain import Drain
 from ..lifecycle.evictor import Evictor
 from ..lifecycle.pins import Pins
 from ..local.admission import Admission, DiskSpace, Space, statvfs_space
+from ..local.increment import Increments
 from ..local.journal import Journal
 from ..local.memory import MemoryTier
 from ..local.prestaged import Prestaged
@@ -109,6 +110,9 @@ class Daemon:
             self.journal,
             local.step_timeout_seconds,
             self.memory,
+            Increments(
+                local.incremental, local.incremental_max_files, local.incremental_full_every
+            ),
         )
         self.disk = DiskSpace(local.root, local.low_watermark, local.floor, measure_space)
         self.remote = open_remote_tier(opts.remote)

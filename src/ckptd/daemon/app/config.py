@@ -92,6 +92,12 @@ def _coerce(key: str, value: object, source: str) -> Any:
                 if n < 0:
                     raise ValueError("must be 0 (no change) to 19 (lowest)")
                 return n
+            if key == "incremental_max_files" and n < 2:
+                raise ValueError("must be at least 2 (the step's own file and one other)")
+            if key == "incremental_full_every":  # 0: never by count
+                if n < 0:
+                    raise ValueError("must be 0 (never by count) or a number of saves")
+                return n
             if key == "memory_tier_steps":  # 0: the memory tier is off
                 if n < 0:
                     raise ValueError("must be 0 (no memory tier) or a number of steps")

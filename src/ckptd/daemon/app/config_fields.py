@@ -51,6 +51,18 @@ class Config:
     memory_tier_bytes: int = 0
     """Most shared memory the memory tier keeps on this node, for all jobs (0: as
     much of ``staging_budget_bytes`` as saves leave free)."""
+    incremental: bool = True
+    """Incremental saves: a shard byte-identical to the job's previous step (the
+    trainer's word that it did not change, or an equal SHA-256 digest, and always
+    an equal crc32c) is not written or uploaded again; the step's manifest
+    references the older step's bytes, and every tier keeps a step while a step it
+    keeps references it. A client can turn it off per job (``incremental=False``)."""
+    incremental_max_files: int = 8
+    """Most rank files one rank's restore reads (its own and the older steps' its
+    references point into); a save that would need more is written in full."""
+    incremental_full_every: int = 0
+    """Write every Nth save of a job's chain of incremental saves in full (0: only
+    when ``incremental_max_files`` says so)."""
     lease_timeout_seconds: float = 600.0
     """A lease held this long without a commit is reclaimed (clients of this release
     are watched directly: their leases come back as soon as they exit)."""

@@ -55,6 +55,9 @@ class Options:
                 io_nice=cfg.io_nice,
                 low_watermark=cfg.local_low_watermark,
                 floor=cfg.local_floor,
+                incremental=cfg.incremental,
+                incremental_max_files=cfg.incremental_max_files,
+                incremental_full_every=cfg.incremental_full_every,
             ),
             remote=RemoteOptions(
                 url=cfg.remote,

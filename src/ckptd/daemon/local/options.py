@@ -38,3 +38,9 @@ class LocalOptions:
     """``local_low_watermark``: below it, copies the bucket holds are evicted."""
     floor: SpaceMark
     """``local_floor``: a save that would go below it is refused."""
+    incremental: bool = True
+    """``incremental``: shards equal to the previous step's are referenced, not written."""
+    incremental_max_files: int = 8
+    """``incremental_max_files``: most rank files one rank's restore reads."""
+    incremental_full_every: int = 0
+    """``incremental_full_every``: every Nth save of a chain in full (0: never by count)."""

@@ -4,13 +4,16 @@ ranks handed off so far (split out of saver.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ckptd.core.manifest import RankRecord
+from ckptd.core.health import NONFINITE_METRIC
+from ckptd.core.manifest import DATA_SPREAD, Manifest, RankRecord
 from ckptd.core.shard_table import ShardTable
 
 from ..catalog import Step
@@ -65,7 +68,39 @@ class PendingStep:
     """Set once the step is LOCAL or FAILED: newer saves of the job commit after that."""
     replaces: Step | None = None
     """The step this save replaces (core/timeline.py), until its local copy is gone."""
+    base: Step | None = None
+    """The step this save's rank files may reference (local/increment.py)."""
+    holds: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    """The base held (``Catalog.in_use``) until this step is LOCAL or FAILED."""
+    increment: int = 0
+    """The manifest's ``increment``: 0 unless a rank file references an older step."""
 
     def handed_off(self) -> bool:
         """Every rank of the node has handed its shards over (some may still be writing)."""
         return set(self.step.node_ranks) <= set(self.ranks) | self.writing
+
+
+def step_manifest(pending: PendingStep, node_id: str) -> Manifest:
+    """The manifest of a save whose every rank is written."""
+    st = pending.step
+    ranks = [pending.ranks[r] for r in sorted(pending.ranks)]
+    nonfinite = {str(r): pending.nonfinite.get(r, {}) for r in sorted(pending.ranks)}
+    # The daemon's own metric: the step's health, wherever its metrics go.
+    total = sum(sum(counts.values()) for counts in nonfinite.values())
+    return Manifest(
+        job=st.job,
+        step=st.step,
+        node=node_id,
+        world_size=st.world_size,
+        created_unix=time.time(),
+        ranks=[r for r, _, _ in ranks],
+        shards=ShardTable.concat([shards for _, shards, _ in ranks]),
+        metadata=next((m for _, _, m in ranks if m), {}),
+        milestone=st.milestone,
+        metrics={**st.metrics, NONFINITE_METRIC: float(total)},
+        nonfinite=nonfinite,
+        data_layout=DATA_SPREAD,  # where the drain will put its rank files
+        timeline=st.timeline,
+        forks=st.forks,
+        increment=pending.increment,
+    )

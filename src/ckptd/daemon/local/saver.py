@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
@@ -27,19 +26,19 @@ from typing import Any
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
 from ckptd.core.format import ALIGN, round_up
-from ckptd.core.health import NONFINITE_METRIC, NonFiniteCount
-from ckptd.core.manifest import DATA_SPREAD, Manifest, RankRecord, rank_file_name
+from ckptd.core.health import NonFiniteCount
+from ckptd.core.manifest import RankRecord, rank_file_name
 from ckptd.core.names import check_wait
-from ckptd.core.shard_table import ShardTable
 from ckptd.core.timeline import Forks
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Step
 from ..files import write_file_checksummed
 from ..io import IoPool
+from . import increment
 from .journal import Entry, Journal
 from .memory import MemoryTier
-from .pending import CommitRequest, PendingStep
+from .pending import CommitRequest, PendingStep, step_manifest
 from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
 from .replay import replay as replay_journal
 from .staging import Lease, Staging
@@ -68,8 +67,10 @@ class Saver:
         journal: Journal,
         step_timeout_seconds: float = 600.0,
         memory: MemoryTier | None = None,
+        increments: increment.Increments | None = None,
     ) -> None:
         self.catalog = catalog
+        self.increments = increments or increment.Increments()
         self.staging = staging
         self.store = store
         self.io = io
@@ -269,26 +270,39 @@ class Saver:
                 self._layouts.put(req, layout)
             header = layout.header
             data = lease.segment.view(req.data_offset, round_up(data_len))
-            spare = self.store.take_spare(len(header) + data_len)
             path = pending.commit.path / name
-            health = NonFiniteCount(req.table.keys, layout.floats)
-            file_crc, crcs = await run(
-                write_file_checksummed,
-                path,
-                header,
-                data,
-                data_len,
-                layout.ranges,
-                spare,
-                layout.pieces,
-                health,
-            )
-            pending.nonfinite[req.rank] = health.result()
+            done: increment.Written | increment.Scan | None = None
+            if req.incremental and self.increments.enabled:
+                await self._after_older(pending)  # the base is the newest LOCAL step
+                base = increment.hold_base(self.catalog, pending, req.rank, self.increments)
+                args_i = (path, header, data, data_len, layout, req, base)
+                done = await run(increment.write, *args_i, self.increments.max_files)
+            if isinstance(done, increment.Written):
+                record, shards = done.record, done.shards
+                pending.nonfinite[req.rank] = done.nonfinite
+                pending.increment = increment.chain_of(pending)
+            else:
+                spare = self.store.take_spare(len(header) + data_len)
+                health = NonFiniteCount(req.table.keys, layout.floats)
+                file_crc, crcs = await run(
+                    write_file_checksummed,
+                    path,
+                    header,
+                    data,
+                    data_len,
+                    layout.ranges,
+                    spare,
+                    layout.pieces,
+                    health,
+                )
+                pending.nonfinite[req.rank] = health.result()
+                args = (req, len(header), crcs)
+                shards = await run(shard_records, *args) if many else shard_records(*args)
+                digests = done.digests if done is not None else None
+                size = len(header) + data_len
+                record = RankRecord(req.rank, name, size, file_crc, req.tree, digests=digests)
             if req.data_offset == 0 and self.memory is not None and self.memory.steps:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
-            args = (req, len(header), crcs)
-            shards = await run(shard_records, *args) if many else shard_records(*args)
-            record = RankRecord(req.rank, name, len(header) + data_len, file_crc, req.tree)
             pending.ranks[req.rank] = (record, shards, req.metadata)
         except Exception as exc:  # any failure fails the step, never the daemon
             log.exception("writing rank %d of %s/%d failed", req.rank, req.job, req.step)
@@ -332,26 +346,7 @@ class Saver:
 
     async def _commit_in_order(self, pending: PendingStep) -> None:
         st = pending.step
-        ranks = [pending.ranks[r] for r in sorted(pending.ranks)]
-        nonfinite = {str(r): pending.nonfinite.get(r, {}) for r in sorted(pending.ranks)}
-        # The daemon's own metric: the step's health, wherever its metrics go.
-        total = sum(sum(counts.values()) for counts in nonfinite.values())
-        manifest = Manifest(
-            job=st.job,
-            step=st.step,
-            node=self.node_id,
-            world_size=st.world_size,
-            created_unix=time.time(),
-            ranks=[r for r, _, _ in ranks],
-            shards=ShardTable.concat([shards for _, shards, _ in ranks]),
-            metadata=next((m for _, _, m in ranks if m), {}),
-            milestone=st.milestone,
-            metrics={**st.metrics, NONFINITE_METRIC: float(total)},
-            nonfinite=nonfinite,
-            data_layout=DATA_SPREAD,  # where the drain will put its rank files
-            timeline=st.timeline,
-            forks=st.forks,
-        )
+        manifest = step_manifest(pending, self.node_id)
         try:
             await self._retire_replaced(pending)
             # Serialised once, on a thread: per-shard work never runs on the event loop,
@@ -372,6 +367,7 @@ class Saver:
             self.catalog.committed(st, manifest)
         finally:
             self._settling.discard(st.key)
+            pending.holds.close()  # its references are the catalog's to keep now
         log.info(
             "%s/%d LOCAL in %.3f s (%d bytes)",
             st.job,
@@ -404,6 +400,7 @@ class Saver:
         if pending.step.state == pb.SAVE_STATE_FAILED:
             return  # failed meanwhile by another rank
         self.catalog.failed(pending.step, reason, "local")
+        pending.holds.close()
         await self._settle(pending)
 
     async def _settle(
@@ -439,7 +436,7 @@ class Saver:
         image, written = pending.images.get(rank), pending.ranks.get(rank)
         if self.memory is None or image is None or written is None:
             return False
-        return self.memory.keep(pending.step, rank, lease, image, written[0].crc32c)
+        return self.memory.keep(pending.step, rank, lease, image, written[0].image_crc)
 
     def _forget_if_done(self, pending: PendingStep, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""

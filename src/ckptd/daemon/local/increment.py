@@ -1,0 +1,202 @@
+"""The save path's incremental write: shards the job's previous step already holds
+are referenced (core/increments.py), only the rest is written.
+
+One pass over the lease first (crc32c of every shard and of the whole image, and,
+for a save without the trainer's word, each shard's SHA-256 on two threads), then
+the decision, then the runs written with aligned ``O_DIRECT`` writes like a full
+file. What the previous step holds is never read back: its manifest says where each
+shard is and what its crc32c and digest are.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ckptd.core import checksum, increments
+from ckptd.core.health import NonFiniteCount
+from ckptd.core.manifest import RankRecord, rank_file_name
+from ckptd.core.shard_table import ShardTable
+
+from ..catalog import Catalog, Step
+from ..files import write_runs_direct
+from .records import RankLayout
+
+if TYPE_CHECKING:  # the saver imports this module
+    from .pending import CommitRequest, PendingStep
+
+DIGESTS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ckptd-digest")
+"""SHA-256 of the shards of saves without the trainer's word (hashlib lets go of the
+GIL: two shards at once)."""
+
+
+@dataclass(frozen=True)
+class Increments:
+    """The daemon's incremental settings (``incremental``, ``incremental_max_files``,
+    ``incremental_full_every``; a client turns them off per job)."""
+
+    enabled: bool = True
+    max_files: int = 8
+    full_every: int = 0
+
+
+@dataclass(frozen=True)
+class Base:
+    """The step a save may reference, held (``Catalog.in_use``) until the save is LOCAL."""
+
+    step: Step
+    previous: increments.Previous
+    nonfinite: dict[str, int]
+    """Its NaN/Inf counts of this rank (a reused shard's are the same)."""
+
+
+def base_of(catalog: Catalog, st: Step, rank: int, full_every: int) -> Base | None:
+    """The job's newest LOCAL step before ``st`` on its live history, if it holds this
+    rank as ckptd's own rank file and the chain of references may grow; else None."""
+    older = [
+        s
+        for s in catalog.list(st.job)
+        if s.local
+        and s.manifest is not None
+        and not s.manifest.adopted
+        and not s.abandoned
+        and s.timeline == st.timeline
+        and s.step < st.step
+    ]
+    if not older:
+        return None
+    prev = max(older, key=lambda s: s.order)
+    m = prev.manifest
+    assert m is not None
+    if full_every and m.increment + 1 >= full_every:
+        return None  # this save starts a new chain
+    record = next((r for r in m.ranks if r.rank == rank), None)
+    if record is None:
+        return None
+    previous = increments.Previous(
+        prev.step,
+        record.runs,
+        increments.refs_of(record.refs),
+        m.shards.of_rank(rank),
+        record.digests,
+    )
+    return Base(prev, previous, dict((m.nonfinite or {}).get(str(rank), {})))
+
+
+def hold_base(catalog: Catalog, pending: PendingStep, rank: int, opts: Increments) -> Base | None:
+    """The step ``pending``'s rank may reference, held from now until the save is
+    LOCAL or FAILED (``pending.holds``): the evictor keeps it, and with it whatever
+    it references."""
+    base = base_of(catalog, pending.step, rank, opts.full_every)
+    if base is not None and base.step is not pending.base:
+        pending.holds.enter_context(catalog.in_use(base.step))
+        pending.base = base.step
+    return base
+
+
+def chain_of(pending: PendingStep) -> int:
+    """A save's place in its chain of incremental saves: its base's, plus one."""
+    base = pending.base.manifest if pending.base is not None else None
+    return base.increment + 1 if base is not None else 0
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What one pass over a lease learnt: each shard's crc32c, the image's, digests."""
+
+    crcs: list[int]
+    image_crc: int
+    digests: list[str] | None
+
+
+def scan(header: bytes, data: memoryview, data_len: int, layout: RankLayout, digests: bool) -> Scan:
+    """crc32c of every shard and of the image (header + data), and SHA-256 of every
+    shard when ``digests`` (a save without the trainer's word)."""
+    flat = np.frombuffer(data, np.uint8)
+    futures = (
+        [DIGESTS.submit(increments.digest, data[o : o + n]) for o, n in layout.ranges]
+        if digests
+        else []
+    )
+    stream = checksum.FileCrc(header, layout.ranges, data_len, layout.pieces)
+    stream.feed(flat, data_len)
+    image_crc, crcs = stream.result()
+    return Scan(crcs, image_crc, [f.result() for f in futures] if digests else None)
+
+
+@dataclass(frozen=True)
+class Written:
+    """An incremental rank file as written, and its shards as the manifest records them."""
+
+    record: RankRecord
+    shards: ShardTable
+    nonfinite: dict[str, int]
+    increment: bool
+    """True if the file references an older step (False: the caller writes it in full)."""
+
+
+def write(
+    path: Path,
+    header: bytes,
+    data: memoryview,
+    data_len: int,
+    layout: RankLayout,
+    req: CommitRequest,
+    base: Base | None,
+    max_files: int,
+) -> Written | Scan:
+    """Write ``req``'s rank file referencing what ``base`` holds; returns the
+    :class:`Scan` instead, writing nothing, if nothing can be referenced (the caller
+    writes the whole file, recording the scan's digests)."""
+    word = req.unchanged if base and req.unchanged_since == base.step.step else None
+    found = scan(header, data, data_len, layout, digests=word is None)
+    if base is None:
+        return found
+    head = len(header)
+    table = req.table.placed(req.rank, head, found.crcs)
+    reused, refs, inherited = increments.reuse(
+        table, found.crcs, base.previous, word, found.digests
+    )
+    if not reused.any() or len({r.step for r in refs}) + 1 > max_files:
+        return found
+    image_size = head + data_len
+    runs = increments.round_runs(increments.own_ranges(head, table, reused), image_size)
+    crc = write_runs_direct(path, header, data, runs)
+    record = RankRecord(
+        req.rank,
+        rank_file_name(req.rank),
+        sum(n for _, n in runs),
+        crc,
+        req.tree,
+        runs=[[s, n] for s, n in runs],
+        refs=[r.as_list() for r in refs],
+        image_size=image_size,
+        image_crc32c=found.image_crc,
+        digests=found.digests if found.digests is not None else inherited,
+    )
+    return Written(record, table, _nonfinite(req, data, layout, reused, base), True)
+
+
+def _nonfinite(
+    req: CommitRequest,
+    data: memoryview,
+    layout: RankLayout,
+    reused: npt.NDArray[np.bool_],
+    base: Base,
+) -> dict[str, int]:
+    """NaN/Inf per shard: counted in the shards written, the base's for the reused."""
+    own = [p for p in layout.floats if not reused[p[2]]]
+    health = NonFiniteCount(req.table.keys, own)
+    data_len = max((o + n for o, n in layout.ranges), default=0)
+    health.feed(np.frombuffer(data, np.uint8), data_len)
+    counts: dict[str, Any] = dict(health.result())
+    for i in np.flatnonzero(reused).tolist():
+        key = req.table.keys[i]
+        if key in base.nonfinite:
+            counts[key] = base.nonfinite[key]
+    return {k: counts[k] for k in sorted(counts)}
