@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ckptd.core import checksum
 from ckptd.core.checksum import verify_step
-from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound
+from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
 from ckptd.core.manifest import RankRecord
 from ckptd.core.shard_table import ShardTable
@@ -42,6 +42,7 @@ from ..io import CRC, IoPool
 from ..local.lease import Handed, Lease, Want
 from ..local.staging import Staging
 from ..local.store import LocalStore
+from .assemble import read_increment
 
 log = logging.getLogger("ckptd.restore")
 
@@ -78,6 +79,8 @@ class LocalSource:
             )
         if record is None or not want.shared_memory:
             return None
+        if record.incremental:
+            return await self._assemble(st, record, want)
         path = self.store.step_dir(job, step) / record.file
         changed = st.changed
         try:
@@ -102,6 +105,50 @@ class LocalSource:
         self.staging.release(lease.lease_id)
         await self._set_aside(st, bad)
         raise _lost(st, bad[0])
+
+    async def _assemble(self, st: Step, record: RankRecord, want: Want) -> Handed | None:
+        """An incremental rank's image assembled into a segment (restore/assemble.py):
+        a free one, else a new one if the budget has room for it and a save after it;
+        None: the client reads the files."""
+        assert st.manifest is not None and record.image_size is not None
+        holders = self._holders(st, record)
+        size = round_up(record.image_size)
+        lease = self.staging.take_free(st.job, size, want.uid)
+        if lease is None and self.staging.allocated_bytes + 2 * size <= self.staging.budget_bytes:
+            with contextlib.suppress(ResourceExhausted):
+                lease = await self.staging.acquire(st.job, size, restore=True, populate=False)
+        if lease is None:
+            return None
+        path = self.store.step_dir(st.job, st.step) / record.file
+        changed = st.changed
+        view = lease.segment.view(0, size)
+        try:
+            head, bad = await self.io.run(
+                read_increment, path, record, holders, view, st.manifest.shards
+            )
+        except BaseException as exc:
+            self.staging.release(lease.lease_id)
+            await self._evicted(st, exc, changed)
+            if isinstance(exc, (OSError, ValueError)):
+                await self._set_aside(st, [f"{record.file}: {exc}"])
+                raise _lost(st, f"{record.file}: {exc}") from None
+            raise
+        if not bad:
+            return Handed(lease, head)
+        self.staging.release(lease.lease_id)
+        await self._set_aside(st, bad)
+        raise _lost(st, bad[0])
+
+    def _holders(self, st: Step, record: RankRecord) -> dict[int, Path]:
+        """The rank files an incremental rank's references read, each of a step this
+        tier holds (the evictor keeps them while this step is kept)."""
+        paths: dict[int, Path] = {}
+        for step in sorted(record.holders()):
+            holder = self.catalog.get(st.job, step)
+            if holder is None or not holder.local or holder.manifest is None:
+                raise _lost(st, f"{record.file}: step {step}, which it references, is not here")
+            paths[step] = self.store.step_dir(st.job, step) / record.file
+        return paths
 
     async def _evicted(self, st: Step, exc: BaseException, changed: asyncio.Event) -> None:
         """NotFound if ``exc`` is the evictor removing the copy this restore chose just

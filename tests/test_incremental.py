@@ -1,0 +1,191 @@
+"""Incremental saves against a real daemon: a shard equal to the previous step's is
+referenced, not written; every step restores bit-exact from what holds its bytes
+(core/increments.py, daemon/local/increment.py, daemon/restore/assemble.py).
+
+These tests drive the numpy path, where the daemon compares SHA-256 digests: the
+client's request builder is wrapped to ask for incremental saves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import pytest
+
+from ckptd.client import CheckpointNotFound
+from ckptd.client import saver as client_saver
+from ckptd.core.manifest import MANIFEST, Manifest
+
+from .conftest import Daemon
+
+RNG = np.random.default_rng(35)
+MiB = 2**20
+KEEP = ["--retention-local", "KeepLatest(100)"]
+
+
+@pytest.fixture(autouse=True)
+def incremental_requests(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every commit asks for an incremental save (the numpy path: no trainer's word)."""
+    build = client_saver.Saver._commit_request
+
+    def wrapped(self: Any, *args: Any, **kw: Any) -> Any:
+        req = build(self, *args, **kw)
+        req.incremental = True
+        return req
+
+    monkeypatch.setattr(client_saver.Saver, "_commit_request", wrapped)
+    yield
+
+
+def lora_state() -> dict[str, np.ndarray]:
+    """Frozen weights (several MiB in many arrays) beside small changing adapters."""
+    state = {f"base.{i}": RNG.standard_normal(64 * 1024).astype(np.float32) for i in range(24)}
+    state.update({f"lora.{i}": RNG.standard_normal(3000).astype(np.float32) for i in range(4)})
+    state["step"] = np.array([0], np.int64)
+    return state
+
+
+def manifest_of(d: Daemon, job: str, step: int) -> Manifest:
+    return Manifest.from_json((d.root / job / str(step) / MANIFEST).read_text())
+
+
+def save_steps(client: Any, state: dict[str, np.ndarray], steps: range) -> list[dict[str, Any]]:
+    """Save ``steps``, changing the adapters (and the step counter) before each; the
+    states as saved, copied."""
+    saved = []
+    for step in steps:
+        for key in state:
+            if key.startswith("lora.") or key == "step":
+                state[key] = state[key] + 1
+        client.save(step, state).wait("local", timeout=120)
+        saved.append({k: v.copy() for k, v in state.items()})
+    return saved
+
+
+def assert_same(got: dict[str, Any], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert np.asarray(got[key]).tobytes() == value.tobytes(), key
+
+
+def test_unchanged_shards_are_referenced_not_written(make_daemon: Any) -> None:
+    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    client = d.client("lora")
+    state = lora_state()
+    saved = save_steps(client, state, range(1, 5))
+    first = manifest_of(d, "lora", 1)
+    assert first.increment == 0 and not first.ranks[0].incremental
+    image = first.ranks[0].size
+    for step in range(2, 5):
+        m = manifest_of(d, "lora", step)
+        rank = m.ranks[0]
+        assert rank.incremental and m.increment == step - 1
+        # The frozen weights stay in step 1's file; each step holds its adapters.
+        assert m.holders() == {1}
+        assert rank.image_size == image
+        changed = sum(v.nbytes for k, v in state.items() if not k.startswith("base."))
+        assert rank.size <= len(json.dumps(rank.tree)) + 64 * 1024 + 4 * changed
+        assert (d.root / "lora" / str(step) / rank.file).stat().st_size == rank.size
+    for step, want in zip(range(1, 5), saved, strict=True):
+        got, _ = client.restore(step=step)
+        assert_same(got, want)
+
+
+def crc_twin(data: bytes) -> bytes:
+    """Different bytes of the same length and the same crc32c: crc32c is affine over
+    GF(2), so flipping a set of bits whose crc effects cancel keeps the crc. Found by
+    elimination over the effects of single-bit flips in the first 8 bytes."""
+    base = google_crc32c.value(data)
+
+    def effect(bit: int) -> int:
+        b = bytearray(data)
+        b[bit // 8] ^= 1 << (bit % 8)
+        return google_crc32c.value(bytes(b)) ^ base
+
+    rows = [(effect(bit), 1 << bit) for bit in range(64)]  # (crc effect, bits flipped)
+    basis: dict[int, tuple[int, int]] = {}
+    for value, flips in rows:
+        while value:
+            top = value.bit_length() - 1
+            if top not in basis:
+                basis[top] = (value, flips)
+                break
+            value, flips = value ^ basis[top][0], flips ^ basis[top][1]
+        else:
+            out = bytearray(data)
+            for bit in range(64):
+                if flips >> bit & 1:
+                    out[bit // 8] ^= 1 << (bit % 8)
+            assert bytes(out) != data and google_crc32c.value(bytes(out)) == base
+            return bytes(out)
+    raise AssertionError("64 flips always leave a combination that cancels")
+
+
+def test_a_changed_shard_with_the_same_crc_is_still_written(make_daemon: Any) -> None:
+    """Same place, same crc32c, different bytes: without the trainer's word the
+    SHA-256 digest decides, and the shard is written."""
+    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    client = d.client("twin")
+    a = RNG.integers(0, 2**31, 50_000).astype(np.int32)
+    twin = np.frombuffer(crc_twin(a.tobytes()), np.int32).copy()
+    other = RNG.standard_normal(50_000).astype(np.float32)
+    client.save(1, {"x": a, "y": other}).wait("local", timeout=60)
+    client.save(2, {"x": twin, "y": other}).wait("local", timeout=60)
+    m = manifest_of(d, "twin", 2)
+    assert m.ranks[0].incremental  # y is referenced ...
+    got, _ = client.restore(step=2)
+    assert_same(got, {"x": twin, "y": other})  # ... x, its crc equal, is not
+
+
+def test_restores_after_the_holder_is_gone_from_memory_and_disk_reads(
+    make_daemon: Any,
+) -> None:
+    """With the memory tier on, the newest step restores from memory; an older
+    incremental step from its files."""
+    d: Daemon = make_daemon(extra_args=KEEP)
+    client = d.client("mem")
+    state = lora_state()
+    saved = save_steps(client, state, range(1, 4))
+    got, _ = client.restore()
+    assert_same(got, saved[-1])
+    got, _ = client.restore(step=2)
+    assert_same(got, saved[1])
+
+
+def flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_corrupt_referenced_range_is_never_served(make_daemon: Any) -> None:
+    """Every step reads the damaged bytes of step 1's file: each is set aside, and the
+    restore says there is nothing restorable rather than serve one."""
+    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    client = d.client("rot")
+    save_steps(client, lora_state(), range(1, 4))
+    m = manifest_of(d, "rot", 3)
+    ref = m.ranks[0].refs[0]  # type: ignore[index]
+    flip(d.root / "rot" / str(ref[2]) / m.ranks[0].file, ref[3] + ref[1] // 2)
+    with pytest.raises(CheckpointNotFound):
+        client.restore()
+    assert not [p for p in (d.root / "rot").iterdir() if p.name.isdigit()]
+
+
+def test_a_corrupt_own_run_falls_back_to_the_previous_step(make_daemon: Any) -> None:
+    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    client = d.client("own")
+    saved = save_steps(client, lora_state(), range(1, 4))
+    rank = manifest_of(d, "own", 3).ranks[0]
+    assert rank.runs is not None
+    flip(d.root / "own" / "3" / rank.file, rank.size - 10)
+    got, _ = client.restore()
+    assert_same(got, saved[1])
+    assert not (d.root / "own" / "3").exists()
