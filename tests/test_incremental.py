@@ -74,7 +74,7 @@ def assert_same(got: dict[str, Any], want: dict[str, np.ndarray]) -> None:
 
 
 def test_unchanged_shards_are_referenced_not_written(make_daemon: Any) -> None:
-    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
     client = d.client("lora")
     state = lora_state()
     saved = save_steps(client, state, range(1, 5))
@@ -129,7 +129,7 @@ def crc_twin(data: bytes) -> bytes:
 def test_a_changed_shard_with_the_same_crc_is_still_written(make_daemon: Any) -> None:
     """Same place, same crc32c, different bytes: without the trainer's word the
     SHA-256 digest decides, and the shard is written."""
-    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
     client = d.client("twin")
     a = RNG.integers(0, 2**31, 50_000).astype(np.int32)
     twin = np.frombuffer(crc_twin(a.tobytes()), np.int32).copy()
@@ -168,7 +168,7 @@ def flip(path: Path, at: int) -> None:
 def test_a_corrupt_referenced_range_is_never_served(make_daemon: Any) -> None:
     """Every step reads the damaged bytes of step 1's file: each is set aside, and the
     restore says there is nothing restorable rather than serve one."""
-    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
     client = d.client("rot")
     save_steps(client, lora_state(), range(1, 4))
     m = manifest_of(d, "rot", 3)
@@ -180,7 +180,7 @@ def test_a_corrupt_referenced_range_is_never_served(make_daemon: Any) -> None:
 
 
 def test_a_corrupt_own_run_falls_back_to_the_previous_step(make_daemon: Any) -> None:
-    d: Daemon = make_daemon(extra_args=KEEP + ["--memory-tier-steps", "0"])
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
     client = d.client("own")
     saved = save_steps(client, lora_state(), range(1, 4))
     rank = manifest_of(d, "own", 3).ranks[0]
