@@ -189,3 +189,31 @@ def test_a_corrupt_own_run_falls_back_to_the_previous_step(make_daemon: Any) -> 
     got, _ = client.restore()
     assert_same(got, saved[1])
     assert not (d.root / "own" / "3").exists()
+
+
+@pytest.mark.parametrize("point", ["write.increment", "write.begin"])
+def test_killed_writing_an_incremental_step(make_daemon: Any, point: str) -> None:
+    """SIGKILLed with the decision made (the base held) or the file begun: the
+    journal replays the save, which references what the base holds again, and every
+    step restores bit-exact."""
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
+    client = d.client("kill")
+    state = lora_state()
+    saved = save_steps(client, state, range(1, 3))
+    d.stop()
+    d.env = {"CKPTD_FAILPOINTS": f"{point}=pause"}
+    d.restart()
+    for key in ("lora.0", "step"):
+        state[key] = state[key] + 1
+    saved.append({k: v.copy() for k, v in state.items()})
+    handle = client.save(3, state)  # acknowledged: journaled before the answer
+    d.wait_failpoint(point)
+    d.kill()
+    d.env = {}
+    d.restart()
+    handle.wait("local", timeout=120)
+    m = manifest_of(d, "kill", 3)
+    assert m.ranks[0].incremental and m.holders() == {1, 2}
+    for step, want in zip(range(1, 4), saved, strict=True):
+        got, _ = client.restore(step=step)
+        assert_same(got, want)

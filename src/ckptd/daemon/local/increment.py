@@ -23,6 +23,7 @@ from ckptd.core.health import NonFiniteCount
 from ckptd.core.manifest import RankRecord, rank_file_name
 from ckptd.core.shard_table import ShardTable
 
+from .. import faults
 from ..catalog import Catalog, Step
 from ..files import write_runs_direct
 from .records import RankLayout
@@ -165,6 +166,7 @@ def write(
     if not reused.any() or len({r.step for r in refs}) + 1 > max_files:
         return found
     image_size = head + data_len
+    faults.hit("write.increment")  # decided, the base held, nothing written yet
     runs = increments.round_runs(increments.own_ranges(head, table, reused), image_size)
     crc = write_runs_direct(path, header, data, runs)
     record = RankRecord(

@@ -390,9 +390,9 @@ class MemoryTier:
         if st is None or st.manifest is None or st.timeline != image.timeline:
             return False
         rec = next((r for r in st.manifest.ranks if r.rank == image.rank), None)
-        if rec is None or rec.crc32c != image.file_crc:
+        if rec is None or rec.image_crc != image.file_crc:
             return False
-        if rec.size != image.header_len + image.data_len:
+        if rec.image_bytes != image.header_len + image.data_len:
             return False
         key = (image.job, image.step, image.rank)
         if size < image.data_len:

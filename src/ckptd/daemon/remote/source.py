@@ -216,7 +216,9 @@ class BucketSource:
             if rank is None:
                 raise
             node, raw, manifest = await self._holder_manifest(st, rank, frozenset(known))
+        # An incremental rank's file is not its image: the local tier assembles that.
         shared_memory = shared_memory and not manifest.adopted
+        shared_memory = shared_memory and not any(r.incremental for r in manifest.ranks)
         leases: dict[int, Lease] = {}
         by_file = {r.file: r for r in manifest.ranks}
 
