@@ -22,6 +22,7 @@ from ckptd.client import saver as client_saver
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from .conftest import Daemon
+from .test_metrics import scrape, value
 
 RNG = np.random.default_rng(35)
 MiB = 2**20
@@ -94,6 +95,9 @@ def test_unchanged_shards_are_referenced_not_written(make_daemon: Any) -> None:
     for step, want in zip(range(1, 5), saved, strict=True):
         got, _ = client.restore(step=step)
         assert_same(got, want)
+    # The metric counts what the references spared: the frozen weights, three times.
+    frozen = sum(v.nbytes for k, v in state.items() if k.startswith("base."))
+    assert value(scrape(d), "ckptd_bytes_total", stage="referenced") >= 3 * frozen - 3 * 8192
 
 
 def crc_twin(data: bytes) -> bytes:

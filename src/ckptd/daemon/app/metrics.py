@@ -92,7 +92,8 @@ class Metrics:
         self.bytes = Counter(
             "ckptd_bytes",
             "Checkpoint bytes by stage: local (committed on this node), upload (sent to "
-            "the bucket), fetch (downloaded from it).",
+            "the bucket), fetch (downloaded from it), referenced (of a LOCAL step's "
+            "images, held by older steps' files: neither written nor uploaded again).",
             ["stage"],
             registry=r,
         )
@@ -156,6 +157,8 @@ class Metrics:
         size = st.manifest.size_bytes if st is not None and st.manifest is not None else 0
         if kind == pb.STEP_EVENT_LOCAL and st is not None:
             self.bytes.labels("local").inc(size)
+            if st.manifest is not None and st.manifest.increment:
+                self.bytes.labels("referenced").inc(max(st.manifest.image_bytes - size, 0))
             if st.healthy is False:
                 self.unhealthy.inc()
             if st.handoff_at and st.local_at >= st.handoff_at:

@@ -1,0 +1,369 @@
+"""Incremental saves on a LoRA-shaped state: ckptd incremental vs ckptd full vs DCP
+(torch) and Orbax (jax), in one run, on the same states.
+
+The state (``--frozen-gib`` of frozen float32 weights in ``--frozen-arrays`` arrays,
+plus ``--adapter-mib`` of adapters with their Adam moments) is built once per
+framework: torch CPU tensors (the adapters updated in place, as an optimizer does)
+and jax arrays (the adapters replaced by new arrays each step, as an optax update
+does). ``--saves`` continuous saves per arm, the arms interleaved save by save; each
+save waits for its arm's previous one to be LOCAL (DCP: its future; Orbax:
+``wait_until_finished``), so arms never share the disk. Per save:
+
+- ``block``: until ``save()`` returns (the trainer is blocked);
+- ``local``: until the step is on the local disk, fsynced (ckptd: LOCAL);
+- ``durable``: ckptd's DURABLE in a SeaweedFS bucket on 127.0.0.1 (``--no-bucket``
+  skips it); DCP and Orbax have no drain of their own;
+- ``written``: bytes of the step's files on the local disk (ckptd: its rank files,
+  which an incremental step's references do not repeat; DCP/Orbax: the step's
+  directory);
+- ``uploaded``: bytes the drain put in the bucket for the step (its rank files);
+- ``changed``: bytes of the arrays that changed since the previous save (the floor
+  of ``written`` and ``uploaded``).
+
+Then the newest step of each arm is restored from disk after a daemon restart (the
+memory tier empty), with the older steps evicted (``KeepLatest(2)``: the incremental
+chain's first full step stays, referenced). Goals (the incremental-save issue):
+``written`` and ``uploaded`` <= 1.1x ``changed``; ckptd incremental ``block`` <= 0.1x
+ckptd full's. A table on stdout and ``bench/results/incremental.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import (
+    DEFAULT_WORK_DIR,
+    REPO_ROOT,
+    Daemon,
+    drop_caches,
+    print_table,
+    run_directory,
+    source_digest,
+    write_results,
+)
+
+BUCKET = "bench-incremental"
+ARMS = {"torch": ("incremental", "full", "dcp"), "jax": ("incremental", "full", "orbax")}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frozen-gib", type=float, default=2.0)
+    p.add_argument("--frozen-arrays", type=int, default=500)
+    p.add_argument("--adapter-mib", type=float, default=32.0)
+    p.add_argument("--saves", type=int, default=20)
+    p.add_argument("--frameworks", default="torch,jax")
+    p.add_argument("--no-bucket", action="store_true", help="no SeaweedFS: no DURABLE")
+    p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR)
+    p.add_argument("--name", default="incremental")
+    return p.parse_args(argv)
+
+
+def lora_arrays(args: argparse.Namespace, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Frozen weights and adapters (+ Adam's two moments) as numpy; the adapters' keys."""
+    rng = np.random.default_rng(seed)
+    n = args.frozen_arrays
+    per = int(args.frozen_gib * 2**30) // n // 4
+    state = {f"base.{i:04d}": rng.standard_normal(per, np.float32) for i in range(n)}
+    layers = 64
+    per_adapter = int(args.adapter_mib * 2**20) // (layers * 2 * 3) // 4
+    trained: list[str] = []
+    for i in range(layers):
+        for ab in ("a", "b"):
+            for part in ("w", "m", "v"):
+                key = f"lora.{i:02d}.{ab}.{part}"
+                state[key] = rng.standard_normal(per_adapter, np.float32)
+                trained.append(key)
+    return state, trained
+
+
+def nbytes_of(value: Any) -> int:
+    return int(value.nbytes) if hasattr(value, "nbytes") else int(value.numel() * 4)
+
+
+def du(path: Path) -> int:
+    """Bytes of the files under ``path`` (their sizes, not blocks)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Run:
+    """One framework's arms: its state, its writers, its samples."""
+
+    def __init__(self, fw: str, args: argparse.Namespace, run: Path, daemon: Daemon) -> None:
+        from ckptd.client import Client
+
+        self.fw, self.args, self.run, self.daemon = fw, args, run, daemon
+        arrays, self.trained = lora_arrays(args, seed=35)
+        self.changed = sum(arrays[k].nbytes for k in self.trained)
+        self.total = sum(a.nbytes for a in arrays.values())
+        if fw == "torch":
+            import torch
+
+            self.state: dict[str, Any] = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        else:
+            import jax.numpy as jnp
+
+            self.state = {k: jnp.asarray(v) for k, v in arrays.items()}
+        del arrays
+        self.clients = {
+            arm: Client(f"{fw}-{arm}", socket=daemon.socket, incremental=arm == "incremental")
+            for arm in ("incremental", "full")
+        }
+        self.samples: dict[str, dict[str, list[float]]] = {a: {} for a in ARMS[fw]}
+        self.pending: dict[str, Any] = {}
+        self.mgr: Any = None
+        if fw == "jax":
+            import orbax.checkpoint as ocp
+
+            opts = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+            self.mgr = ocp.CheckpointManager(run / "orbax", options=opts)
+
+    def add(self, arm: str, key: str, value: float | None) -> None:
+        if value is not None:
+            self.samples[arm].setdefault(key, []).append(float(value))
+
+    def train_step(self) -> None:
+        """The adapters and their moments change; the frozen weights do not."""
+        if self.fw == "torch":
+            for key in self.trained:
+                self.state[key].add_(1e-3)
+        else:
+            for key in self.trained:
+                self.state[key] = self.state[key] + 1e-3
+
+    def save(self, arm: str, step: int) -> None:
+        gc.collect()
+        if arm in ("incremental", "full"):
+            self._save_ckptd(arm, step)
+        elif arm == "dcp":
+            self._save_dcp(step)
+        else:
+            self._save_orbax(step)
+
+    def _save_ckptd(self, arm: str, step: int) -> None:
+        client = self.clients[arm]
+        t0 = time.perf_counter()
+        handle = client.save(step, self.state)
+        t1 = time.perf_counter()
+        handle.wait("local", timeout=600)
+        t2 = time.perf_counter()
+        self.add(arm, "block", t1 - t0)
+        self.add(arm, "local", t2 - t0)
+        root = self.daemon.root / client.job / str(step)
+        manifest = json.loads((root / "manifest.json").read_text())
+        written = sum(int(r["size"]) for r in manifest["ranks"])
+        self.add(arm, "written", written)
+        self.add(arm, "changed", self.changed if step > 1 else self.total)
+        if not self.args.no_bucket:
+            handle.wait("durable", timeout=600)
+            self.add(arm, "durable", time.perf_counter() - t0)
+            self.add(arm, "uploaded", written)
+
+    def _save_dcp(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        where = self.run / f"dcp-{step}"
+        writer = dcp.FileSystemWriter(where, sync_files=True)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(self.state, storage_writer=writer)
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        self.add("dcp", "block", t1 - t0)
+        self.add("dcp", "local", t2 - t0)
+        self.add("dcp", "written", du(where))
+        self.add("dcp", "changed", self.changed if step > 1 else self.total)
+        old = self.run / f"dcp-{step - 2}"  # DCP keeps what the caller keeps: the newest two
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _save_orbax(self, step: int) -> None:
+        import orbax.checkpoint as ocp
+
+        t0 = time.perf_counter()
+        self.mgr.save(step, args=ocp.args.StandardSave(self.state))
+        t1 = time.perf_counter()
+        self.mgr.wait_until_finished()
+        t2 = time.perf_counter()
+        self.add("orbax", "block", t1 - t0)
+        self.add("orbax", "local", t2 - t0)
+        self.add("orbax", "written", du(self.run / "orbax" / str(step)))
+        self.add("orbax", "changed", self.changed if step > 1 else self.total)
+
+    def restore(self, arm: str, step: int) -> float:
+        """The newest step from disk, cold; returns seconds; checked bit-exact."""
+        want = {k: np.asarray(v).tobytes() for k, v in self.state.items()}
+        if arm in ("incremental", "full"):
+            from ckptd.client import Client
+
+            drop_caches(self.daemon.root)
+            with Client(f"{self.fw}-{arm}", socket=self.daemon.socket) as c:
+                t0 = time.perf_counter()
+                got, _ = c.restore(step=step)
+                seconds = time.perf_counter() - t0
+                same = all(np.asarray(got[k]).tobytes() == want[k] for k in want)
+                del got
+        elif arm == "dcp":
+            import torch
+            import torch.distributed.checkpoint as dcp
+
+            target = {k: torch.empty_like(v) for k, v in self.state.items()}
+            drop_caches(self.run / f"dcp-{step}")
+            t0 = time.perf_counter()
+            dcp.load(target, storage_reader=dcp.FileSystemReader(self.run / f"dcp-{step}"))
+            seconds = time.perf_counter() - t0
+            same = all(target[k].numpy().tobytes() == want[k] for k in want)
+        else:
+            import orbax.checkpoint as ocp
+
+            drop_caches(self.run / "orbax")
+            t0 = time.perf_counter()
+            got = self.mgr.restore(step, args=ocp.args.StandardRestore(self.state))
+            seconds = time.perf_counter() - t0
+            same = all(np.asarray(got[k]).tobytes() == want[k] for k in want)
+        if not same:
+            raise SystemExit(f"{self.fw} {arm}: the restored step {step} differs from the saved")
+        return seconds
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        if self.mgr is not None:
+            self.mgr.close()
+
+
+def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
+    extra = ["--retention-local", "KeepLatest(2)"]
+    env = None
+    if s3 is not None:
+        extra += ["--remote", f"s3://{BUCKET}/ckpt", "--retention-remote", "KeepLatest(2)"]
+        env = s3.env()
+    daemon = Daemon(run / "root", run / "ckptd.sock", extra_args=extra, env=env).start()
+    out: dict[str, Any] = {"frameworks": {}, "command": daemon.args}
+    try:
+        for fw in args.frameworks.split(","):
+            if fw == "torch":
+                import torch.distributed as dist
+
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                if not dist.is_initialized():
+                    dist.init_process_group("gloo", rank=0, world_size=1)
+            r = Run(fw, args, run, daemon)
+            print(f"{fw}: {r.total / 2**30:.2f} GiB, {r.changed / 2**20:.1f} MiB change per step")
+            arms = ARMS[fw]
+            for step in range(1, args.saves + 1):
+                if step > 1:
+                    r.train_step()
+                order = arms if step % 2 else tuple(reversed(arms))
+                for arm in order:
+                    r.save(arm, step)
+                print(f"{fw} save {step}/{args.saves} done", flush=True)
+            daemon.stop()  # the memory tier empties: restores read the disk
+            daemon.start()
+            restore = {arm: r.restore(arm, args.saves) for arm in arms}
+            out["frameworks"][fw] = {
+                "total_bytes": r.total,
+                "changed_bytes": r.changed,
+                "samples": r.samples,
+                "restore_seconds": restore,
+            }
+            r.close()
+    finally:
+        daemon.stop()
+    return out
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[list[Any]] = []
+    checks: dict[str, Any] = {}
+    for fw, got in res["frameworks"].items():
+        for arm, s in got["samples"].items():
+
+            def med(key: str, s: dict[str, list[float]] = s) -> float | None:
+                later = s.get(key, [])[1:]  # the first save is full in every arm
+                return statistics.median(later) if later else None
+
+            written, changed = med("written"), med("changed")
+            rows.append(
+                [
+                    f"{fw} {arm}",
+                    med("block"),
+                    med("local"),
+                    med("durable"),
+                    None if written is None else written / 2**20,
+                    None if med("uploaded") is None else med("uploaded") / 2**20,  # type: ignore[operator]
+                    None if changed is None else changed / 2**20,
+                    got["restore_seconds"][arm],
+                ]
+            )
+            if arm == "incremental" and written and changed:
+                full = got["samples"]["full"]
+                checks[fw] = {
+                    "written_over_changed": written / changed,
+                    "block_over_full": med("block") / statistics.median(full["block"][1:]),  # type: ignore[operator]
+                }
+    print_table(
+        [
+            "arm",
+            "block s",
+            "local s",
+            "durable s",
+            "written MiB",
+            "uploaded MiB",
+            "changed MiB",
+            "restore s",
+        ],
+        rows,
+        title=f"LoRA-shaped state, {args.frozen_gib} GiB frozen, medians of saves 2..{args.saves}",
+    )
+    print("goals: written, uploaded <= 1.1x changed; incremental block <= 0.1x full")
+    print(json.dumps(checks, indent=1))
+    return {"rows": rows, "checks": checks, **res}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sources = source_digest()
+    args.dir = args.dir.resolve()
+    sys.path.insert(0, str(REPO_ROOT))
+    with run_directory(args.dir, "incremental") as run:
+        s3 = None
+        try:
+            if not args.no_bucket:
+                from tests.servers import SeaweedS3
+
+                s3 = SeaweedS3(run / "seaweed", volume_size_limit_mb=8192).start()
+                s3.make_bucket(BUCKET)
+            res = run_all(args, run, s3)
+        finally:
+            if s3 is not None:
+                s3.stop()
+    doc = report(res, args)
+    doc.update(benchmark="incremental", args=vars(args) | {"dir": str(args.dir)})
+    if source_digest() != sources:
+        print("the sources changed during the run: results not written")
+        return 1
+    write_results(args.name, doc, args.dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
