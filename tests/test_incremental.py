@@ -22,7 +22,8 @@ from ckptd.client import saver as client_saver
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from .conftest import Daemon
-from .test_metrics import scrape, value
+from .test_metrics import scrape
+from .test_metrics import value as metric
 
 RNG = np.random.default_rng(35)
 MiB = 2**20
@@ -97,7 +98,7 @@ def test_unchanged_shards_are_referenced_not_written(make_daemon: Any) -> None:
         assert_same(got, want)
     # The metric counts what the references spared: the frozen weights, three times.
     frozen = sum(v.nbytes for k, v in state.items() if k.startswith("base."))
-    assert value(scrape(d), "ckptd_bytes_total", stage="referenced") >= 3 * frozen - 3 * 8192
+    assert metric(scrape(d), "ckptd_bytes_total", stage="referenced") >= 3 * frozen - 3 * 8192
 
 
 def crc_twin(data: bytes) -> bytes:
