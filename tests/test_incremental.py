@@ -222,3 +222,29 @@ def test_killed_writing_an_incremental_step(make_daemon: Any, point: str) -> Non
     for step, want in zip(range(1, 4), saved, strict=True):
         got, _ = client.restore(step=step)
         assert_same(got, want)
+
+
+def test_a_chain_is_bounded_by_full_saves(make_daemon: Any) -> None:
+    """Every third save of a chain is full; a save whose references would read more
+    files than incremental_max_files allows is written in full too."""
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--incremental-full-every", "3"])
+    client = d.client("chain")
+    saved = save_steps(client, lora_state(), range(1, 6))
+    assert [manifest_of(d, "chain", s).increment for s in range(1, 6)] == [0, 1, 2, 0, 1]
+    assert manifest_of(d, "chain", 5).holders() == {4}
+
+    d2: Daemon = make_daemon(extra_args=[*KEEP, "--incremental-max-files", "2"])
+    c2 = d2.client("fan")
+    state = lora_state()
+    c2.save(1, state).wait("local", timeout=60)
+    state["lora.0"] = state["lora.0"] + 1  # step 2 references step 1: two files
+    c2.save(2, state).wait("local", timeout=60)
+    state["lora.1"] = state["lora.1"] + 1  # step 3 would read steps 1 and 2 and its own
+    c2.save(3, state).wait("local", timeout=60)
+    assert manifest_of(d2, "fan", 2).holders() == {1}
+    assert not manifest_of(d2, "fan", 3).ranks[0].incremental
+    got, _ = c2.restore(step=3)
+    assert_same(got, state)
+    for step, want in zip(range(1, 6), saved, strict=True):
+        got, _ = client.restore(step=step)
+        assert_same(got, want)
