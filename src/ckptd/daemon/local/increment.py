@@ -150,11 +150,14 @@ def write(
     req: CommitRequest,
     base: Base | None,
     max_files: int,
-) -> Written | Scan:
+) -> Written | Scan | None:
     """Write ``req``'s rank file referencing what ``base`` holds; returns the
     :class:`Scan` instead, writing nothing, if nothing can be referenced (the caller
-    writes the whole file, recording the scan's digests)."""
+    writes the whole file, recording the scan's digests), or None if the trainer's
+    word says nothing can be, without a scan."""
     word = req.unchanged if base and req.unchanged_since == base.step.step else None
+    if word is not None and not word.any():
+        return None  # the trainer says every shard changed: nothing to compare
     found = scan(header, data, data_len, layout, digests=word is None)
     if base is None:
         return found
