@@ -248,3 +248,25 @@ def test_a_chain_is_bounded_by_full_saves(make_daemon: Any) -> None:
     for step, want in zip(range(1, 6), saved, strict=True):
         got, _ = client.restore(step=step)
         assert_same(got, want)
+
+
+def test_two_ranks_of_a_node_each_reference_their_own_files(make_daemon: Any) -> None:
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
+    clients = [d.client("two", rank=r, node_ranks=[0, 1], world_size=2) for r in (0, 1)]
+    states = [lora_state(), lora_state()]
+    saved: list[list[dict[str, Any]]] = [[], []]
+    for step in range(1, 4):
+        handles = []
+        for r, (c, state) in enumerate(zip(clients, states, strict=True)):
+            state["lora.0"] = state["lora.0"] + r + 1
+            handles.append(c.save(step, state))
+            saved[r].append({k: v.copy() for k, v in state.items()})
+        for h in handles:
+            h.wait("local", timeout=60)
+    m = manifest_of(d, "two", 3)
+    assert [r.rank for r in m.ranks] == [0, 1]
+    assert all(r.incremental and r.holders() == {1} for r in m.ranks)
+    for step in range(1, 4):
+        for r, c in enumerate(clients):
+            got, _ = c.restore(step=step)
+            assert_same(got, saved[r][step - 1])
