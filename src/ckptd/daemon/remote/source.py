@@ -104,6 +104,7 @@ class BucketSource:
                 metrics=e.metrics,
                 timeline=e.timeline,
                 forks=e.forks,
+                holders=frozenset(e.holders),
             )
         if not entries and job not in self._asked_others:
             self._asked_others.add(job)
