@@ -23,7 +23,7 @@ def make_incremental(root: Path, job: str, step: int, holder: int) -> Manifest:
         image = (step_dir / r.file).read_bytes()
         held = (holder_dir / r.file).read_bytes()
         rows = m.shards.of_rank(r.rank)
-        first = min(o for o, n in zip(rows.offset.tolist(), rows.length.tolist()) if n)
+        first = min(o for o, n in zip(rows.offset.tolist(), rows.length.tolist(), strict=True) if n)
         assert first % ALIGN == 0, "shards start on a block: the header run ends there"
         assert image[first:] == held[first:], "the holder must hold the same shard bytes"
         rest = len(image) - first

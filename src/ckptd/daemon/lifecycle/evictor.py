@@ -147,9 +147,11 @@ class Evictor:
         """Of ``keys``, the local copies the plan made now still lets go (a save may
         have referenced one, a restore or the drain taken one, since it was chosen)."""
         plans = {job: self.retention.plan(job) for job in {job for job, _ in keys}}
+        # Newest first: a step leaves view before the older steps it references, so a
+        # kill between two renames never leaves a step whose holder is gone.
         return [
             st
-            for job, step in keys
+            for job, step in sorted(keys, key=lambda k: (k[0], -k[1]))
             if (st := self.catalog.get(job, step)) is not None
             and st.local
             and not self.retention.busy(st)
@@ -170,7 +172,7 @@ class Evictor:
                 # and finds its files gone waits for this instead of setting it aside;
                 # a save does not reference it (the in-use flag says it is going).
                 held.enter_context(self.catalog.in_use(st, evicting=True))
-            if faults.armed("evict.referenced") and self._references_kept(steps):
+            if faults.armed("evict.referenced") and self._with_references(steps):
                 await asyncio.to_thread(faults.hit, "evict.referenced")
             await self.io.run(self.store.evict_many, [st.key for st in steps])
         for st in steps:
@@ -178,12 +180,12 @@ class Evictor:
             log.info("evicted %s/%d from the local tier (%s)", st.job, st.step, why)
             self.catalog.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, why)
 
-    def _references_kept(self, steps: list[Step]) -> bool:
-        """Whether a job of ``steps`` keeps steps that reference others (the failpoint
-        ``evict.referenced``: an eviction beside references a crash must not break)."""
-        going = {st.key for st in steps}
+    def _with_references(self, steps: list[Step]) -> bool:
+        """Whether a job of ``steps`` has local steps that reference others (the
+        failpoint ``evict.referenced``: an eviction a crash must not turn into a kept
+        step without its holders)."""
         return any(
-            s.local and s.key not in going and s.references()
+            s.local and s.references()
             for job in {st.job for st in steps}
             for s in self.catalog.list(job)
         )
