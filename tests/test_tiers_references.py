@@ -4,6 +4,7 @@ steps are made by hand (incremental_steps.py) on a stopped daemon's disk."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from typing import Any
@@ -31,7 +32,7 @@ def three_steps_then_incremental(make_daemon: Any, extra_args: list[str] | None 
     daemon: Daemon = make_daemon(extra_args=["--retention-local", "KeepAll()", *(extra_args or [])])
     client = daemon.client(JOB)
     for step in (1, 2, 3):
-        client.save(step, state()).wait("local", 60)
+        client.save(step, state(), metadata={"step": step}).wait("local", 60)
     assert daemon.stop() == 0
     make_incremental(daemon.root, JOB, 3, holder=1)
     return daemon
@@ -104,3 +105,58 @@ def test_a_step_whose_holder_is_gone_is_not_uploaded(make_daemon: Any, s3_server
     row = wait_state(client, 3, "FAILED")
     assert "step 1, whose rank files step 3 references, is neither in the bucket" in row.error
     assert 3 not in bucket_steps(remote, JOB)
+
+
+def in_the_bucket_then_wiped(make_daemon: Any, remote: Any) -> Daemon:
+    """Steps 1, 2 (full) and 3 (referencing 1) all DURABLE, then the local disk lost:
+    a fresh daemon on the same bucket, with nothing local."""
+    daemon = three_steps_then_incremental(make_daemon)
+    uploader = remote_daemon(
+        make_daemon, remote, extra_args=["--retention-local", "KeepAll()"], root=daemon.root
+    )
+    client = uploader.client(JOB)
+    for step in (1, 2, 3):
+        wait_state(client, step, "DURABLE")
+    assert uploader.stop() == 0
+    shutil.rmtree(daemon.root)
+    return remote_daemon(
+        make_daemon, remote, extra_args=["--retention-local", "KeepAll()"], root=daemon.root
+    )
+
+
+def prefetch(daemon: Daemon) -> str:
+    out = subprocess.run(
+        [CKPTD, "prefetch", JOB, "--socket", str(daemon.socket)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_step_from_the_bucket_brings_its_holders(make_daemon: Any, s3_server: Any) -> None:
+    remote = s3_target(s3_server, "ckptd-inc-bring")
+    daemon = in_the_bucket_then_wiped(make_daemon, remote)
+    assert prefetch(daemon).startswith(f"{JOB}/3: local (fetched from the bucket")
+    local = sorted(c.step for c in daemon.client(JOB).list() if "LOCAL" in c.tiers)
+    assert local == [1, 3]  # the holder came first, whole
+    tree, _ = daemon.client(JOB).restore(step=1)
+    assert np.array_equal(tree["w1"], state()["w1"])
+
+
+def test_a_holder_corrupt_in_the_bucket_passes_to_the_next_older_step(
+    make_daemon: Any, s3_server: Any
+) -> None:
+    remote = s3_target(s3_server, "ckptd-inc-corrupt")
+    daemon = in_the_bucket_then_wiped(make_daemon, remote)
+    key = next(k for k in remote.object_keys() if "/test-node/1/rank-" in k)
+
+    async def flip_a_byte(r: Any) -> None:
+        data = bytearray(await r.get_bytes(key))
+        data[-1] ^= 0xFF
+        await r.put_bytes(key, bytes(data))
+
+    remote.run(flip_a_byte)
+    _, metadata = daemon.client(JOB).restore()  # step 3 cannot be: the next older one
+    assert metadata["step"] == 2
+    rows = {c.step: c for c in daemon.client(JOB).list()}
+    assert "LOCAL" not in rows[3].tiers
+    assert "step 1, whose rank files it references, cannot be restored" in rows[3].error
