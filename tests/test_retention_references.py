@@ -42,8 +42,8 @@ def test_referenced_follows_holders_of_holders() -> None:
 def test_a_kept_step_keeps_its_holders_transitively_and_says_why() -> None:
     plan = plan_job(views(range(6), holders={5: {3}, 3: {0}}), KeepLatest(1), None, 0)
     assert plan.evict_local == [1, 2, 4]
-    assert plan.local_reasons[3] == ["referenced by step 5"]
-    assert plan.local_reasons[0] == ["referenced by step 3"]
+    assert plan.local_reasons[3] == ["referenced-by-step-5"]
+    assert plan.local_reasons[0] == ["referenced-by-step-3"]
     assert plan.local_reasons[5] == ["latest", "newest"]
 
 
@@ -58,22 +58,22 @@ def test_a_busy_step_keeps_its_holders() -> None:
     plan = plan_job(views(range(4), holders={2: {0}}, busy=[2]), KeepLatest(1), None, 0)
     assert plan.evict_local == [1]
     assert plan.local_reasons[2] == ["in-use"]
-    assert plan.local_reasons[0] == ["referenced by step 2"]
+    assert plan.local_reasons[0] == ["referenced-by-step-2"]
 
 
 def test_the_bucket_keeps_what_its_kept_steps_reference() -> None:
     v = views([4], remote=range(5), holders={4: {2}, 2: {1}})
     plan = plan_job(v, KeepLatest(1), KeepLatest(1), 0)
     assert plan.evict_remote == [0, 3]
-    assert plan.remote_reasons[2] == ["referenced by step 4"]
-    assert plan.remote_reasons[1] == ["referenced by step 2"]
+    assert plan.remote_reasons[2] == ["referenced-by-step-4"]
+    assert plan.remote_reasons[1] == ["referenced-by-step-2"]
 
 
 def test_a_step_waiting_to_go_up_keeps_its_holder_in_the_bucket() -> None:
     v = views([4], remote=range(4), holders={4: {1}}, pending=[4])
     plan = plan_job(v, KeepLatest(1), KeepLatest(1), 0)
     assert plan.evict_remote == [0, 2]
-    assert plan.remote_reasons[1] == ["referenced by step 4"]
+    assert plan.remote_reasons[1] == ["referenced-by-step-4"]
 
 
 def test_a_pending_holder_is_wanted_by_the_bucket_never_superseded() -> None:
@@ -84,7 +84,7 @@ def test_a_pending_holder_is_wanted_by_the_bucket_never_superseded() -> None:
     assert plan.supersede == []
     assert 2 in plan.remote_wants
     assert 2 not in plan.evict_local
-    assert plan.local_reasons[2] == ["referenced by step 4"]
+    assert plan.local_reasons[2] == ["referenced-by-step-4"]
     # Without the reference it is superseded, as before.
     plain = plan_job(views([2, 3, 4], remote=[3], pending=[2, 4]), KeepLatest(1), KeepLatest(1), 0)
     assert plain.supersede == [2]
@@ -102,4 +102,4 @@ def test_disk_pressure_never_takes_a_referenced_copy() -> None:
     v = views(range(3), remote=range(3), holders={1: {0}})
     plan = plan_job(v, KeepAll(), KeepAll(), 0)
     assert plan.pressure == [1]  # step 0 only once step 1 is gone
-    assert plan.local_reasons[0] == ["all", "referenced by step 1"]
+    assert plan.local_reasons[0] == ["all", "referenced-by-step-1"]

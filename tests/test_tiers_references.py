@@ -55,13 +55,13 @@ def test_local_retention_keeps_a_referenced_step_and_says_why(make_daemon: Any) 
     client = daemon.client(JOB)
     settled(client, [1, 3], [])
     why = {c.step: c.local_reasons for c in client.list()}
-    assert why[1] == ("referenced by step 3",)
+    assert why[1] == ("referenced-by-step-3",)
     out = subprocess.run(
         [CKPTD, "ls", JOB, "--socket", str(daemon.socket)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     row_1 = next(line for line in out.stdout.splitlines() if line.split()[1] == "1")
-    assert "referenced by step 3" in row_1
+    assert "local=referenced-by-step-3" in row_1
     tree, _ = client.restore(step=1)  # the holder is whole: it restores
     assert np.array_equal(tree["w2"], state()["w2"])
 
@@ -85,7 +85,7 @@ def test_the_drain_uploads_a_holder_first_though_the_policy_skips_it(
     wait_state(client, 2, "SUPERSEDED")
     assert bucket_steps(remote, JOB) == [1, 3]
     why = {c.step: c.remote_reasons for c in client.list()}
-    assert why[1] == ("referenced by step 3",)
+    assert why[1] == ("referenced-by-step-3",)
 
 
 def test_a_step_whose_holder_is_gone_is_not_uploaded(make_daemon: Any, s3_server: Any) -> None:

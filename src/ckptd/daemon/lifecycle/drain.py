@@ -321,6 +321,8 @@ class Drain:
             self.catalog.draining(st)
             self.catalog.failed(st, need, "remote")
             return None
+        if need.state == pb.SAVE_STATE_FAILED and need.key in self._failed_uploads:
+            return None  # its own upload failed: tried again when its backoff ends
         if need.state in (pb.SAVE_STATE_SUPERSEDED, pb.SAVE_STATE_FAILED):
             self.catalog.requeued(need, f"step {st.step} references it: it goes up first")
         # DURABLE: the evictor is taking it out of the bucket; it goes up again after.

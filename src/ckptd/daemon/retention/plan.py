@@ -32,7 +32,7 @@ a newer step is complete remotely.
 
 References come last (references.py): a step that a step a tier keeps (or one in
 use, or one waiting to go up) references stays in that tier, whatever the above
-said (``referenced by step N``).
+said (``referenced-by-step-N``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ step holds its holders, transitively, so the rules here run after the policies
 and the safety rules (plan.py) and only ever keep more:
 
 - a local copy that a kept local copy, or a step in use, references is kept
-  (``referenced by step N``), and evicted at the first plan that no longer
+  (``referenced-by-step-N``), and evicted at the first plan that no longer
   needs it;
 - a bucket copy that a kept bucket copy, a step in use or a step waiting to go
   up references is kept likewise;
@@ -45,7 +45,7 @@ def referenced(seeds: Iterable[int], holders_of: HoldersOf) -> dict[int, int]:
 
 def reason(referrer: int) -> str:
     """The reason a step stays in a tier for a step that references it."""
-    return f"referenced by step {referrer}"
+    return f"referenced-by-step-{referrer}"
 
 
 def keep_referenced(
