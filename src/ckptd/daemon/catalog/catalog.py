@@ -283,7 +283,8 @@ class Catalog(StepTable):
         uploading it right now (a copy set aside as corrupt): the drain ends it."""
         if not st.local:
             raise IllegalTransition(f"{st!r} has no local copy to remove")
-        st._set(manifest=None, peers=frozenset())
+        # What its references read stays known: the bucket's copy needs those too.
+        st._set(manifest=None, peers=frozenset(), holders=st.references())
         if not st.in_remote and st.state != DRAINING:
             self._drop(st)
         self._emit(st, why, detail)
@@ -302,9 +303,10 @@ class Catalog(StepTable):
         self._emit(st, pb.STEP_EVENT_RETRYING, reason)
 
     def requeued(self, st: Step, reason: str) -> None:
-        """Back in the queue: a newer step goes first, the daemon stops, or a failed
-        upload (its local copy intact) is tried again."""
-        if st.state == FAILED and not st.local:
+        """Back in the queue: a newer step goes first, the daemon stops, a failed
+        upload (its local copy intact) is tried again, or a newer step to upload
+        references it."""
+        if st.state in (FAILED, SUPERSEDED) and not st.local:
             raise IllegalTransition(f"{st!r} has no local copy to upload")
         self._move(st, LOCAL)
         self._emit(st, pb.STEP_EVENT_REQUEUED, reason)
@@ -338,6 +340,7 @@ class Catalog(StepTable):
         metrics: Mapping[str, float] | None = None,
         timeline: int | None = 0,
         forks: Forks = (),
+        holders: frozenset[int] | None = None,
     ) -> Step | None:
         """Complete copies of ``step`` found in the bucket (markers of ``nodes``).
 
@@ -379,6 +382,7 @@ class Catalog(StepTable):
             remote_nodes=st.remote_nodes | frozenset(nodes),
             adopted=st.adopted or adopted,
             pinned=st.pinned or pinned,
+            holders=st.holders if holders is None else holders,
         )
         if st.state == LOCAL and self.node_id in st.remote_nodes:
             self._move(st, DURABLE)

@@ -33,7 +33,9 @@ TRANSITIONS: Mapping[int, frozenset[int]] = {
     DRAINING: frozenset({DURABLE, LOCAL, FAILED}),
     # Retention removed the remote copy while the local one stays; no copy left.
     DURABLE: frozenset({SUPERSEDED, NEW}),
-    SUPERSEDED: frozenset({NEW}),
+    # No copy left; a step a newer one references goes back in the queue (LOCAL):
+    # the bucket needs it first (lifecycle/drain.py).
+    SUPERSEDED: frozenset({NEW, LOCAL}),
     # Saved again under the same number (a new STAGING); no copy left; a failed
     # upload whose local copy is intact goes back in the queue (LOCAL).
     FAILED: frozenset({STAGING, NEW, LOCAL}),
@@ -74,6 +76,7 @@ _FIELDS = frozenset(
         "timeline",
         "forks",
         "abandoned",
+        "holders",
     }
 )
 
@@ -129,6 +132,9 @@ class Step:
     abandoned: bool
     """A later timeline forked at or below this step: not part of the job's live
     history (restore and retention's "newest" skip it; the catalog keeps it current)."""
+    holders: frozenset[int]
+    """The older steps whose rank files this step's references read, as the bucket's
+    index says (the local copy's manifest says it too: :meth:`references`)."""
 
     def __init__(self, job: str, step: int, **values: Any) -> None:
         defaults: dict[str, Any] = {
@@ -157,6 +163,7 @@ class Step:
             "timeline": 0,
             "forks": (),
             "abandoned": False,
+            "holders": frozenset(),
         }
         for name, value in {"job": job, "step": step, **defaults, **values}.items():
             object.__setattr__(self, name, value)
@@ -165,6 +172,13 @@ class Step:
         raise AttributeError(
             f"Step.{name} is owned by the Catalog: ask it for a transition instead"
         )
+
+    def references(self) -> frozenset[int]:
+        """The older steps whose rank files this step's references read (every tier
+        that holds this step must hold them: daemon/retention/references.py)."""
+        if self.manifest is not None:
+            return frozenset(self.manifest.holders())
+        return self.holders
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():

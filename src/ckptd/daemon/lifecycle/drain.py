@@ -19,7 +19,8 @@ a listing of the bucket) says which steps are DURABLE; the others are queued
 again, and their files already in the bucket with the right crc32c are not sent
 twice. A job may ask for an upload pace (pace.py): its newest step then waits
 until the job's interval has passed since its last upload started, and the
-steps the pace skipped become SUPERSEDED when a newer one goes.
+steps the pace skipped become SUPERSEDED when a newer one goes. A step that
+references older steps' rank files goes up only after them (holders.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from ..local.store import LocalStore
 from ..remote.base import Remote
 from ..remote.claim import NodeClaim
 from ..remote.index import NodeIndex
-from ..remote.publish import Publisher
+from ..remote.publish import HolderMissing, Publisher
 from ..retention.planner import Retention
+from .holders import Holders
 from .pace import UploadPace
 
 log = logging.getLogger("ckptd.drain")
@@ -111,9 +113,11 @@ class Drain:
         self.last_error = ""
         self._failed_uploads: dict[tuple[str, int], tuple[int, float]] = {}
         """FAILED uploads with an intact local copy: (failures so far, next try at)."""
+        self.holders = Holders(catalog, retention.retracting)
         self.publisher = Publisher(
             remote, index, store, io, self.node_id, stall_seconds, self._stalled
         )
+        self.publisher.holders_missing = self.holders.missing_reason
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None
@@ -171,6 +175,7 @@ class Drain:
                     metrics=e.metrics,
                     timeline=e.timeline,
                     forks=e.forks,
+                    holders=frozenset(e.holders),
                 )
             return len(entries)
 
@@ -204,10 +209,11 @@ class Drain:
                 continue
             self.supersede_unwanted()
             next_revival = self._revive_failed()
-            st = self.pick()
+            picked = self.pick()
+            st = self._holder_first(picked) if picked is not None else None
             if st is None:
                 self._wake.clear()
-                if self.pick() is None:
+                if picked is not None or self.pick() is None:
                     # Woken by new work, or a paced job's turn; every PERIOD_SECONDS
                     # anyway, because time-based remote policies change what the
                     # bucket wants as time passes.
@@ -217,7 +223,8 @@ class Drain:
                             self._wake.wait(), min(PERIOD_SECONDS, next_revival, paced)
                         )
                 continue
-            self._paced_out(st)
+            if st is picked:
+                self._paced_out(st)
             try:
                 await self._drain(st)
             except BaseException:
@@ -301,6 +308,26 @@ class Drain:
         ]
         return max(older, key=lambda s: s.order) if older else None
 
+    def _holder_first(self, st: Step) -> Step | None:
+        """The step to upload for ``st``: itself, or the oldest step it references that
+        is not in the bucket yet (queued again if it was not waiting). None: nothing can
+        go now (a holder is leaving the bucket, or ``st`` failed: holders.py)."""
+        need = self.holders.first_missing(st)
+        if need is None:
+            return st
+        if isinstance(need, str):
+            log.error("%s/%d: %s", st.job, st.step, need)
+            self.last_error = need
+            self.catalog.draining(st)
+            self.catalog.failed(st, need, "remote")
+            return None
+        if need.state == pb.SAVE_STATE_FAILED and need.key in self._failed_uploads:
+            return None  # its own upload failed: tried again when its backoff ends
+        if need.state in (pb.SAVE_STATE_SUPERSEDED, pb.SAVE_STATE_FAILED):
+            self.catalog.requeued(need, f"step {st.step} references it: it goes up first")
+        # DURABLE: the evictor is taking it out of the bucket; it goes up again after.
+        return need if need.state == pb.SAVE_STATE_LOCAL and not need.busy else None
+
     def _waiting_jobs(self) -> set[str]:
         return {s.job for s in self.catalog.steps() if s.state == pb.SAVE_STATE_LOCAL}
 
@@ -310,8 +337,11 @@ class Drain:
         if not interval or st.milestone:
             return
         self.pace.started(st.job)
+        keep = self.holders.pace_keeps(st)  # what st and waiting milestones reference
         for s in self.catalog.list(st.job):
             if s.order < st.order and s.state == pb.SAVE_STATE_LOCAL and not s.milestone:
+                if s.step in keep:
+                    continue
                 self.catalog.superseded(
                     s,
                     f"not uploaded: the job uploads at most every {interval:.3g} s (its "
@@ -350,6 +380,9 @@ class Drain:
                 raise
             except Exception as exc:
                 self.publisher.suspect.add(st.key)  # parts of it may be in the bucket
+                if isinstance(exc, HolderMissing):  # they go first, then it goes again
+                    self.catalog.requeued(st, str(exc))
+                    return
                 if self._replaced(st):
                     return
                 if self._stop.is_set():

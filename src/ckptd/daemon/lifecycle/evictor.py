@@ -8,6 +8,13 @@ before its objects, so a half-deleted step is never listed. Below the low
 watermark it also removes local copies the bucket holds, oldest first, until the
 mark is met. Admission asks it for :meth:`relieve_local` (local only) before
 refusing a save.
+
+A step that a kept step references (core/increments.py) stays in that tier
+(retention/references.py). Plans are made again right before each deletion,
+from the catalog as it is then (a save may have referenced a step, or the drain
+taken one, since the pass began): what a kept step, a step in use or a step on
+its way to the bucket reads is never deleted, and a crash at any point leaves
+either the whole step or its removal to finish at the next start.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from collections.abc import Callable
 
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Event
+from .. import faults
+from ..catalog import Catalog, Event, Step
 from ..io import IoPool
 from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore
@@ -135,28 +143,52 @@ class Evictor:
             )
             await self._relieve_pressure()
 
-    async def _evict_local_batch(self, keys: list[tuple[str, int]], why: str) -> None:
+    def _still_evictable(self, keys: list[tuple[str, int]], pressure: bool) -> list[Step]:
+        """Of ``keys``, the local copies the plan made now still lets go (a save may
+        have referenced one, a restore or the drain taken one, since it was chosen)."""
+        plans = {job: self.retention.plan(job) for job in {job for job, _ in keys}}
+        # Newest first: a step leaves view before the older steps it references, so a
+        # kill between two renames never leaves a step whose holder is gone.
+        return [
+            st
+            for job, step in sorted(keys, key=lambda k: (k[0], -k[1]))
+            if (st := self.catalog.get(job, step)) is not None
+            and st.local
+            and not self.retention.busy(st)
+            and step in (plans[job].pressure if pressure else plans[job].evict_local)
+        ]
+
+    async def _evict_local_batch(
+        self, keys: list[tuple[str, int]], why: str, pressure: bool = False
+    ) -> None:
         """Evict many local copies in one go: one fsync per job directory, not one per
         step (under a heavy write load each fsync waits behind the writes)."""
-        steps = [
-            st
-            for key in keys
-            if (st := self.catalog.get(*key)) is not None
-            and st.local
-            and not self.retention.busy(st)  # a restore or the drain took it meanwhile
-        ]
+        steps = self._still_evictable(keys, pressure)
         if not steps:
             return
         with contextlib.ExitStack() as held:
             for st in steps:
                 # The drain leaves them alone; a restore that chose one just before
-                # and finds its files gone waits for this instead of setting it aside.
+                # and finds its files gone waits for this instead of setting it aside;
+                # a save does not reference it (the in-use flag says it is going).
                 held.enter_context(self.catalog.in_use(st, evicting=True))
+            if faults.armed("evict.referenced") and self._with_references(steps):
+                await asyncio.to_thread(faults.hit, "evict.referenced")
             await self.io.run(self.store.evict_many, [st.key for st in steps])
         for st in steps:
             self.evicted_local += 1
             log.info("evicted %s/%d from the local tier (%s)", st.job, st.step, why)
             self.catalog.local_removed(st, pb.STEP_EVENT_EVICTED_LOCAL, why)
+
+    def _with_references(self, steps: list[Step]) -> bool:
+        """Whether a job of ``steps`` has local steps that reference others (the
+        failpoint ``evict.referenced``: an eviction a crash must not turn into a kept
+        step without its holders)."""
+        return any(
+            s.local and s.references()
+            for job in {st.job for st in steps}
+            for s in self.catalog.list(job)
+        )
 
     async def _relieve_pressure(self) -> None:
         space = self.disk.space()
@@ -165,22 +197,25 @@ class Evictor:
             return
         if await self.io.run(self.store.drop_spares) and self.disk.space().free >= low:
             return  # spare files were enough
-        candidates: list[tuple[float, str, int]] = []
-        for job in self.catalog.jobs():
-            for step in self.retention.plan(job).pressure:
-                st = self.catalog.get(job, step)
-                if st is not None:
-                    candidates.append((st.time, job, step))
-        for _, job, step in sorted(candidates):
-            if self.disk.space().free >= low:
+        tried: set[tuple[str, int]] = set()
+        while self.disk.space().free < low:
+            # Planned again after each eviction: a holder becomes a candidate once
+            # the step that referenced it is gone.
+            candidates = [
+                (st.time, job, step)
+                for job in self.catalog.jobs()
+                for step in self.retention.plan(job).pressure
+                if (job, step) not in tried and (st := self.catalog.get(job, step)) is not None
+            ]
+            if not candidates:
                 break
-            await self._evict_local(job, step, f"free space below the low watermark {gib(low)}")
+            _, job, step = min(candidates)
+            tried.add((job, step))
+            why = f"free space below the low watermark {gib(low)}"
+            await self._evict_local_batch([(job, step)], why, pressure=True)
             # Its files were kept as spares, which frees nothing: below the mark the
             # space is wanted now, or every candidate would go for the same bytes.
             await self.io.run(self.store.drop_spares)
-
-    async def _evict_local(self, job: str, step: int, why: str) -> None:
-        await self._evict_local_batch([(job, step)], why)
 
     async def _evict_remote(self, job: str, step: int, why: str) -> None:
         st = self.catalog.get(job, step)
@@ -195,12 +230,19 @@ class Evictor:
                 self.catalog.set_pinned(st, True)
                 log.info("%s/%d is pinned in the bucket: kept", job, step)
                 return
+            # Planned again now: a step that references it may have gone up (or started
+            # to) meanwhile. From here the drain counts it out of the bucket (holders.py).
+            if step not in self.retention.plan(job).evict_remote:
+                return
+            self.retention.retracting.add(st.key)
             # The marker first (remote/retract.py): from then on the step is not
             # complete, never listed or restored by any node; the index entry last.
             await retract_marker(self.remote, job, step, node_id, st.adopted)
         except Exception as exc:
+            self.retention.retracting.discard(st.key)
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
             return
+        self.retention.retracting.discard(st.key)
         self.catalog.remote_removed(st, "removed from the remote tier by its retention policy")
         try:
             await delete_copy(self.remote, self.index, job, step, node_id, st.adopted)

@@ -75,6 +75,9 @@ class Entry:
     forks: Forks = ()
     """The job's lineage when it was saved: how a node that lost its disk learns
     which steps a later timeline abandoned."""
+    holders: list[int] = field(default_factory=list)
+    """The older steps whose rank files the step's references read (retention keeps
+    them in the bucket while the step is there)."""
 
 
 def encode(job: str, node: str, entries: dict[int, Entry]) -> bytes:
@@ -130,7 +133,15 @@ def _entry(item: Any) -> Entry | None:
         pinned=item.get("pinned") is True,
         timeline=timeline,
         forks=forks,
+        holders=_holders(item.get("holders"), step),
     )
+
+
+def _holders(raw: Any, step: int) -> list[int]:
+    """An entry's holders: older steps only (anything else is not ckptd's)."""
+    if not isinstance(raw, list):
+        return []
+    return sorted({h for h in raw if type(h) is int and 0 <= h < step})
 
 
 async def bucket_lineage(remote: Remote, job: str, nodes: int = 2) -> Forks:

@@ -50,6 +50,11 @@ from .retract import delete_copy, retract_marker
 log = logging.getLogger("ckptd.drain")
 
 
+class HolderMissing(RuntimeError):
+    """A step it references is not complete in the bucket: the step is not committed
+    there (the drain puts it back in the queue, its holders go first)."""
+
+
 class Publisher:
     """Uploads steps of this node to ``remote``."""
 
@@ -73,6 +78,9 @@ class Publisher:
         self.stall_seconds = stall_seconds
         self._on_stall = on_stall
         self._progress_at = 0.0
+        self.holders_missing: Callable[[Step], str] = lambda st: ""
+        """Why a step may not be committed now: a step it references is not complete in
+        the bucket (lifecycle/holders.py; the drain sets it)."""
 
     async def publish(self, st: Step) -> tuple[int, int]:
         """:meth:`_upload`, reporting in status (and as a RETRYING event) when it makes
@@ -198,6 +206,11 @@ class Publisher:
             ranks = (r.rank for r in manifest.ranks)
             await self.remote.put_bytes(ranks_key(st.job, st.step, node, ranks), b"")
         await asyncio.to_thread(faults.hit, "drain.before_marker")
+        # The commit point: a step whose holders are not all in the bucket must not be
+        # listed there (the evictor may have taken one out while this one went up).
+        missing = self.holders_missing(st)
+        if missing:
+            raise HolderMissing(missing)
         marker_info = {
             "node": node,
             "job": st.job,
@@ -211,6 +224,8 @@ class Publisher:
             # Which timeline it is of: a node that lost its disk learns the lineage.
             "timeline": manifest.timeline,
             "forks": manifest.forks,
+            # The steps its references read: retention keeps them while it is here.
+            "holders": sorted(manifest.holders()),
         }
         await part.finalize(json.dumps(marker_info).encode())
         entry = Entry(
@@ -222,6 +237,7 @@ class Publisher:
             st.pinned,
             manifest.timeline,
             manifest.forks,
+            sorted(manifest.holders()),
         )
         await self.index.add(st.job, entry)
         if suspect:

@@ -4,6 +4,12 @@ and other nodes' parts of a step for restores that reshard across nodes.
 Every file is checked against its crc32c as it arrives and the copy is
 committed locally (``manifest.json`` last, one rename) before anything reads it.
 The bucket's read protocol itself (markers, manifests, downloads) is read.py.
+
+A step whose rank files reference older steps' (core/increments.py) comes with
+them: each holder is brought first, as the complete step it is, through this same
+verified path (its own holders first), so the local tier holds what the step
+reads. A holder the bucket cannot give makes the step unrestorable from it, like
+any corrupt copy: the restore takes the next older step.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ class BucketSource:
                 metrics=e.metrics,
                 timeline=e.timeline,
                 forks=e.forks,
+                holders=frozenset(e.holders),
             )
         if not entries and job not in self._asked_others:
             self._asked_others.add(job)
@@ -216,7 +223,9 @@ class BucketSource:
             if rank is None:
                 raise
             node, raw, manifest = await self._holder_manifest(st, rank, frozenset(known))
-        # An incremental rank's file is not its image: the local tier assembles that.
+        await self._bring_holders(st, manifest, rank)
+        # An incremental step's files are not the images a restore hands over: the
+        # local tier assembles those from its holders' files too.
         shared_memory = shared_memory and not manifest.adopted
         shared_memory = shared_memory and not any(r.incremental for r in manifest.ranks)
         leases: dict[int, Lease] = {}
@@ -267,6 +276,36 @@ class BucketSource:
         for other, held in leases.items():
             self.memory.keep(st.job, st.step, other, held)
         return lease
+
+    async def _bring_holders(self, st: Step, manifest: Manifest, rank: int | None) -> None:
+        """Every step ``manifest`` references, made local first (oldest first; each
+        brings its own). DataLoss if one is neither local nor restorable from the bucket."""
+        holders = frozenset(manifest.holders())
+        if not holders:
+            return
+        # Known from now on: while ``st`` is in use, retention keeps them (references.py).
+        self.catalog.discovered(
+            st.job, st.step, frozenset(), st.adopted, timeline=None, holders=holders
+        )
+        for step in sorted(holders):
+            h = self.catalog.get(st.job, step)
+            if h is None or not (h.local or h.in_remote):
+                await self.refresh(st.job, step)
+                h = self.catalog.get(st.job, step)
+            if h is not None and h.local:
+                continue
+            why = "it is not in the bucket"
+            if h is not None and h.in_remote and not h.unusable:
+                try:
+                    await self.to_local(h, rank, False)
+                    continue
+                except (DataLoss, NotFound) as exc:
+                    why = str(exc)
+            elif h is not None and h.unusable:
+                why = h.unusable
+            raise DataLoss(
+                f"step {step}, whose rank files it references, cannot be restored: {why}"
+            )
 
     async def _holder_manifest(
         self, st: Step, rank: int, tried: frozenset[str] = frozenset()

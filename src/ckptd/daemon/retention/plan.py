@@ -29,6 +29,10 @@ wants uploaded (``awaiting-upload``). Their reasons say ``abandoned``.
 tier plus the pending steps says which of them the bucket will want: the drain
 uploads only those, and a pending step it will not want becomes SUPERSEDED once
 a newer step is complete remotely.
+
+References come last (references.py): a step that a step a tier keeps (or one in
+use, or one waiting to go up) references stays in that tier, whatever the above
+said (``referenced-by-step-N``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .policies import Checkpoint, KeepAny, KeepMilestones, Kept, Policy
+from .references import holders_lookup, keep_referenced, referenced
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class StepView:
     abandoned: bool = False
     """Left behind by a later timeline (core/timeline.py)."""
     timeline: int = 0
+    holders: frozenset[int] = frozenset()
+    """The older steps whose rank files this step's references read (its manifest's,
+    or the bucket index's once the local copy is gone)."""
 
     def checkpoint(self) -> Checkpoint:
         """The policy-facing view."""
@@ -116,7 +124,46 @@ def plan_job(
     for timeline in sorted({v.timeline for v in views if v.abandoned}):
         group = [v for v in views if v.abandoned and v.timeline == timeline]
         _plan_abandoned(plan, group, local_policy, remote_policy, now, ready)
+    _plan_references(plan, views)
     return plan
+
+
+def _plan_references(plan: Plan, views: Sequence[StepView]) -> None:
+    """Each tier keeps what the steps it keeps reference (references.py): the bucket's
+    uploads first (they decide what stays pending), then its copies, then the disk's."""
+    holders_of = holders_lookup({v.step: v.holders for v in views if v.holders})
+    if not any(v.holders for v in views):
+        return  # no incremental step: nothing to add (the common case stays as cheap)
+    busy = [v.step for v in views if v.busy]
+    supersede = set(plan.supersede)
+    going = [v.step for v in views if v.pending and not v.remote and v.step not in supersede]
+    upload = {v.step for v in views if v.local and not v.remote}
+    for step in referenced([*going, *busy], holders_of):
+        if step in upload:  # the bucket needs it first: it goes up, never SUPERSEDED
+            plan.remote_wants.add(step)
+            if step in supersede:
+                plan.supersede.remove(step)
+    remote = {v.step for v in views if v.remote}
+    evict_remote = set(plan.evict_remote)
+    keep_referenced(
+        plan.evict_remote,
+        plan.remote_reasons,
+        remote,
+        [*(s for s in remote if s not in evict_remote), *busy, *going],
+        holders_of,
+    )
+    local = {v.step for v in views if v.local}
+    evict_local = set(plan.evict_local)
+    needed = keep_referenced(
+        plan.evict_local,
+        plan.local_reasons,
+        local,
+        [*(s for s in local if s not in evict_local), *busy],
+        holders_of,
+    )
+    # Disk pressure never takes a copy a kept copy reads: the referencing step goes
+    # first (it is newer), and the holder at the next pass, once nothing needs it.
+    plan.pressure = [s for s in plan.pressure if s not in needed]
 
 
 def _plan_live(

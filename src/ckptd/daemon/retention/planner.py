@@ -34,6 +34,9 @@ class Retention:
         """None without a remote tier."""
         self.evict_unuploaded = evict_unuploaded
         self._clock = clock
+        self.retracting: set[tuple[str, int]] = set()
+        """Steps the evictor is taking out of the bucket right now: the drain counts
+        them out of it already (lifecycle/holders.py)."""
 
     def busy(self, st: Step) -> bool:
         """Being uploaded, fetched or read right now: no tier may drop it."""
@@ -58,6 +61,7 @@ class Retention:
             healthy=st.healthy,
             abandoned=st.abandoned,
             timeline=st.timeline,
+            holders=st.references(),
         )
 
     def plan(self, job: str) -> Plan:
