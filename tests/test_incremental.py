@@ -9,6 +9,8 @@ client's request builder is wrapped to ask for incremental saves.
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from ckptd.core.manifest import MANIFEST, Manifest
 
 from .conftest import Daemon
 from .test_metrics import scrape
+from .test_remote_tier import remote_daemon, s3_target
 from .test_metrics import value as metric
 
 RNG = np.random.default_rng(35)
@@ -270,3 +273,40 @@ def test_two_ranks_of_a_node_each_reference_their_own_files(make_daemon: Any) ->
         for r, c in enumerate(clients):
             got, _ = c.restore(step=step)
             assert_same(got, saved[r][step - 1])
+
+
+def test_retention_keeps_the_referenced_step_and_evicts_the_rest(make_daemon: Any) -> None:
+    """KeepLatest(2): the two newest stay, and step 1, which they reference, with
+    them; the steps between go as soon as nothing kept references them."""
+    d: Daemon = make_daemon(extra_args=["--retention-local", "KeepLatest(2)"])
+    client = d.client("keep")
+    saved = save_steps(client, lora_state(), range(1, 7))
+    d.stub()  # the evictor runs on LOCAL events: wait until it settled
+    deadline = time.monotonic() + 60
+    while sorted(c.step for c in client.list() if "LOCAL" in c.tiers) != [1, 5, 6]:
+        assert time.monotonic() < deadline, [(c.step, c.tiers) for c in client.list()]
+        time.sleep(0.05)
+    for step in (1, 5, 6):
+        got, _ = client.restore(step=step)
+        assert_same(got, saved[step - 1])
+
+
+def test_a_node_lost_restores_the_newest_incremental_step_from_the_bucket(
+    make_daemon: Any, s3_server: Any
+) -> None:
+    """Saved with references, drained, the disk lost: a new daemon on the bucket
+    brings step 1 (referenced) with the newest and restores it bit-exact."""
+    remote = s3_target(s3_server, "ckptd-incremental-node-lost")
+    d = remote_daemon(make_daemon, remote, extra_args=["--retention-local", "KeepLatest(2)"])
+    client = d.client("lost")
+    saved = save_steps(client, lora_state(), range(1, 5))
+    client.wait_until_finished("durable", timeout=120)
+    uploaded = {c.step for c in client.list() if "REMOTE" in c.tiers}
+    assert {1, 4} <= uploaded
+    assert d.stop() == 0
+    shutil.rmtree(d.root)
+    fresh = remote_daemon(make_daemon, remote, root=d.root)
+    got, _ = fresh.client("lost").restore()
+    assert_same(got, saved[-1])  # step 4's state, assembled from steps 4 and 1
+    local = sorted(c.step for c in fresh.client("lost").list() if "LOCAL" in c.tiers)
+    assert local == [1, 4]
