@@ -25,8 +25,8 @@ from ckptd.core.manifest import MANIFEST, Manifest
 
 from .conftest import Daemon
 from .test_metrics import scrape
-from .test_remote_tier import remote_daemon, s3_target
 from .test_metrics import value as metric
+from .test_remote_tier import remote_daemon, s3_target
 
 RNG = np.random.default_rng(35)
 MiB = 2**20
