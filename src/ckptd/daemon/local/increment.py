@@ -63,6 +63,7 @@ def base_of(catalog: Catalog, st: Step, rank: int, full_every: int) -> Base | No
         s
         for s in catalog.list(st.job)
         if s.local
+        and not s.evicting
         and s.manifest is not None
         and not s.manifest.adopted
         and not s.abandoned
