@@ -150,6 +150,7 @@ def test_numpy_and_switched_off_clients_send_no_word(
     # numpy: nothing tells whether it changed; the daemon compares digests.
     assert spy.commits[-1].incremental and not spy.commits[-1].unchanged
     off = daemon.client("off", incremental=False)
+    assert client.incremental and not off.incremental
     off_spy = Spy(off, reuse=False)
     t = torch.ones(4)
     off.save(1, {"t": t}).wait("local")
@@ -157,7 +158,7 @@ def test_numpy_and_switched_off_clients_send_no_word(
     assert not off_spy.commits[-1].incremental and not off_spy.commits[-1].unchanged
     assert spy.commits[-1].incremental
     monkeypatch.setenv("CKPTD_INCREMENTAL", "0")
-    assert not daemon.client("env-off").low_level._saver.incremental
+    assert not daemon.client("env-off").incremental
     monkeypatch.setenv("CKPTD_INCREMENTAL", "maybe")
     with pytest.raises(ValueError, match="CKPTD_INCREMENTAL"):
         daemon.client("env-bad")
@@ -243,3 +244,23 @@ def test_another_client_of_the_same_job_and_rank_never_gets_the_image(
     handle = second.save(3, {"t": t})  # the control: its own image it gets
     handle.wait("local")
     assert spy.leases[-1].holds_image and handle.reused_bytes == t.nbytes
+
+
+def test_a_frozen_jax_array_is_not_copied_again(disk_daemon: Daemon) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    frozen = jnp.arange(64 * 1024, dtype=jnp.float32)
+    adapter = jnp.zeros(256)
+    client = disk_daemon.client("jax-lora")
+    spy = Spy(client)
+    reused = []
+    for step in range(1, 4):
+        adapter = adapter + step  # a new array every step: always copied
+        handle = client.save(step, {"frozen": frozen, "adapter": adapter})
+        handle.wait("local")
+        reused.append(handle.reused_bytes)
+        got, _ = client.restore(step=step, shared_memory=False)
+        assert np.array_equal(got["frozen"], np.asarray(frozen))
+        assert np.array_equal(got["adapter"], np.asarray(adapter))
+    assert [lease.holds_image for lease in spy.leases] == [False, True, True]
+    assert reused == [0, frozen.nbytes, frozen.nbytes]
+    assert spy.unchanged() == {"frozen#0": True, "adapter#0": False}

@@ -143,6 +143,11 @@ class Client:
         self._saver.planner.save_replicas = on
 
     @property
+    def incremental(self) -> bool:
+        """Whether saves are incremental (``incremental=``, unless ``CKPTD_INCREMENTAL=0``)."""
+        return self._saver.incremental
+
+    @property
     def timeout(self) -> float:
         """Default deadline of one RPC, in seconds."""
         return self.connection.timeout

@@ -15,7 +15,7 @@ import numpy as np
 from ckptd.core import shard_wire
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
-from .changes import Token, token_of
+from .changes import Token, tensor_token, token_of
 from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards
 from .tree_spec import flatten
 
@@ -121,13 +121,10 @@ class Planner:
             )
         self._last = plan
         if tensors is not None:
-            tokens = {k: token_of(*_with_index(v)) for k, v in tensors.items()}
+            tokens = {
+                k: token_of(*v) if type(v) is tuple else tensor_token(v) for k, v in tensors.items()
+            }
         return plan, Arrays(host, device, tokens)
-
-
-def _with_index(source: Any) -> tuple[Any, Any]:
-    """``(object, index)`` of a token's source: a jax shard's, or a tensor's (no index)."""
-    return source if type(source) is tuple else (source, None)
 
 
 def _json(spec: Any) -> str:

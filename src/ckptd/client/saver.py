@@ -165,7 +165,8 @@ class Saver:
                 # Every device-to-host transfer starts now, at once (on an accelerator they
                 # overlap; one by one, each waited for its own): the copies find them done.
                 for sp in device.values():
-                    sp.data.copy_to_host_async()
+                    if sp.key not in held:
+                        sp.data.copy_to_host_async()
                 self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
