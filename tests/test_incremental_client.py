@@ -264,3 +264,23 @@ def test_a_frozen_jax_array_is_not_copied_again(disk_daemon: Daemon) -> None:
     assert [lease.holds_image for lease in spy.leases] == [False, True, True]
     assert reused == [0, frozen.nbytes, frozen.nbytes]
     assert spy.unchanged() == {"frozen#0": True, "adapter#0": False}
+
+
+def test_a_step_saved_twice_is_never_trusted_again(daemon: Daemon) -> None:
+    frozen = torch.randn(64, 1024)
+    x = torch.zeros(64, 1024)
+    client = daemon.client("twice")
+    spy = Spy(client)
+    client.save(1, {"frozen": frozen, "x": x}).wait("local")
+    x.add_(1)
+    client.save(2, {"frozen": frozen, "x": x}).wait("local")
+    x.add_(1)
+    client.save(2, {"frozen": frozen, "x": x}).wait("local")  # step 2 again
+    handle = client.save(3, {"frozen": frozen, "x": x})
+    handle.wait("local")
+    # The memory tier kept step 2's first segment until the second was kept: step 3
+    # gets the segment holding the FIRST image of step 2, whose x is not today's.
+    assert (spy.leases[-1].holds_image, spy.leases[-1].holds_step) == (True, 2)
+    assert handle.reused_bytes == 0 and not spy.commits[-1].unchanged
+    got, _ = client.restore(step=3, shared_memory=False)
+    assert torch.equal(got["x"], x) and torch.equal(got["frozen"], frozen)
