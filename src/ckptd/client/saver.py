@@ -156,7 +156,9 @@ class Saver:
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         try:
             held = self._held(lease, plan, arrays.tokens)
-            self.copy_arrays(mm, [e for e in plan.host_entries if e.key not in held], host)
+            # The shards the segment holds already are not copied again (changes.py).
+            todo = [e for e in plan.host_entries if e.key not in held] if held else None
+            self.copy_arrays(mm, plan.host_entries if todo is None else todo, host)
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             self._word(req, plan, arrays.tokens, since)
             saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
@@ -184,7 +186,7 @@ class Saver:
             if not committed:
                 self._handoff.release(req.lease_id)  # the lease of the last attempt
         handle = SaveHandle(self, step, self._copy_job if device else None)
-        handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held)
+        handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
         return self._saved(handle, started, round_up(data_len))
 
     def _held(
