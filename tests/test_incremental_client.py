@@ -284,3 +284,16 @@ def test_a_step_saved_twice_is_never_trusted_again(daemon: Daemon) -> None:
     assert handle.reused_bytes == 0 and not spy.commits[-1].unchanged
     got, _ = client.restore(step=3, shared_memory=False)
     assert torch.equal(got["x"], x) and torch.equal(got["frozen"], frozen)
+
+
+def test_the_off_switch_in_a_shared_environment_does_not_stop_the_daemon(
+    make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A node's environment often reaches the trainer and its sidecar alike.
+    d = make_daemon(env={"CKPTD_INCREMENTAL": "0"})
+    monkeypatch.setenv("CKPTD_INCREMENTAL", "0")
+    client = d.client("env")
+    assert not client.incremental
+    spy = Spy(client, reuse=False)
+    client.save(1, {"t": torch.ones(4)}).wait("local")
+    assert not spy.commits[-1].incremental
