@@ -81,6 +81,9 @@ class Lease:
     holds: int | None = None
     """A save lease granted on a segment that holds this process's committed image of
     this step (:attr:`Segment.image`): unchanged shards need not be copied again."""
+    reuses: bool = False
+    """Asked for with ``reuse_image``: once committed, its image is worth keeping for
+    the client's next save (a client that never asks has no use for it)."""
 
 
 def segment_prefix(root: Path) -> str:

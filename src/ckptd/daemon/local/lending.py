@@ -107,6 +107,7 @@ class Lending(SegmentPool):
             holder=holder,
             owner=owner,
         )
+        lease.reuses = image is not None
         if tag is not None:
             lease.holds = tag[2]
         seg.lease_id = lease.lease_id

@@ -430,7 +430,7 @@ class Saver:
             log.exception("journal: cannot retire leases %s; keeping their memory", ids)
             return
         for rank, lease in done.items():
-            if keep and lease.holder:  # its image, for that client's next save
+            if keep and lease.reuses and lease.holder:  # for that client's next save
                 lease.segment.image = (pending.step.job, rank, pending.step.step, lease.holder)
             if not (keep and self._kept_in_memory(pending, rank, lease)):
                 self.staging.release(lease.lease_id)

@@ -240,9 +240,10 @@ class Staging(Lending):
                 "operator to raise staging_budget_bytes"
             )
         # The segment holding this client's own last image first (its unchanged
-        # shards need no copy), then the smallest that fits.
+        # shards need no copy), then the smallest that fits, one that holds another
+        # client's image last among equals (that client's next save may want it).
         own = partial(Segment.holds_image, image=image, holder=holder)
-        free = sorted(self.free_segments(), key=lambda s: (not own(s), s.size))
+        free = sorted(self.free_segments(), key=lambda s: (not own(s), s.size, bool(s.image)))
         seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
         if seg is None and self.allocated_bytes + need > self.budget_bytes:
             await self.give_way(need, uid)  # the memory tier's segments go first
@@ -330,7 +331,7 @@ class Staging(Lending):
         uid = self.uid_of(job) if uid is None else uid
         free = sorted(
             (s for s in self.free_segments() if s.size >= size_bytes and s.uid in (None, uid)),
-            key=lambda s: s.size,
+            key=lambda s: (s.size, bool(s.image)),  # a save's image kept where it can be
         )
         if not free:
             return None
