@@ -49,6 +49,27 @@ class Spy:
         return dict(zip(req.table.keys, bits.astype(bool).tolist(), strict=False))
 
 
+KEEP_ALL = ["--retention-local", "KeepLatest(20)"]
+"""Every step of a test stays restorable locally."""
+
+
+@pytest.fixture
+def keep_all(make_daemon: Any) -> Daemon:
+    """A daemon without the memory tier (a committed save's segment goes back to the
+    pool at once) that keeps every step."""
+    d: Daemon = make_daemon(extra_args=["--memory-tier-steps", "0", *KEEP_ALL])
+    return d
+
+
+def restore_all(client: Client, snapshots: dict[int, dict[str, Any]]) -> None:
+    """Every step restores bit-exact (at the end: a restore into shared memory takes a
+    free segment, the one that held an image)."""
+    for step, want in snapshots.items():
+        got, _ = client.restore(step=step)
+        for k, v in want.items():
+            assert np.array_equal(np.asarray(got[k]), np.asarray(v)), (step, k)
+
+
 def test_tensors_changed_in_place_are_never_reported_unchanged(daemon: Daemon) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
@@ -87,7 +108,7 @@ def test_tensors_changed_in_place_are_never_reported_unchanged(daemon: Daemon) -
     assert not word["w"]
     assert not word["model.weight"] and not word["model.bias"]
     assert not any(word[k] for k in moments)  # Adam's moments and its step count
-    got, _ = client.restore(step=4, shared_memory=False)
+    got, _ = client.restore(step=4)
     assert torch.equal(got["model"]["weight"], model.weight.detach())
     assert torch.equal(got["w"], w)
 
@@ -108,7 +129,7 @@ def test_a_new_tensor_where_the_old_one_was_is_never_unchanged(daemon: Daemon) -
     assert (t.data_ptr(), t._version) == (address, version)
     client.save(2, {"t": t}).wait("local")
     assert spy.unchanged() == {"t": False}
-    got, _ = client.restore(step=2, shared_memory=False)
+    got, _ = client.restore(step=2)
     assert torch.equal(got["t"], t)
 
 
@@ -168,11 +189,11 @@ def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() for k, v in state.items()}
 
 
-def test_a_frozen_tensor_is_not_copied_again_and_every_step_restores(disk_daemon: Daemon) -> None:
+def test_a_frozen_tensor_is_not_copied_again_and_every_step_restores(keep_all: Daemon) -> None:
     torch.manual_seed(1)
     frozen = torch.randn(256, 1024)  # 1 MiB
     adapter = torch.zeros(64, 64)
-    client = disk_daemon.client("lora")
+    client = keep_all.client("lora")
     spy = Spy(client)
     snapshots = {}
     reused = []
@@ -183,28 +204,27 @@ def test_a_frozen_tensor_is_not_copied_again_and_every_step_restores(disk_daemon
         handle.wait("local")
         reused.append(handle.reused_bytes)
         snapshots[step] = _snapshot(state)
-        got, _ = client.restore(step=step, shared_memory=False)
-        for k, v in snapshots[step].items():
-            assert torch.equal(got[k], v), (step, k)
     assert [lease.holds_image for lease in spy.leases] == [False] + [True] * 4
     assert [lease.holds_step for lease in spy.leases[1:]] == [1, 2, 3, 4]
     assert reused == [0] + [frozen.nbytes] * 4  # the adapter was copied every time
+    restore_all(client, snapshots)
 
 
-def test_the_memory_tier_gives_the_image_back_once_it_lets_it_go(daemon: Daemon) -> None:
+def test_the_memory_tier_gives_the_image_back_once_it_lets_it_go(make_daemon: Any) -> None:
     frozen = torch.randn(128, 1024)
     adapter = torch.zeros(32)
-    client = daemon.client("tiered")
+    client = make_daemon(extra_args=KEEP_ALL).client("tiered")
     spy = Spy(client)
+    snapshots = {}
     for step in range(1, 5):
         adapter.add_(1)
         client.save(step, {"frozen": frozen, "adapter": adapter}).wait("local")
-        got, _ = client.restore(step=step, shared_memory=False)
-        assert torch.equal(got["frozen"], frozen) and torch.equal(got["adapter"], adapter)
+        snapshots[step] = _snapshot({"frozen": frozen, "adapter": adapter})
     # The tier keeps the newest step's segment: step 2 gets another one, step 3 the
     # segment of step 1, which the tier let go when it kept step 2's.
     holds = [(lease.holds_image, lease.holds_step) for lease in spy.leases]
     assert holds[0] == (False, 0) and holds[2:] == [(True, 1), (True, 2)]
+    restore_all(client, snapshots)
 
 
 def test_a_segment_that_served_a_restore_read_holds_no_image(disk_daemon: Daemon) -> None:
@@ -225,7 +245,7 @@ def test_a_segment_that_served_a_restore_read_holds_no_image(disk_daemon: Daemon
     handle.wait("local")
     assert spy.leases[-1].segment == answer.lease.segment
     assert not spy.leases[-1].holds_image and handle.reused_bytes == 0
-    got, _ = client.restore(step=3, shared_memory=False)
+    got, _ = client.restore(step=3)
     assert torch.equal(got["frozen"], frozen)
 
 
@@ -246,24 +266,24 @@ def test_another_client_of_the_same_job_and_rank_never_gets_the_image(
     assert spy.leases[-1].holds_image and handle.reused_bytes == t.nbytes
 
 
-def test_a_frozen_jax_array_is_not_copied_again(disk_daemon: Daemon) -> None:
+def test_a_frozen_jax_array_is_not_copied_again(keep_all: Daemon) -> None:
     jnp = pytest.importorskip("jax.numpy")
     frozen = jnp.arange(64 * 1024, dtype=jnp.float32)
     adapter = jnp.zeros(256)
-    client = disk_daemon.client("jax-lora")
+    client = keep_all.client("jax-lora")
     spy = Spy(client)
     reused = []
+    snapshots = {}
     for step in range(1, 4):
         adapter = adapter + step  # a new array every step: always copied
         handle = client.save(step, {"frozen": frozen, "adapter": adapter})
         handle.wait("local")
         reused.append(handle.reused_bytes)
-        got, _ = client.restore(step=step, shared_memory=False)
-        assert np.array_equal(got["frozen"], np.asarray(frozen))
-        assert np.array_equal(got["adapter"], np.asarray(adapter))
+        snapshots[step] = {"frozen": np.asarray(frozen), "adapter": np.asarray(adapter)}
     assert [lease.holds_image for lease in spy.leases] == [False, True, True]
     assert reused == [0, frozen.nbytes, frozen.nbytes]
     assert spy.unchanged() == {"frozen#0": True, "adapter#0": False}
+    restore_all(client, snapshots)
 
 
 def test_a_step_saved_twice_is_never_trusted_again(daemon: Daemon) -> None:
@@ -282,7 +302,7 @@ def test_a_step_saved_twice_is_never_trusted_again(daemon: Daemon) -> None:
     # gets the segment holding the FIRST image of step 2, whose x is not today's.
     assert (spy.leases[-1].holds_image, spy.leases[-1].holds_step) == (True, 2)
     assert handle.reused_bytes == 0 and not spy.commits[-1].unchanged
-    got, _ = client.restore(step=3, shared_memory=False)
+    got, _ = client.restore(step=3)
     assert torch.equal(got["x"], x) and torch.equal(got["frozen"], frozen)
 
 
