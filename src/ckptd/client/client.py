@@ -46,6 +46,10 @@ class Client:
     :meth:`save` keeps trying this long before it raises :class:`CkptdUnavailable`.
     ``connect_timeout``: the same patience while no daemon has ever answered this
     client (no ``ckptd serve`` there, a wrong socket), so that mistake shows at once.
+    ``incremental``: what did not change since the previous save is not copied, written
+    or uploaded again (exact signals only, ckptd.client.changes); off with False or
+    the environment's ``CKPTD_INCREMENTAL=0`` (for a program that writes its saved
+    tensors behind torch's back, e.g. through ``tensor.data``).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class Client:
         save_replicas: Replicas = False,
         reconnect_timeout: float = 60.0,
         connect_timeout: float = 2.0,
+        incremental: bool = True,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -91,6 +96,7 @@ class Client:
             save_replicas=save_replicas,
             watched_stage=lambda: getattr(self.policy, "stage", "local"),
             upload_interval=lambda: float(getattr(self.policy, "upload_interval_seconds", 0.0)),
+            incremental=incremental,
         )
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
         """What framework adapters call beyond this surface: leases they fill
@@ -135,6 +141,11 @@ class Client:
     @save_replicas.setter
     def save_replicas(self, on: Replicas) -> None:
         self._saver.planner.save_replicas = on
+
+    @property
+    def incremental(self) -> bool:
+        """Whether saves are incremental (``incremental=``, unless ``CKPTD_INCREMENTAL=0``)."""
+        return self._saver.incremental
 
     @property
     def timeout(self) -> float:

@@ -102,6 +102,9 @@ class SaveHandle:
         self.job = client.job
         self.step = step
         self._copy = copy
+        self.reused_bytes = 0
+        """Bytes of shards not copied into shared memory: the segment the daemon
+        granted held them already, unchanged since this process saved them."""
         self.reached: set[str] = set()
         """Stages a :meth:`wait` saw this save reach (should_save() trusts them at once,
         without waiting for its own watcher's answer)."""

@@ -141,11 +141,16 @@ class Handoff:
             f"logs); training can go on and save later. Last error: {exc}"
         )
 
-    def acquire(self, size: int, wait: float, what: str) -> tuple[pb.Lease, mmap.mmap]:
-        """A lease of ``size`` bytes, mapped: ``(lease, mapping)``."""
+    def acquire(
+        self, size: int, wait: float, what: str, rank: int = 0, reuse_image: bool = False
+    ) -> tuple[pb.Lease, mmap.mmap]:
+        """A lease of ``size`` bytes, mapped: ``(lease, mapping)``. ``reuse_image``: rather
+        the segment holding ``rank``'s last committed save (``lease.holds_image``)."""
 
         def once() -> pb.Lease:
-            req = pb.AcquireLeaseRequest(job=self.job, size_bytes=size, wait_seconds=wait)
+            req = pb.AcquireLeaseRequest(
+                job=self.job, size_bytes=size, wait_seconds=wait, rank=rank, reuse_image=reuse_image
+            )
             return self.connection.acquire_lease(
                 req, wait + self.connection.timeout, self.liveness.metadata()
             )

@@ -15,6 +15,7 @@ import numpy as np
 from ckptd.core import shard_wire
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
+from .changes import Token, tensor_token, token_of
 from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards
 from .tree_spec import flatten
 
@@ -53,6 +54,8 @@ class Arrays:
     """numpy arrays (and anything else ``np.asarray`` took), copied before save() returns."""
     device: dict[str, ShardPlan]
     """jax array shards, copied device-to-host in the background."""
+    tokens: dict[str, Token | None] | None = None
+    """Each shard's change token (changes.py), when asked for."""
 
 
 class Planner:
@@ -62,10 +65,12 @@ class Planner:
         self.save_replicas = save_replicas
         self._last: SavePlan | None = None
 
-    def plan(self, tree: Any) -> tuple[SavePlan, Arrays]:
-        """The plan of saving ``tree``, and its arrays."""
+    def plan(self, tree: Any, track: bool = False) -> tuple[SavePlan, Arrays]:
+        """The plan of saving ``tree``, and its arrays (``track``: with their tokens)."""
         values: list[Any] = []
-        spec, arrays = flatten(tree, values)
+        tensors: dict[str, Any] | None = {} if track else None
+        spec, arrays = flatten(tree, values, tensors)
+        tokens: dict[str, Token | None] | None = None
         values_json = _json(values)
         host: dict[str, Any] = {}
         device: dict[str, ShardPlan] = {}
@@ -77,6 +82,8 @@ class Planner:
                     device[sp.key] = sp
                     layout.append((sp.key, np.dtype(a.dtype), sp.shape))
                     placed[sp.key] = (tuple(a.shape), sp.index)
+                    if tensors is not None:
+                        tensors[sp.key] = (a, tuple(sp.index))
             else:
                 host[key] = a
                 layout.append((key, a.dtype, a.shape))
@@ -113,7 +120,11 @@ class Planner:
                 _json(spec),
             )
         self._last = plan
-        return plan, Arrays(host, device)
+        if tensors is not None:
+            tokens = {
+                k: token_of(*v) if type(v) is tuple else tensor_token(v) for k, v in tensors.items()
+            }
+        return plan, Arrays(host, device, tokens)
 
 
 def _json(spec: Any) -> str:

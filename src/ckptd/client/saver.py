@@ -25,6 +25,7 @@ from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
+from .changes import Changes, Saved, Token, incremental_from_env, packbits, same
 from .copying import copy_into
 from .handle import SaveHandle, watch_stage
 from .handoff import Handoff
@@ -39,7 +40,8 @@ class Saver:
     calling thread only); ``staging_timeout`` is how long a save waits for staging
     memory; ``watched_stage`` says which stage of each save to start watching for
     the next save decision (the client's policy's); ``upload_interval`` the pace
-    the daemon's drain uploads the job at (the policy's, 0: as fast as it can).
+    the daemon's drain uploads the job at (the policy's, 0: as fast as it can);
+    ``incremental``: incremental saves unless ``CKPTD_INCREMENTAL=0`` (changes.py).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Saver:
         save_replicas: Replicas,
         watched_stage: Callable[[], str],
         upload_interval: Callable[[], float] = lambda: 0.0,
+        incremental: bool = True,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -79,6 +82,10 @@ class Saver:
         """The previous save's size in staging memory."""
         self._reached: set[str] = set()
         self._watch: dict[str, threading.Event] = {}
+        self.incremental = incremental_from_env(incremental)
+        """Incremental saves (changes.py): the trainer's word on unchanged shards, and
+        no copy of those the leased segment already holds."""
+        self.changes = Changes()
 
     @property
     def connection(self) -> Connection:
@@ -133,42 +140,83 @@ class Saver:
         """
         step, metrics, metadata_json = _save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
-        plan, arrays = self.planner.plan(tree)
+        track = self.incremental
+        plan, arrays = self.planner.plan(tree, track)
         host, device, data_len = arrays.host, arrays.device, plan.data_len
         started = time.monotonic()
         what = f"step {step} of job {self.job!r} was not saved"
         self.finish_copy()  # one background copy at a time: it may use a mapped segment
+        since = self.changes.last  # (the background commit of the last save is done)
+        record = self.changes.begin(step)
         try:
-            lease, mm = self._handoff.acquire(round_up(data_len), wait, what)
+            lease, mm = self._handoff.acquire(round_up(data_len), wait, what, self.rank, track)
         except CapacityExhausted as exc:
             raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
         committed = False
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         try:
-            self.copy_arrays(mm, plan.host_entries, host)
+            held = self._held(lease, plan, arrays.tokens)
+            # The shards the segment holds already are not copied again (changes.py).
+            todo = [e for e in plan.host_entries if e.key not in held] if held else None
+            self.copy_arrays(mm, plan.host_entries if todo is None else todo, host)
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
+            self._word(req, plan, arrays.tokens, since)
+            saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
             if device:
                 # jax arrays are immutable: copy them to host and hand off after returning.
                 # Every device-to-host transfer starts now, at once (on an accelerator they
                 # overlap; one by one, each waited for its own): the copies find them done.
                 for sp in device.values():
-                    sp.data.copy_to_host_async()
+                    if sp.key not in held:
+                        sp.data.copy_to_host_async()
                 self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
-                    plan.device_entries,
+                    [e for e in plan.device_entries if e.key not in held],
                     device,
                     req,
                     round_up(data_len),
+                    saved,
                 )
             else:
                 self._handoff.commit(req, mm, round_up(data_len), what)
+                self.changes.acknowledged(step, saved)
             committed = True
         finally:
             if not committed:
                 self._handoff.release(req.lease_id)  # the lease of the last attempt
         handle = SaveHandle(self, step, self._copy_job if device else None)
+        handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
         return self._saved(handle, started, round_up(data_len))
+
+    def _held(
+        self, lease: pb.Lease, plan: SavePlan, tokens: dict[str, Token | None] | None
+    ) -> set[str]:
+        """The shards ``lease`` holds already: it holds this process's image of a step
+        laid out as this save is, and their tokens are what they were then."""
+        if not (lease.holds_image and tokens):
+            return set()
+        saved = self.changes.image_of(lease.holds_step, plan.entries)
+        if saved is None:
+            return set()
+        old = saved.tokens
+        return {k for k, t in tokens.items() if t is not None and same(old.get(k), t)}
+
+    def _word(
+        self,
+        req: pb.CommitShardsRequest,
+        plan: SavePlan,
+        tokens: dict[str, Token | None] | None,
+        since: int | None,
+    ) -> None:
+        """The trainer's word on the shards that did not change since the previous
+        save, if that one was acknowledged and recorded."""
+        req.incremental = self.incremental
+        if tokens is None or since is None or since >= req.step:
+            return
+        mask = self.changes.unchanged(since, [e.key for e in plan.entries], tokens)
+        if mask is not None:
+            req.unchanged_since, req.unchanged = since, packbits(mask)
 
     def _commit_request(
         self,
@@ -238,7 +286,9 @@ class Saver:
         if plan is None:
             return None
         started = time.monotonic()
+        self.changes.begin(step)  # no tokens: the daemon compares digests
         req = self._commit_request(lease.lease_id, step, plan, metadata_json, milestone, metrics)
+        req.incremental = self.incremental
         self._handoff.commit(req, mm, len(mm), f"step {step} of job {self.job!r} was not saved")
         return self._saved(SaveHandle(self, step), started, round_up(plan.data_len))
 
@@ -249,6 +299,7 @@ class Saver:
         device: dict[str, ShardPlan],
         req: pb.CommitShardsRequest,
         size: int,
+        saved: Saved | None,
     ) -> None:
         """Background: device-to-host copies into the lease, then the handoff."""
         what = f"step {req.step} of job {self.job!r} was not saved"
@@ -269,6 +320,7 @@ class Saver:
                     ) from None
                 self.copy_arrays(mm, [e], {e.key: host})
             self._handoff.commit(req, mm, size, what)
+            self.changes.acknowledged(req.step, saved)
         except BaseException:
             self._handoff.release(req.lease_id)
             raise

@@ -73,12 +73,15 @@ def _torch_tensor_type() -> Any:
     return getattr(torch, "Tensor", None) if torch is not None else None
 
 
-def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
+def flatten(
+    tree: Any, values: list[Any] | None = None, tensors: dict[str, Any] | None = None
+) -> tuple[Any, list[tuple[str, Any]]]:
     """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order.
 
     The arrays are numpy arrays, or ``jax.Array`` (the client saves their
     addressable shards; a typed PRNG key array is replaced by its key data).
     ``values``: if given, every JSON leaf's value is appended to it in order.
+    ``tensors``: if given, each torch tensor saved, by key (its array is a view).
     """
     arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
@@ -129,6 +132,8 @@ def flatten(tree: Any, values: list[Any] | None = None) -> tuple[Any, list[tuple
                 raise InvalidArgument(f"at {path_str(path)}: {exc}") from None
             key = _key_for(prefix, used)
             arrays.append((key, arr))
+            if tensors is not None:
+                tensors[key] = node
             return {"array": key, "torch": torch_dtype}
         if is_jax_array(node):
             key = _key_for(prefix, used)

@@ -65,6 +65,8 @@ def lease(lease: Lease) -> pb.Lease:
         segment=lease.segment.name,
         size_bytes=lease.segment.size,
         alignment=ALIGN,
+        holds_image=lease.holds is not None,
+        holds_step=lease.holds or 0,
     )
 
 

@@ -165,8 +165,9 @@ class Servicer(pb_grpc.CkptdServicer):
             self.s.saver.staging.check_fits(request.size_bytes)
             await self.s.admission.check_space(request.size_bytes)
             holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
+            image = (job, request.rank) if request.reuse_image else None
             lease = await self.s.saver.acquire_lease(
-                job, request.size_bytes, request.wait_seconds, holder, peer.process
+                job, request.size_bytes, request.wait_seconds, holder, peer.process, image
             )
         self.history.seen(job)
         return messages.lease(lease)

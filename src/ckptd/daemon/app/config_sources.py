@@ -16,9 +16,10 @@ from ckptd.core.redact import redact
 from .config_checks import ConfigError
 
 ENV_PREFIX = "CKPTD_"
-NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_")
+NOT_KEYS = ("CONFIG", "FAILPOINTS", "FAILPOINT_DIR", "FUZZ_", "INCREMENTAL")
 """``CKPTD_*`` variables that are not config keys but are read elsewhere (the
-client's ``CKPTD_SOCKET`` is the ``socket`` key)."""
+client's ``CKPTD_SOCKET`` is the ``socket`` key; its ``CKPTD_INCREMENTAL`` none:
+a node's environment may give it to the daemon too)."""
 
 
 def unknown_variables(env: Mapping[str, str], keys: Collection[str]) -> list[str]:

@@ -32,6 +32,17 @@ class Segment:
     """A restore mapped it copy-on-write: never granted for a save again (the
     restored arrays would change under the trainer); the tier removes it when it
     lets it go, unless no process maps it any more."""
+    image: tuple[str, int, int, str] | None = None
+    """``(job, rank, step, holder)``: the segment holds, byte for byte, the lease of that
+    rank's save of ``step`` that committed LOCAL, granted to the client whose liveness
+    file is ``holder`` (a name no other process ever has), and nothing wrote into it
+    since (a grant for anything that writes clears it)."""
+
+    def holds_image(self, image: tuple[str, int] | None, holder: str) -> bool:
+        """Whether it holds the last committed image of ``image`` (``(job, rank)``)
+        saved by the client ``holder``: no other process knows what that image holds."""
+        tag = self.image
+        return bool(image and holder and tag and tag[:2] == image and tag[3] == holder)
 
     def populate(self, offset: int = 0, length: int | None = None) -> None:
         """Allocate the pages of ``[offset, offset + length)`` (default: all); raises
@@ -67,6 +78,12 @@ class Lease:
     shared: bool = False
     """A restore lease on a segment the memory tier keeps: the client gets a
     read-only descriptor and maps it copy-on-write; the segment stays the tier's."""
+    holds: int | None = None
+    """A save lease granted on a segment that holds this process's committed image of
+    this step (:attr:`Segment.image`): unchanged shards need not be copied again."""
+    reuses: bool = False
+    """Asked for with ``reuse_image``: once committed, its image is worth keeping for
+    the client's next save (a client that never asks has no use for it)."""
 
 
 def segment_prefix(root: Path) -> str:

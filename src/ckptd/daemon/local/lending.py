@@ -91,7 +91,13 @@ class Lending(SegmentPool):
         holder: str = "",
         lease_id: str = "",
         owner: tuple[int, int] | None = None,
+        image: tuple[str, int] | None = None,
     ) -> Lease:
+        """Grant ``seg``. Whatever the lease is for may write into the segment, so the
+        image it held is forgotten; ``image``: the ``(job, rank)`` of a save that would
+        reuse it, told (:attr:`Lease.holds`) when the image is that very process's."""
+        tag = seg.image if seg.holds_image(image, holder) else None
+        seg.image = None
         lease = Lease(
             lease_id or secrets.token_hex(12),
             job,
@@ -101,6 +107,9 @@ class Lending(SegmentPool):
             holder=holder,
             owner=owner,
         )
+        lease.reuses = image is not None
+        if tag is not None:
+            lease.holds = tag[2]
         seg.lease_id = lease.lease_id
         uid = owner[0] if owner is not None else self.uid_of(job)
         if uid is not None:  # never None again once someone could have mapped it
@@ -150,8 +159,9 @@ class Lending(SegmentPool):
         """A restore lease on a segment the memory tier keeps, shared: the client maps
         it copy-on-write and the segment is never granted for a save again."""
         seg.lent = True
+        tag = seg.image  # a copy-on-write mapping of a read-only descriptor cannot change it
         lease = self._grant(job, seg, restore=True)
-        lease.shared = True
+        lease.shared, seg.image = True, tag
         return lease
 
     def keep(self, lease: Lease, key: tuple[str, int, int]) -> None:

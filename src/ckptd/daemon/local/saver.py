@@ -93,15 +93,14 @@ class Saver:
         wait_seconds: float = 0.0,
         holder: str = "",
         owner: tuple[int, int] | None = None,
+        image: tuple[str, int] | None = None,
     ) -> Lease:
         """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it;
-        ``owner``: the ``(uid, pid)`` of the process that may map it."""
+        ``owner``: the ``(uid, pid)`` of the process that may map it; ``image``: its
+        ``(job, rank)``, to be granted the segment that holds its last image if free."""
+        wait = check_wait("wait_seconds", wait_seconds, MAX_WAIT_SECONDS)
         return await self.staging.acquire(
-            job,
-            size_bytes,
-            wait_seconds=check_wait("wait_seconds", wait_seconds, MAX_WAIT_SECONDS),
-            holder=holder,
-            owner=owner,
+            job, size_bytes, wait_seconds=wait, holder=holder, owner=owner, image=image
         )
 
     def release_lease(self, lease_id: str) -> None:
@@ -428,6 +427,8 @@ class Saver:
             log.exception("journal: cannot retire leases %s; keeping their memory", ids)
             return
         for rank, lease in done.items():
+            if keep and lease.reuses and lease.holder:  # for that client's next save
+                lease.segment.image = (pending.step.job, rank, pending.step.step, lease.holder)
             if not (keep and self._kept_in_memory(pending, rank, lease)):
                 self.staging.release(lease.lease_id)
 

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 from ckptd.core.errors import ResourceExhausted
@@ -173,6 +174,7 @@ class Staging(Lending):
         holder: str = "",
         owner: tuple[int, int] | None = None,
         populate: bool = True,
+        image: tuple[str, int] | None = None,
     ) -> Lease:
         """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
 
@@ -184,7 +186,9 @@ class Staging(Lending):
         while in-flight saves hold the budget, wait up to this long for them to
         finish (backpressure) before raising :class:`StagingBusy`. ``holder``: the
         client's liveness file; the lease comes back once it is no longer locked.
-        ``owner``: the ``(uid, pid)`` the lease is granted to.
+        ``owner``: the ``(uid, pid)`` the lease is granted to. ``image``: the ``(job,
+        rank)`` of a save that would rather have the segment holding its last committed
+        image (:attr:`Segment.image`; :attr:`Lease.holds` says if it got it).
         """
         check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
@@ -194,7 +198,7 @@ class Staging(Lending):
             while True:
                 try:
                     return await self._acquire_now(
-                        job, size_bytes, restore, holder, owner, populate
+                        job, size_bytes, restore, holder, owner, populate, image
                     )
                 except StagingBusy:
                     left = deadline - time.monotonic()
@@ -222,6 +226,7 @@ class Staging(Lending):
         holder: str,
         owner: tuple[int, int] | None,
         populate: bool = True,
+        image: tuple[str, int] | None = None,
     ) -> Lease:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
@@ -234,7 +239,11 @@ class Staging(Lending):
                 f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
                 "operator to raise staging_budget_bytes"
             )
-        free = sorted(self.free_segments(), key=lambda s: s.size)
+        # The segment holding this client's own last image first (its unchanged
+        # shards need no copy), then the smallest that fits, one that holds another
+        # client's image last among equals (that client's next save may want it).
+        own = partial(Segment.holds_image, image=image, holder=holder)
+        free = sorted(self.free_segments(), key=lambda s: (not own(s), s.size, bool(s.image)))
         seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
         if seg is None and self.allocated_bytes + need > self.budget_bytes:
             await self.give_way(need, uid)  # the memory tier's segments go first
@@ -255,7 +264,7 @@ class Staging(Lending):
                     "operator to raise staging_budget_bytes"
                 )
             seg = await self._create_or_shed(need, populate, uid)
-        return self._grant(job, seg, restore, holder, owner=owner)
+        return self._grant(job, seg, restore, holder, owner=owner, image=image)
 
     async def _create_or_shed(self, need: int, populate: bool, uid: int | None) -> Segment:
         """A new segment of ``need`` bytes; if the shm filesystem is full (a tmpfs
@@ -322,7 +331,7 @@ class Staging(Lending):
         uid = self.uid_of(job) if uid is None else uid
         free = sorted(
             (s for s in self.free_segments() if s.size >= size_bytes and s.uid in (None, uid)),
-            key=lambda s: s.size,
+            key=lambda s: (s.size, bool(s.image)),  # a save's image kept where it can be
         )
         if not free:
             return None

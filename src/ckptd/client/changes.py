@@ -1,0 +1,171 @@
+"""Exact change signals: which shards of a save are, for certain, the very bytes
+this process saved at an earlier step (incremental saves, docs/architecture.md).
+
+Each save records a *token* per shard key, taken as it is planned:
+
+- a torch tensor: its storage (a weak reference: a storage freed and another
+  allocated at the same address is another object, and a dead reference never
+  matches), data pointer, storage offset, shape, strides, dtype, device, its lazy
+  conjugate and negative bits, and ``_version``, the counter every in-place torch
+  operation bumps (``add_``, ``copy_``, an optimizer's step, under ``no_grad`` too),
+  shared by its views, ``detach()`` and the tensors of a ``state_dict()``;
+- a jax array shard: the very same array object (weakly referenced: jax arrays
+  are immutable) and the shard's index;
+- anything else (numpy arrays, inference-mode tensors, which keep no version): no
+  token, so never unchanged; the daemon compares strong digests instead.
+
+A shard is unchanged since step S when its token equals the one recorded at S.
+What torch does not see it cannot count: writes through ``tensor.data`` (a
+detached alias with a version counter of its own), through a numpy view
+(``tensor.numpy()``, ``torch.from_numpy``), DLPack or a raw pointer leave
+``_version`` as it was. A program that writes its saved tensors so turns
+incremental saves off (``Client(incremental=False)`` or ``CKPTD_INCREMENTAL=0``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ckptd.core.format import TensorEntry
+
+ENV = "CKPTD_INCREMENTAL"
+"""Environment variable that turns incremental saves off (``0``) for every client."""
+KEPT_STEPS = 4
+"""Saved steps whose tokens are remembered: the daemon may grant the segment of any
+recent one (the memory tier keeps the newest few before they return to the pool)."""
+
+Token = tuple[Any, tuple[Any, ...]]
+"""``(weak reference to the object, what else must be equal)``."""
+
+
+def incremental_from_env(incremental: bool) -> bool:
+    """``incremental`` unless :data:`ENV` turns it off; a value it does not know is
+    refused with what to write instead."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return incremental
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV}={os.environ[ENV]!r} is not understood; set it to 0 to turn incremental "
+        "saves off, or 1 (or leave it unset) to keep them on"
+    )
+
+
+def token_of(obj: Any, index: Any = None) -> Token | None:
+    """The token of a torch tensor or of a jax array's shard at ``index``; None for
+    anything whose changes cannot be told exactly."""
+    if index is not None:  # a jax array: immutable, the same object is the same bytes
+        try:
+            return weakref.ref(obj), (index,)
+        except TypeError:
+            return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return tensor_token(obj)
+    return None
+
+
+def tensor_token(t: Any) -> Token | None:
+    """The token of torch tensor ``t`` (~1.5 us: a save of thousands of tensors
+    computes one each)."""
+    if t.is_inference():
+        return None  # no version counter: in-place writes cannot be told
+    try:
+        facts = (
+            t._version,
+            t.data_ptr(),
+            t.storage_offset(),
+            t.shape,
+            t.stride(),
+            t.dtype,
+            t.device,
+            t.is_conj(),
+            t.is_neg(),
+        )
+        return weakref.ref(t.untyped_storage()), facts
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None  # a tensor without real storage or version (a subclass, meta)
+
+
+def same(old: Token | None, new: Token | None) -> bool:
+    """Whether two tokens say the same bytes: both exist, the object is alive and the
+    very same, and everything else is equal."""
+    if old is None or new is None:
+        return False
+    alive = old[0]()
+    return alive is not None and alive is new[0]() and old[1] == new[1]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What one acknowledged save of this process left: its tokens and its layout."""
+
+    tokens: dict[str, Token | None]
+    entries: list[TensorEntry]
+    """Where each shard lay in the lease (``data_offset`` 0)."""
+
+
+class Changes:
+    """The tokens of this process's last :data:`KEPT_STEPS` acknowledged saves of one
+    job and rank, and what they say about the next save."""
+
+    def __init__(self) -> None:
+        self._saved: OrderedDict[int, Saved] = OrderedDict()
+        self._highest = -1
+        self.last: int | None = None
+        """The step of the previous save, if it was acknowledged (None otherwise)."""
+
+    def begin(self, step: int) -> bool:
+        """A save of ``step`` begins; whether it may be recorded once acknowledged.
+
+        Until it is, there is no previous save to name. A step number this process
+        saved (or tried to) before is never recorded, and its earlier record goes: the
+        daemon may hold either save's image under that number, and only one of them
+        could be told apart from the other by what is recorded here."""
+        self.last = None
+        fresh = step > self._highest
+        self._highest = max(self._highest, step)
+        if not fresh:
+            self._saved.pop(step, None)
+        return fresh
+
+    def acknowledged(self, step: int, saved: Saved | None) -> None:
+        """``step`` was handed off; ``saved``: its tokens and layout, to be recorded."""
+        if saved is not None:
+            self._saved[step] = saved
+        while len(self._saved) > KEPT_STEPS:
+            self._saved.popitem(last=False)
+        self.last = step
+
+    def unchanged(
+        self, since: int, keys: Sequence[str], tokens: dict[str, Token | None]
+    ) -> npt.NDArray[np.bool_] | None:
+        """Per key: whether its token equals the one recorded at step ``since`` (None:
+        nothing recorded there)."""
+        saved = self._saved.get(since)
+        if saved is None:
+            return None
+        old = saved.tokens
+        return np.fromiter((same(old.get(k), tokens.get(k)) for k in keys), bool, len(keys))
+
+    def image_of(self, step: int, entries: list[TensorEntry]) -> Saved | None:
+        """What this process saved as ``step``, if it was laid out as ``entries`` are."""
+        saved = self._saved.get(step)
+        if saved is None or not (saved.entries is entries or saved.entries == entries):
+            return None
+        return saved
+
+
+def packbits(mask: npt.NDArray[np.bool_]) -> bytes:
+    """The wire form of a per-row mask (CommitShardsRequest.unchanged)."""
+    return np.packbits(mask, bitorder="little").tobytes()
