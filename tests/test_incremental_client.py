@@ -6,6 +6,7 @@ Every step restores bit-exact whatever was skipped."""
 from __future__ import annotations
 
 import gc
+import json
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ def test_tensors_changed_in_place_are_never_reported_unchanged(daemon: Daemon) -
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 8)).sum().backward()
     opt.step()  # the optimizer has its state before the first save
-    client = daemon.client("inplace")
+    client = daemon.client("inplace", trust_torch_versions=True)
     spy = Spy(client)
 
     def state() -> dict[str, Any]:
@@ -114,7 +115,7 @@ def test_tensors_changed_in_place_are_never_reported_unchanged(daemon: Daemon) -
 
 
 def test_a_new_tensor_where_the_old_one_was_is_never_unchanged(daemon: Daemon) -> None:
-    client = daemon.client("replaced")
+    client = daemon.client("replaced", trust_torch_versions=True)
     spy = Spy(client)
     memory = np.zeros(1024, np.float32)
     t = torch.from_numpy(memory)
@@ -134,7 +135,7 @@ def test_a_new_tensor_where_the_old_one_was_is_never_unchanged(daemon: Daemon) -
 
 
 def test_a_tensor_left_alone_is_unchanged_through_views_and_detach(daemon: Daemon) -> None:
-    client = daemon.client("views")
+    client = daemon.client("views", trust_torch_versions=True)
     spy = Spy(client)
     p = torch.nn.Parameter(torch.randn(8, 8))
     client.save(1, {"p": p, "t": p.detach().T}).wait("local")
@@ -193,7 +194,7 @@ def test_a_frozen_tensor_is_not_copied_again_and_every_step_restores(keep_all: D
     torch.manual_seed(1)
     frozen = torch.randn(256, 1024)  # 1 MiB
     adapter = torch.zeros(64, 64)
-    client = keep_all.client("lora")
+    client = keep_all.client("lora", trust_torch_versions=True)
     spy = Spy(client)
     snapshots = {}
     reused = []
@@ -213,7 +214,7 @@ def test_a_frozen_tensor_is_not_copied_again_and_every_step_restores(keep_all: D
 def test_the_memory_tier_gives_the_image_back_once_it_lets_it_go(make_daemon: Any) -> None:
     frozen = torch.randn(128, 1024)
     adapter = torch.zeros(32)
-    client = make_daemon(extra_args=KEEP_ALL).client("tiered")
+    client = make_daemon(extra_args=KEEP_ALL).client("tiered", trust_torch_versions=True)
     spy = Spy(client)
     snapshots = {}
     for step in range(1, 5):
@@ -229,7 +230,7 @@ def test_the_memory_tier_gives_the_image_back_once_it_lets_it_go(make_daemon: An
 
 def test_a_segment_that_served_a_restore_read_holds_no_image(disk_daemon: Daemon) -> None:
     frozen = torch.randn(64, 1024)
-    client = disk_daemon.client("restored")
+    client = disk_daemon.client("restored", trust_torch_versions=True)
     spy = Spy(client)
     client.save(1, {"frozen": frozen}).wait("local")
     client.save(2, {"frozen": frozen}).wait("local")
@@ -253,10 +254,10 @@ def test_another_client_of_the_same_job_and_rank_never_gets_the_image(
     disk_daemon: Daemon,
 ) -> None:
     t = torch.randn(64, 1024)
-    first = disk_daemon.client("shared-name")
+    first = disk_daemon.client("shared-name", trust_torch_versions=True)
     first.save(1, {"t": t}).wait("local")
     first.close()  # its liveness file goes: another process now
-    second = disk_daemon.client("shared-name")
+    second = disk_daemon.client("shared-name", trust_torch_versions=True)
     spy = Spy(second)
     handle = second.save(2, {"t": t})
     handle.wait("local")
@@ -289,7 +290,7 @@ def test_a_frozen_jax_array_is_not_copied_again(keep_all: Daemon) -> None:
 def test_a_step_saved_twice_is_never_trusted_again(daemon: Daemon) -> None:
     frozen = torch.randn(64, 1024)
     x = torch.zeros(64, 1024)
-    client = daemon.client("twice")
+    client = daemon.client("twice", trust_torch_versions=True)
     spy = Spy(client)
     client.save(1, {"frozen": frozen, "x": x}).wait("local")
     x.add_(1)
@@ -317,3 +318,28 @@ def test_the_off_switch_in_a_shared_environment_does_not_stop_the_daemon(
     spy = Spy(client, reuse=False)
     client.save(1, {"t": torch.ones(4)}).wait("local")
     assert not spy.commits[-1].incremental
+
+
+def test_untrusted_torch_versions_send_no_word_and_batchnorm_statistics_are_saved(
+    keep_all: Daemon,
+) -> None:
+    """BatchNorm updates its running statistics inside its kernel: ``_version`` stays.
+    By default torch tensors carry no word and are copied; the daemon's digests find
+    what changed, so every step restores bit-exact."""
+    torch = pytest.importorskip("torch")
+    client = keep_all.client("bn")
+    spy = Spy(client)
+    bn = torch.nn.BatchNorm1d(64)
+    frozen = torch.randn(200_000)
+    snapshots = {}
+    for step in range(1, 4):
+        before = bn.running_mean._version
+        bn(torch.randn(32, 64))
+        assert bn.running_mean._version == before  # torch does not count this write
+        state = {"frozen": frozen, **{f"bn.{k}": v for k, v in bn.state_dict().items()}}
+        client.save(step, state).wait("local", timeout=60)
+        snapshots[step] = _snapshot(state)
+    assert all(c.incremental and not c.unchanged for c in spy.commits)  # no word: digests
+    manifest = json.loads((keep_all.root / "bn" / "3" / "manifest.json").read_text())
+    assert manifest["ranks"][0]["refs"]  # the frozen tensor is referenced by digest
+    restore_all(client, snapshots)

@@ -15,11 +15,14 @@ Each save records a *token* per shard key, taken as it is planned:
   token, so never unchanged; the daemon compares strong digests instead.
 
 A shard is unchanged since step S when its token equals the one recorded at S.
-What torch does not see it cannot count: writes through ``tensor.data`` (a
-detached alias with a version counter of its own), through a numpy view
-(``tensor.numpy()``, ``torch.from_numpy``), DLPack or a raw pointer leave
-``_version`` as it was. A program that writes its saved tensors so turns
-incremental saves off (``Client(incremental=False)`` or ``CKPTD_INCREMENTAL=0``).
+A jax array's token is exact. A torch tensor's is only as good as ``_version``,
+and torch does not count every write: writes through ``tensor.data`` (a detached
+alias with a version counter of its own), through a numpy view (``tensor.numpy()``,
+``torch.from_numpy``), DLPack or a raw pointer, BatchNorm's running statistics
+(updated inside its kernel) and collectives such as ``dist.broadcast`` leave
+``_version`` as it was. So torch tokens are taken only when the client is told to
+trust them (``Client(trust_torch_versions=True)``); otherwise torch tensors have
+none, are copied, and the daemon compares digests.
 """
 
 from __future__ import annotations

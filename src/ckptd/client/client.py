@@ -46,10 +46,14 @@ class Client:
     :meth:`save` keeps trying this long before it raises :class:`CkptdUnavailable`.
     ``connect_timeout``: the same patience while no daemon has ever answered this
     client (no ``ckptd serve`` there, a wrong socket), so that mistake shows at once.
-    ``incremental``: what did not change since the previous save is not copied, written
-    or uploaded again (exact signals only, ckptd.client.changes); off with False or
-    the environment's ``CKPTD_INCREMENTAL=0`` (for a program that writes its saved
-    tensors behind torch's back, e.g. through ``tensor.data``).
+    ``incremental``: what did not change since the previous save is not written or
+    uploaded again, and jax arrays that are the very same objects are not copied
+    again (ckptd.client.changes); off with False or ``CKPTD_INCREMENTAL=0``.
+    ``trust_torch_versions``: a torch tensor whose storage and ``_version`` did not
+    change is taken as unchanged, neither copied nor compared: only for programs
+    that never write saved tensors behind torch's version counter (``tensor.data``,
+    numpy views, BatchNorm's running statistics, collectives such as
+    ``dist.broadcast``). Off (the default), the daemon compares SHA-256 digests.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class Client:
         reconnect_timeout: float = 60.0,
         connect_timeout: float = 2.0,
         incremental: bool = True,
+        trust_torch_versions: bool = False,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -97,6 +102,7 @@ class Client:
             watched_stage=lambda: getattr(self.policy, "stage", "local"),
             upload_interval=lambda: float(getattr(self.policy, "upload_interval_seconds", 0.0)),
             incremental=incremental,
+            trust_torch_versions=trust_torch_versions,
         )
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
         """What framework adapters call beyond this surface: leases they fill

@@ -65,8 +65,11 @@ class Planner:
         self.save_replicas = save_replicas
         self._last: SavePlan | None = None
 
-    def plan(self, tree: Any, track: bool = False) -> tuple[SavePlan, Arrays]:
-        """The plan of saving ``tree``, and its arrays (``track``: with their tokens)."""
+    def plan(
+        self, tree: Any, track: bool = False, torch_versions: bool = False
+    ) -> tuple[SavePlan, Arrays]:
+        """The plan of saving ``tree``, and its arrays (``track``: with their tokens:
+        jax arrays', and torch tensors' only with ``torch_versions``, changes.py)."""
         values: list[Any] = []
         tensors: dict[str, Any] | None = {} if track else None
         spec, arrays = flatten(tree, values, tensors)
@@ -122,7 +125,10 @@ class Planner:
         self._last = plan
         if tensors is not None:
             tokens = {
-                k: token_of(*v) if type(v) is tuple else tensor_token(v) for k, v in tensors.items()
+                k: token_of(*v)
+                if type(v) is tuple
+                else (tensor_token(v) if torch_versions else None)
+                for k, v in tensors.items()
             }
         return plan, Arrays(host, device, tokens)
 

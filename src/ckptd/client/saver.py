@@ -58,6 +58,7 @@ class Saver:
         watched_stage: Callable[[], str],
         upload_interval: Callable[[], float] = lambda: 0.0,
         incremental: bool = True,
+        trust_torch_versions: bool = False,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -86,6 +87,10 @@ class Saver:
         """Incremental saves (changes.py): the trainer's word on unchanged shards, and
         no copy of those the leased segment already holds."""
         self.changes = Changes()
+        self.trust_torch_versions = trust_torch_versions
+        """Take a torch tensor whose storage and ``_version`` did not change as
+        unchanged (changes.py): not copied, not compared. Off: the daemon compares
+        digests, because some writes leave ``_version`` alone."""
 
     @property
     def connection(self) -> Connection:
@@ -141,7 +146,7 @@ class Saver:
         step, metrics, metadata_json = _save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
         track = self.incremental
-        plan, arrays = self.planner.plan(tree, track)
+        plan, arrays = self.planner.plan(tree, track, self.trust_torch_versions)
         host, device, data_len = arrays.host, arrays.device, plan.data_len
         started = time.monotonic()
         what = f"step {step} of job {self.job!r} was not saved"
@@ -214,6 +219,8 @@ class Saver:
         req.incremental = self.incremental
         if tokens is None or since is None or since >= req.step:
             return
+        if all(t is None for t in tokens.values()):
+            return  # no shard has a token: the daemon compares digests of them all
         mask = self.changes.unchanged(since, [e.key for e in plan.entries], tokens)
         if mask is not None:
             req.unchanged_since, req.unchanged = since, packbits(mask)
