@@ -19,6 +19,8 @@ from ckptd.core.manifest import MANIFEST  # noqa: E402
 from .conftest import Daemon  # noqa: E402
 from .test_incremental_readers import incremental  # noqa: E402, F401
 
+pytestmark = pytest.mark.usefixtures("incremental")  # every save asks for an increment
+
 SPECS = {"w": P("x", "y"), "b": P("y"), "rep": P()}
 ONTO = {"w": P("y", "x"), "b": P("x"), "rep": P("x")}
 
@@ -49,7 +51,7 @@ def target(m: Mesh, host: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def test_incremental_jax_step_restores_onto_other_shardings(
-    disk_daemon: Daemon, incremental: None  # noqa: F811
+    disk_daemon: Daemon,
 ) -> None:
     client = disk_daemon.client("jinc")
     one, two = host_states()
@@ -67,7 +69,7 @@ def test_incremental_jax_step_restores_onto_other_shardings(
 
 
 def test_shard_reader_builds_incremental_jax_leaves_from_the_files(
-    disk_daemon: Daemon, incremental: None  # noqa: F811
+    disk_daemon: Daemon,
 ) -> None:
     """What a restore does for shards its own rank's buffer does not hold (another
     rank's, another node's): each read from the file holding it, and checked."""

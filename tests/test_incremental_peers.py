@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from ckptd.client.jax_arrays import ShardReader
 
 from .conftest import Daemon, RemoteTarget
 from .test_incremental_readers import incremental  # noqa: F401
 from .test_remote_tier import remote_daemon
+
+pytestmark = pytest.mark.usefixtures("incremental")  # every save asks for an increment
 
 
 def state(rank: int, step: int) -> dict[str, np.ndarray]:
@@ -27,7 +30,6 @@ def state(rank: int, step: int) -> dict[str, np.ndarray]:
 def test_other_nodes_incremental_part_reads_from_its_holders_part(
     make_daemon: Any,
     tmp_path: Path,
-    incremental: None,  # noqa: F811
 ) -> None:
     remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
     daemons: dict[str, Daemon] = {}

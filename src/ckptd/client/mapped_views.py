@@ -23,7 +23,7 @@ from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import table_of
 
 from . import rank_files
-from .rank_files import Corrupt
+from .rank_files import Corrupt as Corrupt  # raised here; callers catch it from here
 from .tree_spec import unflatten
 
 SHM_DIR = "/dev/shm"
