@@ -152,7 +152,7 @@ def test_shard_reader_reads_referenced_shards_from_the_holder(
         reader.close()
 
 
-def test_a_missing_holder_is_reported_as_corrupt(disk_daemon: Daemon, incremental: None) -> None:
+def test_a_missing_or_short_holder_is_corrupt(disk_daemon: Daemon, incremental: None) -> None:
     client = disk_daemon.client("gone")
     one, two = states()
     client.save(1, one).wait("local", 60)
@@ -166,3 +166,8 @@ def test_a_missing_holder_is_reported_as_corrupt(disk_daemon: Daemon, incrementa
     (root / "gone" / "1" / "moved").rename(root / "gone" / "1" / RANK0)
     mm = map_file_verified(str(root / "gone" / "2"), manifest, 0, opener)
     same(build_tree(mm, manifest, 0)[0], two)
+    holder = root / "gone" / "1" / RANK0
+    with open(holder, "r+b") as f:  # cut short inside the last referenced range
+        f.truncate(max(r[3] + r[1] for r in manifest["ranks"][0]["refs"]) - 1)
+    with pytest.raises(Corrupt, match=f"{holder} ends at byte"):
+        map_file_verified(str(root / "gone" / "2"), manifest, 0, opener)

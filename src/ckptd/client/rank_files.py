@@ -87,7 +87,6 @@ def read_image(
     """
     own = os.path.join(directory, record["file"])
     image = mmap.mmap(-1, int(record["image_size"]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    view = memoryview(image)
     try:
         for path, pieces in _pieces(directory, record, part):
             fd = _open(opener, path, own)
@@ -96,14 +95,12 @@ def read_image(
                 if path == own and size != record["size"]:
                     raise Corrupt(f"{path} is {size} bytes, expected {record['size']}")
                 for start, length, offset in pieces:
-                    _read_into(fd, view[start : start + length], offset, path)
+                    _read_into(fd, image, start, length, offset, path)
             finally:
                 os.close(fd)
     except BaseException:
-        view.release()
         image.close()
         raise
-    view.release()
     return image
 
 
@@ -152,11 +149,14 @@ def _open(opener: Callable[[str], int], path: str, own: str) -> int:
         raise Corrupt(f"{path}, which holds shards {own} references, is missing") from None
 
 
-def _read_into(fd: int, dest: memoryview, offset: int, path: str) -> None:
-    """Fill ``dest`` from ``fd`` at ``offset`` (a file shorter than that: corrupt)."""
+def _read_into(fd: int, image: mmap.mmap, start: int, length: int, offset: int, path: str) -> None:
+    """Fill ``image[start:start + length]`` from ``fd`` at ``offset`` (a file shorter
+    than that: corrupt). Each view is released before anything is raised: a view
+    kept alive by a traceback would keep the image from being closed."""
     done = 0
-    while done < len(dest):
-        n = os.preadv(fd, [dest[done:]], offset + done)
+    while done < length:
+        with memoryview(image)[start + done : start + length] as dest:
+            n = os.preadv(fd, [dest], offset + done)
         if n <= 0:
             raise Corrupt(f"{path} ends at byte {offset + done}, before the range it holds")
         done += n
