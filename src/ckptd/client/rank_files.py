@@ -61,8 +61,10 @@ class Locator:
         in the rank's image)."""
         own = os.path.join(self.directory, shard["file"])
         inc = self._incremental.get(int(shard["rank"]))
-        if inc is None or not shard["length"]:
-            return own, int(shard["offset"]) if inc is None else 0
+        if inc is None:  # a full file: the image itself
+            return own, int(shard["offset"])
+        if not shard["length"]:  # an empty shard is in no run: nothing to read
+            return own, 0
         runs, refs = inc
         try:
             step, offset = holder_of(runs, refs, self.step, shard["offset"], shard["length"])
