@@ -34,7 +34,10 @@ def test_other_nodes_incremental_part_reads_from_its_holders_part(
     remote = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
     daemons: dict[str, Daemon] = {}
     for rank, name in enumerate(("node-a", "node-b")):
-        d = remote_daemon(make_daemon, remote, extra_args=["--node-id", name])
+        # No eviction under disk pressure: a busy test machine's disk must not take
+        # node-a's own step 1 (which its step 2 references) away mid-test.
+        args = ["--node-id", name, "--local-low-watermark", "0%"]
+        d = remote_daemon(make_daemon, remote, extra_args=args)
         c = d.client("peers", rank=rank, node_ranks=[rank], world_size=2)
         for step in (1, 2):
             c.save(step, state(rank, step)).wait("durable", 60)
