@@ -30,9 +30,11 @@ from typing import Any, Literal
 import numpy as np
 
 from ckptd.core import checksum
-from ckptd.core.errors import TreeMismatch
+from ckptd.core.errors import NotFound, TreeMismatch
 from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import rows
+
+from .rank_files import Locator
 
 
 def is_jax_array(node: Any) -> bool:
@@ -123,26 +125,32 @@ class ShardReader:
         self.opener = opener
         """Opens a rank file read-only (the session hands over ones this user may not)."""
         self._by_leaf: dict[str, list[dict[str, Any]]] = {}
-        self._unindexed: list[tuple[str, dict[str, Any]]] = []
+        self._unindexed: list[tuple[str, dict[str, Any], bool]] = []
         self.parts = 0
         self.add_part(directory, manifest)
         self._maps: dict[str, mmap.mmap] = {}
         self._verified: set[tuple[str, str]] = set()
         self._adopted: dict[tuple[int, str], np.ndarray] = {}
 
-    def add_part(self, directory: str, manifest: dict[str, Any]) -> None:
-        """Make one node's part of the step readable."""
+    def add_part(self, directory: str, manifest: dict[str, Any], part: bool = False) -> None:
+        """Make one node's part of the step readable (``part``: another node's, fetched
+        for this restore; where its incremental ranks' holders are: rank_files.py)."""
         self.parts += 1
-        self._unindexed.append((directory, manifest))
+        self._unindexed.append((directory, manifest, part))
 
     @property
     def by_leaf(self) -> dict[str, list[dict[str, Any]]]:
         """Each saved leaf's shards across the parts added; built when first asked
         for, so a restore that needs no resharding pays nothing per shard here."""
         while self._unindexed:
-            directory, manifest = self._unindexed.pop(0)
+            directory, manifest, part = self._unindexed.pop(0)
+            files = Locator(directory, manifest, part)
             for s in rows(manifest):
-                shard = {**s, "path": os.path.join(directory, s["file"])}
+                # "offset": in the file holding the shard (an incremental rank's
+                # manifest records it in the rank's image).
+                path, offset = files.locate(s)
+                held = path != os.path.join(directory, s["file"])
+                shard = {**s, "path": path, "offset": offset, "held": held}
                 self._by_leaf.setdefault(leaf_of(s["key"]), []).append(shard)
         return self._by_leaf
 
@@ -160,12 +168,23 @@ class ShardReader:
             return adopted
         mm = self._maps.get(s["path"])
         if mm is None:
-            fd = self.opener(s["path"])
+            try:
+                fd = self.opener(s["path"])
+            except (FileNotFoundError, NotFound):
+                if not s.get("held"):
+                    raise
+                # An older step's file an incremental rank references: without it the
+                # step cannot be read here, as if corrupt (another copy is asked for).
+                raise CorruptShard(
+                    f"{s['path']}, which holds shard {s['key']!r}, is missing"
+                ) from None
             try:
                 mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self._maps[s["path"]] = mm
+        if s["offset"] + s["length"] > len(mm):
+            raise CorruptShard(f"{s['path']} ends before shard {s['key']!r}")
         flat = np.frombuffer(mm, np.uint8, count=s["length"], offset=s["offset"])
         if (s["path"], s["key"]) not in self._verified:
             crc = checksum.value(flat)

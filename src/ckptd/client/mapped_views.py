@@ -2,7 +2,9 @@
 
 Either a shared-memory segment the daemon filled and verified (preferred: no
 page cache, no copy), or the rank's shard file mapped copy-on-write and checked
-here against the manifest's crc32c.
+here against the manifest's crc32c. An incremental rank's file holds only part of
+its image: the image is read from it and its holders' files (rank_files.py) into
+private memory and checked against the image's crc32c.
 """
 
 from __future__ import annotations
@@ -20,13 +22,11 @@ from ckptd.core import checksum
 from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import table_of
 
+from . import rank_files
+from .rank_files import Corrupt as Corrupt  # raised here; callers catch it from here
 from .tree_spec import unflatten
 
 SHM_DIR = "/dev/shm"
-
-
-class Corrupt(Exception):
-    """A shard failed its checksum (triggers ReportCorrupt and a retry)."""
 
 
 def rank_record(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -58,12 +58,45 @@ def map_segment_locked(fd: int, size: int, private: bool = False) -> mmap.mmap:
 
 
 def map_file_verified(
-    directory: str, manifest: dict[str, Any], rank: int, opener: Callable[[str], int]
+    directory: str,
+    manifest: dict[str, Any],
+    rank: int,
+    opener: Callable[[str], int],
+    part: bool = False,
 ) -> mmap.mmap:
     """Map a rank file copy-on-write and check it against its crc32c (raises Corrupt);
-    ``opener`` opens it read-only (the session hands over files this user may not)."""
+    ``opener`` opens it read-only (the session hands over files this user may not).
+    An incremental rank's image is read into private memory instead (its holders'
+    files beside ``directory``; ``part``: another node's part, see rank_files.py)."""
     record = rank_record(manifest, rank)
     path = os.path.join(directory, record["file"])
+    if record.get("runs") is not None:
+        mm = rank_files.read_image(directory, record, opener, part)
+        want = record["image_crc32c"]
+    else:
+        mm = _map_file(path, record, opener)
+        want = record["crc32c"]
+    # One pass over the whole image against its crc (header included); only a
+    # mismatch is narrowed down to the shard that differs.
+    flat = np.frombuffer(mm, np.uint8)
+    if checksum.value(flat) == want:
+        return mm
+    held_elsewhere = rank_files.bad_reference(flat, directory, record, part)
+    if held_elsewhere:
+        raise Corrupt(held_elsewhere)
+    t = table_of(manifest).of_rank(rank)
+    ranges = list(zip(t.offset.tolist(), t.length.tolist(), strict=True))
+    crcs = checksum.of_ranges(flat, ranges)
+    for key, crc, expected in zip(t.keys, crcs, t.crc32c.tolist(), strict=True):
+        if crc != expected:
+            raise Corrupt(
+                f"shard {key!r} in {path} has crc32c {crc:#010x}, expected {expected:#010x}"
+            )
+    raise Corrupt(f"the header of {path} differs from the one committed")
+
+
+def _map_file(path: str, record: dict[str, Any], opener: Callable[[str], int]) -> mmap.mmap:
+    """A full rank file mapped copy-on-write, its readahead started."""
     with os.fdopen(opener(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size != record["size"]:
@@ -76,17 +109,7 @@ def map_file_verified(
             f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
     mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
-    # One pass over the whole file against its crc (header included); only a
-    # mismatch is narrowed down to the shard that differs.
-    if checksum.value(np.frombuffer(mm, np.uint8)) == record["crc32c"]:
-        return mm
-    t = table_of(manifest).of_rank(rank)
-    ranges = list(zip(t.offset.tolist(), t.length.tolist(), strict=True))
-    crcs = checksum.of_ranges(np.frombuffer(mm, np.uint8), ranges)
-    for key, crc, want in zip(t.keys, crcs, t.crc32c.tolist(), strict=True):
-        if crc != want:
-            raise Corrupt(f"shard {key!r} in {path} has crc32c {crc:#010x}, expected {want:#010x}")
-    raise Corrupt(f"the header of {path} differs from the one committed")
+    return mm
 
 
 def build_tree(

@@ -98,7 +98,7 @@ def jax_leaf_builder(
         fetched = True
         peers = conn.fetch_peers(pb.FetchPeersRequest(job=job, step=resp.step))
         for part in peers.parts:
-            reader.add_part(part.directory, json.loads(part.manifest_json))
+            reader.add_part(part.directory, json.loads(part.manifest_json), part=True)
         return build_leaf(reader, spec, target)
 
     return build

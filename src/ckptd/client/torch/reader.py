@@ -217,7 +217,9 @@ class CkptdReader(StorageReader):
 
             opener = client.low_level.open_readable
             try:
-                mm = mapped_views.map_file_verified(part.directory, manifest, rank, opener)
+                mm = mapped_views.map_file_verified(
+                    part.directory, manifest, rank, opener, part=True
+                )
             except mapped_views.Corrupt as exc:
                 raise CheckpointCorrupt(f"{self._what()}: {exc}", "DATA_LOSS") from None
             tree, _ = mapped_views.build_tree(mm, manifest, rank)

@@ -31,6 +31,7 @@ from ckptd.core.errors import (
     Unauthenticated,
     from_os_error,
 )
+from ckptd.core.manifest import Manifest
 from ckptd.core.names import check_name, check_step, check_wait
 from ckptd.core.redact import redact
 from ckptd.core.session import SESSION_HEADER
@@ -255,9 +256,18 @@ class Servicer(pb_grpc.CkptdServicer):
             # rank whose whole file is in the lease needs none, and holding the step
             # back would keep retention from turning it into a spare for later saves.
             self.s.catalog.served(plan.step)
+            for held in plan.manifest.holders():
+                older = self.s.catalog.get(job, held)
+                if older is not None:  # its file is read too: no eviction meanwhile
+                    self.s.catalog.served(older)
         self.s.restored(plan.tier)
         self.history.restored(job, request.rank, peer.process)
         self.s.access.grant(peer, plan.directory)
+        for held in plan.manifest.holders():
+            # An incremental rank's references: the same rank's file of an older step,
+            # beside the step's directory (client/rank_files.py). References are never
+            # chained, so the holders' own holders are never read for this step.
+            self.s.access.grant(peer, plan.directory.parent / str(held))
         resp = pb.RestoreResponse(
             job=job,
             step=plan.step.step,
@@ -306,8 +316,11 @@ class Servicer(pb_grpc.CkptdServicer):
     ) -> pb.FetchPeersResponse:
         peer, job = self._job(context, request.job)
         parts = await self.s.restorer.other_parts(job, check_step(request.step))
-        for _, directory, _ in parts:
+        for _, directory, raw in parts:
             self.s.access.grant(peer, directory)
+            held_by = Manifest.from_json(raw).holders() if '"refs"' in raw else ()
+            for held in held_by:  # that node's part of an older step
+                self.s.access.grant(peer, directory.parent.parent / str(held) / directory.name)
         return pb.FetchPeersResponse(
             parts=[pb.PeerPart(node=n, directory=str(d), manifest_json=m) for n, d, m in parts]
         )

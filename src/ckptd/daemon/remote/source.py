@@ -347,8 +347,25 @@ class BucketSource:
                     if not await self.io.run((dest / MANIFEST).exists):
                         await self._fetch_part(st, node)
                     raw = (await self.io.run(read_small, dest / MANIFEST)).decode()
+                    await self._fetch_holders(job, node, raw)
                     parts.append((node, dest, raw))
         return parts
+
+    async def _fetch_holders(self, job: str, node: str, raw: str) -> None:
+        """The parts of older steps of ``node`` an incremental part's references read,
+        fetched beside it (client/rank_files.py finds them there). References are
+        never chained: their own holders are not needed."""
+        if '"refs"' not in raw:
+            return
+        for held in sorted(Manifest.from_json(raw).holders()):
+            lock = self._fetching.setdefault((job, -1 - held), asyncio.Lock())
+            async with lock:  # older than the step whose lock is held: never a cycle
+                if await self.io.run((self.store.peer_dir(job, held, node) / MANIFEST).exists):
+                    continue
+                await self.refresh(job, held)
+                older = self.catalog.require(job, held)
+                with self.catalog.in_use(older):
+                    await self._fetch_part(older, node)
 
     async def _fetch_part(self, st: Step, node: str) -> None:
         assert self.remote is not None

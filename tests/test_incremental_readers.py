@@ -1,0 +1,173 @@
+"""Client readers of incremental rank files: a shard referenced from an older step's
+file is read from there, checked, and the holder's directory is granted."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptd.client import CheckpointCorrupt
+from ckptd.client import saver as client_saver
+from ckptd.client.jax_arrays import CorruptShard, ShardReader
+from ckptd.client.mapped_views import Corrupt, build_tree, map_file_verified
+from ckptd.client.rank_files import holder_dir
+from ckptd.core.manifest import MANIFEST
+
+from .conftest import Daemon
+from .helpers import flip_byte
+
+RANK0 = "rank-00000.safetensors"
+
+
+@pytest.fixture
+def incremental(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save asks the daemon for an incremental step (the client does not yet)."""
+    build = client_saver.Saver._commit_request
+
+    def with_incremental(self: Any, *args: Any, **kw: Any) -> Any:
+        req = build(self, *args, **kw)
+        req.incremental = True
+        return req
+
+    monkeypatch.setattr(client_saver.Saver, "_commit_request", with_incremental)
+
+
+def manifest_of(root: Path, job: str, step: int) -> dict[str, Any]:
+    return json.loads((root / job / str(step) / MANIFEST).read_text())  # type: ignore[no-any-return]
+
+
+def states() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Two states: ``a`` and ``c`` the same in both (referenced), ``b`` changed."""
+    rng = np.random.default_rng(3)
+    one = {
+        "a": rng.standard_normal(20_000).astype(np.float32),
+        "b": rng.standard_normal(3_000).astype(np.float64),
+        "c": np.arange(50_000, dtype=np.int32),
+    }
+    return one, {**one, "b": one["b"] * 2 + 1}
+
+
+def same(tree: dict[str, Any], want: dict[str, np.ndarray]) -> None:
+    for k, v in want.items():
+        got = np.asarray(tree[k])
+        assert got.dtype == v.dtype and got.tobytes() == v.tobytes(), k
+
+
+def test_incremental_steps_restore_from_files_bit_exact(
+    disk_daemon: Daemon, incremental: None
+) -> None:
+    client = disk_daemon.client("inc")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    client.save(3, two).wait("local", 60)  # b now held by step 2, a and c still by 1
+    root = disk_daemon.root
+    r2, r3 = manifest_of(root, "inc", 2)["ranks"][0], manifest_of(root, "inc", 3)["ranks"][0]
+    assert {ref[2] for ref in r2["refs"]} == {1} and {ref[2] for ref in r3["refs"]} == {1, 2}
+    assert (root / "inc" / "3" / RANK0).stat().st_size < r3["image_size"]
+    for step, want in ((3, two), (2, two), (1, one)):
+        tree, _ = client.restore(step=step, shared_memory=False)
+        same(tree, want)
+    tree, _ = client.restore(shared_memory=False)
+    same(tree, two)
+    tree["a"][0] = 42.0  # the arrays are the caller's to update, not the files
+    same(client.restore(step=3, shared_memory=False)[0], two)
+
+
+def test_restore_grants_the_holders_directories(disk_daemon: Daemon, incremental: None) -> None:
+    client = disk_daemon.client("grant")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    client.restore(step=2, shared_memory=False)
+    session = client.connection.session
+    for step in (2, 1):  # the step's own file, and its holder's
+        os.close(session.open_file(str(disk_daemon.root / "grant" / str(step) / RANK0)))
+
+
+def test_a_corrupt_referenced_range_is_detected(disk_daemon: Daemon, incremental: None) -> None:
+    client = disk_daemon.client("rot")
+    zero = {k: np.zeros_like(v) for k, v in states()[0].items()}
+    one, two = states()
+    client.save(1, zero).wait("local", 60)
+    client.save(2, one).wait("local", 60)  # in full: nothing as in step 1
+    client.save(3, two).wait("local", 60)  # a and c referenced from step 2's file
+    root = disk_daemon.root
+    r3 = manifest_of(root, "rot", 3)["ranks"][0]
+    ref = max(r3["refs"], key=lambda r: r[1])
+    assert ref[2] == 2
+    flip_byte(root / "rot" / "2" / RANK0, where=ref[3] + ref[1] // 2)
+
+    # The file path names the holder's file and range.
+    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
+    with pytest.raises(Corrupt, match=f"{root}/rot/2/{RANK0}"):
+        map_file_verified(str(root / "rot" / "3"), manifest_of(root, "rot", 3), 0, opener)
+
+    # Restore never serves those bytes: an older intact step, or CheckpointCorrupt.
+    try:
+        tree, _ = client.restore(shared_memory=False)
+    except CheckpointCorrupt:
+        return
+    same(tree, zero)
+    assert [c.step for c in client.list()] == [1]
+
+
+def test_holder_directories_beside_a_step_and_a_fetched_part() -> None:
+    assert holder_dir("/r/job/7", 3) == "/r/job/3"
+    assert holder_dir("/r/job/7/", 3) == "/r/job/3"
+    assert holder_dir("/r/.peers/job/7/node-b", 3, part=True) == "/r/.peers/job/3/node-b"
+
+
+def test_shard_reader_reads_referenced_shards_from_the_holder(
+    disk_daemon: Daemon, incremental: None
+) -> None:
+    """Other ranks' shards (resharding, other nodes' parts) are read shard by shard."""
+    client = disk_daemon.client("shards")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    root = disk_daemon.root
+    manifest = manifest_of(root, "shards", 2)
+    assert manifest["ranks"][0]["refs"]
+    reader = ShardReader(str(root / "shards" / "2"), manifest)
+    try:
+        for key, want in two.items():
+            got = reader.assemble(key, [(0, n) for n in want.shape], want.dtype)
+            assert got.tobytes() == want.tobytes(), key
+    finally:
+        reader.close()
+    ref = next(r for r in manifest["ranks"][0]["refs"] if r[1] >= 4096)
+    flip_byte(root / "shards" / "1" / RANK0, where=ref[3] + 1)
+    reader = ShardReader(str(root / "shards" / "2"), manifest)
+    try:
+        with pytest.raises(CorruptShard, match=f"{root}/shards/1/{RANK0}"):
+            for key, want in two.items():
+                reader.assemble(key, [(0, n) for n in want.shape], want.dtype)
+    finally:
+        reader.close()
+
+
+def test_a_missing_or_short_holder_is_corrupt(disk_daemon: Daemon, incremental: None) -> None:
+    client = disk_daemon.client("gone")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    root = disk_daemon.root
+    manifest = manifest_of(root, "gone", 2)
+    (root / "gone" / "1" / RANK0).rename(root / "gone" / "1" / "moved")
+    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
+    with pytest.raises(Corrupt, match="is missing"):
+        map_file_verified(str(root / "gone" / "2"), manifest, 0, opener)
+    (root / "gone" / "1" / "moved").rename(root / "gone" / "1" / RANK0)
+    mm = map_file_verified(str(root / "gone" / "2"), manifest, 0, opener)
+    same(build_tree(mm, manifest, 0)[0], two)
+    holder = root / "gone" / "1" / RANK0
+    with open(holder, "r+b") as f:  # cut short inside the last referenced range
+        f.truncate(max(r[3] + r[1] for r in manifest["ranks"][0]["refs"]) - 1)
+    with pytest.raises(Corrupt, match=f"{holder} ends at byte"):
+        map_file_verified(str(root / "gone" / "2"), manifest, 0, opener)
