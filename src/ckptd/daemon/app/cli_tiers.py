@@ -11,10 +11,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckptd.core.checksum import verify_step
 from ckptd.core.errors import CkptdError, NotFound, PermissionDenied
 from ckptd.core.manifest import MANIFEST, Manifest
 from ckptd.core.timeline import abandoned, merge
+from ckptd.core.verify import verify_step
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 

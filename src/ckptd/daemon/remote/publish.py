@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from ckptd.core import checksum
-from ckptd.core.checksum import verify_step
+from ckptd.core.verify import verify_step
 
 from .. import faults
 from ..catalog import Step
