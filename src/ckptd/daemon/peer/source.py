@@ -311,12 +311,31 @@ class PeerSource:
         node's) from the peers holding ``replica``, check it, commit it."""
         t0 = time.monotonic()
         manifest = replica.manifest
-        peers = replica.peers
         me = self.catalog.node_id
         mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
-        commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
+        if manifest.holders():  # the local tier holds a step with the steps it references
+            await self._bring_references(manifest)
+        gave = await self._commit(replica)
+        self.last_seconds = time.monotonic() - t0
+        st = self.catalog.peer_fetched(manifest, gave)
+        log.info(
+            "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
+            job, step, gave, self.last_seconds, manifest.size_bytes,
+        )  # fmt: skip
+        if self.memory is not None:
+            task = asyncio.ensure_future(self._stage(st, manifest))
+            self._staging.add(task)
+            task.add_done_callback(self._staging.discard)
+
+    async def _commit(self, replica: Replica) -> str:
+        """``replica``'s files from its holders into the local tier, each checked
+        against its crc32c, then its manifest (the commit point); who gave them."""
+        manifest, peers = replica.manifest, replica.peers
+        commit = await self.io.run(
+            self.store.begin_step, manifest.job, manifest.step, self.io.run, True
+        )
         try:
             # Each file from its own first holder (files spread over the holders).
             givers = await asyncio.gather(
@@ -330,17 +349,43 @@ class PeerSource:
         except BaseException:
             await commit.abort()
             raise
-        self.last_seconds = time.monotonic() - t0
-        gave = ",".join(sorted(set(givers)))
-        st = self.catalog.peer_fetched(manifest, gave)
-        log.info(
-            "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
-            job, step, gave, self.last_seconds, manifest.size_bytes,
-        )  # fmt: skip
-        if self.memory is not None:
-            task = asyncio.ensure_future(self._stage(st, manifest))
-            self._staging.add(task)
-            task.add_done_callback(self._staging.discard)
+        return ",".join(sorted(set(givers)))
+
+    async def _bring_references(self, manifest: Manifest) -> None:
+        """Make every step ``manifest`` references, transitively, local (oldest first)
+        from the peers' replicas of the same node, unless the local tier holds it
+        already with the very files referenced. DataLoss if one cannot be had: the
+        restore then goes on to the bucket."""
+        job, node = manifest.job, manifest.node
+        listed = await self._listing(job, source=node)
+        wanted: dict[int, Replica | None] = {}
+        todo = set(manifest.holders())
+        while todo:
+            step = todo.pop()
+            if step in wanted:
+                continue
+            local = self.catalog.get(job, step)
+            if local is not None and local.local and local.manifest is not None:
+                if not _same_files(local.manifest, manifest):
+                    raise DataLoss(
+                        f"{job}/{manifest.step} references step {step}, whose local copy "
+                        "holds other files"
+                    )
+                wanted[step] = None
+                todo |= local.manifest.holders()
+                continue
+            found = [r for r in listed.get((job, step), []) if r.manifest.node == node]
+            if not found:
+                raise DataLoss(f"{job}/{manifest.step} references step {step}, which no peer holds")
+            wanted[step] = found[0]
+            todo |= found[0].manifest.holders()
+        for step, replica in sorted(wanted.items()):
+            if replica is None or _local(self.catalog.get(job, step)):
+                continue  # local already (made so meanwhile, too)
+            gave = await self._commit(replica)
+            self.catalog.peer_fetched(replica.manifest, gave)
+            log.info("%s/%d, which %d references, taken from peers %s",
+                     job, step, manifest.step, gave)  # fmt: skip
 
     async def _stage(self, st: Step, manifest: Manifest) -> None:
         """Copy the committed files into shared memory, each kept for its rank's
@@ -373,3 +418,14 @@ class PeerSource:
                     return
                 self.memory.keep(st.job, st.step, record.rank, lease)
                 self.staged_bytes += record.size
+
+
+def _local(st: Step | None) -> bool:
+    return st is not None and st.local
+
+
+def _same_files(older: Manifest, newer: Manifest) -> bool:
+    """Whether ``older`` (a local step) has every rank file of ``newer`` (the step
+    referencing it), by name: references read the file of the same name."""
+    have = {r.file for r in older.ranks}
+    return all(r.file in have for r in newer.ranks if r.refs)
