@@ -8,7 +8,10 @@ takes the newest step unless the bucket holds a newer one. Its rank files come
 in parallel from the holders (transfer.py), are checked against the crc32c in
 the manifest, and the step is committed to the local tier like a download from
 the bucket (manifest last, one rename): the restore then reads it as a local
-copy. When no peer can give it, the chooser goes on to the bucket.
+copy. An incremental step comes with the older steps it references that the
+local tier lacks (references.py), each fetched and committed the same way first,
+oldest first, so the local tier holds them all. When no peer can give it, the
+chooser goes on to the bucket.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +32,7 @@ from ..io import IoPool
 from ..local.lease import Handed, Lease, Segment, Want
 from ..local.store import LocalStore
 from .link import Peer, Peers
+from .references import Replica, referenced
 from .transfer import ReplicaReader
 
 log = logging.getLogger("ckptd.peer")
@@ -50,17 +53,6 @@ class PrestageMemory(Protocol):
     async def lease_for(self, job: str, size: int) -> Lease | None: ...
     def keep(self, job: str, step: int, rank: int, lease: Lease) -> None: ...
     def release(self, lease: Lease) -> None: ...
-
-
-@dataclass(frozen=True)
-class Replica:
-    """One replica of a step as the peers list it: its manifest, parsed once, and
-    the peers holding that very text."""
-
-    manifest: Manifest
-    text: str
-    """The manifest as the peers gave it: the commit writes it as it came."""
-    peers: list[Peer]
 
 
 STAGE_CHUNK = 8 * 2**20
@@ -356,29 +348,9 @@ class PeerSource:
         from the peers' replicas of the same node, unless the local tier holds it
         already with the very files referenced. DataLoss if one cannot be had: the
         restore then goes on to the bucket."""
-        job, node = manifest.job, manifest.node
-        listed = await self._listing(job, source=node)
-        wanted: dict[int, Replica | None] = {}
-        todo = set(manifest.holders())
-        while todo:
-            step = todo.pop()
-            if step in wanted:
-                continue
-            local = self.catalog.get(job, step)
-            if local is not None and local.local and local.manifest is not None:
-                if not _same_files(local.manifest, manifest):
-                    raise DataLoss(
-                        f"{job}/{manifest.step} references step {step}, whose local copy "
-                        "holds other files"
-                    )
-                wanted[step] = None
-                todo |= local.manifest.holders()
-                continue
-            found = [r for r in listed.get((job, step), []) if r.manifest.node == node]
-            if not found:
-                raise DataLoss(f"{job}/{manifest.step} references step {step}, which no peer holds")
-            wanted[step] = found[0]
-            todo |= found[0].manifest.holders()
+        job = manifest.job
+        listed = await self._listing(job, source=manifest.node)
+        wanted = referenced(manifest, lambda step: self.catalog.get(job, step), listed)
         for step, replica in sorted(wanted.items()):
             if replica is None or _local(self.catalog.get(job, step)):
                 continue  # local already (made so meanwhile, too)
@@ -403,6 +375,8 @@ class PeerSource:
             for record in manifest.ranks:
                 if st.read_at != fetched_at:
                     return
+                if record.incremental:  # its file is not the image a restore hands over
+                    continue
                 lease = await self.memory.lease_for(st.job, record.size)
                 if lease is None:
                     return
@@ -422,10 +396,3 @@ class PeerSource:
 
 def _local(st: Step | None) -> bool:
     return st is not None and st.local
-
-
-def _same_files(older: Manifest, newer: Manifest) -> bool:
-    """Whether ``older`` (a local step) has every rank file of ``newer`` (the step
-    referencing it), by name: references read the file of the same name."""
-    have = {r.file for r in older.ranks}
-    return all(r.file in have for r in newer.ranks if r.refs)
