@@ -43,6 +43,9 @@ def test_an_intact_incremental_step_verifies(daemon: Daemon) -> None:
     rows = [line.split() for line in out.stdout.splitlines()]
     assert out.returncode == 0, out.stdout + out.stderr
     assert ["OK", "local", "inc/2"] in rows and ["OK", "local", "inc/1"] in rows
+    # The progress counts the referenced bytes read from step 1 as well.
+    last = [line for line in out.stderr.splitlines() if line.startswith("verify ")][-1]
+    assert "(100%)" in last, out.stderr
 
 
 def test_a_corrupt_referenced_range_is_reported_for_the_step_referencing_it(
