@@ -375,7 +375,7 @@ class PeerSource:
             for record in manifest.ranks:
                 if st.read_at != fetched_at:
                     return
-                if record.incremental:  # its file is not the image a restore hands over
+                if record.incremental:  # its file is not its image: the local tier assembles it
                     continue
                 lease = await self.memory.lease_for(st.job, record.size)
                 if lease is None:
