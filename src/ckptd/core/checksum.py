@@ -2,7 +2,7 @@
 
 Every byte of a checkpoint is checked against the crc32c recorded when it was
 committed: one pass over the lease while it is written (``FileCrc``),
-streamed reads of files in bounded chunks (``of_file``, ``verify_step``; never a
+streamed reads of files in bounded chunks (``of_file``, and verify.py; never a
 whole file in memory), views of memory already mapped (``of_ranges``), and the
 object stores' own checksums, which are plain crc32c of whole objects.
 
@@ -19,13 +19,9 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import google_crc32c
 import numpy as np
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
 
 CHUNK = 8 * 2**20
 """Bytes per read when a file is checked from disk."""
@@ -262,76 +258,3 @@ def of_file_ranges(
                     progress(n)
             out.append(crc)
     return out
-
-
-def verify_step(
-    directory: Path,
-    manifest: Manifest,
-    progress: Callable[[int], None] | None = None,
-    unreadable: list[str] | None = None,
-) -> list[str]:
-    """Re-read a committed step's files and compare every crc32c the manifest records;
-    returns what does not match (empty if intact). Adopted trees: each whole file;
-    ckptd's rank files: each shard. ``progress(n)``: after each chunk of ``n`` bytes.
-    ``unreadable``: if given, files this process may not read go there (with why)
-    instead of among the mismatches: a check run as the wrong user is no corruption."""
-    bad: list[str] = []
-    if manifest.adopted:
-        for r in manifest.ranks:
-            try:
-                if of_file(directory / r.file, progress=progress) != r.crc32c:
-                    bad.append(r.file)
-            except PermissionError as exc:
-                (bad if unreadable is None else unreadable).append(f"{r.file}: {exc.strerror}")
-            except (OSError, ValueError) as exc:
-                bad.append(f"{r.file}: {exc}")
-        return bad
-    for r in manifest.ranks:
-        t = manifest.shards.of_rank(r.rank)
-        shards = list(
-            zip(t.keys, t.offset.tolist(), t.length.tolist(), t.crc32c.tolist(), strict=True)
-        )
-        bad += _verify_rank_file(directory / r.file, r.size, r.crc32c, shards, progress, unreadable)
-    return bad
-
-
-def _verify_rank_file(
-    path: Path,
-    size: int,
-    file_crc: int,
-    shards: list[tuple[str, int, int, int]],
-    progress: Callable[[int], None] | None,
-    unreadable: list[str] | None,
-) -> list[str]:
-    """One pass over a rank file: each shard's crc32c, and the whole file's (which
-    also covers the header and the padding between shards)."""
-    pieces: list[tuple[int, int, int | None]] = []  # offset, length, index into shards
-    at = 0
-    for i, (_, offset, length, _) in sorted(enumerate(shards), key=lambda x: x[1][1]):
-        if offset > at:
-            pieces.append((at, offset - at, None))
-        pieces.append((offset, length, i))
-        at = max(at, offset + length)
-    if size > at:
-        pieces.append((at, size - at, None))
-    try:
-        actual = path.stat().st_size
-        if actual != size:
-            return [f"{path.name}: {actual} bytes, {size} recorded at commit"]
-        crcs = of_file_ranges(path, [(o, n) for o, n, _ in pieces], progress=progress)
-    except PermissionError as exc:
-        if unreadable is None:
-            return [f"{path.name}: {exc}"]
-        unreadable.append(f"{path.name}: {exc.strerror}")
-        return []
-    except (OSError, ValueError) as exc:
-        return [f"{path.name}: {exc}"]
-    bad = [
-        f"{path.name}:{shards[i][0]}"
-        for (_, _, i), c in zip(pieces, crcs, strict=True)
-        if i is not None and c != shards[i][3]
-    ]
-    whole = combine_all([(c, n) for c, (_, n, _) in zip(crcs, pieces, strict=True)])
-    if not bad and whole != file_crc:
-        bad.append(f"{path.name}: header or padding differs from the commit")
-    return bad

@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.core.checksum import verify_step
 from ckptd.core.errors import (
     Conflict,
     DataLoss,
@@ -43,6 +42,7 @@ from ckptd.core.errors import (
     PermissionDenied,
 )
 from ckptd.core.manifest import KIND_DIRECTORY, Manifest
+from ckptd.core.verify import verify_step
 
 from ..catalog import Catalog, Step
 from ..files import replace_synced

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckptd.core.checksum import verify_step
 from ckptd.core.errors import CkptdError, NotFound, PermissionDenied
 from ckptd.core.manifest import MANIFEST, Manifest
 from ckptd.core.timeline import abandoned, merge
+from ckptd.core.verify import verify_step
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -288,7 +288,12 @@ def _unreadable(path: Path, exc: OSError) -> str:
 
 def _verify_local(root: Path, job: str | None) -> list[tuple[str, str]]:
     steps = _local_steps(root, job)
-    total = sum(m.size_bytes for _, _, m, _ in steps if m is not None)
+    # An incremental step's check reads its references from their holders' files too.
+    total = sum(
+        m.size_bytes + sum(int(ref[1]) for r in m.ranks for ref in r.refs or ())
+        for _, _, m, _ in steps
+        if m is not None
+    )
     rows = []
     with ByteProgress(f"verify {root}", total) as progress:
         for name, step_dir, manifest, problem in steps:

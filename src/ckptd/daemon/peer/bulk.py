@@ -22,7 +22,9 @@ The protocol, one request per connection:
 - ``{"op": "get", "job", "source", "step", "file", "offset", "length"}``: answer
   ``OK`` and an 8-byte length, then exactly that many bytes of the file from
   ``offset``.
-- ``{"op": "put", "job", "step", "manifest"}``: answer ``HD`` and an 8-byte size
+- ``{"op": "put", "job", "step", "manifest"[, "holder_for"]}`` (``holder_for``: the
+  newer step this one is sent ahead of, as a step it references; replicas.py):
+  answer ``HD`` and an 8-byte size
   (held already: send nothing) or ``GO``; then the replica's rank files back to
   back in manifest order; answer ``OK`` and the size once the replica is held.
 - any refusal or failure: ``ER``, a 4-byte length and a UTF-8 reason.
@@ -316,7 +318,8 @@ class BulkServer:
     def _put(self, conn: socket.socket, req: dict[str, Any]) -> None:
         """Take a replica pushed by its source (checked like a PutReplica stream)."""
         job = check_name("job", str(req.get("job", "")))
-        begun = self.store.begin(job, check_step(int(req["step"])), str(req["manifest"]))
+        step, holder_for = check_step(int(req["step"])), int(req.get("holder_for", 0))
+        begun = self.store.begin(job, step, str(req["manifest"]), holder_for)
         if isinstance(begun, Held):  # its source restarted and sent it again
             conn.sendall(b"HD" + struct.pack("<Q", begun.size))
             return

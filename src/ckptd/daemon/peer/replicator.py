@@ -6,7 +6,9 @@ and node). It pauses while a save is being written on this node (STAGING), so it
 does not compete with a save for the disk and the cores, but for at most
 ``peer_max_lag_seconds`` from the moment the job's replica fell behind its newest
 local step: a continuous save loop never leaves a gap, and the replica must not
-starve (it is the node-loss copy). The rank files are read
+starve (it is the node-loss copy). An incremental step (core/increments.py) sends
+only its own rank files, the new bytes: the older steps it references go first,
+those the peer does not hold already. The rank files are read
 back from the local tier while the catalog holds the step in use (the evictor
 leaves it alone), at most ``peer_bandwidth_bytes`` per second, and pushed to the
 peer's bulk listener (bulk.py: a plain socket, a fraction of gRPC's CPU), or with
@@ -25,7 +27,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ckptd.core.errors import DataLoss, Unavailable
+from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -35,10 +37,12 @@ from ..io import IoPool
 from ..local.store import LocalStore
 from .bulk_client import push
 from .link import CHUNK, Limiter, Peer, Peers
+from .service import HOLDER_FOR
 
 log = logging.getLogger("ckptd.peer")
 
 SEND_TIMEOUT_SECONDS = 3600.0
+LIST_TIMEOUT_SECONDS = 30.0
 RETRY_SECONDS = 5.0
 
 
@@ -174,30 +178,83 @@ class Replicator:
         return False
 
     async def _send(self, peer: Peer, st: Step) -> bool:
-        """One replica of ``st`` to ``peer`` (its bulk listener, else PutReplica);
-        False (logged) if it did not take it."""
+        """One replica of ``st`` to ``peer`` (its bulk listener, else PutReplica), the
+        steps it references first where the peer lacks them; False (logged) if it did
+        not take it."""
         with self.catalog.in_use(st):  # its files stay while they are read
             manifest = st.manifest
             if manifest is None:
                 return False
             try:
-                if not peer.data_port or not await self._push(peer, st, manifest):
-                    await self.peers.stub(peer.address).PutReplica(
-                        self._chunks(st, manifest),
-                        metadata=self.peers.metadata,
-                        timeout=SEND_TIMEOUT_SECONDS,
-                    )
+                if manifest.holders():
+                    await self._send_holders(peer, st, manifest)
+                await self._send_one(peer, st, manifest)
             except Exception as exc:  # a refusal, a dead peer, a file gone: next peer
                 self.peers.fail(f"{peer.node} ({peer.address})", exc)
                 return False
         log.info("%s/%d replicated to %s", st.job, st.step, peer.node)
         return True
 
-    async def _push(self, peer: Peer, st: Step, manifest: Manifest) -> bool:
+    async def _send_one(
+        self, peer: Peer, st: Step, manifest: Manifest, holder_for: int = 0
+    ) -> None:
+        """``st``'s files to ``peer`` (``holder_for``: sent ahead of that newer step,
+        which references it)."""
+        if not peer.data_port or not await self._push(peer, st, manifest, holder_for):
+            extra = ((HOLDER_FOR, str(holder_for)),) if holder_for else ()
+            await self.peers.stub(peer.address).PutReplica(
+                self._chunks(st, manifest),
+                metadata=(*self.peers.metadata, *extra),
+                timeout=SEND_TIMEOUT_SECONDS,
+            )
+
+    async def _send_holders(self, peer: Peer, st: Step, manifest: Manifest) -> None:
+        """Every step ``st`` references, transitively, that ``peer`` does not hold,
+        oldest first: a peer takes an incremental replica only with them (replicas.py),
+        and the new step's own files are then all it is sent of it."""
+        needed = self._references(st, manifest)
+        listed = await self.peers.stub(peer.address).ListReplicas(
+            pb.ListReplicasRequest(job=st.job, source_node=self.catalog.node_id),
+            metadata=self.peers.metadata,
+            timeout=LIST_TIMEOUT_SECONDS,
+        )
+        held = {r.step: r.manifest_json for r in listed.replicas}
+        for step in sorted(needed):
+            older = needed[step]
+            with self.catalog.in_use(older):
+                m = older.manifest
+                if m is None:
+                    raise NotFound(f"{st.job}/{step}, which {st.step} references, left this node")
+                if held.get(step) != m.to_json():
+                    await self._send_one(peer, older, m, holder_for=st.step)
+
+    def _references(self, st: Step, manifest: Manifest) -> dict[int, Step]:
+        """The local steps ``st`` references, transitively (each tier holding a step
+        holds them)."""
+        found: dict[int, Step] = {}
+        todo = set(manifest.holders())
+        while todo:
+            step = todo.pop()
+            if step in found:
+                continue
+            older = self.catalog.get(st.job, step)
+            if older is None or not older.local or older.manifest is None:
+                raise NotFound(f"{st.job}/{st.step} references step {step}, not local here")
+            found[step] = older
+            todo |= older.manifest.holders()
+        return found
+
+    async def _push(self, peer: Peer, st: Step, manifest: Manifest, holder_for: int = 0) -> bool:
         """``st`` to ``peer``'s bulk listener; False (logged once per peer) if that
         failed for a reason its Peer service may not share (the data port refused,
         cut or timed out): the caller sends it with PutReplica instead."""
-        request = {"job": st.job, "step": st.step, "manifest": manifest.to_json()}
+        request: dict[str, object] = {
+            "job": st.job,
+            "step": st.step,
+            "manifest": manifest.to_json(),
+        }
+        if holder_for:
+            request["holder_for"] = holder_for
         try:
             await push(
                 peer.data_address,

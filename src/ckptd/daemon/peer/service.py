@@ -101,7 +101,10 @@ class PeerServicer(pb_grpc.PeerServicer):
             if self.sender_check is None:
                 raise InvalidArgument("this peer takes no replicas")
             await self.sender_check.check(claimed_node(first.manifest_json), grpc_sender(context))
-            begun = await self._run(self.store.begin, first.job, first.step, first.manifest_json)
+            holder_for = holder_for_of(context)
+            begun = await self._run(
+                self.store.begin, first.job, first.step, first.manifest_json, holder_for
+            )
             if isinstance(begun, Held):  # its source restarted and sent it again
                 return pb.PutReplicaResponse(size_bytes=begun.size)
             incoming = begun
@@ -169,3 +172,19 @@ async def _abort(context: Any, exc: BaseException) -> None:
     if isinstance(exc, OSError):
         log.error("replica I/O failed: %s", exc)
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"this peer cannot do that now: {exc}")
+
+
+HOLDER_FOR = "ckptd-holder-for"
+"""PutReplica metadata: the newer step a replica is sent ahead of, as a step that one
+references (replicas.py); absent for a source's newest step."""
+
+
+def holder_for_of(context: Any) -> int:
+    """The ``HOLDER_FOR`` a PutReplica call carries (0: none)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == HOLDER_FOR:
+            try:
+                return int(value)
+            except ValueError:
+                raise InvalidArgument(f"{HOLDER_FOR} must be a step number") from None
+    return 0

@@ -8,7 +8,10 @@ takes the newest step unless the bucket holds a newer one. Its rank files come
 in parallel from the holders (transfer.py), are checked against the crc32c in
 the manifest, and the step is committed to the local tier like a download from
 the bucket (manifest last, one rename): the restore then reads it as a local
-copy. When no peer can give it, the chooser goes on to the bucket.
+copy. An incremental step comes with the older steps it references that the
+local tier lacks (references.py), each fetched and committed the same way first,
+oldest first, so the local tier holds them all. When no peer can give it, the
+chooser goes on to the bucket.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +32,7 @@ from ..io import IoPool
 from ..local.lease import Handed, Lease, Segment, Want
 from ..local.store import LocalStore
 from .link import Peer, Peers
+from .references import Replica, referenced
 from .transfer import ReplicaReader
 
 log = logging.getLogger("ckptd.peer")
@@ -50,17 +53,6 @@ class PrestageMemory(Protocol):
     async def lease_for(self, job: str, size: int) -> Lease | None: ...
     def keep(self, job: str, step: int, rank: int, lease: Lease) -> None: ...
     def release(self, lease: Lease) -> None: ...
-
-
-@dataclass(frozen=True)
-class Replica:
-    """One replica of a step as the peers list it: its manifest, parsed once, and
-    the peers holding that very text."""
-
-    manifest: Manifest
-    text: str
-    """The manifest as the peers gave it: the commit writes it as it came."""
-    peers: list[Peer]
 
 
 STAGE_CHUNK = 8 * 2**20
@@ -311,12 +303,31 @@ class PeerSource:
         node's) from the peers holding ``replica``, check it, commit it."""
         t0 = time.monotonic()
         manifest = replica.manifest
-        peers = replica.peers
         me = self.catalog.node_id
         mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
-        commit = await self.io.run(self.store.begin_step, job, step, self.io.run, True)
+        if manifest.holders():  # the local tier holds a step with the steps it references
+            await self._bring_references(manifest)
+        gave = await self._commit(replica)
+        self.last_seconds = time.monotonic() - t0
+        st = self.catalog.peer_fetched(manifest, gave)
+        log.info(
+            "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
+            job, step, gave, self.last_seconds, manifest.size_bytes,
+        )  # fmt: skip
+        if self.memory is not None:
+            task = asyncio.ensure_future(self._stage(st, manifest))
+            self._staging.add(task)
+            task.add_done_callback(self._staging.discard)
+
+    async def _commit(self, replica: Replica) -> str:
+        """``replica``'s files from its holders into the local tier, each checked
+        against its crc32c, then its manifest (the commit point); who gave them."""
+        manifest, peers = replica.manifest, replica.peers
+        commit = await self.io.run(
+            self.store.begin_step, manifest.job, manifest.step, self.io.run, True
+        )
         try:
             # Each file from its own first holder (files spread over the holders).
             givers = await asyncio.gather(
@@ -330,17 +341,23 @@ class PeerSource:
         except BaseException:
             await commit.abort()
             raise
-        self.last_seconds = time.monotonic() - t0
-        gave = ",".join(sorted(set(givers)))
-        st = self.catalog.peer_fetched(manifest, gave)
-        log.info(
-            "%s/%d taken from peers %s in %.2f s (%d bytes) and committed locally",
-            job, step, gave, self.last_seconds, manifest.size_bytes,
-        )  # fmt: skip
-        if self.memory is not None:
-            task = asyncio.ensure_future(self._stage(st, manifest))
-            self._staging.add(task)
-            task.add_done_callback(self._staging.discard)
+        return ",".join(sorted(set(givers)))
+
+    async def _bring_references(self, manifest: Manifest) -> None:
+        """Make every step ``manifest`` references, transitively, local (oldest first)
+        from the peers' replicas of the same node, unless the local tier holds it
+        already with the very files referenced. DataLoss if one cannot be had: the
+        restore then goes on to the bucket."""
+        job = manifest.job
+        listed = await self._listing(job, source=manifest.node)
+        wanted = referenced(manifest, lambda step: self.catalog.get(job, step), listed)
+        for step, replica in sorted(wanted.items()):
+            if replica is None or _local(self.catalog.get(job, step)):
+                continue  # local already (made so meanwhile, too)
+            gave = await self._commit(replica)
+            self.catalog.peer_fetched(replica.manifest, gave)
+            log.info("%s/%d, which %d references, taken from peers %s",
+                     job, step, manifest.step, gave)  # fmt: skip
 
     async def _stage(self, st: Step, manifest: Manifest) -> None:
         """Copy the committed files into shared memory, each kept for its rank's
@@ -375,3 +392,7 @@ class PeerSource:
                     return
                 self.memory.keep(st.job, st.step, record.rank, lease)
                 self.staged_bytes += record.size
+
+
+def _local(st: Step | None) -> bool:
+    return st is not None and st.local

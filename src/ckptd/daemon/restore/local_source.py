@@ -28,11 +28,11 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ckptd.core import checksum
-from ckptd.core.checksum import verify_step
 from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from ckptd.core.format import round_up
 from ckptd.core.manifest import RankRecord
 from ckptd.core.shard_table import ShardTable
+from ckptd.core.verify import verify_step
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
