@@ -78,20 +78,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def lora_arrays(args: argparse.Namespace, seed: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Frozen weights and adapters (+ Adam's two moments) as numpy; the adapters' keys."""
+    """Frozen weights and adapters laid out as a PEFT model's state dict is (each
+    layer's frozen weights, then its adapters), then the adapters' Adam moments (as
+    an optimizer's state dict: together); the keys of what training changes."""
     rng = np.random.default_rng(seed)
-    n = args.frozen_arrays
+    layers, n = 64, args.frozen_arrays
     per = int(args.frozen_gib * 2**30) // n // 4
-    state = {f"base.{i:04d}": rng.standard_normal(per, np.float32) for i in range(n)}
-    layers = 64
     per_adapter = int(args.adapter_mib * 2**20) // (layers * 2 * 3) // 4
+    state: dict[str, np.ndarray] = {}
     trained: list[str] = []
-    for i in range(layers):
-        for ab in ("a", "b"):
-            for part in ("w", "m", "v"):
-                key = f"lora.{i:02d}.{ab}.{part}"
+    each = max(n // layers, 1)
+    for i in range(n):
+        layer = min(i // each, layers - 1)
+        state[f"model.{layer:02d}.w{i:04d}"] = rng.standard_normal(per, np.float32)
+        if i == n - 1 or (i % each == each - 1 and layer < layers - 1):  # its last weight
+            for ab in ("a", "b"):
+                key = f"model.{layer:02d}.lora_{ab}"
                 state[key] = rng.standard_normal(per_adapter, np.float32)
                 trained.append(key)
+    for key in list(trained):
+        for moment in ("m", "v"):
+            state[f"optim.{key}.{moment}"] = rng.standard_normal(per_adapter, np.float32)
+            trained.append(f"optim.{key}.{moment}")
     return state, trained
 
 
