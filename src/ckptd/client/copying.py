@@ -87,7 +87,7 @@ def _unit(e: TensorEntry, src: Any) -> int:
     if src.flags.c_contiguous:
         return int(e.dtype.itemsize) or e.length
     if src.ndim and src.shape[0] > 1:
-        return e.length // src.shape[0]
+        return e.length // int(src.shape[0])
     return e.length
 
 
