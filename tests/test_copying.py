@@ -1,5 +1,6 @@
-"""The copy of a save's arrays into its lease: one part per thread, split by bytes,
-every byte where the layout puts it (whatever the arrays' strides)."""
+"""The copy of a save's arrays into its lease: cut into parts by bytes that the
+calling thread and the copy pool take in turn, every byte where the layout puts it
+(whatever the arrays' strides)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,35 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptd.client.copying import MIN_PART, copy_into, split_by_bytes
+from ckptd.client.copying import MIN_PART, copy_into, guided_ends, split_by_bytes
 from ckptd.client.saver import Saver
 from ckptd.core.format import TensorEntry, plan_layout
 
 
-class RecordingCopier(ThreadPoolExecutor):
-    """A copy pool that runs each task at once on the calling thread and records
-    how many bytes it was given (a fake: no timing, no threads)."""
+class BusyCopier(ThreadPoolExecutor):
+    """A copy pool whose threads are all busy elsewhere (another save's copy, a
+    device-to-host copy): it takes tasks and runs none of them (a fake: no timing)."""
 
     def __init__(self) -> None:
         super().__init__(1)
-        self.tasks: list[int] = []
+        self.tasks = 0
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        self.tasks.append(sum(e.length for e, _ in args[1]))
+        self.tasks += 1
+        fut: Future[Any] = Future()
+        fut.set_result(None)
+        return fut
+
+
+class InlineCopier(ThreadPoolExecutor):
+    """A copy pool that runs each task at once on the calling thread (a fake)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.tasks = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.tasks += 1
         fut: Future[Any] = Future()
         fut.set_result(fn(*args, **kwargs))
         return fut
@@ -72,30 +87,49 @@ def saver_with(copier: ThreadPoolExecutor, threads: int) -> Saver:
 
 
 @pytest.mark.parametrize("threads", [2, 3, 4])
-def test_each_copy_thread_copies_an_equal_share_of_the_bytes(threads: int) -> None:
-    # Chunks of a fixed size left the calling thread a remainder (a few KiB here)
-    # and the pool one task per 16 MiB: the caller and each pool thread now get
-    # one part each, of equal bytes, the embedding cut where a part ends.
+def test_the_calling_thread_copies_whatever_the_pool_has_not_taken(threads: int) -> None:
+    # Tasks of 16 MiB chunks left the calling thread a remainder of a few KiB and
+    # waited for the pool: the calling thread now takes parts until none is left.
     arrays = transformer_like(np.random.default_rng(0))
     entries, mm = lay_out(arrays)
-    total = sum(e.length for e in entries)
-    copier = RecordingCopier()
+    copier = BusyCopier()
     saver_with(copier, threads).copy_arrays(mm, entries, arrays)
-    assert len(copier.tasks) == threads - 1
-    caller = total - sum(copier.tasks)
-    for part in [caller, *copier.tasks]:
-        assert abs(part - total / threads) <= 4  # one float32 at most
+    assert copier.tasks == threads - 1
     assert_copied(mm, entries, arrays)
     copier.shutdown()
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_a_pool_thread_copies_whatever_the_caller_has_not_taken(threads: int) -> None:
+    arrays = transformer_like(np.random.default_rng(1))
+    entries, mm = lay_out(arrays)
+    copier = InlineCopier()  # the first task runs before the caller takes a part
+    saver_with(copier, threads).copy_arrays(mm, entries, arrays)
+    assert copier.tasks == threads - 1
+    assert_copied(mm, entries, arrays)
+    copier.shutdown()
+
+
+@pytest.mark.parametrize("total", [8 * 2**20, 2**30, 2**30 + 12345])
+@pytest.mark.parametrize("threads", [2, 4])
+def test_parts_shrink_from_a_share_of_the_bytes_down_to_the_minimum(
+    total: int, threads: int
+) -> None:
+    ends = guided_ends(total, threads)
+    sizes = [b - a for a, b in zip([0, *ends], ends, strict=False)]
+    assert ends[-1] == total and sum(sizes) == total
+    assert sizes[0] == max(total // (2 * threads), MIN_PART)
+    head = sizes[:-1]  # the last part is what is left
+    assert head == sorted(head, reverse=True) and all(s >= MIN_PART for s in head)
 
 
 def test_a_small_save_stays_on_the_calling_thread() -> None:
     arrays = {f"a{i}": np.full(1000, i, np.float32) for i in range(10)}
     entries, mm = lay_out(arrays)
     assert sum(e.length for e in entries) < 2 * MIN_PART
-    copier = RecordingCopier()
+    copier = BusyCopier()
     copy_into(mm, entries, arrays, copier, 4)
-    assert copier.tasks == []
+    assert copier.tasks == 0
     assert_copied(mm, entries, arrays)
     copier.shutdown()
 
@@ -118,11 +152,12 @@ def odd_arrays(rng: np.random.Generator) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 5, 8])
-def test_parts_cover_every_byte_once_in_order_and_balanced(parts: int) -> None:
+def test_parts_cover_every_byte_once_in_order_and_end_where_asked(parts: int) -> None:
     arrays = odd_arrays(np.random.default_rng(parts))
     entries, mm = lay_out(arrays)
     total = sum(e.length for e in entries)
-    split = split_by_bytes(entries, arrays, parts)
+    ends = [total * (k + 1) // parts for k in range(parts)]
+    split = split_by_bytes(entries, arrays, ends)
     assert len(split) == parts
     pieces = [p for part in split for p in part]
     at = 0
@@ -133,7 +168,7 @@ def test_parts_cover_every_byte_once_in_order_and_balanced(parts: int) -> None:
 
     # A part ends at the nearest place the array there can be cut (an element of a
     # C-contiguous one, a row of another, nowhere in a single strided row): the
-    # widest such unit bounds how far a part may be from an equal share.
+    # widest such unit bounds how far from where it was asked to a part may end.
     def unit(e: TensorEntry) -> int:
         a = arrays[e.key]
         if a.flags.c_contiguous:
@@ -141,9 +176,9 @@ def test_parts_cover_every_byte_once_in_order_and_balanced(parts: int) -> None:
         return e.length // a.shape[0] if a.ndim and a.shape[0] > 1 else e.length
 
     widest = max(unit(e) for e in entries if e.length)
-    for part in split:
-        got = sum(e.length for e, _ in part)
-        assert abs(got - total / parts) <= widest
+    for k in range(parts):
+        end = sum(e.length for p in split[: k + 1] for e, _ in p)
+        assert abs(end - ends[k]) <= widest
     for part in split:  # each part copied alone still lands every byte in its place
         copy_into(mm, [e for e, _ in part], {e.key: s for e, s in part}, None)
     assert_copied(mm, entries, arrays)

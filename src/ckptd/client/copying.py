@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -11,8 +12,8 @@ import numpy as np
 from ckptd.core.format import TensorEntry
 
 MIN_PART = 4 * 2**20
-"""Bytes below which a thread's part is not worth handing to another thread (a
-save of a few arrays of KiB stays on the calling thread)."""
+"""The smallest part a thread takes: a save under twice this stays on the calling
+thread (a task for a few arrays of KiB costs more than their copy)."""
 
 Piece = tuple[TensorEntry, Any]
 """An array (or a slice of one) and the place in the lease it is copied to."""
@@ -28,23 +29,37 @@ def copy_into(
     """Copy every array into its place in the lease on ``threads`` threads: the
     calling one and ``threads - 1`` of ``copier``.
 
-    The bytes are split into one part per thread of equal size (an array that
-    straddles two parts is cut between them), each part copied in one task. Tasks
-    of a fixed size (16 MiB chunks of large arrays and batches of small ones) left
-    the calling thread idle, paid a task per chunk, and on a transformer's state
-    (1,500 arrays, most under 2 MiB) made the copy ~6% slower than a memcpy of the
-    same arrays split in two by bytes (bench/bench_save_floor.py)."""
+    The bytes are cut into parts (an array that straddles two is cut between them)
+    that each thread takes in turn until none is left: the first a ``2 * threads``-th
+    of the bytes, each next one that share of what is left, down to MIN_PART, so a
+    thread the machine holds back leaves the others little to wait for at the end
+    (on a 2-core machine other processes use, a copy split in equal halves waited
+    for the later half). Tasks of a fixed size (16 MiB chunks of large arrays and
+    batches of small ones) left the calling thread idle, paid a task per chunk, and
+    on a transformer's state (1,500 arrays, most under 2 MiB) made the copy ~6%
+    slower than a memcpy of the same arrays split in two by bytes
+    (bench/bench_save_floor.py)."""
     live = [e for e in entries if e.length]
     total = sum(e.length for e in live)
-    parts = max(1, min(threads if copier is not None else 1, total // MIN_PART))
-    if parts == 1:
+    workers = max(1, min(threads if copier is not None else 1, total // MIN_PART))
+    if workers == 1:
         _copy_arrays(mm, [(e, arrays[e.key]) for e in live])
         return
     assert copier is not None
-    split = split_by_bytes(live, arrays, parts)
-    jobs = [copier.submit(_copy_arrays, mm, part) for part in split[1:]]
+    parts = iter(split_by_bytes(live, arrays, guided_ends(total, workers)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                part = next(parts, None)
+            if part is None:
+                return
+            _copy_arrays(mm, part)
+
+    jobs = [copier.submit(work) for _ in range(workers - 1)]
     try:
-        _copy_arrays(mm, split[0])
+        work()
     finally:
         for job in jobs:
             job.exception()  # every copy ends before the lease may be given back
@@ -52,15 +67,27 @@ def copy_into(
         job.result()
 
 
-def split_by_bytes(
-    entries: list[TensorEntry], arrays: dict[str, Any], parts: int
-) -> list[list[Piece]]:
-    """``entries`` (in lease order) split into ``parts`` runs of about equal bytes.
+def guided_ends(total: int, threads: int) -> list[int]:
+    """Where each part of ``total`` bytes ends when ``threads`` share them: each part
+    a ``2 * threads``-th of the bytes not yet given out, at least MIN_PART."""
+    ends, at = [], 0
+    while at < total:
+        at = min(total, at + max((total - at) // (2 * threads), MIN_PART))
+        ends.append(at)
+    return ends
 
-    An array that crosses a boundary is cut there: a C-contiguous one at any
-    element (as a flat view), any other along its first axis (whole rows); one
-    that cannot be cut (a scalar, a single strided row) goes whole to one part."""
-    total = sum(e.length for e in entries)
+
+def split_by_bytes(
+    entries: list[TensorEntry], arrays: dict[str, Any], ends: list[int]
+) -> list[list[Piece]]:
+    """``entries`` (in lease order) cut into parts, part ``k`` ending as near ``ends[k]``
+    bytes into their concatenation as its arrays allow (``ends`` ascending, the last
+    the total).
+
+    An array that crosses an end is cut there: a C-contiguous one at any element
+    (as a flat view), any other along its first axis (whole rows); one that cannot
+    be cut (a scalar, a single strided row) goes whole to one part."""
+    parts = len(ends)
     out: list[list[Piece]] = [[] for _ in range(parts)]
     k, pos = 0, 0  # the part being filled; bytes given to parts so far
     for e in entries:
@@ -68,8 +95,8 @@ def split_by_bytes(
             continue
         src = arrays[e.key]
         start = 0  # bytes of this array given to parts so far
-        while k < parts - 1 and pos + e.length - start > total * (k + 1) // parts:
-            cut = _cut(e, src, start, start + total * (k + 1) // parts - pos)
+        while k < parts - 1 and pos + e.length - start > ends[k]:
+            cut = _cut(e, src, start, start + ends[k] - pos)
             if cut > start:
                 out[k].append(_piece(e, src, start, cut))
                 pos, start = pos + cut - start, cut
