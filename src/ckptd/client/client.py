@@ -34,8 +34,9 @@ class Client:
 
     ``rank`` is this process's rank, ``node_ranks`` every rank that saves to the
     same daemon (the step commits when all of them have), ``world_size`` the
-    job's total number of ranks. ``copy_threads`` (default: up to 4) copy large
-    arrays into shared memory in parallel; 1 copies on the calling thread only.
+    job's total number of ranks. ``copy_threads`` (default: up to 4; the calling
+    thread is one) copy the arrays into shared memory in parallel, an equal share
+    of the bytes each; 1 copies on the calling thread only.
     ``policy`` decides :meth:`should_save` (default :class:`Goodput`: the interval
     that maximises expected goodput, the failure rate learned from the daemon);
     ``staging_timeout`` is how long :meth:`save` waits for staging memory held

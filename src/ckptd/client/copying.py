@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -10,8 +11,12 @@ import numpy as np
 
 from ckptd.core.format import TensorEntry
 
-_COPY_CHUNK = 16 * 2**20
-"""Bytes per parallel copy task."""
+MIN_PART = 4 * 2**20
+"""The smallest part a thread takes: a save under twice this stays on the calling
+thread (a task for a few arrays of KiB costs more than their copy)."""
+
+Piece = tuple[TensorEntry, Any]
+"""An array (or a slice of one) and the place in the lease it is copied to."""
 
 
 def copy_into(
@@ -19,41 +24,126 @@ def copy_into(
     entries: list[TensorEntry],
     arrays: dict[str, Any],
     copier: ThreadPoolExecutor | None,
+    threads: int = 1,
 ) -> None:
-    """Copy every array into its place in the lease, spread over threads: large
-    arrays in chunks of about _COPY_CHUNK bytes, smaller ones in batches of about
-    that many bytes (a transformer's state is thousands of arrays under 2 MiB:
-    copied one by one on the calling thread they were most of save())."""
-    jobs = []
-    batch: list[tuple[TensorEntry, Any]] = []
-    batched = 0
-    for e in entries:
-        if not e.length:
-            continue
-        src = arrays[e.key]
-        if copier is None or e.length < 2 * _COPY_CHUNK or src.ndim == 0:
-            batch.append((e, src))
-            batched += e.length
-            if copier is not None and batched >= _COPY_CHUNK:
-                jobs.append(copier.submit(_copy_arrays, mm, batch))
-                batch, batched = [], 0
-            continue
-        dst = np.ndarray(e.shape, e.dtype, buffer=mm, offset=e.offset)
-        rows = max(1, _COPY_CHUNK * src.shape[0] // e.length)
-        for start in range(0, src.shape[0], rows):
-            piece = slice(start, start + rows)
-            jobs.append(copier.submit(np.copyto, dst[piece], src[piece], casting="no"))
-    _copy_arrays(mm, batch)  # the last batch here, beside the others
+    """Copy every array into its place in the lease on ``threads`` threads: the
+    calling one and ``threads - 1`` of ``copier``.
+
+    The bytes are cut into parts (an array that straddles two is cut between them)
+    that each thread takes in turn until none is left: the first a ``2 * threads``-th
+    of the bytes, each next one that share of what is left, down to MIN_PART, so a
+    thread the machine holds back leaves the others little to wait for at the end
+    (on a 2-core machine other processes use, a copy split in equal halves waited
+    for the later half). Tasks of a fixed size (16 MiB chunks of large arrays and
+    batches of small ones) left the calling thread idle, paid a task per chunk, and
+    on a transformer's state (1,500 arrays, most under 2 MiB) made the copy ~6%
+    slower than a memcpy of the same arrays split in two by bytes
+    (bench/bench_save_floor.py)."""
+    live = [e for e in entries if e.length]
+    total = sum(e.length for e in live)
+    workers = max(1, min(threads if copier is not None else 1, total // MIN_PART))
+    if workers == 1:
+        _copy_arrays(mm, [(e, arrays[e.key]) for e in live])
+        return
+    assert copier is not None
+    parts = iter(split_by_bytes(live, arrays, guided_ends(total, workers)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                part = next(parts, None)
+            if part is None:
+                return
+            _copy_arrays(mm, part)
+
+    jobs = [copier.submit(work) for _ in range(workers - 1)]
+    try:
+        work()
+    finally:
+        for job in jobs:
+            job.exception()  # every copy ends before the lease may be given back
     for job in jobs:
         job.result()
 
 
-def _copy_arrays(mm: mmap.mmap, batch: list[tuple[TensorEntry, Any]]) -> None:
+def guided_ends(total: int, threads: int) -> list[int]:
+    """Where each part of ``total`` bytes ends when ``threads`` share them: each part
+    a ``2 * threads``-th of the bytes not yet given out, at least MIN_PART."""
+    ends, at = [], 0
+    while at < total:
+        at = min(total, at + max((total - at) // (2 * threads), MIN_PART))
+        ends.append(at)
+    return ends
+
+
+def split_by_bytes(
+    entries: list[TensorEntry], arrays: dict[str, Any], ends: list[int]
+) -> list[list[Piece]]:
+    """``entries`` (in lease order) cut into parts, part ``k`` ending as near ``ends[k]``
+    bytes into their concatenation as its arrays allow (``ends`` ascending, the last
+    the total).
+
+    An array that crosses an end is cut there: a C-contiguous one at any element
+    (as a flat view), any other along its first axis (whole rows); one that cannot
+    be cut (a scalar, a single strided row) goes whole to one part."""
+    parts = len(ends)
+    out: list[list[Piece]] = [[] for _ in range(parts)]
+    k, pos = 0, 0  # the part being filled; bytes given to parts so far
+    for e in entries:
+        if not e.length:
+            continue
+        src = arrays[e.key]
+        start = 0  # bytes of this array given to parts so far
+        while k < parts - 1 and pos + e.length - start > ends[k]:
+            cut = _cut(e, src, start, start + ends[k] - pos)
+            if cut > start:
+                out[k].append(_piece(e, src, start, cut))
+                pos, start = pos + cut - start, cut
+            if start == e.length:
+                break  # an uncuttable array went whole to part k: the next starts there
+            k += 1
+        if start < e.length:
+            out[k].append(_piece(e, src, start, e.length))
+            pos += e.length - start
+    return out
+
+
+def _unit(e: TensorEntry, src: Any) -> int:
+    """The bytes between two places ``src`` can be cut at."""
+    if src.flags.c_contiguous:
+        return int(e.dtype.itemsize) or e.length
+    if src.ndim and src.shape[0] > 1:
+        return e.length // int(src.shape[0])
+    return e.length
+
+
+def _cut(e: TensorEntry, src: Any, start: int, target: int) -> int:
+    """The place nearest ``target`` bytes into ``src`` it can be cut at, in [start, length]."""
+    unit = _unit(e, src)
+    cut = (max(target, 0) + unit // 2) // unit * unit
+    return min(max(cut, start), e.length)
+
+
+def _piece(e: TensorEntry, src: Any, start: int, end: int) -> Piece:
+    """Bytes ``[start, end)`` of ``src`` and their place in the lease."""
+    if start == 0 and end == e.length:
+        return e, src
+    if src.flags.c_contiguous:
+        item = e.dtype.itemsize
+        part = src.reshape(-1)[start // item : end // item]
+        return TensorEntry(e.key, e.dtype, part.shape, e.offset + start, end - start), part
+    row = e.length // src.shape[0]
+    part = src[start // row : end // row]
+    return TensorEntry(e.key, e.dtype, part.shape, e.offset + start, end - start), part
+
+
+def _copy_arrays(mm: mmap.mmap, batch: list[Piece]) -> None:
     """Copy each array of ``batch`` into its place in ``mm``: runs of arrays of one
     dtype that lie back to back in the lease (the layout packs them so) in one
     ``np.concatenate``, 0.2 us an array instead of ~1 us for a view and a copyto
     each (a transformer's state is thousands of biases and norms of a few KiB)."""
-    run: list[tuple[TensorEntry, Any]] = []
+    run: list[Piece] = []
     for e, src in batch:
         if not (src.flags.c_contiguous and src.dtype == e.dtype):
             _copy_run(mm, run)
@@ -69,7 +159,7 @@ def _copy_arrays(mm: mmap.mmap, batch: list[tuple[TensorEntry, Any]]) -> None:
     _copy_run(mm, run)
 
 
-def _copy_run(mm: mmap.mmap, run: list[tuple[TensorEntry, Any]]) -> None:
+def _copy_run(mm: mmap.mmap, run: list[Piece]) -> None:
     """Copy C-contiguous arrays of one dtype into back-to-back places in ``mm``."""
     if not run:
         return

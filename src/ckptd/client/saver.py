@@ -70,9 +70,11 @@ class Saver:
         self._watched_stage = watched_stage
         self._upload_interval = upload_interval
         # numpy releases the GIL while copying, so a few threads copy into the
-        # lease faster than one (memory bandwidth, not CPU, is the limit).
+        # lease faster than one (memory bandwidth, not CPU, is the limit). The
+        # calling thread is one of them: the pool has one fewer.
         threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
-        self._copier = ThreadPoolExecutor(threads, "ckptd-copy") if threads > 1 else None
+        self._copy_threads = max(1, threads)
+        self._copier = ThreadPoolExecutor(threads - 1, "ckptd-copy") if threads > 1 else None
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._copy_job: Future[None] | None = None
         self.last: SaveHandle | None = None
@@ -122,7 +124,7 @@ class Saver:
         self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]
     ) -> None:
         """Copy every array into its place in the lease (:func:`copy_into`)."""
-        copy_into(mm, entries, arrays, self._copier)
+        copy_into(mm, entries, arrays, self._copier, self._copy_threads)
 
     def save(
         self,

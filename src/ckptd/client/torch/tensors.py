@@ -53,10 +53,25 @@ def _ml_dtypes() -> dict[torch.dtype, np.dtype]:
 
 _ML = _ml_dtypes()
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose CPU instances :func:`to_array` views without further checks
+(subclasses such as DTensor or fake tensors take the general path)."""
+
 
 def to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
     """A numpy view of CPU tensor ``t`` and the torch dtype name to record ("" when
     the numpy dtype says it all). A tensor on another device is copied to the CPU."""
+    if (
+        type(t) in _PLAIN
+        and t.dtype in _NATIVE
+        and t.is_cpu
+        and t.layout is torch.strided
+        and not (t.is_conj() or t.is_neg())
+    ):
+        # The common leaf first (a transformer's state is thousands of them): a plain
+        # CPU tensor of a dtype numpy has, seen by the fewest checks (the general
+        # path below took 3 us a tensor, a tenth of a save's time beyond its copy).
+        return (t.detach() if t.requires_grad else t).numpy(), ""
     if type(t).__name__ == "DTensor":
         raise InvalidArgument(
             "a DTensor is one shard of a distributed tensor: save sharded (FSDP, "
