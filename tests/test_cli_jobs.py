@@ -60,7 +60,8 @@ def test_events_say_a_step_left_rather_than_unspecified(make_daemon: Any) -> Non
     daemon: Daemon = make_daemon(extra_args=["--retention-local", "KeepLatest(1)"])
     client = daemon.client("ev")
     client.save(1, {"w": np.ones(4)}).wait("local")
-    client.save(2, {"w": np.ones(4)}).wait("local")
+    # Other bytes: step 2 references nothing of step 1, which nothing then keeps.
+    client.save(2, {"w": np.full(4, 2.0)}).wait("local")
     evicted = daemon.wait_event(event_is(pb.STEP_EVENT_EVICTED_LOCAL, 1), job="ev")
     assert evicted.state == pb.SAVE_STATE_UNSPECIFIED  # the record itself is unchanged
     out = run("events", "ev", "--socket", str(daemon.socket))

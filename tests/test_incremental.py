@@ -221,6 +221,7 @@ def test_killed_writing_an_incremental_step(make_daemon: Any, point: str) -> Non
     d.restart()
     handle.wait("local", timeout=120)
     m = manifest_of(d, "kill", 3)
+    # The frozen weights in step 1's file, the adapters step 3 did not change in 2's.
     assert m.ranks[0].incremental and m.holders() == {1, 2}
     for step, want in zip(range(1, 4), saved, strict=True):
         got, _ = client.restore(step=step)

@@ -258,7 +258,8 @@ def test_restore_checks_every_chunk_and_the_header(disk_daemon: Daemon) -> None:
     """Restore checks the whole file's crc from chunks read and checksummed side by side:
     a flipped bit in a later chunk names its shard; one in the header's padding (no
     shard covers it) is caught too."""
-    client = disk_daemon.client("chunks")
+    # Full files (the same state three times would otherwise be references to step 1).
+    client = disk_daemon.client("chunks", incremental=False)
     state = state_for(0, 20)  # 20 MiB: three 8 MiB chunks
     for step in (1, 2, 3):
         client.save(step, state).wait("local")

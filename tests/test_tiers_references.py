@@ -30,7 +30,7 @@ def state() -> dict[str, Any]:
 def three_steps_then_incremental(make_daemon: Any, extra_args: list[str] | None = None) -> Daemon:
     """A stopped daemon whose disk holds steps 1, 2 (full) and 3 (referencing 1)."""
     daemon: Daemon = make_daemon(extra_args=["--retention-local", "KeepAll()", *(extra_args or [])])
-    client = daemon.client(JOB)
+    client = daemon.client(JOB, incremental=False)  # full files; step 3's made by hand
     for step in (1, 2, 3):
         client.save(step, state(), metadata={"step": step}).wait("local", 60)
     assert daemon.stop() == 0

@@ -122,6 +122,21 @@ class Previous:
     digests: list[str] | None
 
 
+def candidates(keys: Sequence[str], crcs: Sequence[int], prev: Previous) -> np.ndarray:
+    """Per shard: whether ``prev`` has a shard of the same key with the same crc32c (it
+    may hold the same bytes: a strong digest decides)."""
+    where = {k: i for i, k in enumerate(prev.table.keys)}
+    p_crcs = prev.table.crc32c.tolist()
+    return np.fromiter(
+        (
+            (j := where.get(k)) is not None and p_crcs[j] == int(c)
+            for k, c in zip(keys, crcs, strict=True)
+        ),
+        bool,
+        len(keys),
+    )
+
+
 def reuse(
     table: ShardTable,
     crcs: Sequence[int],

@@ -11,6 +11,9 @@ shard is and what its crc32c and digest are.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,7 @@ from .. import faults
 from ..catalog import Catalog, Step
 from ..files import write_runs_direct
 from .records import RankLayout
+from .store import LocalStore
 
 if TYPE_CHECKING:  # the saver imports this module
     from .pending import CommitRequest, PendingStep
@@ -114,21 +118,40 @@ class Scan:
     crcs: list[int]
     image_crc: int
     digests: list[str] | None
+    """Per shard, its SHA-256 where computed (``""`` elsewhere); None: none computed."""
 
 
-def scan(header: bytes, data: memoryview, data_len: int, layout: RankLayout, digests: bool) -> Scan:
-    """crc32c of every shard and of the image (header + data), and SHA-256 of every
-    shard when ``digests`` (a save without the trainer's word)."""
+def scan(
+    header: bytes,
+    data: memoryview,
+    data_len: int,
+    layout: RankLayout,
+    req: CommitRequest,
+    base: Base | None,
+    word: npt.NDArray[np.bool_] | None,
+) -> Scan:
+    """crc32c of every shard and of the image (header + data), then SHA-256 of each
+    shard that may equal the base's without the trainer's word for it: its crc32c is
+    the base's shard's at the same key (every shard, for a save with no base, so that
+    the next save can compare). A shard whose crc differs changed: no digest."""
     flat = np.frombuffer(data, np.uint8)
-    futures = (
-        [DIGESTS.submit(increments.digest, data[o : o + n]) for o, n in layout.ranges]
-        if digests
-        else []
-    )
     stream = checksum.FileCrc(header, layout.ranges, data_len, layout.pieces)
     stream.feed(flat, data_len)
     image_crc, crcs = stream.result()
-    return Scan(crcs, image_crc, [f.result() for f in futures] if digests else None)
+    worded = word if word is not None else np.zeros(len(crcs), bool)
+    if base is None:
+        todo = np.flatnonzero(~worded)
+    else:
+        todo = np.flatnonzero(increments.candidates(req.table.keys, crcs, base.previous) & ~worded)
+    if not len(todo):
+        return Scan(crcs, image_crc, None)
+    futures = {
+        i: DIGESTS.submit(increments.digest, data[o : o + n])
+        for i in todo.tolist()
+        for o, n in [layout.ranges[i]]
+    }
+    digests = [futures[i].result() if i in futures else "" for i in range(len(crcs))]
+    return Scan(crcs, image_crc, digests)
 
 
 @dataclass(frozen=True)
@@ -138,8 +161,6 @@ class Written:
     record: RankRecord
     shards: ShardTable
     nonfinite: dict[str, int]
-    increment: bool
-    """True if the file references an older step (False: the caller writes it in full)."""
 
 
 def write(
@@ -151,22 +172,20 @@ def write(
     req: CommitRequest,
     base: Base | None,
     max_files: int,
-) -> Written | Scan | None:
+    holder_file: Callable[[int], Path],
+) -> Written | Scan:
     """Write ``req``'s rank file referencing what ``base`` holds; returns the
     :class:`Scan` instead, writing nothing, if nothing can be referenced (the caller
-    writes the whole file, recording the scan's digests), or None if the trainer's
-    word says nothing can be, without a scan."""
+    writes the whole file, recording the scan's digests). ``holder_file(step)``: that
+    step's rank file of this rank in the local tier."""
     word = req.unchanged if base and req.unchanged_since == base.step.step else None
-    if word is not None and not word.any():
-        return None  # the trainer says every shard changed: nothing to compare
-    found = scan(header, data, data_len, layout, digests=word is None)
+    found = scan(header, data, data_len, layout, req, base, word)
     if base is None:
         return found
     head = len(header)
     table = req.table.placed(req.rank, head, found.crcs)
-    reused, refs, inherited = increments.reuse(
-        table, found.crcs, base.previous, word, found.digests
-    )
+    previous = _with_digests(base.previous, table.keys, found.digests, holder_file)
+    reused, refs, inherited = increments.reuse(table, found.crcs, previous, word, found.digests)
     if not reused.any() or len({r.step for r in refs}) + 1 > max_files:
         return found
     image_size = head + data_len
@@ -183,9 +202,48 @@ def write(
         refs=[r.as_list() for r in refs],
         image_size=image_size,
         image_crc32c=found.image_crc,
-        digests=found.digests if found.digests is not None else inherited,
+        digests=_digests(found.digests, inherited),
     )
-    return Written(record, table, _nonfinite(req, data, layout, reused, base), True)
+    return Written(record, table, _nonfinite(req, data, layout, reused, base))
+
+
+def _with_digests(
+    prev: increments.Previous,
+    keys: list[str],
+    digests: list[str] | None,
+    holder_file: Callable[[int], Path],
+) -> increments.Previous:
+    """``prev`` with a digest of each of its shards this save has a digest to compare
+    with and it has none: a shard that changed at the base's save and not since
+    (the base hashed only what it could reuse). Read from the file holding it."""
+    if digests is None:
+        return prev
+    have = list(prev.digests or [""] * len(prev.table))
+    where = {k: j for j, k in enumerate(prev.table.keys)}
+    missing = [where[k] for k, d in zip(keys, digests, strict=True) if d and not have[where[k]]]
+    if not missing:
+        return prev
+    offs, lens = prev.table.offset.tolist(), prev.table.length.tolist()
+    for j in missing:
+        step, offset = increments.holder_of(prev.runs, prev.refs, prev.step, offs[j], lens[j])
+        fd = os.open(holder_file(step), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            raw = os.pread(fd, lens[j], offset)
+        finally:
+            os.close(fd)
+        if len(raw) == lens[j]:  # short: not comparable, so the shard is written
+            have[j] = increments.digest(memoryview(raw))
+    return dataclasses.replace(prev, digests=have)
+
+
+def _digests(computed: list[str] | None, inherited: list[str] | None) -> list[str] | None:
+    """Each shard's digest as the manifest keeps it: computed now, else the base's (a
+    reused shard's bytes are the base's)."""
+    if computed is None:
+        return inherited
+    if inherited is None:
+        return computed
+    return [c or i for c, i in zip(computed, inherited, strict=True)]
 
 
 def _nonfinite(
@@ -206,3 +264,8 @@ def _nonfinite(
         if key in base.nonfinite:
             counts[key] = base.nonfinite[key]
     return {k: counts[k] for k in sorted(counts)}
+
+
+def rank_file(store: LocalStore, job: str, name: str, step: int) -> Path:
+    """A committed step's rank file (an incremental save's base, or its holders)."""
+    return store.step_dir(job, step) / name

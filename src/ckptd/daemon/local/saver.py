@@ -272,10 +272,12 @@ class Saver:
             path = pending.commit.path / name
             done: increment.Written | increment.Scan | None = None
             if req.incremental and self.increments.enabled:
-                await self._after_older(pending)  # the base is the newest LOCAL step
+                # The base is the newest LOCAL step now: an older save still being
+                # written is not waited for (its successor compares with an older one).
                 base = increment.hold_base(self.catalog, pending, req.rank, self.increments)
                 args_i = (path, header, data, data_len, layout, req, base)
-                done = await run(increment.write, *args_i, self.increments.max_files)
+                held_at = partial(increment.rank_file, self.store, req.job, name)
+                done = await run(increment.write, *args_i, self.increments.max_files, held_at)
             if isinstance(done, increment.Written):
                 record, shards = done.record, done.shards
                 pending.nonfinite[req.rank] = done.nonfinite

@@ -111,7 +111,9 @@ class ReplicaStore:
                 if heads:
                     written, head = heads[-1]
                     self._head[(job_dir.name, source_dir.name)] = head
-                    later = {n for n, (w, mark, _) in found.items() if mark and w > written}
+                    # Not after by mtime may still be after: a file's time moves in
+                    # clock ticks, so a tie keeps the holder (the next head clears it).
+                    later = {n for n, (w, mark, _) in found.items() if mark and w >= written}
                     self._keep(job_dir.name, source_dir.name, head, later)
         return len(self._held)
 
