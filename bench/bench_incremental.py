@@ -123,10 +123,13 @@ def free_port() -> int:
 class Run:
     """One framework's arms: its state, its writers, its samples."""
 
-    def __init__(self, fw: str, args: argparse.Namespace, run: Path, daemon: Daemon) -> None:
+    def __init__(
+        self, fw: str, args: argparse.Namespace, run: Path, daemon: Daemon, full: Daemon
+    ) -> None:
         from ckptd.client import Client
 
         self.fw, self.args, self.run, self.daemon = fw, args, run, daemon
+        self.daemons = {arm: full if arm == "full" else daemon for arm in ARMS[fw]}
         arrays, self.trained = lora_arrays(args, seed=35)
         self.changed = sum(arrays[k].nbytes for k in self.trained)
         self.total = sum(a.nbytes for a in arrays.values())
@@ -142,7 +145,7 @@ class Run:
         self.clients = {
             arm: Client(
                 f"{fw}-{arm}",
-                socket=daemon.socket,
+                socket=self.daemons[arm].socket,
                 incremental=arm != "full",
                 trust_torch_versions=arm == "incremental",
             )
@@ -189,12 +192,12 @@ class Run:
         t2 = time.perf_counter()
         self.add(arm, "block", t1 - t0)
         self.add(arm, "local", t2 - t0)
-        root = self.daemon.root / client.job / str(step)
+        root = self.daemons[arm].root / client.job / str(step)
         manifest = json.loads((root / "manifest.json").read_text())
         written = sum(int(r["size"]) for r in manifest["ranks"])
         self.add(arm, "written", written)
         self.add(arm, "changed", self.changed if step > 1 else self.total)
-        if not self.args.no_bucket:
+        if not self.args.no_bucket and arm != "full":
             handle.wait("durable", timeout=600)
             self.add(arm, "durable", time.perf_counter() - t0)
             self.add(arm, "uploaded", written)
@@ -235,8 +238,9 @@ class Run:
         if arm in CKPTD_ARMS:
             from ckptd.client import Client
 
-            drop_caches(self.daemon.root)
-            with Client(f"{self.fw}-{arm}", socket=self.daemon.socket) as c:
+            d = self.daemons[arm]
+            drop_caches(d.root)
+            with Client(f"{self.fw}-{arm}", socket=d.socket) as c:
                 t0 = time.perf_counter()
                 got, _ = c.restore(step=step)
                 seconds = time.perf_counter() - t0
@@ -273,6 +277,10 @@ class Run:
 
 def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
     extra = ["--retention-local", "KeepLatest(2)"]
+    # The full arms drain to no bucket: 2 GiB a save would fill the disk under the
+    # bucket's server (it reclaims deleted objects' space only when vacuumed); what
+    # they would upload is what they write.
+    full = Daemon(run / "root-full", run / "full.sock", extra_args=extra).start()
     env = None
     if s3 is not None:
         extra += ["--remote", f"s3://{BUCKET}/ckpt", "--retention-remote", "KeepLatest(2)"]
@@ -287,7 +295,7 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
                 if not dist.is_initialized():
                     dist.init_process_group("gloo", rank=0, world_size=1)
-            r = Run(fw, args, run, daemon)
+            r = Run(fw, args, run, daemon, full)
             print(f"{fw}: {r.total / 2**30:.2f} GiB, {r.changed / 2**20:.1f} MiB change per step")
             arms = ARMS[fw]
             for step in range(1, args.saves + 1):
@@ -297,8 +305,9 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
                 for arm in order:
                     r.save(arm, step)
                 print(f"{fw} save {step}/{args.saves} done", flush=True)
-            daemon.stop()  # the memory tier empties: restores read the disk
-            daemon.start()
+            for d in (daemon, full):
+                d.stop()  # the memory tier empties: restores read the disk
+                d.start()
             restore = {arm: r.restore(arm, args.saves) for arm in arms}
             out["frameworks"][fw] = {
                 "total_bytes": r.total,
@@ -309,6 +318,7 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
             r.close()
     finally:
         daemon.stop()
+        full.stop()
     return out
 
 
