@@ -114,6 +114,12 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _equal(a: Any, b: np.ndarray) -> bool:
+    """Bit-exact, without copying either (NaN-safe: bytes, not values)."""
+    x = np.asarray(a)
+    return x.shape == b.shape and np.array_equal(x.view(np.uint8), b.view(np.uint8))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -234,7 +240,7 @@ class Run:
 
     def restore(self, arm: str, step: int) -> float:
         """The newest step from disk, cold; returns seconds; checked bit-exact."""
-        want = {k: np.asarray(v).tobytes() for k, v in self.state.items()}
+        want = {k: np.asarray(v) for k, v in self.state.items()}  # views: no copies
         if arm in CKPTD_ARMS:
             from ckptd.client import Client
 
@@ -244,7 +250,7 @@ class Run:
                 t0 = time.perf_counter()
                 got, _ = c.restore(step=step)
                 seconds = time.perf_counter() - t0
-                same = all(np.asarray(got[k]).tobytes() == want[k] for k in want)
+                same = all(_equal(got[k], want[k]) for k in want)
                 del got
         elif arm == "dcp":
             import torch
@@ -255,7 +261,8 @@ class Run:
             t0 = time.perf_counter()
             dcp.load(target, storage_reader=dcp.FileSystemReader(self.run / f"dcp-{step}"))
             seconds = time.perf_counter() - t0
-            same = all(target[k].numpy().tobytes() == want[k] for k in want)
+            same = all(_equal(target[k].numpy(), want[k]) for k in want)
+            del target
         else:
             import orbax.checkpoint as ocp
 
@@ -263,7 +270,8 @@ class Run:
             t0 = time.perf_counter()
             got = self.mgr.restore(step, args=ocp.args.StandardRestore(self.state))
             seconds = time.perf_counter() - t0
-            same = all(np.asarray(got[k]).tobytes() == want[k] for k in want)
+            same = all(_equal(got[k], want[k]) for k in want)
+            del got
         if not same:
             raise SystemExit(f"{self.fw} {arm}: the restored step {step} differs from the saved")
         return seconds
@@ -280,12 +288,20 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
     # The full arms drain to no bucket: 2 GiB a save would fill the disk under the
     # bucket's server (it reclaims deleted objects' space only when vacuumed); what
     # they would upload is what they write.
-    full = Daemon(run / "root-full", run / "full.sock", extra_args=extra).start()
+    # Two segments per job (the memory tier's and the next save's) for two jobs of
+    # ~2 GiB: the bench process, the daemons' memory and DCP's or Orbax's copies
+    # must fit the machine together.
+    budget = f"{max(2 * args.frozen_gib + 0.5, 1):.1f}GiB"
+    full = Daemon(
+        run / "root-full", run / "full.sock", staging_budget=budget, extra_args=extra
+    ).start()
     env = None
     if s3 is not None:
         extra += ["--remote", f"s3://{BUCKET}/ckpt", "--retention-remote", "KeepLatest(2)"]
         env = s3.env()
-    daemon = Daemon(run / "root", run / "ckptd.sock", extra_args=extra, env=env).start()
+    daemon = Daemon(
+        run / "root", run / "ckptd.sock", staging_budget=budget, extra_args=extra, env=env
+    ).start()
     out: dict[str, Any] = {"frameworks": {}, "command": daemon.args}
     try:
         for fw in args.frameworks.split(","):
@@ -316,6 +332,8 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
                 "restore_seconds": restore,
             }
             r.close()
+            del r  # its state (GiBs) goes before the next framework's is built
+            gc.collect()
     finally:
         daemon.stop()
         full.stop()
