@@ -56,7 +56,7 @@ def test_killed_evicting_a_step_and_its_holder_together(make_daemon: Any) -> Non
     the restarted daemon evicts both, and at no point is step 3 left without step 1."""
     daemon = three_steps_then_incremental(make_daemon)  # KeepAll: nothing goes
     daemon.start()
-    daemon.client(JOB).save(4, state()).wait("local", 60)
+    daemon.client(JOB, incremental=False).save(4, state()).wait("local", 60)
     assert daemon.stop() == 0
     daemon.extra_args += ["--retention-local", "KeepLatest(1)"]
     daemon.env = {"CKPTD_FAILPOINTS": "evict.referenced=pause"}
