@@ -22,6 +22,7 @@ import pytest
 from ckptd.client import CheckpointNotFound
 from ckptd.client import saver as client_saver
 from ckptd.core.manifest import MANIFEST, Manifest
+from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
 from .test_metrics import scrape
@@ -311,3 +312,22 @@ def test_a_node_lost_restores_the_newest_incremental_step_from_the_bucket(
     assert_same(got, saved[-1])  # step 4's state, assembled from steps 4 and 1
     local = sorted(c.step for c in fresh.client("lost").list() if "LOCAL" in c.tiers)
     assert local == [1, 4]
+
+
+def test_a_replaced_holder_takes_its_referrers_with_it(make_daemon: Any) -> None:
+    """A rollback saves step 1 again on a new timeline: the old step 1's file goes, and
+    so does the abandoned step 2 that read it (left, it would read the new bytes),
+    with an event saying why; nothing is set aside as corrupt."""
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
+    client = d.client("redo")
+    state = lora_state()
+    save_steps(client, state, range(1, 3))
+    assert manifest_of(d, "redo", 2).holders() == {1}
+    other = {k: v + 7 for k, v in state.items()}
+    client.save(1, other).wait("local", timeout=60)  # below the newest: a new timeline
+    got, _ = client.restore()
+    assert_same(got, other)
+    assert not (d.root / "redo" / "2").exists()
+    why = [e.detail for e in d.events_of(pb.STEP_EVENT_EVICTED_LOCAL, "redo") if e.step == 2]
+    assert why and "replaces" in why[0]
+    assert not d.events_of(pb.STEP_EVENT_SET_ASIDE, "redo")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.core.manifest import MANIFEST, Manifest
+from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
 from ..catalog import Catalog, Step
@@ -215,7 +216,34 @@ async def retire_replaced(
     old = catalog.replacing(st)
     if old is None:
         return
+    await _retire_referrers(catalog, store, io, old, ticket)
     await catalog.quiet(old)
     if old.local:  # not set aside or evicted meanwhile
         await io.run(store.evict, old.job, old.step, ticket=ticket)
     catalog.replaced(old)
+
+
+async def _retire_referrers(
+    catalog: Catalog, store: LocalStore, io: IoPool, old: Step, ticket: int | None
+) -> None:
+    """The local copies that read the replaced step's file (the abandoned timeline's
+    incremental steps: references name a step by its number, which the new copy takes
+    over) go first, and those that read theirs: left, they would read the new bytes
+    and fail their checks."""
+    gone = {old.step}
+    while True:
+        referrers = [
+            s
+            for s in catalog.list(old.job)
+            if s is not old and s.local and s.manifest is not None and s.manifest.holders() & gone
+        ]
+        if not referrers:
+            return
+        for dep in referrers:
+            gone.add(dep.step)
+            await catalog.quiet(dep)
+            if dep.local and dep.manifest is not None:
+                await io.run(store.evict, dep.job, dep.step, ticket=ticket)
+                why = f"it reads step {old.step}, which a save on a newer timeline replaces"
+                log.info("%s/%d: local copy removed: %s", dep.job, dep.step, why)
+                catalog.local_removed(dep, pb.STEP_EVENT_EVICTED_LOCAL, why)
