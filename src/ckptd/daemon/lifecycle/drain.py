@@ -118,6 +118,7 @@ class Drain:
             remote, index, store, io, self.node_id, stall_seconds, self._stalled
         )
         self.publisher.holders_missing = self.holders.missing_reason
+        self.publisher.retracted = self._retracted
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None
@@ -432,3 +433,9 @@ class Drain:
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
+
+    def _retracted(self, job: str, step: int, why: str) -> None:
+        """A copy the publisher took out of the bucket beside a replaced one."""
+        st = self.catalog.get(job, step)
+        if st is not None and self.node_id in st.remote_nodes:
+            self.catalog.remote_removed(st, why)

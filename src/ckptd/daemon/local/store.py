@@ -216,8 +216,10 @@ async def retire_replaced(
     old = catalog.replacing(st)
     if old is None:
         return
-    await _retire_referrers(catalog, store, io, old, ticket)
+    # A save that took the old step as its base holds it until it is LOCAL: after
+    # that, it is one of the referrers that go with it.
     await catalog.quiet(old)
+    await _retire_referrers(catalog, store, io, old, ticket)
     if old.local:  # not set aside or evicted meanwhile
         await io.run(store.evict, old.job, old.step, ticket=ticket)
     catalog.replaced(old)

@@ -79,6 +79,9 @@ class Publisher:
         self.stall_seconds = stall_seconds
         self._on_stall = on_stall
         self._progress_at = 0.0
+        self.retracted: Callable[[str, int, str], None] = lambda job, step, why: None
+        """Told of a copy taken out of the bucket beside a replaced one (the drain
+        tells the catalog)."""
         self.holders_missing: Callable[[Step], str] = lambda st: ""
         """Why a step may not be committed now: a step it references is not complete in
         the bucket (lifecycle/holders.py; the drain sets it)."""
@@ -146,6 +149,26 @@ class Publisher:
         )
         await retract_marker(self.remote, st.job, st.step, self.node_id, old.adopted)
         await delete_copy(self.remote, self.index, st.job, st.step, self.node_id, old.adopted)
+        await self._retract_referrers(st)
+
+    async def _retract_referrers(self, st: Step) -> None:
+        """This node's copies in the bucket that read the replaced copy's files (the
+        abandoned timeline's incremental steps; references name a step by its number,
+        which ``st`` takes over), and those that read theirs, come out too: left, they
+        would read ``st``'s bytes and fail their checks."""
+        gone = {st.step}
+        while True:
+            entries = await self.index.entries(st.job)
+            referrers = [e for n, e in entries.items() if n not in gone and set(e.holders) & gone]
+            if not referrers:
+                return
+            for e in referrers:
+                gone.add(e.step)
+                why = f"it reads step {st.step}, which a save on a newer timeline replaces"
+                log.info("%s/%d: this node's copy leaves the bucket: %s", st.job, e.step, why)
+                await retract_marker(self.remote, st.job, e.step, self.node_id, e.adopted)
+                await delete_copy(self.remote, self.index, st.job, e.step, self.node_id, e.adopted)
+                self.retracted(st.job, e.step, why)
 
     async def _upload(self, st: Step) -> tuple[int, int]:
         """Upload one step, its marker last; returns (files sent, files already there)."""
