@@ -291,10 +291,17 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
     # Two segments per job (the memory tier's and the next save's) for two jobs of
     # ~2 GiB: the bench process, the daemons' memory and DCP's or Orbax's copies
     # must fit the machine together.
-    budget = f"{max(2 * args.frozen_gib + 0.5, 1):.1f}GiB"
+    image = args.frozen_gib + args.adapter_mib / 1024
     full = Daemon(
-        run / "root-full", run / "full.sock", staging_budget=budget, extra_args=extra
+        run / "root-full",
+        run / "full.sock",
+        staging_budget=f"{2 * image + 0.5:.1f}GiB",
+        extra_args=extra,
     ).start()
+    # Two jobs there (torch: trusted versions, and digests): each keeps its newest
+    # step's segment and saves into the other, which holds the step before (the copy
+    # skip needs it to stay that job's).
+    budget = f"{4 * image + 0.5:.1f}GiB"
     env = None
     if s3 is not None:
         extra += ["--remote", f"s3://{BUCKET}/ckpt", "--retention-remote", "KeepLatest(2)"]

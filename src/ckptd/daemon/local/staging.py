@@ -245,6 +245,16 @@ class Staging(Lending):
         own = partial(Segment.holds_image, image=image, holder=holder)
         free = sorted(self.free_segments(), key=lambda s: (not own(s), s.size, bool(s.image)))
         seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
+        if (
+            seg is not None
+            and image is not None
+            and seg.image is not None
+            and seg.image[:2] != image
+            and self.allocated_bytes + need <= self.budget_bytes
+        ):
+            # Another job's or rank's image stays for its next save: the pool grows
+            # (an earlier process of this job and rank left its image to nobody).
+            seg = None
         if seg is None and self.allocated_bytes + need > self.budget_bytes:
             await self.give_way(need, uid)  # the memory tier's segments go first
             free = sorted(self.free_segments(), key=lambda s: s.size)
