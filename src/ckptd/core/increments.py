@@ -157,7 +157,7 @@ def reuse(
     found: list[tuple[int, int, int, int, int]] = []  # start, length, step, offset, crc
     inherited: list[str] | None = [""] * n if (digests or prev.digests) else None
     offs, lens = table.offset.tolist(), table.length.tolist()
-    p_offs, p_lens, p_crcs = prev.table.offset.tolist(), prev.table.length.tolist(), None
+    p_offs, p_lens = prev.table.offset.tolist(), prev.table.length.tolist()
     p_crcs = prev.table.crc32c.tolist()
     shapes, p_shapes = table.dims(table.shape), prev.table.dims(prev.table.shape)
     for i, key in enumerate(table.keys):
