@@ -14,7 +14,9 @@ threads, chunk by chunk; a mismatch is narrowed down to the shards that differ.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -52,15 +54,17 @@ def read_increment(
         raise ValueError("segment shorter than the image's data")
     try:
         header = read_header(path, head)
-        for ref in sorted(refs, key=lambda r: (r.step, r.start)):
-            _read_ref(holders[ref.step], ref, view, head)
-        at = 0
-        for start, length in record.runs:
-            if start == 0:  # the header's run: its data part
-                _read(path, at + head, view, 0, length - head)
-            else:
-                _read(path, at, view, start - head, length)
-            at += length
+        with contextlib.ExitStack() as files:  # each file opened once, read in place
+            fds = {p: files.enter_context(_opened(p)) for p in {path, *holders.values()}}
+            for ref in sorted(refs, key=lambda r: (r.step, r.start)):
+                _read_ref(holders[ref.step], fds[holders[ref.step]], ref, view, head)
+            at = 0
+            for start, length in record.runs:
+                if start == 0:  # the header's run: its data part
+                    _read(path, fds[path], at + head, view, 0, length - head)
+                else:
+                    _read(path, fds[path], at, view, start - head, length)
+                at += length
     except ValueError as exc:  # short: corrupt (an OSError is the disk's, and is raised)
         return head, [f"{record.file}: {exc}"]
     if _image_crc(header, view, data_len) == record.image_crc:
@@ -89,29 +93,35 @@ def _header_length(path: Path, first_run: int) -> int:
     return head
 
 
-def _read_ref(path: Path, ref: Ref, view: memoryview, head: int) -> None:
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[int]:
+    """``path`` opened for aligned ``O_DIRECT`` reads (buffered where refused)."""
+    fd, _ = open_direct(path, os.O_RDONLY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_ref(path: Path, fd: int, ref: Ref, view: memoryview, head: int) -> None:
     """A reference's range from its holder's file, rounded out to whole blocks."""
     skew = ref.start % ALIGN
     if ref.offset % ALIGN != skew:
         raise ValueError(f"{path}: a reference at {ref.start} is not laid out as the image")
     lo = ref.start - skew - head
-    _read(path, ref.offset - skew, view, lo, ref.length + skew)
+    _read(path, fd, ref.offset - skew, view, lo, ref.length + skew)
 
 
-def _read(path: Path, offset: int, view: memoryview, at: int, length: int) -> None:
-    """``length`` bytes of ``path`` from ``offset`` (block-aligned) into ``view[at:]``,
-    in whole blocks (the kernel stops at the end of the file)."""
-    fd, _ = open_direct(path, os.O_RDONLY)
-    try:
-        pos, end = 0, round_up(length)
-        while pos < length:
-            n = min(CHUNK, end - pos)
-            got = os.preadv(fd, [view[at + pos : at + pos + n]], offset + pos)
-            if got <= 0 or (got % ALIGN and pos + got < length):
-                raise ValueError(f"{path.name} ends {length - pos - max(got, 0)} bytes early")
-            pos += got
-    finally:
-        os.close(fd)
+def _read(path: Path, fd: int, offset: int, view: memoryview, at: int, length: int) -> None:
+    """``length`` bytes of ``fd`` (``path``) from ``offset`` (block-aligned) into
+    ``view[at:]``, in whole blocks (the kernel stops at the end of the file)."""
+    pos, end = 0, round_up(length)
+    while pos < length:
+        n = min(CHUNK, end - pos)
+        got = os.preadv(fd, [view[at + pos : at + pos + n]], offset + pos)
+        if got <= 0 or (got % ALIGN and pos + got < length):
+            raise ValueError(f"{path.name} ends {length - pos - max(got, 0)} bytes early")
+        pos += got
 
 
 def _image_crc(header: bytes, view: memoryview, data_len: int) -> int:
