@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -207,3 +209,43 @@ def watch_stage(handle: SaveHandle, stage: str, done: threading.Event) -> None:
         return  # gone, unreachable or the client closed: the next save() reports it
     finally:
         done.set()
+
+
+class Watchers:
+    """Daemon threads (``ckptd-watch``) that run :func:`watch_stage` calls, kept for
+    the next: ``Thread.start()`` waits until the new thread runs, which on a busy
+    2-core host held a trainer's ``save()`` up by milliseconds. A thread is started
+    only when none is idle (the first save's, or while earlier saves' watches last).
+    One set per process, shared by its clients."""
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forked child has none of the parent's threads: it starts its own.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[SaveHandle, str, threading.Event]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def watch(self, handle: SaveHandle, stage: str, done: threading.Event) -> None:
+        """Watch ``handle`` until it reaches ``stage`` or ends, then set ``done``."""
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # that thread takes this watch
+        self._queue.put((handle, stage, done))
+        if start:
+            threading.Thread(target=self._run, name="ckptd-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        jobs, lock = self._queue, self._lock  # this process's, if it forks meanwhile
+        while True:
+            watch_stage(*jobs.get())
+            with lock:
+                self._idle += 1
+
+
+WATCHERS = Watchers()

@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -55,12 +56,14 @@ class Liveness:
         self._fd = -1
         self._pid = 0
         self.name = ""
+        self._lock = threading.Lock()  # a lease may be asked for on a thread of its own
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The header naming the file; creates and locks it on first use (or after a fork)."""
-        if self._fd < 0 or self._pid != os.getpid():
-            self._create()
-        return ((HOLDER_HEADER, self.name),)
+        with self._lock:
+            if self._fd < 0 or self._pid != os.getpid():
+                self._create()
+            return ((HOLDER_HEADER, self.name),)
 
     def _create(self) -> None:
         name = f"ckptd-client-{os.getpid()}-{secrets.token_hex(8)}"
@@ -146,6 +149,13 @@ class Handoff:
     ) -> tuple[pb.Lease, mmap.mmap]:
         """A lease of ``size`` bytes, mapped: ``(lease, mapping)``. ``reuse_image``: rather
         the segment holding ``rank``'s last committed save (``lease.holds_image``)."""
+        return self.map(self.request(size, wait, what, rank, reuse_image))
+
+    def request(
+        self, size: int, wait: float, what: str, rank: int = 0, reuse_image: bool = False
+    ) -> pb.Lease:
+        """A lease of ``size`` bytes, not yet mapped (any thread may ask for one; see
+        :meth:`acquire`)."""
 
         def once() -> pb.Lease:
             req = pb.AcquireLeaseRequest(
@@ -155,7 +165,11 @@ class Handoff:
                 req, wait + self.connection.timeout, self.liveness.metadata()
             )
 
-        lease = self.retrying(what, once)
+        return self.retrying(what, once)
+
+    def map(self, lease: pb.Lease) -> tuple[pb.Lease, mmap.mmap]:
+        """``(lease, its mapping)``; the lease is given back if it cannot be mapped.
+        Only on the thread that copies: mapping may unmap an older segment."""
         try:
             return lease, self._map(lease)
         except BaseException:

@@ -65,15 +65,19 @@ class Planner:
         self.save_replicas = save_replicas
         self._last: SavePlan | None = None
 
+    @property
+    def last(self) -> SavePlan | None:
+        """The plan of the last save planned (the next one's likely layout)."""
+        return self._last
+
     def plan(
         self, tree: Any, track: bool = False, torch_versions: bool = False
     ) -> tuple[SavePlan, Arrays]:
         """The plan of saving ``tree``, and its arrays (``track``: with their tokens:
         jax arrays', and torch tensors' only with ``torch_versions``, changes.py)."""
         values: list[Any] = []
-        tensors: dict[str, Any] | None = {} if track else None
-        spec, arrays = flatten(tree, values, tensors)
-        tokens: dict[str, Token | None] | None = None
+        tokens: dict[str, Token | None] | None = {} if track else None
+        spec, arrays = flatten(tree, values, tokens, tensor_token if torch_versions else None)
         values_json = _json(values)
         host: dict[str, Any] = {}
         device: dict[str, ShardPlan] = {}
@@ -85,8 +89,8 @@ class Planner:
                     device[sp.key] = sp
                     layout.append((sp.key, np.dtype(a.dtype), sp.shape))
                     placed[sp.key] = (tuple(a.shape), sp.index)
-                    if tensors is not None:
-                        tensors[sp.key] = (a, tuple(sp.index))
+                    if tokens is not None:
+                        tokens[sp.key] = token_of(a, tuple(sp.index))
             else:
                 host[key] = a
                 layout.append((key, a.dtype, a.shape))
@@ -123,13 +127,6 @@ class Planner:
                 _json(spec),
             )
         self._last = plan
-        if tensors is not None:
-            tokens = {
-                k: token_of(*v)
-                if type(v) is tuple
-                else (tensor_token(v) if torch_versions else None)
-                for k, v in tensors.items()
-            }
         return plan, Arrays(host, device, tokens)
 
 

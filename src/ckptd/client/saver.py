@@ -27,7 +27,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .changes import Changes, Saved, Token, incremental_from_env, packbits, same
 from .copying import copy_into
-from .handle import SaveHandle, watch_stage
+from .handle import WATCHERS, SaveHandle
 from .handoff import Handoff
 from .jax_arrays import Replicas, ShardPlan
 from .planning import Planner, SavePlan, plan_in_place
@@ -76,6 +76,7 @@ class Saver:
         self._copy_threads = max(1, threads)
         self._copier = ThreadPoolExecutor(threads - 1, "ckptd-copy") if threads > 1 else None
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
+        self._leaser = ThreadPoolExecutor(1, "ckptd-lease")
         self._copy_job: Future[None] | None = None
         self.last: SaveHandle | None = None
         """The previous save's handle (None before the first)."""
@@ -112,9 +113,7 @@ class Saver:
         done = self._watch.get(stage)
         if done is None:
             done = self._watch[stage] = threading.Event()
-            threading.Thread(
-                target=watch_stage, args=(self.last, stage, done), name="ckptd-watch", daemon=True
-            ).start()
+            WATCHERS.watch(self.last, stage, done)
         if not done.is_set():
             return False
         self._reached.add(stage)
@@ -148,15 +147,21 @@ class Saver:
         step, metrics, metadata_json = _save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
         track = self.incremental
-        plan, arrays = self.planner.plan(tree, track, self.trust_torch_versions)
-        host, device, data_len = arrays.host, arrays.device, plan.data_len
-        started = time.monotonic()
         what = f"step {step} of job {self.job!r} was not saved"
+        started = time.monotonic()
+        early = self._lease_early(wait, what, track)
+        try:
+            plan, arrays = self.planner.plan(tree, track, self.trust_torch_versions)
+        except BaseException:
+            if early is not None:
+                early[1].add_done_callback(self._give_back)
+            raise
+        host, device, data_len = arrays.host, arrays.device, plan.data_len
         self.finish_copy()  # one background copy at a time: it may use a mapped segment
         since = self.changes.last  # (the background commit of the last save is done)
         record = self.changes.begin(step)
         try:
-            lease, mm = self._handoff.acquire(round_up(data_len), wait, what, self.rank, track)
+            lease, mm = self._lease(early, round_up(data_len), wait, what, track)
         except CapacityExhausted as exc:
             raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
         committed = False
@@ -195,6 +200,42 @@ class Saver:
         handle = SaveHandle(self, step, self._copy_job if device else None)
         handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
         return self._saved(handle, started, round_up(data_len))
+
+    def _lease_early(
+        self, wait: float, what: str, reuse_image: bool
+    ) -> tuple[int, Future[pb.Lease]] | None:
+        """Ask for the lease of the save being planned on a thread, sized as the last
+        save was (a training loop saves the same state): the daemon answers while this
+        thread flattens the tree, instead of after (~2 ms of the trainer's blocking
+        time on a state of a thousand tensors). None for the first save."""
+        last = self.planner.last
+        if last is None:
+            return None
+        size = round_up(last.data_len)
+        request = self._handoff.request
+        return size, self._leaser.submit(request, size, wait, what, self.rank, reuse_image)
+
+    def _lease(
+        self,
+        early: tuple[int, Future[pb.Lease]] | None,
+        size: int,
+        wait: float,
+        what: str,
+        reuse_image: bool,
+    ) -> tuple[pb.Lease, mmap.mmap]:
+        """The save's lease, mapped: the early one if it has the size the plan needs
+        (else it goes back), or one asked for now."""
+        if early is not None:
+            lease = early[1].result()
+            if early[0] == size:
+                return self._handoff.map(lease)
+            self._handoff.release(lease.lease_id)
+        return self._handoff.acquire(size, wait, what, self.rank, reuse_image)
+
+    def _give_back(self, early: Future[pb.Lease]) -> None:
+        """Release a lease asked for early once it is granted (its save failed)."""
+        if not early.cancelled() and early.exception() is None:
+            self._handoff.release(early.result().lease_id)
 
     def _held(
         self, lease: pb.Lease, plan: SavePlan, tokens: dict[str, Token | None] | None
@@ -344,6 +385,7 @@ class Saver:
         """Finish the last save's copy and stop the copy threads."""
         self.finish_copy()
         self._background.shutdown(wait=True)
+        self._leaser.shutdown(wait=True)
         if self._copier is not None:
             self._copier.shutdown(wait=True)
 

@@ -47,6 +47,15 @@ def _component(k: object) -> str:
     return s.replace("..", "._")
 
 
+_LEAF = object()
+"""No key: the path given is the leaf's own."""
+
+_STR_COMPONENTS: dict[str, str] = {}
+"""The path component of each str key seen, across saves: a training loop saves the
+same keys every time, and the regex cost ~1 us a leaf of a thousand-tensor save."""
+_MAX_CACHED = 1 << 17
+
+
 def _key_for(joined: str, used: set[str]) -> str:
     """The shard key of a leaf whose sanitized path components joined with dots are
     ``joined``: unique in ``used``, no ``..``, bounded length."""
@@ -74,24 +83,35 @@ def _torch_tensor_type() -> Any:
 
 
 def flatten(
-    tree: Any, values: list[Any] | None = None, tensors: dict[str, Any] | None = None
+    tree: Any,
+    values: list[Any] | None = None,
+    tensors: dict[str, Any] | None = None,
+    token: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, list[tuple[str, Any]]]:
     """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order.
 
     The arrays are numpy arrays, or ``jax.Array`` (the client saves their
     addressable shards; a typed PRNG key array is replaced by its key data).
     ``values``: if given, every JSON leaf's value is appended to it in order.
-    ``tensors``: if given, each torch tensor saved, by key (its array is a view).
+    ``tensors``: if given, each torch tensor's ``token(tensor)`` (None without
+    ``token``), by key: taken here, in the one pass over a thousand tensors.
     """
     arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
-    names: dict[object, str] = {}  # path component of each key seen (layer names repeat)
+    names: dict[object, str] = {}  # components of other keys seen (ints: layer numbers)
     tensor_type = _torch_tensor_type()
 
     def join(prefix: str, k: object) -> str:
-        c = names.get(k)
-        if c is None:
-            c = names[k] = _component(k)
+        if type(k) is str:
+            c = _STR_COMPONENTS.get(k)
+            if c is None:
+                if len(_STR_COMPONENTS) >= _MAX_CACHED:
+                    _STR_COMPONENTS.clear()
+                c = _STR_COMPONENTS[k] = _component(k)
+        else:
+            c = names.get(k)
+            if c is None:
+                c = names[k] = _component(k)
         return f"{prefix}.{c}" if prefix else c
 
     if tensor_type is not None:
@@ -99,16 +119,18 @@ def flatten(
         # leaf: a relative import statement costs 3 us even when it is loaded.
         from .torch.tensors import to_array
 
-    def tensor(t: Any, path: Path, prefix: str) -> dict[str, Any]:
-        """A torch tensor leaf."""
+    def tensor(t: Any, path: Path, prefix: str, k: Any = _LEAF) -> dict[str, Any]:
+        """A torch tensor leaf at ``path``, or under ``k`` of the dict at ``path``
+        (the path of a leaf is built only for an error: a thousand leaves a save)."""
         try:
             arr, torch_dtype = to_array(t)
         except InvalidArgument as exc:
-            raise InvalidArgument(f"at {path_str(path)}: {exc}") from None
+            where: Path = path if k is _LEAF else (*path, k)
+            raise InvalidArgument(f"at {path_str(where)}: {exc}") from None
         key = _key_for(prefix, used)
         arrays.append((key, arr))
-        if tensors is not None:  # its change token (changes.py) is taken from the tensor
-            tensors[key] = t
+        if tensors is not None:  # its change token (changes.py)
+            tensors[key] = None if token is None else token(t)
         return {"array": key, "torch": torch_dtype}
 
     # The path tuple is for error messages; the joined string builds the shard key
@@ -129,7 +151,7 @@ def flatten(
                     items.append([k, {"array": key}])
                 elif tensor_type is not None and isinstance(v, tensor_type):
                     # And a torch one (a walk() call per leaf cost 2 us of 7).
-                    items.append([k, tensor(v, (*path, k), join(prefix, k))])
+                    items.append([k, tensor(v, path, join(prefix, k), k)])
                 else:
                     items.append([k, walk(v, (*path, k), join(prefix, k))])
             return {"dict": items}
