@@ -5,8 +5,10 @@ spec and rank layout). Every reuse must give the bytes and values a fresh plan w
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -157,3 +159,35 @@ def test_the_daemon_reuses_only_what_is_byte_for_byte_what_it_checked() -> None:
         parser.parse(_request(spec, ["a", "../b"]))
     changed = parser.parse(_request(spec, ["a", "c"]))
     assert changed.table is not first.table and changed.table.keys == ["a", "c"]
+
+
+
+def test_jax_shards_are_planned_once_while_the_array_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    from ckptd.client import planning
+
+    asked: list[str] = []
+    real = planning.leaf_shards
+
+    def leaf_shards(key: str, a: Any, replicas: Any) -> Any:
+        asked.append(key)
+        return real(key, a, replicas)
+
+    monkeypatch.setattr(planning, "leaf_shards", leaf_shards)
+    planner = Planner()
+    frozen, trained = jnp.arange(8.0), jnp.ones(4)
+    planner.plan({"frozen": frozen, "trained": trained})
+    trained = trained + 1  # a new array, as an optimizer's update makes
+    got = planner.plan({"frozen": frozen, "trained": trained})[1].device
+    assert asked == ["frozen", "trained", "trained"]  # the same array: asked once
+    assert got["frozen#0"].data is frozen and got["frozen#0"].index == [(0, 8)]
+    assert np.asarray(got["trained#0"].data).tolist() == [2.0] * 4
+    # Under another key the same array is asked again (its shard keys name the leaf).
+    moved = planner.plan({"renamed": frozen, "trained": trained})[1].device
+    assert list(moved) == ["renamed#0", "trained#0"] and asked[-1] == "renamed"
+    # The cache holds no array: those that died took their entries with them.
+    del got, moved, trained
+    gc.collect()
+    assert [ref() for ref, _, _ in planner._shards.values()] == [frozen]

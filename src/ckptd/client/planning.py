@@ -7,7 +7,9 @@ transformer's thousands of arrays planning it again cost more than a tenth of
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,8 @@ from .tree_spec import flatten
 
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
 Placed = dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]]
+Sharded = tuple[str, tuple[int, ...], list[tuple[int, int]]]
+"""A shard's key, shape and index (a :class:`ShardPlan` without its data)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ class Planner:
     def __init__(self, save_replicas: Replicas = False) -> None:
         self.save_replicas = save_replicas
         self._last: SavePlan | None = None
+        # The shards of each jax array planned, while it lives: jax arrays are
+        # immutable, and asking one for its shards again cost ~15 us (most of planning
+        # a thousand-array save whose frozen weights are the same objects each time).
+        self._shards: dict[int, tuple[weakref.ref[Any], str, list[Sharded]]] = {}
 
     @property
     def last(self) -> SavePlan | None:
@@ -85,7 +93,7 @@ class Planner:
         placed: Placed = {}
         for key, a in arrays:
             if type(a) is not np.ndarray and is_jax_array(a):
-                for sp in leaf_shards(key, a, self.save_replicas):
+                for sp in self._leaf_shards(key, a):
                     device[sp.key] = sp
                     layout.append((sp.key, np.dtype(a.dtype), sp.shape))
                     placed[sp.key] = (tuple(a.shape), sp.index)
@@ -128,6 +136,28 @@ class Planner:
             )
         self._last = plan
         return plan, Arrays(host, device, tokens)
+
+    def _leaf_shards(self, key: str, a: Any) -> list[ShardPlan]:
+        """``leaf_shards(key, a)``, asked of ``a`` once while it lives if its shards
+        are ``a`` itself (a single-device array: the cache holds no reference to it)."""
+        hit = self._shards.get(id(a))
+        if hit is not None and hit[0]() is a and hit[1] == key:
+            return [ShardPlan(k, a, shape, index) for k, shape, index in hit[2]]
+        shards = leaf_shards(key, a, self.save_replicas)
+        if all(sp.data is a for sp in shards):
+            try:
+                ref = weakref.ref(a, partial(_forget, self._shards, id(a)))
+            except TypeError:
+                return shards
+            self._shards[id(a)] = (ref, key, [(sp.key, sp.shape, sp.index) for sp in shards])
+        return shards
+
+
+def _forget(shards: dict[int, Any], ident: int, ref: weakref.ref[Any]) -> None:
+    """Drop the entry of an array that died (unless another took its id since)."""
+    hit = shards.get(ident)
+    if hit is not None and hit[0] is ref:
+        shards.pop(ident, None)
 
 
 def _json(spec: Any) -> str:
