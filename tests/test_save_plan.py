@@ -161,7 +161,6 @@ def test_the_daemon_reuses_only_what_is_byte_for_byte_what_it_checked() -> None:
     assert changed.table is not first.table and changed.table.keys == ["a", "c"]
 
 
-
 def test_jax_shards_are_planned_once_while_the_array_lives(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
