@@ -164,6 +164,8 @@ class Run:
         }
         self.samples: dict[str, dict[str, list[float]]] = {a: {} for a in ARMS[fw]}
         self.pending: dict[str, Any] = {}
+        self.tiers: dict[str, str] = {}
+        """The tier each ckptd arm's restore came from."""
         self.mgr: Any = None
         if fw == "jax":
             import orbax.checkpoint as ocp
@@ -254,10 +256,13 @@ class Run:
 
             d = self.daemons[arm]
             drop_caches(d.root)
+            served = d.status().memory_tier_restores
             with Client(f"{self.fw}-{arm}", socket=d.socket) as c:
                 t0 = time.perf_counter()
                 got, _ = c.restore(step=step)
                 seconds = time.perf_counter() - t0
+            # Where it came from: the memory tier (segments outlive a daemon restart) or disk.
+            self.tiers[arm] = "memory" if d.status().memory_tier_restores > served else "disk"
                 same = all(_equal(got[k], want[k]) for k in want)
                 del got
         elif arm == "dcp":
@@ -345,6 +350,7 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
                 "changed_bytes": r.changed,
                 "samples": r.samples,
                 "restore_seconds": restore,
+                "restore_tiers": r.tiers,
             }
             r.close()
             del r  # its state (GiBs) goes before the next framework's is built
@@ -401,6 +407,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         rows,
         title=f"LoRA-shaped state, {args.frozen_gib} GiB frozen, medians of saves 2..{args.saves}",
     )
+    for fw, got in res["frameworks"].items():
+        print(f"{fw} restores came from: {got['restore_tiers']}")
     print("goals: written, uploaded <= 1.1x changed; incremental copied <= 0.1x full")
     print(json.dumps(checks, indent=1))
     return {"rows": rows, "checks": checks, **res}
