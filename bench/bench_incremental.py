@@ -261,10 +261,10 @@ class Run:
                 t0 = time.perf_counter()
                 got, _ = c.restore(step=step)
                 seconds = time.perf_counter() - t0
-            # Where it came from: the memory tier (segments outlive a daemon restart) or disk.
-            self.tiers[arm] = "memory" if d.status().memory_tier_restores > served else "disk"
                 same = all(_equal(got[k], want[k]) for k in want)
                 del got
+            # Where it came from: the memory tier (segments outlive a daemon restart) or disk.
+            self.tiers[arm] = "memory" if d.status().memory_tier_restores > served else "disk"
         elif arm == "dcp":
             import torch
             import torch.distributed.checkpoint as dcp
