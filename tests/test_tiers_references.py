@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 
 from ckptd.client import Client
+from ckptd.core import checksum
+from ckptd.core.manifest import MANIFEST, Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import CKPTD, Daemon
 from .incremental_steps import make_incremental
-from .test_remote_tier import remote_daemon, s3_target
+from .test_remote_tier import _os_env, remote_daemon, s3_target
 from .test_retention_tier import bucket_steps, settled
 
 JOB = "inc"
@@ -160,3 +162,56 @@ def test_a_holder_corrupt_in_the_bucket_passes_to_the_next_older_step(
     rows = {c.step: c for c in daemon.client(JOB).list()}
     assert "LOCAL" not in rows[3].tiers
     assert "step 1, whose rank files it references, cannot be restored" in rows[3].error
+
+
+def test_pull_makes_an_incremental_step_whole_and_verify_checks_its_holders(
+    make_daemon: Any, s3_server: Any, tmp_path: Any
+) -> None:
+    remote = s3_target(s3_server, "ckptd-inc-pull")
+    daemon: Daemon = make_daemon(extra_args=["--retention-local", "KeepAll()"])
+    client = daemon.client(JOB, incremental=False)
+    for step in (1, 2, 3):
+        client.save(step, state(), metadata={"step": step}).wait("local", 60)
+    assert daemon.stop() == 0
+    images = {f.name: f.read_bytes() for f in (daemon.root / JOB / "3").glob("rank-*")}
+    make_incremental(daemon.root, JOB, 3, holder=1)
+    uploader = remote_daemon(
+        make_daemon, remote, extra_args=["--retention-local", "KeepAll()"], root=daemon.root
+    )
+    for step in (1, 2, 3):
+        wait_state(uploader.client(JOB), step, "DURABLE")
+    assert uploader.stop() == 0
+    env = {**_os_env(), **remote.env}
+
+    def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [CKPTD, *args, "--remote", remote.url], capture_output=True, text=True, env=env
+        )
+
+    out = ckptd("pull", JOB, str(tmp_path / "pulled"), "--step", "3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "whole: what it shares with steps [1] copied in" in out.stdout
+    pulled = Manifest.from_json((tmp_path / "pulled" / MANIFEST).read_text())
+    assert not any(r.incremental for r in pulled.ranks) and pulled.increment == 0
+    for r in pulled.ranks:  # each rank file as a full save wrote it, checked as one
+        data = (tmp_path / "pulled" / r.file).read_bytes()
+        assert data == images[r.file] and checksum.value(data) == r.crc32c
+    assert not [f for f in tmp_path.iterdir() if ".ckptd-pull." in f.name]  # no staging left
+
+    out = ckptd("verify", "--remote-only", JOB)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 copies checked, 0 corrupt" in out.stdout
+    marker = next(k for k in remote.object_keys() if k.startswith(f"{JOB}/1/_complete/"))
+
+    async def drop(r: Any) -> None:
+        await r.delete([marker])
+
+    remote.run(drop)  # step 1 is no longer complete in the bucket; step 3 reads it
+    out = ckptd("verify", "--remote-only", JOB)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "2 copies checked, 1 corrupt" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if f"remote {JOB}/3/" in line)
+    assert "CORRUPT" in row and "its references' step 1 is missing" in row
+    out = ckptd("pull", JOB, str(tmp_path / "again"), "--step", "3")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "reads part of its data from step 1" in out.stderr

@@ -1,4 +1,5 @@
-"""``ckptd pull`` and ``ckptd verify``: work on the tiers directly, no daemon needed."""
+"""``ckptd verify`` (and the parsers of ``ckptd pull``, cli_pull.py): work on the tiers
+directly, no daemon needed."""
 
 from __future__ import annotations
 
@@ -6,26 +7,22 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckptd.core.errors import CkptdError, NotFound, PermissionDenied
+from ckptd.core.errors import CkptdError, PermissionDenied
 from ckptd.core.manifest import MANIFEST, Manifest
-from ckptd.core.timeline import abandoned, merge
 from ckptd.core.verify import verify_step
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..commit import RenameCommit
-from ..files import write_synced
 from ..remote import read
 from ..remote.backends import open_remote
 from ..remote.base import Remote
-from ..remote.layout import FILES_DIR, file_key, manifest_key, parse_marker
+from ..remote.layout import file_key, manifest_key, parse_marker
 from . import config as config_mod
-from .cli_jobs import bucket_jobs, did_you_mean, local_jobs, with_hint
+from .cli_jobs import bucket_jobs, did_you_mean, local_jobs
 from .cli_view import ByteProgress, print_table, socket_arg
 from .config import Config
 
@@ -79,7 +76,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     )
 
 
-def _remote(cfg: Config) -> Remote:
+def open_bucket(cfg: Config) -> Remote:
+    """The bucket of ``cfg`` (close it when done); a clear error without one."""
     if not cfg.remote:
         raise config_mod.ConfigError(
             "no remote configured: pass --remote s3://BUCKET/PREFIX (or gs://, file://) "
@@ -90,118 +88,8 @@ def _remote(cfg: Config) -> Remote:
     )
 
 
-async def _pull(cfg: Config, job: str, step: int | None, dest: Path, node: str | None) -> int:
-    remote = _remote(cfg)
-    try:
-        return await _pull_from(remote, cfg, job, step, dest, node)
-    finally:
-        await remote.close()
-
-
-async def _pull_from(
-    remote: Remote, cfg: Config, job: str, step: int | None, dest: Path, node: str | None
-) -> int:
-    steps = await read.complete_steps(remote, job)
-    if not steps:
-        hint = did_you_mean(job, await bucket_jobs(remote), "in the bucket")
-        raise NotFound(
-            with_hint(f"the bucket {cfg.remote} holds no complete step of job {job!r}", hint)
-        )
-    if step is None:  # the newest of the live history (core/timeline.py)
-        seen = await read.newest_steps(remote, job, 1)
-        forks = merge(*(s.forks for s in seen.values()))
-        live = [n for n, s in seen.items() if not abandoned(s.timeline or 0, n, forks)]
-        step = max(live or steps)
-    if step not in steps:
-        raise CkptdError(
-            f"step {step} of job {job!r} is not complete in {cfg.remote}; "
-            f"complete steps: {sorted(steps)[-10:]}"
-        )
-    found = steps[step]
-    nodes = sorted(found.nodes) if node is None else [node]
-    for n in nodes:
-        if n not in found.nodes:
-            raise CkptdError(f"node {n!r} has no complete copy of step {step}")
-        _, raw, manifest = await read.node_manifest(remote, job, step, {n}, None, n, found.adopted)
-        target = dest if len(nodes) == 1 else dest / n
-        _writable_dir(target)
-        if any(target.iterdir()):
-            raise CkptdError(f"{target} is not empty; pull into a new directory")
-        with ByteProgress(f"{job}/{step}/{n}", manifest.size_bytes) as progress:
-            if manifest.adopted:
-                await _pull_tree(remote, job, step, n, manifest, target, progress)
-            else:
-                await read.download_files(remote, job, step, n, manifest, target, progress)
-                await asyncio.to_thread(write_synced, target / MANIFEST, raw)  # the manifest last
-        print(
-            f"pulled {job} step {step} ({n}) into {target}: {len(manifest.ranks)} files, "
-            f"{manifest.size_bytes} bytes, crc32c verified"
-            + (" (the adopted tree as its framework wrote it)" if manifest.adopted else "")
-        )
-    return 0
-
-
-async def _pull_tree(
-    remote: Remote,
-    job: str,
-    step: int,
-    node: str,
-    manifest: Manifest,
-    target: Path,
-    progress: ByteProgress,
-) -> None:
-    """An adopted step's tree, byte-identical, as ``target`` itself (what its framework
-    reads: a Hugging Face ``checkpoint-N``, an Orbax step), not ckptd's own layout of
-    it (``files/`` beside a manifest). Downloaded beside ``target`` and renamed into
-    place whole, so a half-pulled tree is never mistaken for a checkpoint."""
-    staging = target.parent / f".{target.name}.ckptd-pull.{os.getpid()}"
-    await asyncio.to_thread(shutil.rmtree, staging, True)  # an earlier pull's, cut short
-    staging.mkdir(mode=0o750)
-    try:
-        await read.download_files(remote, job, step, node, manifest, staging, progress)
-        target.rmdir()  # empty (checked): the tree takes its place
-        await RenameCommit(target, staging / FILES_DIR).finalize()
-    finally:
-        await asyncio.to_thread(shutil.rmtree, staging, True)
-
-
-def _writable_dir(target: Path) -> None:
-    """Make ``target`` (and its parents) if missing; raise :class:`PermissionDenied`,
-    naming it, if this user may not create files in it. Checked before any byte is
-    downloaded, so a pull that cannot land fails at once, in one line."""
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except PermissionError as exc:
-        raise _cannot_write(exc.filename or target, exc) from None
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise _cannot_write(target, PermissionError(13, os.strerror(13)))
-
-
-def _cannot_write(path: object, exc: OSError) -> PermissionDenied:
-    return PermissionDenied(
-        f"cannot write {path}: {exc.strerror or exc}; pull into a directory your user may "
-        "create files in (DEST is made if missing, else it must be empty), or run as a "
-        "user that may write there"
-    )
-
-
-def cmd_pull(args: argparse.Namespace) -> int:
-    """Download a complete step from the bucket into a directory, verified."""
-    dest = Path(args.dest)
-    try:
-        return asyncio.run(_pull(load_config(args), args.job, args.step, dest, args.node))
-    except PermissionError as exc:
-        # Past the up-front check (a file:// bucket this user may not read, or a mode
-        # changed meanwhile): still one line that names the path, not a traceback.
-        raise PermissionDenied(
-            f"pull of {args.job!r} into {dest} failed: {exc.strerror or exc}"
-            + (f": {exc.filename}" if exc.filename else "")
-            + "; run as a user that may read the bucket and write the destination"
-        ) from None
-
-
 async def _verify_remote(cfg: Config, job: str | None) -> list[tuple[str, str]]:
-    remote = _remote(cfg)
+    remote = open_bucket(cfg)
     try:
         return await _verify_remote_in(remote, job)
     finally:
@@ -209,7 +97,9 @@ async def _verify_remote(cfg: Config, job: str | None) -> list[tuple[str, str]]:
 
 
 async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, str]]:
-    rows = []
+    rows: list[tuple[str, str]] = []
+    intact: dict[tuple[str, str, int], bool] = {}  # each copy checked: (job, node, step)
+    holders: dict[int, tuple[str, str, set[int]]] = {}  # row -> the steps it references
     markers = [m for m in map(parse_marker, await remote.list_keys(job + "/" if job else "")) if m]
     for j, step, node, adopted in markers:
         base = f"{j}/{step}/{node}"
@@ -217,6 +107,8 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
             key = manifest_key(j, step, node, adopted)
             raw = await remote.get_bytes(key)
             manifest = read.parse_remote_manifest(raw, key, j, step, node, adopted)
+            if manifest.holders():
+                holders[len(rows)] = (j, node, manifest.holders())
             bad = [
                 r.file
                 for r in manifest.ranks
@@ -227,10 +119,23 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
             ]
         except PermissionError as exc:  # a file:// bucket this user may not read
             rows.append((f"remote {base}", f"UNREADABLE {exc.filename or key}: {exc.strerror}"))
+            intact[(j, node, step)] = False
             continue
         except (OSError, ValueError) as exc:
             bad = [str(exc)]
+        intact[(j, node, step)] = not bad
         rows.append((f"remote {base}", "OK" if not bad else "CORRUPT " + ", ".join(bad)))
+    # An incremental copy restores only with the older steps its references read
+    # (core/increments.py): one the bucket lacks or holds damaged, and it cannot.
+    for at, (j, node, steps) in holders.items():
+        lost = [
+            f"its references' step {h} is {'damaged' if (j, node, h) in intact else 'missing'}"
+            for h in sorted(steps)
+            if not intact.get((j, node, h), False)
+        ]
+        if lost:
+            name, state = rows[at]
+            rows[at] = (name, ("CORRUPT " if state == "OK" else state + ", ") + ", ".join(lost))
     return rows
 
 
@@ -320,7 +225,7 @@ def _verify_hint(cfg: Config, args: argparse.Namespace) -> str:
     if cfg.remote and not args.local_only:
 
         async def listed() -> list[str]:
-            remote = _remote(cfg)
+            remote = open_bucket(cfg)
             try:
                 return await bucket_jobs(remote)
             finally:
@@ -400,6 +305,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--step", type=int, help="default: the newest complete step")
     p.add_argument("--node", help="only this node's part (default: every node's)")
     common(p)
+    from .cli_pull import cmd_pull  # (which opens the bucket as verify does, here)
+
     p.set_defaults(fn=cmd_pull)
     p = sub.add_parser("verify", help="check the crc32c of local and remote copies")
     p.add_argument("job", nargs="?", help="only this job")

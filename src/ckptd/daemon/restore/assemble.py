@@ -15,6 +15,7 @@ threads, chunk by chunk; a mismatch is narrowed down to the shards that differ.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -133,3 +134,30 @@ def _image_crc(header: bytes, view: memoryview, data_len: int) -> int:
     ]
     data_crc = checksum.combine_all([(f.result(), n) for f, n in pieces])
     return checksum.combine(checksum.value(header), data_crc, data_len)
+
+
+def write_image(
+    path: Path, record: RankRecord, holders: dict[int, Path], table: ShardTable, out: Path
+) -> list[str]:
+    """Write ``record``'s whole image (the rank file a full save would have written) to
+    a new file ``out``, from the step's own file ``path`` and its holders' files, read
+    straight into ``out``'s pages; returns what does not match (empty: its crc32c is
+    the one recorded at commit). A pulled step is then whole on its own."""
+    assert record.runs is not None and record.image_size is not None
+    head = _header_length(path, record.runs[0][1] if record.runs[0][0] == 0 else 0)
+    data_len = record.image_size - head
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.ftruncate(fd, head + round_up(data_len))
+        with mmap.mmap(fd, round_up(data_len), offset=head) as mm:
+            view = memoryview(mm)
+            try:
+                _, bad = read_increment(path, record, holders, view, table)
+            finally:
+                view.release()
+        os.pwrite(fd, read_header(path, head), 0)
+        os.ftruncate(fd, record.image_size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return bad
