@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: promtool dashboard goodput venv demo test test-fast test-slow test-frameworks faults fuzz soak bench bench-deps proto lint typecheck clean
+.PHONY: promtool dashboard goodput venv demo test test-fast test-gpu test-slow test-frameworks faults fuzz soak bench bench-deps proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,10 @@ test: venv promtool
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow and not faults and not fuzz and not frameworks" tests
+
+# The accelerator path (tests/test_gpu.py) on a machine with a CUDA GPU; it skips elsewhere.
+test-gpu: venv
+	$(PY) -m pytest -q tests/test_gpu.py
 
 test-slow: venv
 	$(PY) -m pytest -q -m "slow and not faults and not fuzz and not frameworks" tests

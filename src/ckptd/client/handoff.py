@@ -98,6 +98,9 @@ class Handoff:
         self.liveness = Liveness()
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._warned = False
+        self.unmapping: list[Callable[[mmap.mmap], None]] = []
+        """Called with a segment's mapping before it is unmapped (a copier that
+        registered it with a device driver lets go of it)."""
 
     def patience(self) -> float:
         """How long to keep trying while the daemon is unreachable: the reconnect
@@ -238,16 +241,22 @@ class Handoff:
         self._segments[name] = mm
         while len(self._segments) > MAPPED_SEGMENTS:
             old = self._segments.popitem(last=False)[1]
+            self._unmapping(old)
             with contextlib.suppress(BufferError):
                 # A stager's tensors may still view it: then it is unmapped when the
                 # last of them goes, with the mapping object.
                 old.close()
         return mm
 
+    def _unmapping(self, mm: mmap.mmap) -> None:
+        for hook in self.unmapping:
+            hook(mm)
+
     def close(self) -> None:
         """Unmap the segments and remove the liveness file: the daemon takes back
         anything still leased."""
         for mm in self._segments.values():
+            self._unmapping(mm)
             mm.close()
         self._segments.clear()
         self.liveness.close()

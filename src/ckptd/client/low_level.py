@@ -10,7 +10,7 @@ of :mod:`ckptd.proto.ckptd_pb2`).
 from __future__ import annotations
 
 import mmap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.core.format import TensorEntry
 from ckptd.core.session import open_readable
@@ -19,6 +19,9 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .handle import SaveHandle
 from .saver import Saver
+
+if TYPE_CHECKING:
+    from .torch.device_copy import DeviceCopies
 
 
 class LowLevel:
@@ -70,6 +73,11 @@ class LowLevel:
     def release(self, lease: pb.Lease) -> None:
         """Give back a lease from :meth:`lease` that will not be committed."""
         self._saver.release(lease)
+
+    def device_copies(self) -> DeviceCopies:
+        """The copier of this client's CUDA tensors into its leases (a stager that fills
+        a lease itself queues its device-to-host copies there)."""
+        return self._saver.device_copies()
 
     def copy_arrays(
         self, mm: mmap.mmap, entries: list[TensorEntry], arrays: dict[str, Any]

@@ -18,6 +18,7 @@ from ckptd.core import shard_wire
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
 from .changes import Token, tensor_token, token_of
+from .device_leaf import DeviceTensor
 from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards
 from .tree_spec import flatten
 
@@ -60,6 +61,8 @@ class Arrays:
     """jax array shards, copied device-to-host in the background."""
     tokens: dict[str, Token | None] | None = None
     """Each shard's change token (changes.py), when asked for."""
+    cuda: dict[str, DeviceTensor] | None = None
+    """The CUDA tensors among ``host`` (copied from the device straight into the lease)."""
 
 
 class Planner:
@@ -85,12 +88,15 @@ class Planner:
         jax arrays', and torch tensors' only with ``torch_versions``, changes.py)."""
         values: list[Any] = []
         tokens: dict[str, Token | None] | None = {} if track else None
-        spec, arrays = flatten(tree, values, tokens, tensor_token if torch_versions else None)
+        spec, arrays = flatten(
+            tree, values, tokens, tensor_token if torch_versions else None, keep_device=True
+        )
         values_json = _json(values)
         host: dict[str, Any] = {}
         device: dict[str, ShardPlan] = {}
         layout: Layout = []
         placed: Placed = {}
+        cuda: dict[str, DeviceTensor] | None = None
         for key, a in arrays:
             if type(a) is not np.ndarray and is_jax_array(a):
                 for sp in self._leaf_shards(key, a):
@@ -102,6 +108,9 @@ class Planner:
             else:
                 host[key] = a
                 layout.append((key, a.dtype, a.shape))
+                if type(a) is DeviceTensor:
+                    cuda = cuda or {}
+                    cuda[key] = a
         last = self._last
         if last is not None and last.layout == layout and last.placed == placed:
             same = last.values_json == values_json and last.spec == spec
@@ -135,7 +144,7 @@ class Planner:
                 _json(spec),
             )
         self._last = plan
-        return plan, Arrays(host, device, tokens)
+        return plan, Arrays(host, device, tokens, cuda)
 
     def _leaf_shards(self, key: str, a: Any) -> list[ShardPlan]:
         """``leaf_shards(key, a)``, asked of ``a`` once while it lives if its shards

@@ -8,14 +8,16 @@ it what :meth:`Client.should_save` needs to know about that previous save.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +33,9 @@ from .handle import WATCHERS, SaveHandle
 from .handoff import Handoff
 from .jax_arrays import Replicas, ShardPlan
 from .planning import Planner, SavePlan, plan_in_place
+
+if TYPE_CHECKING:
+    from .torch.device_copy import DeviceCopies, Pending
 
 
 class Saver:
@@ -78,6 +83,8 @@ class Saver:
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._leaser = ThreadPoolExecutor(1, "ckptd-lease")
         self._copy_job: Future[None] | None = None
+        self._cuda: DeviceCopies | None = None
+        self._via_torch: bool | None = None
         self.last: SaveHandle | None = None
         """The previous save's handle (None before the first)."""
         self.last_at: float | None = None
@@ -166,38 +173,59 @@ class Saver:
             raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
         committed = False
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
+        pending: Pending | None = None
         try:
             held = self._held(lease, plan, arrays.tokens)
             # The shards the segment holds already are not copied again (changes.py).
             todo = [e for e in plan.host_entries if e.key not in held] if held else None
-            self.copy_arrays(mm, plan.host_entries if todo is None else todo, host)
+            todo = plan.host_entries if todo is None else todo
+            jax_entries = [e for e in plan.device_entries if e.key not in held]
+            cuda = dict(arrays.cuda or {})
+            if device and self._jax_via_torch(device):
+                # jax arrays on a CUDA device go the way CUDA tensors do (DLPack).
+                from .torch.device_copy import from_jax
+
+                cuda.update(from_jax(device, jax_entries))
+            if cuda:
+                # CUDA tensors first: their copies run on the devices' copy engines
+                # while this thread copies the host arrays.
+                queued = [e for e in (*todo, *jax_entries) if e.key in cuda]
+                pending = self.device_copies().start(mm, queued, cuda)
+                todo = [e for e in todo if e.key not in cuda]
+                jax_entries = [e for e in jax_entries if e.key not in cuda]
+            self.copy_arrays(mm, todo, host)
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             self._word(req, plan, arrays.tokens, since)
             saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
-            if device:
+            if device or pending is not None:
                 # jax arrays are immutable: copy them to host and hand off after returning.
                 # Every device-to-host transfer starts now, at once (on an accelerator they
                 # overlap; one by one, each waited for its own): the copies find them done.
-                for sp in device.values():
-                    if sp.key not in held:
-                        sp.data.copy_to_host_async()
+                # CUDA tensors' copies are queued ahead of the trainer's next writes.
+                for e in jax_entries:
+                    device[e.key].data.copy_to_host_async()
                 self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
-                    [e for e in plan.device_entries if e.key not in held],
+                    jax_entries,
                     device,
                     req,
                     round_up(data_len),
                     saved,
+                    pending,
                 )
+                pending = None  # the background job waits for it
             else:
                 self._handoff.commit(req, mm, round_up(data_len), what)
                 self.changes.acknowledged(step, saved)
             committed = True
         finally:
             if not committed:
+                if pending is not None:
+                    pending.wait()  # no copy may still write into a lease given back
                 self._handoff.release(req.lease_id)  # the lease of the last attempt
-        handle = SaveHandle(self, step, self._copy_job if device else None)
+        background = bool(device) or bool(arrays.cuda)  # (cuda: jax's are in device)
+        handle = SaveHandle(self, step, self._copy_job if background else None)
         handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
         return self._saved(handle, started, round_up(data_len))
 
@@ -350,10 +378,14 @@ class Saver:
         req: pb.CommitShardsRequest,
         size: int,
         saved: Saved | None,
+        pending: Pending | None = None,
     ) -> None:
-        """Background: device-to-host copies into the lease, then the handoff."""
+        """Background: device-to-host copies into the lease (CUDA tensors' are queued
+        already: ``pending``), then the handoff."""
         what = f"step {req.step} of job {self.job!r} was not saved"
         try:
+            if pending is not None:
+                pending.wait()
             for e in entries:
                 try:
                     host = np.asarray(device[e.key].data)
@@ -375,6 +407,30 @@ class Saver:
             self._handoff.release(req.lease_id)
             raise
 
+    def _jax_via_torch(self, device: dict[str, ShardPlan]) -> bool:
+        """Whether this process's jax arrays live on a GPU and torch is there to copy
+        them into the lease (decided at the first save of jax arrays; torch is
+        imported then if it is installed): jax's own way to host, through host
+        buffers of its own, took several times the copy into the page-locked lease
+        on an H200 (bench/bench_gpu.py)."""
+        if self._via_torch is None:
+            data = next(iter(device.values())).data
+            on_gpu = next(iter(data.devices())).platform == "gpu"
+            self._via_torch = on_gpu and (
+                "torch" in sys.modules or importlib.util.find_spec("torch") is not None
+            )
+        return self._via_torch
+
+    def device_copies(self) -> DeviceCopies:
+        """The copier of CUDA tensors into leases (made at the first save holding one:
+        only then is torch known to be imported)."""
+        if self._cuda is None:
+            from .torch.device_copy import DeviceCopies
+
+            self._cuda = DeviceCopies()
+            self._handoff.unmapping.append(self._cuda.forget)
+        return self._cuda
+
     def finish_copy(self) -> None:
         """Wait for the background device-to-host copy of the last save, if any."""
         if self._copy_job is not None:
@@ -386,6 +442,8 @@ class Saver:
         self.finish_copy()
         self._background.shutdown(wait=True)
         self._leaser.shutdown(wait=True)
+        if self._cuda is not None:
+            self._cuda.close()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
 

@@ -87,6 +87,7 @@ def flatten(
     values: list[Any] | None = None,
     tensors: dict[str, Any] | None = None,
     token: Callable[[Any], Any] | None = None,
+    keep_device: bool = False,
 ) -> tuple[Any, list[tuple[str, Any]]]:
     """Split ``tree`` into a JSON spec and ``(key, array)`` pairs in a stable order.
 
@@ -95,6 +96,8 @@ def flatten(
     ``values``: if given, every JSON leaf's value is appended to it in order.
     ``tensors``: if given, each torch tensor's ``token(tensor)`` (None without
     ``token``), by key: taken here, in the one pass over a thousand tensors.
+    ``keep_device``: a CUDA tensor is a :class:`~ckptd.client.device_leaf.DeviceTensor`
+    (a save copies it from the device into its lease), not a copy in host memory.
     """
     arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
@@ -123,7 +126,7 @@ def flatten(
         """A torch tensor leaf at ``path``, or under ``k`` of the dict at ``path``
         (the path of a leaf is built only for an error: a thousand leaves a save)."""
         try:
-            arr, torch_dtype = to_array(t)
+            arr, torch_dtype = to_array(t, keep_device)
         except InvalidArgument as exc:
             where: Path = path if k is _LEAF else (*path, k)
             raise InvalidArgument(f"at {path_str(where)}: {exc}") from None

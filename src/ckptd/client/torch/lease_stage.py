@@ -129,23 +129,38 @@ def stage(client: Client, state_dict: Any, coordinator: bool) -> tuple[Any, Leas
     if coordinator:
         headroom += HEADROOM_PER_TENSOR * len(found)
     lease, mm = client.low_level.lease(at + headroom)
+    pending = None
     try:
         # CPU tensors as numpy views, over the client's copy threads in batches (~2x
-        # faster here than a torch copy_ each); others (a GPU's) with torch's copy.
-        entries, arrays = [], {}
+        # faster here than a torch copy_ each); CUDA ones straight from the device
+        # (queued first, so they run while the host copies do); others (another
+        # accelerator's) with torch's copy.
+        entries, arrays, cuda_entries, cuda = [], {}, [], {}
         for i, (t, off) in enumerate(zip(found, offsets, strict=True)):
-            if t.device.type == "cpu" and t.nbytes:
-                arr, _ = to_array(t)
+            if t.nbytes and t.device.type in ("cpu", "cuda"):
+                arr, _ = to_array(t, keep_device=True)
                 key = str(i)
-                entries.append(TensorEntry(key, arr.dtype, arr.shape, off, arr.nbytes))
-                arrays[key] = arr
+                entry = TensorEntry(key, arr.dtype, tuple(arr.shape), off, arr.nbytes)
+                if t.device.type == "cuda":
+                    cuda_entries.append(entry)
+                    cuda[key] = arr
+                else:
+                    entries.append(entry)
+                    arrays[key] = arr
+        if cuda:
+            pending = client.low_level.device_copies().start(mm, cuda_entries, cuda)
         client.low_level.copy_arrays(mm, entries, arrays)
         views = [
-            _copy_into(mm, t, off, copied=str(i) in arrays)
+            _copy_into(mm, t, off, copied=str(i) in arrays or str(i) in cuda)
             for i, (t, off) in enumerate(zip(found, offsets, strict=True))
         ]
         staged = _rebuild(state_dict, iter(views))
+        if pending is not None:
+            pending.wait()  # the staged state holds the bytes when this returns
+            pending = None
     except BaseException:
+        if pending is not None:
+            pending.wait()  # nothing may still write into a lease given back
         client.low_level.release(lease)
         raise
     return staged, LeaseStage(client, lease, mm, at)

@@ -11,11 +11,15 @@ kept beside it, so it comes back as the same torch dtype.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import torch
 
 from ckptd.core.errors import InvalidArgument
+
+from ..device_leaf import DeviceTensor
 
 # Same-size unsigned integer dtypes: torch can view any dtype as one of these.
 _UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -58,9 +62,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 (subclasses such as DTensor or fake tensors take the general path)."""
 
 
-def to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
+def to_array(t: torch.Tensor, keep_device: bool = False) -> tuple[Any, str]:
     """A numpy view of CPU tensor ``t`` and the torch dtype name to record ("" when
-    the numpy dtype says it all). A tensor on another device is copied to the CPU."""
+    the numpy dtype says it all). A tensor on another device is copied to the CPU,
+    except, with ``keep_device``, a CUDA tensor: it becomes a :class:`DeviceTensor`,
+    whose bytes a save copies from the device straight into its lease."""
     if (
         type(t) in _PLAIN
         and t.dtype in _NATIVE
@@ -79,6 +85,8 @@ def to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
             "ckptd.client.torch.CkptdWriter, which records how the shards fit together"
         )
     t = t.detach()
+    if keep_device and t.device.type == "cuda":
+        return _on_device(t)
     if t.device.type != "cpu":
         # The one extra copy of the non-CPU path: the lease is host memory.
         t = t.cpu()
@@ -101,6 +109,27 @@ def to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
     if ml is not None:
         return raw.view(ml), ""
     return raw, str(t.dtype).removeprefix("torch.")
+
+
+def _on_device(t: torch.Tensor) -> tuple[DeviceTensor, str]:
+    """CUDA tensor ``t`` (detached) as the :class:`DeviceTensor` a save copies from."""
+    if t.is_sparse or t.layout != torch.strided:
+        raise InvalidArgument(f"a {t.layout} tensor cannot be checkpointed; make it dense")
+    if t.is_quantized:
+        raise InvalidArgument(f"quantized tensors ({t.dtype}) cannot be checkpointed by ckptd")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    shape = tuple(int(d) for d in t.shape)
+    native = _NATIVE.get(t.dtype) or _ML.get(t.dtype)
+    if native is not None:
+        return DeviceTensor(t, native, shape), ""
+    uint = _UINT.get(t.element_size())
+    if uint is None:
+        raise InvalidArgument(f"tensors of dtype {t.dtype} cannot be checkpointed by ckptd")
+    raw = t.view(uint)
+    return DeviceTensor(raw, _NATIVE[uint], shape), str(t.dtype).removeprefix("torch.")
 
 
 def to_tensor(arr: np.ndarray, torch_dtype: str = "") -> torch.Tensor:
@@ -129,7 +158,13 @@ def load_into(target: torch.Tensor, arr: np.ndarray, torch_dtype: str = "") -> t
     """Copy restored ``arr`` (of ``target``'s shape) into ``target`` in place (a
     parameter, an optimizer moment, on any device; cast to its dtype); returns it."""
     with torch.no_grad():
-        target.copy_(to_tensor(arr, torch_dtype))
+        source = to_tensor(arr, torch_dtype)
+        if target.is_cuda:
+            from .device_copy import restore_into  # (only where CUDA is)
+
+            if restore_into(target, source):
+                return target
+        target.copy_(source)
     return target
 
 

@@ -1,0 +1,32 @@
+"""A tensor leaf whose bytes are in accelerator memory, as a save plans it.
+
+Planning needs a leaf's dtype and shape only; the bytes of an accelerator's tensor
+go straight from the device into the save's lease (``ckptd.client.torch.device_copy``),
+with no copy to host memory of its own first. This module imports no framework, so
+the planner can tell such a leaf apart without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTensor:
+    """A torch tensor on an accelerator, seen as the numpy array it is saved as."""
+
+    tensor: Any
+    """The tensor to copy: detached, with any lazy conjugation or negation resolved,
+    and viewed as the unsigned integer of its item size when numpy has no twin of its
+    dtype (the same bytes)."""
+    dtype: np.dtype
+    """The numpy dtype the manifest records."""
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it takes in the lease."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
