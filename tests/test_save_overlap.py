@@ -102,14 +102,15 @@ def test_a_save_whose_plan_fails_gives_the_early_lease_back(daemon: Daemon) -> N
 
 def test_watch_threads_are_kept_for_the_next_saves(daemon: Daemon) -> None:
     client = daemon.client("watched")
+    before = {t for t in threading.enumerate() if t.name == "ckptd-watch"}  # earlier tests'
     seen: set[threading.Thread] = set()
     for step in range(1, 9):
         handle = client.save(step, state(step))  # starts watching its stage
         seen.update(t for t in threading.enumerate() if t.name == "ckptd-watch")
         handle.wait("local", timeout=60)
-    # A thread a save (as Thread.start() each time) would be 8; a watch still
-    # finishing its last call when the next save comes takes a second one.
-    assert 1 <= len(seen) <= 3, seen
+    # A thread a save (as Thread.start() each time) would be 8 new ones; a watch still
+    # finishing its last call when the next save comes (a busy machine) takes another.
+    assert seen and len(seen - before) <= 4, (seen, before)
     client.close()
 
 

@@ -20,7 +20,8 @@ from .handoff import Handoff
 from .jax_arrays import Replicas
 from .low_level import LowLevel
 from .policies import FailureHistory, SaveContext, SavePolicy
-from .saver import Saver, check_metrics
+from .save_args import check_metrics
+from .saver import Saver
 
 log = logging.getLogger("ckptd.client")
 

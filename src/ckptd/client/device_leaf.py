@@ -8,6 +8,8 @@ the planner can tell such a leaf apart without importing torch.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,3 +32,14 @@ class DeviceTensor:
     def nbytes(self) -> int:
         """The bytes it takes in the lease."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def jax_via_torch(shards: dict[str, Any]) -> bool:
+    """Whether a process's jax shards (``ShardPlan`` by key) live on a GPU and torch is
+    there to copy them into the lease as CUDA tensors (DLPack): jax's own way to host,
+    through host buffers of its own, took several times that copy on an H200
+    (bench/bench_gpu.py). Asked once per client; torch is imported then if installed."""
+    data = next(iter(shards.values())).data
+    if next(iter(data.devices())).platform != "gpu":
+        return False
+    return "torch" in sys.modules or importlib.util.find_spec("torch") is not None

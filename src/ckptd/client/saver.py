@@ -8,11 +8,8 @@ it what :meth:`Client.should_save` needs to know about that previous save.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,16 +20,17 @@ import numpy as np
 
 from ckptd.core.errors import CapacityExhausted, SaveFailed
 from ckptd.core.format import TensorEntry, round_up
-from ckptd.core.health import RESERVED_PREFIX
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .changes import Changes, Saved, Token, incremental_from_env, packbits, same
 from .copying import copy_into
+from .device_leaf import jax_via_torch
 from .handle import WATCHERS, SaveHandle
 from .handoff import Handoff
 from .jax_arrays import Replicas, ShardPlan
 from .planning import Planner, SavePlan, plan_in_place
+from .save_args import save_args
 
 if TYPE_CHECKING:
     from .torch.device_copy import DeviceCopies, Pending
@@ -151,7 +149,7 @@ class Saver:
         If earlier saves hold all staging memory, waits up to ``staging_timeout``
         (default: the client's) and then raises :class:`CapacityExhausted`.
         """
-        step, metrics, metadata_json = _save_args(step, metrics, metadata)
+        step, metrics, metadata_json = save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
         track = self.incremental
         what = f"step {step} of job {self.job!r} was not saved"
@@ -181,7 +179,9 @@ class Saver:
             todo = plan.host_entries if todo is None else todo
             jax_entries = [e for e in plan.device_entries if e.key not in held]
             cuda = dict(arrays.cuda or {})
-            if device and self._jax_via_torch(device):
+            if device and self._via_torch is None:
+                self._via_torch = jax_via_torch(device)
+            if device and self._via_torch:
                 # jax arrays on a CUDA device go the way CUDA tensors do (DLPack).
                 from .torch.device_copy import from_jax
 
@@ -254,10 +254,17 @@ class Saver:
         """The save's lease, mapped: the early one if it has the size the plan needs
         (else it goes back), or one asked for now."""
         if early is not None:
-            lease = early[1].result()
-            if early[0] == size:
-                return self._handoff.map(lease)
-            self._handoff.release(lease.lease_id)
+            try:
+                lease = early[1].result()
+            except CapacityExhausted:
+                if early[0] == size:
+                    raise
+                # Refused at the last save's size (a disk floor, a full budget): this
+                # save's own size may fit.
+            else:
+                if early[0] == size:
+                    return self._handoff.map(lease)
+                self._handoff.release(lease.lease_id)
         return self._handoff.acquire(size, wait, what, self.rank, reuse_image)
 
     def _give_back(self, early: Future[pb.Lease]) -> None:
@@ -359,7 +366,7 @@ class Saver:
         """Hand off ``tree`` as ``step`` with no copy: its array leaves are views of
         ``mm`` (the mapping of ``lease``) lying back to back from its start. Returns
         None, committing nothing (the lease is still held), if they do not lie so."""
-        step, metrics, metadata_json = _save_args(step, metrics, metadata)
+        step, metrics, metadata_json = save_args(step, metrics, metadata)
         plan = plan_in_place(tree, mm)
         if plan is None:
             return None
@@ -407,20 +414,6 @@ class Saver:
             self._handoff.release(req.lease_id)
             raise
 
-    def _jax_via_torch(self, device: dict[str, ShardPlan]) -> bool:
-        """Whether this process's jax arrays live on a GPU and torch is there to copy
-        them into the lease (decided at the first save of jax arrays; torch is
-        imported then if it is installed): jax's own way to host, through host
-        buffers of its own, took several times the copy into the page-locked lease
-        on an H200 (bench/bench_gpu.py)."""
-        if self._via_torch is None:
-            data = next(iter(device.values())).data
-            on_gpu = next(iter(data.devices())).platform == "gpu"
-            self._via_torch = on_gpu and (
-                "torch" in sys.modules or importlib.util.find_spec("torch") is not None
-            )
-        return self._via_torch
-
     def device_copies(self) -> DeviceCopies:
         """The copier of CUDA tensors into leases (made at the first save holding one:
         only then is torch known to be imported)."""
@@ -446,39 +439,3 @@ class Saver:
             self._cuda.close()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
-
-
-def _save_args(
-    step: Any, metrics: dict[str, float] | None, metadata: dict[str, Any] | None
-) -> tuple[int, dict[str, float], str]:
-    """A save's step, metrics and metadata (as JSON), checked."""
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        raise ValueError(f"step must be a non-negative int, not {step!r}")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise TypeError(f"metadata must be a dict, not {type(metadata).__name__}")
-    try:
-        metadata_json = json.dumps(metadata or {})
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata must be a JSON-serialisable dict: {exc}") from None
-    return int(step), check_metrics(metrics), metadata_json
-
-
-def check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise TypeError(f"metrics must be a dict of name -> number, not {type(metrics).__name__}")
-    out = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or isinstance(value, bool):
-            raise TypeError(f"metric {name!r}: names must be str and values numbers")
-        if name.startswith(RESERVED_PREFIX):
-            raise ValueError(
-                f"metric {name!r}: names starting with {RESERVED_PREFIX!r} are set by the "
-                "daemon (ckptd.nonfinite: the step's NaN/Inf count); rename it"
-            )
-        try:
-            out[name] = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"metric {name!r} = {value!r} is not a number") from None
-    return out

@@ -21,7 +21,7 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import __version__
-from . import cli_own, cli_status, cli_tiers, logs
+from . import cli_own, cli_pull, cli_status, cli_tiers, logs
 from . import config as config_mod
 from .cli_completion import add_completion_parser
 from .cli_help import add_config_options, name_placeholders
@@ -277,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     socket_arg(p)
     p.set_defaults(fn=cmd_adopt)
     cli_tiers.add_parsers(sub)
+    sub.choices["pull"].set_defaults(fn=cli_pull.cmd_pull)
     cli_own.add_parser(sub)
     p = sub.add_parser("demo", help="start a daemon, train, kill the trainer, resume")
     p.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")

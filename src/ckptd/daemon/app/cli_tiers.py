@@ -304,10 +304,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("--step", type=int, help="default: the newest complete step")
     p.add_argument("--node", help="only this node's part (default: every node's)")
-    common(p)
-    from .cli_pull import cmd_pull  # (which opens the bucket as verify does, here)
-
-    p.set_defaults(fn=cmd_pull)
+    common(p)  # (its command, cli_pull.cmd_pull, is set by cli.py: cli_pull imports this)
     p = sub.add_parser("verify", help="check the crc32c of local and remote copies")
     p.add_argument("job", nargs="?", help="only this job")
     p.add_argument(
