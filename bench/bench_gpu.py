@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,41 @@ class Run:
         common.write_results(self.args.name, self.results, self.work)
 
 
+# -- ckptd, either framework ----------------------------------------------------------
+def ckptd_saves(
+    run: Run, d: common.Daemon, job: str, changed: Callable[[], Any]
+) -> list[dict[str, float]]:
+    """``--reps`` full saves of ``changed()`` (after one that warms up: it page-locks
+    the lease): when ``save()`` returned, the state was copied off, and was LOCAL."""
+    client = Client(job, socket=d.socket, incremental=False)
+    rows = []
+    try:
+        for step in range(run.args.reps + 1):
+            tree = changed()
+            t0 = time.perf_counter()
+            h = client.save(step, tree)
+            returned = time.perf_counter() - t0
+            h.wait_copied()
+            copied = time.perf_counter() - t0
+            h.wait("local", 600)
+            local = time.perf_counter() - t0
+            if step:
+                rows.append({"returned_s": returned, "copied_s": copied, "local_s": local})
+    finally:
+        client.close()
+    return rows
+
+
+def restarted(d: common.Daemon, root: Path, job: str) -> tuple[common.Daemon, Client]:
+    """The daemon stopped and started again on ``root``, the page cache dropped (the
+    restore that follows reads the disk), and a new client of ``job``."""
+    d.stop()
+    d = common.Daemon(root, d.socket, staging_budget=d.staging_budget)
+    d.start()
+    common.drop_caches(root)
+    return d, Client(job, socket=d.socket, incremental=False)
+
+
 # -- torch ---------------------------------------------------------------------------
 def torch_state(n: int, each: int, device: str) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(0)
@@ -151,26 +187,16 @@ def bump(state: dict[str, torch.Tensor]) -> None:
 
 def torch_ckptd(run: Run, state: dict[str, torch.Tensor], root: Path, total: int) -> dict[str, Any]:
     d = run.daemon(root, total)
-    client = Client("gpu-torch", socket=d.socket, incremental=False)
-    rows = []
+    client = None
     try:
-        for step in range(run.args.reps + 1):  # the first warms up (page-locks the lease)
+
+        def changed() -> dict[str, torch.Tensor]:
             bump(state)
             run.sync()
-            t0 = time.perf_counter()
-            h = client.save(step, state)
-            returned = time.perf_counter() - t0
-            h.wait_copied()
-            copied = time.perf_counter() - t0
-            h.wait("local", 600)
-            local = time.perf_counter() - t0
-            if step:
-                rows.append({"returned_s": returned, "copied_s": copied, "local_s": local})
-        client.close()
-        d.stop()
-        d = common.Daemon(root, d.socket, staging_budget=d.staging_budget).start()  # type: ignore[assignment]
-        common.drop_caches(root)
-        client = Client("gpu-torch", socket=d.socket, incremental=False)
+            return state
+
+        rows = ckptd_saves(run, d, "gpu-torch", changed)
+        d, client = restarted(d, root, "gpu-torch")
         target = {k: torch.zeros_like(v) for k, v in state.items()}
         run.sync()
         t0 = time.perf_counter()
@@ -180,7 +206,8 @@ def torch_ckptd(run: Run, state: dict[str, torch.Tensor], root: Path, total: int
         ok = all(torch.equal(target[k], state[k]) for k in state)
         tier = "memory" if d.status().memory_tier_restores else "disk"
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         d.stop()
     return {"saves": rows, "restore_s": restore, "restore_tier": tier, "restored_bit_exact": ok}
 
@@ -318,25 +345,10 @@ def jax_arm(run: Run, label: str, n: int, each: int) -> None:
 
     root = run.work / f"ckptd-jax-{total}"
     d = run.daemon(root, total)
-    client = Client("gpu-jax", socket=d.socket, incremental=False)
-    rows = []
+    client = None
     try:
-        for step in range(run.args.reps + 1):
-            t = fresh()
-            t0 = time.perf_counter()
-            h = client.save(step, t)
-            returned = time.perf_counter() - t0
-            h.wait_copied()
-            copied = time.perf_counter() - t0
-            h.wait("local", 600)
-            local = time.perf_counter() - t0
-            if step:
-                rows.append({"returned_s": returned, "copied_s": copied, "local_s": local})
-        client.close()
-        d.stop()
-        d = common.Daemon(root, d.socket, staging_budget=d.staging_budget).start()  # type: ignore[assignment]
-        common.drop_caches(root)
-        client = Client("gpu-jax", socket=d.socket, incremental=False)
+        rows = ckptd_saves(run, d, "gpu-jax", fresh)
+        d, client = restarted(d, root, "gpu-jax")
         abstract = {
             k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in tree.items()
         }
@@ -346,7 +358,8 @@ def jax_arm(run: Run, label: str, n: int, each: int) -> None:
         restore = time.perf_counter() - t0
         ok = all(bool(jnp.array_equal(got[k], tree[k])) for k in tree)
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         d.stop()
     ckptd = {"saves": rows, "restore_s": restore, "restored_bit_exact": ok}
 

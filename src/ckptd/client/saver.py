@@ -172,20 +172,21 @@ class Saver:
         committed = False
         req = pb.CommitShardsRequest(lease_id=lease.lease_id)
         pending: Pending | None = None
+        job: Future[None] | None = None  # the copies and commit left to a thread
         try:
             held = self._held(lease, plan, arrays.tokens)
             # The shards the segment holds already are not copied again (changes.py).
             todo = [e for e in plan.host_entries if e.key not in held] if held else None
             todo = plan.host_entries if todo is None else todo
             jax_entries = [e for e in plan.device_entries if e.key not in held]
-            cuda = dict(arrays.cuda or {})
+            cuda = arrays.cuda or {}
             if device and self._via_torch is None:
                 self._via_torch = jax_via_torch(device)
             if device and self._via_torch:
                 # jax arrays on a CUDA device go the way CUDA tensors do (DLPack).
                 from .torch.device_copy import from_jax
 
-                cuda.update(from_jax(device, jax_entries))
+                cuda = {**cuda, **from_jax(device, jax_entries)}
             if cuda:
                 # CUDA tensors first: their copies run on the devices' copy engines
                 # while this thread copies the host arrays.
@@ -204,7 +205,7 @@ class Saver:
                 # CUDA tensors' copies are queued ahead of the trainer's next writes.
                 for e in jax_entries:
                     device[e.key].data.copy_to_host_async()
-                self._copy_job = self._background.submit(
+                job = self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
                     jax_entries,
@@ -224,8 +225,7 @@ class Saver:
                 if pending is not None:
                     pending.wait()  # no copy may still write into a lease given back
                 self._handoff.release(req.lease_id)  # the lease of the last attempt
-        background = bool(device) or bool(arrays.cuda)  # (cuda: jax's are in device)
-        handle = SaveHandle(self, step, self._copy_job if background else None)
+        handle = SaveHandle(self, step, job)
         handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
         return self._saved(handle, started, round_up(data_len))
 

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch.utils.dlpack import from_dlpack
 
@@ -59,19 +58,16 @@ class Pending:
     """Copies queued into a lease: wait for them before it is committed or given back."""
 
     events: list[Any] = field(default_factory=list)
-    views: list[torch.Tensor] = field(default_factory=list)
-    """The lease's views copied into (they keep its mapping from being closed)."""
     sources: list[torch.Tensor] = field(default_factory=list)
-    """Tensors over memory torch's allocator does not own (jax arrays' through
-    DLPack): held until the copies have read them."""
+    """The tensors copied from, held until the copies have read them (a jax array's
+    memory, seen through DLPack, is not the caching allocator's to keep)."""
 
     def wait(self) -> None:
-        """Block until every copy is done; then the lease's views are let go."""
+        """Block until every copy is done; then the sources are let go."""
         try:
             for event in self.events:
                 event.synchronize()
         finally:
-            self.views.clear()
             self.sources.clear()
 
 
@@ -119,7 +115,6 @@ class DeviceCopies:
                         dst = dst.view(t.dtype).view(t.shape)
                         dst.copy_(t, non_blocking=True)
                         t.record_stream(side)
-                        pending.views.append(dst)
                         pending.sources.append(t)
                     event = _Event()
                     event.record(side)
@@ -132,11 +127,9 @@ class DeviceCopies:
 
     def forget(self, mm: mmap.mmap) -> None:
         """``mm`` is about to be unmapped: unregister it and let go of its view."""
-        with contextlib.suppress(BufferError, ValueError):
-            key = _address_of(mm)
-            mapped = self._mapped.pop(key, None)
-            if mapped is not None:
-                mapped.close()
+        mapped = self._mapped.pop(id(mm), None)
+        if mapped is not None:
+            mapped.close()
 
     def close(self) -> None:
         """Unregister every mapping (the client is closing)."""
@@ -145,10 +138,11 @@ class DeviceCopies:
         self._mapped.clear()
 
     def _of(self, mm: mmap.mmap) -> _Mapped:
-        key = _address_of(mm)
-        mapped = self._mapped.get(key)
+        # By the mapping object: its view here keeps it alive (so its id unique) until
+        # forget(), which the client calls before it unmaps a segment.
+        mapped = self._mapped.get(id(mm))
         if mapped is None:
-            mapped = self._mapped[key] = _Mapped(mm)
+            mapped = self._mapped[id(mm)] = _Mapped(mm)
         return mapped
 
     def _stream(self, device: torch.device) -> Any:
@@ -161,29 +155,19 @@ class DeviceCopies:
 def from_jax(shards: dict[str, Any], entries: list[TensorEntry]) -> dict[str, DeviceTensor]:
     """The shards of ``entries`` that live on a CUDA device, as tensors over the same
     memory (DLPack: no copy; jax waits for the array to be computed first), so they
-    are copied into the lease as CUDA tensors are. Shards jax cannot export (another
-    platform, a dtype DLPack lacks) are left out: they take jax's own way to host."""
+    are copied into the lease as CUDA tensors are. Shards jax cannot export (a dtype
+    DLPack lacks) or that are not on a CUDA device are left out: they take jax's own
+    way to host."""
     out: dict[str, DeviceTensor] = {}
     for e in entries:
-        data = shards[e.key].data
         try:
-            if next(iter(data.devices())).platform != "gpu":
-                return out  # one process's arrays are all on one platform
-            t = from_dlpack(data)
+            t = from_dlpack(shards[e.key].data)
         except (TypeError, ValueError, RuntimeError, BufferError):
             continue
         if not t.is_cuda or t.nbytes != e.length:
             continue
         out[e.key] = DeviceTensor(t, e.dtype, tuple(e.shape))
     return out
-
-
-def _address_of(mm: mmap.mmap) -> int:
-    view = np.frombuffer(mm, np.uint8)
-    try:
-        return int(view.__array_interface__["data"][0])
-    finally:
-        del view
 
 
 def _register(address: int, size: int) -> bool:

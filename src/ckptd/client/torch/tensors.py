@@ -85,11 +85,6 @@ def to_array(t: torch.Tensor, keep_device: bool = False) -> tuple[Any, str]:
             "ckptd.client.torch.CkptdWriter, which records how the shards fit together"
         )
     t = t.detach()
-    if keep_device and t.device.type == "cuda":
-        return _on_device(t)
-    if t.device.type != "cpu":
-        # The one extra copy of the non-CPU path: the lease is host memory.
-        t = t.cpu()
     if t.is_sparse or t.layout != torch.strided:
         raise InvalidArgument(f"a {t.layout} tensor cannot be checkpointed; make it dense")
     if t.is_quantized:
@@ -98,38 +93,31 @@ def to_array(t: torch.Tensor, keep_device: bool = False) -> tuple[Any, str]:
         t = t.resolve_conj()  # a lazily conjugated view: its memory holds the unconjugated value
     if t.is_neg():
         t = t.resolve_neg()
+    raw, dtype, torch_dtype = _as_saved(t)
+    if keep_device and t.device.type == "cuda":
+        return DeviceTensor(raw, dtype, tuple(int(d) for d in t.shape)), torch_dtype
+    if raw.device.type != "cpu":
+        # The one extra copy of the non-CPU path: the lease is host memory.
+        raw = raw.cpu()
+    arr = raw.numpy()
+    return (arr if arr.dtype == dtype else arr.view(dtype)), torch_dtype
+
+
+def _as_saved(t: torch.Tensor) -> tuple[torch.Tensor, np.dtype, str]:
+    """``t`` as tensor whose bytes are saved, the numpy dtype recorded for them and the
+    torch dtype name ("" when the numpy dtype says it all): ``t`` itself for a dtype
+    numpy has, else ``t`` viewed as the unsigned integer of its item size (a view for
+    any strides), recorded as its ml_dtypes twin where there is one."""
     native = _NATIVE.get(t.dtype)
     if native is not None:
-        return t.numpy(), ""
+        return t, native, ""
     uint = _UINT.get(t.element_size())
     if uint is None:
         raise InvalidArgument(f"tensors of dtype {t.dtype} cannot be checkpointed by ckptd")
-    raw = t.view(uint).numpy()  # same item size: a view for any strides
     ml = _ML.get(t.dtype)
     if ml is not None:
-        return raw.view(ml), ""
-    return raw, str(t.dtype).removeprefix("torch.")
-
-
-def _on_device(t: torch.Tensor) -> tuple[DeviceTensor, str]:
-    """CUDA tensor ``t`` (detached) as the :class:`DeviceTensor` a save copies from."""
-    if t.is_sparse or t.layout != torch.strided:
-        raise InvalidArgument(f"a {t.layout} tensor cannot be checkpointed; make it dense")
-    if t.is_quantized:
-        raise InvalidArgument(f"quantized tensors ({t.dtype}) cannot be checkpointed by ckptd")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    shape = tuple(int(d) for d in t.shape)
-    native = _NATIVE.get(t.dtype) or _ML.get(t.dtype)
-    if native is not None:
-        return DeviceTensor(t, native, shape), ""
-    uint = _UINT.get(t.element_size())
-    if uint is None:
-        raise InvalidArgument(f"tensors of dtype {t.dtype} cannot be checkpointed by ckptd")
-    raw = t.view(uint)
-    return DeviceTensor(raw, _NATIVE[uint], shape), str(t.dtype).removeprefix("torch.")
+        return t.view(uint), ml, ""
+    return t.view(uint), _NATIVE[uint], str(t.dtype).removeprefix("torch.")
 
 
 def to_tensor(arr: np.ndarray, torch_dtype: str = "") -> torch.Tensor:

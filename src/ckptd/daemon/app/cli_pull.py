@@ -23,7 +23,7 @@ from ..remote.base import Remote
 from ..remote.layout import FILES_DIR
 from ..restore.assemble import write_image
 from .cli_jobs import bucket_jobs, did_you_mean, with_hint
-from .cli_tiers import load_config, open_bucket
+from .cli_tiers import bucket_args, load_config, open_bucket
 from .cli_view import ByteProgress
 from .config import Config
 
@@ -225,3 +225,18 @@ def cmd_pull(args: argparse.Namespace) -> int:
             + (f": {exc.filename}" if exc.filename else "")
             + "; run as a user that may read the bucket and write the destination"
         ) from None
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``pull`` on the main parser."""
+    p = sub.add_parser("pull", help="download a complete step from the bucket into a directory")
+    p.add_argument("job", help="the training job's name")
+    p.add_argument(
+        "dest",
+        help="directory to create (must be empty); an adopted step (a framework's own "
+        "checkpoint directory) becomes DEST itself, its files as the framework wrote them",
+    )
+    p.add_argument("--step", type=int, help="default: the newest complete step")
+    p.add_argument("--node", help="only this node's part (default: every node's)")
+    bucket_args(p)
+    p.set_defaults(fn=cmd_pull)

@@ -1,5 +1,5 @@
-"""``ckptd verify`` (and the parsers of ``ckptd pull``, cli_pull.py): work on the tiers
-directly, no daemon needed."""
+"""``ckptd verify``: work on the tiers directly, no daemon needed (as ``ckptd pull``,
+cli_pull.py, does with what this module opens)."""
 
 from __future__ import annotations
 
@@ -280,31 +280,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``pull`` and ``verify`` on the main parser."""
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
-        p.add_argument(
-            "--remote",
-            help="bucket URL, s3://BUCKET/PREFIX, gs://... or file://... (default: the "
-            "config's, else the running daemon's)",
-        )
-        p.add_argument(
-            "--remote-endpoint-url", dest="remote_endpoint_url", help="endpoint override"
-        )
-        socket_arg(p)  # the daemon asked for its root and bucket when none is given
-
-    p = sub.add_parser("pull", help="download a complete step from the bucket into a directory")
-    p.add_argument("job", help="the training job's name")
+def bucket_args(p: argparse.ArgumentParser) -> None:
+    """The options of a command that works on the tiers without the daemon."""
+    p.add_argument("--config", help="TOML config file (or $CKPTD_CONFIG)")
     p.add_argument(
-        "dest",
-        help="directory to create (must be empty); an adopted step (a framework's own "
-        "checkpoint directory) becomes DEST itself, its files as the framework wrote them",
+        "--remote",
+        help="bucket URL, s3://BUCKET/PREFIX, gs://... or file://... (default: the "
+        "config's, else the running daemon's)",
     )
-    p.add_argument("--step", type=int, help="default: the newest complete step")
-    p.add_argument("--node", help="only this node's part (default: every node's)")
-    common(p)  # (its command, cli_pull.cmd_pull, is set by cli.py: cli_pull imports this)
+    p.add_argument("--remote-endpoint-url", dest="remote_endpoint_url", help="endpoint override")
+    socket_arg(p)  # the daemon asked for its root and bucket when none is given
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``verify`` on the main parser."""
     p = sub.add_parser("verify", help="check the crc32c of local and remote copies")
     p.add_argument("job", nargs="?", help="only this job")
     p.add_argument(
@@ -313,5 +302,5 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g = p.add_mutually_exclusive_group()
     g.add_argument("--local-only", action="store_true", help="only the local tier's copies")
     g.add_argument("--remote-only", action="store_true", help="only the bucket's copies")
-    common(p)
+    bucket_args(p)
     p.set_defaults(fn=cmd_verify)
