@@ -22,8 +22,8 @@ class DeviceTensor:
 
     tensor: Any
     """The tensor to copy: detached, with any lazy conjugation or negation resolved,
-    and viewed as the unsigned integer of its item size when numpy itself lacks its
-    dtype (bfloat16, the float8s: the same bytes)."""
+    and viewed as the unsigned integer of its item size when its dtype is recorded by
+    torch's name (the same bytes)."""
     dtype: np.dtype
     """The numpy dtype the manifest records."""
     shape: tuple[int, ...]

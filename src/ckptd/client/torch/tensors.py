@@ -95,7 +95,10 @@ def to_array(t: torch.Tensor, keep_device: bool = False) -> tuple[Any, str]:
         t = t.resolve_neg()
     raw, dtype, torch_dtype = _as_saved(t)
     if keep_device and t.device.type == "cuda":
-        return DeviceTensor(raw, dtype, tuple(int(d) for d in t.shape)), torch_dtype
+        # Copied as torch sees it (the copy is bytes for bytes; bfloat16 and the
+        # float8s as themselves), viewed as an integer only where torch's name is kept.
+        copied = raw if torch_dtype else t
+        return DeviceTensor(copied, dtype, tuple(int(d) for d in t.shape)), torch_dtype
     if raw.device.type != "cpu":
         # The one extra copy of the non-CPU path: the lease is host memory.
         raw = raw.cpu()
