@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,45 @@ from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 CKPTD = str(Path(sys.executable).with_name("ckptd"))
+
+
+HANG_FACTOR = 3
+"""A test still running at this many times its timeout (pytest-timeout's, which a
+test blocked where no signal reaches it outlives) stops the whole run, every
+thread's stack printed and the test named last: a failed run says where it hung
+instead of running out CI's clock."""
+
+_STDERR: list[int] = []
+"""The terminal's stderr, taken before output capture replaces it."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _STDERR.append(os.dup(2))
+
+
+def _hung(nodeid: str, seconds: float) -> None:
+    fd = _STDERR[0]
+    faulthandler.dump_traceback(fd, all_threads=True)
+    os.write(fd, f"\n{nodeid} still running after {seconds:.0f} s: stopped\n".encode())
+    os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    marker = item.get_closest_marker("timeout")
+    seconds = HANG_FACTOR * float(
+        marker.args[0] if marker and marker.args else item.config.getini("timeout")
+    )
+    watchdog = threading.Timer(seconds, _hung, (item.nodeid, seconds))
+    watchdog.daemon = True
+    watchdog.start()
+    # And in C, for a test that holds the GIL while it hangs.
+    faulthandler.dump_traceback_later(seconds + 60, exit=True, file=_STDERR[0])
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def short_tmpdir() -> Path:

@@ -76,13 +76,15 @@ def _ensure_users() -> None:
     try:
         grp.getgrnam(GROUP)
     except KeyError:
-        subprocess.run(["groupadd", GROUP], check=True)
+        subprocess.run(["groupadd", GROUP], check=True, timeout=60)
     for user in USERS:
         try:
             pwd.getpwnam(user)
         except KeyError:
             subprocess.run(
-                ["useradd", "-M", "-N", "-G", GROUP, "-s", "/usr/sbin/nologin", user], check=True
+                ["useradd", "-M", "-N", "-G", GROUP, "-s", "/usr/sbin/nologin", user],
+                check=True,
+                timeout=60,
             )
 
 
@@ -128,15 +130,24 @@ class Node:
         self.base, self.daemon, self.adopt_dir = base, daemon, adopt_dir
 
     def run(self, user: str, action: str, job: str, *args: str) -> dict[str, Any]:
-        out = subprocess.run(
+        proc = subprocess.Popen(
             [*_python(), str(WORKER), str(self.daemon.socket), action, job, *args],
             **as_user(user),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
         )
-        assert out.returncode == 0, out.stderr
-        result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # Not subprocess.run's kill-then-wait-forever: a worker the kill cannot
+            # end (stuck in the kernel) fails this test instead of hanging the run.
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=10)
+            raise AssertionError(f"{user}'s {action} did not finish in 120 s") from None
+        assert proc.returncode == 0, stderr
+        result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
         return result
 
     def hold_lease(self, user: str, job: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
