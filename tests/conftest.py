@@ -56,6 +56,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     seconds = HANG_FACTOR * float(
         marker.args[0] if marker and marker.args else item.config.getini("timeout")
     )
+    if seconds <= 0:  # timeout(0): pytest-timeout's "no limit"
+        yield
+        return
     watchdog = threading.Timer(seconds, _hung, (item.nodeid, seconds))
     watchdog.daemon = True
     watchdog.start()
