@@ -16,7 +16,9 @@ from ckptd.client import saver as client_saver
 from ckptd.client.jax_arrays import CorruptShard, ShardReader
 from ckptd.client.mapped_views import Corrupt, build_tree, map_file_verified
 from ckptd.client.rank_files import holder_dir
+from ckptd.core.increments import file_offset
 from ckptd.core.manifest import MANIFEST
+from ckptd.core.shard_table import table_of
 
 from .conftest import Daemon
 from .helpers import flip_byte
@@ -77,6 +79,56 @@ def test_incremental_steps_restore_from_files_bit_exact(
     same(tree, two)
     tree["a"][0] = 42.0  # the arrays are the caller's to update, not the files
     same(client.restore(step=3, shared_memory=False)[0], two)
+
+
+def test_shards_are_viewed_in_the_files_that_hold_them(
+    disk_daemon: Daemon, incremental: None
+) -> None:
+    """Nothing is copied: a referenced shard is a view of its holder's file, a changed
+    one of the step's own (both mapped copy-on-write, as a full step's file)."""
+    client = disk_daemon.client("views")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    tree, _ = client.restore(step=2, shared_memory=False)
+    same(tree, two)
+    maps = Path("/proc/self/maps").read_text()
+    for step in (1, 2):
+        assert f"{disk_daemon.root}/views/{step}/{RANK0}" in maps, step
+
+
+def test_a_corrupt_run_of_the_step_names_its_shard(disk_daemon: Daemon, incremental: None) -> None:
+    client = disk_daemon.client("own")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    root = disk_daemon.root
+    manifest = manifest_of(root, "own", 2)
+    record = manifest["ranks"][0]
+    t = table_of(manifest).of_rank(0)
+    i = t.keys.index("b")  # the one changed shard: in the step's own file
+    start, length = int(t.offset[i]), int(t.length[i])
+    path = root / "own" / "2" / RANK0
+    flip_byte(path, where=file_offset(record["runs"], start, length) + length // 2)
+    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
+    with pytest.raises(Corrupt, match=f"shard 'b' in {path}"):
+        map_file_verified(str(root / "own" / "2"), manifest, 0, opener)
+
+
+def test_runs_and_references_that_leave_a_gap_are_corrupt(tmp_path: Path) -> None:
+    """Only a forged manifest could: commit checks them."""
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    (tmp_path / "1" / RANK0).write_bytes(bytes(8192))
+    (tmp_path / "2" / RANK0).write_bytes(bytes(4096))
+    record = {
+        "rank": 0, "file": RANK0, "size": 4096, "image_size": 16384,
+        "runs": [[0, 4096]], "refs": [[8192, 8192, 1, 0, 0]], "image_crc32c": 0,
+    }  # fmt: skip
+    manifest = {"step": 2, "ranks": [record]}
+    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
+    with pytest.raises(Corrupt, match="leave image byte 4096 unheld"):
+        map_file_verified(str(tmp_path / "2"), manifest, 0, opener)
 
 
 def test_restore_grants_the_holders_directories(disk_daemon: Daemon, incremental: None) -> None:

@@ -3,8 +3,9 @@
 Either a shared-memory segment the daemon filled and verified (preferred: no
 page cache, no copy), or the rank's shard file mapped copy-on-write and checked
 here against the manifest's crc32c. An incremental rank's file holds only part of
-its image: the image is read from it and its holders' files (rank_files.py) into
-private memory and checked against the image's crc32c.
+its image: it and its holders' files (rank_files.py) are mapped the same way, each
+array a view of the file holding its shard, and the image checked piece by piece
+against its crc32c.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ckptd.core.shard_table import table_of
 
 from . import rank_files
 from .rank_files import Corrupt as Corrupt  # raised here; callers catch it from here
+from .rank_files import MappedImage
 from .tree_spec import unflatten
 
 SHM_DIR = "/dev/shm"
@@ -63,31 +65,33 @@ def map_file_verified(
     rank: int,
     opener: Callable[[str], int],
     part: bool = False,
-) -> mmap.mmap:
+) -> mmap.mmap | MappedImage:
     """Map a rank file copy-on-write and check it against its crc32c (raises Corrupt);
     ``opener`` opens it read-only (the session hands over files this user may not).
-    An incremental rank's image is read into private memory instead (its holders'
-    files beside ``directory``; ``part``: another node's part, see rank_files.py)."""
+    An incremental rank's image is mapped from its own file and its holders' beside
+    ``directory`` (``part``: another node's part, see rank_files.py)."""
     record = rank_record(manifest, rank)
     path = os.path.join(directory, record["file"])
     if record.get("runs") is not None:
-        mm = rank_files.read_image(directory, record, opener, part)
-        want = record["image_crc32c"]
+        image = rank_files.map_image(directory, record, opener, part)
+        if image.crc32c() == record["image_crc32c"]:
+            return image
+        held_elsewhere = rank_files.bad_reference(image, directory, record, part)
+        if held_elsewhere:
+            raise Corrupt(held_elsewhere)
+        mm: mmap.mmap | MappedImage = image
     else:
         mm = _map_file(path, record, opener)
-        want = record["crc32c"]
-    # One pass over the whole image against its crc (header included); only a
-    # mismatch is narrowed down to the shard that differs.
-    flat = np.frombuffer(mm, np.uint8)
-    if checksum.value(flat) == want:
-        return mm
-    held_elsewhere = rank_files.bad_reference(flat, directory, record, part)
-    if held_elsewhere:
-        raise Corrupt(held_elsewhere)
+        # One pass over the whole image against its crc (header included); only a
+        # mismatch is narrowed down to the shard that differs.
+        if checksum.value(np.frombuffer(mm, np.uint8)) == record["crc32c"]:
+            return mm
+        image = MappedImage.whole(mm)
     t = table_of(manifest).of_rank(rank)
-    ranges = list(zip(t.offset.tolist(), t.length.tolist(), strict=True))
-    crcs = checksum.of_ranges(flat, ranges)
-    for key, crc, expected in zip(t.keys, crcs, t.crc32c.tolist(), strict=True):
+    for key, offset, length, expected in zip(
+        t.keys, t.offset.tolist(), t.length.tolist(), t.crc32c.tolist(), strict=True
+    ):
+        crc = checksum.value(image.bytes_at(offset, length))
         if crc != expected:
             raise Corrupt(
                 f"shard {key!r} in {path} has crc32c {crc:#010x}, expected {expected:#010x}"
@@ -113,7 +117,7 @@ def _map_file(path: str, record: dict[str, Any], opener: Callable[[str], int]) -
 
 
 def build_tree(
-    buf: mmap.mmap,
+    buf: mmap.mmap | MappedImage,
     manifest: dict[str, Any],
     rank: int,
     base_offset: int = 0,
@@ -121,18 +125,20 @@ def build_tree(
     target: Any = None,
     adopt: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Arrays as views into ``buf`` (shard offsets shifted by ``base_offset``), then the tree."""
+    """Arrays as views into ``buf`` (a buffer holding the image from ``base_offset``
+    on, or an incremental rank's mapped image), then the tree."""
+    image = buf if isinstance(buf, MappedImage) else MappedImage.whole(buf, base_offset)
     arrays: dict[str, np.ndarray] = {}
     t = table_of(manifest).of_rank(rank)
     dtypes = {name: str_to_dtype(name) for name in set(t.dtypes)}
-    offsets, lengths = (t.offset - base_offset).tolist(), t.length.tolist()
-    for key, name, shape, offset, length in zip(
-        t.keys, t.dtypes, t.dims(t.shape), offsets, lengths, strict=True
+    for key, name, shape, start, length in zip(
+        t.keys, t.dtypes, t.dims(t.shape), t.offset.tolist(), t.length.tolist(), strict=True
     ):
         if length == 0:
             arrays[key] = np.zeros(shape, dtypes[name])
         else:
-            arrays[key] = np.ndarray(shape, dtypes[name], buffer=buf, offset=offset)
+            held, offset = image.at(start, length)
+            arrays[key] = np.ndarray(shape, dtypes[name], buffer=held, offset=offset)
     if adopt is not None:
         adopt(arrays)  # jax leaves are assembled from these verified views
     tree = unflatten(rank_record(manifest, rank)["tree"], arrays, jax_leaf, target)

@@ -11,14 +11,16 @@ The daemon grants a restore's holder directories with the step's own.
 
 Readers that take a shard at a time (:class:`~ckptd.client.jax_arrays.ShardReader`)
 ask :class:`Locator` for its file and offset; a whole-rank restore from files
-(:func:`read_image`) reads the image into memory of its own and checks its crc32c.
+(:func:`map_image`) maps each file copy-on-write and views every shard where it
+lies, as a full rank's file is mapped whole.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,45 +77,99 @@ class Locator:
         return os.path.join(holder_dir(self.directory, step, self.part), shard["file"]), offset
 
 
-def read_image(
-    directory: str, record: dict[str, Any], opener: Callable[[str], int], part: bool = False
-) -> mmap.mmap:
-    """An incremental rank's image (``record``: its manifest record), read into
-    private memory from its own file and its holders'; the caller checks it against
-    the image's crc32c (:func:`bad_reference` names a holder's range that differs).
+class MappedImage:
+    """A rank's image as views of the files that hold it: ``pieces`` are
+    ``(image start, length, mapping, offset in the mapping)``, in image order, back
+    to back from 0 to the image's end (:func:`map_image` builds them)."""
 
-    The image is assembled rather than mapped: its ranges lie in several files, and
-    the arrays built over it must be one buffer at the image's offsets. Private
-    anonymous memory is what a restore into a segment hands over too; the restored
-    arrays are the caller's to update, as over a copy-on-write mapping.
+    def __init__(self, pieces: list[tuple[int, int, mmap.mmap, int]]) -> None:
+        self.pieces = pieces
+        self._starts = [p[0] for p in pieces]
+
+    @classmethod
+    def whole(cls, buf: mmap.mmap, base_offset: int = 0) -> MappedImage:
+        """One buffer holding the image from ``base_offset`` on (a full rank's file,
+        or a segment holding its data section)."""
+        return cls([(base_offset, len(buf), buf, 0)])
+
+    def at(self, start: int, length: int) -> tuple[mmap.mmap, int]:
+        """The mapping holding image range ``[start, start + length)`` whole, and the
+        range's offset in it."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or start + length > self.pieces[i][0] + self.pieces[i][1]:
+            raise Corrupt(f"image range [{start}, {start + length}) lies in no one file")
+        first, _, buf, offset = self.pieces[i]
+        return buf, offset + start - first
+
+    def bytes_at(self, start: int, length: int) -> np.ndarray:
+        """Image range ``[start, start + length)`` as bytes, viewed where they lie."""
+        buf, offset = self.at(start, length)
+        return np.frombuffer(buf, np.uint8, length, offset)
+
+    def crc32c(self) -> int:
+        """crc32c of the whole image, piece by piece."""
+        crc = 0
+        for _, length, buf, offset in self.pieces:
+            crc = checksum.extend(crc, np.frombuffer(buf, np.uint8, length, offset))
+        return crc
+
+
+def map_image(
+    directory: str, record: dict[str, Any], opener: Callable[[str], int], part: bool = False
+) -> MappedImage:
+    """An incremental rank's image (``record``: its manifest record) as copy-on-write
+    mappings of its own file and its holders'; the caller checks it against the
+    image's crc32c (:func:`bad_reference` names a holder's range that differs).
+
+    Nothing is copied: every shard lies whole in one reference or one run, so each
+    array is a view of the file that holds it, as a full rank's arrays are of its
+    one file (the page cache shared, pages copied only where the trainer writes).
     """
     own = os.path.join(directory, record["file"])
-    image = mmap.mmap(-1, int(record["image_size"]), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        for path, pieces in _pieces(directory, record, part):
-            fd = _open(opener, path, own)
-            try:
-                size = os.fstat(fd).st_size
-                if path == own and size != record["size"]:
-                    raise Corrupt(f"{path} is {size} bytes, expected {record['size']}")
-                for start, length, offset in pieces:
-                    _read_into(fd, image, start, length, offset, path)
-            finally:
-                os.close(fd)
-    except BaseException:
-        image.close()
-        raise
-    return image
+    refs = refs_of(record.get("refs"))
+    paths = [os.path.join(holder_dir(directory, r.step, part), record["file"]) for r in refs]
+    wanted: dict[str, int] = {}  # each holder's file: the end of its last range
+    for path, ref in zip(paths, refs, strict=True):
+        wanted[path] = max(wanted.get(path, 0), ref.offset + ref.length)
+    maps = {path: _map(opener, path, own, end) for path, end in wanted.items()}
+    mine = _map(opener, own, own, sum(int(n) for _, n in record["runs"]), record["size"])
+    pieces = [(r.start, r.length, maps[p], r.offset) for p, r in zip(paths, refs, strict=True)]
+    # A run is rounded out to whole blocks and may overlap a referenced shard (the
+    # same bytes either way): the reference's piece is the one viewed, as locate() does.
+    ends = [r.start + r.length for r in refs]
+    pos = 0
+    for start, length in ((int(a), int(b)) for a, b in record["runs"]):
+        at, stop = start, start + length
+        for ref in refs[bisect.bisect_right(ends, start) :]:
+            if ref.start >= stop:
+                break
+            if ref.start > at:
+                pieces.append((at, ref.start - at, mine, pos + at - start))
+            at = max(at, ref.start + ref.length)
+        if at < stop:
+            pieces.append((at, stop - at, mine, pos + at - start))
+        pos += length
+    pieces.sort(key=lambda p: p[0])
+    end = 0
+    for start, length, buf, offset in pieces:
+        if start != end:  # a forged manifest: commit checks the runs and references
+            raise Corrupt(f"the runs and references of {own} leave image byte {end} unheld")
+        end = start + length
+        lo = offset - offset % mmap.PAGESIZE
+        buf.madvise(mmap.MADV_WILLNEED, lo, offset + length - lo)  # readahead what is used
+    if end != int(record["image_size"]):
+        raise Corrupt(f"the runs and references of {own} end at image byte {end}")
+    return MappedImage(pieces)
 
 
 def bad_reference(
-    image: np.ndarray, directory: str, record: dict[str, Any], part: bool = False
+    image: MappedImage, directory: str, record: dict[str, Any], part: bool = False
 ) -> str | None:
     """The first referenced range of an image whose bytes differ from its crc32c, as
     an error naming the holder's file; None if every reference matches."""
     own = os.path.join(directory, record["file"])
     for ref in refs_of(record.get("refs")):
-        crc = checksum.value(image[ref.start : ref.start + ref.length])
+        crc = checksum.value(image.bytes_at(ref.start, ref.length))
         if crc != ref.crc32c:
             path = os.path.join(holder_dir(directory, ref.step, part), record["file"])
             return (
@@ -123,22 +179,22 @@ def bad_reference(
     return None
 
 
-def _pieces(
-    directory: str, record: dict[str, Any], part: bool
-) -> Iterator[tuple[str, list[tuple[int, int, int]]]]:
-    """Each file to read and its ``(image start, length, file offset)`` ranges: the
-    holders' first, then the file's own runs (a run rounded out to whole blocks may
-    overlap a referenced shard; both hold the same bytes)."""
-    by_file: dict[str, list[tuple[int, int, int]]] = {}
-    for ref in refs_of(record.get("refs")):
-        path = os.path.join(holder_dir(directory, ref.step, part), record["file"])
-        by_file.setdefault(path, []).append((ref.start, ref.length, ref.offset))
-    yield from by_file.items()
-    runs, pos = [], 0
-    for start, length in record["runs"]:
-        runs.append((int(start), int(length), pos))
-        pos += int(length)
-    yield os.path.join(directory, record["file"]), runs
+def _map(
+    opener: Callable[[str], int], path: str, own: str, need: int, size: int | None = None
+) -> mmap.mmap:
+    """``path`` mapped copy-on-write: the step's own file (``size``: its committed
+    size) or a holder's, which must reach byte ``need`` (a shorter one: corrupt)."""
+    fd = _open(opener, path, own)
+    try:
+        have = os.fstat(fd).st_size
+        if size is not None and have != size:
+            raise Corrupt(f"{path} is {have} bytes, expected {size}")
+        if have < need or have == 0:
+            raise Corrupt(f"{path} ends at byte {have}, before the ranges it holds")
+        # Private + writable, as a full rank's file (mapped_views._map_file).
+        return mmap.mmap(fd, have, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 def _open(opener: Callable[[str], int], path: str, own: str) -> int:
@@ -149,16 +205,3 @@ def _open(opener: Callable[[str], int], path: str, own: str) -> int:
         if path == own:
             raise
         raise Corrupt(f"{path}, which holds shards {own} references, is missing") from None
-
-
-def _read_into(fd: int, image: mmap.mmap, start: int, length: int, offset: int, path: str) -> None:
-    """Fill ``image[start:start + length]`` from ``fd`` at ``offset`` (a file shorter
-    than that: corrupt). Each view is released before anything is raised: a view
-    kept alive by a traceback would keep the image from being closed."""
-    done = 0
-    while done < length:
-        with memoryview(image)[start + done : start + length] as dest:
-            n = os.preadv(fd, [dest], offset + done)
-        if n <= 0:
-            raise Corrupt(f"{path} ends at byte {offset + done}, before the range it holds")
-        done += n

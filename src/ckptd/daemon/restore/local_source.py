@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ckptd.core import checksum
-from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound
 from ckptd.core.format import round_up
 from ckptd.core.manifest import RankRecord
 from ckptd.core.shard_table import ShardTable
@@ -107,16 +107,14 @@ class LocalSource:
         raise _lost(st, bad[0])
 
     async def _assemble(self, st: Step, record: RankRecord, want: Want) -> Handed | None:
-        """An incremental rank's image assembled into a segment (restore/assemble.py):
-        a free one, else a new one if the budget has room for it and a save after it;
-        None: the client reads the files."""
+        """An incremental rank's image assembled into a free segment
+        (restore/assemble.py); None: the client maps the files, as for a full step.
+        A new segment is not made for it: its pages would be allocated as the reads
+        land, which is slower on these VMs than mapping the files' page cache."""
         assert st.manifest is not None and record.image_size is not None
         holders = self._holders(st, record)
         size = round_up(record.image_size)
         lease = self.staging.take_free(st.job, size, want.uid)
-        if lease is None and self.staging.allocated_bytes + 2 * size <= self.staging.budget_bytes:
-            with contextlib.suppress(ResourceExhausted):
-                lease = await self.staging.acquire(st.job, size, restore=True, populate=False)
         if lease is None:
             return None
         path = self.store.step_dir(st.job, st.step) / record.file
