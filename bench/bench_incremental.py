@@ -26,9 +26,10 @@ save waits for its arm's previous one to be LOCAL (DCP: its future; Orbax:
 
 Then the newest step of each arm is restored from disk after a daemon restart (the
 memory tier empty), with the older steps evicted (``KeepLatest(2)``: the incremental
-chain's first full step stays, referenced). Goals: ``written`` and ``uploaded`` <=
-1.1x ``changed``; ckptd incremental ``copied`` <= 0.1x ckptd full's. A table on stdout
-and ``bench/results/incremental.json``.
+chain's first full step stays, referenced): twice, the arms in reverse order the
+second time, the page cache dropped before each; the faster of the two is reported.
+Goals: ``written`` and ``uploaded`` <= 1.1x ``changed``; ckptd incremental ``copied``
+<= 0.1x ckptd full's. A table on stdout and ``bench/results/incremental.json``.
 """
 
 from __future__ import annotations
@@ -264,7 +265,8 @@ class Run:
                 same = all(_equal(got[k], want[k]) for k in want)
                 del got
             # Where it came from: the memory tier (segments outlive a daemon restart) or disk.
-            self.tiers[arm] = "memory" if d.status().memory_tier_restores > served else "disk"
+            memory = d.status().memory_tier_restores > served or self.tiers.get(arm) == "memory"
+            self.tiers[arm] = "memory" if memory else "disk"
         elif arm == "dcp":
             import torch
             import torch.distributed.checkpoint as dcp
@@ -344,12 +346,20 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
             for d in (daemon, full):
                 d.stop()  # the memory tier empties: restores read the disk
                 d.start()
-            restore = {arm: r.restore(arm, args.saves) for arm in arms}
+            # Two rounds, the second in reverse order, each restore from a dropped page
+            # cache: the first restore after the restart shares the machine with the
+            # daemons' start-up work, whichever arm it is.
+            rounds: dict[str, list[float]] = {arm: [] for arm in arms}
+            for order in (arms, tuple(reversed(arms))):
+                for arm in order:
+                    rounds[arm].append(r.restore(arm, args.saves))
+            restore = {arm: min(t) for arm, t in rounds.items()}
             out["frameworks"][fw] = {
                 "total_bytes": r.total,
                 "changed_bytes": r.changed,
                 "samples": r.samples,
                 "restore_seconds": restore,
+                "restore_rounds": rounds,
                 "restore_tiers": r.tiers,
             }
             r.close()

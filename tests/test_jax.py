@@ -117,3 +117,20 @@ def test_a_saved_array_donated_before_its_copy_fails_the_save_saying_why(daemon:
     with pytest.raises(SaveFailed, match=r"donated to a jitted step.*wait_copied"):
         handle.wait("local", timeout=60)
     assert daemon.status().leases_held == 0
+
+
+def test_arrays_copied_to_host_in_batches_all_arrive(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch boundary after every array or two: each still lands in its place."""
+    from ckptd.client import copying
+
+    monkeypatch.setattr(copying, "HOST_BATCH_BYTES", 100)
+    rng = np.random.default_rng(5)
+    # 40 bytes each: batches of three, and one array left for the last.
+    host = {f"a{i}": rng.standard_normal(10).astype(np.float32) for i in range(10)}
+    client = daemon.client("batches")
+    client.save(1, {k: jax.numpy.asarray(v) for k, v in host.items()}).wait("local", 60)
+    got, _ = client.restore(step=1)
+    for k, v in host.items():
+        assert np.asarray(got[k]).tobytes() == v.tobytes(), k

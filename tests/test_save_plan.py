@@ -190,3 +190,16 @@ def test_jax_shards_are_planned_once_while_the_array_lives(
     del got, moved, trained
     gc.collect()
     assert [ref() for ref, _, _ in planner._shards.values()] == [frozen]
+
+
+def test_a_single_device_array_is_its_own_one_shard() -> None:
+    """What jax's addressable_shards says, taken without asking it (shapes of every rank)."""
+    jnp = pytest.importorskip("jax.numpy")
+    from ckptd.client.jax_arrays import leaf_shards
+
+    for a in (jnp.float32(2.5), jnp.zeros((0,)), jnp.arange(12.0).reshape(3, 4)):
+        (got,) = leaf_shards("k", a, False)
+        (shard,) = a.addressable_shards
+        want = [s.indices(d)[:2] for s, d in zip(shard.index, a.shape, strict=True)]
+        assert (got.key, got.shape, got.index) == ("k#0", a.shape, want)
+        assert got.data is a and shard.data is a

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from ckptd.core.errors import SaveFailed
 from ckptd.core.format import TensorEntry
 
+HOST_BATCH_BYTES = 64 * 2**20
+"""jax shards are copied to host and into the lease this many bytes at a time."""
 MIN_PART = 4 * 2**20
 """The smallest part a thread takes: a save under twice this stays on the calling
 thread (a task for a few arrays of KiB costs more than their copy)."""
@@ -65,6 +69,39 @@ def copy_into(
             job.exception()  # every copy ends before the lease may be given back
     for job in jobs:
         job.result()
+
+
+def host_batches(
+    entries: list[TensorEntry], device: dict[str, Any], what: str
+) -> Iterator[tuple[list[TensorEntry], dict[str, np.ndarray]]]:
+    """The host arrays of jax shards (``device``: each entry's ShardPlan), in batches
+    of about :data:`HOST_BATCH_BYTES`: one copy call for many small arrays (a LoRA
+    adapter's are KiBs), and no more than a batch of host copies alive at once (on an
+    accelerator ``np.asarray`` is a copy of its own). ``what``: the save, for errors."""
+    batch: list[TensorEntry] = []
+    hosts: dict[str, np.ndarray] = {}
+    held = 0
+    for e in entries:
+        try:
+            hosts[e.key] = np.asarray(device[e.key].data)
+        except RuntimeError as exc:
+            if "deleted" not in str(exc):
+                raise
+            # jax deletes a donated array's buffer whatever refers to it.
+            raise SaveFailed(
+                f"{what}: {e.key!r} was deleted before ckptd copied it to host "
+                "(donated to a jitted step: donate_argnums/donate_argnames). Call "
+                "handle.wait_copied() before the step that donates the saved "
+                "state, or use ckptd.client.orbax.CheckpointManager, whose save() "
+                "returns once the arrays may be donated"
+            ) from None
+        batch.append(e)
+        held += e.length
+        if held >= HOST_BATCH_BYTES:
+            yield batch, hosts
+            batch, hosts, held = [], {}, 0
+    if batch:
+        yield batch, hosts
 
 
 def guided_ends(total: int, threads: int) -> list[int]:

@@ -64,6 +64,11 @@ across processes); True, every replica."""
 def leaf_shards(key: str, array: Any, save_replicas: Replicas) -> list[ShardPlan]:
     """The shards of a jax array this process saves (its addressable ones, replica 0)."""
     shape = tuple(int(d) for d in array.shape)
+    jax = sys.modules["jax"]
+    if type(array.sharding) is jax.sharding.SingleDeviceSharding and array.is_fully_addressable:
+        # One shard, the array itself: asking jax for it costs ~5 us an array, and an
+        # optimizer step makes every trained array a new one (a cache cannot hold them).
+        return [ShardPlan(f"{key}#0", array, shape, [(0, d) for d in shape])]
     plans: list[ShardPlan] = []
     seen: set[tuple[tuple[int, int], ...]] = set()
     for shard in array.addressable_shards:

@@ -16,15 +16,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ckptd.core.errors import CapacityExhausted, SaveFailed
+from ckptd.core.errors import CapacityExhausted
 from ckptd.core.format import TensorEntry, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .changes import Changes, Saved, Token, incremental_from_env, packbits, same
-from .copying import copy_into
+from .copying import copy_into, host_batches
 from .device_leaf import jax_via_torch
 from .handle import WATCHERS, SaveHandle
 from .handoff import Handoff
@@ -393,21 +391,8 @@ class Saver:
         try:
             if pending is not None:
                 pending.wait()
-            for e in entries:
-                try:
-                    host = np.asarray(device[e.key].data)
-                except RuntimeError as exc:
-                    if "deleted" not in str(exc):
-                        raise
-                    # jax deletes a donated array's buffer whatever refers to it.
-                    raise SaveFailed(
-                        f"{what}: {e.key!r} was deleted before ckptd copied it to host "
-                        "(donated to a jitted step: donate_argnums/donate_argnames). Call "
-                        "handle.wait_copied() before the step that donates the saved "
-                        "state, or use ckptd.client.orbax.CheckpointManager, whose save() "
-                        "returns once the arrays may be donated"
-                    ) from None
-                self.copy_arrays(mm, [e], {e.key: host})
+            for batch, hosts in host_batches(entries, device, what):
+                self.copy_arrays(mm, batch, hosts)
             self._handoff.commit(req, mm, size, what)
             self.changes.acknowledged(req.step, saved)
         except BaseException:
