@@ -347,8 +347,8 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
                 d.stop()  # the memory tier empties: restores read the disk
                 d.start()
             # Two rounds, the second in reverse order, each restore from a dropped page
-            # cache: the first restore after the restart shares the machine with the
-            # daemons' start-up work, whichever arm it is.
+            # cache: the restores first after the restart ran slower whichever arm
+            # they were (cause not found), so no arm gets the first place every time.
             rounds: dict[str, list[float]] = {arm: [] for arm in arms}
             for order in (arms, tuple(reversed(arms))):
                 for arm in order:
