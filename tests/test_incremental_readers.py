@@ -3,6 +3,8 @@ file is read from there, checked, and the holder's directory is granted."""
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import json
 import os
 from pathlib import Path
@@ -97,6 +99,34 @@ def test_shards_are_viewed_in_the_files_that_hold_them(
         assert f"{disk_daemon.root}/views/{step}/{RANK0}" in maps, step
 
 
+def test_restored_arrays_hold_their_files_against_reuse(
+    disk_daemon: Daemon, incremental: None
+) -> None:
+    """While arrays view a step's files, each is locked (shared) so the daemon never
+    overwrites it as a spare; the lock goes with the arrays."""
+    client = disk_daemon.client("held")
+    one, two = states()
+    client.save(1, one).wait("local", 60)
+    client.save(2, two).wait("local", 60)
+    tree, _ = client.restore(step=2, shared_memory=False)
+    files = [disk_daemon.root / "held" / str(step) / RANK0 for step in (1, 2)]
+
+    def locked(path: Path) -> bool:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    assert all(locked(f) for f in files)
+    del tree
+    gc.collect()
+    assert not any(locked(f) for f in files)
+
+
 def test_a_corrupt_run_of_the_step_names_its_shard(disk_daemon: Daemon, incremental: None) -> None:
     client = disk_daemon.client("own")
     one, two = states()
@@ -127,7 +157,7 @@ def test_runs_and_references_that_leave_a_gap_are_corrupt(tmp_path: Path) -> Non
     }  # fmt: skip
     manifest = {"step": 2, "ranks": [record]}
     opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
-    with pytest.raises(Corrupt, match="leave image byte 4096 unheld"):
+    with pytest.raises(Corrupt, match="do not hold image byte 4096 once"):
         map_file_verified(str(tmp_path / "2"), manifest, 0, opener)
 
 

@@ -326,6 +326,33 @@ def test_evicted_rank_files_are_overwritten_in_place_by_later_saves(tmp_path: Pa
     buf.close()
 
 
+def test_an_evicted_rank_file_a_client_holds_mapped_is_never_kept_to_overwrite(
+    tmp_path: Path,
+) -> None:
+    """Restored arrays view the file's pages: writing a later save into it would
+    change them under the trainer. It is deleted instead (its mapping keeps it)."""
+    from ckptd.client.rank_files import map_held
+    from ckptd.daemon.local.store import LocalStore
+
+    store = LocalStore(tmp_path / "root", spare_max_bytes=10 * 2**20)
+    store.recover()
+    step = store.step_dir("j", 1)
+    step.mkdir(parents=True)
+    rank = step / "rank-00000.safetensors"
+    rank.write_bytes(b"\x07" * (2 * 2**20))
+    (step / "manifest.json").write_text("{}")
+    mm = map_held(os.open(rank, os.O_RDONLY), 2 * 2**20)
+    store.evict("j", 1)
+    assert not step.exists() and _spare_bytes(store) == 0
+    assert mm[:4] == b"\x07" * 4 and len(mm) == 2 * 2**20  # still readable
+    del mm  # the mapping gone, its lock goes: the next evicted file is kept
+    step.mkdir(parents=True)
+    rank.write_bytes(b"\x07" * (2 * 2**20))
+    (step / "manifest.json").write_text("{}")
+    store.evict("j", 1)
+    assert _spare_bytes(store) == 2 * 2**20
+
+
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
 def test_rank_file_written_with_its_checksums_trailing_the_write(
     tmp_path: Path, where: str

@@ -100,18 +100,19 @@ def map_file_verified(
 
 
 def _map_file(path: str, record: dict[str, Any], opener: Callable[[str], int]) -> mmap.mmap:
-    """A full rank file mapped copy-on-write, its readahead started."""
-    with os.fdopen(opener(path), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    """A full rank file mapped copy-on-write (:func:`rank_files.map_held`), its
+    readahead started."""
+    fd = opener(path)
+    try:
+        size = os.fstat(fd).st_size
         if size != record["size"]:
             raise Corrupt(f"{path} is {size} bytes, expected {record['size']}")
-        # Private + writable: the views are copy-on-write, so callers may update
-        # restored state in place without touching the committed file. No
-        # MAP_POPULATE: on a writable private mapping it would copy every page; the
-        # checksum pass below faults pages in read-only, shared with the page cache.
-        mm = mmap.mmap(
-            f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
+    except BaseException:
+        os.close(fd)
+        raise
+    # No MAP_POPULATE: on a writable private mapping it would copy every page; the
+    # checksum pass faults pages in read-only, shared with the page cache.
+    mm = rank_files.map_held(fd, size)
     mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
     return mm
 

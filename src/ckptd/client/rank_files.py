@@ -18,8 +18,10 @@ lies, as a full rank's file is mapped whole.
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -140,20 +142,20 @@ def map_image(
     pos = 0
     for start, length in ((int(a), int(b)) for a, b in record["runs"]):
         at, stop = start, start + length
-        for ref in refs[bisect.bisect_right(ends, start) :]:
-            if ref.start >= stop:
-                break
-            if ref.start > at:
-                pieces.append((at, ref.start - at, mine, pos + at - start))
-            at = max(at, ref.start + ref.length)
+        i = bisect.bisect_right(ends, start)  # the first reference ending inside the run
+        while i < len(refs) and refs[i].start < stop:
+            if refs[i].start > at:
+                pieces.append((at, refs[i].start - at, mine, pos + at - start))
+            at = max(at, ends[i])
+            i += 1
         if at < stop:
             pieces.append((at, stop - at, mine, pos + at - start))
         pos += length
     pieces.sort(key=lambda p: p[0])
     end = 0
     for start, length, buf, offset in pieces:
-        if start != end:  # a forged manifest: commit checks the runs and references
-            raise Corrupt(f"the runs and references of {own} leave image byte {end} unheld")
+        if start != end or length <= 0 or offset < 0:  # a forged manifest: commit checks them
+            raise Corrupt(f"the runs and references of {own} do not hold image byte {end} once")
         end = start + length
         lo = offset - offset % mmap.PAGESIZE
         buf.madvise(mmap.MADV_WILLNEED, lo, offset + length - lo)  # readahead what is used
@@ -191,10 +193,31 @@ def _map(
             raise Corrupt(f"{path} is {have} bytes, expected {size}")
         if have < need or have == 0:
             raise Corrupt(f"{path} ends at byte {have}, before the ranges it holds")
-        # Private + writable, as a full rank's file (mapped_views._map_file).
-        return mmap.mmap(fd, have, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return map_held(fd, have)
+
+
+def map_held(fd: int, size: int) -> mmap.mmap:
+    """A committed rank file (``fd``, owned by the mapping from now on) mapped
+    copy-on-write, holding a shared flock on it while mapped.
+
+    Private + writable: arrays over it are the caller's to update without touching
+    the file. Pages not written yet still show the file, so the file must not be
+    overwritten while mapped: the daemon deletes an evicted file that is locked
+    instead of keeping it as a spare to write the next save into (a deleted file
+    stays readable through its mappings). The lock goes with the mapping (when
+    the last array over it is gone) or with the process.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(mm, os.close, fd)
+    return mm
 
 
 def _open(opener: Callable[[str], int], path: str, own: str) -> int:

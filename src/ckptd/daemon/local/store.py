@@ -33,6 +33,7 @@ from ..catalog import Catalog, Step
 from ..commit import RenameCommit, Runner
 from ..files import fsync_dir, read_small
 from ..io import IoPool
+from .liveness import locked_by_others
 
 log = logging.getLogger("ckptd.localstore")
 
@@ -150,7 +151,7 @@ class LocalStore:
         durable with one fsync per job directory, then the files deleted.
 
         Their rank files become spares (up to ``spare_max_bytes``) that later
-        saves overwrite in place.
+        saves overwrite in place, except those a client holds mapped.
         """
         faults.hit("evict.begin")
         gone: list[tuple[str, int, Path]] = []
@@ -173,6 +174,10 @@ class LocalStore:
     def _delete(self, job: str, step: int, gone: Path) -> None:
         shutil.rmtree(self.peers_root / job / str(step), ignore_errors=True)
         for f in sorted(gone.glob("rank-*.safetensors")):
+            if locked_by_others(f):
+                # A restore's arrays still view it (the client's shared flock, see
+                # client/rank_files.map_held): deleted, never overwritten under them.
+                continue
             size = f.stat().st_size
             with self._spare_lock:
                 if sum(self._spares.values()) + size > self.spare_max_bytes:
