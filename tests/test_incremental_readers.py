@@ -3,7 +3,6 @@ file is read from there, checked, and the holder's directory is granted."""
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import json
 import os
@@ -21,6 +20,7 @@ from ckptd.client.rank_files import holder_dir
 from ckptd.core.increments import file_offset
 from ckptd.core.manifest import MANIFEST
 from ckptd.core.shard_table import table_of
+from ckptd.daemon.local.liveness import locked_by_others
 
 from .conftest import Daemon
 from .helpers import flip_byte
@@ -62,13 +62,24 @@ def same(tree: dict[str, Any], want: dict[str, np.ndarray]) -> None:
         assert got.dtype == v.dtype and got.tobytes() == v.tobytes(), k
 
 
+def saved_twice(daemon: Daemon, job: str) -> Any:
+    """A client of ``job`` that saved ``states()`` as steps 1 and 2 (step 2
+    references a and c from step 1)."""
+    client = daemon.client(job)
+    for step, state in enumerate(states(), 1):
+        client.save(step, state).wait("local", 60)
+    return client
+
+
+def opener(path: str) -> int:
+    return os.open(path, os.O_RDONLY)
+
+
 def test_incremental_steps_restore_from_files_bit_exact(
     disk_daemon: Daemon, incremental: None
 ) -> None:
-    client = disk_daemon.client("inc")
+    client = saved_twice(disk_daemon, "inc")
     one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
     client.save(3, two).wait("local", 60)  # b now held by step 2, a and c still by 1
     root = disk_daemon.root
     r2, r3 = manifest_of(root, "inc", 2)["ranks"][0], manifest_of(root, "inc", 3)["ranks"][0]
@@ -88,10 +99,8 @@ def test_shards_are_viewed_in_the_files_that_hold_them(
 ) -> None:
     """Nothing is copied: a referenced shard is a view of its holder's file, a changed
     one of the step's own (both mapped copy-on-write, as a full step's file)."""
-    client = disk_daemon.client("views")
-    one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
+    client = saved_twice(disk_daemon, "views")
+    two = states()[1]
     tree, _ = client.restore(step=2, shared_memory=False)
     same(tree, two)
     maps = Path("/proc/self/maps").read_text()
@@ -104,34 +113,18 @@ def test_restored_arrays_hold_their_files_against_reuse(
 ) -> None:
     """While arrays view a step's files, each is locked (shared) so the daemon never
     overwrites it as a spare; the lock goes with the arrays."""
-    client = disk_daemon.client("held")
-    one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
+    client = saved_twice(disk_daemon, "held")
     tree, _ = client.restore(step=2, shared_memory=False)
     files = [disk_daemon.root / "held" / str(step) / RANK0 for step in (1, 2)]
 
-    def locked(path: Path) -> bool:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
-
-    assert all(locked(f) for f in files)
+    assert all(locked_by_others(f) for f in files)
     del tree
     gc.collect()
-    assert not any(locked(f) for f in files)
+    assert not any(locked_by_others(f) for f in files)
 
 
 def test_a_corrupt_run_of_the_step_names_its_shard(disk_daemon: Daemon, incremental: None) -> None:
-    client = disk_daemon.client("own")
-    one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
+    saved_twice(disk_daemon, "own")
     root = disk_daemon.root
     manifest = manifest_of(root, "own", 2)
     record = manifest["ranks"][0]
@@ -140,7 +133,6 @@ def test_a_corrupt_run_of_the_step_names_its_shard(disk_daemon: Daemon, incremen
     start, length = int(t.offset[i]), int(t.length[i])
     path = root / "own" / "2" / RANK0
     flip_byte(path, where=file_offset(record["runs"], start, length) + length // 2)
-    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
     with pytest.raises(Corrupt, match=f"shard 'b' in {path}"):
         map_file_verified(str(root / "own" / "2"), manifest, 0, opener)
 
@@ -156,16 +148,12 @@ def test_runs_and_references_that_leave_a_gap_are_corrupt(tmp_path: Path) -> Non
         "runs": [[0, 4096]], "refs": [[8192, 8192, 1, 0, 0]], "image_crc32c": 0,
     }  # fmt: skip
     manifest = {"step": 2, "ranks": [record]}
-    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
     with pytest.raises(Corrupt, match="do not hold image byte 4096 once"):
         map_file_verified(str(tmp_path / "2"), manifest, 0, opener)
 
 
 def test_restore_grants_the_holders_directories(disk_daemon: Daemon, incremental: None) -> None:
-    client = disk_daemon.client("grant")
-    one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
+    client = saved_twice(disk_daemon, "grant")
     client.restore(step=2, shared_memory=False)
     session = client.connection.session
     for step in (2, 1):  # the step's own file, and its holder's
@@ -186,7 +174,6 @@ def test_a_corrupt_referenced_range_is_detected(disk_daemon: Daemon, incremental
     flip_byte(root / "rot" / "2" / RANK0, where=ref[3] + ref[1] // 2)
 
     # The file path names the holder's file and range.
-    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
     with pytest.raises(Corrupt, match=f"{root}/rot/2/{RANK0}"):
         map_file_verified(str(root / "rot" / "3"), manifest_of(root, "rot", 3), 0, opener)
 
@@ -209,10 +196,8 @@ def test_shard_reader_reads_referenced_shards_from_the_holder(
     disk_daemon: Daemon, incremental: None
 ) -> None:
     """Other ranks' shards (resharding, other nodes' parts) are read shard by shard."""
-    client = disk_daemon.client("shards")
-    one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
+    saved_twice(disk_daemon, "shards")
+    two = states()[1]
     root = disk_daemon.root
     manifest = manifest_of(root, "shards", 2)
     assert manifest["ranks"][0]["refs"]
@@ -235,14 +220,11 @@ def test_shard_reader_reads_referenced_shards_from_the_holder(
 
 
 def test_a_missing_or_short_holder_is_corrupt(disk_daemon: Daemon, incremental: None) -> None:
-    client = disk_daemon.client("gone")
-    one, two = states()
-    client.save(1, one).wait("local", 60)
-    client.save(2, two).wait("local", 60)
+    saved_twice(disk_daemon, "gone")
+    two = states()[1]
     root = disk_daemon.root
     manifest = manifest_of(root, "gone", 2)
     (root / "gone" / "1" / RANK0).rename(root / "gone" / "1" / "moved")
-    opener = lambda p: os.open(p, os.O_RDONLY)  # noqa: E731
     with pytest.raises(Corrupt, match="is missing"):
         map_file_verified(str(root / "gone" / "2"), manifest, 0, opener)
     (root / "gone" / "1" / "moved").rename(root / "gone" / "1" / RANK0)

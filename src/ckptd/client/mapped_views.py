@@ -10,10 +10,8 @@ against its crc32c.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,14 +47,7 @@ def map_segment_locked(fd: int, size: int, private: bool = False) -> mmap.mmap:
     not here (populating a private mapping would copy every page).
     """
     flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    weakref.finalize(mm, os.close, fd)
-    return mm
+    return rank_files.map_held(fd, size, flags)
 
 
 def map_file_verified(
@@ -79,7 +70,6 @@ def map_file_verified(
         held_elsewhere = rank_files.bad_reference(image, directory, record, part)
         if held_elsewhere:
             raise Corrupt(held_elsewhere)
-        mm: mmap.mmap | MappedImage = image
     else:
         mm = _map_file(path, record, opener)
         # One pass over the whole image against its crc (header included); only a
@@ -100,19 +90,10 @@ def map_file_verified(
 
 
 def _map_file(path: str, record: dict[str, Any], opener: Callable[[str], int]) -> mmap.mmap:
-    """A full rank file mapped copy-on-write (:func:`rank_files.map_held`), its
-    readahead started."""
-    fd = opener(path)
-    try:
-        size = os.fstat(fd).st_size
-        if size != record["size"]:
-            raise Corrupt(f"{path} is {size} bytes, expected {record['size']}")
-    except BaseException:
-        os.close(fd)
-        raise
-    # No MAP_POPULATE: on a writable private mapping it would copy every page; the
-    # checksum pass faults pages in read-only, shared with the page cache.
-    mm = rank_files.map_held(fd, size)
+    """A full rank file mapped copy-on-write, its readahead started. No MAP_POPULATE:
+    on a writable private mapping it would copy every page; the checksum pass faults
+    pages in read-only, shared with the page cache."""
+    mm = rank_files.map_file(opener, path, path, record["size"], record["size"])
     mm.madvise(mmap.MADV_WILLNEED)  # start readahead of the whole file now
     return mm
 

@@ -133,8 +133,8 @@ def map_image(
     wanted: dict[str, int] = {}  # each holder's file: the end of its last range
     for path, ref in zip(paths, refs, strict=True):
         wanted[path] = max(wanted.get(path, 0), ref.offset + ref.length)
-    maps = {path: _map(opener, path, own, end) for path, end in wanted.items()}
-    mine = _map(opener, own, own, sum(int(n) for _, n in record["runs"]), record["size"])
+    maps = {path: map_file(opener, path, own, end) for path, end in wanted.items()}
+    mine = map_file(opener, own, own, sum(int(n) for _, n in record["runs"]), record["size"])
     pieces = [(r.start, r.length, maps[p], r.offset) for p, r in zip(paths, refs, strict=True)]
     # A run is rounded out to whole blocks and may overlap a referenced shard (the
     # same bytes either way): the reference's piece is the one viewed, as locate() does.
@@ -181,11 +181,12 @@ def bad_reference(
     return None
 
 
-def _map(
+def map_file(
     opener: Callable[[str], int], path: str, own: str, need: int, size: int | None = None
 ) -> mmap.mmap:
-    """``path`` mapped copy-on-write: the step's own file (``size``: its committed
-    size) or a holder's, which must reach byte ``need`` (a shorter one: corrupt)."""
+    """``path`` mapped copy-on-write (:func:`map_held`): a step's own rank file
+    (``path == own``; ``size``: its committed size) or a holder's of ``own``, which
+    must reach byte ``need`` (a shorter or missing one: corrupt)."""
     fd = _open(opener, path, own)
     try:
         have = os.fstat(fd).st_size
@@ -199,20 +200,21 @@ def _map(
     return map_held(fd, have)
 
 
-def map_held(fd: int, size: int) -> mmap.mmap:
-    """A committed rank file (``fd``, owned by the mapping from now on) mapped
-    copy-on-write, holding a shared flock on it while mapped.
+def map_held(fd: int, size: int, flags: int = mmap.MAP_PRIVATE) -> mmap.mmap:
+    """Map ``fd`` (owned by the mapping from now on) read-write, holding a shared
+    flock on it while mapped: the lock goes with the mapping (when the last array
+    over it is gone) or with the process.
 
-    Private + writable: arrays over it are the caller's to update without touching
-    the file. Pages not written yet still show the file, so the file must not be
-    overwritten while mapped: the daemon deletes an evicted file that is locked
-    instead of keeping it as a spare to write the next save into (a deleted file
-    stays readable through its mappings). The lock goes with the mapping (when
-    the last array over it is gone) or with the process.
+    The daemon honours the lock on what it lends and keeps: a segment is not
+    reused while locked, and an evicted rank file that is locked is deleted
+    instead of kept as a spare to write the next save into. A committed file is
+    mapped private (the default): arrays over it are the caller's to update
+    without touching the file, but pages not written yet still show the file, so
+    it must not be overwritten under them (a deleted one stays readable).
     """
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise
