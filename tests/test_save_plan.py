@@ -175,6 +175,9 @@ def test_jax_shards_are_planned_once_while_the_array_lives(
         return real(key, a, replicas)
 
     monkeypatch.setattr(planning, "leaf_shards", leaf_shards)
+    # As if the arrays were sharded over devices (a single-device array's one shard is
+    # itself, told without asking jax or the cache).
+    monkeypatch.setattr(planning, "single_shard", lambda key, a: None)
     planner = Planner()
     frozen, trained = jnp.arange(8.0), jnp.ones(4)
     planner.plan({"frozen": frozen, "trained": trained})

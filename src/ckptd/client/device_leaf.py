@@ -34,6 +34,13 @@ class DeviceTensor:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+def jax_on_accelerator() -> bool:
+    """Whether jax's arrays live on an accelerator (its default backend is not the CPU):
+    only there does a save start their device-to-host copies early."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.default_backend() != "cpu"
+
+
 def jax_via_torch(shards: dict[str, Any]) -> bool:
     """Whether a process's jax shards (``ShardPlan`` by key) live on a GPU and torch is
     there to copy them into the lease as CUDA tensors (DLPack): jax's own way to host,

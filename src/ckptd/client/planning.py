@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,8 @@ from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
 from .changes import Token, tensor_token, token_of
 from .device_leaf import DeviceTensor
-from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards
+from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards, single_shard
+from .tree_match import match
 from .tree_spec import flatten
 
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
@@ -49,6 +50,11 @@ class SavePlan:
     values_json: str
     """The spec's JSON leaves alone as JSON: ``spec ==`` takes 1 for 1.0 and True."""
     tree_json: str
+
+    @cached_property
+    def keys(self) -> list[str]:
+        """The key of each entry, in lease order."""
+        return [e.key for e in self.entries]
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,19 @@ class Planner:
         jax arrays', and torch tensors' only with ``torch_versions``, changes.py)."""
         values: list[Any] = []
         tokens: dict[str, Token | None] | None = {} if track else None
-        spec, arrays = flatten(
-            tree, values, tokens, tensor_token if torch_versions else None, keep_device=True
-        )
-        values_json = _json(values)
+        token = tensor_token if torch_versions else None
+        last = self._last
+        # The structure of the last save again (a training loop's every save): its
+        # spec gives the keys, and the tree is not flattened anew (tree_match.py).
+        found = None if last is None else match(tree, last.spec, values, tokens, token, True)
+        if last is not None and found is not None and _json(values) == last.values_json:
+            spec, arrays, values_json = last.spec, found, last.values_json
+        else:
+            values.clear()
+            if tokens is not None:
+                tokens.clear()
+            spec, arrays = flatten(tree, values, tokens, token, keep_device=True)
+            values_json = _json(values)
         host: dict[str, Any] = {}
         device: dict[str, ShardPlan] = {}
         layout: Layout = []
@@ -111,9 +126,8 @@ class Planner:
                 if type(a) is DeviceTensor:
                     cuda = cuda or {}
                     cuda[key] = a
-        last = self._last
         if last is not None and last.layout == layout and last.placed == placed:
-            same = last.values_json == values_json and last.spec == spec
+            same = last.spec is spec or (last.values_json == values_json and last.spec == spec)
             plan = SavePlan(
                 layout,
                 placed,
@@ -148,7 +162,11 @@ class Planner:
 
     def _leaf_shards(self, key: str, a: Any) -> list[ShardPlan]:
         """``leaf_shards(key, a)``, asked of ``a`` once while it lives if its shards
-        are ``a`` itself (a single-device array: the cache holds no reference to it)."""
+        are ``a`` itself (the cache holds no reference to it). A single-device array's
+        one shard is itself, told without asking jax (and without the cache)."""
+        one = single_shard(key, a)
+        if one is not None:
+            return [one]
         hit = self._shards.get(id(a))
         if hit is not None and hit[0]() is a and hit[1] == key:
             return [ShardPlan(k, a, shape, index) for k, shape, index in hit[2]]

@@ -14,7 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import compress
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
 
 from ckptd.core.errors import CapacityExhausted
 from ckptd.core.format import TensorEntry, round_up
@@ -23,7 +27,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .changes import Changes, Saved, Token, incremental_from_env, packbits, same
 from .copying import copy_into, host_batches
-from .device_leaf import jax_via_torch
+from .device_leaf import jax_on_accelerator, jax_via_torch
 from .handle import WATCHERS, SaveHandle
 from .handoff import Handoff
 from .jax_arrays import Replicas, ShardPlan
@@ -81,6 +85,7 @@ class Saver:
         self._copy_job: Future[None] | None = None
         self._cuda: DeviceCopies | None = None
         self._via_torch: bool | None = None
+        self._accelerated: bool | None = None
         self.last: SaveHandle | None = None
         """The previous save's handle (None before the first)."""
         self.last_at: float | None = None
@@ -172,7 +177,8 @@ class Saver:
         pending: Pending | None = None
         job: Future[None] | None = None  # the copies and commit left to a thread
         try:
-            held = self._held(lease, plan, arrays.tokens)
+            mask = self._unchanged(step, plan, arrays.tokens, since)
+            held = self._held(lease, plan, arrays.tokens, since, mask)
             # The shards the segment holds already are not copied again (changes.py).
             todo = [e for e in plan.host_entries if e.key not in held] if held else None
             todo = plan.host_entries if todo is None else todo
@@ -194,15 +200,20 @@ class Saver:
                 jax_entries = [e for e in jax_entries if e.key not in cuda]
             self.copy_arrays(mm, todo, host)
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
-            self._word(req, plan, arrays.tokens, since)
+            req.incremental = self.incremental
+            if mask is not None and since is not None:  # the trainer's word since `since`
+                req.unchanged_since, req.unchanged = since, packbits(mask)
             saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
             if device or pending is not None:
                 # jax arrays are immutable: copy them to host and hand off after returning.
                 # Every device-to-host transfer starts now, at once (on an accelerator they
                 # overlap; one by one, each waited for its own): the copies find them done.
                 # CUDA tensors' copies are queued ahead of the trainer's next writes.
-                for e in jax_entries:
-                    device[e.key].data.copy_to_host_async()
+                if self._accelerated is None:
+                    self._accelerated = jax_on_accelerator()
+                if self._accelerated:  # (a CPU backend's arrays are on the host already)
+                    for e in jax_entries:
+                        device[e.key].data.copy_to_host_async()
                 job = self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
@@ -238,8 +249,17 @@ class Saver:
         if last is None:
             return None
         size = round_up(last.data_len)
-        request = self._handoff.request
-        return size, self._leaser.submit(request, size, wait, what, self.rank, reuse_image)
+        started = threading.Event()
+
+        def ask() -> pb.Lease:
+            started.set()
+            return self._handoff.request(size, wait, what, self.rank, reuse_image)
+
+        asked = self._leaser.submit(ask)
+        # Until that thread runs into the call (which lets go of the GIL), planning
+        # would hold the GIL and the thread would start only when it is done (~1.5 ms).
+        started.wait()
+        return size, asked
 
     def _lease(
         self,
@@ -271,35 +291,40 @@ class Saver:
             self._handoff.release(early.result().lease_id)
 
     def _held(
-        self, lease: pb.Lease, plan: SavePlan, tokens: dict[str, Token | None] | None
+        self,
+        lease: pb.Lease,
+        plan: SavePlan,
+        tokens: dict[str, Token | None] | None,
+        since: int | None,
+        mask: npt.NDArray[np.bool_] | None,
     ) -> set[str]:
         """The shards ``lease`` holds already: it holds this process's image of a step
-        laid out as this save is, and their tokens are what they were then."""
+        laid out as this save is, and their tokens are what they were then (``mask``:
+        which are unchanged since step ``since``, when known)."""
         if not (lease.holds_image and tokens):
             return set()
         saved = self.changes.image_of(lease.holds_step, plan.entries)
         if saved is None:
             return set()
+        if mask is not None and lease.holds_step == since:  # (the usual case: compared)
+            return set(compress(plan.keys, mask))
         old = saved.tokens
         return {k for k, t in tokens.items() if t is not None and same(old.get(k), t)}
 
-    def _word(
+    def _unchanged(
         self,
-        req: pb.CommitShardsRequest,
+        step: int,
         plan: SavePlan,
         tokens: dict[str, Token | None] | None,
         since: int | None,
-    ) -> None:
-        """The trainer's word on the shards that did not change since the previous
-        save, if that one was acknowledged and recorded."""
-        req.incremental = self.incremental
-        if tokens is None or since is None or since >= req.step:
-            return
+    ) -> npt.NDArray[np.bool_] | None:
+        """Per entry of ``plan``: unchanged since the previous save (``since``), if that
+        one was acknowledged and recorded (the trainer's word to the daemon)."""
+        if tokens is None or since is None or since >= step:
+            return None
         if all(t is None for t in tokens.values()):
-            return  # no shard has a token: the daemon compares digests of them all
-        mask = self.changes.unchanged(since, [e.key for e in plan.entries], tokens)
-        if mask is not None:
-            req.unchanged_since, req.unchanged = since, packbits(mask)
+            return None  # no shard has a token: the daemon compares digests of them all
+        return self.changes.unchanged(since, plan.keys, tokens)
 
     def _commit_request(
         self,

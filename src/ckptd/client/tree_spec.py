@@ -76,7 +76,7 @@ def _key_for(joined: str, used: set[str]) -> str:
     return key
 
 
-def _torch_tensor_type() -> Any:
+def torch_tensor_type() -> Any:
     """``torch.Tensor`` if the program imported torch (ckptd never imports it itself)."""
     torch = sys.modules.get("torch")
     return getattr(torch, "Tensor", None) if torch is not None else None
@@ -102,7 +102,7 @@ def flatten(
     arrays: list[tuple[str, Any]] = []
     used: set[str] = set()
     names: dict[object, str] = {}  # components of other keys seen (ints: layer numbers)
-    tensor_type = _torch_tensor_type()
+    tensor_type = torch_tensor_type()
 
     def join(prefix: str, k: object) -> str:
         if type(k) is str:
@@ -272,7 +272,7 @@ def unflatten(
                     f"at {path_str(path)} the restore target has dtype {t.dtype} and the "
                     f"checkpoint {arr.dtype}; pass a target of the saved dtype"
                 )
-            tensor_type = _torch_tensor_type()
+            tensor_type = torch_tensor_type()
             if tensor_type is not None and isinstance(t, tensor_type):
                 from .torch.tensors import load_into
 

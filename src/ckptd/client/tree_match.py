@@ -1,0 +1,119 @@
+"""A tree matched against the spec of the last save: its array leaves without
+flattening it again.
+
+A training loop saves a tree of the same structure every time. Flattening it builds
+the spec anew (a key derived from each path, a dict per leaf) only to find it equal
+to the last one; on a LoRA-shaped state of ~900 arrays that was half of what an
+incremental save blocks the trainer for. :func:`match` walks the tree beside the
+last spec instead and takes each leaf's key from it. Anything it does not see exactly
+as the spec has it (another key or order, a changed JSON value, a leaf of another
+kind, a node type other than dict/list/tuple) is not matched, and the caller
+flattens the tree as usual, so a match gives what :func:`~.tree_spec.flatten`
+would have given.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ckptd.core.errors import InvalidArgument
+from ckptd.core.format import dtype_to_str
+
+from .tree_spec import torch_tensor_type
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+"""``dtype_to_str`` of each dtype a jax leaf had (a handful)."""
+
+
+def match(
+    tree: Any,
+    spec: Any,
+    values: list[Any],
+    tensors: dict[str, Any] | None = None,
+    token: Callable[[Any], Any] | None = None,
+    keep_device: bool = False,
+) -> list[tuple[str, Any]] | None:
+    """The ``(key, array)`` pairs :func:`~.tree_spec.flatten` gives for ``tree`` if
+    ``tree`` has exactly the structure ``spec`` (flatten's spec of an earlier tree)
+    describes, else None. JSON leaves are appended to ``values`` (the caller checks
+    they are the spec's); ``tensors``, ``token`` and ``keep_device`` as in flatten."""
+    arrays: list[tuple[str, Any]] = []
+    tensor_type = torch_tensor_type()
+    if tensor_type is not None:
+        from .torch.tensors import to_array
+    jax = sys.modules.get("jax")
+    jax_array = getattr(jax, "Array", None)
+
+    def leaf(v: Any, s: dict[str, Any]) -> bool:
+        key = s.get("array")
+        if key is not None:
+            if "torch" in s:
+                if tensor_type is None or not isinstance(v, tensor_type) or len(s) != 2:
+                    return False
+                try:
+                    arr, torch_dtype = to_array(v, keep_device)
+                except InvalidArgument:
+                    return False  # flatten says where, and why
+                if torch_dtype != s["torch"]:
+                    return False
+                arrays.append((key, arr))
+                if tensors is not None:
+                    tensors[key] = None if token is None else token(v)
+                return True
+            if len(s) == 1 and type(v) is np.ndarray and not v.dtype.hasobject:
+                arrays.append((key, v))
+                return True
+            if len(s) == 2 and s.get("scalar") and isinstance(v, np.generic):
+                arr = np.asarray(v)  # (a numpy scalar: flatten saves it as a 0-d array)
+                if not arr.dtype.hasobject:
+                    arrays.append((key, arr))
+                    return True
+            return False  # (an array-like flatten converts, or another kind of leaf)
+        key = s.get("jax")
+        if key is not None:
+            if jax_array is None or len(s) != 2 or not isinstance(v, jax_array):
+                return False  # (a typed PRNG key array has key_impl too)
+            dtype = v.dtype
+            if not isinstance(dtype, np.dtype):
+                return False
+            name = _DTYPE_NAMES.get(dtype)
+            if name is None:
+                name = _DTYPE_NAMES[dtype] = dtype_to_str(dtype)
+            if name != s["dtype"]:
+                return False
+            arrays.append((key, v))
+            return True
+        if "value" in s and len(s) == 1 and (v is None or type(v) in (bool, int, float, str)):
+            if type(v) is int and abs(v) >= 2**63:
+                return False  # a bigint: flatten writes it as text
+            values.append(v)
+            return True
+        return False
+
+    def walk(node: Any, s: Any) -> bool:
+        t = type(node)
+        if t is dict:
+            items = s.get("dict")
+            if items is None or len(s) != 1 or len(items) != len(node):
+                return False
+            for (k, v), (k0, s0) in zip(node.items(), items, strict=True):
+                if k is not k0 and (type(k) is not type(k0) or k != k0):
+                    return False
+                if not walk(v, s0):
+                    return False
+            return True
+        if t is list or t is tuple:
+            subs = s.get("tuple" if t is tuple else "list")
+            if subs is None or len(s) != 1 or len(subs) != len(node):
+                return False
+            return all(walk(v, s0) for v, s0 in zip(node, subs, strict=True))
+        return leaf(node, s)
+
+    return arrays if type(spec) is dict and walk(tree, spec) else None
+
+
+__all__ = ["match"]

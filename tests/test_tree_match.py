@@ -1,0 +1,172 @@
+"""A save of the last save's structure is planned from the last spec, without
+flattening the tree again (client/tree_match.py). Whatever the next tree is, the plan
+must be the one a fresh flatten gives: the same spec text, keys, layout and arrays,
+and a tree that differs anywhere is flattened anew."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from ckptd.client.changes import tensor_token
+from ckptd.client.planning import Planner
+from ckptd.client.tree_match import match
+from ckptd.client.tree_spec import flatten
+
+
+def base_tree() -> dict[str, Any]:
+    return {
+        "model": {
+            "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            "b": torch.ones(4, dtype=torch.bfloat16),
+            "emb": np.arange(6, dtype=np.int32),
+        },
+        "opt": [{"m": jnp.zeros(5), "v": jnp.ones(5)}, (1, 2.5, "adam", None, True)],
+        7: np.float32(0.5),
+        "step": 3,
+    }
+
+
+def plan_fields(planner: Planner, tree: Any) -> tuple[Any, ...]:
+    plan, arrays = planner.plan(tree, track=True, torch_versions=True)
+    host = {k: (np.asarray(v).tobytes(), v.shape, str(v.dtype)) for k, v in arrays.host.items()}
+    device = {k: (id(sp.data), sp.shape, sp.index) for k, sp in arrays.device.items()}
+    tokens = sorted(k for k, t in (arrays.tokens or {}).items() if t is not None)
+    return plan.tree_json, plan.layout, plan.placed, host, device, tokens
+
+
+def mutations() -> list[tuple[str, Any]]:
+    """Ways a tree can differ from base_tree(): each must be planned as if fresh."""
+
+    def edit(fn: Any) -> Any:
+        def make() -> dict[str, Any]:
+            t = base_tree()
+            fn(t)
+            return t
+
+        return make
+
+    def swap(t: dict[str, Any]) -> None:
+        m = t["model"]
+        t["model"] = {"b": m["b"], "w": m["w"], "emb": m["emb"]}
+
+    def retype(t: dict[str, Any]) -> None:
+        t["model"]["w"] = t["model"]["w"].numpy()
+
+    return [
+        ("same", edit(lambda t: None)),
+        ("value changed", edit(lambda t: t.__setitem__("step", 4))),
+        ("int became float", edit(lambda t: t.__setitem__("step", 3.0))),
+        (
+            "int became bool",
+            edit(lambda t: t["opt"].__setitem__(1, (True, 2.5, "adam", None, True))),
+        ),
+        ("float sign", edit(lambda t: t["opt"].__setitem__(1, (1, -0.0, "adam", None, True)))),
+        ("bigint", edit(lambda t: t.__setitem__("step", 2**70))),
+        ("key renamed", edit(lambda t: t.__setitem__("model", {"W": t["model"]["w"]}))),
+        ("keys reordered", edit(swap)),
+        ("key added", edit(lambda t: t["model"].__setitem__("x", np.ones(2)))),
+        ("int key became str", edit(lambda t: t.__setitem__("7", t.pop(7)))),
+        (
+            "tuple became list",
+            edit(lambda t: t["opt"].__setitem__(1, [1, 2.5, "adam", None, True])),
+        ),
+        ("torch became numpy", edit(retype)),
+        ("torch dtype", edit(lambda t: t["model"].__setitem__("b", torch.ones(4)))),
+        ("torch shape", edit(lambda t: t["model"].__setitem__("w", torch.zeros(4, 3)))),
+        ("jax dtype", edit(lambda t: t["opt"][0].__setitem__("m", jnp.zeros(5, jnp.int32)))),
+        ("jax became numpy", edit(lambda t: t["opt"][0].__setitem__("m", np.zeros(5)))),
+        ("numpy scalar became int", edit(lambda t: t.__setitem__(7, 1))),
+        ("prng key", edit(lambda t: t.__setitem__("step", jax.random.key(0)))),
+        ("leaf became dict", edit(lambda t: t.__setitem__("step", {"n": 3}))),
+        ("object array", edit(lambda t: t["model"].__setitem__("emb", np.array([1, "a"], object)))),
+    ]
+
+
+@pytest.mark.parametrize(("name", "make"), mutations(), ids=[m[0] for m in mutations()])
+def test_a_tree_after_the_base_plans_as_it_would_fresh(name: str, make: Any) -> None:
+    """Plan base_tree() and then the mutated tree, against planning it first."""
+    tree = make()
+    fresh = Planner()
+    try:
+        want = plan_fields(fresh, tree)
+    except (TypeError, ValueError) as exc:  # refused fresh: refused after the base too
+        after = Planner()
+        plan_fields(after, base_tree())
+        with pytest.raises(type(exc)):
+            plan_fields(after, tree)
+        return
+    after = Planner()
+    plan_fields(after, base_tree())
+    spec = after.last.spec if after.last is not None else None
+    assert plan_fields(after, tree) == want
+    if name == "same":  # planned from the last spec, not flattened again
+        assert after.last is not None and after.last.spec is spec
+
+
+def test_match_gives_flattens_pairs_or_none_for_any_other_structure() -> None:
+    tree = base_tree()
+    spec, arrays = flatten(tree, [], {}, tensor_token, True)
+    values: list[Any] = []
+    tokens: dict[str, Any] = {}
+    found = match(tree, spec, values, tokens, tensor_token, True)
+    assert found is not None
+    assert [k for k, _ in found] == [k for k, _ in arrays]
+    assert values == [1, 2.5, "adam", None, True, 3]
+    assert sorted(tokens) == ["model.b", "model.w"]
+    for (_, a), (_, b) in zip(found, arrays, strict=True):
+        if isinstance(a, np.ndarray) and a.ndim:  # a view of the same memory
+            assert a.__array_interface__ == b.__array_interface__
+        elif isinstance(a, np.ndarray):  # a numpy scalar's 0-d array: its own copy
+            assert a.tobytes() == b.tobytes() and a.dtype == b.dtype
+        else:
+            assert a is b
+    for name, make in mutations()[1:]:
+        other = make()
+        try:
+            other_spec, other_arrays = flatten(other, [], {}, tensor_token, True)
+        except (TypeError, ValueError):
+            assert match(other, spec, [], {}, tensor_token, True) is None, name
+            continue
+        got_values: list[Any] = []
+        got = match(other, spec, got_values, {}, tensor_token, True)
+        if json.dumps(other_spec) == json.dumps(spec):  # the same spec (another shape or dtype)
+            assert got is not None and [k for k, _ in got] == [k for k, _ in other_arrays], name
+        elif got is not None:  # the same structure: only the JSON leaves differ
+            assert json.dumps(got_values) != json.dumps(values), name
+
+
+def test_random_edits_plan_as_fresh_over_a_run_of_saves() -> None:
+    """A run of saves, each a random edit of the one before (or none): a planner that
+    planned them all gives each the plan a fresh planner does."""
+    rng = random.Random(35)
+    cases = mutations()
+    planner = Planner()
+    for _ in range(60):
+        name, make = cases[0] if rng.random() < 0.5 else rng.choice(cases)
+        tree = make()
+        try:
+            want = plan_fields(Planner(), tree)
+        except (TypeError, ValueError):
+            continue
+        assert plan_fields(planner, tree) == want, name
+
+
+def test_a_tensor_written_in_place_keeps_its_view_and_changes_its_token() -> None:
+    w = torch.zeros(4)
+    tree = {"w": w, "n": 1}
+    planner = Planner()
+    _, first = planner.plan(tree, track=True, torch_versions=True)
+    w.add_(1)
+    plan, again = planner.plan(tree, track=True, torch_versions=True)
+    assert again.host["w"].tolist() == [1.0] * 4
+    assert first.tokens is not None and again.tokens is not None
+    assert first.tokens["w"] != again.tokens["w"]  # _version moved
+    assert plan.tree_json == Planner().plan(tree)[0].tree_json
