@@ -5,8 +5,10 @@ and a tree that differs anywhere is flattened anew."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import weakref
 from typing import Any
 
 import jax
@@ -170,3 +172,41 @@ def test_a_tensor_written_in_place_keeps_its_view_and_changes_its_token() -> Non
     assert first.tokens is not None and again.tokens is not None
     assert first.tokens["w"] != again.tokens["w"]  # _version moved
     assert plan.tree_json == Planner().plan(tree)[0].tree_json
+
+
+def test_kept_torch_views_follow_the_tensor_and_keep_nothing_alive() -> None:
+    """A view is kept from save to save only while the tensor's memory is where it was:
+    written in place it shows the new bytes, moved (set_, resize_, a new tensor) it is
+    taken again, and a tensor the tree dropped is freed."""
+    w = torch.zeros(6)
+    tree: dict[str, Any] = {"w": w, "s": torch.ones(3)}
+    planner = Planner()
+
+    def saved() -> list[float]:
+        _, arrays = planner.plan(tree, track=True, torch_versions=True)
+        return list(arrays.host["w"].reshape(-1).tolist())
+
+    assert saved() == [0.0] * 6  # flattened
+    w.add_(1)
+    assert saved() == [1.0] * 6  # matched: the view is taken and kept
+    w.add_(1)
+    assert saved() == [2.0] * 6  # the kept view, over the same memory
+    assert planner._views["w"][2].base is not None and not isinstance(
+        planner._views["w"][2].base, torch.Tensor
+    )
+    kept = planner._views["w"][2]
+    w.mul_(2)
+    assert planner.plan(tree, True, True)[1].host["w"] is kept and kept.tolist() == [4.0] * 6
+    w.set_(torch.full((6,), 7.0).untyped_storage())
+    assert saved() == [7.0] * 6  # another storage
+    w.resize_(2, 3)
+    assert saved() == [7.0] * 6 and planner.plan(tree, True, True)[1].host["w"].shape == (2, 3)
+    tree["w"] = torch.arange(6.0)
+    assert saved() == [float(i) for i in range(6)]  # another tensor
+    dropped = tree.pop("s")
+    ref = weakref.ref(dropped)
+    del dropped
+    tree["s"] = torch.zeros(3)
+    saved()
+    gc.collect()
+    assert ref() is None  # the kept view of the old tensor did not hold it

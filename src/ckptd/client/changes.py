@@ -33,6 +33,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -160,6 +161,45 @@ class Changes:
             return None
         old = saved.tokens
         return np.fromiter((same(old.get(k), tokens.get(k)) for k in keys), bool, len(keys))
+
+    def word(
+        self,
+        step: int,
+        since: int | None,
+        keys: Sequence[str],
+        tokens: dict[str, Token | None] | None,
+    ) -> npt.NDArray[np.bool_] | None:
+        """The trainer's word to the daemon for a save of ``step`` laid out as ``keys``:
+        per key, unchanged since the previous save ``since``, if that one was
+        acknowledged and recorded (None: no word, the daemon compares digests)."""
+        if tokens is None or since is None or since >= step:
+            return None
+        if all(t is None for t in tokens.values()):
+            return None  # no shard has a token
+        return self.unchanged(since, keys, tokens)
+
+    def held(
+        self,
+        lease: Any,
+        entries: list[TensorEntry],
+        keys: Sequence[str],
+        tokens: dict[str, Token | None] | None,
+        since: int | None,
+        word: npt.NDArray[np.bool_] | None,
+    ) -> set[str]:
+        """The shards ``lease`` (a ``pb.Lease``) holds already: it holds this process's
+        image of a step laid out as ``entries``, and their tokens are what they were
+        then. ``word``: :meth:`word` of this save, which tells it when the image is of
+        step ``since`` (the usual case)."""
+        if not (lease.holds_image and tokens):
+            return set()
+        saved = self.image_of(lease.holds_step, entries)
+        if saved is None:
+            return set()
+        if word is not None and lease.holds_step == since:
+            return set(compress(keys, word))
+        old = saved.tokens
+        return {k for k, t in tokens.items() if t is not None and same(old.get(k), t)}
 
     def image_of(self, step: int, entries: list[TensorEntry]) -> Saved | None:
         """What this process saved as ``step``, if it was laid out as ``entries`` are."""

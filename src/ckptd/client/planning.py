@@ -20,7 +20,7 @@ from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 from .changes import Token, tensor_token, token_of
 from .device_leaf import DeviceTensor
 from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards, single_shard
-from .tree_match import match
+from .tree_match import View, match
 from .tree_spec import flatten
 
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
@@ -81,6 +81,8 @@ class Planner:
         # immutable, and asking one for its shards again cost ~15 us (most of planning
         # a thousand-array save whose frozen weights are the same objects each time).
         self._shards: dict[int, tuple[weakref.ref[Any], str, list[Sharded]]] = {}
+        self._views: dict[str, View] = {}
+        """Torch tensors' numpy views by key, while their memory stays (tree_match.py)."""
 
     @property
     def last(self) -> SavePlan | None:
@@ -98,11 +100,15 @@ class Planner:
         last = self._last
         # The structure of the last save again (a training loop's every save): its
         # spec gives the keys, and the tree is not flattened anew (tree_match.py).
-        found = None if last is None else match(tree, last.spec, values, tokens, token, True)
+        views = self._views if torch_versions else None
+        found = None
+        if last is not None:
+            found = match(tree, last.spec, values, tokens, token, True, views)
         if last is not None and found is not None and _json(values) == last.values_json:
             spec, arrays, values_json = last.spec, found, last.values_json
         else:
             values.clear()
+            self._views.clear()  # (of keys the new structure may not have)
             if tokens is not None:
                 tokens.clear()
             spec, arrays = flatten(tree, values, tokens, token, keep_device=True)

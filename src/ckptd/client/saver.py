@@ -14,18 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import compress
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import numpy.typing as npt
 
 from ckptd.core.errors import CapacityExhausted
 from ckptd.core.format import TensorEntry, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from .changes import Changes, Saved, Token, incremental_from_env, packbits, same
+from .changes import Changes, Saved, incremental_from_env, packbits
 from .copying import copy_into, host_batches
 from .device_leaf import jax_on_accelerator, jax_via_torch
 from .handle import WATCHERS, SaveHandle
@@ -177,9 +173,10 @@ class Saver:
         pending: Pending | None = None
         job: Future[None] | None = None  # the copies and commit left to a thread
         try:
-            mask = self._unchanged(step, plan, arrays.tokens, since)
-            held = self._held(lease, plan, arrays.tokens, since, mask)
-            # The shards the segment holds already are not copied again (changes.py).
+            # What the trainer says did not change since the last save, and of that what
+            # the lease holds already: neither is copied again (changes.py).
+            mask = self.changes.word(step, since, plan.keys, arrays.tokens)
+            held = self.changes.held(lease, plan.entries, plan.keys, arrays.tokens, since, mask)
             todo = [e for e in plan.host_entries if e.key not in held] if held else None
             todo = plan.host_entries if todo is None else todo
             jax_entries = [e for e in plan.device_entries if e.key not in held]
@@ -289,42 +286,6 @@ class Saver:
         """Release a lease asked for early once it is granted (its save failed)."""
         if not early.cancelled() and early.exception() is None:
             self._handoff.release(early.result().lease_id)
-
-    def _held(
-        self,
-        lease: pb.Lease,
-        plan: SavePlan,
-        tokens: dict[str, Token | None] | None,
-        since: int | None,
-        mask: npt.NDArray[np.bool_] | None,
-    ) -> set[str]:
-        """The shards ``lease`` holds already: it holds this process's image of a step
-        laid out as this save is, and their tokens are what they were then (``mask``:
-        which are unchanged since step ``since``, when known)."""
-        if not (lease.holds_image and tokens):
-            return set()
-        saved = self.changes.image_of(lease.holds_step, plan.entries)
-        if saved is None:
-            return set()
-        if mask is not None and lease.holds_step == since:  # (the usual case: compared)
-            return set(compress(plan.keys, mask))
-        old = saved.tokens
-        return {k for k, t in tokens.items() if t is not None and same(old.get(k), t)}
-
-    def _unchanged(
-        self,
-        step: int,
-        plan: SavePlan,
-        tokens: dict[str, Token | None] | None,
-        since: int | None,
-    ) -> npt.NDArray[np.bool_] | None:
-        """Per entry of ``plan``: unchanged since the previous save (``since``), if that
-        one was acknowledged and recorded (the trainer's word to the daemon)."""
-        if tokens is None or since is None or since >= step:
-            return None
-        if all(t is None for t in tokens.values()):
-            return None  # no shard has a token: the daemon compares digests of them all
-        return self.changes.unchanged(since, plan.keys, tokens)
 
     def _commit_request(
         self,

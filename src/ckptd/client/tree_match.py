@@ -29,6 +29,35 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}
 """``dtype_to_str`` of each dtype a jax leaf had (a handful)."""
 
 
+View = tuple[Any, tuple[Any, ...], np.ndarray]
+"""A torch tensor's numpy view as a save took it: ``(weak reference to its storage,
+its token's facts but the version, the view)``."""
+
+
+class _Memory:
+    """What :func:`unowned` hands numpy: where an array's bytes are, and nothing else."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
+
+
+def unowned(arr: np.ndarray) -> np.ndarray | None:
+    """A view of ``arr``'s memory holding no reference to whatever owns it (None for a
+    dtype the array interface cannot name). Valid only while the owner lives."""
+    if not arr.nbytes or np.dtype(arr.dtype.str) != arr.dtype:
+        return None
+    interface = {
+        "data": (arr.__array_interface__["data"][0], False),
+        "shape": arr.shape,
+        "strides": arr.strides,
+        "typestr": arr.dtype.str,
+        "version": 3,
+    }
+    return np.asarray(_Memory(interface))
+
+
 def match(
     tree: Any,
     spec: Any,
@@ -36,11 +65,20 @@ def match(
     tensors: dict[str, Any] | None = None,
     token: Callable[[Any], Any] | None = None,
     keep_device: bool = False,
+    views: dict[str, View] | None = None,
 ) -> list[tuple[str, Any]] | None:
     """The ``(key, array)`` pairs :func:`~.tree_spec.flatten` gives for ``tree`` if
     ``tree`` has exactly the structure ``spec`` (flatten's spec of an earlier tree)
     describes, else None. JSON leaves are appended to ``values`` (the caller checks
-    they are the spec's); ``tensors``, ``token`` and ``keep_device`` as in flatten."""
+    they are the spec's); ``tensors``, ``token`` and ``keep_device`` as in flatten.
+
+    ``views``: with a ``token``, the numpy view of each torch tensor by key, kept from
+    save to save (asking torch for one again was a third of planning a LoRA's ~900
+    tensors). A view is taken again only when the tensor's token says its memory is
+    not where it was: another storage (a weak reference's identity: a storage that
+    died never matches), another address, offset, shape, strides, dtype or device. A
+    kept view holds no reference to the tensor, so it never keeps memory alive, and
+    it is used only while the tree being saved holds that storage."""
     arrays: list[tuple[str, Any]] = []
     tensor_type = torch_tensor_type()
     if tensor_type is not None:
@@ -54,6 +92,14 @@ def match(
             if "torch" in s:
                 if tensor_type is None or not isinstance(v, tensor_type) or len(s) != 2:
                     return False
+                tok = None if token is None else token(v)
+                if tensors is not None:
+                    tensors[key] = tok
+                if tok is not None and views is not None and not s["torch"]:
+                    hit = views.get(key)
+                    if hit is not None and hit[0] is tok[0] and hit[1] == tok[1][1:]:
+                        arrays.append((key, hit[2]))
+                        return True
                 try:
                     arr, torch_dtype = to_array(v, keep_device)
                 except InvalidArgument:
@@ -61,8 +107,10 @@ def match(
                 if torch_dtype != s["torch"]:
                     return False
                 arrays.append((key, arr))
-                if tensors is not None:
-                    tensors[key] = None if token is None else token(v)
+                if tok is not None and views is not None and type(arr) is np.ndarray:
+                    view = unowned(arr)
+                    if view is not None:
+                        views[key] = (tok[0], tok[1][1:], view)
                 return True
             if len(s) == 1 and type(v) is np.ndarray and not v.dtype.hasobject:
                 arrays.append((key, v))

@@ -268,7 +268,14 @@ class ShardTable:
 
     def check_layout(self) -> int:
         """The shards are packed back to back from offset 0, each aligned to its dtype;
-        returns the data section's size. Raises InvalidArgument naming the bad shard."""
+        returns the data section's size. Raises InvalidArgument naming the bad shard.
+        Checked once per table (a training loop's commits share the one the daemon's
+        parser checked first: every step's layout, ~0.2 ms for a thousand shards)."""
+        return self._layout_size
+
+    @cached_property
+    def _layout_size(self) -> int:
+        # (A table that fails raises here each time: cached_property keeps no error.)
         n = len(self.keys)
         if not n:
             return 0
