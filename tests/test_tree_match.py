@@ -210,3 +210,19 @@ def test_kept_torch_views_follow_the_tensor_and_keep_nothing_alive() -> None:
     saved()
     gc.collect()
     assert ref() is None  # the kept view of the old tensor did not hold it
+
+
+def test_torch_tokens_tell_writes_and_moves_and_none_for_untracked_tensors() -> None:
+    from ckptd.client.changes import same
+
+    t = torch.zeros(4)
+    a = tensor_token(t)
+    assert same(a, tensor_token(t)) and same(a, tensor_token(t.detach()))
+    t.add_(1)
+    assert not same(a, tensor_token(t))  # written in place: _version moved
+    b = tensor_token(t)
+    assert not same(b, tensor_token(t[1:])) and not same(b, tensor_token(t.view(2, 2)))
+    assert not same(b, tensor_token(torch.zeros(4)))  # another storage
+    with torch.inference_mode():
+        frozen = torch.zeros(4)
+    assert tensor_token(frozen) is None  # no version counter: never unchanged

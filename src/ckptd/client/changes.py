@@ -5,10 +5,11 @@ Each save records a *token* per shard key, taken as it is planned:
 
 - a torch tensor: its storage (a weak reference: a storage freed and another
   allocated at the same address is another object, and a dead reference never
-  matches), data pointer, storage offset, shape, strides, dtype, device, its lazy
-  conjugate and negative bits, and ``_version``, the counter every in-place torch
-  operation bumps (``add_``, ``copy_``, an optimizer's step, under ``no_grad`` too),
-  shared by its views, ``detach()`` and the tensors of a ``state_dict()``;
+  matches; the storage fixes the device), data pointer, storage offset, shape,
+  strides, dtype, its lazy conjugate and negative bits, and ``_version``, the
+  counter every in-place torch operation bumps (``add_``, ``copy_``, an optimizer's
+  step, under ``no_grad`` too), shared by its views, ``detach()`` and the tensors
+  of a ``state_dict()``;
 - a jax array shard: the very same array object (weakly referenced: jax arrays
   are immutable) and the shard's index;
 - anything else (numpy arrays, inference-mode tensors, which keep no version): no
@@ -80,34 +81,33 @@ def token_of(obj: Any, index: Any = None) -> Token | None:
 
 
 def tensor_token(t: Any) -> Token | None:
-    """The token of torch tensor ``t`` (~1.5 us: a save of thousands of tensors
-    computes one each)."""
-    if t.is_inference():
-        return None  # no version counter: in-place writes cannot be told
+    """The token of torch tensor ``t``: ``(weak reference to its storage, (version,
+    where))``, ``where`` being the tensor's place in that storage and how it reads it
+    (~1 us: a save of thousands of tensors computes one each). The storage fixes the
+    device; an inference tensor has no version counter (reading it raises), and so
+    no token: its in-place writes cannot be told."""
     try:
-        facts = (
-            t._version,
+        where = (
             t.data_ptr(),
             t.storage_offset(),
             t.shape,
             t.stride(),
             t.dtype,
-            t.device,
             t.is_conj(),
             t.is_neg(),
         )
-        return weakref.ref(t.untyped_storage()), facts
+        return weakref.ref(t.untyped_storage()), (t._version, where)
     except (RuntimeError, TypeError, NotImplementedError):
-        return None  # a tensor without real storage or version (a subclass, meta)
+        return None  # an inference tensor, or one without real storage (a subclass, meta)
 
 
 def same(old: Token | None, new: Token | None) -> bool:
     """Whether two tokens say the same bytes: both exist, the object is alive and the
-    very same, and everything else is equal."""
+    very same (a live object's plain weak reference is one object: ``is``), and
+    everything else is equal."""
     if old is None or new is None:
         return False
-    alive = old[0]()
-    return alive is not None and alive is new[0]() and old[1] == new[1]
+    return old[0] is new[0] and old[0]() is not None and old[1] == new[1]
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,8 @@ class Changes:
         saved = self._saved.get(since)
         if saved is None:
             return None
-        old = saved.tokens
-        return np.fromiter((same(old.get(k), tokens.get(k)) for k in keys), bool, len(keys))
+        old, get = saved.tokens, tokens.get
+        return np.fromiter((same(old.get(k), get(k)) for k in keys), bool, len(keys))
 
     def word(
         self,

@@ -31,7 +31,7 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 View = tuple[Any, tuple[Any, ...], np.ndarray]
 """A torch tensor's numpy view as a save took it: ``(weak reference to its storage,
-its token's facts but the version, the view)``."""
+where it lay in it, the view)``, the first two as in its token (changes.py)."""
 
 
 class _Memory:
@@ -97,7 +97,7 @@ def match(
                     tensors[key] = tok
                 if tok is not None and views is not None and not s["torch"]:
                     hit = views.get(key)
-                    if hit is not None and hit[0] is tok[0] and hit[1] == tok[1][1:]:
+                    if hit is not None and hit[0] is tok[0] and hit[1] == tok[1][1]:
                         arrays.append((key, hit[2]))
                         return True
                 try:
@@ -110,7 +110,7 @@ def match(
                 if tok is not None and views is not None and type(arr) is np.ndarray:
                     view = unowned(arr)
                     if view is not None:
-                        views[key] = (tok[0], tok[1][1:], view)
+                        views[key] = (tok[0], tok[1][1], view)
                 return True
             if len(s) == 1 and type(v) is np.ndarray and not v.dtype.hasobject:
                 arrays.append((key, v))
