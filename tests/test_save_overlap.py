@@ -100,6 +100,28 @@ def test_a_save_whose_plan_fails_gives_the_early_lease_back(daemon: Daemon) -> N
     leases_back(daemon)
 
 
+def test_a_busy_lease_thread_does_not_hold_planning_back(daemon: Daemon) -> None:
+    """The lease thread may still wait for memory for a save whose plan failed: the
+    next save plans (here: is refused) without waiting for it, and its lease is asked
+    for once the thread is free."""
+    client = daemon.client("busy")
+    client.save(1, state(1)).wait("local", timeout=60)
+    release = threading.Event()
+    busy = client._saver._leaser.submit(release.wait, 120)
+    try:
+        with pytest.raises(TypeError, match="cannot store"):
+            client.save(2, {**state(2), "bad": object()})
+    finally:
+        release.set()
+    busy.result()
+    leases_back(daemon)  # that save's early lease, granted after, went back
+    client.save(3, state(3)).wait("local", timeout=60)
+    got, _ = client.restore(step=3)
+    assert same(got, state(3))
+    client.close()
+    leases_back(daemon)
+
+
 def test_watch_threads_are_kept_for_the_next_saves(daemon: Daemon) -> None:
     client = daemon.client("watched")
     before = {t for t in threading.enumerate() if t.name == "ckptd-watch"}  # earlier tests'

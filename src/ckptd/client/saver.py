@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from .torch.device_copy import DeviceCopies, Pending
 
 
+_START_WAIT = 0.005
+"""Seconds a save waits for its early lease's thread to start (see _lease_early)."""
+
+
 class Saver:
     """Saves of one client: ``job`` as ``rank`` of ``node_ranks`` (``world_size`` in all).
 
@@ -255,7 +259,9 @@ class Saver:
         asked = self._leaser.submit(ask)
         # Until that thread runs into the call (which lets go of the GIL), planning
         # would hold the GIL and the thread would start only when it is done (~1.5 ms).
-        started.wait()
+        # Not longer than a few ms: the thread may still be busy with the lease of a
+        # save whose planning failed, waiting for staging memory.
+        started.wait(_START_WAIT)
         return size, asked
 
     def _lease(
