@@ -23,7 +23,7 @@ from ckptd.client.tree_match import match
 from ckptd.client.tree_spec import flatten
 
 
-def base_tree() -> dict[str, Any]:
+def base_tree() -> dict[Any, Any]:
     return {
         "model": {
             "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
@@ -48,18 +48,18 @@ def mutations() -> list[tuple[str, Any]]:
     """Ways a tree can differ from base_tree(): each must be planned as if fresh."""
 
     def edit(fn: Any) -> Any:
-        def make() -> dict[str, Any]:
+        def make() -> dict[Any, Any]:
             t = base_tree()
             fn(t)
             return t
 
         return make
 
-    def swap(t: dict[str, Any]) -> None:
+    def swap(t: dict[Any, Any]) -> None:
         m = t["model"]
         t["model"] = {"b": m["b"], "w": m["w"], "emb": m["emb"]}
 
-    def retype(t: dict[str, Any]) -> None:
+    def retype(t: dict[Any, Any]) -> None:
         t["model"]["w"] = t["model"]["w"].numpy()
 
     return [
@@ -226,3 +226,46 @@ def test_torch_tokens_tell_writes_and_moves_and_none_for_untracked_tensors() -> 
     with torch.inference_mode():
         frozen = torch.zeros(4)
     assert tensor_token(frozen) is None  # no version counter: never unchanged
+
+
+class Named(int):
+    """An int key whose str() (which names its shard) is not its value's."""
+
+    name: str
+
+    def __new__(cls, value: int, name: str) -> Named:
+        self = super().__new__(cls, value)
+        self.name = name
+        return self
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def test_key_subclasses_are_flattened_again() -> None:
+    planner = Planner()
+    planner.plan({Named(0, "enc"): np.ones(2)})
+    got = planner.plan({Named(0, "dec"): np.ones(2)})[0]
+    assert got.keys == Planner().plan({Named(0, "dec"): np.ones(2)})[0].keys == ["dec"]
+
+
+@pytest.mark.parametrize("lazy", ["neg", "conj"])
+def test_a_lazily_negated_or_conjugated_tensor_is_read_anew_each_save(lazy: str) -> None:
+    """Its numpy view is of a resolved copy, freed after the save: never kept."""
+    if lazy == "neg":
+        base = torch.arange(8, dtype=torch.float32)
+        t = torch._neg_view(base)
+    else:
+        base = torch.arange(8, dtype=torch.float32).to(torch.complex64) * (1 + 1j)
+        t = base.conj()
+    tree = {"w": t}
+    planner = Planner()
+    for _ in range(4):
+        got = np.array(planner.plan(tree, track=True, torch_versions=True)[1].host["w"])
+        want = np.array(Planner().plan(tree, track=True, torch_versions=True)[1].host["w"])
+        assert got.tobytes() == want.tobytes()
+        assert "w" not in planner._views
+        gc.collect()
+        base.add_(100)
+        junk = [torch.full((8,), 7.0) for _ in range(50)]  # reuse freed memory
+        del junk

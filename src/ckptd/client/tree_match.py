@@ -107,7 +107,15 @@ def match(
                 if torch_dtype != s["torch"]:
                     return False
                 arrays.append((key, arr))
-                if tok is not None and views is not None and type(arr) is np.ndarray:
+                if (
+                    tok is not None
+                    and views is not None
+                    and type(arr) is np.ndarray
+                    and arr.__array_interface__["data"][0] == tok[1][1][0]
+                ):
+                    # A view of the tensor's own memory only, never of a copy to_array
+                    # made (a lazily negated or conjugated tensor, another device's):
+                    # that copy is freed after this save.
                     view = unowned(arr)
                     if view is not None:
                         views[key] = (tok[0], tok[1][1], view)
@@ -151,6 +159,8 @@ def match(
             for (k, v), (k0, s0) in zip(node.items(), items, strict=True):
                 if k is not k0 and (type(k) is not type(k0) or k != k0):
                     return False
+                if type(k) is not str and type(k) is not int:
+                    return False  # a subclass: its str(), which names the shard, may differ
                 if not walk(v, s0):
                     return False
             return True
