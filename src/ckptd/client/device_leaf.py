@@ -34,11 +34,12 @@ class DeviceTensor:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def jax_on_accelerator() -> bool:
-    """Whether jax's arrays live on an accelerator (its default backend is not the CPU):
-    only there does a save start their device-to-host copies early."""
-    jax = sys.modules.get("jax")
-    return jax is not None and jax.default_backend() != "cpu"
+def jax_on_accelerator(shards: dict[str, Any]) -> bool:
+    """Whether a process's jax shards (``ShardPlan`` by key) live on an accelerator, as
+    the first one does: only there does a save start their device-to-host copies
+    early (a CPU array is in host memory already). Asked once per client."""
+    data = next(iter(shards.values())).data
+    return bool(next(iter(data.devices())).platform != "cpu")
 
 
 def jax_via_torch(shards: dict[str, Any]) -> bool:

@@ -210,9 +210,9 @@ class Saver:
                 # Every device-to-host transfer starts now, at once (on an accelerator they
                 # overlap; one by one, each waited for its own): the copies find them done.
                 # CUDA tensors' copies are queued ahead of the trainer's next writes.
-                if self._accelerated is None:
-                    self._accelerated = jax_on_accelerator()
-                if self._accelerated:  # (a CPU backend's arrays are on the host already)
+                if device and self._accelerated is None:
+                    self._accelerated = jax_on_accelerator(device)
+                if self._accelerated:  # (a CPU array is in host memory already)
                     for e in jax_entries:
                         device[e.key].data.copy_to_host_async()
                 job = self._copy_job = self._background.submit(
