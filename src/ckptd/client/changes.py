@@ -151,17 +151,6 @@ class Changes:
             self._saved.popitem(last=False)
         self.last = step
 
-    def unchanged(
-        self, since: int, keys: Sequence[str], tokens: dict[str, Token | None]
-    ) -> npt.NDArray[np.bool_] | None:
-        """Per key: whether its token equals the one recorded at step ``since`` (None:
-        nothing recorded there)."""
-        saved = self._saved.get(since)
-        if saved is None:
-            return None
-        old, get = saved.tokens, tokens.get
-        return np.fromiter((same(old.get(k), get(k)) for k in keys), bool, len(keys))
-
     def word(
         self,
         step: int,
@@ -176,7 +165,11 @@ class Changes:
             return None
         if all(t is None for t in tokens.values()):
             return None  # no shard has a token
-        return self.unchanged(since, keys, tokens)
+        saved = self._saved.get(since)
+        if saved is None:
+            return None  # nothing recorded at `since`
+        old, get = saved.tokens, tokens.get
+        return np.fromiter((same(old.get(k), get(k)) for k in keys), bool, len(keys))
 
     def held(
         self,

@@ -76,9 +76,11 @@ def match(
     save to save (asking torch for one again was a third of planning a LoRA's ~900
     tensors). A view is taken again only when the tensor's token says its memory is
     not where it was: another storage (a weak reference's identity: a storage that
-    died never matches), another address, offset, shape, strides, dtype or device. A
-    kept view holds no reference to the tensor, so it never keeps memory alive, and
-    it is used only while the tree being saved holds that storage."""
+    died never matches; the storage fixes the device), another address, offset,
+    shape, strides, dtype or lazy conjugate/negative bit. Only a view of the tensor's
+    own memory is kept (never of a copy ``to_array`` made); it holds no reference to
+    the tensor, so it never keeps memory alive, and it is used only while the tree
+    being saved holds that storage."""
     arrays: list[tuple[str, Any]] = []
     tensor_type = torch_tensor_type()
     if tensor_type is not None:
