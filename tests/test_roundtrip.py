@@ -15,7 +15,10 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from ckptd.client import CheckpointCorrupt, CheckpointNotFound
+from ckptd.client.handoff import lease_size
+from ckptd.core.format import round_up
 from ckptd.core.shard_table import rows
+from ckptd.daemon.local.segments import SEGMENT_GRANULE
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import META, Daemon
@@ -302,7 +305,7 @@ def test_restored_shared_memory_becomes_the_trainers_own(daemon: Daemon) -> None
     client = daemon.client("lend")
     state = {"w": np.arange(2**20, dtype=np.float32)}
     client.save(1, state).wait("local")
-    client.save(2, state).wait("local")  # the pool now has one free 4 MiB segment
+    client.save(2, state).wait("local")  # the pool now has one free segment
     before = status(daemon)
     restored, _ = client.restore(step=1)  # shared-memory path: the pooled segment
     backing = backing_file(restored["w"])
@@ -310,7 +313,8 @@ def test_restored_shared_memory_becomes_the_trainers_own(daemon: Daemon) -> None
     after = status(daemon)
     # Handed over: no lease, and neither the pool nor the budget counts it any more.
     assert after.leases_held == 0
-    assert after.staging_allocated_bytes == before.staging_allocated_bytes - 4 * 2**20
+    segment = round_up(lease_size(4 * 2**20), SEGMENT_GRANULE)  # 4 MiB and the copy's word
+    assert after.staging_allocated_bytes == before.staging_allocated_bytes - segment
     by_file, _ = client.restore(step=1, shared_memory=False)
     assert backing_file(by_file["w"]).endswith("/lend/1/rank-00000.safetensors")
     for step in range(3, 6):  # later saves never write into the trainer's memory
@@ -357,9 +361,9 @@ def test_many_saves_reuse_two_lease_segments(daemon: Daemon, tmp_path: Path) -> 
         client.save(step, state).wait("local")
     segs = [p for p in Path("/dev/shm").iterdir() if p.name.startswith("ckptd-")]
     st = status(daemon)
-    # Two 4 MiB segments, reused in turn: the newest step kept in one (the memory
-    # tier), the next save written into the other.
-    assert st.staging_allocated_bytes == 2 * 4 * 2**20
+    # Two segments (4 MiB and the copy's word), reused in turn: the newest step kept
+    # in one (the memory tier), the next save written into the other.
+    assert st.staging_allocated_bytes == 2 * round_up(lease_size(4 * 2**20), SEGMENT_GRANULE)
     assert st.memory_tier_files == 1
     assert st.leases_held == 0 and len(segs) >= 1
     tree, _ = client.restore()

@@ -183,10 +183,12 @@ def _acknowledged(trainer: Trainer) -> list[int]:
     """What the daemon acknowledged to the trainer.
 
     ``save()`` returning (ACK) and, for a trainer killed between the CommitShards
-    reply and ``save()`` returning, the reply itself (HANDED): the daemon owns
-    those bytes, so that step must be committed like any other (and it may be the
-    newest, which the restore check compares against)."""
-    return trainer.steps("ACK", "HANDED")
+    reply and ``save()`` returning, the reply itself (HANDED), or for a commit sent
+    while copying the reply and the word that the lease is whole (REPLIED and
+    WHOLE): the daemon owns those bytes, so that step must be committed like any
+    other (and it may be the newest, which the restore check compares against)."""
+    both = set(trainer.steps("REPLIED")) & set(trainer.steps("WHOLE"))
+    return sorted({*trainer.steps("ACK", "HANDED"), *both})
 
 
 def _run_point(daemon: Daemon, ledger: Ledger, case: Case, tmp_path: Path) -> Trainer:

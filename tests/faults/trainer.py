@@ -33,7 +33,10 @@ Points (``NAME`` or ``NAME#N`` for the N-th occurrence, 1 by default):
 Protocol on stdout, one line each, flushed before the marker is written:
 ``RESTORED <step>`` (bit-exact against ``state_for``), ``RESTORE-LEASE <0|1>``
 (the Restore reply lent a shared-memory segment), ``HANDED <step>`` (a
-CommitShards reply arrived: the daemon owns the bytes), ``ACK <step>``
+CommitShards reply arrived: the daemon owns the bytes), ``REPLIED <step>`` and
+``WHOLE <step>`` (for a commit sent while the client copies: its reply arrived;
+the word that the lease is whole was written; the daemon owns the bytes once
+both are there), ``ACK <step>``
 (``save()`` returned; for jax, once the copy and handoff are done too).
 """
 
@@ -53,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 
 from ckptd.client import CheckpointNotFound, Client, FixedInterval
+from ckptd.client.handoff import Handoff
 from ckptd.client.saver import Saver
 from ckptd.core.wire import METADATA, Connection
 from ckptd.proto import ckptd_pb2 as pb
@@ -114,6 +118,7 @@ def instrument(point: KillPoint) -> None:
     original_call = Connection._unary
     original_copy = Saver.copy_arrays
     original_d2h = Saver._copy_device_and_commit
+    original_mark = Handoff.mark
     local = threading.local()  # per d2h save: has its first array been copied yet?
     in_flight: list[Any] = []  # keeps the during-wait call alive (a dropped future cancels)
 
@@ -142,7 +147,9 @@ def instrument(point: KillPoint) -> None:
             point.stop()
         reply = original_call(self, method, request, response, timeout, metadata)
         if method == "CommitShards":
-            emit("HANDED", request.step)
+            # Sent once copied, the reply hands the save off; sent while copying, the
+            # reply and the word that the lease is whole (WHOLE) do, together.
+            emit("REPLIED" if request.copied_nonce else "HANDED", request.step)
         elif method == "Restore":
             emit("RESTORE-LEASE", int(reply.HasField("lease")))
         point.at(f"after:{method}")
@@ -161,6 +168,11 @@ def instrument(point: KillPoint) -> None:
             point.stop()
         original_copy(self, mm, entries, arrays)
 
+    def mark(req: Any, mm: Any, whole: bool = True) -> None:
+        original_mark(req, mm, whole)
+        if whole:
+            emit("WHOLE", req.step)
+
     def copy_device_and_commit(self: Saver, *args: Any) -> None:
         local.copied = False
         original_d2h(self, *args)
@@ -168,6 +180,7 @@ def instrument(point: KillPoint) -> None:
     Connection._unary = call  # type: ignore[method-assign]
     Saver.copy_arrays = copy_into  # type: ignore[method-assign]
     Saver._copy_device_and_commit = copy_device_and_commit  # type: ignore[method-assign]
+    Handoff.mark = staticmethod(mark)  # type: ignore[method-assign]
 
 
 def as_jax(tree: dict[str, np.ndarray]) -> dict[str, Any]:

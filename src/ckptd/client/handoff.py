@@ -30,11 +30,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import TypeVar
 
 import numpy as np
 
 from ckptd.core.errors import CkptdUnavailable, Conflict, NotFound
+from ckptd.core.format import round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -46,7 +48,17 @@ HOLDER_HEADER = "ckptd-holder"
 """gRPC metadata naming the liveness file (the daemon's staging.HOLDER_HEADER)."""
 MAPPED_SEGMENTS = 2
 """Segments kept mapped between saves (the daemon reuses them)."""
+WORD = 8
+"""Bytes of the word that says a lease is whole (:meth:`Handoff.commit_copying`)."""
+NONCE_FAILED = (1 << 64) - 1
+"""XORed with the nonce: the word of a copy that failed."""
 T = TypeVar("T")
+
+
+def lease_size(data_len: int) -> int:
+    """The lease a save of ``data_len`` bytes asks for: its data, then the word that
+    says it is whole (:meth:`Handoff.commit_copying`)."""
+    return round_up(data_len) + WORD
 
 
 class Liveness:
@@ -179,9 +191,17 @@ class Handoff:
             self.release(lease.lease_id)
             raise
 
-    def commit(self, req: pb.CommitShardsRequest, mm: mmap.mmap, size: int, what: str) -> None:
+    def commit(
+        self,
+        req: pb.CommitShardsRequest,
+        mm: mmap.mmap,
+        size: int,
+        what: str,
+        copied: threading.Event | None = None,
+    ) -> None:
         """Commit ``req``; if the daemon went away meanwhile, copy the bytes into a new
-        lease of the daemon that came back and commit again."""
+        lease of the daemon that came back and commit again (once ``copied`` is set,
+        for a commit sent while the lease is still being filled)."""
         lost = False
         renewed = 0
         since = time.monotonic()
@@ -200,6 +220,8 @@ class Handoff:
                     raise
                 # A new daemon (a lease of a live client is never taken back otherwise):
                 # the old lease is gone, its bytes are still in our mapping.
+                if copied is not None:
+                    copied.wait()
                 lease, new = self.acquire(size, 60.0, what)
                 np.copyto(np.frombuffer(new, np.uint8, size), np.frombuffer(mm, np.uint8, size))
                 req.lease_id, mm = lease.lease_id, new
@@ -210,6 +232,49 @@ class Handoff:
                     self.release(req.lease_id)
                     return
                 raise
+
+    def commit_copying(
+        self,
+        req: pb.CommitShardsRequest,
+        mm: mmap.mmap,
+        size: int,
+        what: str,
+        copy: Callable[[], None],
+        committer: Executor,
+    ) -> None:
+        """``copy()`` the save's ``size`` bytes into the lease ``mm`` and commit ``req``.
+
+        Where the lease has room past the data (:func:`lease_size`), the commit goes
+        on ``committer`` while ``copy()`` runs, and a word written after it says the
+        lease is whole (the daemon reads the lease
+        only then: its ``local/copied.py``). Returns once the daemon's answer is in
+        and the word is written: the commit's round trip and the journal's fsync
+        overlap the copy instead of following it."""
+        if len(mm) < size + WORD:
+            copy()
+            self.commit(req, mm, size, what)
+            return
+        req.copied_at = size
+        req.copied_nonce = secrets.randbits(63) | 1  # never its own complement
+        copied = threading.Event()  # a retry into a new lease copies the whole of it
+        sent = committer.submit(self.commit, req, mm, size + WORD, what, copied)
+        try:
+            copy()
+        except BaseException:
+            self.mark(req, mm, whole=False)
+            copied.set()
+            sent.exception()  # nothing may still use the lease once save() raised
+            raise
+        self.mark(req, mm)
+        copied.set()
+        sent.result()
+
+    @staticmethod
+    def mark(req: pb.CommitShardsRequest, mm: mmap.mmap, whole: bool = True) -> None:
+        """Write the word of a commit sent while copying: the lease is whole (or the
+        copy failed, and the daemon is to drop the save)."""
+        word = req.copied_nonce if whole else req.copied_nonce ^ NONCE_FAILED
+        mm[req.copied_at : req.copied_at + WORD] = word.to_bytes(WORD, "little")
 
     def _handed_off(self, req: pb.CommitShardsRequest) -> bool:
         status = self.connection.get_save_status(

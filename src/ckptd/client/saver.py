@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core.errors import CapacityExhausted
@@ -25,7 +26,7 @@ from .changes import Changes, Saved, incremental_from_env, packbits
 from .copying import copy_into, host_batches
 from .device_leaf import jax_on_accelerator, jax_via_torch
 from .handle import WATCHERS, SaveHandle
-from .handoff import Handoff
+from .handoff import Handoff, lease_size
 from .jax_arrays import Replicas, ShardPlan
 from .planning import Planner, SavePlan, plan_in_place
 from .save_args import save_args
@@ -82,6 +83,7 @@ class Saver:
         self._copier = ThreadPoolExecutor(threads - 1, "ckptd-copy") if threads > 1 else None
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._leaser = ThreadPoolExecutor(1, "ckptd-lease")
+        self._committer = ThreadPoolExecutor(1, "ckptd-commit")
         self._copy_job: Future[None] | None = None
         self._cuda: DeviceCopies | None = None
         self._via_torch: bool | None = None
@@ -169,7 +171,7 @@ class Saver:
         since = self.changes.last  # (the background commit of the last save is done)
         record = self.changes.begin(step)
         try:
-            lease, mm = self._lease(early, round_up(data_len), wait, what, track)
+            lease, mm = self._lease(early, lease_size(data_len), wait, what, track)
         except CapacityExhausted as exc:
             raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
         committed = False
@@ -199,7 +201,6 @@ class Saver:
                 pending = self.device_copies().start(mm, queued, cuda)
                 todo = [e for e in todo if e.key not in cuda]
                 jax_entries = [e for e in jax_entries if e.key not in cuda]
-            self.copy_arrays(mm, todo, host)
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             req.incremental = self.incremental
             if mask is not None and since is not None:  # the trainer's word since `since`
@@ -215,6 +216,7 @@ class Saver:
                 if self._accelerated:  # (a CPU array is in host memory already)
                     for e in jax_entries:
                         device[e.key].data.copy_to_host_async()
+                self.copy_arrays(mm, todo, host)
                 job = self._copy_job = self._background.submit(
                     self._copy_device_and_commit,
                     mm,
@@ -227,7 +229,9 @@ class Saver:
                 )
                 pending = None  # the background job waits for it
             else:
-                self._handoff.commit(req, mm, round_up(data_len), what)
+                copy = partial(self.copy_arrays, mm, todo, host)
+                size = round_up(data_len)
+                self._handoff.commit_copying(req, mm, size, what, copy, self._committer)
                 self.changes.acknowledged(step, saved)
             committed = True
         finally:
@@ -237,7 +241,7 @@ class Saver:
                 self._handoff.release(req.lease_id)  # the lease of the last attempt
         handle = SaveHandle(self, step, job)
         handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
-        return self._saved(handle, started, round_up(data_len))
+        return self._saved(handle, started, lease_size(data_len))
 
     def _lease_early(
         self, wait: float, what: str, reuse_image: bool
@@ -249,7 +253,7 @@ class Saver:
         last = self.planner.last
         if last is None:
             return None
-        size = round_up(last.data_len)
+        size = lease_size(last.data_len)
         started = threading.Event()
 
         def ask() -> pb.Lease:
@@ -380,12 +384,15 @@ class Saver:
         """Background: device-to-host copies into the lease (CUDA tensors' are queued
         already: ``pending``), then the handoff."""
         what = f"step {req.step} of job {self.job!r} was not saved"
-        try:
+
+        def copy() -> None:
             if pending is not None:
                 pending.wait()
             for batch, hosts in host_batches(entries, device, what):
                 self.copy_arrays(mm, batch, hosts)
-            self._handoff.commit(req, mm, size, what)
+
+        try:
+            self._handoff.commit_copying(req, mm, size, what, copy, self._committer)
             self.changes.acknowledged(req.step, saved)
         except BaseException:
             self._handoff.release(req.lease_id)
@@ -412,6 +419,7 @@ class Saver:
         self.finish_copy()
         self._background.shutdown(wait=True)
         self._leaser.shutdown(wait=True)
+        self._committer.shutdown(wait=True)
         if self._cuda is not None:
             self._cuda.close()
         if self._copier is not None:

@@ -175,7 +175,7 @@ class SliceSpec(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class CommitShardsRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged")
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged", "copied_nonce", "copied_at", "copied_holder")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,9 @@ class CommitShardsRequest(_message.Message):
     INCREMENTAL_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_SINCE_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    COPIED_NONCE_FIELD_NUMBER: _ClassVar[int]
+    COPIED_AT_FIELD_NUMBER: _ClassVar[int]
+    COPIED_HOLDER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job: str
     step: int
@@ -217,7 +220,10 @@ class CommitShardsRequest(_message.Message):
     incremental: bool
     unchanged_since: int
     unchanged: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ...) -> None: ...
+    copied_nonce: int
+    copied_at: int
+    copied_holder: str
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ..., copied_nonce: _Optional[int] = ..., copied_at: _Optional[int] = ..., copied_holder: _Optional[str] = ...) -> None: ...
 
 class CommitShardsResponse(_message.Message):
     __slots__ = ("state",)

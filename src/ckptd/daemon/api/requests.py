@@ -22,6 +22,7 @@ from ckptd.core.shard_table import MAX_NDIM, ShardTable
 from ckptd.core.shard_wire import decode
 from ckptd.proto import ckptd_pb2 as pb
 
+from ..local.liveness import check_holder
 from ..local.pending import CommitRequest
 
 MAX_JSON_BYTES = 64 * 2**20
@@ -122,7 +123,17 @@ def parse_commit(
         incremental=req.incremental,
         unchanged_since=req.unchanged_since,
         unchanged=_unchanged(req, len(table)),
+        copied_nonce=req.copied_nonce,
+        copied_at=req.copied_at,
+        copied_holder=_copied_holder(req),
     )
+
+
+def _copied_holder(req: pb.CommitShardsRequest) -> str:
+    """The liveness file of a client copying as it commits (it becomes a path)."""
+    if req.copied_nonce:
+        check_holder(req.copied_holder)
+    return req.copied_holder
 
 
 def _unchanged(req: pb.CommitShardsRequest, rows: int) -> npt.NDArray[np.bool_] | None:

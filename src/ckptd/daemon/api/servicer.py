@@ -190,6 +190,10 @@ class Servicer(pb_grpc.CkptdServicer):
     ) -> pb.CommitShardsResponse:
         peer, job = self._job(context, request.job)
         self._own_lease(peer, request.lease_id)
+        # Whom the write (and a replay) waits for while it copies: the lease's client,
+        # whatever the request says (local/copied.py).
+        holder = self.s.saver.staging.get(request.lease_id).holder if request.copied_nonce else ""
+        request.copied_holder = holder
         # Thousands of shards: their table is checked with array operations, but the
         # tree spec is parsed per leaf (and older clients send a message per shard):
         # on a thread, so the loop keeps answering other ranks meanwhile. The same

@@ -44,6 +44,10 @@ class CommitRequest:
     unchanged: npt.NDArray[np.bool_] | None = None
     """Per row of ``table``: the trainer's word that it did not change since step
     ``unchanged_since`` (None: no word, compare digests)."""
+    copied_nonce: int = 0
+    copied_at: int = 0
+    copied_holder: str = ""
+    """Sent while the client still copies: the rank's write waits for its word (copied.py)."""
 
 
 @dataclass

@@ -35,7 +35,7 @@ from ckptd.proto import ckptd_pb2 as pb
 from ..catalog import Catalog, Step
 from ..files import write_file_checksummed
 from ..io import IoPool
-from . import increment
+from . import copied, increment
 from .journal import Entry, Journal
 from .memory import MemoryTier
 from .pending import CommitRequest, PendingStep, step_manifest
@@ -141,6 +141,9 @@ class Saver:
                 f"{req.lease_id!r} holds {lease.segment.size} bytes (data_offset must be a "
                 f"multiple of {ALIGN}); acquire a lease large enough for the save"
             )
+        if req.copied_nonce:  # sent while the client copies (copied.py)
+            end = req.data_offset + round_up(data_len)
+            copied.check(req.copied_at, end, lease, req.copied_holder)
         key = (req.job, req.step)
         st = self.catalog.get(*key)
         pending = self._pending.get(key)
@@ -206,15 +209,9 @@ class Saver:
             # The journal's fsync first, alone: started beside a large rank-file write
             # it waited for the filesystem's metadata commit, and so did the trainer.
             try:
-                timeline = (st.timeline, st.forks)
+                seg, timeline = lease.segment, (st.timeline, st.forks)
                 await self.journal.commit(
-                    lease.lease_id,
-                    lease.segment.name,
-                    req.job,
-                    record,
-                    timeline,
-                    step=req.step,
-                    size=lease.segment.size,
+                    lease.lease_id, seg.name, req.job, record, timeline, req.step, seg.size
                 )
             except Exception as exc:
                 pending.writing.discard(req.rank)
@@ -263,6 +260,9 @@ class Saver:
         many = len(req.table) > INLINE_SHARDS
         run = partial(self.io.run, ticket=pending.ticket)
         try:
+            if req.copied_nonce:  # sent while the client copies: wait for its word
+                shm = self.staging.shm_dir
+                await copied.wait(lease, req.copied_at, req.copied_nonce, req.copied_holder, shm)
             layout = self._layouts.get(req)
             if layout is None:
                 layout = await run(rank_layout, req) if many else rank_layout(req)

@@ -1,0 +1,214 @@
+"""A save's commit goes to the daemon while the client still copies its bytes.
+
+The daemon journals and answers at once, and reads the lease only once the
+client's word says it is whole (daemon/local/copied.py). These tests hold the
+client's copy at the point that matters, through the real client and a real
+daemon: the write waits for the word; a client gone before its word, or whose
+copy failed, loses that save (its save() never returned) and its memory comes
+back; a daemon killed while waiting replays the save once the word comes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptd.client import Client
+from ckptd.client.handoff import Liveness
+from ckptd.core.errors import CkptdError
+from ckptd.core.wire import Connection
+from ckptd.proto import ckptd_pb2 as pb
+
+from .conftest import Daemon
+from .helpers import state_for
+
+WAIT = "copied.wait"
+"""The daemon's failpoint: the commit journaled and answered, the lease not yet read."""
+
+
+def _held_copy(client: Client, during: Callable[[], None]) -> None:
+    """Run ``during()`` inside the client's next copy, before any byte is copied."""
+    original = client._saver.copy_arrays
+
+    def copy(mm: Any, entries: Any, arrays: Any) -> None:
+        client._saver.copy_arrays = original  # type: ignore[method-assign]
+        during()
+        original(mm, entries, arrays)
+
+    client._saver.copy_arrays = copy  # type: ignore[method-assign]
+
+
+def _status(daemon: Daemon, job: str, step: int, timeout: float = 0.0) -> pb.SaveStatus:
+    """The save's state, waiting up to ``timeout`` s for LOCAL (or its end)."""
+    req = pb.GetSaveStatusRequest(
+        job=job, step=step, wait_for=pb.SAVE_STATE_LOCAL, timeout_seconds=timeout
+    )
+    status: pb.SaveStatus = daemon.connection.get_save_status(req, timeout + 60)
+    return status
+
+
+def _ended(daemon: Daemon, job: str, step: int) -> pb.SaveStatus:
+    status = _status(daemon, job, step, timeout=60)
+    assert status.final or status.reached, "the save neither ended nor went LOCAL"
+    return status
+
+
+def _assert_restores(client: Client, step: int, state: dict[str, np.ndarray]) -> None:
+    tree, _ = client.restore(step=step)
+    for key, value in state.items():
+        np.testing.assert_array_equal(tree[key], value)
+
+
+def test_the_write_waits_for_the_word(make_daemon: Any) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    client = daemon.client("word")
+    state = state_for(1, 2)
+
+    def during() -> None:
+        daemon.wait_failpoint(WAIT)  # journaled and answered before a byte was copied
+        daemon.release(WAIT)
+        # Nothing is in the lease yet: a write that did not wait would commit it now.
+        status = _status(daemon, "word", 1, timeout=1.0)
+        assert status.state == pb.SAVE_STATE_STAGING and not status.reached
+
+    _held_copy(client, during)
+    client.save(1, state).wait("local", timeout=60)
+    _assert_restores(client, 1, state)
+
+
+def test_a_client_gone_before_its_word_loses_only_that_save(make_daemon: Any) -> None:
+    daemon: Daemon = make_daemon()
+    client = daemon.client("gone")
+    client.save(1, state_for(1, 2)).wait("local", timeout=60)
+    daemon.stop()
+    daemon.env = {"CKPTD_FAILPOINTS": f"{WAIT}=pause"}
+    daemon.restart()
+
+    def during() -> None:
+        daemon.wait_failpoint(WAIT)
+        client._saver._handoff.liveness.close()  # as if the process died: nobody locks it
+        daemon.release(WAIT)
+        status = _ended(daemon, "gone", 2)
+        assert status.state == pb.SAVE_STATE_FAILED, status
+        assert "exited before its copy" in status.error
+        assert daemon.status().leases_held == 0  # its memory came back before FAILED
+        raise RuntimeError("the trainer died")
+
+    _held_copy(client, during)
+    with pytest.raises(RuntimeError, match="trainer died"):
+        client.save(2, state_for(2, 2))
+    daemon.stop()  # nothing of it is replayed: its journal record was retired
+    daemon.env = {}
+    daemon.restart()
+    assert [c.step for c in client.list()] == [1]
+    client.save(3, state_for(3, 2)).wait("local", timeout=60)
+    _assert_restores(client, 3, state_for(3, 2))
+
+
+def test_a_failed_copy_fails_the_save_at_once(make_daemon: Any) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    client = daemon.client("broken")
+
+    def during() -> None:
+        daemon.wait_failpoint(WAIT)
+        daemon.release(WAIT)
+        raise ValueError("a device copy failed")
+
+    _held_copy(client, during)
+    with pytest.raises(ValueError, match="device copy failed"):
+        client.save(1, state_for(1, 2))
+    status = _ended(daemon, "broken", 1)
+    assert status.state == pb.SAVE_STATE_FAILED and "copy into shared memory failed" in status.error
+    assert daemon.status().leases_held == 0
+    client.save(2, state_for(2, 2)).wait("local", timeout=60)
+    _assert_restores(client, 2, state_for(2, 2))
+
+
+def test_a_daemon_killed_waiting_for_the_word_replays_the_save_once_written(
+    make_daemon: Any,
+) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    client = daemon.client("replay")
+    state = state_for(1, 2)
+
+    def during() -> None:
+        daemon.wait_failpoint(WAIT)  # journaled; the lease not yet read
+        daemon.kill()
+        daemon.env = {}
+        daemon.restart()  # the replay adopts the segment this process still maps
+
+    _held_copy(client, during)
+    client.save(1, state).wait("local", timeout=60)
+    assert [c.step for c in client.list()] == [1]
+    _assert_restores(client, 1, state)
+
+
+def test_a_daemon_killed_and_a_client_gone_meanwhile_fail_the_replayed_save(
+    make_daemon: Any,
+) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    client = daemon.client("both")
+
+    def during() -> None:
+        daemon.wait_failpoint(WAIT)
+        daemon.kill()
+        client._saver._handoff.liveness.close()
+        daemon.env = {}
+        daemon.restart()
+        status = _ended(daemon, "both", 1)
+        assert status.state == pb.SAVE_STATE_FAILED and "exited before" in status.error
+        raise RuntimeError("the trainer died")
+
+    _held_copy(client, during)
+    with pytest.raises(RuntimeError, match="trainer died"):
+        client.save(1, state_for(1, 2))
+    assert daemon.status().leases_held == 0
+    assert [(c.step, c.state) for c in client.list()] == [(1, "FAILED")]  # nothing LOCAL
+
+
+def _commit(daemon: Daemon, holder: bool, copied_at: int | None) -> str:
+    """A one-shard commit sent while copying, ``copied_at`` past the data (None: right
+    past it), on a lease asked for with or without a liveness header; the refusal."""
+    live = Liveness()
+    try:
+        with Connection(daemon.socket, timeout=30) as conn:
+            meta = live.metadata() if holder else ()
+            lease = conn.acquire_lease(
+                pb.AcquireLeaseRequest(job="bad", size_bytes=4096 + 8), 30, meta
+            )
+            shard = pb.ShardDescriptor(key="a", dtype="<f4", shape=[4], offset=0, length=16)
+            req = pb.CommitShardsRequest(
+                lease_id=lease.lease_id,
+                job="bad",
+                step=1,
+                shards=[shard],
+                copied_nonce=12345,
+                copied_at=4096 if copied_at is None else copied_at,
+            )
+            try:
+                conn.commit_shards(req)
+            except CkptdError as exc:
+                return f"{exc.code}: {exc}"
+            return "OK"
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize(
+    ("holder", "copied_at", "says"),
+    [
+        (True, 8, "must be a multiple of 8 from byte 4096"),  # inside the data
+        (True, 4100, "must be a multiple of 8"),
+        (True, 2**40, "within the lease"),
+        (False, None, "liveness header"),
+    ],
+)
+def test_a_word_with_no_place_or_no_one_to_wait_for_is_refused(
+    daemon: Daemon, holder: bool, copied_at: int | None, says: str
+) -> None:
+    refusal = _commit(daemon, holder, copied_at)
+    assert refusal.startswith("INVALID_ARGUMENT") and says in refusal, refusal
+    assert daemon.status().leases_held <= 1  # the lease is still the client's, nothing else
