@@ -10,14 +10,16 @@ back; a daemon killed while waiting replays the save once the word comes.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pytest
 
 from ckptd.client import Client
-from ckptd.client.handoff import Liveness
+from ckptd.client.handoff import Handoff, Liveness
 from ckptd.core.errors import CkptdError
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
@@ -212,3 +214,54 @@ def test_a_word_with_no_place_or_no_one_to_wait_for_is_refused(
     refusal = _commit(daemon, holder, copied_at)
     assert refusal.startswith("INVALID_ARGUMENT") and says in refusal, refusal
     assert daemon.status().leases_held <= 1  # the lease is still the client's, nothing else
+
+
+class _Recorder(Handoff):
+    """A handoff whose commit only records what it was sent and what the lease held."""
+
+    def __init__(self) -> None:  # no connection: commit() below never calls the daemon
+        self.sent: list[tuple[pb.CommitShardsRequest, bytes]] = []
+
+    def commit(self, req: Any, mm: Any, size: int, what: str, copied: Any = None) -> None:
+        self.sent.append((req, bytes(mm[:size])))
+
+
+@pytest.mark.parametrize(
+    ("word", "room", "deferred"),
+    [(True, 8, True), (False, 8, False), (True, 7, False)],
+    ids=["daemon-waits", "older-daemon", "no-room"],
+)
+def test_the_commit_goes_out_while_copying_only_to_a_daemon_that_waits_with_room(
+    word: bool, room: int, deferred: bool
+) -> None:
+    handoff, mm = _Recorder(), mmap.mmap(-1, 4096 + room)
+    copied: list[bool] = []
+    with ThreadPoolExecutor(1) as committer:
+        handoff.commit_copying(
+            pb.CommitShardsRequest(step=3),
+            mm,
+            4096,
+            "step 3",
+            lambda: copied.append(bool(handoff.sent)),  # was the commit out before?
+            committer,
+            word,
+        )
+    ((req, held),) = handoff.sent
+    if deferred:
+        assert req.copied_at == 4096 and req.copied_nonce
+        assert int.from_bytes(mm[4096:4104], "little") == req.copied_nonce
+    else:
+        assert copied == [False] and not req.copied_nonce  # copied, then committed
+        assert len(held) == 4096 and not any(mm[4096:])
+
+
+def test_a_copy_that_fails_leaves_the_failed_word_and_raises() -> None:
+    handoff, mm = _Recorder(), mmap.mmap(-1, 4096 + 8)
+
+    def copy() -> None:
+        raise OSError("device gone")
+
+    with ThreadPoolExecutor(1) as committer, pytest.raises(OSError, match="device gone"):
+        handoff.commit_copying(pb.CommitShardsRequest(), mm, 4096, "s", copy, committer)
+    ((req, _),) = handoff.sent
+    assert int.from_bytes(mm[4096:4104], "little") == req.copied_nonce ^ ((1 << 64) - 1)

@@ -241,16 +241,18 @@ class Handoff:
         what: str,
         copy: Callable[[], None],
         committer: Executor,
+        word: bool = True,
     ) -> None:
         """``copy()`` the save's ``size`` bytes into the lease ``mm`` and commit ``req``.
 
-        Where the lease has room past the data (:func:`lease_size`), the commit goes
-        on ``committer`` while ``copy()`` runs, and a word written after it says the
+        Where the daemon waits for the word (``word``: its lease said so) and the
+        lease has room past the data (:func:`lease_size`), the commit goes on
+        ``committer`` while ``copy()`` runs, and a word written after it says the
         lease is whole (the daemon reads the lease
         only then: its ``local/copied.py``). Returns once the daemon's answer is in
         and the word is written: the commit's round trip and the journal's fsync
         overlap the copy instead of following it."""
-        if len(mm) < size + WORD:
+        if not word or len(mm) < size + WORD:
             copy()
             self.commit(req, mm, size, what)
             return

@@ -226,12 +226,14 @@ class Saver:
                     round_up(data_len),
                     saved,
                     pending,
+                    lease.waits_for_word,
                 )
                 pending = None  # the background job waits for it
             else:
                 copy = partial(self.copy_arrays, mm, todo, host)
                 size = round_up(data_len)
-                self._handoff.commit_copying(req, mm, size, what, copy, self._committer)
+                word = lease.waits_for_word
+                self._handoff.commit_copying(req, mm, size, what, copy, self._committer, word)
                 self.changes.acknowledged(step, saved)
             committed = True
         finally:
@@ -380,9 +382,11 @@ class Saver:
         size: int,
         saved: Saved | None,
         pending: Pending | None = None,
+        word: bool = False,
     ) -> None:
         """Background: device-to-host copies into the lease (CUDA tensors' are queued
-        already: ``pending``), then the handoff."""
+        already: ``pending``) and the handoff, sent while they run where the daemon
+        waits for the word (``word``: :meth:`Handoff.commit_copying`)."""
         what = f"step {req.step} of job {self.job!r} was not saved"
 
         def copy() -> None:
@@ -392,7 +396,7 @@ class Saver:
                 self.copy_arrays(mm, batch, hosts)
 
         try:
-            self._handoff.commit_copying(req, mm, size, what, copy, self._committer)
+            self._handoff.commit_copying(req, mm, size, what, copy, self._committer, word)
             self.changes.acknowledged(req.step, saved)
         except BaseException:
             self._handoff.release(req.lease_id)

@@ -99,20 +99,22 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., reuse_image: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "segment", "size_bytes", "alignment", "holds_image", "holds_step")
+    __slots__ = ("lease_id", "segment", "size_bytes", "alignment", "holds_image", "holds_step", "waits_for_word")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     HOLDS_IMAGE_FIELD_NUMBER: _ClassVar[int]
     HOLDS_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAITS_FOR_WORD_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment: str
     size_bytes: int
     alignment: int
     holds_image: bool
     holds_step: int
-    def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ..., holds_image: _Optional[bool] = ..., holds_step: _Optional[int] = ...) -> None: ...
+    waits_for_word: bool
+    def __init__(self, lease_id: _Optional[str] = ..., segment: _Optional[str] = ..., size_bytes: _Optional[int] = ..., alignment: _Optional[int] = ..., holds_image: _Optional[bool] = ..., holds_step: _Optional[int] = ..., waits_for_word: _Optional[bool] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "client_holds")

@@ -67,6 +67,7 @@ def lease(lease: Lease) -> pb.Lease:
         alignment=ALIGN,
         holds_image=lease.holds is not None,
         holds_step=lease.holds or 0,
+        waits_for_word=True,
     )
 
 
