@@ -12,6 +12,8 @@ jax = pytest.importorskip("jax")
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from ckptd.proto import ckptd_pb2 as pb  # noqa: E402
+
 from .conftest import Daemon  # noqa: E402
 
 
@@ -116,6 +118,12 @@ def test_a_saved_array_donated_before_its_copy_fails_the_save_saying_why(daemon:
         gate.set()
     with pytest.raises(SaveFailed, match=r"donated to a jitted step.*wait_copied"):
         handle.wait("local", timeout=60)
+    # The commit went out while copying: the daemon drops the save on the client's
+    # word that the copy failed, and its lease is back before it says FAILED.
+    req = pb.GetSaveStatusRequest(
+        job="donate", step=1, wait_for=pb.SAVE_STATE_LOCAL, timeout_seconds=60
+    )
+    assert daemon.connection.get_save_status(req, 120).state == pb.SAVE_STATE_FAILED
     assert daemon.status().leases_held == 0
 
 

@@ -30,7 +30,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -59,6 +60,27 @@ def lease_size(data_len: int) -> int:
     """The lease a save of ``data_len`` bytes asks for: its data, then the word that
     says it is whole (:meth:`Handoff.commit_copying`)."""
     return round_up(data_len) + WORD
+
+
+@dataclass
+class Copying:
+    """A commit sent while its lease is still being filled (:meth:`Handoff.send_copying`)."""
+
+    req: pb.CommitShardsRequest
+    mm: mmap.mmap
+    answer: Future[None]
+    copied: threading.Event
+    """Set once the word is written: a retry into a new lease copies the whole of it."""
+
+    def done(self, whole: bool = True) -> None:
+        """Write the word (the lease is whole, or the copy failed and the daemon is to
+        drop the save) and wait for the daemon's answer; raise its error if whole."""
+        Handoff.mark(self.req, self.mm, whole)
+        self.copied.set()
+        if whole:
+            self.answer.result()
+        else:
+            self.answer.exception()  # nothing may still use the lease once save() raised
 
 
 class Liveness:
@@ -243,33 +265,57 @@ class Handoff:
         committer: Executor,
         word: bool = True,
     ) -> None:
-        """``copy()`` the save's ``size`` bytes into the lease ``mm`` and commit ``req``.
+        """``copy()`` the save's ``size`` bytes into the lease ``mm`` and commit ``req``:
+        sent on ``committer`` while ``copy()`` runs where it may be
+        (:meth:`send_copying`); returns once the daemon answered and the lease is whole."""
+        sending = self.send_copying(req, mm, size, what, committer, word)
+        self.commit_copied(sending, req, mm, size, what, copy)
 
-        Where the daemon waits for the word (``word``: its lease said so) and the
-        lease has room past the data (:func:`lease_size`), the commit goes on
-        ``committer`` while ``copy()`` runs, and a word written after it says the
-        lease is whole (the daemon reads the lease
-        only then: its ``local/copied.py``). Returns once the daemon's answer is in
-        and the word is written: the commit's round trip and the journal's fsync
-        overlap the copy instead of following it."""
+    def send_copying(
+        self,
+        req: pb.CommitShardsRequest,
+        mm: mmap.mmap,
+        size: int,
+        what: str,
+        committer: Executor,
+        word: bool,
+    ) -> Copying | None:
+        """Send ``req`` on ``committer`` before the lease is filled, where the daemon
+        waits for the word (``word``: its lease said so) and the lease has room for it
+        past the data (:func:`lease_size`); None where it must wait for the copy.
+
+        The daemon journals and answers at once, and reads the lease only once the
+        word written after the copy says it is whole (its ``local/copied.py``): the
+        commit's round trip and the journal's fsync overlap the copy instead of
+        following it. Finish with :meth:`commit_copied`."""
         if not word or len(mm) < size + WORD:
-            copy()
-            self.commit(req, mm, size, what)
-            return
+            return None
         req.copied_at = size
         req.copied_nonce = secrets.randbits(63) | 1  # never its own complement
         copied = threading.Event()  # a retry into a new lease copies the whole of it
-        sent = committer.submit(self.commit, req, mm, size + WORD, what, copied)
+        answer = committer.submit(self.commit, req, mm, size + WORD, what, copied)
+        return Copying(req, mm, answer, copied)
+
+    def commit_copied(
+        self,
+        sending: Copying | None,
+        req: pb.CommitShardsRequest,
+        mm: mmap.mmap,
+        size: int,
+        what: str,
+        copy: Callable[[], None],
+    ) -> None:
+        """``copy()``, then the word of the commit ``sending`` (or, None, the commit)."""
+        if sending is None:
+            copy()
+            self.commit(req, mm, size, what)
+            return
         try:
             copy()
         except BaseException:
-            self.mark(req, mm, whole=False)
-            copied.set()
-            sent.exception()  # nothing may still use the lease once save() raised
+            sending.done(whole=False)
             raise
-        self.mark(req, mm)
-        copied.set()
-        sent.result()
+        sending.done(whole=True)
 
     @staticmethod
     def mark(req: pb.CommitShardsRequest, mm: mmap.mmap, whole: bool = True) -> None:

@@ -26,7 +26,7 @@ from .changes import Changes, Saved, incremental_from_env, packbits
 from .copying import copy_into, host_batches
 from .device_leaf import jax_on_accelerator, jax_via_torch
 from .handle import WATCHERS, SaveHandle
-from .handoff import Handoff, lease_size
+from .handoff import Copying, Handoff, lease_size
 from .jax_arrays import Replicas, ShardPlan
 from .planning import Planner, SavePlan, plan_in_place
 from .save_args import save_args
@@ -216,18 +216,27 @@ class Saver:
                 if self._accelerated:  # (a CPU array is in host memory already)
                     for e in jax_entries:
                         device[e.key].data.copy_to_host_async()
-                self.copy_arrays(mm, todo, host)
-                job = self._copy_job = self._background.submit(
-                    self._copy_device_and_commit,
-                    mm,
-                    jax_entries,
-                    device,
-                    req,
-                    round_up(data_len),
-                    saved,
-                    pending,
-                    lease.waits_for_word,
-                )
+                # The commit goes out now, while this thread and then the background
+                # job copy (Handoff.send_copying).
+                size, word = round_up(data_len), lease.waits_for_word
+                sending = self._handoff.send_copying(req, mm, size, what, self._committer, word)
+                try:
+                    self.copy_arrays(mm, todo, host)
+                    job = self._copy_job = self._background.submit(
+                        self._copy_device_and_commit,
+                        mm,
+                        jax_entries,
+                        device,
+                        req,
+                        size,
+                        saved,
+                        pending,
+                        sending,
+                    )
+                except BaseException:
+                    if sending is not None:
+                        sending.done(whole=False)
+                    raise
                 pending = None  # the background job waits for it
             else:
                 copy = partial(self.copy_arrays, mm, todo, host)
@@ -382,11 +391,11 @@ class Saver:
         size: int,
         saved: Saved | None,
         pending: Pending | None = None,
-        word: bool = False,
+        sending: Copying | None = None,
     ) -> None:
         """Background: device-to-host copies into the lease (CUDA tensors' are queued
-        already: ``pending``) and the handoff, sent while they run where the daemon
-        waits for the word (``word``: :meth:`Handoff.commit_copying`)."""
+        already: ``pending``), then the word of the commit ``sending`` while they ran
+        (:meth:`Handoff.send_copying`), or the commit."""
         what = f"step {req.step} of job {self.job!r} was not saved"
 
         def copy() -> None:
@@ -396,7 +405,7 @@ class Saver:
                 self.copy_arrays(mm, batch, hosts)
 
         try:
-            self._handoff.commit_copying(req, mm, size, what, copy, self._committer, word)
+            self._handoff.commit_copied(sending, req, mm, size, what, copy)
             self.changes.acknowledged(req.step, saved)
         except BaseException:
             self._handoff.release(req.lease_id)
