@@ -10,9 +10,16 @@ back; a daemon killed while waiting replays the save once the word comes.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +29,7 @@ from ckptd.client import Client
 from ckptd.client.handoff import Handoff, Liveness
 from ckptd.core.errors import CkptdError
 from ckptd.core.wire import Connection
+from ckptd.daemon.local.liveness import process_running, process_start
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
@@ -81,35 +89,6 @@ def test_the_write_waits_for_the_word(make_daemon: Any) -> None:
     _assert_restores(client, 1, state)
 
 
-def test_a_client_gone_before_its_word_loses_only_that_save(make_daemon: Any) -> None:
-    daemon: Daemon = make_daemon()
-    client = daemon.client("gone")
-    client.save(1, state_for(1, 2)).wait("local", timeout=60)
-    daemon.stop()
-    daemon.env = {"CKPTD_FAILPOINTS": f"{WAIT}=pause"}
-    daemon.restart()
-
-    def during() -> None:
-        daemon.wait_failpoint(WAIT)
-        client._saver._handoff.liveness.close()  # as if the process died: nobody locks it
-        daemon.release(WAIT)
-        status = _ended(daemon, "gone", 2)
-        assert status.state == pb.SAVE_STATE_FAILED, status
-        assert "exited before its copy" in status.error
-        assert daemon.status().leases_held == 0  # its memory came back before FAILED
-        raise RuntimeError("the trainer died")
-
-    _held_copy(client, during)
-    with pytest.raises(RuntimeError, match="trainer died"):
-        client.save(2, state_for(2, 2))
-    daemon.stop()  # nothing of it is replayed: its journal record was retired
-    daemon.env = {}
-    daemon.restart()
-    assert [c.step for c in client.list()] == [1]
-    client.save(3, state_for(3, 2)).wait("local", timeout=60)
-    _assert_restores(client, 3, state_for(3, 2))
-
-
 def test_a_failed_copy_fails_the_save_at_once(make_daemon: Any) -> None:
     daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
     client = daemon.client("broken")
@@ -146,29 +125,6 @@ def test_a_daemon_killed_waiting_for_the_word_replays_the_save_once_written(
     client.save(1, state).wait("local", timeout=60)
     assert [c.step for c in client.list()] == [1]
     _assert_restores(client, 1, state)
-
-
-def test_a_daemon_killed_and_a_client_gone_meanwhile_fail_the_replayed_save(
-    make_daemon: Any,
-) -> None:
-    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
-    client = daemon.client("both")
-
-    def during() -> None:
-        daemon.wait_failpoint(WAIT)
-        daemon.kill()
-        client._saver._handoff.liveness.close()
-        daemon.env = {}
-        daemon.restart()
-        status = _ended(daemon, "both", 1)
-        assert status.state == pb.SAVE_STATE_FAILED and "exited before" in status.error
-        raise RuntimeError("the trainer died")
-
-    _held_copy(client, during)
-    with pytest.raises(RuntimeError, match="trainer died"):
-        client.save(1, state_for(1, 2))
-    assert daemon.status().leases_held == 0
-    assert [(c.step, c.state) for c in client.list()] == [(1, "FAILED")]  # nothing LOCAL
 
 
 def _commit(daemon: Daemon, holder: bool, copied_at: int | None) -> str:
@@ -265,3 +221,151 @@ def test_a_copy_that_fails_leaves_the_failed_word_and_raises() -> None:
         handoff.commit_copying(pb.CommitShardsRequest(), mm, 4096, "s", copy, committer)
     ((req, _),) = handoff.sent
     assert int.from_bytes(mm[4096:4104], "little") == req.copied_nonce ^ ((1 << 64) - 1)
+
+
+CHILD = """
+import os, sys, threading, numpy as np
+from ckptd.client import Client
+socket, marker, job, fork = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "fork"
+client = Client(job, socket=socket)
+def copy(mm, entries, arrays):
+    child = os.fork() if fork else -1  # it inherits the liveness file's lock
+    if child == 0:
+        threading.Event().wait(120)
+        os._exit(0)
+    with open(marker + ".tmp", "w") as f:
+        f.write(str(child))
+    os.replace(marker + ".tmp", marker)
+    threading.Event().wait()  # the trainer stops here, mid-save, and is killed
+client._saver.copy_arrays = copy
+client.save(1, {"x": np.arange(1024.0)})
+"""
+
+
+class Trainer:
+    """A trainer process whose first save stops mid-copy, its commit sent; ``fork``:
+    it forks a process there first, which inherits its liveness file's lock."""
+
+    def __init__(self, daemon: Daemon, job: str, tmp_path: Path, fork: bool = False) -> None:
+        self.marker = tmp_path / f"{job}.copying"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        args = [sys.executable, "-c", CHILD, str(daemon.socket), str(self.marker), job]
+        self.proc = subprocess.Popen([*args, "fork" if fork else "plain"], env=env)
+        self.forked = 0
+
+    def wait_copying(self) -> None:
+        """Until it stands in its copy (it writes the marker file then)."""
+        deadline = time.monotonic() + 60
+        while not self.marker.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "never copied"
+            time.sleep(0.05)
+        self.forked = max(0, int(self.marker.read_text()))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        self.kill()
+        if self.forked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.forked, signal.SIGKILL)
+
+
+def test_a_client_gone_before_its_word_loses_only_that_save(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    daemon: Daemon = make_daemon()
+    client = daemon.client("gone")
+    client.save(0, state_for(0, 2)).wait("local", timeout=60)
+    daemon.stop()
+    daemon.env = {"CKPTD_FAILPOINTS": f"{WAIT}=pause"}
+    daemon.restart()
+    trainer = Trainer(daemon, "gone", tmp_path)
+    try:
+        daemon.wait_failpoint(WAIT)  # journaled, answered; the trainer copies
+        daemon.release(WAIT)
+        trainer.wait_copying()
+        trainer.kill()
+        status = _ended(daemon, "gone", 1)
+        assert status.state == pb.SAVE_STATE_FAILED, status
+        assert "exited before its copy" in status.error
+        assert daemon.status().leases_held == 0  # its memory came back before FAILED
+    finally:
+        trainer.close()
+    daemon.stop()  # nothing of it is replayed: its journal record was retired
+    daemon.env = {}
+    daemon.restart()
+    assert [(c.step, c.state) for c in client.list()] == [(0, "LOCAL")]
+    client.save(2, state_for(2, 2)).wait("local", timeout=60)
+    _assert_restores(client, 2, state_for(2, 2))
+
+
+def test_a_daemon_killed_and_a_client_gone_meanwhile_fail_the_replayed_save(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    trainer = Trainer(daemon, "both", tmp_path)
+    try:
+        daemon.wait_failpoint(WAIT)  # journaled, answered; the trainer copies
+        trainer.wait_copying()
+        daemon.kill()
+        trainer.kill()
+        daemon.env = {}
+        daemon.restart()
+        status = _ended(daemon, "both", 1)
+        assert status.state == pb.SAVE_STATE_FAILED and "exited before" in status.error
+        assert daemon.status().leases_held == 0
+    finally:
+        trainer.close()
+
+
+def test_a_client_killed_while_a_process_it_forked_holds_its_lock_still_counts_as_gone(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    """DataLoader workers are forked from the trainer and inherit its liveness file's
+    descriptor: the daemon asks whether the trainer's own process lives."""
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    trainer = Trainer(daemon, "forked", tmp_path, fork=True)
+    try:
+        daemon.wait_failpoint(WAIT)  # journaled, answered; the trainer copies
+        daemon.release(WAIT)
+        trainer.wait_copying()
+        trainer.kill()
+        status = _ended(daemon, "forked", 1)  # while the forked process holds the lock
+        assert status.state == pb.SAVE_STATE_FAILED and "exited before" in status.error
+        assert daemon.status().leases_held == 0
+    finally:
+        trainer.close()
+
+
+def test_pending_device_copies_are_all_waited_for_even_after_one_failed() -> None:
+    """No queued device-to-host copy may still write into a lease given up."""
+    from ckptd.client.torch.device_copy import Pending
+
+    synced: list[int] = []
+
+    class Event:
+        def __init__(self, n: int, fails: bool) -> None:
+            self.n, self.fails = n, fails
+
+        def synchronize(self) -> None:
+            synced.append(self.n)
+            if self.fails:
+                raise RuntimeError(f"copy {self.n} failed")
+
+    pending = Pending(events=[Event(0, True), Event(1, False), Event(2, True)])
+    with pytest.raises(RuntimeError, match="copy 0 failed"):
+        pending.wait()
+    assert synced == [0, 1, 2]
+
+
+def test_a_process_is_known_gone_by_its_pid_and_start_time() -> None:
+    me, started = os.getpid(), process_start(os.getpid())
+    assert started is not None and process_running(me, started)
+    assert not process_running(me, started + 1)  # a later process under a reused pid
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child_started = process_start(child.pid)
+    child.wait()
+    assert child_started is None or not process_running(child.pid, child_started)

@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -64,19 +64,36 @@ def lease_size(data_len: int) -> int:
 
 @dataclass
 class Copying:
-    """A commit sent while its lease is still being filled (:meth:`Handoff.send_copying`)."""
+    """A commit sent while its lease is still being filled (:meth:`Handoff.send_copying`).
+
+    The word that says the lease is whole is written on the commit's thread once
+    the copying thread said it is done (:attr:`copied`): the event orders every
+    copied byte before the word for any other CPU too (a store of this thread
+    after its own copy would not be, on a weakly ordered one), and the word is
+    written whatever became of the commit, so no daemon that journaled it waits
+    for a client that went on."""
 
     req: pb.CommitShardsRequest
     mm: mmap.mmap
-    answer: Future[None]
-    copied: threading.Event
-    """Set once the word is written: a retry into a new lease copies the whole of it."""
+    copied: threading.Event = field(default_factory=threading.Event)
+    whole: bool = True
+    answer: Future[None] | None = None
+    marked: bool = False
+
+    def mark_when_copied(self) -> None:
+        """(The commit's thread.) Wait for the copy, then write the word, once."""
+        self.copied.wait()
+        if not self.marked:
+            Handoff.mark(self.req, self.mm, self.whole)
+            self.marked = True
 
     def done(self, whole: bool = True) -> None:
-        """Write the word (the lease is whole, or the copy failed and the daemon is to
-        drop the save) and wait for the daemon's answer; raise its error if whole."""
-        Handoff.mark(self.req, self.mm, whole)
+        """(The copying thread.) The copy is over (``whole``: it succeeded); wait until
+        the daemon answered and the word is written, raising the commit's error if
+        whole (else the copy's error is the one to raise)."""
+        self.whole = whole
         self.copied.set()
+        assert self.answer is not None
         if whole:
             self.answer.result()
         else:
@@ -102,8 +119,18 @@ class Liveness:
     def _create(self) -> None:
         name = f"ckptd-client-{os.getpid()}-{secrets.token_hex(8)}"
         path = os.path.join(mapped_views.SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        # Locked before it gets its name: the daemon tidies a liveness file nobody
+        # locks, and then takes this client for gone.
+        tmp = f"{path}.new"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self._fd, self._pid, self.name = fd, os.getpid(), name
 
     def close(self) -> None:
@@ -219,11 +246,12 @@ class Handoff:
         mm: mmap.mmap,
         size: int,
         what: str,
-        copied: threading.Event | None = None,
+        copied: Callable[[], None] | None = None,
     ) -> None:
         """Commit ``req``; if the daemon went away meanwhile, copy the bytes into a new
-        lease of the daemon that came back and commit again (once ``copied`` is set,
-        for a commit sent while the lease is still being filled)."""
+        lease of the daemon that came back and commit again (after ``copied()``
+        returns, for a commit sent while the lease is still being filled: it waits
+        for the copy and writes the word, which the new lease gets too)."""
         lost = False
         renewed = 0
         since = time.monotonic()
@@ -243,7 +271,7 @@ class Handoff:
                 # A new daemon (a lease of a live client is never taken back otherwise):
                 # the old lease is gone, its bytes are still in our mapping.
                 if copied is not None:
-                    copied.wait()
+                    copied()
                 lease, new = self.acquire(size, 60.0, what)
                 np.copyto(np.frombuffer(new, np.uint8, size), np.frombuffer(mm, np.uint8, size))
                 req.lease_id, mm = lease.lease_id, new
@@ -292,9 +320,16 @@ class Handoff:
             return None
         req.copied_at = size
         req.copied_nonce = secrets.randbits(63) | 1  # never its own complement
-        copied = threading.Event()  # a retry into a new lease copies the whole of it
-        answer = committer.submit(self.commit, req, mm, size + WORD, what, copied)
-        return Copying(req, mm, answer, copied)
+        sending = Copying(req, mm)
+
+        def commit() -> None:
+            try:
+                self.commit(req, mm, size + WORD, what, sending.mark_when_copied)
+            finally:
+                sending.mark_when_copied()
+
+        sending.answer = committer.submit(commit)
+        return sending
 
     def commit_copied(
         self,

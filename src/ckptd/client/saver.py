@@ -219,8 +219,9 @@ class Saver:
                 # The commit goes out now, while this thread and then the background
                 # job copy (Handoff.send_copying).
                 size, word = round_up(data_len), lease.waits_for_word
-                sending = self._handoff.send_copying(req, mm, size, what, self._committer, word)
+                sending: Copying | None = None
                 try:
+                    sending = self._handoff.send_copying(req, mm, size, what, self._committer, word)
                     self.copy_arrays(mm, todo, host)
                     job = self._copy_job = self._background.submit(
                         self._copy_device_and_commit,
@@ -235,6 +236,8 @@ class Saver:
                     )
                 except BaseException:
                     if sending is not None:
+                        if pending is not None:  # none may write into a lease given up
+                            pending.wait_all()
                         sending.done(whole=False)
                     raise
                 pending = None  # the background job waits for it

@@ -177,7 +177,7 @@ class SliceSpec(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class CommitShardsRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged", "copied_nonce", "copied_at", "copied_holder")
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged", "copied_nonce", "copied_at", "copied_holder", "copied_pid", "copied_started")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,8 @@ class CommitShardsRequest(_message.Message):
     COPIED_NONCE_FIELD_NUMBER: _ClassVar[int]
     COPIED_AT_FIELD_NUMBER: _ClassVar[int]
     COPIED_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    COPIED_PID_FIELD_NUMBER: _ClassVar[int]
+    COPIED_STARTED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job: str
     step: int
@@ -225,7 +227,9 @@ class CommitShardsRequest(_message.Message):
     copied_nonce: int
     copied_at: int
     copied_holder: str
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ..., copied_nonce: _Optional[int] = ..., copied_at: _Optional[int] = ..., copied_holder: _Optional[str] = ...) -> None: ...
+    copied_pid: int
+    copied_started: int
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ..., copied_nonce: _Optional[int] = ..., copied_at: _Optional[int] = ..., copied_holder: _Optional[str] = ..., copied_pid: _Optional[int] = ..., copied_started: _Optional[int] = ...) -> None: ...
 
 class CommitShardsResponse(_message.Message):
     __slots__ = ("state",)

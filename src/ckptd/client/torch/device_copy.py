@@ -63,12 +63,25 @@ class Pending:
     memory, seen through DLPack, is not the caching allocator's to keep)."""
 
     def wait(self) -> None:
-        """Block until every copy is done; then the sources are let go."""
+        """Block until every copy is done, each of them even after one failed (none may
+        still write into the lease once this returns); then the sources are let go.
+        Raises the first copy's error."""
+        first: BaseException | None = None
         try:
             for event in self.events:
-                event.synchronize()
+                try:
+                    event.synchronize()
+                except Exception as exc:
+                    first = first or exc
         finally:
             self.sources.clear()
+        if first is not None:
+            raise first
+
+    def wait_all(self) -> None:
+        """:meth:`wait`, its error dropped (another error is on its way)."""
+        with contextlib.suppress(Exception):
+            self.wait()
 
 
 class _Mapped:

@@ -192,8 +192,10 @@ class Servicer(pb_grpc.CkptdServicer):
         self._own_lease(peer, request.lease_id)
         # Whom the write (and a replay) waits for while it copies: the lease's client,
         # whatever the request says (local/copied.py).
-        holder = self.s.saver.staging.get(request.lease_id).holder if request.copied_nonce else ""
-        request.copied_holder = holder
+        copying = bool(request.copied_nonce)
+        request.copied_holder = self.s.saver.staging.get(request.lease_id).holder if copying else ""
+        request.copied_pid = peer.pid if copying and peer.started else 0
+        request.copied_started = (peer.started or 0) if copying else 0
         # Thousands of shards: their table is checked with array operations, but the
         # tree spec is parsed per leaf (and older clients send a message per shard):
         # on a thread, so the loop keeps answering other ranks meanwhile. The same

@@ -15,9 +15,12 @@ daemon's answer and its own word written, so:
   journaled record (``copied_holder``, set by the daemon, never by the client).
 
 The nonce is random per commit: whatever a reused segment held at that offset
-before cannot pass for it. The client's liveness file (liveness.py) says whether
-it lives, as it does for leases not committed: a live client is waited for
-however slow its copy is (a device-to-host copy of a large state).
+before cannot pass for it. Whether the client lives is asked of its process (the
+pid and start time its session's credentials gave), or, where the daemon cannot
+see it (another pid namespace), of its liveness file (liveness.py): a live client
+is waited for however slow its copy is (a device-to-host copy of a large state),
+also by a daemon that is stopping (a client that hangs holds the stop up until
+it is killed; the journal then replays the save, still waiting for the word).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from ckptd.core.errors import CkptdError, InvalidArgument
 
 from .. import faults
 from .lease import Lease
-from .liveness import locked_by_others
+from .liveness import locked_by_others, process_running
+from .pending import CommitRequest
 
 WORD = 8
 """Bytes of the word (little-endian unsigned)."""
@@ -58,12 +62,22 @@ def check(copied_at: int, data_end: int, lease: Lease, holder: str) -> None:
         )
 
 
-async def wait(lease: Lease, copied_at: int, nonce: int, holder: str, shm_dir: Path) -> None:
-    """Return once the client wrote ``nonce`` at ``copied_at``; raise :class:`CkptdError`
-    if its copy failed or it exited first (that save never returned)."""
+def alive(req: CommitRequest, shm_dir: Path) -> bool:
+    """Whether the client copying for ``req`` still lives: its process, where the
+    daemon saw it (a pid and start time no later process has), else its liveness file
+    (which a process it forked, or another user, may also hold locked)."""
+    pid, started = req.copied_process
+    if pid > 0 and started > 0:
+        return process_running(pid, started)
+    return locked_by_others(shm_dir / req.copied_holder)
+
+
+async def wait(lease: Lease, req: CommitRequest, shm_dir: Path) -> None:
+    """Return once the client wrote ``req``'s nonce at ``copied_at``; raise
+    :class:`CkptdError` if its copy failed or it exited first (that save never returned)."""
     if faults.armed("copied.wait"):  # tests stop the daemon here: answered, not yet read
         await asyncio.to_thread(faults.hit, "copied.wait")
-    word = lease.segment.view(copied_at, WORD)
+    word, nonce = lease.segment.view(req.copied_at, WORD), req.copied_nonce
     pause = FIRST_POLL
     while True:
         value = int.from_bytes(word, "little")
@@ -71,7 +85,7 @@ async def wait(lease: Lease, copied_at: int, nonce: int, holder: str, shm_dir: P
             return
         if value == nonce ^ FAILED:
             raise CkptdError("the client's copy into shared memory failed; save() raised")
-        if not locked_by_others(shm_dir / holder):
+        if not alive(req, shm_dir):
             # The word may have landed just before the client exited: look once more.
             if int.from_bytes(word, "little") == nonce:
                 return

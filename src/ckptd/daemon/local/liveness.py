@@ -79,6 +79,17 @@ def process_start(pid: int) -> int | None:
         return None
 
 
+def process_running(pid: int, started: int) -> bool:
+    """Whether process ``pid`` that started at ``started`` still runs (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        return fields[0] not in (b"Z", b"X") and int(fields[19]) == started
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 async def wait_gone(pid: int, started: int | None, timeout: float) -> bool:
     """True once process ``pid``, started at ``started``, has exited (a zombie
     counts as exited); False after ``timeout`` seconds if it still runs. A process

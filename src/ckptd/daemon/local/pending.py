@@ -47,7 +47,9 @@ class CommitRequest:
     copied_nonce: int = 0
     copied_at: int = 0
     copied_holder: str = ""
-    """Sent while the client still copies: the rank's write waits for its word (copied.py)."""
+    copied_process: tuple[int, int] = (0, 0)
+    """Sent while the client still copies: the rank's write waits for its word while
+    that client lives (copied.py): its liveness file, ``(pid, start time)``."""
 
 
 @dataclass

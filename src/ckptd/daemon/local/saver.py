@@ -261,8 +261,7 @@ class Saver:
         run = partial(self.io.run, ticket=pending.ticket)
         try:
             if req.copied_nonce:  # sent while the client copies: wait for its word
-                shm = self.staging.shm_dir
-                await copied.wait(lease, req.copied_at, req.copied_nonce, req.copied_holder, shm)
+                await copied.wait(lease, req, self.staging.shm_dir)
             layout = self._layouts.get(req)
             if layout is None:
                 layout = await run(rank_layout, req) if many else rank_layout(req)
