@@ -37,7 +37,7 @@ from typing import TypeVar
 import numpy as np
 
 from ckptd.core.errors import CkptdUnavailable, Conflict, NotFound
-from ckptd.core.format import round_up
+from ckptd.core.format import COPIED_FAILED, COPIED_WORD, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -49,17 +49,13 @@ HOLDER_HEADER = "ckptd-holder"
 """gRPC metadata naming the liveness file (the daemon's staging.HOLDER_HEADER)."""
 MAPPED_SEGMENTS = 2
 """Segments kept mapped between saves (the daemon reuses them)."""
-WORD = 8
-"""Bytes of the word that says a lease is whole (:meth:`Handoff.commit_copying`)."""
-NONCE_FAILED = (1 << 64) - 1
-"""XORed with the nonce: the word of a copy that failed."""
 T = TypeVar("T")
 
 
 def lease_size(data_len: int) -> int:
     """The lease a save of ``data_len`` bytes asks for: its data, then the word that
     says it is whole (:meth:`Handoff.commit_copying`)."""
-    return round_up(data_len) + WORD
+    return round_up(data_len) + COPIED_WORD
 
 
 @dataclass
@@ -316,7 +312,7 @@ class Handoff:
         word written after the copy says it is whole (its ``local/copied.py``): the
         commit's round trip and the journal's fsync overlap the copy instead of
         following it. Finish with :meth:`commit_copied`."""
-        if not word or len(mm) < size + WORD:
+        if not word or len(mm) < size + COPIED_WORD:
             return None
         req.copied_at = size
         req.copied_nonce = secrets.randbits(63) | 1  # never its own complement
@@ -324,7 +320,7 @@ class Handoff:
 
         def commit() -> None:
             try:
-                self.commit(req, mm, size + WORD, what, sending.mark_when_copied)
+                self.commit(req, mm, size + COPIED_WORD, what, sending.mark_when_copied)
             finally:
                 sending.mark_when_copied()
 
@@ -356,8 +352,8 @@ class Handoff:
     def mark(req: pb.CommitShardsRequest, mm: mmap.mmap, whole: bool = True) -> None:
         """Write the word of a commit sent while copying: the lease is whole (or the
         copy failed, and the daemon is to drop the save)."""
-        word = req.copied_nonce if whole else req.copied_nonce ^ NONCE_FAILED
-        mm[req.copied_at : req.copied_at + WORD] = word.to_bytes(WORD, "little")
+        word = req.copied_nonce if whole else req.copied_nonce ^ COPIED_FAILED
+        mm[req.copied_at : req.copied_at + COPIED_WORD] = word.to_bytes(COPIED_WORD, "little")
 
     def _handed_off(self, req: pb.CommitShardsRequest) -> bool:
         status = self.connection.get_save_status(

@@ -28,6 +28,11 @@ import numpy as np
 
 ALIGN = 4096
 """Page alignment of lease offsets and of the data section in shard files."""
+COPIED_WORD = 8
+"""Bytes of the word past a lease's data that says the client's copy is done (a commit
+sent while copying: the request's ``copied_nonce``, little-endian)."""
+COPIED_FAILED = (1 << 64) - 1
+"""XORed with the nonce: the word of a copy that failed."""
 
 _ML_DTYPE_NAMES = frozenset(
     name

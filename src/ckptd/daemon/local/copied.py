@@ -29,16 +29,14 @@ import asyncio
 from pathlib import Path
 
 from ckptd.core.errors import CkptdError, InvalidArgument
+from ckptd.core.format import COPIED_FAILED as FAILED
+from ckptd.core.format import COPIED_WORD as WORD
 
 from .. import faults
 from .lease import Lease
 from .liveness import locked_by_others, process_running
 from .pending import CommitRequest
 
-WORD = 8
-"""Bytes of the word (little-endian unsigned)."""
-FAILED = (1 << 64) - 1
-"""XORed with the nonce: the client's copy failed."""
 FIRST_POLL = 0.0002
 LAST_POLL = 0.005
 """Seconds between looks at the word: from the first to the last, doubling. A small

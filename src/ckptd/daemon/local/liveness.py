@@ -67,26 +67,34 @@ def locked_by_others(path: Path) -> bool:
     return False
 
 
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat``
-    field 22): with the pid, a name no later process can have. None if unknown."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` from the third on (state first); None if
+    unreadable. The command name (field 2) may hold spaces and parentheses: split
+    after it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
-        # The command name (field 2) may hold spaces and parentheses: split after it.
-        return int(raw[raw.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        return raw[raw.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat``
+    field 22): with the pid, a name no later process can have. None if unknown."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
         return None
 
 
 def process_running(pid: int, started: int) -> bool:
     """Whether process ``pid`` that started at ``started`` still runs (not a zombie)."""
+    fields = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        fields = raw[raw.rindex(b")") + 2 :].split()
-        return fields[0] not in (b"Z", b"X") and int(fields[19]) == started
-    except (OSError, ValueError, IndexError):
+        return fields is not None and fields[0] not in (b"Z", b"X") and int(fields[19]) == started
+    except (ValueError, IndexError):
         return False
 
 
