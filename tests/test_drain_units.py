@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD
+from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, DATA_TIMELINE
 from ckptd.daemon.lifecycle.drain import Backoff
 from ckptd.daemon.remote.base import RemoteError
 from ckptd.daemon.remote.file import FileRemote
@@ -126,8 +126,12 @@ def test_rank_files_spread_by_node_in_ranges_that_do_not_move_with_the_step() ->
     counts = Counter(spread(f"node-{i}") for i in range(10_000))
     assert len(counts) == 256 and max(counts.values()) < 2 * 10_000 / 256
     assert parse_step_name(DATA_DIR) == (None, False)  # never taken for a step
+    # Layout 3: each step's files under its number and timeline (two saves under one
+    # number, of two timelines, never share a key: daemon/remote/held.py).
+    assert data_prefix("j", 8, "test-node", DATA_TIMELINE, 2) == "j/_data/6c/test-node/8.2"
+    assert file_key("j", 8, "test-node", "r", layout=DATA_TIMELINE) == "j/_data/6c/test-node/8.0/r"
     with pytest.raises(InvalidArgument, match="data_layout"):
-        data_prefix("j", 8, "n", 3)
+        data_prefix("j", 8, "n", 4)
 
 
 def test_adopted_upload_order_puts_commit_success_last() -> None:

@@ -22,7 +22,6 @@ import pytest
 from ckptd.client import CheckpointNotFound
 from ckptd.client import saver as client_saver
 from ckptd.core.manifest import MANIFEST, Manifest
-from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
 from .test_metrics import scrape
@@ -312,69 +311,3 @@ def test_a_node_lost_restores_the_newest_incremental_step_from_the_bucket(
     assert_same(got, saved[-1])  # step 4's state, assembled from steps 4 and 1
     local = sorted(c.step for c in fresh.client("lost").list() if "LOCAL" in c.tiers)
     assert local == [1, 4]
-
-
-def test_a_replaced_holder_takes_its_referrers_with_it(make_daemon: Any) -> None:
-    """A rollback saves step 1 again on a new timeline: the old step 1's file goes, and
-    so does the abandoned step 2 that read it (left, it would read the new bytes),
-    with an event saying why; nothing is set aside as corrupt."""
-    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
-    client = d.client("redo")
-    state = lora_state()
-    save_steps(client, state, range(1, 3))
-    assert manifest_of(d, "redo", 2).holders() == {1}
-    other = {k: v + 7 for k, v in state.items()}
-    client.save(1, other).wait("local", timeout=60)  # below the newest: a new timeline
-    got, _ = client.restore()
-    assert_same(got, other)
-    assert not (d.root / "redo" / "2").exists()
-    why = [e.detail for e in d.events_of(pb.STEP_EVENT_EVICTED_LOCAL, "redo") if e.step == 2]
-    assert why and "replaces" in why[0]
-    assert not d.events_of(pb.STEP_EVENT_SET_ASIDE, "redo")
-
-
-def test_a_holder_replaced_while_a_save_reads_it_takes_that_save_too(
-    make_daemon: Any,
-) -> None:
-    """Step 2 (base: step 1) is still being written when a rollback's step 1 arrives:
-    the replacement waits for step 2, then takes it with the old step 1."""
-    d: Daemon = make_daemon(
-        extra_args=[*KEEP, "--memory-tier-steps", "0"],
-        env={"CKPTD_FAILPOINTS": "write.increment=pause"},
-    )
-    client = d.client("race")
-    state = lora_state()
-    client.save(1, state).wait("local", timeout=60)
-    state["lora.0"] = state["lora.0"] + 1
-    second = client.save(2, state)  # decided against step 1, paused before writing
-    d.wait_failpoint("write.increment")
-    other = {k: v + 7 for k, v in state.items()}
-    first_again = client.save(1, other)  # a new timeline: replaces step 1
-    d.release("write.increment")
-    second.wait("local", timeout=60)
-    first_again.wait("local", timeout=60)
-    got, _ = client.restore()
-    assert_same(got, other)
-    assert not (d.root / "race" / "2").exists()
-    assert not d.events_of(pb.STEP_EVENT_SET_ASIDE, "race")
-
-
-def test_a_replaced_holder_takes_its_referrers_out_of_the_bucket(
-    make_daemon: Any, s3_server: Any
-) -> None:
-    remote = s3_target(s3_server, "ckptd-incremental-replaced")
-    d = remote_daemon(make_daemon, remote, extra_args=KEEP)
-    client = d.client("redo")
-    state = lora_state()
-    save_steps(client, state, range(1, 3))
-    client.wait_until_finished("durable", timeout=120)
-    other = {k: v + 7 for k, v in state.items()}
-    client.save(1, other).wait("durable", timeout=120)  # a new timeline: replaces step 1
-    remote_steps = {c.step for c in client.list() if "REMOTE" in c.tiers}
-    assert remote_steps == {1}  # step 2, which read the old step 1, left the bucket too
-    assert d.stop() == 0
-    shutil.rmtree(d.root)
-    fresh = remote_daemon(make_daemon, remote, root=d.root)
-    got, _ = fresh.client("redo").restore()
-    assert_same(got, other)
-    assert not fresh.events_of(pb.STEP_EVENT_SET_ASIDE, "redo")

@@ -242,7 +242,7 @@ def test_one_range_changed_in_the_bucket_is_never_served(make_daemon: Any, s3_se
     key = next(  # the rank files' prefix: <job>/_data/<hh>/<node>/<step>/
         o["Key"]
         for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/flip/_data/")["Contents"]
-        if o["Key"].endswith("/2/rank-00000.safetensors")
+        if o["Key"].endswith("/2.0/rank-00000.safetensors")
     )
     raw = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     assert len(raw) > 2 * PART + CHUNK

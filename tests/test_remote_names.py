@@ -128,9 +128,12 @@ def _plant(
         to = DATA_BY_STEP if old_layout else layout
         if not adopted:
             for rank in raw["ranks"]:
-                data = await r.get_bytes(f"{data_prefix(job, src, NODE, layout)}/{rank['file']}")
+                timeline = raw.get("timeline", 0)
+                src_prefix = data_prefix(job, src, NODE, layout, timeline)
+                data = await r.get_bytes(f"{src_prefix}/{rank['file']}")
                 # The name as given (a test's bad node name included), never checked.
-                await r.put_bytes(f"{data_prefix(dst, step, node, to)}/{rank['file']}", data)
+                dst_prefix = data_prefix(dst, step, node, to, timeline)
+                await r.put_bytes(f"{dst_prefix}/{rank['file']}", data)
         raw.update(job=dst, step=step, node=node)
         if edit is not None:
             edit(raw)
@@ -143,7 +146,7 @@ def _plant(
             entries = index.decode(await r.get_bytes(index.index_key(dst, node)))
         except FileNotFoundError:
             entries = {}
-        entries[step] = index.Entry(step, adopted)
+        entries[step] = index.Entry(step, adopted, data_layout=to)
         await r.put_bytes(index.index_key(dst, node), index.encode(dst, node, entries))
 
     remote.run(body)
@@ -364,12 +367,12 @@ def test_s3_a_bucket_of_the_previous_layout_still_restores(
     remote = s3_target(s3_server, f"ckptd-layout-{os.getpid()}")
     daemon, _ = _good_steps(make_daemon, remote, "names")  # steps 1 and 2, spread
     spread = f"names/_data/{spread_of(NODE)}/{NODE}/"
-    assert {k.split("/")[4] for k in remote.object_keys() if k.startswith(spread)} == {"1", "2"}
+    assert {k.split("/")[4] for k in remote.object_keys() if k.startswith(spread)} == {"1.0", "2.0"}
     for step in (3, 4):
         _plant(remote, "names", 2, step, old_layout=True)
     keys = remote.object_keys()
     assert f"names/4/{NODE}/rank-00000.safetensors" in keys
-    assert not any(k.startswith(f"{spread}4/") for k in keys)
+    assert not any(k.startswith(f"{spread}4") for k in keys)
     daemon.kill()
     # KeepLatest(1): the restarted daemon drops 1, 2 (spread) and 3 (the old layout).
     fresh = remote_daemon(make_daemon, remote, extra_args=["--retention-remote", "KeepLatest(1)"])

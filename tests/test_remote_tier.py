@@ -12,6 +12,7 @@ import pytest
 
 from ckptd.client import SaveFailed
 from ckptd.client.handle import SaveHandle
+from ckptd.core.manifest import rank_file_name
 from ckptd.daemon.app.launcher import event_is
 from ckptd.daemon.remote.layout import spread
 from ckptd.proto import ckptd_pb2 as pb
@@ -68,7 +69,7 @@ def expected_layout(job: str, steps: list[int], node: str = "test-node") -> list
             f"{job}/{s}/_complete/{node}",
             f"{job}/{s}/{node}/manifest.json",
             f"{job}/{s}/{node}/ranks-0-0",
-            f"{job}/_data/{spread(node)}/{node}/{s}/rank-00000.safetensors",
+            f"{job}/_data/{spread(node)}/{node}/{s}.0/rank-00000.safetensors",
         ]
     return sorted(keys)
 
@@ -360,7 +361,7 @@ def test_several_ranks_restore_from_the_bucket_together(make_daemon: Any, tmp_pa
     assert remote.object_keys() == sorted(
         ["mr/9/_complete/test-node", "mr/9/test-node/manifest.json", "mr/_index/test-node.json"]
         + ["mr/9/test-node/ranks-0-2"]
-        + [f"mr/_data/{spread('test-node')}/test-node/9/rank-0000{r}.safetensors" for r in range(3)]
+        + [f"mr/_data/{spread('test-node')}/test-node/9.0/{rank_file_name(r)}" for r in range(3)]
     )
     daemon.stop()
     shutil.rmtree(daemon.root)

@@ -149,7 +149,7 @@ def test_a_holder_corrupt_in_the_bucket_passes_to_the_next_older_step(
 ) -> None:
     remote = s3_target(s3_server, "ckptd-inc-corrupt")
     daemon = in_the_bucket_then_wiped(make_daemon, remote)
-    key = next(k for k in remote.object_keys() if "/test-node/1/rank-" in k)
+    key = next(k for k in remote.object_keys() if "/test-node/1.0/rank-" in k)
 
     async def flip_a_byte(r: Any) -> None:
         data = bytearray(await r.get_bytes(key))

@@ -70,6 +70,16 @@ def test_lineage_rules() -> None:
             tl.check_forks(bad)
 
 
+def test_a_holder_is_named_on_its_referrers_own_history() -> None:
+    # A rollback to 30 (timeline 1), then a rerun from 10 (timeline 2).
+    forks = ((1, 30), (2, 10))
+    assert tl.timeline_at(20, 0, ()) == 0  # no fork: the first timeline
+    assert tl.timeline_at(20, 1, forks) == 0 and tl.timeline_at(35, 1, forks) == 1
+    assert tl.timeline_at(5, 2, forks) == 0 and tl.timeline_at(35, 2, forks) == 2
+    assert tl.timeline_at(30, 2, forks) == 2 and tl.timeline_at(30, 1, forks) == 1
+    assert tl.timeline_at(30, 0, forks) == 0  # later forks never name a step of an older one
+
+
 def test_a_save_below_the_newest_step_begins_a_timeline_and_is_told_once() -> None:
     async def body() -> None:
         c = _catalog()

@@ -52,7 +52,7 @@ def _local_file(daemon: Daemon, step: int) -> Path:
 
 def _bucket_file(tmp_path: Path, step: int) -> Path:
     # Rank files sit under <job>/_data/<hh>/<node>/<step>/ (daemon/remote/layout.py).
-    return next((tmp_path / "bucket" / "flip").glob(f"_data/*/*/{step}/rank-00000.safetensors"))
+    return next((tmp_path / "bucket" / "flip").glob(f"_data/*/*/{step}.0/rank-00000.safetensors"))
 
 
 def _restored(client: Any) -> tuple[int, bool]:

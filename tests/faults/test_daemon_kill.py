@@ -216,8 +216,8 @@ def test_killed_evicting_from_the_bucket_between_marker_and_index(
     _crash_at(daemon, "evict.remote_marker_gone")
     bucket = tmp_path / "bucket" / "gone"
 
-    def step_1_objects() -> list[Path]:  # gone/1/... and gone/_data/<hh>/<node>/1/...
-        return [f for f in [*bucket.glob("1/**/*"), *bucket.glob("_data/*/*/1/*")] if f.is_file()]
+    def step_1_objects() -> list[Path]:  # gone/1/... and gone/_data/<hh>/<node>/1.0/...
+        return [f for f in [*bucket.glob("1/**/*"), *bucket.glob("_data/*/*/1.0/*")] if f.is_file()]
 
     # The restarted evictor counts the eviction only once the index entry, the last
     # thing it removes, is gone: wait on that (the objects go first, so their absence

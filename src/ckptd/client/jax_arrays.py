@@ -34,7 +34,7 @@ from ckptd.core.errors import NotFound, TreeMismatch
 from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import rows
 
-from .rank_files import Locator
+from .rank_files import Holders, Locator
 
 
 def is_jax_array(node: Any) -> bool:
@@ -150,30 +150,38 @@ class ShardReader:
         directory: str,
         manifest: dict[str, Any],
         opener: Callable[[str], int] = lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC),
+        holders: Holders | None = None,
     ) -> None:
         self.opener = opener
         """Opens a rank file read-only (the session hands over ones this user may not)."""
         self._by_leaf: dict[str, list[dict[str, Any]]] = {}
-        self._unindexed: list[tuple[str, dict[str, Any], bool]] = []
+        self._unindexed: list[tuple[str, dict[str, Any], bool, Holders | None]] = []
         self.parts = 0
-        self.add_part(directory, manifest)
+        self.add_part(directory, manifest, holders=holders)
         self._maps: dict[str, mmap.mmap] = {}
         self._verified: set[tuple[str, str]] = set()
         self._adopted: dict[tuple[int, str], np.ndarray] = {}
 
-    def add_part(self, directory: str, manifest: dict[str, Any], part: bool = False) -> None:
+    def add_part(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        part: bool = False,
+        holders: Holders | None = None,
+    ) -> None:
         """Make one node's part of the step readable (``part``: another node's, fetched
-        for this restore; where its incremental ranks' holders are: rank_files.py)."""
+        for this restore; where its incremental ranks' holders are: rank_files.py,
+        or ``holders``, as the daemon said)."""
         self.parts += 1
-        self._unindexed.append((directory, manifest, part))
+        self._unindexed.append((directory, manifest, part, holders))
 
     @property
     def by_leaf(self) -> dict[str, list[dict[str, Any]]]:
         """Each saved leaf's shards across the parts added; built when first asked
         for, so a restore that needs no resharding pays nothing per shard here."""
         while self._unindexed:
-            directory, manifest, part = self._unindexed.pop(0)
-            files = Locator(directory, manifest, part)
+            directory, manifest, part, holders = self._unindexed.pop(0)
+            files = Locator(directory, manifest, part, holders)
             for s in rows(manifest):
                 # "offset": in the file holding the shard (an incremental rank's
                 # manifest records it in the rank's image).

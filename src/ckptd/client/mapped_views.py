@@ -56,18 +56,20 @@ def map_file_verified(
     rank: int,
     opener: Callable[[str], int],
     part: bool = False,
+    holders: rank_files.Holders | None = None,
 ) -> mmap.mmap | MappedImage:
     """Map a rank file copy-on-write and check it against its crc32c (raises Corrupt);
     ``opener`` opens it read-only (the session hands over files this user may not).
     An incremental rank's image is mapped from its own file and its holders' beside
-    ``directory`` (``part``: another node's part, see rank_files.py)."""
+    ``directory`` (``part``: another node's part, see rank_files.py), or where the
+    daemon said (``holders``)."""
     record = rank_record(manifest, rank)
     path = os.path.join(directory, record["file"])
     if record.get("runs") is not None:
-        image = rank_files.map_image(directory, record, opener, part)
+        image = rank_files.map_image(directory, record, opener, part, holders)
         if image.crc32c() == record["image_crc32c"]:
             return image
-        held_elsewhere = rank_files.bad_reference(image, directory, record, part)
+        held_elsewhere = rank_files.bad_reference(image, directory, record, part, holders)
         if held_elsewhere:
             raise Corrupt(held_elsewhere)
     else:

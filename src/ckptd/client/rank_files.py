@@ -22,7 +22,7 @@ import fcntl
 import mmap
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,9 +36,19 @@ class Corrupt(Exception):
     """A shard failed its checksum (triggers ReportCorrupt and a retry)."""
 
 
-def holder_dir(directory: str, holder: int, part: bool = False) -> str:
-    """The directory of step ``holder``'s files beside a step's ``directory``
-    (``part``: another node's part, one level deeper; see the module docstring)."""
+Holders = Mapping[int, str]
+"""Where the daemon said each holder's files are (``RestoreResponse.holder_directories``):
+a holder a later timeline replaced lies in its held copy, not beside the step."""
+
+
+def holder_dir(
+    directory: str, holder: int, part: bool = False, known: Holders | None = None
+) -> str:
+    """The directory of step ``holder``'s files: as the daemon said (``known``), else
+    beside a step's ``directory`` (``part``: another node's part, one level deeper;
+    see the module docstring)."""
+    if known and holder in known:
+        return known[holder]
     directory = os.path.normpath(directory)
     if part:
         above, node = os.path.split(directory)
@@ -50,10 +60,17 @@ class Locator:
     """Each shard of one step's part (``directory``, its parsed ``manifest``): the
     file holding it and its offset there."""
 
-    def __init__(self, directory: str, manifest: dict[str, Any], part: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        part: bool = False,
+        holders: Holders | None = None,
+    ) -> None:
         self.directory = directory
         self.step = int(manifest.get("step", 0))
         self.part = part
+        self.holders = holders
         self._incremental: dict[int, tuple[list[list[int]], list[Ref]]] = {
             int(r["rank"]): (r["runs"], refs_of(r.get("refs")))
             for r in manifest.get("ranks", ())
@@ -76,7 +93,8 @@ class Locator:
             raise Corrupt(f"shard {shard['key']!r} of {own}: {exc}") from None
         if step == self.step:
             return own, offset
-        return os.path.join(holder_dir(self.directory, step, self.part), shard["file"]), offset
+        where = holder_dir(self.directory, step, self.part, self.holders)
+        return os.path.join(where, shard["file"]), offset
 
 
 class MappedImage:
@@ -117,7 +135,11 @@ class MappedImage:
 
 
 def map_image(
-    directory: str, record: dict[str, Any], opener: Callable[[str], int], part: bool = False
+    directory: str,
+    record: dict[str, Any],
+    opener: Callable[[str], int],
+    part: bool = False,
+    holders: Holders | None = None,
 ) -> MappedImage:
     """An incremental rank's image (``record``: its manifest record) as copy-on-write
     mappings of its own file and its holders'; the caller checks it against the
@@ -129,7 +151,9 @@ def map_image(
     """
     own = os.path.join(directory, record["file"])
     refs = refs_of(record.get("refs"))
-    paths = [os.path.join(holder_dir(directory, r.step, part), record["file"]) for r in refs]
+    paths = [
+        os.path.join(holder_dir(directory, r.step, part, holders), record["file"]) for r in refs
+    ]
     wanted: dict[str, int] = {}  # each holder's file: the end of its last range
     for path, ref in zip(paths, refs, strict=True):
         wanted[path] = max(wanted.get(path, 0), ref.offset + ref.length)
@@ -165,7 +189,11 @@ def map_image(
 
 
 def bad_reference(
-    image: MappedImage, directory: str, record: dict[str, Any], part: bool = False
+    image: MappedImage,
+    directory: str,
+    record: dict[str, Any],
+    part: bool = False,
+    holders: Holders | None = None,
 ) -> str | None:
     """The first referenced range of an image whose bytes differ from its crc32c, as
     an error naming the holder's file; None if every reference matches."""
@@ -173,7 +201,7 @@ def bad_reference(
     for ref in refs_of(record.get("refs")):
         crc = checksum.value(image.bytes_at(ref.start, ref.length))
         if crc != ref.crc32c:
-            path = os.path.join(holder_dir(directory, ref.step, part), record["file"])
+            path = os.path.join(holder_dir(directory, ref.step, part, holders), record["file"])
             return (
                 f"image range [{ref.start}, {ref.start + ref.length}) of {own}, held by "
                 f"{path} (step {ref.step}), has crc32c {crc:#010x}, expected {ref.crc32c:#010x}"

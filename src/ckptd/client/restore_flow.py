@@ -54,7 +54,8 @@ def restore(
                 ) from None
             raise
         manifest = json.loads(resp.manifest_json)
-        reader = ShardReader(resp.directory, manifest, opener)
+        holders = dict(resp.holder_directories)
+        reader = ShardReader(resp.directory, manifest, opener, holders)
         leaf_builder = jax_leaf_builder(conn, job, reader, resp)
 
         def adopt(arrays: dict[str, np.ndarray], rd: ShardReader = reader) -> None:
@@ -63,7 +64,9 @@ def restore(
         try:
             if resp.HasField("lease"):
                 return adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
-            mm = mapped_views.map_file_verified(resp.directory, manifest, rank, opener)
+            mm = mapped_views.map_file_verified(
+                resp.directory, manifest, rank, opener, holders=holders
+            )
             return mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
         except (mapped_views.Corrupt, CorruptShard) as bad:
             log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))

@@ -15,7 +15,7 @@ from . import increments
 from .errors import DataLoss, InvalidArgument
 from .names import MAX_NAME_BYTES, check_name, check_shard_key, check_step, check_tree_path
 from .shard_table import ShardTable, empty_table
-from .timeline import Forks, check_forks, check_timeline
+from .timeline import Forks, check_forks, check_timeline, timeline_at
 
 FORMAT_VERSION = 2
 """2: shards as columns (:class:`ShardTable`); 1: one JSON object per shard (still read)."""
@@ -27,7 +27,8 @@ MANIFEST = "manifest.json"
 KIND_ARRAYS = "arrays"
 DATA_BY_STEP = 1
 DATA_SPREAD = 2
-DATA_LAYOUTS = (DATA_BY_STEP, DATA_SPREAD)
+DATA_TIMELINE = 3
+DATA_LAYOUTS = (DATA_BY_STEP, DATA_SPREAD, DATA_TIMELINE)
 KIND_DIRECTORY = "directory"
 TREE_PREFIX = "files/"
 """Every file of an adopted tree is recorded as ``files/<its path in the tree>``."""
@@ -141,10 +142,8 @@ class Manifest:
     (``{}``: all finite); None where not counted (an older ckptd, an adopted tree).
     The total is the metric ``ckptd.nonfinite`` (core/health.py)."""
     data_layout: int = DATA_BY_STEP
-    """Where the bucket copy's rank files are (daemon/remote/layout.py):
-    ``DATA_BY_STEP`` (1) under ``<job>/<step>/<node>/``, as every ckptd before the
-    spread layout wrote them; ``DATA_SPREAD`` (2) under a per-node prefix that does not
-    change from step to step, so the store can partition the write load once."""
+    """Where the bucket copy's rank files are: 1 beside the manifest, 2 under a per-node
+    prefix, 3 that prefix by step and timeline (daemon/remote/layout.py)."""
     timeline: int = 0
     """The job's timeline this step was saved on (core/timeline.py)."""
     increment: int = 0
@@ -184,16 +183,17 @@ class Manifest:
         holds this step must hold them)."""
         return {s for r in self.ranks for s in r.holders()}
 
+    def holder_timelines(self) -> dict[int, int]:
+        """Each holder's number and timeline (the save under that number on this step's
+        own history: a later timeline may have replaced it, core/timeline.py)."""
+        return {n: timeline_at(n, self.timeline, self.forks) for n in self.holders()}
+
     def to_json(self) -> str:
         """Serialise: compact, stable key order (equal manifests are equal bytes), and
         once per manifest: it is immutable, so the commit, every Restore answer and
-        the upload share one text. A manifest read from JSON keeps the text it was
-        read from.
-
-        ``dataclasses.asdict`` deep-copied every shard record and ``indent=1`` wrote
-        a line per value: 98 ms for 1,521 shards. One object per shard still cost
-        ~4 us each; the columns of format version 2 are a few flat lists.
-        """
+        the upload share one text (one read from JSON keeps the text it was read from).
+        ``dataclasses.asdict`` with ``indent=1`` took 98 ms for 1,521 shards; the
+        columns of format version 2 are a few flat lists."""
         text: str | None = self.__dict__.get(_TEXT)
         if text is None:
             plain = self._plain()

@@ -48,6 +48,16 @@ def abandoned(timeline: int, step: int, forks: Mapping[int, int] | Forks) -> boo
     return any(t > timeline and start <= step for t, start in items)
 
 
+def timeline_at(step: int, timeline: int, forks: Mapping[int, int] | Forks) -> int:
+    """The timeline of the save numbered ``step`` in the history a save on ``timeline``
+    (with lineage ``forks``) grew from: the newest timeline up to ``timeline`` that
+    began at or below ``step``, 0 if none did. How a step's references name their
+    holders: by number, on the referrer's own history (a later timeline may have
+    saved another step under the same number since)."""
+    items = forks.items() if isinstance(forks, Mapping) else forks
+    return max((t for t, start in items if t <= timeline and start <= step), default=0)
+
+
 def newest(forks: Forks, timelines: Iterable[int] = ()) -> int:
     """The highest timeline known (0 for a job that never forked)."""
     return max([0, *(t for t, _ in forks), *timelines])

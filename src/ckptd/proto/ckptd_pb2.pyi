@@ -371,7 +371,14 @@ class RestoreRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., healthy: _Optional[bool] = ..., copy_on_write: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("job", "step", "tier", "directory", "manifest_json", "lease", "data_offset_in_file")
+    __slots__ = ("job", "step", "tier", "directory", "manifest_json", "lease", "data_offset_in_file", "holder_directories")
+    class HolderDirectoriesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +386,7 @@ class RestoreResponse(_message.Message):
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_IN_FILE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     tier: Tier
@@ -386,7 +394,8 @@ class RestoreResponse(_message.Message):
     manifest_json: str
     lease: Lease
     data_offset_in_file: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., directory: _Optional[str] = ..., manifest_json: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., data_offset_in_file: _Optional[int] = ...) -> None: ...
+    holder_directories: _containers.ScalarMap[int, str]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., directory: _Optional[str] = ..., manifest_json: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., data_offset_in_file: _Optional[int] = ..., holder_directories: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
     __slots__ = ("job", "step", "tier", "detail")

@@ -262,24 +262,26 @@ class Servicer(pb_grpc.CkptdServicer):
             # rank whose whole file is in the lease needs none, and holding the step
             # back would keep retention from turning it into a spare for later saves.
             self.s.catalog.served(plan.step)
-            for held in plan.manifest.holders():
+            for held in self.s.catalog.references(plan.step):
                 older = self.s.catalog.get(job, held)
                 if older is not None:  # its file is read too: no eviction meanwhile
                     self.s.catalog.served(older)
         self.s.restored(plan.tier)
         self.history.restored(job, request.rank, peer.process)
         self.s.access.grant(peer, plan.directory)
-        for held in plan.manifest.holders():
-            # An incremental rank's references: the same rank's file of an older step,
-            # beside the step's directory (client/rank_files.py). References are never
-            # chained, so the holders' own holders are never read for this step.
-            self.s.access.grant(peer, plan.directory.parent / str(held))
+        # An incremental rank's references: the same rank's file of an older step
+        # (client/rank_files.py), in that step's directory, or in its held copy where a
+        # later timeline replaced it (local/held.py). References are never chained, so
+        # the holders' own holders are never read for this step.
+        for where in plan.holder_dirs.values():
+            self.s.access.grant(peer, where)
         resp = pb.RestoreResponse(
             job=job,
             step=plan.step.step,
             tier=pb.TIER_MEMORY if plan.tier == "memory" else pb.TIER_LOCAL,
             directory=str(plan.directory),
             manifest_json=plan.manifest.to_json(),
+            holder_directories={n: str(where) for n, where in plan.holder_dirs.items()},
         )
         if plan.lease is not None:
             resp.lease.CopyFrom(messages.lease(plan.lease))

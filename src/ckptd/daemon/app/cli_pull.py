@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -18,7 +19,7 @@ from ckptd.core.timeline import abandoned, merge
 
 from ..commit import RenameCommit
 from ..files import write_synced
-from ..remote import read
+from ..remote import held, read
 from ..remote.base import Remote
 from ..remote.layout import FILES_DIR
 from ..restore.assemble import write_image
@@ -99,15 +100,23 @@ async def _holders(
     """The manifests of the older steps ``manifest``'s references read (an incremental
     step's), this node's part of each; an error naming one the bucket lacks."""
     out: dict[int, Manifest] = {}
-    for held in sorted(manifest.holders()):
-        found = steps.get(held)
-        if found is None or node not in found.nodes:
+    for older, timeline in sorted(manifest.holder_timelines().items()):
+        found = steps.get(older)
+        if found is not None and node in found.nodes:
+            with contextlib.suppress(NotFound, FileNotFoundError):
+                got = await read.node_manifest(
+                    remote, job, older, {node}, None, node, False, timeline
+                )
+                out[older] = got[2]
+                continue
+        try:  # replaced by a later timeline's save: its files are held (remote/held.py)
+            out[older] = (await held.held_manifest(remote, job, node, older, timeline))[1]
+        except FileNotFoundError:
             raise CkptdError(
-                f"step {step} of job {job!r} reads part of its data from step {held}, which "
+                f"step {step} of job {job!r} reads part of its data from step {older}, which "
                 f"the bucket does not hold complete for node {node!r}; pull another step "
                 "(ckptd ls --remote lists them)"
-            )
-        out[held] = (await read.node_manifest(remote, job, held, {node}, None, node))[2]
+            ) from None
     return out
 
 

@@ -17,7 +17,8 @@ from ckptd.core.verify import verify_step
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..remote import read
+from ..local.held import holder_dir_on_disk
+from ..remote import held, read
 from ..remote.backends import open_remote
 from ..remote.base import Remote
 from ..remote.layout import file_key, manifest_key, parse_marker
@@ -99,7 +100,8 @@ async def _verify_remote(cfg: Config, job: str | None) -> list[tuple[str, str]]:
 async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     intact: dict[tuple[str, str, int], bool] = {}  # each copy checked: (job, node, step)
-    holders: dict[int, tuple[str, str, set[int]]] = {}  # row -> the steps it references
+    holders: dict[int, tuple[str, str, dict[int, int]]] = {}  # row -> (step, timeline) read
+    timelines: dict[tuple[str, str, int], int] = {}  # each copy's timeline
     markers = [m for m in map(parse_marker, await remote.list_keys(job + "/" if job else "")) if m]
     for j, step, node, adopted in markers:
         base = f"{j}/{step}/{node}"
@@ -107,13 +109,16 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
             key = manifest_key(j, step, node, adopted)
             raw = await remote.get_bytes(key)
             manifest = read.parse_remote_manifest(raw, key, j, step, node, adopted)
+            timelines[(j, node, step)] = manifest.timeline
             if manifest.holders():
-                holders[len(rows)] = (j, node, manifest.holders())
+                holders[len(rows)] = (j, node, manifest.holder_timelines())
             bad = [
                 r.file
                 for r in manifest.ranks
                 if await remote.native_crc32c(
-                    file_key(j, step, node, r.file, adopted, manifest.data_layout)
+                    file_key(
+                        j, step, node, r.file, adopted, manifest.data_layout, manifest.timeline
+                    )
                 )
                 != r.crc32c
             ]
@@ -127,16 +132,44 @@ async def _verify_remote_in(remote: Remote, job: str | None) -> list[tuple[str, 
         rows.append((f"remote {base}", "OK" if not bad else "CORRUPT " + ", ".join(bad)))
     # An incremental copy restores only with the older steps its references read
     # (core/increments.py): one the bucket lacks or holds damaged, and it cannot.
+    held_ok: dict[tuple[str, str, int, int], bool | None] = {}
     for at, (j, node, steps) in holders.items():
-        lost = [
-            f"its references' step {h} is {'damaged' if (j, node, h) in intact else 'missing'}"
-            for h in sorted(steps)
-            if not intact.get((j, node, h), False)
-        ]
+        lost = []
+        for h, timeline in sorted(steps.items()):
+            if timelines.get((j, node, h)) == timeline:
+                ok, known = intact.get((j, node, h), False), True
+            else:  # a copy a later timeline's save replaced: held (remote/held.py)
+                copy = (j, node, h, timeline)
+                if copy not in held_ok:
+                    held_ok[copy] = await _held_intact(remote, *copy)
+                ok, known = held_ok[copy] is True, held_ok[copy] is not None
+            if not ok:
+                lost.append(f"its references' step {h} is {'damaged' if known else 'missing'}")
         if lost:
             name, state = rows[at]
             rows[at] = (name, ("CORRUPT " if state == "OK" else state + ", ") + ", ".join(lost))
     return rows
+
+
+async def _held_intact(
+    remote: Remote, job: str, node: str, step: int, timeline: int
+) -> bool | None:
+    """Whether ``node``'s held copy of ``step`` of ``timeline`` is in the bucket with
+    every file's crc32c as its manifest says (False: damaged; None: no such copy)."""
+    try:
+        _, manifest = await held.held_manifest(remote, job, node, step, timeline)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return False
+    try:
+        for r in manifest.ranks:
+            key = file_key(job, step, node, r.file, False, manifest.data_layout, timeline)
+            if await remote.native_crc32c(key) != r.crc32c:
+                return False
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _entries(path: Path) -> list[Path]:
@@ -206,7 +239,8 @@ def _verify_local(root: Path, job: str | None) -> list[tuple[str, str]]:
                 rows.append((name, problem))
                 continue
             unreadable: list[str] = []
-            bad = verify_step(step_dir, manifest, progress, unreadable)
+            holders = holder_dir_on_disk(root, manifest)
+            bad = verify_step(step_dir, manifest, progress, unreadable, holders)
             if bad:
                 rows.append((name, "CORRUPT " + ", ".join(bad[:3])))
             elif unreadable:

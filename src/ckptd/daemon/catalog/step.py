@@ -9,7 +9,7 @@ from typing import Any
 
 from ckptd.core import health
 from ckptd.core.manifest import Manifest
-from ckptd.core.timeline import Forks
+from ckptd.core.timeline import Forks, timeline_at
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import state_name
 
@@ -179,6 +179,13 @@ class Step:
         if self.manifest is not None:
             return frozenset(self.manifest.holders())
         return self.holders
+
+    def reads(self) -> dict[int, int]:
+        """:meth:`references` with each holder's timeline: the save under that number
+        on this step's own history (a later timeline may have replaced it since)."""
+        if self.manifest is not None:
+            return self.manifest.holder_timelines()
+        return {n: timeline_at(n, self.timeline, self.forks) for n in self.holders}
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():

@@ -82,6 +82,42 @@ class StepTable(EventLog):
         """The job's steps that are not abandoned (its live history), newest first."""
         return [s for s in self.list(job) if not s.abandoned]
 
+    def references(self, st: Step) -> frozenset[int]:
+        """The steps here whose files ``st``'s references read: each holder under its
+        number, unless the step under that number now is another timeline's (a save
+        replaced it: the holder's copy is held, local/held.py)."""
+        out = set()
+        for n, timeline in st.reads().items():
+            other = self._steps.get((st.job, n))
+            if other is None or other.timeline == timeline:
+                out.add(n)
+        return frozenset(out)
+
+    def read_copies(self, job: str) -> set[tuple[int, int]]:
+        """``(step, timeline)`` of every holder the steps of ``job`` on the disk (or in use)
+        read: the copies that must stay, in every tier holding those steps."""
+        return {
+            (n, timeline)
+            for s in self._steps.values()
+            if s.job == job and (s.local or s.busy)
+            for n, timeline in s.reads().items()
+        }
+
+    def local_timeline(self, job: str, step: int) -> int | None:
+        """The timeline of the local copy of ``job``'s step ``step``; None if none."""
+        st = self._steps.get((job, step))
+        return st.manifest.timeline if st and st.local and st.manifest else None
+
+    def held_reads(self, st: Step) -> set[tuple[int, int]]:
+        """``(step, timeline)`` of each holder ``st`` reads that is not the step under its
+        number here (replaced by a later timeline's save, or gone from the catalog):
+        a held copy, if anything (local/held.py, remote/held.py)."""
+        return {
+            (n, timeline)
+            for n, timeline in st.reads().items()
+            if (other := self._steps.get((st.job, n))) is None or other.timeline != timeline
+        }
+
     def count(self, state: int) -> int:
         """Steps in ``state``."""
         return sum(1 for s in self._steps.values() if s.state == state)

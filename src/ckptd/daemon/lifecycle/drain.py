@@ -113,12 +113,18 @@ class Drain:
         self.last_error = ""
         self._failed_uploads: dict[tuple[str, int], tuple[int, float]] = {}
         """FAILED uploads with an intact local copy: (failures so far, next try at)."""
-        self.holders = Holders(catalog, retention.retracting)
+        self.holders = Holders(catalog, retention.retracting, index.held_now)
         self.publisher = Publisher(
-            remote, index, store, io, self.node_id, stall_seconds, self._stalled
+            remote,
+            index,
+            store,
+            io,
+            self.node_id,
+            stall_seconds,
+            self._stalled,
+            reading=catalog.read_copies,
         )
         self.publisher.holders_missing = self.holders.missing_reason
-        self.publisher.retracted = self._retracted
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None
@@ -433,9 +439,3 @@ class Drain:
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
-
-    def _retracted(self, job: str, step: int, why: str) -> None:
-        """A copy the publisher took out of the bucket beside a replaced one."""
-        st = self.catalog.get(job, step)
-        if st is not None and self.node_id in st.remote_nodes:
-            self.catalog.remote_removed(st, why)

@@ -30,7 +30,8 @@ from .. import faults
 from ..catalog import Catalog, Event, Step
 from ..io import IoPool
 from ..local.admission import DiskSpace, gib
-from ..local.store import LocalStore
+from ..local.store import LocalStore, prune_held
+from ..remote import held
 from ..remote.base import Remote
 from ..remote.index import NodeIndex
 from ..remote.layout import pin_key
@@ -128,6 +129,21 @@ class Evictor:
                     self._local_due = False
                     await self.relieve_local()
                 await self._evict_remote(job, step, "retention")
+            await self._prune_held_remote(job)
+
+    async def _prune_held_remote(self, job: str) -> None:
+        """Replaced steps' copies held in the bucket go once no step of this node there
+        (or on its way there) reads them (remote/held.py)."""
+        if self.remote is None or self.index is None or not self.index.held_now(job):
+            return
+        if not self.may_write_remote():
+            return
+        try:
+            await held.prune(
+                self.remote, self.index, job, self.catalog.node_id, self.catalog.read_copies(job)
+            )
+        except Exception as exc:  # the next pass tries again
+            log.warning("could not delete held copies of %s from %s: %s", job, self.remote.url, exc)
 
     async def relieve_local(self) -> None:
         """A pass over the local tier only: every job's plan, then the low watermark.
@@ -142,6 +158,8 @@ class Evictor:
                 "retention",
             )
             await self._relieve_pressure()
+            # Replaced steps' copies kept for steps that read them go with the last one.
+            await prune_held(self.catalog, self.store, self.io)
 
     def _still_evictable(self, keys: list[tuple[str, int]], pressure: bool) -> list[Step]:
         """Of ``keys``, the local copies the plan made now still lets go (a save may

@@ -16,7 +16,7 @@ not restore.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -29,13 +29,20 @@ PENDING = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
 class Holders:
     """What a step to upload needs in the bucket first."""
 
-    def __init__(self, catalog: Catalog, retracting: Set[tuple[str, int]]) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        retracting: Set[tuple[str, int]],
+        held_in_bucket: Callable[[str], Set[tuple[int, int]]] = lambda job: frozenset(),
+    ) -> None:
         self.catalog = catalog
         self.retracting = retracting
         """Steps the evictor is taking out of the bucket right now (retention/planner.py)."""
+        self.held_in_bucket = held_in_bucket
+        """``(step, timeline)`` of a job's held copies in the bucket (remote/held.py)."""
 
     def _holders_of(self, job: str) -> dict[int, frozenset[int]]:
-        return {s.step: s.references() for s in self.catalog.list(job)}
+        return {s.step: self.catalog.references(s) for s in self.catalog.list(job)}
 
     def needed(self, st: Step) -> list[int]:
         """Every step ``st`` references, transitively, oldest first."""
@@ -71,17 +78,25 @@ class Holders:
         """Why ``st`` may not be committed in the bucket now ("" if it may): a holder is
         not complete there (publish.py asks right before the marker)."""
         missing = [s for s in self.needed(st) if not self.in_bucket(st.job, s)]
-        if not missing:
-            return ""
-        return (
-            f"step {missing[0]}, whose rank files step {st.step} references, is not complete "
-            "in the bucket: it goes up first"
-        )
+        if missing:
+            return (
+                f"step {missing[0]}, whose rank files step {st.step} references, is not "
+                "complete in the bucket: it goes up first"
+            )
+        held = self.held_in_bucket(st.job)
+        gone = sorted(k for k in self.catalog.held_reads(st) if k not in held)
+        if gone:
+            step, timeline = gone[0]
+            return (
+                f"step {step} of timeline {timeline}, whose rank files step {st.step} "
+                "references (a later save replaced it), has no copy in the bucket"
+            )
+        return ""
 
     def pace_keeps(self, st: Step) -> set[int]:
         """Steps the pace must not supersede when ``st`` goes up: the holders of ``st``
         and of the milestones still waiting (they go up whatever the pace)."""
         steps = self.catalog.list(st.job)
-        known = {s.step: s.references() for s in steps}
+        known = {s.step: self.catalog.references(s) for s in steps}
         seeds = [st.step, *(s.step for s in steps if s.state in PENDING and s.milestone)]
         return set(referenced(seeds, lambda s: known.get(s, frozenset())))

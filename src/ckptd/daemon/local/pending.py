@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ckptd.core.health import NONFINITE_METRIC
-from ckptd.core.manifest import DATA_SPREAD, Manifest, RankRecord
+from ckptd.core.manifest import DATA_TIMELINE, Manifest, RankRecord
 from ckptd.core.shard_table import ShardTable
 
 from ..catalog import Step
@@ -105,7 +105,7 @@ def step_manifest(pending: PendingStep, node_id: str) -> Manifest:
         milestone=st.milestone,
         metrics={**st.metrics, NONFINITE_METRIC: float(total)},
         nonfinite=nonfinite,
-        data_layout=DATA_SPREAD,  # where the drain will put its rank files
+        data_layout=DATA_TIMELINE,  # where the drain will put its rank files
         timeline=st.timeline,
         forks=st.forks,
         increment=pending.increment,

@@ -9,6 +9,7 @@ Layout::
     <root>/.corrupt/                       copies that failed a checksum; deleted at start-up
     <root>/.peers/                         other nodes' parts of steps (for resharding)
     <root>/.spare/                         evicted rank files that later saves overwrite
+    <root>/.held/<job>/<step>.<timeline>/  replaced steps that kept steps still read (held.py)
 
 Commit point: the rename of a staging directory to ``<root>/<job>/<step>``
 (:class:`~ckptd.daemon.commit.RenameCommit`, ``manifest.json`` written last).
@@ -22,17 +23,19 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ckptd.core.manifest import MANIFEST, Manifest
-from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
 from ..catalog import Catalog, Step
 from ..commit import RenameCommit, Runner
 from ..files import fsync_dir, read_small
 from ..io import IoPool
+from .held import HeldCopies, holder_dirs
 from .liveness import locked_by_others
 
 log = logging.getLogger("ckptd.localstore")
@@ -63,6 +66,8 @@ class LocalStore:
         self.trash_root = root / ".trash"
         self.peers_root = root / ".peers"
         """Other nodes' parts of steps, fetched for restores that reshard across nodes."""
+        self.held = HeldCopies(root)
+        """Replaced steps' copies that steps on the disk still read (held.py)."""
 
     def step_dir(self, job: str, step: int) -> Path:
         """Where a committed step lives."""
@@ -86,6 +91,7 @@ class LocalStore:
                 shutil.rmtree(leftovers)
             leftovers.mkdir(mode=0o750)
         fsync_dir(self.root)
+        self.held.load()
         manifests: list[Manifest] = []
         skipped: list[str] = []
         for job_dir in sorted(self.root.iterdir()):
@@ -112,6 +118,24 @@ class LocalStore:
                     continue
                 manifests.append(manifest)
         return Recovery(manifests, removed, skipped)
+
+    def holder_dirs(
+        self, manifest: Manifest, occupant: Callable[[int], int | None]
+    ) -> dict[int, Path | None]:
+        """Where the steps ``manifest``'s references read lie (held.py, ``holder_dirs``;
+        ``occupant(step)``: the timeline of the local copy under that number, if any)."""
+        return holder_dirs(manifest, partial(self.step_dir, manifest.job), occupant, self.held)
+
+    def holder_dir(
+        self, manifest: Manifest, occupant: Callable[[int], int | None]
+    ) -> Callable[[int], Path]:
+        """:meth:`holder_dirs` as core/verify.py asks for it: a holder not here is given
+        its held copy's place, where the check finds it missing."""
+        dirs = self.holder_dirs(manifest, occupant)
+        timelines = manifest.holder_timelines()
+        return lambda step: (
+            dirs.get(step) or self.held.path(manifest.job, step, timelines.get(step, 0))
+        )
 
     def begin_step(self, job: str, step: int, run: Runner, fetch: bool = False) -> RenameCommit:
         """A commit of a step: its files go in a fresh directory on the same filesystem
@@ -216,41 +240,52 @@ async def retire_replaced(
     catalog: Catalog, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
 ) -> None:
     """Before ``st`` commits: the local copy of the step its save replaces (an earlier
-    timeline's under the same number, core/timeline.py) goes, once nothing reads it,
-    so the new copy can be renamed into its place. Nothing to do if none."""
+    timeline's under the same number, core/timeline.py) leaves view once nothing is
+    writing or reading it, so the new copy can be renamed into its place. A copy that
+    steps still on the disk read (that timeline's incremental steps) is held for them
+    (held.py); any other goes. Nothing to do if none."""
     old = catalog.replacing(st)
     if old is None:
         return
     # A save that took the old step as its base holds it until it is LOCAL: after
-    # that, it is one of the referrers that go with it.
+    # that, it is one of the steps that read it.
     await catalog.quiet(old)
-    await _retire_referrers(catalog, store, io, old, ticket)
     if old.local:  # not set aside or evicted meanwhile
-        await io.run(store.evict, old.job, old.step, ticket=ticket)
+        readers = reading(catalog, old.job, old.step, old.timeline)
+        if readers:
+            where = store.step_dir(old.job, old.step)
+            await io.run(store.held.keep, where, old.job, old.step, old.timeline, ticket=ticket)
+            log.info(
+                "%s/%d (timeline %d) is held out of view: steps %s read its files",
+                old.job,
+                old.step,
+                old.timeline,
+                ", ".join(str(r.step) for r in readers),
+            )
+        else:
+            await io.run(store.evict, old.job, old.step, ticket=ticket)
     catalog.replaced(old)
 
 
-async def _retire_referrers(
-    catalog: Catalog, store: LocalStore, io: IoPool, old: Step, ticket: int | None
-) -> None:
-    """The local copies that read the replaced step's file (the abandoned timeline's
-    incremental steps: references name a step by its number, which the new copy takes
-    over) go first, and those that read theirs: left, they would read the new bytes
-    and fail their checks."""
-    gone = {old.step}
-    while True:
-        referrers = [
-            s
-            for s in catalog.list(old.job)
-            if s is not old and s.local and s.manifest is not None and s.manifest.holders() & gone
-        ]
-        if not referrers:
-            return
-        for dep in referrers:
-            gone.add(dep.step)
-            await catalog.quiet(dep)
-            if dep.local and dep.manifest is not None:
-                await io.run(store.evict, dep.job, dep.step, ticket=ticket)
-                why = f"it reads step {old.step}, which a save on a newer timeline replaces"
-                log.info("%s/%d: local copy removed: %s", dep.job, dep.step, why)
-                catalog.local_removed(dep, pb.STEP_EVENT_EVICTED_LOCAL, why)
+def reading(catalog: Catalog, job: str, step: int, timeline: int) -> list[Step]:
+    """The steps on the disk, or being read or written right now, whose references
+    read the save ``step`` of ``timeline`` of ``job``: its copy must stay while any do."""
+    return [
+        s
+        for s in catalog.list(job)
+        if (s.local or s.busy) and s.step != step and s.reads().get(step) == timeline
+    ]
+
+
+async def prune_held(catalog: Catalog, store: LocalStore, io: IoPool) -> None:
+    """Delete the held copies that no step on the disk (or in use) reads any more."""
+    if not store.held.keys():
+        return  # the common case: nothing held
+    wanted = {
+        (s.job, n, t) for s in catalog.steps() if s.local or s.busy for n, t in s.reads().items()
+    }
+    unread = store.held.keys() - wanted
+    if not unread:
+        return
+    for job, step, timeline in await io.run(store.held.drop, unread):
+        log.info("%s/%d (timeline %d): held copy deleted, no step reads it", job, step, timeline)

@@ -42,8 +42,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptd.core.errors import InvalidArgument
+from ckptd.core.manifest import DATA_LAYOUTS, DATA_SPREAD
 from ckptd.core.names import check_name
-from ckptd.core.timeline import Forks, check_forks, check_timeline, merge
+from ckptd.core.timeline import MAX_TIMELINES, Forks, check_forks, check_timeline, merge
 
 from .base import Remote
 from .layout import marker_key, parse_step_name, pin_key
@@ -78,22 +79,37 @@ class Entry:
     holders: list[int] = field(default_factory=list)
     """The older steps whose rank files the step's references read (retention keeps
     them in the bucket while the step is there)."""
+    data_layout: int = DATA_SPREAD
+    """Where its rank files are (core/manifest.py ``data_layout``); entries written
+    before the field: the spread layout (or the records' prefix, deleted with them)."""
 
 
-def encode(job: str, node: str, entries: dict[int, Entry]) -> bytes:
+Held = dict[tuple[int, int], int]
+"""This node's held copies of a job in the bucket (remote/held.py): ``(step, timeline)``
+of each, with its ``data_layout``."""
+
+
+def encode(job: str, node: str, entries: dict[int, Entry], held: Held | None = None) -> bytes:
     """The index object's bytes."""
-    body = {
+    body: dict[str, Any] = {
         "format": FORMAT,
         "job": job,
         "node": node,
         "steps": [asdict(e) for _, e in sorted(entries.items())],
     }
+    if held:
+        body["held"] = [[n, t, layout] for (n, t), layout in sorted(held.items())]
     return json.dumps(body, separators=(",", ":")).encode()
 
 
 def decode(raw: bytes) -> dict[int, Entry]:
     """The entries of an index object. Bucket content: malformed entries are skipped
     (a bad one must not stop the daemon), a wrong format raises ValueError."""
+    return decode_all(raw)[0]
+
+
+def decode_all(raw: bytes) -> tuple[dict[int, Entry], Held]:
+    """The entries and the held copies of an index object (malformed ones skipped)."""
     body = json.loads(raw)
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ValueError(f"not a ckptd step index of format {FORMAT}")
@@ -102,7 +118,19 @@ def decode(raw: bytes) -> dict[int, Entry]:
         entry = _entry(item)
         if entry is not None:
             out[entry.step] = entry
-    return out
+    held: Held = {}
+    raw_held = body.get("held")
+    for item in raw_held if isinstance(raw_held, list) else ():
+        if (
+            isinstance(item, list)
+            and len(item) == 3
+            and all(type(v) is int for v in item)
+            and 0 <= item[0] < 2**63
+            and 0 <= item[1] < MAX_TIMELINES
+            and item[2] in DATA_LAYOUTS
+        ):
+            held[(item[0], item[1])] = item[2]
+    return out, held
 
 
 def _entry(item: Any) -> Entry | None:
@@ -134,6 +162,9 @@ def _entry(item: Any) -> Entry | None:
         timeline=timeline,
         forks=forks,
         holders=_holders(item.get("holders"), step),
+        data_layout=layout
+        if type(layout := item.get("data_layout")) is int and layout in DATA_LAYOUTS
+        else DATA_SPREAD,
     )
 
 
@@ -174,6 +205,7 @@ class NodeIndex:
         self.jitter_seconds = jitter_seconds
         """Most random wait before a job's first read (``remote_read_jitter_seconds``)."""
         self._jobs: dict[str, dict[int, Entry]] = {}
+        self._held: dict[str, Held] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._written: dict[str, float] = {}
 
@@ -205,6 +237,32 @@ class NodeIndex:
             if entries.pop(step, None) is not None:
                 await self._write(job, entries)
 
+    async def held(self, job: str) -> Held:
+        """``job``'s held copies of this node in the bucket (remote/held.py)."""
+        async with self._lock(job):
+            await self._load(job)
+            return dict(self._held.get(job, {}))
+
+    def held_now(self, job: str) -> frozenset[tuple[int, int]]:
+        """:meth:`held` as known now, without reading the bucket (empty if unread)."""
+        return frozenset(self._held.get(job, {}))
+
+    async def add_held(self, job: str, step: int, timeline: int, layout: int) -> None:
+        """Record a held copy (before its step's marker and records go)."""
+        async with self._lock(job):
+            entries = await self._load(job)
+            held = self._held.setdefault(job, {})
+            if held.get((step, timeline)) != layout:
+                held[(step, timeline)] = layout
+                await self._write(job, entries)
+
+    async def remove_held(self, job: str, step: int, timeline: int) -> None:
+        """Forget a held copy (after its objects are deleted)."""
+        async with self._lock(job):
+            entries = await self._load(job)
+            if self._held.get(job, {}).pop((step, timeline), None) is not None:
+                await self._write(job, entries)
+
     async def set_pinned(self, job: str, step: int, pinned: bool) -> None:
         """Record a pin in the entry of ``step``, if this node has one."""
         async with self._lock(job):
@@ -219,7 +277,8 @@ class NodeIndex:
         wait = self._written.get(job, -math.inf) + self.remote.rewrite_seconds - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        await self.remote.put_bytes(index_key(job, self.node), encode(job, self.node, entries))
+        body = encode(job, self.node, entries, self._held.get(job))
+        await self.remote.put_bytes(index_key(job, self.node), body)
         self._written[job] = time.monotonic()
 
     async def _load(self, job: str) -> dict[int, Entry]:
@@ -234,7 +293,8 @@ class NodeIndex:
             found = await self._from_markers(job)
         else:
             try:
-                found = decode(raw)
+                found, held = decode_all(raw)
+                self._held[job] = held
             except ValueError as exc:  # unreadable: rebuilt from the markers
                 log.warning("%s: unreadable step index (%s); rebuilding it", job, exc)
                 found = await self._from_markers(job)

@@ -3,8 +3,9 @@
 A step saved through ckptd (``Client.save``)::
 
     <job>/<step>/<node>/manifest.json
-    <job>/_data/<hh>/<node>/<step>/rank-*.safetensors
-                                           the rank files (manifest data_layout 2)
+    <job>/_data/<hh>/<node>/<step>.<timeline>/rank-*.safetensors
+                                           the rank files (manifest data_layout 3;
+                                           layout 2: under <step>/, no timeline)
     <job>/<step>/<node>/ranks-<lo>-<hi>    empty: the ranks the node's part holds
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
@@ -48,7 +49,7 @@ from typing import NamedTuple
 
 from ckptd.core import checksum
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, TREE_PREFIX
+from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, DATA_TIMELINE, TREE_PREFIX
 from ckptd.core.names import check_name, check_step, check_tree_path
 
 # Re-exported: the bucket's keys use them; adoption (above the tiers) takes them from commit.py.
@@ -99,18 +100,26 @@ def file_key(
     file: str,
     adopted: bool = False,
     layout: int = DATA_BY_STEP,
+    timeline: int = 0,
 ) -> str:
     """Where a file of a node's part goes: under the node's data prefix of the step
-    (``layout``: the manifest's ``data_layout``), or (adopted) at its tree path.
-    ``file`` must be a plain name (a relative path under ``files/`` if adopted): a
-    manifest's names never make a key outside the step (InvalidArgument)."""
+    (``layout``: the manifest's ``data_layout``; ``timeline``: its timeline), or
+    (adopted) at its tree path. ``file`` must be a plain name (a relative path under
+    ``files/`` if adopted): a manifest's names never make a key outside the step
+    (InvalidArgument)."""
     if adopted:
         return f"{step_prefix(job, step)}/{tree_path(file)}"
-    return f"{data_prefix(job, step, node, layout)}/{check_name('file', file)}"
+    return f"{data_prefix(job, step, node, layout, timeline)}/{check_name('file', file)}"
 
 
-def data_prefix(job: str, step: int, node: str, layout: int = DATA_BY_STEP) -> str:
-    """The prefix of a node's rank files of a (not adopted) step, by ``layout``."""
+def data_prefix(
+    job: str, step: int, node: str, layout: int = DATA_BY_STEP, timeline: int = 0
+) -> str:
+    """The prefix of a node's rank files of a (not adopted) step, by ``layout`` (and,
+    from layout 3 on, the step's ``timeline``: saves of two timelines under one number
+    never share a key)."""
+    if layout == DATA_TIMELINE:
+        return f"{job}/{DATA_DIR}/{spread(node)}/{node}/{step}.{timeline}"
     if layout == DATA_SPREAD:
         return f"{job}/{DATA_DIR}/{spread(node)}/{node}/{step}"
     if layout == DATA_BY_STEP:

@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from functools import partial
 
 from ckptd.core import checksum
@@ -31,6 +31,7 @@ from ..catalog import Step
 from ..commit import MarkerCommit
 from ..io import IoPool, gather_all
 from ..local.store import LocalStore
+from . import held
 from .base import Remote
 from .index import Entry, NodeIndex
 from .layout import (
@@ -68,6 +69,7 @@ class Publisher:
         node_id: str,
         stall_seconds: float,
         on_stall: Callable[[Step, str], None],
+        reading: Callable[[str], Set[tuple[int, int]]] = lambda job: frozenset(),
     ) -> None:
         self.remote = remote
         self.index = index
@@ -79,9 +81,9 @@ class Publisher:
         self.stall_seconds = stall_seconds
         self._on_stall = on_stall
         self._progress_at = 0.0
-        self.retracted: Callable[[str, int, str], None] = lambda job, step, why: None
-        """Told of a copy taken out of the bucket beside a replaced one (the drain
-        tells the catalog)."""
+        self.reading = reading
+        """``(step, timeline)`` of the holders a job's local steps read (the catalog's
+        ``read_copies``): a replaced copy they read stays in the bucket, held."""
         self.holders_missing: Callable[[Step], str] = lambda st: ""
         """Why a step may not be committed now: a step it references is not complete in
         the bucket (lifecycle/holders.py; the drain sets it)."""
@@ -134,8 +136,11 @@ class Publisher:
     async def _retract_replaced(self, st: Step, adopted: bool) -> None:
         """A copy of this node in the bucket under ``st``'s number that is another save
         (an earlier timeline's, which ``st`` replaced) comes out first, marker first: no
-        reader ever sees its marker beside ``st``'s objects (remote/retract.py)."""
-        old = (await self.index.entries(st.job)).get(st.step)
+        reader ever sees its marker beside ``st``'s objects (remote/retract.py). Its
+        files stay, held, while this node's steps read them (held.py): the steps of that
+        timeline kept in the bucket, or on their way there."""
+        entries = await self.index.entries(st.job)
+        old = entries.get(st.step)
         if old is None or (old.timeline == st.timeline and old.adopted == adopted):
             return
         log.info(
@@ -147,28 +152,29 @@ class Publisher:
             self.remote.url,
             st.timeline,
         )
+        key = (st.step, old.timeline)
+        if not old.adopted and key in held.read_in_bucket(entries) | self.reading(st.job):
+            await held.hold(self.remote, self.index, st.job, self.node_id, st.step)
+            return
         await retract_marker(self.remote, st.job, st.step, self.node_id, old.adopted)
         await delete_copy(self.remote, self.index, st.job, st.step, self.node_id, old.adopted)
-        await self._retract_referrers(st)
 
-    async def _retract_referrers(self, st: Step) -> None:
-        """This node's copies in the bucket that read the replaced copy's files (the
-        abandoned timeline's incremental steps; references name a step by its number,
-        which ``st`` takes over), and those that read theirs, come out too: left, they
-        would read ``st``'s bytes and fail their checks."""
-        gone = {st.step}
-        while True:
-            entries = await self.index.entries(st.job)
-            referrers = [e for n, e in entries.items() if n not in gone and set(e.holders) & gone]
-            if not referrers:
-                return
-            for e in referrers:
-                gone.add(e.step)
-                why = f"it reads step {st.step}, which a save on a newer timeline replaces"
-                log.info("%s/%d: this node's copy leaves the bucket: %s", st.job, e.step, why)
-                await retract_marker(self.remote, st.job, e.step, self.node_id, e.adopted)
-                await delete_copy(self.remote, self.index, st.job, e.step, self.node_id, e.adopted)
-                self.retracted(st.job, e.step, why)
+    async def _publish_held(self, st: Step) -> None:
+        """The held copies ``st`` reads that the bucket lacks go up first, from the local
+        tier's (local/held.py); one missing there too is left to the check before the
+        marker, which refuses the commit (``holders_missing``)."""
+        in_bucket = await self.index.held(st.job)
+        entries = await self.index.entries(st.job)
+        for n, timeline in sorted(st.reads().items()):
+            if (n, timeline) in in_bucket or (
+                (e := entries.get(n)) is not None and e.timeline == timeline
+            ):
+                continue
+            if self.store.held.has(st.job, n, timeline):
+                where = self.store.held.path(st.job, n, timeline)
+                await held.publish(
+                    self.remote, self.index, st.job, self.node_id, n, timeline, where
+                )
 
     async def _upload(self, st: Step) -> tuple[int, int]:
         """Upload one step, its marker last; returns (files sent, files already there)."""
@@ -186,13 +192,16 @@ class Publisher:
         tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
         skipped: list[str] = []
         await self._retract_replaced(st, adopted)
+        await self._publish_held(st)
         suspect = st.key in self.suspect
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
             if tree_commit is not None:
                 key = f"{tree_commit.location}/{tree_path(rank_file)}"
             else:
-                key = file_key(st.job, st.step, node, rank_file, layout=manifest.data_layout)
+                key = file_key(
+                    st.job, st.step, node, rank_file, False, manifest.data_layout, manifest.timeline
+                )
             with contextlib.suppress(FileNotFoundError):
                 if suspect and await self.remote.native_crc32c(key) == crc32c:
                     log.info(
@@ -251,6 +260,8 @@ class Publisher:
             "forks": manifest.forks,
             # The steps its references read: retention keeps them while it is here.
             "holders": sorted(manifest.holders()),
+            # Where its rank files are: deleted by their layout's prefix (retract.py).
+            "data_layout": manifest.data_layout,
         }
         await part.finalize(json.dumps(marker_info).encode())
         entry = Entry(
@@ -263,13 +274,14 @@ class Publisher:
             manifest.timeline,
             manifest.forks,
             sorted(manifest.holders()),
+            manifest.data_layout,
         )
         await self.index.add(st.job, entry)
         if suspect:
             # Attempts cut by an outage or a kill could not abort their multipart
             # uploads: do it now (this node's prefix only: never another's in flight).
             with contextlib.suppress(Exception):
-                data = data_prefix(st.job, st.step, node, manifest.data_layout)
+                data = data_prefix(st.job, st.step, node, manifest.data_layout, manifest.timeline)
                 await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{data}/")
             self.suspect.discard(st.key)
         return len(records_by_file) - len(skipped), len(skipped)

@@ -178,7 +178,9 @@ async def download_files(
         # Checked when the manifest was parsed; again here, as no name may ever reach
         # a path unchecked (a manifest could have been built by other code).
         keys = {
-            r.file: file_key(job, step, node, r.file, manifest.adopted, manifest.data_layout)
+            r.file: file_key(
+                job, step, node, r.file, manifest.adopted, manifest.data_layout, manifest.timeline
+            )
             for r in manifest.ranks
         }
     except InvalidArgument as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ckptd.core.manifest import DATA_SPREAD
+from ckptd.core.manifest import DATA_SPREAD, DATA_TIMELINE
 
 from .. import faults
 from .base import Remote
@@ -28,16 +28,31 @@ async def retract_marker(remote: Remote, job: str, step: int, node: str, adopted
 
 
 async def delete_copy(
-    remote: Remote, index: NodeIndex, job: str, step: int, node: str, adopted: bool
+    remote: Remote,
+    index: NodeIndex,
+    job: str,
+    step: int,
+    node: str,
+    adopted: bool,
+    keep_data: bool = False,
 ) -> None:
-    """After :func:`retract_marker`: the copy's objects, then its index entry."""
+    """After :func:`retract_marker`: the copy's objects, then its index entry.
+    ``keep_data``: its rank files stay, held for the steps that read them (held.py)."""
     tree, records = step_prefix(job, step), record_prefix(job, step, adopted)
     prefixes = [f"{records}/{node}/"]
     if adopted:  # out of the framework's view first, then deleted
         await remote.retract_tree(tree, records, node)
         prefixes.append(f"{tree}/")
-    else:  # rank files of the spread layout (of the old one: under the records)
-        prefixes.append(f"{data_prefix(job, step, node, DATA_SPREAD)}/")
+    elif not keep_data:  # rank files of the spread layouts (of the old one: the records')
+        entry = (await index.entries(job)).get(step)
+        if entry is not None and entry.data_layout == DATA_TIMELINE:
+            prefixes.append(f"{data_prefix(job, step, node, DATA_TIMELINE, entry.timeline)}/")
+        elif not any(
+            n == step and layout != DATA_TIMELINE
+            for (n, _), layout in (await index.held(job)).items()
+        ):
+            # Not the files of another timeline's copy held under the same number.
+            prefixes.append(f"{data_prefix(job, step, node, DATA_SPREAD)}/")
     for prefix in prefixes:
         await remote.delete(await remote.list_keys(prefix))
     await index.remove(job, step)

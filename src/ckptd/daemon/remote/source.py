@@ -25,12 +25,13 @@ from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from ..catalog import Catalog, Step
+from ..commit import RenameCommit
 from ..files import read_small
 from ..io import IoPool
 from ..local.lease import Handed, Lease, Want
 from ..local.prestaged import Prestaged
 from ..local.store import LocalStore
-from . import read
+from . import held, read
 from .base import Remote
 from .index import NodeIndex
 from .ranged import Populate
@@ -287,12 +288,17 @@ class BucketSource:
         self.catalog.discovered(
             st.job, st.step, frozenset(), st.adopted, timeline=None, holders=holders
         )
+        timelines = manifest.holder_timelines()
         for step in sorted(holders):
             h = self.catalog.get(st.job, step)
             if h is None or not (h.local or h.in_remote):
                 await self.refresh(st.job, step)
                 h = self.catalog.get(st.job, step)
-            if h is not None and h.local:
+            if h is None or h.timeline != timelines[step]:
+                # Replaced by a later timeline's save: its files are held (held.py).
+                await self._bring_held(st.job, step, timelines[step])
+                continue
+            if h.local:
                 continue
             why = "it is not in the bucket"
             if h is not None and h.in_remote and not h.unusable:
@@ -306,6 +312,43 @@ class BucketSource:
             raise DataLoss(
                 f"step {step}, whose rank files it references, cannot be restored: {why}"
             )
+
+    async def _bring_held(self, job: str, step: int, timeline: int) -> None:
+        """A held copy this node's step reads, from the local tier's held copies or
+        downloaded into them from the bucket (remote/held.py, local/held.py), verified
+        like any download. DataLoss if neither has it."""
+        assert self.remote is not None
+        if self.store.held.has(job, step, timeline):
+            return
+        lock = self._fetching.setdefault((job, -1 - step), asyncio.Lock())
+        async with lock:
+            if self.store.held.has(job, step, timeline):
+                return
+            me = self.catalog.node_id
+            try:
+                raw, manifest = await held.held_manifest(self.remote, job, me, step, timeline)
+            except FileNotFoundError:
+                raise DataLoss(
+                    f"step {step} of timeline {timeline}, whose rank files it references (a "
+                    "later save replaced it), has no copy here or in the bucket"
+                ) from None
+            final = self.store.held.path(job, step, timeline)
+            commit = RenameCommit.beside(
+                final, self.store.cache_root, f"{job}.{step}.{timeline}", marker=MANIFEST,
+                run=self.io.run,
+            )  # fmt: skip
+            try:
+                with self._counted(manifest.size_bytes) as progress:
+                    await read.download_files(
+                        self.remote, job, step, me, manifest, commit.path, progress
+                    )
+                await commit.finalize(raw)
+            except BaseException:
+                await commit.abort()
+                raise
+            self.store.held.add(job, step, timeline)
+            log.info("%s/%d (timeline %d): held copy fetched from %s", job, step, timeline,
+                     self.remote.url)  # fmt: skip
 
     async def _holder_manifest(
         self, st: Step, rank: int, tried: frozenset[str] = frozenset()
@@ -357,13 +400,13 @@ class BucketSource:
         never chained: their own holders are not needed."""
         if '"refs"' not in raw:
             return
-        for held in sorted(Manifest.from_json(raw).holders()):
-            lock = self._fetching.setdefault((job, -1 - held), asyncio.Lock())
+        for holder in sorted(Manifest.from_json(raw).holders()):
+            lock = self._fetching.setdefault((job, -1 - holder), asyncio.Lock())
             async with lock:  # older than the step whose lock is held: never a cycle
-                if await self.io.run((self.store.peer_dir(job, held, node) / MANIFEST).exists):
+                if await self.io.run((self.store.peer_dir(job, holder, node) / MANIFEST).exists):
                     continue
-                await self.refresh(job, held)
-                older = self.catalog.require(job, held)
+                await self.refresh(job, holder)
+                older = self.catalog.require(job, holder)
                 with self.catalog.in_use(older):
                     await self._fetch_part(older, node)
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 from ckptd.core import checksum
@@ -140,12 +141,15 @@ class LocalSource:
     def _holders(self, st: Step, record: RankRecord) -> dict[int, Path]:
         """The rank files an incremental rank's references read, each of a step this
         tier holds (the evictor keeps them while this step is kept)."""
+        assert st.manifest is not None
+        # A holder a later timeline replaced is read from its held copy (local/held.py).
+        dirs = self.store.holder_dirs(st.manifest, partial(self.catalog.local_timeline, st.job))
         paths: dict[int, Path] = {}
         for step in sorted(record.holders()):
-            holder = self.catalog.get(st.job, step)
-            if holder is None or not holder.local or holder.manifest is None:
+            where = dirs.get(step)
+            if where is None:
                 raise _lost(st, f"{record.file}: step {step}, which it references, is not here")
-            paths[step] = self.store.step_dir(st.job, step) / record.file
+            paths[step] = where / record.file
         return paths
 
     async def _evicted(self, st: Step, exc: BaseException, changed: asyncio.Event) -> None:
@@ -165,7 +169,10 @@ class LocalSource:
         st = self.catalog.require(job, step)
         if st.manifest is None:
             raise FailedPrecondition(f"step {step} of job {job!r} has no local copy")
-        bad = await self.io.run(verify_step, self.store.step_dir(job, step), st.manifest)
+        holders = self.store.holder_dir(st.manifest, partial(self.catalog.local_timeline, job))
+        bad = await self.io.run(
+            partial(verify_step, holder_dir=holders), self.store.step_dir(job, step), st.manifest
+        )
         if not bad:
             raise FailedPrecondition(
                 f"step {step} of job {job!r} re-read with matching checksums; the client's "

@@ -9,7 +9,9 @@ tiers that each answer the same interface (tier.py).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from ckptd.core.errors import DataLoss, FailedPrecondition, NotFound
@@ -39,6 +41,9 @@ class RestorePlan:
     tier: str = "local"
     """Where the copy came from: memory (the memory tier's kept segment), local, or
     remote (fetched from the bucket for it)."""
+    holder_dirs: Mapping[int, Path] = field(default_factory=dict)
+    """An incremental step's holders: the directory of each on the disk, its step's or
+    its held copy where a later timeline replaced it (local/held.py)."""
 
 
 class Restorer:
@@ -190,6 +195,13 @@ class Restorer:
             handed.offset if handed else 0,
             # The metric's labels: a copy taken from a peer or pre-staged is local.
             _label(served.tier, handed.lease if handed else None),
+            {
+                n: where
+                for n, where in self.store.holder_dirs(
+                    st.manifest, partial(self.catalog.local_timeline, job)
+                ).items()
+                if where is not None
+            },
         )
         if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
             # Another uid mapped that segment before: serve the verified file instead.

@@ -61,7 +61,7 @@ class Retention:
             healthy=st.healthy,
             abandoned=st.abandoned,
             timeline=st.timeline,
-            holders=st.references(),
+            holders=self.catalog.references(st),
         )
 
     def plan(self, job: str) -> Plan:
