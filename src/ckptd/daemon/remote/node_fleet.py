@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable
 
+from .. import faults
 from .base import Remote
 from .claim import CLAIM_DIR, ClaimRecord, NodeClaim, claim_key
 
@@ -39,6 +40,8 @@ START_JITTER_SECONDS = 300.0
 list ``_nodes/`` all in the same second."""
 TIMEOUT_SECONDS = 60.0
 """Longest a sample may take (a store that hangs must not hold up the daemon's stop)."""
+FAILPOINT = "fleet.sampled"
+"""Armed (tests): the first sample is taken at once, and each one reaches this point."""
 
 
 class NodeFleet:
@@ -80,8 +83,10 @@ class NodeFleet:
     async def run(self) -> None:
         """Sample soon and then every :data:`REFRESH_SECONDS` (supervised: never raises
         for a store that fails; it retries after :data:`RETRY_SECONDS`)."""
+        armed = faults.armed(FAILPOINT)
+        jitter = 0.0 if armed else self._rng.uniform(0, START_JITTER_SECONDS)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), self._rng.uniform(0, START_JITTER_SECONDS))
+            await asyncio.wait_for(self._stop.wait(), jitter)
         while not self._stop.is_set():
             wait = REFRESH_SECONDS
             try:
@@ -89,6 +94,8 @@ class NodeFleet:
             except Exception as exc:  # only an interval's tuning: later will do
                 log.debug("sampling the node names' claims in %s: %s", self.remote.url, exc)
                 wait = RETRY_SECONDS
+            if armed:  # tests learn the sample was taken (and its failure logged)
+                await asyncio.to_thread(faults.hit, FAILPOINT)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait)
 
