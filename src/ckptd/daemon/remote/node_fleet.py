@@ -26,6 +26,7 @@ from collections.abc import Callable
 from .. import faults
 from .base import Remote
 from .claim import CLAIM_DIR, ClaimRecord, NodeClaim, claim_key
+from .records import valid_names
 
 log = logging.getLogger("ckptd.claim")
 
@@ -71,14 +72,20 @@ class NodeFleet:
         return observed, sum(r.replacements for r in records), len(records)
 
     async def sample(self) -> None:
-        """List the node names once and read up to :data:`SAMPLE` others' claims."""
+        """List the node names once and read up to :data:`SAMPLE` others' claims; a
+        name or a record that is not ckptd's is skipped and logged once
+        (:meth:`ClaimRecord.parse`), so every value summed is bounded."""
         mine = self.claim.mine.node
-        names = [d.rsplit("/", 1)[-1] for d in await self.remote.list_dirs(CLAIM_DIR)]
-        others = [n for n in names if n and n != mine]
+        names = [d.rstrip("/").rsplit("/", 1)[-1] for d in await self.remote.list_dirs(CLAIM_DIR)]
+        others = [n for n in names if n != mine and valid_names(f"{CLAIM_DIR}/{n}", node=n)]
         chosen = self._rng.sample(others, min(SAMPLE, len(others)))
         found = await asyncio.gather(*(self.remote.read_versioned(claim_key(n)) for n in chosen))
-        records = [ClaimRecord.parse(got[0]) for got in found if got is not None]
-        self.others = [r for r in records if r is not None]
+        parsed = [
+            ClaimRecord.parse(got[0], n)
+            for n, got in zip(chosen, found, strict=True)
+            if got is not None
+        ]
+        self.others = [r for r in parsed if r is not None]
 
     async def run(self) -> None:
         """Sample soon and then every :data:`REFRESH_SECONDS` (supervised: never raises
