@@ -6,6 +6,7 @@ rate changes."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,67 @@ def test_a_restarted_daemon_remembers_and_a_new_job_starts_from_the_node(daemon:
     assert prior.fleet_observed_seconds >= seen.observed_seconds
     # No bucket: no record of node names, so no node level (as without the record).
     assert (prior.node_observed_seconds, prior.node_replacements) == (0.0, 0)
+
+
+HONEST_NODES = FailureHistory(100.0, 0, node_observed_seconds=17 * 3600.0, node_replacements=1)
+"""A young job on a node whose name has been claimed 17 h, one node lost."""
+POISONED: dict[str, FailureHistory] = {
+    "node seconds NaN": FailureHistory(100.0, 0, node_observed_seconds=math.nan),
+    "node seconds inf": FailureHistory(100.0, 0, node_observed_seconds=math.inf),
+    "node seconds negative": FailureHistory(100.0, 0, node_observed_seconds=-1e300),
+    "replacements huge": FailureHistory(
+        100.0, 0, node_observed_seconds=3600, node_replacements=10**30
+    ),
+    "active time NaN": FailureHistory(math.nan, 0),
+    "active time inf": FailureHistory(math.inf, 0),
+    "active time huge": FailureHistory(1e300, 0),
+    "restarts negative": FailureHistory(100.0, -5),
+    "restart ages NaN": FailureHistory(100.0, 8, restart_ages=(math.nan,) * 8),
+    "fleet NaN": FailureHistory(100.0, 0, fleet_observed_seconds=math.nan, fleet_restarts=3),
+    "fleet huge": FailureHistory(100.0, 0, fleet_observed_seconds=1e300),
+    "job nodes 0": FailureHistory(100.0, 0, node_observed_seconds=3600, job_nodes=0),
+}
+
+
+def _saves(
+    seen: FailureHistory, steps: int = 40, policy: Goodput | None = None
+) -> tuple[int, Goodput]:
+    """Saves ``policy`` (the default, as ``Client(job)`` has it) makes in ``steps``
+    steps of a trainer whose daemon sends ``seen`` (tests/test_goodput_two_levels.py's
+    trainer: 1 s steps, uploads that slow the next steps)."""
+    from .test_goodput_two_levels import Trainer
+
+    policy = policy or Goodput()
+    decide = policy.should_save
+    made: list[bool] = []
+
+    def counted(ctx: Any) -> bool:
+        made.append(decide(ctx))
+        return made[-1]
+
+    policy.should_save = counted  # type: ignore[method-assign]
+    Trainer(upload_steps=2, slow=0.5, history=seen).run(policy, steps)
+    return sum(made), policy
+
+
+@pytest.mark.parametrize("poison", sorted(POISONED))
+def test_no_history_a_daemon_sends_stops_the_policy_saving(poison: str) -> None:
+    """Values no honest daemon sends (a bucket's poisoned node record passed on, a
+    daemon of another release) are read as unknown, which errs towards saving: the
+    policy saves at least as often as with an honest record, at a finite interval."""
+    honest, _ = _saves(HONEST_NODES)
+    assert honest >= 2
+    saved, policy = _saves(POISONED[poison])
+    assert saved >= honest, (saved, honest)
+    assert math.isfinite(policy.interval_seconds) and policy.interval_seconds >= 0
+    estimates = (policy.mtbf_estimate_seconds, policy.node_mtbf_estimate_seconds)
+    assert all(e is None or (math.isfinite(e) and e > 0) for e in estimates), estimates
+
+
+def test_an_infinite_node_mtbf_counts_no_node_losses() -> None:
+    """``node_mtbf_seconds=inf`` is what ``mtbf_seconds=inf`` is: not counted."""
+    without, _ = _saves(FailureHistory(100.0, 0), 200, Goodput(mtbf_seconds=60.0))
+    saved, policy = _saves(
+        FailureHistory(100.0, 0), 200, Goodput(mtbf_seconds=60.0, node_mtbf_seconds=math.inf)
+    )
+    assert saved == without and policy.node_mtbf_estimate_seconds is None

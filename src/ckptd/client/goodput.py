@@ -116,12 +116,43 @@ _FASTER = 2.5
 """How much shorter the window's MTBF must be to overrule (P ~ 1% at a steady rate)."""
 _QUIETER = 4.0
 """How many MTBFs without a restart overrule the estimate (P = e^-4 at a steady rate)."""
+_MOST_SECONDS = 2.0**45
+"""Most seconds of a daemon's record taken as told (a million years: 512 jobs' or a
+fleet sample's lives summed stay far below it)."""
+_MOST_COUNT = 2**32
+"""Most restarts or replacements of a daemon's record taken as told."""
+
+
+def bounded(seen: FailureHistory) -> FailureHistory:
+    """``seen`` with every value no honest daemon sends read as not known: a time
+    that is not finite, negative or past :data:`_MOST_SECONDS` as 0, a count below 0
+    as 0 and above :data:`_MOST_COUNT` as that, a restart age that is no age left
+    out. Each errs towards saving more often, never less: a daemon's record is
+    passed on from its bucket, where anyone who may write can write anything."""
+
+    def secs(value: float) -> float:
+        return float(value) if 0 <= value <= _MOST_SECONDS else 0.0  # NaN fails both
+
+    def count(value: int) -> int:
+        return min(max(int(value), 0), _MOST_COUNT)
+
+    return FailureHistory(
+        secs(seen.observed_seconds),
+        count(seen.restarts),
+        tuple(float(a) for a in seen.restart_ages if 0 <= a <= _MOST_SECONDS),
+        secs(seen.fleet_observed_seconds),
+        count(seen.fleet_restarts),
+        secs(seen.node_observed_seconds),
+        count(seen.node_replacements),
+        max(count(seen.job_nodes), 1),
+    )
 
 
 def learned_mtbf(seen: FailureHistory, prior_mtbf: float | None = None) -> float:
     """The trainer MTBF learned from the daemon's record (see the module): the
     long-run estimate with its prior, unless the newest restarts say the rate
     changed. ``prior_mtbf`` None: the node's record of the other jobs, if any."""
+    seen = bounded(seen)
     prior = prior_mtbf
     if prior is None and seen.fleet_observed_seconds > 0:
         prior = seen.fleet_observed_seconds / (seen.fleet_restarts + 1)
@@ -138,6 +169,7 @@ def learned_node_mtbf(seen: FailureHistory) -> float | None:
     """The job's node MTBF learned from the bucket's record of node names (see the
     module): ``S / (r + 1)`` per node over the ``job_nodes`` the job spans; None
     with no record (no bucket)."""
+    seen = bounded(seen)
     if seen.node_observed_seconds <= 0:
         return None
     per_node = seen.node_observed_seconds / (seen.node_replacements + 1)
@@ -211,7 +243,7 @@ class Goodput(SavePolicy):
     ``mtbf_seconds``: mean time between failures that restart the trainer (job-wide;
     None: learned from the daemon's record of this job's restarts; inf: not counted).
     ``node_mtbf_seconds``: those that lose the node too (None: learned from the
-    bucket's record of replaced nodes; not counted without a bucket).
+    bucket's record of replaced nodes; not counted without a bucket; inf: not counted).
     ``prior_mtbf_seconds``: the MTBF a job starts from while it has seen little
     (None: the node's record of other jobs); ignored with ``mtbf_seconds``.
     ``min_interval_seconds`` / ``max_interval_seconds`` clamp ``tau*``.
@@ -261,9 +293,9 @@ class Goodput(SavePolicy):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, not {value!r}")
-        if self.mtbf_seconds == math.inf and self.node_mtbf_seconds is None:
+        if self.mtbf_seconds == math.inf and self.node_mtbf_seconds in (None, math.inf):
             raise ValueError(
-                "mtbf_seconds=inf with no node_mtbf_seconds counts no failures: give a "
+                "mtbf_seconds=inf with no finite node_mtbf_seconds counts no failures: give a "
                 "node_mtbf_seconds, or leave mtbf_seconds None to learn it"
             )
         if self.min_interval_seconds < 0:
@@ -339,8 +371,8 @@ class Goodput(SavePolicy):
 
     def _node_mtbf(self, seen: FailureHistory | None) -> float | None:
         """The job's node MTBF: configured, or learned (:func:`learned_node_mtbf`)."""
-        if self.node_mtbf_seconds is not None:
-            return self.node_mtbf_seconds
+        if self.node_mtbf_seconds is not None:  # inf: node losses not counted
+            return self.node_mtbf_seconds if self.node_mtbf_seconds < math.inf else None
         return learned_node_mtbf(seen) if seen is not None else None
 
     def _interval(self, ctx: SaveContext) -> float:
@@ -383,6 +415,7 @@ class Goodput(SavePolicy):
 
 __all__ = [
     "Goodput",
+    "bounded",
     "expected_goodput",
     "learned_mtbf",
     "learned_node_mtbf",

@@ -36,6 +36,7 @@ _INCREMENTAL = frozenset({"runs", "refs", "image_size", "image_crc32c", "digests
 """A rank record's fields only an incremental file has (written only when set)."""
 MAX_WORLD_SIZE = 2**24
 MAX_FILE_BYTES = 2**62
+MAX_UNIX = 2.0**35  # the year 3058: every time a record carries is finite and in [0, this)
 
 
 class ManifestInvalid(DataLoss, ValueError):
@@ -338,7 +339,7 @@ def _check(m: Manifest) -> None:
     world = _count("world_size", m.world_size, MAX_WORLD_SIZE + 1)
     if world < 1:
         raise InvalidArgument("world_size is 0")
-    if not math.isfinite(m.created_unix):
+    if not (math.isfinite(m.created_unix) and 0 <= m.created_unix < MAX_UNIX):
         raise InvalidArgument(f"created_unix = {m.created_unix} is not a time")
     _field("ranks", m.ranks, list)
     _field("shards", m.shards, ShardTable)

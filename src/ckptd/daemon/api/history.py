@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Hashable
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.core.manifest import MAX_UNIX
 from ckptd.proto import ckptd_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -95,14 +97,40 @@ class _Job:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> _Job:
+        """A job's record as :meth:`to_json` writes it; ValueError for a value it
+        cannot have written (a time that is no time, a count past the wire's)."""
         return cls(
-            first_seen=float(doc["first_seen"]),
-            active=float(doc["active"]),
-            stretch=float(doc["stretch"]),
-            last_used=float(doc["last_used"]),
-            restores={int(r): int(n) for r, n in doc["restores"].items()},
-            restart_times=[float(t) for t in doc["restart_times"]][-RECENT:],
+            first_seen=_time(doc["first_seen"]),
+            active=_time(doc["active"]),
+            stretch=_time(doc["stretch"]),
+            last_used=_time(doc["last_used"]),
+            restores={_count(r): _count(n) for r, n in doc["restores"].items()},
+            restart_times=[_time(t) for t in doc["restart_times"]][-RECENT:],
         )
+
+
+def _time(raw: Any) -> float:
+    value = float(raw)
+    if not (math.isfinite(value) and 0 <= value < MAX_UNIX):
+        raise ValueError(f"{value} is not a time")
+    return value
+
+
+def _count(raw: Any) -> int:
+    value = int(raw)
+    if not 0 <= value < 2**32:
+        raise ValueError(f"{value} is not a count")
+    return value
+
+
+def _uint(value: int, bits: int) -> int:
+    """``value`` within a uint field of ``bits`` bits (saturated)."""
+    return min(max(int(value), 0), (1 << bits) - 1)
+
+
+def _seconds(value: float) -> float:
+    """Non-negative and finite, or 0 (not known)."""
+    return value if math.isfinite(value) and value >= 0 else 0.0
 
 
 class JobHistory:
@@ -163,15 +191,17 @@ class JobHistory:
         now = self._clock()
         others = [r for j, r in self._jobs.items() if j != job]
         node_seconds, node_replacements, node_names = self._nodes()
+        # Every value is bounded where it is read (the file, the bucket's records:
+        # remote/records.py); saturated here too, so no value can fail the request.
         return pb.JobHistory(
-            first_seen_unix=now - rec.observed(now),
-            restarts=rec.restarts(),
+            first_seen_unix=now - _seconds(rec.observed(now)),
+            restarts=_uint(rec.restarts(), 32),
             restart_unix=rec.restart_times,
-            fleet_observed_seconds=sum(r.observed(now) for r in others),
-            fleet_restarts=sum(r.restarts() for r in others),
-            node_observed_seconds=node_seconds,
-            node_replacements=node_replacements,
-            node_names=node_names,
+            fleet_observed_seconds=_seconds(sum(r.observed(now) for r in others)),
+            fleet_restarts=_uint(sum(r.restarts() for r in others), 32),
+            node_observed_seconds=_seconds(node_seconds),
+            node_replacements=_uint(node_replacements, 64),
+            node_names=_uint(node_names, 32),
         )
 
     def close(self) -> None:

@@ -31,6 +31,12 @@ root and a clean release then a new root (a planned move) are not counted. Each
 write carries the record forward, so it costs no request of its own; node_fleet.py
 samples it to learn the node-loss rate that ``Goodput()`` saves for.
 
+Anyone who may write the bucket may write this object too, so a record is read
+only with every field of its type and in range (remote/records.py): one that is
+not is not ckptd's, is logged once and counts as unreadable (taken over at once,
+its history started afresh), so a poisoned claim of this node's own name never
+stops its uploads, and the record it writes back carries nothing of the poison.
+
 Every takeover is a conditional write on the version it read, so of two daemons
 racing for a stale claim only one wins. One that does not hold the claim keeps
 saving to its local disk but uploads and deletes nothing in the bucket; its
@@ -52,12 +58,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+from ckptd.core.names import MAX_NODE_BYTES
 from ckptd.core.redact import redact
 
 from ..files import read_small, replace_synced
 from ..local.liveness import process_start
+from . import records
 from .base import Remote
+from .records import MAX_COUNT, OutOfBounds, integer, seconds, text
 
 log = logging.getLogger("ckptd.claim")
 
@@ -66,6 +76,8 @@ RETRY_SECONDS = 30.0
 """Longest wait between two attempts to take a claim this daemon does not hold."""
 REPLACED_KEPT = 32
 """Replacement times a claim keeps (the newest)."""
+MAX_CLAIM_BYTES = 64 * 2**10
+"""Largest claim object read as one (a record ckptd writes is a few hundred bytes)."""
 ROOT_ID_FILE = ".node-claim-id"
 """The root's id, kept in the root: a restart of the same daemon retakes its claim."""
 
@@ -108,18 +120,52 @@ class ClaimRecord:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def parse(cls, data: bytes) -> ClaimRecord | None:
-        """A stored record, or None if it is not one (then it counts as stale)."""
+    def parse(cls, data: bytes, node: str | None = None) -> ClaimRecord | None:
+        """A stored record, or None if it is not one ckptd writes (then it counts as
+        stale): every field of the right type and in range (remote/records.py).
+        ``node``: the name whose claim it was read as; a record of another name is
+        not one, and a record that is not one is then logged once."""
         try:
-            raw = json.loads(data)
-            rec = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-            # Written before the record had a history: it starts at the holder's start.
-            rec.since_unix = float(rec.since_unix) or float(rec.started_unix)
-            rec.replacements = int(rec.replacements)
-            rec.replaced_unix = [float(t) for t in rec.replaced_unix][-REPLACED_KEPT:]
+            if len(data) > MAX_CLAIM_BYTES:
+                raise OutOfBounds(f"{len(data)} bytes, more than any claim")
+            rec = cls._checked(json.loads(data))
+            if node is not None and rec.node != node:
+                raise OutOfBounds(f"the claim of node {rec.node!r}, read as {node!r}'s")
             return rec
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            if node is not None:
+                records.skipped(claim_key(node), f"not a node name's claim: {exc}")
             return None
+
+    @classmethod
+    def _checked(cls, raw: dict[str, Any]) -> ClaimRecord:
+        """The record from its JSON, each field checked (OutOfBounds, KeyError)."""
+        if not isinstance(raw, dict):
+            raise OutOfBounds("not a JSON object")
+        started = seconds(raw["started_unix"], "started_unix")
+        if type(raw.get("released", False)) is not bool:
+            raise OutOfBounds("released is not true or false")
+        times = raw.get("replaced_unix", [])
+        if not isinstance(times, list) or len(times) > REPLACED_KEPT:
+            raise OutOfBounds(f"replaced_unix is not a list of at most {REPLACED_KEPT} times")
+        return cls(
+            node=text(raw["node"], "node", MAX_NODE_BYTES),
+            instance=text(raw["instance"], "instance"),
+            root_id=text(raw["root_id"], "root_id"),
+            host=text(raw["host"], "host"),
+            pid=integer(raw["pid"], "pid", 0, 2**31),
+            started_unix=started,
+            heartbeat_unix=seconds(raw["heartbeat_unix"], "heartbeat_unix"),
+            heartbeat_seconds=seconds(raw.get("heartbeat_seconds", 0.0), "heartbeat_seconds"),
+            released=raw.get("released", False),
+            boot_id=text(raw.get("boot_id", ""), "boot_id"),
+            pid_ns=integer(raw.get("pid_ns", 0), "pid_ns", 0, 2**64),
+            pid_started=integer(raw.get("pid_started", -1), "pid_started", -1, 2**63),
+            # Written before the record had a history: it starts at the holder's start.
+            since_unix=seconds(raw.get("since_unix", 0.0), "since_unix") or started,
+            replacements=integer(raw.get("replacements", 0), "replacements", 0, MAX_COUNT),
+            replaced_unix=[seconds(t, "replaced_unix") for t in times],
+        )
 
     def carry(self, prev: ClaimRecord | None, replaced: bool, now: float) -> None:
         """Take the node name's record over from ``prev`` (None: the name starts
@@ -128,7 +174,8 @@ class ClaimRecord:
             self.since_unix, self.replacements, self.replaced_unix = now, 0, []
             return
         self.since_unix = prev.since_unix
-        self.replacements = prev.replacements + replaced
+        # Saturated: a record this daemon writes is always one the next reader takes.
+        self.replacements = min(prev.replacements + replaced, MAX_COUNT - 1)
         times = [*prev.replaced_unix, now] if replaced else prev.replaced_unix
         self.replaced_unix = times[-REPLACED_KEPT:]
 
@@ -242,7 +289,7 @@ class NodeClaim:
             new = await self.remote.write_if(self.key, self.mine.to_bytes(), None)
             return self._won(new, "took the free")
         data, version = current
-        rec = ClaimRecord.parse(data)
+        rec = ClaimRecord.parse(data, self.mine.node)
         if rec is not None and rec.instance == self.mine.instance:
             self._version = version  # our own write (a retry after an unknown outcome)
             return self._won(version, "kept its")

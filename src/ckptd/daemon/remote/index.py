@@ -46,6 +46,7 @@ from ckptd.core.manifest import DATA_LAYOUTS, DATA_SPREAD
 from ckptd.core.names import check_name
 from ckptd.core.timeline import MAX_TIMELINES, Forks, check_forks, check_timeline, merge
 
+from . import records
 from .base import Remote
 from .layout import marker_key, parse_step_name, pin_key
 
@@ -102,22 +103,29 @@ def encode(job: str, node: str, entries: dict[int, Entry], held: Held | None = N
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode(raw: bytes) -> dict[int, Entry]:
-    """The entries of an index object. Bucket content: malformed entries are skipped
-    (a bad one must not stop the daemon), a wrong format raises ValueError."""
-    return decode_all(raw)[0]
+def decode(raw: bytes, key: str = "") -> dict[int, Entry]:
+    """The entries of an index object (read from ``key``): :func:`decode_all`'s."""
+    return decode_all(raw, key)[0]
 
 
-def decode_all(raw: bytes) -> tuple[dict[int, Entry], Held]:
-    """The entries and the held copies of an index object (malformed ones skipped)."""
-    body = json.loads(raw)
+def decode_all(raw: bytes, key: str = "") -> tuple[dict[int, Entry], Held]:
+    """The entries and the held copies of an index object (read from ``key``). Bucket
+    content (remote/records.py): malformed entries are skipped, logged once per key (a
+    bad one must not stop the daemon); a wrong format or JSON nested past the parser's
+    depth raises ValueError."""
+    body = _json(raw)
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ValueError(f"not a ckptd step index of format {FORMAT}")
+    items = body.get("steps") or []
+    if not isinstance(items, list):
+        raise ValueError("its steps are not a list")
     out: dict[int, Entry] = {}
-    for item in body.get("steps") or []:
+    for item in items:
         entry = _entry(item)
         if entry is not None:
             out[entry.step] = entry
+        else:
+            records.skipped(key, f"an entry that is not a ckptd step's: {str(item)[:80]!r}")
     held: Held = {}
     raw_held = body.get("held")
     for item in raw_held if isinstance(raw_held, list) else ():
@@ -130,7 +138,17 @@ def decode_all(raw: bytes) -> tuple[dict[int, Entry], Held]:
             and item[2] in DATA_LAYOUTS
         ):
             held[(item[0], item[1])] = item[2]
+        else:
+            records.skipped(key, f"a held copy that is not ckptd's: {str(item)[:80]!r}")
     return out, held
+
+
+def _json(raw: bytes) -> Any:
+    """Bucket bytes as JSON; ValueError for any that are not (nesting included)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested deeper than any ckptd record") from None
 
 
 def _entry(item: Any) -> Entry | None:
@@ -139,14 +157,6 @@ def _entry(item: Any) -> Entry | None:
     step = item.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**63:
         return None
-    created = item.get("created_unix")
-    created = float(created) if isinstance(created, int | float) else 0.0
-    raw = item.get("metrics")
-    metrics = {
-        str(k): float(v)
-        for k, v in (raw.items() if isinstance(raw, dict) else ())
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    }
     try:
         forks = check_forks(item.get("forks"))
         timeline = check_timeline(item.get("timeline", 0), forks)
@@ -155,9 +165,10 @@ def _entry(item: Any) -> Entry | None:
     return Entry(
         step,
         adopted=item.get("adopted") is True,
-        created_unix=created if math.isfinite(created) else 0.0,
+        # Hints for retention: a value ckptd cannot have written is left out.
+        created_unix=records.seconds_or(item.get("created_unix")),
         milestone=item.get("milestone") is True,
-        metrics=metrics,
+        metrics=records.metrics(item.get("metrics")),
         pinned=item.get("pinned") is True,
         timeline=timeline,
         forks=forks,
@@ -185,7 +196,7 @@ async def bucket_lineage(remote: Remote, job: str, nodes: int = 2) -> Forks:
     out: Forks = ()
     for key in keys:
         try:
-            entries = decode(await remote.get_bytes(key))
+            entries = decode(await remote.get_bytes(key), key)
         except (FileNotFoundError, ValueError):
             continue
         out = merge(out, *(e.forks for e in entries.values()))
@@ -293,7 +304,7 @@ class NodeIndex:
             found = await self._from_markers(job)
         else:
             try:
-                found, held = decode_all(raw)
+                found, held = decode_all(raw, index_key(job, self.node))
                 self._held[job] = held
             except ValueError as exc:  # unreadable: rebuilt from the markers
                 log.warning("%s: unreadable step index (%s); rebuilding it", job, exc)
@@ -338,17 +349,17 @@ class NodeIndex:
 
 
 def marker_entry(step: int, adopted: bool, raw: bytes) -> Entry:
-    """An entry from a marker's JSON (bucket content: wrong types are ignored)."""
+    """An entry from a marker's JSON (bucket content: wrong types and values out of
+    bounds are ignored, remote/records.py; the marker itself is the commit point)."""
     try:
-        meta = json.loads(raw)
+        meta = _json(raw)
     except ValueError:
         meta = {}
     meta = meta if isinstance(meta, dict) else {}
     entry = _entry({**meta, "step": step, "adopted": adopted})
     if entry is None:  # a marker whose timeline fields are not ckptd's
-        entry = _entry({"step": step, "adopted": adopted, "time": meta.get("time")})
+        entry = _entry({"step": step, "adopted": adopted})
     assert entry is not None
     if not entry.created_unix:
-        t = meta.get("time")
-        entry.created_unix = float(t) if isinstance(t, int | float) and math.isfinite(t) else 0.0
+        entry.created_unix = records.seconds_or(meta.get("time"))
     return entry

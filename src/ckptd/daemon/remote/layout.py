@@ -41,22 +41,25 @@ if Orbax had written them there.
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ckptd.core import checksum
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, DATA_TIMELINE, TREE_PREFIX
+from ckptd.core.manifest import (
+    DATA_BY_STEP,
+    DATA_SPREAD,
+    DATA_TIMELINE,
+    MAX_WORLD_SIZE,
+    TREE_PREFIX,
+)
 from ckptd.core.names import check_name, check_step, check_tree_path
 
 # Re-exported: the bucket's keys use them; adoption (above the tiers) takes them from commit.py.
 from ..commit import COMMIT_FILE as COMMIT_FILE
 from ..commit import FILES_DIR as FILES_DIR
-
-log = logging.getLogger("ckptd.remote")
+from .records import valid_names
 
 ADOPTED_SUFFIX = ".ckptd"
 RANKS_PREFIX = "ranks-"
@@ -144,14 +147,16 @@ def ranks_key(job: str, step: int, node: str, ranks: Iterable[int]) -> str:
 
 
 def parse_ranks_key(key: str) -> tuple[str, int, int] | None:
-    """``(node, lowest, highest)`` if ``key`` is a :func:`ranks_key` (valid names only)."""
+    """``(node, lowest, highest)`` if ``key`` is a :func:`ranks_key`: valid names only,
+    ranks that a world can hold, the lowest first."""
     parts = key.split("/")
     if len(parts) != 4 or not parts[3].startswith(RANKS_PREFIX):
         return None
     lo, sep, hi = parts[3].removeprefix(RANKS_PREFIX).partition("-")
-    if not (sep and lo.isascii() and lo.isdigit() and hi.isascii() and hi.isdigit()):
+    most = len(str(MAX_WORLD_SIZE))  # no int() of a key's thousand digits
+    if not (sep and all(v.isascii() and v.isdigit() and len(v) <= most for v in (lo, hi))):
         return None
-    if not _valid_names(key, node=parts[2]):
+    if not (int(lo) <= int(hi) < MAX_WORLD_SIZE and valid_names(key, node=parts[2])):
         return None
     return parts[2], int(lo), int(hi)
 
@@ -180,7 +185,7 @@ def parse_marker(key: str) -> MarkerKey | None:
     if len(parts) != 4 or parts[2] != "_complete":
         return None
     step, adopted = _parse_step(parts[1])
-    if step is None or not _valid_names(key, job=parts[0], node=parts[3]):
+    if step is None or not valid_names(key, job=parts[0], node=parts[3]):
         return None
     return MarkerKey(parts[0], step, parts[3], adopted)
 
@@ -236,25 +241,3 @@ def _parse_step(name: str) -> tuple[int | None, bool]:
         return check_step(int(digits)), adopted
     except InvalidArgument:
         return None, adopted
-
-
-_WARNED_MAX = 10_000
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _valid_names(key: str, **names: str) -> bool:
-    """Whether each name in a listed key is valid; a bad one is logged once per key
-    (listings repeat at every refresh) and the key is skipped, never used in a path."""
-    for kind, value in names.items():
-        try:
-            check_name(kind, value)
-        except InvalidArgument as exc:
-            with _warned_lock:
-                first = key not in _warned and len(_warned) < _WARNED_MAX
-                if first:
-                    _warned.add(key)
-            if first:
-                log.warning("skipping bucket key %r: %s", key[:300], exc)
-            return False
-    return True

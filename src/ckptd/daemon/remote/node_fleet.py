@@ -23,8 +23,10 @@ import random
 import time
 from collections.abc import Callable
 
+from .. import faults
 from .base import Remote
 from .claim import CLAIM_DIR, ClaimRecord, NodeClaim, claim_key
+from .records import valid_names
 
 log = logging.getLogger("ckptd.claim")
 
@@ -39,6 +41,8 @@ START_JITTER_SECONDS = 300.0
 list ``_nodes/`` all in the same second."""
 TIMEOUT_SECONDS = 60.0
 """Longest a sample may take (a store that hangs must not hold up the daemon's stop)."""
+FAILPOINT = "fleet.sampled"
+"""Armed (tests): the first sample is taken at once, and each one reaches this point."""
 
 
 class NodeFleet:
@@ -68,20 +72,28 @@ class NodeFleet:
         return observed, sum(r.replacements for r in records), len(records)
 
     async def sample(self) -> None:
-        """List the node names once and read up to :data:`SAMPLE` others' claims."""
+        """List the node names once and read up to :data:`SAMPLE` others' claims; a
+        name or a record that is not ckptd's is skipped and logged once
+        (:meth:`ClaimRecord.parse`), so every value summed is bounded."""
         mine = self.claim.mine.node
-        names = [d.rsplit("/", 1)[-1] for d in await self.remote.list_dirs(CLAIM_DIR)]
-        others = [n for n in names if n and n != mine]
+        names = [d.rstrip("/").rsplit("/", 1)[-1] for d in await self.remote.list_dirs(CLAIM_DIR)]
+        others = [n for n in names if n != mine and valid_names(f"{CLAIM_DIR}/{n}", node=n)]
         chosen = self._rng.sample(others, min(SAMPLE, len(others)))
         found = await asyncio.gather(*(self.remote.read_versioned(claim_key(n)) for n in chosen))
-        records = [ClaimRecord.parse(got[0]) for got in found if got is not None]
-        self.others = [r for r in records if r is not None]
+        parsed = [
+            ClaimRecord.parse(got[0], n)
+            for n, got in zip(chosen, found, strict=True)
+            if got is not None
+        ]
+        self.others = [r for r in parsed if r is not None]
 
     async def run(self) -> None:
         """Sample soon and then every :data:`REFRESH_SECONDS` (supervised: never raises
         for a store that fails; it retries after :data:`RETRY_SECONDS`)."""
+        armed = faults.armed(FAILPOINT)
+        jitter = 0.0 if armed else self._rng.uniform(0, START_JITTER_SECONDS)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), self._rng.uniform(0, START_JITTER_SECONDS))
+            await asyncio.wait_for(self._stop.wait(), jitter)
         while not self._stop.is_set():
             wait = REFRESH_SECONDS
             try:
@@ -89,6 +101,8 @@ class NodeFleet:
             except Exception as exc:  # only an interval's tuning: later will do
                 log.debug("sampling the node names' claims in %s: %s", self.remote.url, exc)
                 wait = RETRY_SECONDS
+            if armed:  # tests learn the sample was taken (and its failure logged)
+                await asyncio.to_thread(faults.hit, FAILPOINT)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), wait)
 

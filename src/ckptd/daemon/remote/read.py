@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptd.core.errors import DataLoss, InvalidArgument, NotFound
 from ckptd.core.manifest import Manifest, ManifestInvalid
-from ckptd.core.names import check_name
+from ckptd.core.names import MAX_PATH_BYTES, check_name
 from ckptd.core.timeline import abandoned, merge
 
 from ..files import open_dir_beneath
@@ -33,6 +33,7 @@ from .layout import (
     record_prefix,
 )
 from .ranged import Populate
+from .records import MAX_METRIC_NAME, MAX_METRICS
 
 INLINE_MANIFEST_BYTES = 64 * 2**10
 """Larger manifests (~300 shards and more) are parsed on a thread."""
@@ -138,11 +139,21 @@ def parse_remote_manifest(
 ) -> Manifest:
     """A manifest read from ``key`` in the bucket, checked (:meth:`Manifest.check`) and
     about the step it was read for: one naming another job, step, node or kind, or a
-    file outside its step, is :class:`ManifestInvalid` (the copy is corrupt)."""
+    file outside its step, or carrying more into every listing of the step than a
+    save can (metrics, the adopted source), is :class:`ManifestInvalid` (the copy is
+    corrupt)."""
     try:
         manifest = Manifest.from_json(raw.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestInvalid(f"the bucket's {key} is not a valid manifest: {exc}") from None
+    listed = len(manifest.metrics) <= MAX_METRICS and all(
+        0 < len(name) <= MAX_METRIC_NAME for name in manifest.metrics
+    )
+    if not listed or len(manifest.source.encode(errors="replace")) > MAX_PATH_BYTES:
+        raise ManifestInvalid(
+            f"the bucket's {key} carries more metrics, longer metric names or a longer "
+            "source than any save can"
+        )
     said = (manifest.job, manifest.step, manifest.node, manifest.adopted)
     if said != (job, step, node, adopted):
         raise ManifestInvalid(

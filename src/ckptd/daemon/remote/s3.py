@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -297,11 +298,7 @@ class S3Remote(Remote):
             if _missing(exc):
                 raise FileNotFoundError(key) from None
             raise
-        stored = head.get("ChecksumCRC32C")
-        if stored and "-" not in stored:
-            return checksum.from_base64(stored)
-        meta = head.get("Metadata", {}).get(META_CRC)
-        return int(meta) if meta else None
+        return stored_crc32c(head)
 
     async def get_bytes(self, key: str) -> bytes:
         """One GetObject (s3fs's ``cat_file`` first HEADs the object for its size, and
@@ -364,6 +361,21 @@ class S3Remote(Remote):
             await self._s3("head_bucket", Bucket=bucket)
         except Exception as exc:
             raise RemoteError(_explain(exc, bucket), transient=False) from None
+
+
+def stored_crc32c(head: dict[str, Any]) -> int | None:
+    """An object's whole-file crc32c from its HEAD: the store's own, else ours from its
+    metadata, which anyone who may write the bucket sets: a value that is not a
+    crc32c is none (the caller uploads again, never trusts or fails on it)."""
+    stored = head.get("ChecksumCRC32C")
+    if isinstance(stored, str) and stored and "-" not in stored:
+        with contextlib.suppress(ValueError):
+            return checksum.from_base64(stored)
+    meta = (head.get("Metadata") or {}).get(META_CRC)
+    if isinstance(meta, str) and meta.isascii() and meta.isdigit() and len(meta) <= 10:
+        value = int(meta)
+        return value if value < 2**32 else None
+    return None
 
 
 def _missing(exc: BaseException) -> bool:
