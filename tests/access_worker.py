@@ -52,6 +52,9 @@ def act(client: Client, socket: str, action: str, args: list[str]) -> dict[str, 
         sys.stdin.readline()
         client.staging_timeout = float(args[1])
         return security_act(client, "save", [str(int(args[0]) + 1)])
+    if action == "prefetch":
+        conn.prefetch(pb.PrefetchRequest(job=client.job))
+        return {}
     if action == "flock":  # lock a file in /dev/shm by name, as any user may try
         fd = os.open(os.path.join("/dev/shm", args[0]), os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)
