@@ -186,7 +186,7 @@ class Restorer:
         client maps a segment the memory tier keeps copy-on-write. ``offer``: as
         :meth:`choose`'s."""
         check_holder(holder)  # before any memory is taken: a refusal leaves nothing held
-        want = Want(rank, shared_memory, owner[0] if owner else None, copy_on_write)
+        want = Want(rank, shared_memory, owner[0] if owner else None, copy_on_write, owner)
         served = await self.chooser.restore(
             job, step, want, lambda: self.choose(job, step, rank, healthy=healthy, offer=offer)
         )
