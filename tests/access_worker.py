@@ -3,7 +3,8 @@
 Usage: ``python access_worker.py SOCKET ACTION JOB ARGS...``; prints one JSON line
 per answer: ``{"ok": true, ...}`` or ``{"error": STATUS, "message": ...}``. The
 actions of tests/security_worker.py work here too; the ``hold-*``, ``flock`` and
-``sessions`` actions print what they got and keep it until stdin closes.
+``sessions`` actions print what they got and keep it until stdin closes;
+``save-again`` saves, then saves the next step once told (a line on stdin).
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def act(client: Client, socket: str, action: str, args: list[str]) -> dict[str, 
             say({"ok": True})
         sys.stdin.read()
         os._exit(0)  # the liveness file stays behind, as after a crash
+    if action == "save-again":  # a trainer that saved once and lives on; saves when told
+        security_act(client, "save", [args[0]])
+        say({"ok": True})
+        sys.stdin.readline()
+        client.staging_timeout = float(args[1])
+        return security_act(client, "save", [str(int(args[0]) + 1)])
+    if action == "prefetch":
+        conn.prefetch(pb.PrefetchRequest(job=client.job))
+        return {}
     if action == "flock":  # lock a file in /dev/shm by name, as any user may try
         fd = os.open(os.path.join("/dev/shm", args[0]), os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)

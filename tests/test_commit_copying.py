@@ -302,6 +302,25 @@ def test_a_client_gone_before_its_word_loses_only_that_save(
     _assert_restores(client, 2, state_for(2, 2))
 
 
+def test_a_client_killed_mid_copy_logs_no_traceback(make_daemon: Any, tmp_path: Path) -> None:
+    """A trainer SIGKILLed mid-copy is an everyday failure, not a daemon bug: the
+    daemon's log says so without a traceback (the log is the oracle only for that)."""
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": f"{WAIT}=pause"})
+    trainer = Trainer(daemon, "killed", tmp_path)
+    try:
+        daemon.wait_failpoint(WAIT)  # journaled, answered; the trainer copies
+        daemon.release(WAIT)
+        trainer.wait_copying()
+        trainer.kill()
+        status = _ended(daemon, "killed", 1)
+        assert status.state == pb.SAVE_STATE_FAILED and "exited before" in status.error
+        assert daemon.status().leases_held == 0
+    finally:
+        trainer.close()
+    daemon.stop()  # whatever the stop logs about it too
+    assert "Traceback" not in daemon.log_text(), daemon.log_tail(80)
+
+
 def test_a_daemon_killed_and_a_client_gone_meanwhile_fail_the_replayed_save(
     make_daemon: Any, tmp_path: Path
 ) -> None:

@@ -175,16 +175,15 @@ def test_a_copy_its_writer_corrupted_is_never_served(make_daemon: Any, writer: s
     d = memory_daemon(make_daemon)
     t = Trainer(d, "bad")
     t.save(4, seed=4)
-    tree, tier = restore(d, "bad")  # checked while its writer lives: intact
-    assert tier == "memory"
-    assert_exact(tree, state(4))
     assert t.do("corrupt") == "CORRUPTED"  # through its own mapping: the kept bytes
     if writer == "exited":
         t.kill()  # the tier checks the copy once its writer is gone, and lets it go
         wait_status(d, lambda s: s.memory_tier_files == 0)
-    tree, tier = restore(d, "bad")
+    tree, tier = restore(d, "bad")  # while its writer lives the copy is not lent
     assert tier == "other"
     assert_exact(tree, state(4))  # from the disk
+    t.kill()
+    wait_status(d, lambda s: s.memory_tier_files == 0)
     st = d.status()
     assert (st.memory_tier_files, st.memory_tier_evicted) == (0, 1)
     assert memory_steps(d, "bad") == []
@@ -371,6 +370,23 @@ def test_arrays_restored_from_memory_never_change_under_the_trainer(
     for step in (2, 3, 4):
         t.save(step, seed=step)
     assert t.do("check 1") == "SAME"
+
+
+def test_a_live_writer_never_changes_arrays_another_process_restored(make_daemon: Any) -> None:
+    d = memory_daemon(make_daemon)
+    writer = Trainer(d, "lw")
+    writer.save(3, seed=3)  # LOCAL, kept in memory; the writer still maps it writable
+    wait_status(d, lambda s: s.memory_tier_files == 1)
+    reader = Trainer(d, "lw")
+    assert reader.do("restore") == "RESTORED 3"
+    assert reader.do("check 3") == "SAME"
+    assert writer.do("corrupt") == "CORRUPTED"  # through its own mapping, after the restore
+    assert reader.do("check 3") == "SAME"  # the restored arrays are the reader's own
+    writer.kill()  # gone: the copy it changed is checked and let go, never served
+    wait_status(d, lambda s: s.memory_tier_files == 0)
+    tree, tier = restore(d, "lw")
+    assert tier == "other"
+    assert_exact(tree, state(3))
 
 
 # -- another uid -------------------------------------------------------------------------------

@@ -131,15 +131,35 @@ def test_a_save_never_waits_while_the_tier_holds_memory(tmp_path: Path) -> None:
     run(body)
 
 
-def test_a_copy_is_checked_at_every_restore_while_its_writer_lives(tmp_path: Path) -> None:
+@pytest.fixture
+def writer() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that lives until the test ends it (a trainer that saved)."""
+    proc = subprocess.Popen(["sleep", "600"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_copy_is_never_lent_while_its_writer_may_write_it(
+    tmp_path: Path, writer: subprocess.Popen[bytes]
+) -> None:
     async def body() -> None:
-        n = Node(tmp_path)
-        await n.save("a", 1, 7, owner=(UID, LIVE))
-        await n.bring("a", 1)
-        n.flip("a", 1)  # the live writer writes into it
+        n = Node(tmp_path, steps=2)
+        await n.save("a", 1, 7, owner=(UID, writer.pid))
+        await n.save("b", 1, 8, owner=None)  # a replayed handoff: writer unknown
+        for job in ("a", "b"):  # a copy-on-write mapping would follow its writes
+            with pytest.raises(NotFound, match="may still write it"):
+                await n.bring(job, 1)
+        own = Want(0, True, UID, copy_on_write=True, process=(UID, writer.pid))
+        handed = await n.tier.bring("a", 1, own)  # the writer itself: its own doing
+        assert handed is not None
+        n.staging.release(handed.lease.lease_id)
+        n.flip("a", 1)  # the live writer writes into it: nothing was lent
+        writer.kill()
+        writer.wait()  # gone, though no session's end said so yet
         with pytest.raises(NotFound, match="failed its checksum"):
-            await n.bring("a", 1)
-        assert n.kept() == [] and n.tier.evicted == 1
+            await n.bring("a", 1)  # checked now that nobody can write it: let go
+        assert n.kept() == [("b", 1)] and n.tier.evicted == 1
 
     run(body)
 
@@ -165,14 +185,12 @@ def test_a_copy_is_checked_once_after_its_writer_is_gone(
     async def body() -> None:
         n = Node(tmp_path)
         await n.save("a", 1, 7, owner=(UID, LIVE))
-        await n.save("b", 1, 8, owner=None)  # a replayed handoff: writer unknown
         n.tier.writer_gone((UID, LIVE))
         await n.settle()
         assert checks == [("a", 1)]  # in the background, before any restore
         for _ in range(3):
             await n.bring("a", 1)
-            await n.bring("b", 1)
-        assert checks == [("a", 1)] + [("b", 1)] * 3  # an unknown writer: every time
+        assert checks == [("a", 1)]  # and never again
 
     run(body)
 
@@ -210,11 +228,11 @@ def test_a_copy_of_another_timeline_is_never_served(tmp_path: Path) -> None:
 
 
 def test_a_restarted_daemon_takes_back_only_records_that_match_the_catalog(
-    tmp_path: Path,
+    tmp_path: Path, writer: subprocess.Popen[bytes]
 ) -> None:
     async def body() -> None:
         n = Node(tmp_path, steps=3)
-        good = await n.save("a", 1, 1, owner=None)
+        good = await n.save("a", 1, 1, owner=(UID, writer.pid))
         other = await n.save("a", 2, 2, owner=None)
         bad = await n.save("b", 1, 3, owner=None)
         records = sorted(n.staging.dir.glob("*" + KEPT_SUFFIX))
@@ -235,6 +253,8 @@ def test_a_restarted_daemon_takes_back_only_records_that_match_the_catalog(
                 st, Manifest(image.job, image.step, "node-a", 1, 1.0, [rec], timeline=0)
             )
         del other
+        writer.kill()
+        writer.wait()  # its record names a writer that is gone: lent once checked
         assert m.tier.adopt_leftovers() == 1
         assert m.kept() == [("a", 1)]
         await m.bring("a", 1)

@@ -68,7 +68,9 @@ def run(body: Any) -> None:
 
 async def lend_newest(n: Node, job: str, step: int) -> int:
     """A trainer restores ``step`` from the tier copy-on-write and keeps it: it holds
-    the segment's flock (as a client mapping it does) on the descriptor returned."""
+    the segment's flock (as a client mapping it does) on the descriptor returned. The
+    trainer that saved it is gone (Node.save's writer): a live one's is never lent."""
+    n.tier.writer_gone((UID, 1))
     handed = await n.tier.bring(job, step, Want(0, True, UID, copy_on_write=True))
     assert handed is not None
     fd = os.open(n.staging.path_of(handed.lease.segment), os.O_RDONLY)

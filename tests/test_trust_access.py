@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from ckptd.daemon.app.launcher import DaemonProcess
+from ckptd.proto import ckptd_pb2 as pb
 from tests.test_security import USERS, _python, as_user, two_user_daemon
 
 WORKER = Path(__file__).with_name("access_worker.py")
@@ -150,6 +151,21 @@ def test_old_root_jobs_stay_their_owners(node: Node) -> None:
     )
     assert again.returncode != 0 and "already belongs" in again.stderr
     assert "Traceback" not in again.stderr
+
+
+@pytest.mark.parametrize("action", [["restore"], ["prefetch"], ["ensure", ""]])
+def test_did_you_mean_offers_only_the_callers_jobs(node: Node, action: list[str]) -> None:
+    a, b = USERS
+    if node.run(a, "status", "alice-llm-secret-run", "1").get("state") != pb.SAVE_STATE_LOCAL:
+        assert node.run(a, "save", "alice-llm-secret-run", "1") == {"ok": True}
+        assert node.run(b, "save", "bob-llm-run", "1") == {"ok": True}
+    got = node.run(b, action[0], "alice-llm-secret-rnu", *action[1:])  # close to a's job
+    assert got.get("error") == "NOT_FOUND", got
+    assert "alice-llm-secret-run" not in got["message"], got
+    got = node.run(a, action[0], "alice-llm-secret-rnu", *action[1:])  # a's own: offered
+    assert "did you mean 'alice-llm-secret-run'" in got.get("message", ""), got
+    got = node.run(b, action[0], "bob-llm-rnu", *action[1:])
+    assert "did you mean 'bob-llm-run'" in got.get("message", ""), got
 
 
 def test_a_refused_lease_claims_no_job(node: Node) -> None:

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,13 @@ from ckptd.core.errors import ResourceExhausted
 from ckptd.daemon.app.launcher import DaemonProcess
 from ckptd.daemon.local.staging import SEGMENT_GRANULE, Staging, StagingBusy, segment_dir
 
-from .test_security import GROUP, USERS, Node, _ensure_users, _python
+from .test_security import GROUP, USERS, Node, _ensure_users, _python, as_user
+from .test_trust_access import WORKER as ACCESS_WORKER
+from .test_trust_access import Worker
 
 G = SEGMENT_GRANULE
 A, B = (1000, 11), (1001, 12)  # (uid, pid) of two users' processes
+_PIPES: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
 
 
 def _staging(tmp_path: Path, share: float = 1.0) -> Staging:
@@ -73,7 +77,41 @@ def test_while_another_uid_waits_a_uid_over_its_fair_part_waits_too(tmp_path: Pa
         got = await waiter
         assert got.segment.uid == B[0] and not st._waiting  # b is no longer waiting
         st.release(got.lease_id)
-        assert (await st.acquire("ja", G, owner=A)).segment.uid == A[0]  # nobody waits
+        st.process_gone(B)  # b's trainer exited: nobody else saves
+        assert (await st.acquire("ja", G, owner=A)).segment.uid == A[0]
+        st.close()
+
+    asyncio.run(scenario())
+
+
+def test_while_another_uid_saves_a_uid_gets_no_more_than_its_fair_part(tmp_path: Path) -> None:
+    st = _staging(tmp_path)  # the default: no configured share
+
+    async def scenario() -> None:
+        # b's trainer saved once and lives on; it holds nothing right now.
+        st.release((await st.acquire("jb", G, owner=B)).lease_id)
+        held = [await st.acquire("ja", G, owner=A) for _ in range(2)]  # half the budget
+        with pytest.raises(StagingBusy, match="1 other user"):
+            await st.acquire("ja", G, owner=A)
+        other = await st.acquire("jb", 2 * G, owner=B)  # b's half is still there
+        assert other.segment.uid == B[0]
+        st.release(other.lease_id)
+        st.process_gone(B)  # b's trainer exited: a is alone again
+        held += [await st.acquire("ja", G, owner=A) for _ in range(2)]
+        assert st.in_use_bytes == st.budget_bytes
+        st.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_uid_holding_nothing_may_take_more_than_its_fair_part(tmp_path: Path) -> None:
+    st = _staging(tmp_path)
+
+    async def scenario() -> None:
+        st.release((await st.acquire("jb", G, owner=B)).lease_id)
+        # One save larger than an even split still goes: a would otherwise never save.
+        got = await st.acquire("ja", 3 * G, owner=A)
+        assert got.segment.uid == A[0]
         st.close()
 
     asyncio.run(scenario())
@@ -171,6 +209,35 @@ def test_a_configured_share_leaves_room_for_another_user() -> None:
             assert "lease_id" in got, got
         finally:
             _release(*procs)
+
+
+def test_a_user_saving_keeps_its_fair_part_while_another_holds_leases() -> None:
+    a, b = USERS
+    with _node() as node:  # the default share
+        cmd = [*_python(), str(ACCESS_WORKER), str(node.daemon.socket), "save-again", "jb", "1"]
+        trainer = Worker(subprocess.Popen([*cmd, "5"], **as_user(b), **_PIPES))
+        procs: list[Any] = []
+        try:
+            assert trainer.read().get("ok"), "b's first save failed"  # b's trainer lives on
+            first, lease = node.hold_lease(a, "ja")
+            procs.append(first)
+            assert "lease_id" in lease, lease
+            more, got = node.hold_lease(a, "ja")  # the rest of the budget: b's part
+            procs.append(more)
+            assert got.get("error") == "RESOURCE_EXHAUSTED", got
+            assert "1 other user" in got["message"], got
+            trainer.send("save")
+            assert trainer.read() == {"ok": True}  # not held back by a's leases
+            trainer.stop()  # b's trainer exits: a may use the whole budget again
+            deadline = time.monotonic() + 120
+            while "lease_id" not in got:  # until the daemon saw b's process go
+                assert time.monotonic() < deadline, got
+                _release(more)
+                more, got = node.hold_lease(a, "ja")
+                procs[-1] = more
+        finally:
+            _release(*procs)
+            trainer.stop()
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.5"])

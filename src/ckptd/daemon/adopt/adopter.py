@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -318,11 +319,13 @@ class Adopter:
         directory: str,
         caller: Caller = DAEMON,
         layout: str = "",
+        offer: Callable[[str], bool] = lambda job: False,
     ) -> tuple[Step, Path, bool, bool]:
         """Make sure an adopted step (default: the newest in any tier) is in the watched
         (or given) directory, verified, fetching it from the bucket if need be:
         ``(step, its path there, fetched, linked)``. It is named as ``layout`` (default:
-        the watched directory's, else Orbax's) names its steps."""
+        the watched directory's, else Orbax's) names its steps. ``offer``: the jobs a
+        NotFound may name as the one meant (restorer.choose)."""
         w = self.watches.get(job)
         kind = layout_named(layout) if layout else w.layout if w else ORBAX
         if directory:
@@ -334,7 +337,7 @@ class Adopter:
             check_writable(caller, self.watches[job].directory)
         await self.bucket.refresh(job)
         while True:
-            st = self.restorer.choose(job, step, None, adopted=True)
+            st = self.restorer.choose(job, step, None, adopted=True, offer=offer)
             self.catalog.served(st)  # the evictor leaves it alone while it is put back
             fetched = not st.local
             if not fetched:

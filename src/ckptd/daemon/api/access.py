@@ -193,7 +193,9 @@ class Access:
 
     def process_gone(self, process: tuple[int, int]) -> None:
         """A process's last session closed and it exited (or stayed away past
-        lease_timeout_seconds, sessions.py): take back the leases it never committed."""
+        lease_timeout_seconds, sessions.py): take back the leases it never committed; its
+        uid's fair part of the staging budget is no longer kept on its account."""
+        self.staging.process_gone(process)
         for lease_id in self.staging.owned_by(process):
             log.warning(
                 "lease %s reclaimed: process %d (uid %d) that held it is gone",

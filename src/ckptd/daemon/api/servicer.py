@@ -255,6 +255,7 @@ class Servicer(pb_grpc.CkptdServicer):
             peer.process,
             request.healthy,
             request.copy_on_write,
+            functools.partial(self.s.access.may_use, peer),
         )
         if plan.lease is None or len(plan.manifest.ranks) > 1:
             # The client opens files of the step itself next (its own rank's, or other
@@ -379,14 +380,21 @@ class Servicer(pb_grpc.CkptdServicer):
         step = check_step(request.step) if request.HasField("step") else None
         with self.s.access.claiming(peer, job):
             st, path, fetched, linked = await self.s.adopter.ensure_local(
-                job, step, request.directory, self.s.access.caller(peer), request.layout
+                job,
+                step,
+                request.directory,
+                self.s.access.caller(peer),
+                request.layout,
+                functools.partial(self.s.access.may_use, peer),
             )
         return pb.EnsureLocalResponse(step=st.step, path=str(path), fetched=fetched, linked=linked)
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> pb.PrefetchResponse:
-        _, job = self._job(context, request.job)
-        st, source = await self.s.restorer.prefetch(job)
+        peer, job = self._job(context, request.job)
+        st, source = await self.s.restorer.prefetch(
+            job, functools.partial(self.s.access.may_use, peer)
+        )
         assert st.manifest is not None
         return pb.PrefetchResponse(step=st.step, source=source, size_bytes=st.manifest.size_bytes)
 

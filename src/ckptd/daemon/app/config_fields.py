@@ -41,8 +41,11 @@ class Config:
     staging_share_per_uid: float = 1.0
     """Most of ``staging_budget_bytes`` one uid's leases may hold at once, as a
     fraction (above 0, at most 1; 1: no cap but the budget). Whatever the value,
-    while another uid waits for staging memory, a uid already holding leases gets
-    no new one past an even split of the budget among the uids holding or waiting."""
+    while another uid saves on the node (a live process of it asked for a save
+    lease) or waits for staging memory, a uid already holding leases gets no new
+    one past an even split of the budget among those uids; a uid alone may use
+    the whole budget. Memory a uid took while alone stays its own until those
+    saves end: set a share below 1 where users may hold leases on purpose."""
     memory_tier_steps: int = 1
     """Newest steps of each job kept in shared memory after they are LOCAL, so a
     trainer restarting on this node restores from memory, not from disk (0: off).

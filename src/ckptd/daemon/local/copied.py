@@ -37,6 +37,12 @@ from .lease import Lease
 from .liveness import locked_by_others, process_running
 from .pending import CommitRequest
 
+
+class Incomplete(CkptdError):
+    """The client's copy never completed: it failed, or the client exited first. The
+    save fails; this is the trainer's everyday failure, not the daemon's."""
+
+
 FIRST_POLL = 0.0002
 LAST_POLL = 0.005
 """Seconds between looks at the word: from the first to the last, doubling. A small
@@ -72,7 +78,7 @@ def alive(req: CommitRequest, shm_dir: Path) -> bool:
 
 async def wait(lease: Lease, req: CommitRequest, shm_dir: Path) -> None:
     """Return once the client wrote ``req``'s nonce at ``copied_at``; raise
-    :class:`CkptdError` if its copy failed or it exited first (that save never returned)."""
+    :class:`Incomplete` if its copy failed or it exited first (that save never returned)."""
     if faults.armed("copied.wait"):  # tests stop the daemon here: answered, not yet read
         await asyncio.to_thread(faults.hit, "copied.wait")
     word, nonce = lease.segment.view(req.copied_at, WORD), req.copied_nonce
@@ -82,12 +88,12 @@ async def wait(lease: Lease, req: CommitRequest, shm_dir: Path) -> None:
         if value == nonce:
             return
         if value == nonce ^ FAILED:
-            raise CkptdError("the client's copy into shared memory failed; save() raised")
+            raise Incomplete("the client's copy into shared memory failed; save() raised")
         if not alive(req, shm_dir):
             # The word may have landed just before the client exited: look once more.
             if int.from_bytes(word, "little") == nonce:
                 return
-            raise CkptdError(
+            raise Incomplete(
                 "the client exited before its copy into shared memory was complete (its "
                 "save() never returned); nothing of it was kept"
             )

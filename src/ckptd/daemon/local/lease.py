@@ -112,3 +112,6 @@ class Want:
     uid: int | None = None
     copy_on_write: bool = False
     """The client maps a segment the memory tier keeps copy-on-write (memory.py)."""
+    process: tuple[int, int] | None = None
+    """The client's ``(uid, pid)``: the memory tier lends a segment whose writer
+    lives only to that writer itself (memory.py)."""

@@ -16,13 +16,18 @@ Rules (docs/architecture.md, "The memory tier"):
   save never waits or fails because the tier holds memory.
   Within its own limits the tier keeps ``memory_tier_steps`` newest steps per job
   and at most ``memory_tier_bytes`` in all; older steps go first.
-- **Checked before it is handed out.** The process that wrote a segment still maps
-  it; until that process is gone, every restore checks the bytes again. Once it is
-  gone (its session closed and it exited: sessions.py), the segment is checked once
-  in the background and, if intact, served unchecked from then on: no process can
+- **Lent only once no other process can write it.** The process that wrote a
+  segment still maps it writable. While it may live (or is unknown: a handoff
+  replayed after a daemon crash), the segment is lent to no other process and
+  their restores are served from the disk: a restorer's copy-on-write pages it
+  has not written follow the segment, so the writer's later writes would change
+  its arrays. The writer itself may restore it (what it writes then is its own
+  doing), checked at every restore. Once the writer is gone (its session closed
+  and it exited: sessions.py; or found exited at a restore), the segment is
+  checked once and, if intact, served unchecked from then on: no process can
   write into it any more (the daemon never writes a kept segment, and restored
-  trainers map it private). A copy that fails its check is let go; the restore is
-  served from the disk like any corrupt copy.
+  trainers map it private). A copy that fails its check is let go; the restore
+  is served from the disk like any corrupt copy.
 - **Restored memory is the trainer's.** A segment a restore mapped is never granted
   for a save again; when the tier lets it go, it returns to the pool only if no
   process maps it any more, else it leaves the pool and the budget (staging.py).
@@ -40,17 +45,17 @@ import contextlib
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from ckptd.core import checksum
 from ckptd.core.errors import NotFound
 
 from ..catalog import Catalog, Event, Step
+from .kept import Image, Kept, live_writer
 from .lease import Handed, Lease, Segment, Want
-from .liveness import process_start
+from .liveness import process_running, process_start
 from .staging import KEPT_SUFFIX, Staging
 
 log = logging.getLogger("ckptd.memory")
@@ -59,37 +64,6 @@ CHECK_CHUNK = 64 * 2**20
 """Bytes checksummed per call (the event loop is never blocked: a thread runs it)."""
 
 Spawn = Callable[[str, Coroutine[Any, Any, None]], None]
-
-
-@dataclass(frozen=True)
-class Image:
-    """What a kept segment holds: one rank file of one committed step, its data
-    section at offset 0 of the segment. Written beside the segment as its record."""
-
-    job: str
-    step: int
-    rank: int
-    timeline: int
-    header_len: int
-    header_crc: int
-    data_len: int
-    file_crc: int
-
-
-@dataclass
-class Kept:
-    """A segment the tier keeps, and what is known of its bytes."""
-
-    image: Image
-    segment: Segment
-    writer: tuple[int, int] | None
-    """``(uid, pid)`` of the process that wrote it, while it may still write; None
-    once it is gone (or unknown: then every restore checks)."""
-    known_writer: bool
-    kept_at: float = field(default_factory=time.monotonic)
-    quiet: bool = False
-    """Checked intact after its writer was gone: nothing can have changed it since."""
-    checking: asyncio.Future[bool] | None = None
 
 
 class MemoryTier:
@@ -165,8 +139,9 @@ class MemoryTier:
             log.warning("memory tier: not keeping %s/%d rank %d: %s", *key, exc)
             return False
         self.staging.keep(lease, key)
-        k = self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None)
-        if lease.owner is not None and process_start(lease.owner[1]) is None:
+        started = process_start(lease.owner[1]) if lease.owner is not None else None
+        k = self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None, started)
+        if lease.owner is not None and started is None:
             # Killed between its save's acknowledgement and LOCAL (the common crash):
             # nothing will say it exited; checked once now, before its restart asks.
             k.writer = None
@@ -251,6 +226,11 @@ class MemoryTier:
             raise NotFound(f"the memory tier's copy of {job}/{step} is of an older timeline")
         if want.uid is not None and k.segment.uid not in (None, want.uid):
             raise NotFound(f"the memory tier's copy of {job}/{step} is another user's")
+        if self._writer_may_write(k) and (k.writer is None or k.writer != want.process):
+            raise NotFound(
+                f"the memory tier's copy of {job}/{step} rank {want.rank} is not lent while "
+                "the process that wrote it may still write it; next tier"
+            )
         if not await self._check(k):
             raise NotFound(
                 f"the memory tier's copy of {job}/{step} rank {want.rank} failed its "
@@ -290,6 +270,16 @@ class MemoryTier:
             done.set_result(ok)
             return ok
         return await asyncio.shield(k.checking)
+
+    def _writer_may_write(self, k: Kept) -> bool:
+        """Whether a process may still write ``k``'s segment: its writer lives, or
+        who wrote it is unknown. A writer found exited is taken as gone."""
+        if k.writer is None:
+            return not k.known_writer
+        if k.started is not None and not process_running(k.writer[1], k.started):
+            k.writer, k.quiet = None, False  # exited before its session's end was seen
+            return False
+        return True
 
     def writer_gone(self, process: tuple[int, int]) -> None:
         """A process exited: the segments it wrote can change no more; check each
@@ -405,20 +395,13 @@ class MemoryTier:
         # A writer that lives on is followed again (its next session's end says when
         # it exits); one already gone leaves nothing to wait for: checked once now.
         # A record naming none: every restore checks it.
-        writer = _live_writer(who)
-        k = self._kept[key] = Kept(image, seg, writer, known_writer=who is not None)
+        writer = live_writer(who)
+        started = int(who[2]) if writer is not None else None
+        k = self._kept[key] = Kept(image, seg, writer, who is not None, started)
         self._mark(st)
         if k.known_writer and writer is None:
             self._spawn(f"check memory tier {key}", self._check_quietly(k))
         return True
-
-
-def _live_writer(who: Any) -> tuple[int, int] | None:
-    """The ``(uid, pid)`` a record names, if that process still runs."""
-    if not isinstance(who, list) or len(who) != 3:
-        return None  # none named: unknown, never taken for gone
-    uid, pid, started = (int(x) for x in who)
-    return (uid, pid) if process_start(pid) == started else None
 
 
 def _key(k: Kept) -> tuple[str, int, int]:

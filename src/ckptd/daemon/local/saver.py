@@ -305,7 +305,9 @@ class Saver:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             pending.ranks[req.rank] = (record, shards, req.metadata)
         except Exception as exc:  # any failure fails the step, never the daemon
-            log.exception("writing rank %d of %s/%d failed", req.rank, req.job, req.step)
+            # A trainer's copy that never completed is its failure, no bug: one line.
+            how = log.warning if isinstance(exc, copied.Incomplete) else log.exception
+            how("writing rank %d of %s/%d failed: %s", req.rank, req.job, req.step, exc)
             pending.writing.discard(req.rank)  # FAILED, with nothing in flight: a retry may begin
             await self._fail(pending, f"writing rank {req.rank} failed: {exc}")
             return

@@ -6,11 +6,18 @@ wait or fail. Two rules bound what one uid's leases hold:
 
 - ``staging_share_per_uid`` (a fraction of ``staging_budget_bytes``; 1 by
   default, no cap of its own): a uid never holds more than that share.
-- Whatever the share, while another uid waits for staging memory, a uid that
+- Whatever the share, while another uid saves on the node (a process of it that
+  asked for a save lease still lives) or waits for staging memory, a uid that
   already holds leases gets no new one that would take it past its fair part:
-  the budget split evenly among the uids holding or waiting. A uid holding
-  nothing is never held back by this rule (so nobody waits forever), and with
-  one user on the node it never applies.
+  the budget split evenly among the uids saving, holding or waiting. A uid
+  holding nothing is never held back by this rule (so a save larger than the
+  fair part still goes, and nobody waits forever), and with one user on the
+  node it never applies: that user may use the whole budget.
+
+Leases are never taken back from a live client, so memory a uid took while it
+was alone stays its own until those saves end (at LOCAL); from then on it gets
+only its fair part. A node shared with users who may hold leases on purpose
+sets ``staging_share_per_uid`` too.
 
 A lease counts for the uid its segment was granted to (``Segment.uid``). Errors
 name only the asking uid's own jobs; memory other users hold is given as a
@@ -38,11 +45,13 @@ def over_share(
     uid: int | None,
     need: int,
     held: dict[int | None, int],
-    waiting: Iterable[int | None],
+    others: Iterable[int | None],
     budget_bytes: int,
     share: float,
 ) -> str:
-    """Why ``uid`` may not take ``need`` more bytes now ("" if it may)."""
+    """Why ``uid`` may not take ``need`` more bytes now ("" if it may). ``others``:
+    the uids saving on the node or waiting for staging memory (``uid`` may be
+    among them)."""
     mine = held.get(uid, 0)
     cap = int(budget_bytes * share)
     if share < 1 and mine + need > cap:
@@ -50,15 +59,15 @@ def over_share(
             f"this user's leases hold {mine} bytes and one user may hold at most {cap} "
             f"(staging_share_per_uid {share:g} of staging_budget_bytes {budget_bytes})"
         )
-    others = {u for u in waiting if u != uid}
-    if others and mine:
-        users = len(others | {u for u, n in held.items() if n} | {uid})
+    rivals = {u for u in others if u != uid}
+    if rivals and mine:
+        users = len(rivals | {u for u, n in held.items() if n} | {uid})
         fair = budget_bytes // users
         if mine + need > fair:
             return (
-                f"this user's leases hold {mine} bytes and {len(others)} other user(s) wait "
-                f"for staging memory; while they wait each of the {users} users gets "
-                f"{fair} bytes"
+                f"this user's leases hold {mine} bytes and {len(rivals)} other user(s) save "
+                f"on this node or wait for staging memory; while they do, each of the {users} "
+                f"users gets {fair} bytes"
             )
     return ""
 

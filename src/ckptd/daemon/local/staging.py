@@ -89,6 +89,9 @@ class Staging(Lending):
         self.share_per_uid = share_per_uid
         """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
         self._waiting: dict[int | None, int] = {}  # acquires waiting for memory, per uid
+        self._savers: set[tuple[int, int]] = set()
+        """Live processes ``(uid, pid)`` that asked for a save lease: their uids have
+        a fair part of the budget kept for them (share.py) until :meth:`process_gone`."""
         self.give_way: Callable[[int, int | None], Awaitable[None]] = _nothing
         """Called when a lease of ``need`` bytes for ``uid`` finds no free segment and no
         budget: the memory tier (memory.py) lets kept segments go, so a save never
@@ -193,6 +196,8 @@ class Staging(Lending):
         check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
         uid = owner[0] if owner else self.uid_of(job)
+        if owner is not None:
+            self._savers.add(owner)
         waiting = False
         try:
             while True:
@@ -232,7 +237,8 @@ class Staging(Lending):
         need = self.check_fits(size_bytes)
         uid = owner[0] if owner else self.uid_of(job)
         held = held_by_uid(self._leases.values())
-        why = over_share(uid, need, held, self._waiting, self.budget_bytes, self.share_per_uid)
+        others = {*self._waiting, *(saver[0] for saver in self._savers)}
+        why = over_share(uid, need, held, others, self.budget_bytes, self.share_per_uid)
         if why:
             raise StagingBusy(
                 f"staging memory for {size_bytes} bytes must wait: {why}; "
@@ -302,6 +308,13 @@ class Staging(Lending):
         self._segments[seg.name] = seg
         self.segments_created += 1
         return seg
+
+    def process_gone(self, process: tuple[int, int]) -> None:
+        """Client process ``(uid, pid)`` exited (api/sessions.py): its uid no longer
+        has a part kept for it on its account, so the others' parts grow."""
+        if process in self._savers:
+            self._savers.discard(process)
+            self._wake()
 
     # -- spares (spares.py) --------------------------------------------------
     def _left_service(self, seg: Segment) -> None:

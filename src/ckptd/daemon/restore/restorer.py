@@ -9,7 +9,7 @@ tiers that each answer the same interface (tier.py).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -73,10 +73,13 @@ class Restorer:
         rank: int | None,
         adopted: bool = False,
         healthy: bool = False,
+        offer: Callable[[str], bool] = lambda job: False,
     ) -> Step:
         """The newest (or given) step with a verified copy in some tier: a step of
         ckptd arrays holding ``rank``, or with ``adopted`` an adopted directory;
-        with ``healthy``, one known to hold no NaN/Inf (core/health.py)."""
+        with ``healthy``, one known to hold no NaN/Inf (core/health.py). ``offer``:
+        the jobs a NotFound may name as the one probably meant (those the caller
+        may read; by default none)."""
         if step is not None:
             st = self.catalog.require(job, step)
             if st.state == pb.SAVE_STATE_STAGING:
@@ -125,7 +128,7 @@ class Restorer:
                         + ", ".join(f"step {s.step} ({_health_text(s)})" for s in sick[:5])
                         + "; restore without healthy=True to take one anyway"
                     )
-                raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job)}")
+                raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job, offer)}")
             st = candidates[0]
         held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
         if rank is not None and held is not None and rank not in held:
@@ -139,11 +142,14 @@ class Restorer:
         lost its disk takes its newest step back from a peer)."""
         await self.chooser.learn(job, None)
 
-    async def prefetch(self, job: str) -> tuple[Step, str]:
+    async def prefetch(
+        self, job: str, offer: Callable[[str], bool] = lambda job: False
+    ) -> tuple[Step, str]:
         """Make this node's part of the newest step of ``job`` local (``ckptd
-        prefetch``): from a peer, else the bucket; ``(step, where it came from)``."""
+        prefetch``): from a peer, else the bucket; ``(step, where it came from)``.
+        ``offer``: as :meth:`choose`'s."""
         brought = await self.chooser.learn(job, None)
-        st = self.choose(job, None, None)
+        st = self.choose(job, None, None, offer=offer)
         if st.local:
             return st, brought or "local"
         if self.catalog.node_id not in st.remote_nodes:
@@ -156,9 +162,10 @@ class Restorer:
         assert served is not None  # an explicit step is served or raises
         return st, served.tier
 
-    def _did_you_mean(self, job: str) -> str:
-        """A hint for a job name that is probably a typo; else the fresh-start advice."""
-        others = [j for j in self.catalog.jobs() if j != job]
+    def _did_you_mean(self, job: str, offer: Callable[[str], bool]) -> str:
+        """A hint for a job name that is probably a typo, among the jobs ``offer``
+        allows (another user's job names are never given); else the fresh-start advice."""
+        others = [j for j in self.catalog.jobs() if j != job and offer(j)]
         close = difflib.get_close_matches(job, others, n=1, cutoff=0.6)
         if close:
             return f"; did you mean {close[0]!r}? (`ckptd ls` lists the jobs)"
@@ -174,16 +181,18 @@ class Restorer:
         owner: tuple[int, int] | None = None,
         healthy: bool = False,
         copy_on_write: bool = False,
+        offer: Callable[[str], bool] = lambda job: False,
     ) -> RestorePlan:
         """Pick a step and, if asked and a segment is free, its rank's data in shared memory.
         ``holder``: the client's liveness file; its lease comes back if it dies.
         ``owner``: ``(uid, pid)`` of the client, the only process that may map it.
         ``healthy``: only a step known to hold no NaN/Inf. ``copy_on_write``: the
-        client maps a segment the memory tier keeps copy-on-write."""
+        client maps a segment the memory tier keeps copy-on-write. ``offer``: as
+        :meth:`choose`'s."""
         check_holder(holder)  # before any memory is taken: a refusal leaves nothing held
-        want = Want(rank, shared_memory, owner[0] if owner else None, copy_on_write)
+        want = Want(rank, shared_memory, owner[0] if owner else None, copy_on_write, owner)
         served = await self.chooser.restore(
-            job, step, want, lambda: self.choose(job, step, rank, healthy=healthy)
+            job, step, want, lambda: self.choose(job, step, rank, healthy=healthy, offer=offer)
         )
         st, handed = served.step, served.handed
         assert st.manifest is not None
