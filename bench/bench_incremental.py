@@ -12,7 +12,7 @@ save waits for its arm's previous one to be LOCAL (DCP: its future; Orbax:
 - ``block``: until ``save()`` returns (the trainer is blocked);
 - ``copied``: until the state is copied out and the trainer may change or donate it
   (ckptd: ``handle.wait_copied()``, what ckptd's Orbax ``CheckpointManager.save``
-  waits for; jax arrays are copied on a client thread after ``save()`` returns;
+  waits for; trusted jax arrays are copied on a client thread after ``save()`` returns;
   DCP's ``async_save`` and Orbax's ``save`` return once copied);
 - ``local``: until the step is on the local disk, fsynced (ckptd: LOCAL);
 - ``durable``: ckptd's DURABLE in a SeaweedFS bucket on 127.0.0.1 (``--no-bucket``
@@ -61,11 +61,12 @@ from common import (
 BUCKET = "bench-incremental"
 ARMS = {
     "torch": ("incremental", "digests", "full", "dcp"),
-    "jax": ("incremental", "full", "orbax"),
+    "jax": ("incremental", "digests", "full", "orbax"),
 }
-"""``incremental``: ckptd's default for jax; for torch ``trust_torch_versions=True``
-(unchanged tensors neither copied nor hashed). ``digests``: torch on ckptd's default
-(every tensor copied, the daemon compares SHA-256). ``full``: ``incremental=False``."""
+"""``incremental``: ``trust_torch_versions=True`` / ``trust_jax_arrays=True`` (unchanged
+tensors, the same jax arrays, neither copied nor hashed). ``digests``: ckptd's default
+on CPU (every tensor and array copied, the daemon compares SHA-256). ``full``:
+``incremental=False``."""
 CKPTD_ARMS = ("incremental", "digests", "full")
 
 
@@ -159,6 +160,7 @@ class Run:
                 socket=self.daemons[arm].socket,
                 incremental=arm != "full",
                 trust_torch_versions=arm == "incremental",
+                trust_jax_arrays=arm == "incremental",
             )
             for arm in ARMS[fw]
             if arm in CKPTD_ARMS
@@ -313,7 +315,7 @@ def run_all(args: argparse.Namespace, run: Path, s3: Any) -> dict[str, Any]:
         staging_budget=f"{2 * image + 0.5:.1f}GiB",
         extra_args=extra,
     ).start()
-    # Two jobs there (torch: trusted versions, and digests): each keeps its newest
+    # Two jobs there (trusted tokens, and digests): each keeps its newest
     # step's segment and saves into the other, which holds the step before (the copy
     # skip needs it to stay that job's).
     budget = f"{4 * image + 0.5:.1f}GiB"

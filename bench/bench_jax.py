@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch dir (same disk)")
     p.add_argument("--seed", type=int, default=0, help="numpy default_rng seed")
     p.add_argument("--name", default="jax", help="results file bench/results/NAME.json")
+    p.add_argument(
+        "--trust-jax-arrays",
+        action="store_true",
+        help="Client(trust_jax_arrays=True): the same arrays are not copied again, and "
+        "are copied after save() returns (default: copied before it returns)",
+    )
     args = p.parse_args(argv)
     args.size_gib = args.size_gib or (0.25 if args.quick else 1.0)
     args.reps = args.reps or (2 if args.quick else 3)
@@ -133,7 +139,9 @@ class Bench:
             extra_args=["--retention-local", "KeepLatest(2)"],
         ).start()
         try:
-            self.client = Client(job=JOB, socket=str(self.daemon.socket))
+            self.client = Client(
+                job=JOB, socket=str(self.daemon.socket), trust_jax_arrays=args.trust_jax_arrays
+            )
             self.orbax_dir = run_dir / "orbax"
             options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
             self.mngr = ocp.CheckpointManager(self.orbax_dir, options=options)

@@ -100,13 +100,14 @@ def test_save_replicas_and_bad_targets(daemon: Daemon) -> None:
 
 
 def test_a_saved_array_donated_before_its_copy_fails_the_save_saying_why(daemon: Daemon) -> None:
-    """jax arrays are copied to host after save() returns; a jitted step that donates
-    them first deletes their buffers: the save fails with what to do, never silently."""
+    """Trusted jax arrays are copied to host after save() returns; a jitted step that
+    donates them first deletes their buffers: the save fails with what to do, never
+    silently."""
     import threading
 
     from ckptd.client import SaveFailed
 
-    client = daemon.client("donate")
+    client = daemon.client("donate", trust_jax_arrays=True)
     gate = threading.Event()
     client._saver._background.submit(gate.wait)  # the device copy queues behind this
     try:
@@ -127,17 +128,40 @@ def test_a_saved_array_donated_before_its_copy_fails_the_save_saying_why(daemon:
     assert daemon.status().leases_held == 0
 
 
+def test_a_cpu_array_donated_right_after_save_is_saved_whole(daemon: Daemon) -> None:
+    """By default CPU arrays are copied before save() returns (their memory may be
+    shared): a step that donates them at once takes nothing from the save."""
+    import threading
+
+    client = daemon.client("donate-cpu")
+    gate = threading.Event()
+    client._saver._background.submit(gate.wait)  # a copy after save() would queue here
+    try:
+        x = jax.numpy.arange(1024.0)
+        handle = client.save(1, {"x": x})
+        assert handle.copied()
+        jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+        assert x.is_deleted()
+    finally:
+        gate.set()
+    handle.wait("local", timeout=60)
+    got, _ = client.restore(step=1)
+    assert np.array_equal(got["x"], np.arange(1024.0))
+
+
+@pytest.mark.parametrize("trusted", [False, True])
 def test_arrays_copied_to_host_in_batches_all_arrive(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, trusted: bool
 ) -> None:
-    """A batch boundary after every array or two: each still lands in its place."""
+    """A batch boundary after every array or two: each still lands in its place
+    (before save() returns, or after it when trusted)."""
     from ckptd.client import copying
 
     monkeypatch.setattr(copying, "HOST_BATCH_BYTES", 100)
     rng = np.random.default_rng(5)
     # 40 bytes each: batches of three, and one array left for the last.
     host = {f"a{i}": rng.standard_normal(10).astype(np.float32) for i in range(10)}
-    client = daemon.client("batches")
+    client = daemon.client("batches", trust_jax_arrays=trusted)
     client.save(1, {k: jax.numpy.asarray(v) for k, v in host.items()}).wait("local", 60)
     got, _ = client.restore(step=1)
     for k, v in host.items():

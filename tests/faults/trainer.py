@@ -26,8 +26,8 @@ Points (``NAME`` or ``NAME#N`` for the N-th occurrence, 1 by default):
 - ``after-restore-holding-arrays``: restore() returned; its arrays are alive.
 - ``save-2-of-3``: the lease of the second save is granted (``after:AcquireLease#2``).
 - ``d2h`` (with ``--jax``): the device-to-host copy of the second jax save has
-  copied its first array; ``save()`` returned before it (jax arrays are copied
-  on a client thread).
+  copied its first array; ``save()`` returned before it (trusted jax arrays are
+  copied on a client thread).
 - ``none``: run to the end and exit 0 (a trainer resuming after the kill).
 
 Protocol on stdout, one line each, flushed before the marker is written:
@@ -184,7 +184,8 @@ def instrument(point: KillPoint) -> None:
 
 
 def as_jax(tree: dict[str, np.ndarray]) -> dict[str, Any]:
-    """The same state as jax arrays (saved with a background device-to-host copy)."""
+    """The same state as jax arrays (saved, trusted, with a background device-to-host
+    copy)."""
     import jax.numpy as jnp
 
     return {k: jnp.asarray(v) for k, v in tree.items()}
@@ -223,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     # FixedInterval(1): every step saves (given room), so the N-th call of each RPC is
     # the same in every run; Continuous() would skip steps whose predecessor is not
     # LOCAL yet, which depends on the daemon's timing.
-    client = Client(args.job, socket=args.socket, policy=FixedInterval(1))
+    # --jax: trusted, so that CPU arrays take the path of an accelerator's, copied on a
+    # client thread after save() returns (untrusted ones are copied before).
+    client = Client(
+        args.job, socket=args.socket, policy=FixedInterval(1), trust_jax_arrays=args.jax
+    )
     start, restored = restore_newest(client, args.mib, point)
     for i, step in enumerate(range(start + 1, start + 1 + args.steps)):
         if not client.should_save(step):

@@ -10,20 +10,32 @@ Each save records a *token* per shard key, taken as it is planned:
   counter every in-place torch operation bumps (``add_``, ``copy_``, an optimizer's
   step, under ``no_grad`` too), shared by its views, ``detach()`` and the tensors
   of a ``state_dict()``;
-- a jax array shard: the very same array object (weakly referenced: jax arrays
-  are immutable) and the shard's index;
+- a jax array shard: the very same array object (weakly referenced) and the
+  shard's index;
 - anything else (numpy arrays, inference-mode tensors, which keep no version): no
   token, so never unchanged; the daemon compares strong digests instead.
 
 A shard is unchanged since step S when its token equals the one recorded at S.
-A jax array's token is exact. A torch tensor's is only as good as ``_version``,
-and torch does not count every write: writes through ``tensor.data`` (a detached
-alias with a version counter of its own), through a numpy view (``tensor.numpy()``,
-``torch.from_numpy``), DLPack or a raw pointer, BatchNorm's running statistics
-(updated inside its kernel) and collectives such as ``dist.broadcast`` leave
-``_version`` as it was. So torch tokens are taken only when the client is told to
-trust them (``Client(trust_torch_versions=True)``); otherwise torch tensors have
-none, are copied, and the daemon compares digests.
+Neither kind of token is proof everywhere, so each is taken only where it is:
+
+- jax never writes an array once made, but others can write its memory: on CPU and
+  GPU an array shares memory through DLPack both ways (``jax.dlpack.from_dlpack`` of
+  a torch tensor, ``torch.from_dlpack`` of a jax array), through
+  ``__cuda_array_interface__`` (``jnp.asarray`` of a CuPy array), and
+  ``jax.device_put`` / ``jnp.asarray`` of an aligned numpy array on CPU take its
+  memory as it is; jax cannot tell whether an array's memory is shared. So a jax
+  array's token is taken only for memory nobody but jax can write (:func:`jax_exclusive`:
+  device memory of a TPU), or when the client is told to trust them
+  (``Client(trust_jax_arrays=True)``);
+- a torch tensor's is only as good as ``_version``, and torch does not count every
+  write: writes through ``tensor.data`` (a detached alias with a version counter of
+  its own), through a numpy view (``tensor.numpy()``, ``torch.from_numpy``), DLPack
+  or a raw pointer, BatchNorm's running statistics (updated inside its kernel) and
+  collectives such as ``dist.broadcast`` leave ``_version`` as it was. So torch
+  tokens are taken only when the client is told to trust them
+  (``Client(trust_torch_versions=True)``).
+
+Shards without a token are copied at every save and the daemon compares digests.
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ckptd.core.format import TensorEntry
+
+from .device_leaf import ShardingFacts, sharding_fact
 
 ENV = "CKPTD_INCREMENTAL"
 """Environment variable that turns incremental saves off (``0``) for every client."""
@@ -66,10 +80,37 @@ def incremental_from_env(incremental: bool) -> bool:
     )
 
 
-def token_of(obj: Any, index: Any = None) -> Token | None:
+EXCLUSIVE_PLATFORMS = frozenset({"tpu"})
+"""Platforms whose device memory nothing but jax writes: jax exports and imports
+memory (DLPack, ``__cuda_array_interface__``, zero-copy host buffers) on CPU and GPU
+(jax/_src/array.py ``__dlpack_device__``); a platform not known to keep its memory
+to itself counts as sharing it."""
+DEVICE_MEMORY = frozenset({None, "device"})
+"""Memory kinds that are the device's own memory (None: the default, the device's);
+``pinned_host`` and ``unpinned_host`` are host memory, which numpy can share."""
+
+_EXCLUSIVE: ShardingFacts = {}
+
+
+def jax_exclusive(array: Any) -> bool:
+    """Whether nothing but jax can write the memory of jax array ``array``: device
+    memory on a platform of :data:`EXCLUSIVE_PLATFORMS` only."""
+    return sharding_fact(_EXCLUSIVE, array, _exclusive)
+
+
+def _exclusive(sharding: Any) -> bool:
+    return getattr(sharding, "memory_kind", None) in DEVICE_MEMORY and all(
+        d.platform in EXCLUSIVE_PLATFORMS for d in sharding.device_set
+    )
+
+
+def token_of(obj: Any, index: Any = None, trust_jax: bool = False) -> Token | None:
     """The token of a torch tensor or of a jax array's shard at ``index``; None for
-    anything whose changes cannot be told exactly."""
-    if index is not None:  # a jax array: immutable, the same object is the same bytes
+    anything whose changes cannot be told exactly. A jax array has one only if its
+    memory is jax's alone (:func:`jax_exclusive`) or ``trust_jax``."""
+    if index is not None:  # a jax array: jax never writes it; nobody else may either
+        if not (trust_jax or jax_exclusive(obj)):
+            return None
         try:
             return weakref.ref(obj), (index,)
         except TypeError:

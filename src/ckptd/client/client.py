@@ -49,13 +49,18 @@ class Client:
     ``connect_timeout``: the same patience while no daemon has ever answered this
     client (no ``ckptd serve`` there, a wrong socket), so that mistake shows at once.
     ``incremental``: what did not change since the previous save is not written or
-    uploaded again, and jax arrays that are the very same objects are not copied
-    again (ckptd.client.changes); off with False or ``CKPTD_INCREMENTAL=0``.
+    uploaded again, and jax arrays on a TPU that are the very same objects are not
+    copied again (ckptd.client.changes); off with False or ``CKPTD_INCREMENTAL=0``.
     ``trust_torch_versions``: a torch tensor whose storage and ``_version`` did not
     change is taken as unchanged, neither copied nor compared: only for programs
     that never write saved tensors behind torch's version counter (``tensor.data``,
     numpy views, BatchNorm's running statistics, collectives such as
     ``dist.broadcast``). Off (the default), the daemon compares SHA-256 digests.
+    ``trust_jax_arrays``: a jax array on a CPU or GPU that is the very same object is
+    taken as unchanged too, and CPU arrays are copied after :meth:`save` returns: only
+    for programs whose jax arrays share no memory that anything else writes (DLPack
+    to or from torch, ``jax.device_put`` / ``jnp.asarray`` of a numpy array on CPU,
+    which may take its memory as it is). Off, such arrays are copied and compared.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class Client:
         connect_timeout: float = 2.0,
         incremental: bool = True,
         trust_torch_versions: bool = False,
+        trust_jax_arrays: bool = False,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -105,6 +111,7 @@ class Client:
             upload_interval=lambda: float(getattr(self.policy, "upload_interval_seconds", 0.0)),
             incremental=incremental,
             trust_torch_versions=trust_torch_versions,
+            trust_jax_arrays=trust_jax_arrays,
         )
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
         """What framework adapters call beyond this surface: leases they fill
@@ -178,7 +185,9 @@ class Client:
         """Hand ``tree`` to the daemon as ``step``; returns once the daemon owns the bytes.
 
         Arrays are copied into shared memory before this returns, so the caller
-        may mutate them right after. Wait on the handle for LOCAL / DURABLE.
+        may mutate them right after; jax arrays on an accelerator (and on CPU with
+        ``trust_jax_arrays``) after it returns (``handle.wait_copied()``: see
+        docs/guides/client-api.md). Wait on the handle for LOCAL / DURABLE.
         ``milestone``: the remote tier keeps this step whatever its policy.
         ``metrics``: numbers such as ``{"eval_loss": 1.7}`` for ``KeepBest``.
         If earlier saves hold all staging memory, waits up to ``staging_timeout``

@@ -13,6 +13,8 @@ import numpy as np
 from ckptd.core.errors import SaveFailed
 from ckptd.core.format import TensorEntry
 
+from .device_leaf import jax_on_cpu
+
 HOST_BATCH_BYTES = 64 * 2**20
 """jax shards are copied to host and into the lease this many bytes at a time."""
 MIN_PART = 4 * 2**20
@@ -102,6 +104,21 @@ def host_batches(
             batch, hosts, held = [], {}, 0
     if batch:
         yield batch, hosts
+
+
+def cpu_views(
+    entries: list[TensorEntry], device: dict[str, Any], what: str
+) -> tuple[list[TensorEntry], dict[str, np.ndarray], list[TensorEntry]]:
+    """The entries of jax shards (``device``: each entry's ShardPlan) on a CPU device,
+    their numpy views (of the shards' memory: no copy) by key (:func:`host_batches`'s
+    errors), and the other entries."""
+    cpu = [e for e in entries if jax_on_cpu(device[e.key].data)]
+    if not cpu:
+        return cpu, {}, entries
+    views: dict[str, np.ndarray] = {}
+    for _, hosts in host_batches(cpu, device, what):
+        views.update(hosts)
+    return cpu, views, [e for e in entries if e.key not in views]
 
 
 def guided_ends(total: int, threads: int) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,32 @@ def jax_on_accelerator(shards: dict[str, Any]) -> bool:
     early (a CPU array is in host memory already). Asked once per client."""
     data = next(iter(shards.values())).data
     return bool(next(iter(data.devices())).platform != "cpu")
+
+
+ShardingFacts = dict[int, tuple[Any, bool]]
+"""What is known of each sharding seen (jax arrays share a few), by its id; the
+sharding is kept, so that an id reused by another is told apart."""
+
+
+def sharding_fact(facts: ShardingFacts, array: Any, decide: Callable[[Any], bool]) -> bool:
+    """``decide(sharding)`` of jax array ``array``'s sharding, asked once per sharding
+    (a save of thousands of arrays asks for each)."""
+    sharding = array.sharding
+    hit = facts.get(id(sharding))
+    if hit is None or hit[0] is not sharding:
+        if len(facts) > 1024:
+            facts.clear()
+        hit = facts[id(sharding)] = (sharding, bool(decide(sharding)))
+    return hit[1]
+
+
+_CPU: ShardingFacts = {}
+
+
+def jax_on_cpu(array: Any) -> bool:
+    """Whether jax array ``array`` lies on CPU devices: in host memory, which numpy,
+    torch and DLPack share with it (client/changes.py)."""
+    return sharding_fact(_CPU, array, lambda s: all(d.platform == "cpu" for d in s.device_set))
 
 
 def jax_via_torch(shards: dict[str, Any]) -> bool:

@@ -2,9 +2,10 @@
 
 Save: every addressable shard with ``replica_id == 0`` (all replicas with
 ``save_replicas``) becomes one shard in the rank's file, keyed
-``<leaf key>#<n>``, with its index into the global array. jax arrays are
-immutable, so their device-to-host copies into the lease run on a client
-thread after ``save()`` has returned.
+``<leaf key>#<n>``, with its index into the global array. jax never writes an
+array once made, so the device-to-host copies of arrays on an accelerator run on
+a client thread after ``save()`` has returned; a CPU array's memory may be
+numpy's or torch's (client/changes.py), so it is copied before, unless trusted.
 
 Restore with a target (``jax.ShapeDtypeStruct`` with a sharding, or an array
 whose sharding to copy): each leaf is built with ``jax.make_array_from_callback``;

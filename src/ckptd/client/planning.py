@@ -90,10 +90,15 @@ class Planner:
         return self._last
 
     def plan(
-        self, tree: Any, track: bool = False, torch_versions: bool = False
+        self,
+        tree: Any,
+        track: bool = False,
+        torch_versions: bool = False,
+        trust_jax: bool = False,
     ) -> tuple[SavePlan, Arrays]:
         """The plan of saving ``tree``, and its arrays (``track``: with their tokens:
-        jax arrays', and torch tensors' only with ``torch_versions``, changes.py)."""
+        torch tensors' only with ``torch_versions``, jax arrays' where their memory is
+        jax's alone or with ``trust_jax``; changes.py)."""
         values: list[Any] = []
         tokens: dict[str, Token | None] | None = {} if track else None
         token = tensor_token if torch_versions else None
@@ -125,7 +130,7 @@ class Planner:
                     layout.append((sp.key, np.dtype(a.dtype), sp.shape))
                     placed[sp.key] = (tuple(a.shape), sp.index)
                     if tokens is not None:
-                        tokens[sp.key] = token_of(a, tuple(sp.index))
+                        tokens[sp.key] = token_of(a, tuple(sp.index), trust_jax)
             else:
                 host[key] = a
                 layout.append((key, a.dtype, a.shape))

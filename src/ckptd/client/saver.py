@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core.errors import CapacityExhausted
@@ -23,7 +24,7 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .changes import Changes, Saved, incremental_from_env, packbits
-from .copying import copy_into, host_batches
+from .copying import copy_into, cpu_views, host_batches
 from .device_leaf import jax_on_accelerator, jax_via_torch
 from .handle import WATCHERS, SaveHandle
 from .handoff import Copying, Handoff, lease_size
@@ -65,6 +66,7 @@ class Saver:
         upload_interval: Callable[[], float] = lambda: 0.0,
         incremental: bool = True,
         trust_torch_versions: bool = False,
+        trust_jax_arrays: bool = False,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -104,6 +106,10 @@ class Saver:
         """Take a torch tensor whose storage and ``_version`` did not change as
         unchanged (changes.py): not copied, not compared. Off: the daemon compares
         digests, because some writes leave ``_version`` alone."""
+        self.trust_jax_arrays = trust_jax_arrays
+        """Take a jax array that is the same object as unchanged on every platform, and
+        copy CPU arrays after save() returns (changes.py). Off: only where jax alone
+        can write the memory (a TPU's); CPU arrays are copied before save() returns."""
 
     @property
     def connection(self) -> Connection:
@@ -145,15 +151,8 @@ class Saver:
         metrics: dict[str, float] | None = None,
         staging_timeout: float | None = None,
     ) -> SaveHandle:
-        """Hand ``tree`` to the daemon as ``step``; returns once the daemon owns the bytes.
-
-        Arrays are copied into shared memory before this returns, so the caller
-        may mutate them right after. Wait on the handle for LOCAL / DURABLE.
-        ``milestone``: the remote tier keeps this step whatever its policy.
-        ``metrics``: numbers such as ``{"eval_loss": 1.7}`` for ``KeepBest``.
-        If earlier saves hold all staging memory, waits up to ``staging_timeout``
-        (default: the client's) and then raises :class:`CapacityExhausted`.
-        """
+        """:meth:`Client.save`: plan ``tree``, lease, copy (what changed; jax arrays on
+        an accelerator, or trusted ones, after returning) and hand it off as ``step``."""
         step, metrics, metadata_json = save_args(step, metrics, metadata)
         wait = self.staging_timeout if staging_timeout is None else staging_timeout
         track = self.incremental
@@ -161,7 +160,8 @@ class Saver:
         started = time.monotonic()
         early = self._lease_early(wait, what, track)
         try:
-            plan, arrays = self.planner.plan(tree, track, self.trust_torch_versions)
+            trust = self.trust_torch_versions, self.trust_jax_arrays
+            plan, arrays = self.planner.plan(tree, track, *trust)
         except BaseException:
             if early is not None:
                 early[1].add_done_callback(self._give_back)
@@ -201,13 +201,17 @@ class Saver:
                 pending = self.device_copies().start(mm, queued, cuda)
                 todo = [e for e in todo if e.key not in cuda]
                 jax_entries = [e for e in jax_entries if e.key not in cuda]
+            if jax_entries and not self.trust_jax_arrays:
+                # CPU memory others may write (DLPack, numpy): copied before returning.
+                now, views, jax_entries = cpu_views(jax_entries, device, what)
+                host, todo = {**host, **views}, sorted([*todo, *now], key=attrgetter("offset"))
             req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
             req.incremental = self.incremental
             if mask is not None and since is not None:  # the trainer's word since `since`
                 req.unchanged_since, req.unchanged = since, packbits(mask)
             saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
-            if device or pending is not None:
-                # jax arrays are immutable: copy them to host and hand off after returning.
+            if jax_entries or pending is not None:
+                # jax never writes its arrays: copy them to host and hand off after returning.
                 # Every device-to-host transfer starts now, at once (on an accelerator they
                 # overlap; one by one, each waited for its own): the copies find them done.
                 # CUDA tensors' copies are queued ahead of the trainer's next writes.
