@@ -98,7 +98,7 @@ BAD_ARRAYS = [
     ("shards.0.index", [[0, 4, 5]], "shards[0].index"),
     ("shards.0.shape", ["4"], "shards.shape must be a list of integers"),
     ("kind", "tarball", "kind"),
-    ("data_layout", 3, "data_layout"),
+    ("data_layout", 4, "data_layout"),
     ("data_layout", "2", "data_layout"),
     ("format_version", 3, "format_version"),
 ]
