@@ -22,9 +22,9 @@ import pytest
 
 from ckptd.core.errors import ResourceExhausted
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import SEGMENT_GRANULE, Staging, StagingBusy, segment_dir
+from ckptd.daemon.local.staging import SEGMENT_GRANULE, Staging, StagingBusy
 
-from .test_security import GROUP, USERS, Node, _ensure_users, _python
+from .test_security import GROUP, USERS, Node, _ensure_users, _python, remove_segment_dir
 
 G = SEGMENT_GRANULE
 A, B = (1000, 11), (1001, 12)  # (uid, pid) of two users' processes
@@ -126,9 +126,7 @@ def _node(*extra: str) -> Iterator[Node]:
         yield Node(base, daemon, base)
     finally:
         daemon.stop()
-        from ckptd.daemon.local.staging import segment_prefix
-
-        shutil.rmtree(segment_dir(segment_prefix(daemon.root)), ignore_errors=True)
+        remove_segment_dir(daemon.root)
         shutil.rmtree(base, ignore_errors=True)
 
 
