@@ -22,7 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 from ckptd.client import Client
 from ckptd.core.wire import METADATA
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import segment_dir, segment_prefix
+from ckptd.daemon.local.staging import recorded_dir, segment_prefix
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
@@ -182,7 +182,9 @@ def make_daemon(tmp_path: Path) -> Iterator[Any]:
         # A daemon a test SIGKILLed cannot clean up; its segments carry its root's prefix.
         for seg in Path("/dev/shm").glob(segment_prefix(d.root) + "*"):
             seg.unlink(missing_ok=True)
-        shutil.rmtree(segment_dir(segment_prefix(d.root)), ignore_errors=True)
+        seg_dir = recorded_dir(d.root)
+        if seg_dir is not None:
+            shutil.rmtree(seg_dir, ignore_errors=True)
     for s in sockdirs:
         shutil.rmtree(s, ignore_errors=True)
 

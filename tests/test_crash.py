@@ -17,7 +17,7 @@ import pytest
 
 from ckptd.client import SaveFailed
 from ckptd.client.handle import SaveHandle
-from ckptd.daemon.local.staging import KEPT_SUFFIX, segment_dir, segment_prefix
+from ckptd.daemon.local.staging import KEPT_SUFFIX, recorded_dir
 
 from .conftest import Daemon
 from .helpers import state_for
@@ -60,7 +60,8 @@ def _segments_accounted(daemon: Daemon) -> None:
     gc.collect()  # restored arrays hold their segment until collected
     daemon.client("probe").save(0, {"p": np.zeros(4)}).wait("local")  # takes back returns
     assert daemon.status().leases_held == 0
-    seg_dir = segment_dir(segment_prefix(daemon.root))
+    seg_dir = recorded_dir(daemon.root)
+    assert seg_dir is not None
     # A spare segment being made in the background (local/spares.py) counts as
     # allocated before its file is whole: the two agree once it is made.
     deadline = time.monotonic() + 60

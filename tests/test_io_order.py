@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from ckptd.daemon.io import IoPool
+from ckptd.daemon.local.shm import SharedMapping
+
+SIZE = 2**20
 
 
 def test_queued_work_runs_by_ticket_then_by_arrival() -> None:
@@ -56,4 +61,23 @@ def test_run_is_settled_and_failures_propagate() -> None:
         return await pool.run(sum, [1, 2, 3], ticket=pool.ticket())
 
     assert asyncio.run(main()) == 6
+    pool.close()
+
+
+def test_an_idle_thread_keeps_nothing_of_its_last_job(tmp_path: Path) -> None:
+    # A job's arguments are often views of a shared-memory segment: while an idle
+    # thread kept them, the segment could not be unmapped (its pages stayed held
+    # after the pool removed it, outside the staging budget).
+    path = tmp_path / "segment"
+    path.write_bytes(bytes(SIZE))
+    mapping = SharedMapping.open(path, SIZE)
+    pool = IoPool(2)
+    view = mapping.view(0, SIZE)
+    assert pool.submit(len, view).result(timeout=30) == SIZE
+    del view
+    deadline = time.monotonic() + 30
+    while mapping.in_use() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the thread drops it right after it set the result
+    assert not mapping.in_use(), "the idle I/O thread still holds its last job's view"
+    assert mapping.close()
     pool.close()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptd.daemon.local.staging import KEPT_SUFFIX, segment_dir, segment_prefix
+from ckptd.daemon.local.staging import KEPT_SUFFIX, recorded_dir
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import CKPTD, Daemon
@@ -125,8 +125,8 @@ def memory_steps(daemon: Daemon, job: str) -> list[int]:
 
 
 def shm_files(daemon: Daemon) -> list[Path]:
-    d = segment_dir(segment_prefix(daemon.root))
-    return sorted(d.iterdir()) if d.is_dir() else []
+    d = recorded_dir(daemon.root)
+    return sorted(d.iterdir()) if d is not None and d.is_dir() else []
 
 
 def kept_segments(daemon: Daemon) -> list[Path]:

@@ -37,7 +37,9 @@ class Node:
     by :meth:`settle` (the daemon's supervisor would run it)."""
 
     def __init__(self, tmp_path: Path, budget: int = 16 * MiB, steps: int = 1) -> None:
-        self.staging = Staging("ckptd-test-", budget, 600.0, shm_dir=tmp_path)
+        # Recorded beside it: a second Node on the same path finds the same segments.
+        record = tmp_path / ".shm-dir"
+        self.staging = Staging("ckptd-test-", budget, 600.0, shm_dir=tmp_path, record=record)
         self.staging.open()
         self.catalog = Catalog("node-a")
         self.spawned: list[asyncio.Task[None]] = []
@@ -305,5 +307,29 @@ def test_a_full_shm_filesystem_takes_the_tiers_memory_first(small_shm: Path) -> 
             await n.staging.acquire("d", 4 * MiB, owner=(UID, 2))
         for lease in (b, c):
             n.staging.release(lease.lease_id)
+
+    run(body)
+
+
+def test_a_restarted_daemon_takes_back_no_more_than_its_staging_budget(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB, steps=3)
+        images = [await n.save("a", step, step, owner=None) for step in (1, 2, 3)]
+        # A new daemon on the same segments, whose budget holds two of them.
+        m = Node(tmp_path, budget=8 * MiB, steps=3)
+        for image in images:
+            st = m.catalog.begin(image.job, image.step)
+            rec = RankRecord(
+                0, "rank-00000.safetensors", image.header_len + image.data_len, image.file_crc, None
+            )
+            m.catalog.committed(
+                st, Manifest(image.job, image.step, "node-a", 1, 1.0, [rec], timeline=0)
+            )
+        assert m.tier.adopt_leftovers() == 2
+        assert m.kept() == [("a", 2), ("a", 3)]  # the newest
+        m.staging.remove_leftovers()
+        assert m.staging.allocated_bytes <= m.staging.budget_bytes
+        on_disk = [p for p in m.staging.dir.iterdir() if not p.name.endswith(KEPT_SUFFIX)]
+        assert sum(p.stat().st_size for p in on_disk) <= m.staging.budget_bytes
 
     run(body)

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import segment_dir, segment_prefix
+from ckptd.daemon.local.staging import recorded_dir
 
 WORKER = Path(__file__).with_name("security_worker.py")
 GROUP = "ckptd-clients"
@@ -119,8 +119,15 @@ def two_user_daemon(prefix: str, extra_args: list[str]) -> Iterator[tuple[Path, 
         yield base, daemon
     finally:
         daemon.stop()
-        shutil.rmtree(segment_dir(segment_prefix(daemon.root)), ignore_errors=True)
+        remove_segment_dir(daemon.root)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def remove_segment_dir(root: Path) -> None:
+    """Remove the segment directory ``root`` records (a killed daemon leaves it)."""
+    seg_dir = recorded_dir(root)
+    if seg_dir is not None:
+        shutil.rmtree(seg_dir, ignore_errors=True)
 
 
 class Node:
@@ -189,7 +196,7 @@ def node() -> Iterator[Node]:
         yield Node(base, daemon, adopt_dir)
     finally:
         daemon.stop()
-        shutil.rmtree(segment_dir(segment_prefix(daemon.root)), ignore_errors=True)
+        remove_segment_dir(daemon.root)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -202,7 +209,8 @@ def test_modes_root_socket_and_segments(node: Node) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o660
         assert path.stat().st_gid == grp.getgrnam(GROUP).gr_gid
     assert node.run("ckptd-ta", "save", "modes", "1") == {"ok": True}
-    seg_dir = segment_dir(segment_prefix(root))
+    seg_dir = recorded_dir(root)
+    assert seg_dir is not None
     assert stat.S_IMODE(seg_dir.lstat().st_mode) == 0o700 and seg_dir.lstat().st_uid == 0
     segments = list(seg_dir.iterdir())
     assert segments
@@ -244,7 +252,9 @@ def test_a_lease_is_only_for_the_process_it_was_granted_to(node: Node) -> None:
     proc, lease = node.hold_lease(a, "lease-a")
     try:
         # By name: the segment is root's and 0600.
-        path = segment_dir(segment_prefix(node.daemon.root)) / lease["segment"]
+        seg_dir = recorded_dir(node.daemon.root)
+        assert seg_dir is not None
+        path = seg_dir / lease["segment"]
         assert node.run(b, "open-shm", "x", str(path))["errno"] == 13
         # Over b's own session: granted to another process.
         got = node.run(b, "open-lease", "x", lease["lease_id"])

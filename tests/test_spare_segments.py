@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 from ckptd.daemon import faults
 from ckptd.daemon.local.lease import Want
 from ckptd.daemon.local.spares import FAILPOINT
+from ckptd.daemon.local.staging import Stopping
 
 from .test_memory_tier import Trainer, memory_daemon, saved_by_trainer, wait_status
 from .test_memory_tier_units import Node
@@ -119,50 +122,130 @@ def test_a_tight_budget_makes_no_spare(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def paused_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def paused_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The spare's worker stops at its failpoint until the test releases it."""
     where = tmp_path / "failpoints"
     where.mkdir()
     monkeypatch.setenv(faults.DIR_VARIABLE, str(where))
     monkeypatch.setitem(faults._POINTS, FAILPOINT, "pause")
-    return where
+    yield where
+    faults.release(where, FAILPOINT)  # a test that failed holding it must not hang the exit
 
 
-def test_saves_racing_a_spare_are_granted_and_the_budget_holds(
+def test_a_spare_being_made_counts_in_the_budget_saves_see(
     tmp_path: Path, paused_spare: Path
 ) -> None:
     async def body() -> None:
         n = Node(tmp_path, budget=12 * MiB)
         await n.save("a", 1, 1)  # kept: 4 MiB held, room for a spare and one save
+        kept = n.tier._kept[("a", 1, 0)].segment
         await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
-        # The spare is being made (held at its failpoint): saves never wait for it,
-        # nor fail because of it, even when they take the room it was made for.
+        # The spare is being made (held at its failpoint): it holds its room, so the
+        # saves are granted within the budget, the memory tier giving way first.
+        assert n.staging.allocated_bytes == 8 * MiB
+        created = n.staging.segments_created
         first = await n.staging.acquire("b", 4 * MiB, owner=(UID, 2))
         second = await n.staging.acquire("c", 4 * MiB, owner=(UID, 3))
+        assert second.segment is kept and n.tier.files == 0
+        assert n.staging.segments_created == created + 1  # the first's only
         assert n.staging.allocated_bytes == 12 * MiB
         faults.release(paused_spare, FAILPOINT)
         await n.staging.spares.settle()
-        # Made too late: the saves made their own, so it is removed, not pooled.
+        # Made too late: a save made its own, so it is removed, not pooled.
         assert n.staging.spares.made == 0
-        assert n.staging.allocated_bytes == 12 * MiB
+        assert n.staging.allocated_bytes == 8 * MiB
         for lease in (first, second):
             n.staging.release(lease.lease_id)
+        assert len([p for p in n.staging.dir.iterdir() if ".kept" not in p.name]) == 2
+
+    run(body)
+
+
+def test_a_save_short_of_room_takes_the_spare_being_made(
+    tmp_path: Path, paused_spare: Path
+) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=12 * MiB)
+        await n.save("a", 1, 1)
+        await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
+        held = [await n.staging.acquire(j, 4 * MiB, owner=(UID, 2)) for j in "bc"]
+        assert n.tier.files == 0  # the tier gave way; the spare's room is all that is left
+        third = asyncio.ensure_future(n.staging.acquire("d", 4 * MiB, owner=(UID, 3)))
+        await asyncio.sleep(0)
+        assert not third.done()  # waits for the spare rather than exceed the budget
+        faults.release(paused_spare, FAILPOINT)
+        lease = await third
+        assert n.staging.allocated_bytes <= n.staging.budget_bytes
+        for x in (*held, lease):
+            n.staging.release(x.lease_id)
         assert len([p for p in n.staging.dir.iterdir() if ".kept" not in p.name]) == 3
 
     run(body)
 
 
-def test_a_spare_made_while_the_pool_closes_is_removed(tmp_path: Path, paused_spare: Path) -> None:
+def test_a_held_spare_maker_creates_nothing_once_stop_begins(
+    tmp_path: Path, paused_spare: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def body() -> None:
         n = Node(tmp_path, budget=16 * MiB)
         await n.save("a", 1, 1)
         await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
+        created: list[int] = []
+        make = n.staging.create_segment
+
+        def counted(size: int) -> Any:
+            created.append(size)
+            return make(size)
+
+        monkeypatch.setattr(n.staging, "create_segment", counted)
+        seg_dir = n.staging.dir
+
+        def release_once_stopping() -> None:
+            while not n.staging.spares._closed:  # stop began: only then let it go on
+                threading.Event().wait(0.001)
+            faults.release(paused_spare, FAILPOINT)
+
+        releaser = threading.Thread(target=release_once_stopping)
+        releaser.start()
         n.tier.close()
-        n.staging.close()
-        faults.release(paused_spare, FAILPOINT)
+        n.staging.close()  # waits for the worker it holds
+        releaser.join()
+        worker = n.staging.spares._worker
+        assert worker is not None
+        worker.shutdown(wait=True)
+        assert created == []  # nothing made once the stop began, not even briefly
+        assert not seg_dir.exists()
+
+    run(body)
+
+
+def test_once_stop_begins_no_spare_is_asked_for_and_no_segment_made(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB)
+        lease = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
+        n.staging.begin_stop()
+        n.staging.keep(lease, ("a", 1, 0))  # a save finished during the stop: kept
         await n.staging.spares.settle()
-        assert n.staging.spares.made == 0
-        assert not n.staging.dir.exists() or list(n.staging.dir.iterdir()) == []
+        assert n.staging.spares.made == 0 and n.staging.allocated_bytes == 4 * MiB
+        with pytest.raises(Stopping):
+            await n.staging.acquire("b", 8 * MiB, owner=(UID, 2))
+        assert n.staging.segments_created == 1
+
+    run(body)
+
+
+def test_a_segment_a_view_still_uses_is_counted_until_unmapped(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB)
+        lease = await n.staging.acquire("a", 4 * MiB, restore=True, owner=(UID, 1))
+        mapping = lease.segment.mapping
+        view = lease.segment.view(0, 4096)  # a thread still reading it, say
+        n.staging.lend(lease.lease_id)  # the trainer's now: unlinked, out of the pool
+        assert not (n.staging.dir / lease.segment.name).exists()
+        assert n.staging.allocated_bytes == 4 * MiB  # the daemon still maps it
+        del view
+        n.staging.reclaim_expired()
+        assert mapping.closed and n.staging.allocated_bytes == 0
 
     run(body)
 

@@ -9,6 +9,7 @@ restart, at the current or at an older daemon's location, is still recovered.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -22,9 +23,10 @@ from ckptd.client.handle import SaveHandle
 from ckptd.daemon.local.segments import (
     SEGMENT_GRANULE,
     SegmentRefused,
+    claim_dir,
+    legacy_dir,
     open_trusted,
-    prepare_dir,
-    segment_dir,
+    recorded_dir,
 )
 from ckptd.daemon.local.staging import segment_prefix
 
@@ -49,7 +51,9 @@ def _crash_with_one_handoff(make_daemon: Any) -> tuple[Daemon, Path, bytes]:
     daemon.wait_failpoint("write.begin")
     daemon.kill()
     prefix = segment_prefix(daemon.root)
-    where = [*SHM.glob(prefix + "*"), *segment_dir(prefix).glob("*")]
+    seg_dir = recorded_dir(daemon.root)
+    assert seg_dir is not None
+    where = [*SHM.glob(prefix + "*"), *seg_dir.glob("*")]
     assert len(where) == 1, where  # the one acknowledged handoff's segment
     return daemon, where[0], where[0].read_bytes()
 
@@ -148,11 +152,56 @@ def test_an_older_daemons_segment_is_moved_in_and_replayed(make_daemon: Any) -> 
     SaveHandle(client, 1).wait("local", timeout=120)
     # Moved into the daemon's directory (and back in the pool once LOCAL).
     assert not legacy.exists()
-    seg_dir = segment_dir(segment_prefix(daemon.root))
-    assert seg.name in {p.name for p in seg_dir.iterdir()}
+    assert seg.parent == recorded_dir(daemon.root)
+    assert seg.name in {p.name for p in seg.parent.iterdir()}
     tree, _ = client.restore(step=1)
     assert tree["w"].tobytes() == _pattern(VICTIM)
     del tree
+
+
+def _mkdir_as(user: str, path: Path) -> None:
+    """Make the directory ``path`` (mode 0777) as ``user``, as any local user may in
+    /dev/shm."""
+    subprocess.run(["mkdir", "-m", "0777", str(path)], user=user, check=True, timeout=60)
+
+
+def test_a_directory_another_user_made_first_keeps_no_daemon_from_starting(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    _ensure_users()
+    other = USERS[1]
+    root = tmp_path / "root"
+    # Before the first start: the name earlier releases derived from the root's path.
+    squats = [legacy_dir(segment_prefix(root))]
+    _mkdir_as(other, squats[0])
+    try:
+        daemon = make_daemon(root=root)
+        client = daemon.client("squatted")
+        client.save(1, {"w": np.full(N, VICTIM, np.float32)}).wait("local")
+        seg_dir = recorded_dir(root)
+        assert seg_dir is not None and seg_dir not in squats
+        assert seg_dir.stat().st_uid == os.geteuid()
+        assert stat.S_IMODE(seg_dir.stat().st_mode) == 0o700
+        # After a clean stop (the directory is removed): the name the root records,
+        # made first by the other user, who may have seen it while the daemon ran.
+        client.close()
+        assert daemon.stop() == 0 and not seg_dir.exists()
+        squats.append(seg_dir)
+        _mkdir_as(other, seg_dir)
+        daemon.restart()
+        client = daemon.client("squatted")
+        client.save(2, {"w": np.full(N, NEXT, np.float32)}).wait("local")
+        tree, _ = client.restore(step=2)
+        assert tree["w"].tobytes() == _pattern(NEXT)
+        del tree
+        fresh = recorded_dir(root)
+        assert fresh is not None and fresh not in squats and fresh.stat().st_uid == os.geteuid()
+        for squat in squats:  # passed over, never used: nothing of ours in them
+            assert squat.stat().st_uid != os.geteuid() and list(squat.iterdir()) == []
+    finally:
+        for squat in squats:
+            with contextlib.suppress(OSError):
+                squat.rmdir()
 
 
 def _segment_file(path: Path, size: int = SEGMENT_GRANULE, mode: int = 0o600) -> Path:
@@ -183,15 +232,38 @@ def test_open_trusted_refuses_what_the_daemon_would_not_have_made(
     assert mapping.size == SEGMENT_GRANULE and mapping.close()
 
 
-def test_a_segment_directory_the_daemon_does_not_own_stops_the_start(tmp_path: Path) -> None:
+def test_a_segment_directory_another_user_owns_is_passed_over(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to make a directory owned by another uid")
-    theirs = tmp_path / "ckptd-x.d"
+    root = tmp_path / "root"
+    root.mkdir()
+    record = root / ".shm-dir"
+    # Under the name earlier releases derived from the root's path, and under the
+    # name the root records: someone else's directory is never used.
+    theirs = legacy_dir("ckptd-0123456789ab-", tmp_path)
     theirs.mkdir(0o777)
     os.chown(theirs, 65534, 65534)
-    with pytest.raises(Exception, match="remove it"):
-        prepare_dir(theirs)
-    ours = tmp_path / "ckptd-y.d"
-    ours.mkdir(0o755)
-    prepare_dir(ours)  # ours but open to others: closed
-    assert stat.S_IMODE(ours.stat().st_mode) == 0o700
+    ours = claim_dir(tmp_path, record, theirs)
+    assert ours != theirs and recorded_dir(root, tmp_path) == ours
+    assert ours.stat().st_uid == os.geteuid() and stat.S_IMODE(ours.stat().st_mode) == 0o700
+    assert claim_dir(tmp_path, record, theirs) == ours  # found again (a crashed daemon's)
+    ours.rmdir()  # a clean stop removes it; someone takes the recorded name
+    ours.mkdir(0o777)
+    os.chown(ours, 65534, 65534)
+    again = claim_dir(tmp_path, record, theirs)
+    assert again not in (ours, theirs) and recorded_dir(root, tmp_path) == again
+    os.chmod(again, 0o755)  # ours but open to others: closed when found
+    assert claim_dir(tmp_path, record, theirs) == again
+    assert stat.S_IMODE(again.stat().st_mode) == 0o700
+
+
+def test_an_earlier_releases_directory_is_taken_and_recorded(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    legacy = legacy_dir("ckptd-0123456789ab-", tmp_path)
+    legacy.mkdir(0o700)  # a crashed daemon of an earlier release left its segments here
+    assert claim_dir(tmp_path, root / ".shm-dir", legacy) == legacy
+    assert recorded_dir(root, tmp_path) == legacy
+    legacy.rmdir()
+    fresh = claim_dir(tmp_path, root / ".shm-dir", legacy)
+    assert fresh != legacy and fresh.name.startswith("ckptd-") and len(fresh.name) == 40

@@ -23,9 +23,17 @@ import pytest
 
 from ckptd.core.errors import ResourceExhausted
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import SEGMENT_GRANULE, Staging, StagingBusy, segment_dir
+from ckptd.daemon.local.staging import SEGMENT_GRANULE, Staging, StagingBusy
 
-from .test_security import GROUP, USERS, Node, _ensure_users, _python, as_user
+from .test_security import (
+    GROUP,
+    USERS,
+    Node,
+    _ensure_users,
+    _python,
+    as_user,
+    remove_segment_dir,
+)
 from .test_trust_access import WORKER as ACCESS_WORKER
 from .test_trust_access import Worker
 
@@ -164,9 +172,7 @@ def _node(*extra: str) -> Iterator[Node]:
         yield Node(base, daemon, base)
     finally:
         daemon.stop()
-        from ckptd.daemon.local.staging import segment_prefix
-
-        shutil.rmtree(segment_dir(segment_prefix(daemon.root)), ignore_errors=True)
+        remove_segment_dir(daemon.root)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -167,14 +167,15 @@ class Arm:
                 self.reached[e.step] = (local, durable)
 
     def _lose_node(self) -> None:
-        from ckptd.daemon.local.lease import segment_prefix
-        from ckptd.daemon.local.segments import segment_dir
+        from ckptd.daemon.local.segments import recorded_dir
 
         self._collect()
         self.daemon.kill()
+        seg_dir = recorded_dir(self.daemon.root)  # named in the root: read it first
         shutil.rmtree(self.daemon.root, ignore_errors=True)
         # A lost node's shared memory goes with it; the dead daemon's would survive.
-        shutil.rmtree(segment_dir(segment_prefix(self.daemon.root)), ignore_errors=True)
+        if seg_dir is not None:
+            shutil.rmtree(seg_dir, ignore_errors=True)
         self.daemon.start()
 
     def close(self) -> None:

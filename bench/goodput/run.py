@@ -92,8 +92,7 @@ sys.path.insert(0, str(ROOT))  # tests.servers: the SeaweedFS server of the node
 from common import DEFAULT_WORK_DIR, RESULTS_DIR, print_table, write_results  # noqa: E402
 
 from ckptd.daemon.app.launcher import DaemonProcess as Daemon  # noqa: E402
-from ckptd.daemon.local.lease import segment_prefix  # noqa: E402
-from ckptd.daemon.local.segments import segment_dir  # noqa: E402
+from ckptd.daemon.local.segments import recorded_dir  # noqa: E402
 
 QUICK_ARMS = ["ckptd-learned", "orbax-continuous", "orbax-yd"]
 ARMS = ("ckptd-goodput", "ckptd-learned", "ckptd-continuous", "orbax-continuous", "orbax-yd")
@@ -191,9 +190,11 @@ class Run:
             return
         t0 = time.time()
         self.daemon.kill()
+        seg_dir = recorded_dir(self.daemon.root)  # named in the root: read it first
         shutil.rmtree(self.daemon.root, ignore_errors=True)
         # The dead daemon's segments would survive in /dev/shm; a lost node's do not.
-        shutil.rmtree(segment_dir(segment_prefix(self.daemon.root)), ignore_errors=True)
+        if seg_dir is not None:
+            shutil.rmtree(seg_dir, ignore_errors=True)
         self.daemon.start()
         self.node_losses.append(time.time() - t0)
 

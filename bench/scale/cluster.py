@@ -25,8 +25,7 @@ from report import percentiles
 
 from ckptd.client import Client
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.lease import segment_prefix
-from ckptd.daemon.local.segments import segment_dir
+from ckptd.daemon.local.segments import recorded_dir
 from tests.servers import SeaweedS3
 
 BUCKET = "ckptd-scale"
@@ -123,9 +122,10 @@ class Nodes:
                 d.node_id = node_id(len(self.daemons) + i)
                 if "AWS_ACCESS_KEY_ID" in d.env:  # not with --shared-key
                     d.env["AWS_ACCESS_KEY_ID"] = d.node_id
-            prefix = segment_prefix(d.root)
+            seg_dir = recorded_dir(d.root)  # named in the root: read it first
             shutil.rmtree(d.root, ignore_errors=True)
-            shutil.rmtree(segment_dir(prefix), ignore_errors=True)
+            if seg_dir is not None:
+                shutil.rmtree(seg_dir, ignore_errors=True)
 
     def close(self) -> None:
         """Stop everything and remove the daemons' temp dirs."""

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from common import DEFAULT_WORK_DIR, Daemon, print_table, run_directory, write_results
 
-from ckptd.daemon.local.staging import segment_dir, segment_prefix
+from ckptd.daemon.local.staging import recorded_dir, segment_prefix
 
 WAIT_EVERY = 4
 KEEP = 2 * WAIT_EVERY  # retention per tier and job: never evicts a save a worker waits on
@@ -148,7 +148,8 @@ def proc_status(pid: int) -> dict[str, int]:
 def sample(daemon: Daemon, pid: int, prefix: str, t: float) -> dict[str, Any]:
     """One point of the curve: the process from /proc, the rest from ``GetStatus``."""
     st, ps = daemon.status(), proc_status(pid)
-    segs = list(segment_dir(prefix).glob(prefix + "*"))
+    seg_dir = recorded_dir(daemon.root)
+    segs = list(seg_dir.glob(prefix + "*")) if seg_dir is not None else []
     return {
         "t": round(t, 3),
         "rss_bytes": ps.get("VmRSS"),
@@ -276,7 +277,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     # the clients' liveness files (``ckptd-client-<pid>-*``) of this run's processes.
     pids = [os.getpid(), *(r["pid"] for r in results)]
     left = [f.name for f in Path("/dev/shm").glob(prefix + "*")]
-    left += [f.name for f in segment_dir(prefix).glob("*")]
+    seg_dir = recorded_dir(daemon.root)
+    left += [f.name for f in seg_dir.glob("*")] if seg_dir is not None else []
     left += [f.name for pid in pids for f in Path("/dev/shm").glob(f"ckptd-client-{pid}-*")]
     if left:
         notes.append(f"{len(left)} /dev/shm entries left behind: {', '.join(sorted(left)[:8])}")

@@ -28,7 +28,7 @@ import numpy as np
 from ckptd.client import CheckpointNotFound, Client, SaveFailed
 from ckptd.client.handle import SaveHandle
 from ckptd.daemon.app.launcher import ckptd_command
-from ckptd.daemon.local.staging import KEPT_SUFFIX, segment_dir, segment_prefix
+from ckptd.daemon.local.staging import KEPT_SUFFIX, recorded_dir
 
 SHM = Path("/dev/shm")
 _probe_steps = itertools.count(int(time.time()))  # a new step for every probe
@@ -124,7 +124,8 @@ def check_no_leaks(daemon: Any, baseline: tuple[int, int] | None = None) -> None
     status = daemon.status()
     assert status.leases_held == 0, f"{status.leases_held} leases still held"
     assert status.saves_in_flight == 0
-    seg_dir = segment_dir(segment_prefix(daemon.root))
+    seg_dir = recorded_dir(daemon.root)
+    assert seg_dir is not None
     # A spare segment being made in the background (local/spares.py) is counted in the
     # status before its file is complete: poll until the two meet (or time out).
     deadline = time.monotonic() + 30.0

@@ -303,9 +303,10 @@ def test_sigterm_after_a_failed_download_exits_cleanly(make_daemon: Any, tmp_pat
     assert daemon.stop() == 0  # SIGTERM: clean exit, nothing leaked
     prefix_left = list(Path("/dev/shm").glob(f"{_prefix(daemon)}*"))
     assert prefix_left == []
-    from ckptd.daemon.local.staging import segment_dir
+    from ckptd.daemon.local.staging import recorded_dir
 
-    assert not segment_dir(_prefix(daemon)).exists()  # its directory goes too
+    seg_dir = recorded_dir(daemon.root)
+    assert seg_dir is not None and not seg_dir.exists()  # its directory goes too
 
 
 def _prefix(daemon: Daemon) -> str:

@@ -168,9 +168,11 @@ class IoPool:
                 if not self._queue:
                     return  # closed, and nothing left
                 _, _, cf, call = heapq.heappop(self._queue)
-            if not cf.set_running_or_notify_cancel():
-                continue  # cancelled before it started
-            try:
-                cf.set_result(call())
-            except BaseException as exc:
-                cf.set_exception(exc)
+            if cf.set_running_or_notify_cancel():  # not cancelled before it started
+                try:
+                    cf.set_result(call())
+                except BaseException as exc:
+                    cf.set_exception(exc)
+            # An idle thread keeps nothing of its last job: its arguments may be views of
+            # a segment, which could not be unmapped while they live (pool.py).
+            del call, cf

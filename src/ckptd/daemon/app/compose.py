@@ -34,6 +34,7 @@ from ..local.journal import Journal
 from ..local.memory import MemoryTier
 from ..local.prestaged import Prestaged
 from ..local.saver import Saver
+from ..local.segments import DIR_RECORD
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
 from ..remote.claim import NodeClaim, root_id
@@ -89,6 +90,7 @@ class Daemon:
             local.lease_timeout_seconds,
             uid_of=owners.get,
             share_per_uid=local.staging_share_per_uid,
+            record=local.root / DIR_RECORD,
         )
         self.access = Access(local.root, self.staging, opts.api.sharing, owners)
         self.memory = MemoryTier(
@@ -321,9 +323,15 @@ class Daemon:
             paced=self.drain.pace.ask if self.drain is not None else lambda job, seconds: None,
         )
 
+    def begin_stop(self) -> None:
+        """Stop begins: waiters answer at once (clients ask the next daemon), and no
+        shared memory is made from now on (the saves being finished use the pool's)."""
+        self.catalog.stopping.set()
+        self.staging.begin_stop()
+
     async def stop(self) -> None:
         """Stop the loops, finish every acknowledged save, release shared memory."""
-        self.catalog.stopping.set()
+        self.begin_stop()
         self.evictor.stop()
         self.adopter.stop()
         if self.drain is not None:
@@ -368,7 +376,7 @@ class Daemon:
             drain_error=redact(self.drain.last_error) if self.drain else "",
             uptime_seconds=time.time() - self.started_at,
             staging_budget_bytes=staging.budget_bytes,
-            staging_allocated_bytes=staging.allocated_bytes + staging.spares.making_bytes,
+            staging_allocated_bytes=staging.allocated_bytes,
             staging_in_use_bytes=staging.in_use_bytes,
             staging_segments_created=staging.segments_created,
             staging_spares_made=staging.spares.made,

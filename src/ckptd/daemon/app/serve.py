@@ -225,12 +225,12 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     if on_ready:
         on_ready()
     await stop.wait()
+    daemon.begin_stop()  # waiters answer at once, and no shared memory is made any more
     notify("STOPPING=1\nSTATUS=finishing acknowledged saves")
     log.info("stopping: no new requests; finishing acknowledged saves")
     if http is not None:
         http.ready = False
     await health.enter_graceful_shutdown()
-    daemon.catalog.stopping.set()  # waiters answer at once; clients ask the next daemon
     await server.stop(grace=5)
     await sessions.stop()
     await daemon.stop()

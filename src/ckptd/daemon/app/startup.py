@@ -62,8 +62,10 @@ async def recover(
     pins = await io.run(load_pins, root)
     try:  # the daemon's own segment directory, before the replay looks into it
         await io.run(staging.open)
-    except (FailedPrecondition, OSError) as exc:
-        raise StartupError(f"cannot use {staging.dir} for shared memory: {exc}") from None
+    except OSError as exc:
+        raise StartupError(
+            f"cannot make a directory for shared memory in {staging.shm_dir}: {exc}"
+        ) from None
     for m in recovery.manifests:
         catalog.recovered(m, pinned=(m.job, m.step) in pins)
     replayed = await saver.replay(handoffs, parse_record)

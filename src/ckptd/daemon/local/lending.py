@@ -37,8 +37,9 @@ class Lending(SegmentPool):
         lease_timeout_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         uid_of: Callable[[str], int | None] = lambda job: None,
+        record: Path | None = None,
     ) -> None:
-        super().__init__(prefix, shm_dir)
+        super().__init__(prefix, shm_dir, record)
         self.uid_of = uid_of
         """The uid owning a job (access.py): its leases reuse only its segments."""
         self.lease_timeout_seconds = lease_timeout_seconds
@@ -248,6 +249,7 @@ class Lending(SegmentPool):
         """Return leases whose client died (its liveness file is unlocked) or that
         were held past the timeout without a commit."""
         now = self._clock()
+        self._unmap_later()
         if now - self._swept_at > SWEEP_SECONDS:
             self.sweep_dead_clients()
         expired = []

@@ -362,13 +362,20 @@ class MemoryTier:
         this daemon's limits; how many rank files it keeps."""
         if not self.steps or not self.staging.dir.is_dir():
             return 0
+        found = []
         for record in sorted(self.staging.dir.glob("*" + KEPT_SUFFIX)):
             name = record.name.removesuffix(KEPT_SUFFIX)
             try:
                 fields = json.loads(record.read_text())
                 size, who = int(fields.pop("size")), fields.pop("writer", None)
-                self._adopt(name, Image(**fields), size, who)
+                found.append((Image(**fields), name, size, who))
             except (OSError, ValueError, TypeError) as exc:
+                log.warning("memory tier: not taking back segment %s: %s", name, exc)
+        # Newest first: what the staging budget cannot hold goes, the oldest first.
+        for image, name, size, who in sorted(found, key=lambda f: (f[0].timeline, f[0].step))[::-1]:
+            try:
+                self._adopt(name, image, size, who)
+            except (OSError, ValueError) as exc:
                 log.warning("memory tier: not taking back segment %s: %s", name, exc)
         # The last daemon may have kept more (its limits were larger): these are ours.
         for job in sorted({k.image.job for k in self._kept.values()}):
@@ -387,6 +394,8 @@ class MemoryTier:
         key = (image.job, image.step, image.rank)
         if size < image.data_len:
             return False
+        if self.staging.allocated_bytes + size > self.staging.budget_bytes:
+            return False  # beyond this daemon's staging budget: removed as a leftover
         seg = self.staging.adopt_kept(name, size, self.staging.uid_of(image.job), key)
         # A trainer the last daemon restored from it may map it still: when the tier
         # lets it go, it goes back to the pool only if nobody maps it (else a save

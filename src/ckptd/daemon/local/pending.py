@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ckptd.core.errors import Conflict, InvalidArgument
+from ckptd.core.format import ALIGN, round_up
 from ckptd.core.health import NONFINITE_METRIC
 from ckptd.core.manifest import DATA_TIMELINE, Manifest, RankRecord
 from ckptd.core.shard_table import ShardTable
@@ -50,6 +52,30 @@ class CommitRequest:
     copied_process: tuple[int, int] = (0, 0)
     """Sent while the client still copies: the rank's write waits for its word while
     that client lives (copied.py): its liveness file, ``(pid, start time)``."""
+
+
+def check_lease(req: CommitRequest, lease: Lease) -> int:
+    """The length of ``req``'s data section, once checked against ``lease`` (granted to
+    its job for a save, not committed yet, large enough); InvalidArgument or Conflict
+    saying what to do otherwise."""
+    if lease.job != req.job:
+        raise InvalidArgument(
+            f"lease {req.lease_id!r} was granted to job {lease.job!r}, not {req.job!r}"
+        )
+    if lease.committed:
+        raise Conflict(f"lease {req.lease_id!r} was already committed; acquire a new lease")
+    if lease.restore:
+        raise InvalidArgument(
+            f"lease {req.lease_id!r} holds restored data; acquire a save lease instead"
+        )
+    data_len = req.table.check_layout()
+    if req.data_offset % ALIGN or req.data_offset + round_up(data_len) > lease.segment.size:
+        raise InvalidArgument(
+            f"shards span bytes {req.data_offset}..{req.data_offset + data_len} but lease "
+            f"{req.lease_id!r} holds {lease.segment.size} bytes (data_offset must be a "
+            f"multiple of {ALIGN}); acquire a lease large enough for the save"
+        )
+    return data_len
 
 
 @dataclass

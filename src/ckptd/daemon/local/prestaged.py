@@ -9,7 +9,7 @@ the disk. One nobody claims expires like any lease a client never used.
 
 from __future__ import annotations
 
-from ckptd.core.errors import NotFound, ResourceExhausted
+from ckptd.core.errors import NotFound, ResourceExhausted, Unavailable
 from ckptd.core.format import round_up
 
 from .lease import Handed, Lease, Want
@@ -38,7 +38,7 @@ class Prestaged:
                 lease = await self.staging.acquire(
                     job, round_up(size), restore=True, populate=False
                 )
-            except ResourceExhausted:
+            except (ResourceExhausted, Unavailable):  # no room, or the daemon is stopping
                 return None
         return lease
 

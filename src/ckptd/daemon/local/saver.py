@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptd.core import checksum
 from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
-from ckptd.core.format import ALIGN, round_up
+from ckptd.core.format import round_up
 from ckptd.core.health import NonFiniteCount
 from ckptd.core.manifest import RankRecord, rank_file_name
 from ckptd.core.names import check_wait
@@ -38,7 +38,7 @@ from ..io import IoPool
 from . import copied, increment
 from .journal import Entry, Journal
 from .memory import MemoryTier
-from .pending import CommitRequest, PendingStep, step_manifest
+from .pending import CommitRequest, PendingStep, check_lease, step_manifest
 from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
 from .replay import replay as replay_journal
 from .staging import Lease, Staging
@@ -124,23 +124,7 @@ class Saver:
         this node holds replaces it (core/timeline.py): see :meth:`Catalog.begin`.
         """
         lease = self.staging.get(req.lease_id)
-        if lease.job != req.job:
-            raise InvalidArgument(
-                f"lease {req.lease_id!r} was granted to job {lease.job!r}, not {req.job!r}"
-            )
-        if lease.committed:
-            raise Conflict(f"lease {req.lease_id!r} was already committed; acquire a new lease")
-        if lease.restore:
-            raise InvalidArgument(
-                f"lease {req.lease_id!r} holds restored data; acquire a save lease instead"
-            )
-        data_len = req.table.check_layout()
-        if req.data_offset % ALIGN or req.data_offset + round_up(data_len) > lease.segment.size:
-            raise InvalidArgument(
-                f"shards span bytes {req.data_offset}..{req.data_offset + data_len} but lease "
-                f"{req.lease_id!r} holds {lease.segment.size} bytes (data_offset must be a "
-                f"multiple of {ALIGN}); acquire a lease large enough for the save"
-            )
+        data_len = check_lease(req, lease)
         if req.copied_nonce:  # sent while the client copies (copied.py)
             end = req.data_offset + round_up(data_len)
             copied.check(req.copied_at, end, lease, req.copied_holder)
@@ -205,6 +189,24 @@ class Saver:
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
         pending.leases[req.rank] = lease
+        # From here the handoff is carried through whatever becomes of the call: a
+        # client that dies with its commit in flight cancels the call, which would
+        # leave the step STAGING and its lease held for good.
+        handoff = asyncio.ensure_future(self._hand_off(pending, req, lease, data_len, record))
+        handoff.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+        await asyncio.shield(handoff)
+        return st.state
+
+    async def _hand_off(
+        self,
+        pending: PendingStep,
+        req: CommitRequest,
+        lease: Lease,
+        data_len: int,
+        record: bytes | None,
+    ) -> None:
+        """Journal the handoff (``record``; None: a replay) and start the rank's write."""
+        st = pending.step
         if record is not None:
             # The journal's fsync first, alone: started beside a large rank-file write
             # it waited for the filesystem's metadata commit, and so did the trainer.
@@ -224,7 +226,6 @@ class Saver:
             f"write {req.job}/{req.step} rank {req.rank}",
             self._write_rank(pending, req, lease, data_len),
         )
-        return st.state
 
     async def replay(self, entries: list[Entry], parse: Callable[[bytes], CommitRequest]) -> int:
         """Finish the handoffs a crashed daemon acknowledged (the journal's live records):

@@ -1,12 +1,19 @@
 """Where staging segments live, and which files found there the daemon trusts.
 
 Segments are files in a directory of the daemon's own under the shm directory
-(``<shm>/ckptd-<digest>.d``, mode 0700): /dev/shm is writable by everyone, and
-a name there that the daemon did not create could be anyone's file, or a link
-to one. Inside a directory only the daemon's uid can write to, every name is the
-daemon's. Clients never open segments by name: the process a lease is granted to
-gets a descriptor over its session (api/access.py), so no other uid needs to
-enter the directory.
+(mode 0700): /dev/shm is writable by everyone, and a name there that the daemon
+did not create could be anyone's file, or a link to one. Inside a directory only
+the daemon's uid can write to, every name is the daemon's. Clients never open
+segments by name: the process a lease is granted to gets a descriptor over its
+session (api/access.py), so no other uid needs to enter the directory.
+
+The directory cannot be squatted: its name is random (``ckptd-<32 hex>.d``) and
+made with ``mkdir``, which fails if the name exists, and it is recorded in the
+root (:data:`DIR_RECORD`), so a daemon restarted after a crash finds the
+segments the journal names. A directory under the recorded name that is not the
+daemon's (a user made it after a clean stop removed ours) is passed over and
+logged, and a fresh one made; so is the name earlier releases derived from the
+root's path (:func:`legacy_dir`), which any user could compute and make first.
 
 A segment found on disk at start-up (the journal's replay of a crashed daemon's
 handoffs) is mapped only if it is what this daemon would have made: a regular
@@ -18,26 +25,29 @@ pass the same checks and are moved into the directory before they are used.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
+import re
+import secrets
 import stat
 from pathlib import Path
 
-from ckptd.core.errors import FailedPrecondition, ResourceExhausted
+from ckptd.core.errors import ResourceExhausted
 
 from .shm import SharedMapping
 
 __all__ = [
+    "DIR_RECORD",
     "SEGMENT_GRANULE",
     "SHM_DIR",
     "SegmentRefused",
+    "claim_dir",
     "create_segment",
+    "legacy_dir",
     "open_trusted",
-    "prepare_dir",
+    "recorded_dir",
     "remove_legacy",
-    "segment_dir",
 ]
 
 log = logging.getLogger("ckptd.staging")
@@ -46,40 +56,113 @@ SHM_DIR = Path("/dev/shm")
 SEGMENT_GRANULE = 2 * 2**20
 """Segments grow in 2 MiB steps so a state that grows a little reuses its segment."""
 SEGMENT_MODE = 0o600
+DIR_RECORD = ".shm-dir"
+"""The file in the root that names the segment directory (its name, one line)."""
+_DIR_NAME = re.compile(r"ckptd-[0-9a-f]{12,64}\.d")
 
 
 class SegmentRefused(ValueError):
     """A file under a segment's name that the daemon cannot vouch for; never mapped."""
 
 
-def segment_dir(prefix: str, shm_dir: Path = SHM_DIR) -> Path:
-    """The directory of a root's segments (``prefix`` from :func:`.lease.segment_prefix`).
+def legacy_dir(prefix: str, shm_dir: Path = SHM_DIR) -> Path:
+    """The directory earlier releases kept a root's segments in, named after the root's
+    path (``prefix`` from :func:`.lease.segment_prefix`): any user can compute it.
 
     Its name does not start with ``prefix``, so a glob for an older daemon's
     segments (``<shm>/<prefix>*``) never matches the directory itself."""
     return shm_dir / f"{prefix.rstrip('-')}.d"
 
 
-def prepare_dir(path: Path) -> None:
-    """Create the segment directory (0700), or check that the one there is the daemon's.
+def recorded_dir(root: Path, shm_dir: Path = SHM_DIR) -> Path | None:
+    """The segment directory the root's record names (it may be gone); None if the
+    root records none, or nothing that could be one."""
+    return _named(root / DIR_RECORD, shm_dir)
 
-    Raises FailedPrecondition if the name is taken by something the daemon's uid
-    does not own (another user could have planted it to see or swap segments)."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
+
+def _named(record: Path, shm_dir: Path) -> Path | None:
+    try:
+        name = record.read_text().strip()
+    except (OSError, ValueError):  # none, or unreadable: a new directory is recorded
+        return None
+    return shm_dir / name if _DIR_NAME.fullmatch(name) else None
+
+
+def _not_ours(path: Path) -> str:
+    """Why the existing ``path`` cannot be the daemon's directory; empty if it is."""
     st = os.lstat(path)
     euid = os.geteuid()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != euid:
-        kind = "directory" if stat.S_ISDIR(st.st_mode) else "non-directory"
-        raise FailedPrecondition(
-            f"{path} is a {kind} owned by uid {st.st_uid}, not a directory of this daemon's "
-            f"uid {euid}: ckptd keeps its shared memory there and cannot trust it; remove it "
-            "(as root, after checking who made it) and start ckptd again"
-        )
+    if stat.S_ISLNK(st.st_mode):
+        return f"it is a symbolic link (owned by uid {st.st_uid})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"it is not a directory (owned by uid {st.st_uid})"
+    if st.st_uid != euid:
+        return f"it belongs to uid {st.st_uid}, not to this daemon's uid {euid}"
     if stat.S_IMODE(st.st_mode) != 0o700:
         # Ours, but others could create names in it: close it. What they left is
         # refused at adoption and removed as a leftover.
         os.chmod(path, 0o700)
+    return ""
+
+
+def claim_dir(shm_dir: Path, record: Path | None, legacy: Path | None = None) -> Path:
+    """The daemon's segment directory: the one ``record`` names if it is there and the
+    daemon's (a crashed daemon's segments are in it), else a new one made exclusively
+    under a random name and recorded (``record`` None: not recorded).
+
+    ``legacy``: where an earlier release kept them (:func:`legacy_dir`); taken, and
+    recorded, only while the root records none. A directory under either name that
+    is not the daemon's is passed over and logged, never used. Raises OSError if no
+    directory can be made or recorded."""
+    named = _named(record, shm_dir) if record is not None else None
+    for path in (named,) if named is not None else (legacy,):
+        if path is None or not os.path.lexists(path):
+            continue
+        why = _not_ours(path)
+        if not why:
+            if path != named and record is not None:
+                _record(record, path.name)
+            return path
+        log.warning(
+            "passing over %s for shared memory: %s; anyone may create names in %s, so "
+            "ckptd makes a directory of its own under a random name",
+            path,
+            why,
+            shm_dir,
+        )
+    while True:
+        path = shm_dir / f"ckptd-{secrets.token_hex(16)}.d"
+        try:
+            os.mkdir(path, 0o700)  # fails if the name exists: nobody else's directory
+        except FileExistsError:
+            continue
+        os.chmod(path, 0o700)  # mkdir's mode is narrowed by the umask; set it exactly
+        break
+    if record is not None:
+        try:
+            _record(record, path.name)
+        except OSError:
+            path.rmdir()
+            raise
+    return path
+
+
+def _record(record: Path, name: str) -> None:
+    """Write ``name`` to ``record`` atomically and durably (a crash leaves the old one
+    or the new one, never a part)."""
+    tmp = record.with_name(record.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, f"{name}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, record)
+    dfd = os.open(record.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _why_untrusted(st: os.stat_result, size: int | None) -> str:

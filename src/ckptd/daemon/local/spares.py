@@ -19,10 +19,14 @@ Rules:
   of that size is being made, and the budget has room for the spare and one more
   save of that size besides every lease and kept segment: a save that comes while
   the spare is made still fits.
-- **Never in a save's way.** A spare being made is not counted in the budget a save
-  sees (the status's allocated bytes do count it: it is memory held); if a save
-  made its own segment meanwhile, took the room, or a free segment of that size
-  came back, the finished spare is removed instead of joining the pool.
+- **Inside the budget.** A spare being made counts in the budget like any segment
+  (staging.Staging.allocated_bytes). A save that finds no room while one is being
+  made waits for it (it joins the pool faulted in, a moment later) rather than
+  exceed the budget; if a save made its own segment meanwhile, or a free segment of
+  that size came back, the finished spare is removed instead of joining the pool.
+- **Nothing once stop begins.** No spare is asked for or started after the pool's
+  stop began (staging.Staging.begin_stop); one being made then is removed when done,
+  and the pool's close waits for it.
 - **An ordinary free segment once made.** The next lease of its size takes it by
   the pool's normal path.
 """
@@ -50,8 +54,12 @@ class Pool(Protocol):
     """What spares need of the staging pool (staging.Staging)."""
 
     budget_bytes: int
-    dir: Path
     segments_created: int
+
+    @property
+    def dir(self) -> Path:
+        """The directory segments are made in."""
+        ...
 
     @property
     def allocated_bytes(self) -> int:
@@ -139,9 +147,12 @@ class SpareSegments:
         return any(s.size >= size and s.uid in (None, uid) for s in self.staging.free_segments())
 
     def _make(self, size: int) -> None:
-        """(Worker thread) Create and fault in a segment; hand it over unless the pool
-        closed meanwhile (then it goes at once: nothing else would remove it)."""
+        """(Worker thread) Create and fault in a segment, unless the pool's stop began;
+        hand it over unless it began meanwhile (then it goes at once: nothing else
+        would remove it)."""
         faults.hit(FAILPOINT)
+        if self._closed:
+            return
         seg = self.staging.create_segment(size)
         with self._lock:
             if not self._closed:
@@ -151,7 +162,7 @@ class SpareSegments:
 
     @property
     def making_bytes(self) -> int:
-        """Shared memory of spares being made (not in the budget saves see)."""
+        """Shared memory of spares being made (counted in the budget)."""
         return sum(self._making)
 
     def _made(self, size: int, done: asyncio.Future[None]) -> None:
@@ -186,16 +197,17 @@ class SpareSegments:
             await asyncio.gather(*self._pending, return_exceptions=True)
             await asyncio.sleep(0)  # the done callbacks
 
-    def close(self) -> None:
-        """The pool closes: spares made from now on are removed by the worker, those
-        made and not yet taken now; the worker is not waited for."""
+    def close(self, wait: bool = True) -> None:
+        """The pool stops: no spare is started from now on, one being made is removed by
+        the worker once made, those made and not yet taken now. ``wait``: until the
+        worker is done (bounded: one segment's allocation)."""
         with self._lock:
             self._closed = True
             ready, self._ready = self._ready, []
         for seg in ready:
             self.staging.remove_segment(seg)
         if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker.shutdown(wait=wait, cancel_futures=True)
 
 
 def _shm_room(staging: Pool, need: int) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
-from ckptd.core.errors import ResourceExhausted
+from ckptd.core.errors import ResourceExhausted, Unavailable
 from ckptd.core.format import round_up
 
 from .lease import Lease, Segment, segment_prefix
@@ -43,8 +43,8 @@ from .segments import (
     SEGMENT_GRANULE,
     SHM_DIR,
     open_trusted,
+    recorded_dir,
     remove_legacy,
-    segment_dir,
 )
 from .share import held_by_uid, holders_text, over_share
 from .spares import SpareSegments
@@ -55,7 +55,8 @@ __all__ = [
     "Segment",
     "Staging",
     "StagingBusy",
-    "segment_dir",
+    "Stopping",
+    "recorded_dir",
     "segment_prefix",
 ]
 
@@ -68,6 +69,11 @@ holds, so a daemon that restarts after a crash can serve it again."""
 
 class StagingBusy(ResourceExhausted):
     """The budget is held by in-flight saves right now; waiting may help."""
+
+
+class Stopping(Unavailable):
+    """The daemon is stopping: it makes no shared memory any more (the client asks the
+    next daemon)."""
 
 
 class Staging(Lending):
@@ -83,8 +89,9 @@ class Staging(Lending):
         clock: Callable[[], float] = time.monotonic,
         uid_of: Callable[[str], int | None] = lambda job: None,
         share_per_uid: float = 1.0,
+        record: Path | None = None,
     ) -> None:
-        super().__init__(prefix, shm_dir, lease_timeout_seconds, clock, uid_of)
+        super().__init__(prefix, shm_dir, lease_timeout_seconds, clock, uid_of, record)
         self.budget_bytes = budget_bytes
         self.share_per_uid = share_per_uid
         """``staging_share_per_uid``: most of the budget one uid may hold (share.py)."""
@@ -103,6 +110,15 @@ class Staging(Lending):
         """Segments created for a lease: fresh memory in a save's or restore's path."""
         self.spares = SpareSegments(self)
         """Free segments made in the background when one leaves service (spares.py)."""
+        self.stopping = False
+        """Stop began (:meth:`begin_stop`): no segment is made from now on."""
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Shared memory held: segments (free, leased, kept), those being made for a
+        lease or as a spare, and removed ones the daemon still maps. What the budget
+        bounds."""
+        return super().allocated_bytes + self.spares.making_bytes
 
     def remove_leftovers(self) -> int:
         """Delete segments a previous (crashed or older) daemon on this root left behind."""
@@ -116,14 +132,20 @@ class Staging(Lending):
                     removed += 1
         return removed
 
+    def begin_stop(self) -> None:
+        """Stop begins: no segment is made from now on, for a spare or a lease (those
+        still finishing use what the pool holds)."""
+        self.stopping = True
+        self.spares.close(wait=False)
+
     def close(self) -> None:
-        """Unlink every segment, and unmap those no view uses any more."""
-        self.spares.close()
-        for seg in list(self._segments.values()):
-            self._destroy(seg)
+        """Unlink every segment and every other name in the directory, mapped or not,
+        and the directory; unmap what no view uses any more. A spare being made is
+        waited for (it is removed, never pooled)."""
+        self.begin_stop()
+        self.spares.close(wait=True)
+        self._remove_all()
         self._leases.clear()
-        with contextlib.suppress(OSError):  # not empty (a leftover) or never made
-            self.dir.rmdir()
 
     def adopt(self, name: str, lease_id: str, job: str, size: int | None = None) -> Lease:
         """Take over a segment a crashed daemon granted, for the journal's replay.
@@ -265,6 +287,13 @@ class Staging(Lending):
             await self.give_way(need, uid)  # the memory tier's segments go first
             free = sorted(self.free_segments(), key=lambda s: s.size)
             seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
+        short = self.allocated_bytes + need > self.budget_bytes
+        if seg is None and short and self.spares.making_bytes:
+            # A spare being made holds the room it was made for, counted: it joins the
+            # pool in a moment, faulted in (or goes); wait rather than exceed the budget.
+            await self.spares.settle()
+            free = sorted(self.free_segments(), key=lambda s: s.size)
+            seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
         if seg is None:
             # Drop free segments another uid used, then those too small, until the new
             # one fits the budget.
@@ -300,6 +329,11 @@ class Staging(Lending):
         return await self._new_segment(need, populate)
 
     async def _new_segment(self, need: int, populate: bool) -> Segment:
+        if self.stopping:
+            raise Stopping(
+                "the daemon is stopping and makes no shared memory; the save or restore "
+                "is retried against the next daemon"
+            )
         self._reserved += need  # counted while it is made, off the loop
         try:
             seg = await asyncio.to_thread(self._create, need, populate)
