@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: promtool dashboard goodput venv demo test test-fast test-gpu test-slow test-frameworks faults fuzz soak bench bench-deps proto lint typecheck clean
+.PHONY: promtool dashboard goodput venv demo test test-fast test-gpu test-slow test-frameworks faults fuzz model-check soak bench bench-deps proto lint typecheck clean
 
 venv: $(STAMP)
 
@@ -33,20 +33,21 @@ $(VENV)/bin/promtool: | venv
 	else echo "promtool unavailable (apt-get download prometheus failed): its tests will skip"; fi; \
 	rm -rf $$tmp
 
-# The full fault-injection suite is `make faults`, the full gRPC fuzz run `make fuzz`;
-# `make test` runs a representative subset of the first and a 200-case sample of the second.
+# The full fault-injection suite is `make faults`, the full gRPC fuzz run `make fuzz`, the
+# long model-checker run `make model-check`; `make test` runs a representative subset of the
+# first, a 200-case sample of the second and a few sequences of the third.
 test: venv promtool
-	$(PY) -m pytest -q -m "not faults and not fuzz and not frameworks" tests
+	$(PY) -m pytest -q -m "not faults and not fuzz and not frameworks and not model" tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow and not faults and not fuzz and not frameworks" tests
+	$(PY) -m pytest -q -m "not slow and not faults and not fuzz and not frameworks and not model" tests
 
 # The accelerator path (tests/test_gpu.py) on a machine with a CUDA GPU; it skips elsewhere.
 test-gpu: venv
 	$(PY) -m pytest -q tests/test_gpu.py
 
 test-slow: venv
-	$(PY) -m pytest -q -m "slow and not faults and not fuzz and not frameworks" tests
+	$(PY) -m pytest -q -m "slow and not faults and not fuzz and not frameworks and not model" tests
 
 # The framework integrations driven by each framework's own training loop (Lightning,
 # the Hugging Face Trainer, torchtitan, Orbax's CheckpointManager API) against a real daemon.
@@ -61,6 +62,15 @@ faults: venv
 CKPTD_FUZZ_REPORT ?= bench/results/fuzz.json
 fuzz: venv
 	CKPTD_FUZZ_REPORT=$(CKPTD_FUZZ_REPORT) $(PY) -m pytest -q -m fuzz tests/fuzz
+
+# The model checker (tests/model/): CKPTD_MODEL_SEQUENCES generated sequences (default 1,000)
+# of CKPTD_MODEL_STEPS operations (default 20) against a real daemon, SeaweedFS, a peer and
+# trainers killed or run as two users, each checked against the model; new sequences each
+# run (CKPTD_MODEL_SEED=N: the same ones again), the failures kept in .hypothesis/ replayed
+# first; each failure shrunk; the counts printed and written to CKPTD_MODEL_REPORT.
+CKPTD_MODEL_REPORT ?= bench/results/model-check.json
+model-check: venv
+	CKPTD_MODEL_REPORT=$(CKPTD_MODEL_REPORT) $(PY) -m pytest -q -m model tests/model
 
 # Soak: 8 clients saving for 10 minutes against one daemon; SOAK_ARGS=--quick for 30 s.
 soak: venv

@@ -126,6 +126,8 @@ class FaultProxy:
         self._flaky_seen = 0
         self._conns: set[_Conn] = set()
         self._sock: socket.socket | None = None
+        self._shut = False
+        """The listener is shut down for reading (refusing connects)."""
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -211,6 +213,7 @@ class FaultProxy:
             assert self._sock is not None
             # A duplicate, so closing the server leaves our socket (and port) bound.
             self._server = await asyncio.start_server(self._handle, sock=self._sock.dup())
+            self._shut = False
         # Aborted transports close their sockets in callbacks already queued; let them run
         # so the RSTs are out before set_mode() returns.
         await asyncio.sleep(0)
@@ -219,11 +222,14 @@ class FaultProxy:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._sock is not None:
+        if self._sock is not None and not self._shut:
             # Linux: a listener shut down for reading refuses connects yet keeps its
             # explicitly bound port, so no other socket can take it before we listen again.
+            # Only once: shut down a second time, the next listen accepts connections
+            # that then fail.
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RD)
+            self._shut = True
 
     async def _shutdown(self) -> None:
         self._stop_listening()

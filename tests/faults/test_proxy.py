@@ -260,6 +260,29 @@ def test_refuse_then_recover_on_same_port(echo_proxy: FaultProxy) -> None:
     assert echo_proxy.connections == 2
 
 
+def test_refuse_twice_then_pass_forwards(http_proxy: FaultProxy) -> None:
+    """An outage set twice in a row (as a generated sequence of operations does) ends
+    like one: the next request passes whole, an ``Expect: 100-continue`` upload (what
+    botocore sends for every PutObject) included."""
+    http_proxy.set_mode("refuse")
+    http_proxy.set_mode("refuse")
+    with pytest.raises(ConnectionRefusedError):
+        _connect(http_proxy)
+    http_proxy.set_mode("pass")
+    body = bytes(range(256)) * 400
+    with _connect(http_proxy) as sock:
+        sock.sendall(
+            b"PUT /obj HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100")
+        sock.sendall(body)
+        reply = b""
+        while not reply.endswith(body) and (chunk := sock.recv(65536)):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(body)
+
+
 def test_freeze_hangs_new_requests(http_proxy: FaultProxy, http_upstream: _HTTPUpstream) -> None:
     hits = http_upstream.hits
     http_proxy.set_mode("freeze")

@@ -1,0 +1,126 @@
+"""Trainers the checker runs as processes of their own: one SIGKILLed mid-save
+(trainer.py), and one per test user, to check that no uid sees another's job
+(users.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TRAINER = Path(__file__).with_name("trainer.py")
+KILL_POINTS = ("mid-copy", "before:CommitShards", "after:CommitShards", "acked")
+"""Where a killed trainer stops: before its save is whole (``mid-copy``, before the
+commit is sent), when it may or may not be (the commit's reply arrived), after
+``save()`` returned (``acked``: the daemon owns the bytes, the save must commit)."""
+MARKER_TIMEOUT = 60.0
+
+
+def kill_mid_save(
+    socket: Path,
+    job: str,
+    step: int,
+    sid: int,
+    flavor: str,
+    versions: tuple[int, ...],
+    point: str,
+) -> str:
+    """Run a trainer that saves ``step`` and SIGKILL it at ``point``; returns what it
+    printed (its ``ACK`` line says ``save()`` returned)."""
+    with tempfile.TemporaryDirectory(prefix="ckmodel-kill-") as tmp:
+        marker = Path(tmp) / "marker"
+        out = Path(tmp) / "out"
+        args = [str(socket), job, str(step), str(sid), flavor, ",".join(map(str, versions))]
+        with open(out, "wb") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, str(TRAINER), *args, point, str(marker)],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env={k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")},
+            )
+        try:
+            deadline = time.monotonic() + MARKER_TIMEOUT
+            while not marker.exists():
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"the trainer exited ({proc.returncode}) before reaching {point}:\n"
+                        + out.read_text(errors="replace")[-3000:]
+                    )
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the trainer did not reach {point} in time")
+                time.sleep(0.01)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        return out.read_text(errors="replace")
+
+
+USERS = ("ckptd-ta", "ckptd-tb")
+"""The test users (tests/test_security.py makes them, in the socket group GROUP)."""
+GROUP = "ckptd-clients"
+USER_WORKER = Path(__file__).with_name("user_worker.py")
+ANSWER_TIMEOUT = 120.0
+
+
+def users_available() -> str:
+    """ "" when the test users exist (made here as root) and may run the worker; else
+    why not (the machine's user operations then do nothing)."""
+    import pytest
+
+    from ..test_security import _ensure_users, _python
+
+    try:
+        _ensure_users()
+        _python()
+    except pytest.skip.Exception as exc:
+        return str(exc)
+    return ""
+
+
+class User:
+    """A trainer process running as one of the test users (user_worker.py)."""
+
+    def __init__(self, name: str, socket: Path) -> None:
+        from ..test_security import _python, as_user
+
+        self.name = name
+        self.proc = subprocess.Popen(
+            [*_python(), str(USER_WORKER), str(socket)],
+            **as_user(name),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def ask(self, **request: object) -> dict[str, object]:
+        """One request's answer (user_worker.py); a worker that does not answer fails."""
+        import json
+        import select
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"{self.name}'s trainer gave no answer to {request}")
+        answer: dict[str, object] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        """Stdin closed: the worker exits (killed if it does not)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

@@ -1,0 +1,127 @@
+"""The failing sequences the model checker found, shrunk, kept as regression tests.
+
+Each replays its sequence as hypothesis printed it (the rules of machine.py, checked
+after every operation and fully at the end). Those marked ``xfail(strict=True)``
+fail on the code they were found on; each turns into a pass (and the strict mark
+into a failure, to be removed) when its bug is fixed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .checks import Violation
+from .run import replay
+from .world import Resources, Settings
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.xfail(
+    raises=Violation,
+    strict=True,
+    reason="a reused job name deletes the older run's steps that reference its step 0 "
+    "(a save must never remove bytes a kept step still needs)",
+)
+def test_a_reused_name_keeps_the_older_runs_newest_steps(resources: Resources) -> None:
+    """Run A saves 0 and 1 (1 references 0's arrays); run B saves 0 under the same name.
+    A's 1 is abandoned, and the bucket keeps it (its timeline's newest): it is gone."""
+    replay(
+        Settings(keep=3, local_keep=1, memory_steps=1, pressure=False),
+        [
+            ("new_run", dict(flavor="numpy", incremental=True, job="alpha", version=0)),
+            (
+                "save_next",
+                dict(changes=frozenset(), count=1, job="alpha", milestone=False, version=0),
+            ),
+            (
+                "save_next",
+                dict(changes=frozenset(), count=1, job="alpha", milestone=False, version=0),
+            ),
+            ("new_run", dict(flavor="numpy", incremental=True, job="alpha", version=0)),
+        ],
+    )
+
+
+@pytest.mark.xfail(
+    raises=Violation,
+    strict=True,
+    reason="a jax array aliasing torch memory (jax.dlpack.from_dlpack), changed in place, "
+    "is saved with its old bytes: identity is no proof for memory jax does not own",
+)
+def test_a_jax_array_aliasing_torch_memory_saves_its_new_bytes(resources: Resources) -> None:
+    """Step 1 changes array ``a`` through the torch tensor it aliases, step 2 changes
+    nothing: restored, step 2 holds step 0's bytes of ``a``."""
+    replay(
+        Settings(keep=3),
+        [
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="alpha", version=0)),
+            (
+                "save_next",
+                dict(changes=frozenset("a"), count=2, job="alpha", milestone=False, version=1),
+            ),
+        ],
+    )
+
+
+def _users(resources: Resources) -> None:
+    if resources.users_missing:
+        pytest.skip(f"the test users cannot run here: {resources.users_missing}")
+
+
+@pytest.mark.xfail(
+    raises=Violation,
+    strict=True,
+    reason="a restore of an unknown job answers 'did you mean' with another user's job",
+)
+def test_no_hint_names_another_users_job(resources: Resources) -> None:
+    """User 1 saves ``tb-run``; user 0 restores ``tb-ru`` and is told of ``tb-run``."""
+    _users(resources)
+    replay(
+        Settings(keep=1),
+        [
+            ("user_save", dict(changes=frozenset(), user=1)),
+            ("user_probe", dict(probe="hint", user=0)),
+        ],
+    )
+
+
+@pytest.mark.xfail(
+    raises=Violation,
+    strict=True,
+    reason="after node loss the jobs come back from the bucket without their owners: "
+    "any user lists and restores another's job",
+)
+def test_a_lost_node_keeps_each_jobs_owner(resources: Resources) -> None:
+    """User 0 saves ``ta-run``; the node is lost and comes back from the bucket; user 1
+    lists (and could restore) ``ta-run``."""
+    _users(resources)
+    replay(
+        Settings(keep=1),
+        [
+            ("user_save", dict(changes=frozenset(), user=0)),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="alpha")),
+            ("user_probe", dict(probe="list", user=1)),
+        ],
+    )
+
+
+@pytest.mark.xfail(
+    raises=Violation,
+    strict=True,
+    reason="a pin during a bucket outage fails with INTERNAL ('see the daemon log')",
+)
+def test_a_pin_during_a_bucket_outage_fails_cleanly(resources: Resources) -> None:
+    """A step saved, the bucket unreachable, the step pinned: the refusal is an internal
+    error, not one that says the bucket is unreachable."""
+    replay(
+        Settings(keep=1),
+        [
+            (
+                "save_next",
+                dict(changes=frozenset(), count=1, job="alpha", milestone=False, version=0),
+            ),
+            ("bucket", dict(up=False)),
+            ("pin", dict(job="alpha", on=True, pick=0)),
+        ],
+    )
