@@ -23,6 +23,7 @@ from ckptd.daemon.app.config import Config
 from ckptd.daemon.app.options import Options
 from ckptd.daemon.local.liveness import process_start, wait_gone
 from ckptd.daemon.local.staging import Staging
+from ckptd.daemon.remote import index
 
 USER, OTHER = 100_001, 100_002  # neither is an operator (root or the test's uid)
 
@@ -202,3 +203,39 @@ def test_a_full_staging_budget_names_only_the_callers_jobs(tmp_path: Path) -> No
         st.close()
 
     asyncio.run(scenario())
+
+
+def test_a_job_from_the_bucket_comes_back_with_its_owner(tmp_path: Path) -> None:
+    """A node that lost its disk reads each job's owner from its index in the bucket:
+    nobody else may use the job, and the record is kept on disk for the next start."""
+    entries = {4: index.Entry(4)}
+    raw = index.encode("j", "n", entries, owner=USER)
+    assert index._decode(raw, "k")[2] == (USER, True)
+    acc = access(tmp_path)
+    acc.found_in_bucket("j", *index._decode(raw, "k")[2])
+    assert acc.owner_of("j") == USER and (acc.root / ".owners" / "j").read_text() == str(USER)
+    with pytest.raises(PermissionDenied, match="belongs to uid"):
+        acc.check_job(peer(OTHER), "j")
+    acc.check_job(peer(USER), "j")
+    # An index written before owners were recorded: closed until `ckptd own`.
+    body = json.loads(raw)
+    del body["owner"]
+    acc.found_in_bucket("old", *index._decode(json.dumps(body).encode(), "k")[2])
+    with pytest.raises(PermissionDenied, match="ckptd own old"):
+        acc.check_job(peer(USER), "old")
+    # An operator's job (no owner) stays open; a value no ckptd writes counts as none.
+    acc.found_in_bucket("ops", *index._decode(index.encode("ops", "n", entries), "k")[2])
+    assert acc.owner_of("ops") is None
+    body["owner"] = "root"
+    assert index._decode(json.dumps(body).encode(), "k")[2] == (None, False)
+
+
+def test_the_roots_own_records_rule_over_the_buckets(tmp_path: Path) -> None:
+    acc = access(tmp_path)
+    with acc.claiming(peer(USER), "mine"):
+        pass
+    acc.found_in_bucket("mine", OTHER, True)  # recorded here: the bucket's word is not taken
+    assert acc.owner_of("mine") == USER
+    (acc.root / "ops" / "3").mkdir(parents=True)  # held here, an operator's: stays open
+    acc.found_in_bucket("ops", OTHER, True)
+    assert acc.owner_of("ops") is None

@@ -179,7 +179,7 @@ def instrument(point: KillPoint) -> None:
 
     Connection._unary = call  # type: ignore[method-assign]
     Saver.copy_arrays = copy_into  # type: ignore[method-assign]
-    Saver._copy_device_and_commit = copy_device_and_commit  # type: ignore[method-assign]
+    Saver._copy_device_and_commit = copy_device_and_commit  # type: ignore[method-assign,assignment]
     Handoff.mark = staticmethod(mark)  # type: ignore[method-assign]
 
 

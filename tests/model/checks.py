@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -39,7 +39,7 @@ class Stats:
 
     sequences: int = 0
     operations: Counter[str] = field(default_factory=Counter)
-    seconds: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Time spent in each kind of operation (and in the checks: "check")."""
     checks: int = 0
     """Individual invariants checked (one step present, one copy bit-exact, ...)."""

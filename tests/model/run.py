@@ -34,7 +34,7 @@ def run(
         stateful_step_count=steps,
         deadline=None,
         derandomize=seed is None and not database,
-        database=settings.default.database if database else None,
+        database=settings.get_profile("default").database if database else None,
         suppress_health_check=list(HealthCheck),
         phases=list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate],
         report_multiple_bugs=True,

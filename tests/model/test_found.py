@@ -1,28 +1,21 @@
 """The failing sequences the model checker found, shrunk, kept as regression tests.
 
 Each replays its sequence as hypothesis printed it (the rules of machine.py, checked
-after every operation and fully at the end). Those marked ``xfail(strict=True)``
-fail on the code they were found on; each turns into a pass (and the strict mark
-into a failure, to be removed) when its bug is fixed.
+after every operation and fully at the end). Each failed on the code it was found
+on and passes since its fix; a new finding goes here as ``xfail(strict=True)`` with
+the violation as the reason until it is fixed.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from .checks import Violation
 from .run import replay
 from .world import Resources, Settings
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.xfail(
-    raises=Violation,
-    strict=True,
-    reason="a reused job name deletes the older run's steps that reference its step 0 "
-    "(a save must never remove bytes a kept step still needs)",
-)
 def test_a_reused_name_keeps_the_older_runs_newest_steps(resources: Resources) -> None:
     """Run A saves 0 and 1 (1 references 0's arrays); run B saves 0 under the same name.
     A's 1 is abandoned, and the bucket keeps it (its timeline's newest): it is gone."""
@@ -43,12 +36,6 @@ def test_a_reused_name_keeps_the_older_runs_newest_steps(resources: Resources) -
     )
 
 
-@pytest.mark.xfail(
-    raises=Violation,
-    strict=True,
-    reason="a jax array aliasing torch memory (jax.dlpack.from_dlpack), changed in place, "
-    "is saved with its old bytes: identity is no proof for memory jax does not own",
-)
 def test_a_jax_array_aliasing_torch_memory_saves_its_new_bytes(resources: Resources) -> None:
     """Step 1 changes array ``a`` through the torch tensor it aliases, step 2 changes
     nothing: restored, step 2 holds step 0's bytes of ``a``."""
@@ -69,11 +56,6 @@ def _users(resources: Resources) -> None:
         pytest.skip(f"the test users cannot run here: {resources.users_missing}")
 
 
-@pytest.mark.xfail(
-    raises=Violation,
-    strict=True,
-    reason="a restore of an unknown job answers 'did you mean' with another user's job",
-)
 def test_no_hint_names_another_users_job(resources: Resources) -> None:
     """User 1 saves ``tb-run``; user 0 restores ``tb-ru`` and is told of ``tb-run``."""
     _users(resources)
@@ -86,12 +68,6 @@ def test_no_hint_names_another_users_job(resources: Resources) -> None:
     )
 
 
-@pytest.mark.xfail(
-    raises=Violation,
-    strict=True,
-    reason="after node loss the jobs come back from the bucket without their owners: "
-    "any user lists and restores another's job",
-)
 def test_a_lost_node_keeps_each_jobs_owner(resources: Resources) -> None:
     """User 0 saves ``ta-run``; the node is lost and comes back from the bucket; user 1
     lists (and could restore) ``ta-run``."""
@@ -106,11 +82,6 @@ def test_a_lost_node_keeps_each_jobs_owner(resources: Resources) -> None:
     )
 
 
-@pytest.mark.xfail(
-    raises=Violation,
-    strict=True,
-    reason="a pin during a bucket outage fails with INTERNAL ('see the daemon log')",
-)
 def test_a_pin_during_a_bucket_outage_fails_cleanly(resources: Resources) -> None:
     """A step saved, the bucket unreachable, the step pinned: the refusal is an internal
     error, not one that says the bucket is unreachable."""

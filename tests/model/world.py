@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ckptd.client import CheckpointInfo, Client, FixedInterval
 from ckptd.daemon.app.launcher import DaemonProcess
-from ckptd.daemon.local.staging import segment_dir, segment_prefix
+from ckptd.daemon.local.segments import recorded_dir
+from ckptd.daemon.local.staging import segment_prefix
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..faults.proxy import FaultProxy
@@ -149,10 +150,7 @@ class Node:
 
     def clean_shm(self) -> None:
         """The root's shared-memory segments (a killed daemon cannot remove them)."""
-        prefix = segment_prefix(self.daemon.root)
-        for seg in Path("/dev/shm").glob(prefix + "*"):
-            seg.unlink(missing_ok=True)
-        shutil.rmtree(segment_dir(prefix), ignore_errors=True)
+        _remove_shm(self.daemon.root)
 
     def close(self) -> None:
         """The daemon stopped, its shared memory and files removed, the proxy closed."""
@@ -160,14 +158,20 @@ class Node:
         self.daemon.close()
         if self.peer is not None:
             self.peer.close()
-            prefix = segment_prefix(self.peer.root)
-            for seg in Path("/dev/shm").glob(prefix + "*"):
-                seg.unlink(missing_ok=True)
-            shutil.rmtree(segment_dir(prefix), ignore_errors=True)
+            _remove_shm(self.peer.root)
         self.clean_shm()
         self.proxy.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
         shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _remove_shm(root: Path) -> None:
+    """The root's shared memory: segments under its prefix and its recorded directory."""
+    for seg in Path("/dev/shm").glob(segment_prefix(root) + "*"):
+        seg.unlink(missing_ok=True)
+    seg_dir = recorded_dir(root)
+    if seg_dir is not None:
+        shutil.rmtree(seg_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,35 @@ class Access:
                 return
             log.info("job %r belongs to uid %d from now on", job, peer.uid)
 
+    def found_in_bucket(self, job: str, owner: int | None, known: bool) -> None:
+        """The owner this node's index in the bucket records for ``job`` (remote/index.py),
+        taken where this root has no word on it (a node that lost its disk): the jobs
+        come back with their owners, not open to the first caller. An index written
+        before owners were recorded (``known`` False) gives :data:`UNASSIGNED`, as a root
+        without records does (owners.py); None recorded: an operator's job, open."""
+        if job in self.owners or job in self._claims or (owner is None and known):
+            return
+        if os.path.lexists(self.root / job):  # this root holds it: its own records rule
+            return
+        uid = owner if known and owner is not None else UNASSIGNED
+        self.owners[job] = uid
+        try:
+            write_synced(self._dir / job, str(uid).encode(), 0o640)
+        except FileExistsError:  # `ckptd own` assigned it meanwhile: its record stands
+            self._reread(job)
+            return
+        except OSError as exc:  # kept in memory for this life; the bucket still says it
+            log.warning("cannot record the owner of job %r in %s: %s", job, self._dir, exc)
+        if uid == UNASSIGNED:
+            log.warning(
+                "job %r comes from the bucket, whose records predate job owners; it stays "
+                "closed to non-operators until `ckptd own %s USER` assigns it",
+                job,
+                job,
+            )
+        else:
+            log.info("job %r comes from the bucket; it belongs to uid %d there", job, uid)
+
     def _reread(self, job: str) -> None:
         """Pick up an owner record written while the daemon runs (``ckptd own``)."""
         if job in self._claims:

@@ -127,7 +127,13 @@ class Daemon:
         # This node's step index in the bucket (remote/index.py): one owner, shared by
         # the drain (adds), the evictor (removes), pins and restores (reads).
         self.index = (
-            NodeIndex(self.remote, local.node_id, opts.remote.read_jitter_seconds)
+            NodeIndex(
+                self.remote,
+                local.node_id,
+                opts.remote.read_jitter_seconds,
+                owner_of=self.access.owner_of,
+                owner_found=self.access.found_in_bucket,
+            )
             if self.remote is not None
             else None
         )

@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from ckptd.core.errors import from_os_error
+from ckptd.core.errors import CkptdError, CkptdUnavailable, FailedPrecondition, from_os_error
 
 from ..catalog import Catalog
 from ..files import replace_synced
@@ -61,13 +61,23 @@ class Pins:
         st = self.catalog.require(job, step)
         self.catalog.check_pinnable(st)
         if self.remote is not None:
-            key = pin_key(job, step, st.adopted)
-            if pinned:
-                await self.remote.put_bytes(key, b"pinned by ckptd pin\n")
-            else:
-                await self.remote.delete([key])
-            if self.index is not None:  # a node restoring from the bucket learns it there
-                await self.index.set_pinned(job, step, pinned)
+            try:
+                await self._record_in_bucket(self.remote, job, step, pinned, st.adopted)
+            except CkptdError:
+                raise
+            except Exception as exc:  # the pin is refused whole: the bucket must keep it too
+                what = "pin" if pinned else "unpin"
+                if not self.remote.is_transient(exc):
+                    raise FailedPrecondition(
+                        f"cannot record the {what} of {job}/{step} in {self.remote.url}: "
+                        f"{exc}; nothing changed here (see the daemon log for the bucket's "
+                        "settings)"
+                    ) from None
+                raise CkptdUnavailable(
+                    f"cannot record the {what} of {job}/{step} in {self.remote.url}: the "
+                    f"bucket does not answer ({type(exc).__name__}); nothing changed here, "
+                    f"{what} again once it is back"
+                ) from None
         try:
             await self._save(changed=(job, step, pinned))
         except OSError as exc:  # a full disk, mostly: the catalog keeps the old pin
@@ -76,6 +86,18 @@ class Pins:
             ) from None
         self.catalog.set_pinned(st, pinned)
         log.info("%s/%d %s", job, step, "pinned" if pinned else "unpinned")
+
+    async def _record_in_bucket(
+        self, remote: Remote, job: str, step: int, pinned: bool, adopted: bool
+    ) -> None:
+        """The pin object beside the step's records, and the node index's note of it."""
+        key = pin_key(job, step, adopted)
+        if pinned:
+            await remote.put_bytes(key, b"pinned by ckptd pin\n")
+        else:
+            await remote.delete([key])
+        if self.index is not None:  # a node restoring from the bucket learns it there
+            await self.index.set_pinned(job, step, pinned)
 
     async def _save(self, changed: tuple[str, int, bool]) -> None:
         """Persist every pin, with ``changed`` (job, step, pinned) applied (atomically:

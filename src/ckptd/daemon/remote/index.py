@@ -38,6 +38,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,12 +91,27 @@ Held = dict[tuple[int, int], int]
 of each, with its ``data_layout``."""
 
 
-def encode(job: str, node: str, entries: dict[int, Entry], held: Held | None = None) -> bytes:
-    """The index object's bytes."""
+OwnerOf = Callable[[str], int | None]
+"""The uid a job belongs to on this node; None: nobody's (an operator's job, open)."""
+OwnerFound = Callable[[str, int | None, bool], None]
+"""Called with ``(job, owner, known)`` when a job's index is read: the owner it records
+(``known`` False: written before owners were recorded, so it cannot be told)."""
+
+
+def encode(
+    job: str,
+    node: str,
+    entries: dict[int, Entry],
+    held: Held | None = None,
+    owner: int | None = None,
+) -> bytes:
+    """The index object's bytes; ``owner``: the job's owner uid on the node (None:
+    nobody's), what a node that lost its disk reads back (api/access.py)."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "job": job,
         "node": node,
+        "owner": owner,
         "steps": [asdict(e) for _, e in sorted(entries.items())],
     }
     if held:
@@ -113,6 +129,23 @@ def decode_all(raw: bytes, key: str = "") -> tuple[dict[int, Entry], Held]:
     content (remote/records.py): malformed entries are skipped, logged once per key (a
     bad one must not stop the daemon); a wrong format or JSON nested past the parser's
     depth raises ValueError."""
+    entries, held, _ = _decode(raw, key)
+    return entries, held
+
+
+def _owner(body: dict[str, Any], key: str) -> tuple[int | None, bool]:
+    if "owner" not in body:
+        return None, False
+    owner = body["owner"]
+    if owner is None:
+        return None, True
+    if type(owner) is int and -1 <= owner < 2**32:
+        return owner, True
+    records.skipped(key, f"an owner that is not a uid: {str(owner)[:40]!r}")
+    return None, False
+
+
+def _decode(raw: bytes, key: str) -> tuple[dict[int, Entry], Held, tuple[int | None, bool]]:
     body = _json(raw)
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ValueError(f"not a ckptd step index of format {FORMAT}")
@@ -140,7 +173,7 @@ def decode_all(raw: bytes, key: str = "") -> tuple[dict[int, Entry], Held]:
             held[(item[0], item[1])] = item[2]
         else:
             records.skipped(key, f"a held copy that is not ckptd's: {str(item)[:80]!r}")
-    return out, held
+    return out, held, _owner(body, key)
 
 
 def _json(raw: bytes) -> Any:
@@ -210,9 +243,20 @@ class NodeIndex:
     the only writer of its node's objects.
     """
 
-    def __init__(self, remote: Remote, node: str, jitter_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        remote: Remote,
+        node: str,
+        jitter_seconds: float = 0.0,
+        owner_of: OwnerOf | None = None,
+        owner_found: OwnerFound | None = None,
+    ) -> None:
         self.remote = remote
         self.node = node
+        self.owner_of: OwnerOf = owner_of or (lambda job: None)
+        """Each job's owner, written into its index (api/access.py)."""
+        self.owner_found: OwnerFound = owner_found or (lambda job, owner, known: None)
+        """Told the owner an index of a job with steps records when it is read."""
         self.jitter_seconds = jitter_seconds
         """Most random wait before a job's first read (``remote_read_jitter_seconds``)."""
         self._jobs: dict[str, dict[int, Entry]] = {}
@@ -288,7 +332,7 @@ class NodeIndex:
         wait = self._written.get(job, -math.inf) + self.remote.rewrite_seconds - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        body = encode(job, self.node, entries, self._held.get(job))
+        body = encode(job, self.node, entries, self._held.get(job), self.owner_of(job))
         await self.remote.put_bytes(index_key(job, self.node), body)
         self._written[job] = time.monotonic()
 
@@ -298,18 +342,21 @@ class NodeIndex:
             return found
         if self.jitter_seconds > 0:  # a whole job restarting: not all in the same second
             await asyncio.sleep(random.uniform(0, self.jitter_seconds))
+        owner: tuple[int | None, bool] = (None, False)
         try:
             raw = await self.remote.get_bytes(index_key(job, self.node))
         except FileNotFoundError:
             found = await self._from_markers(job)
         else:
             try:
-                found, held = decode_all(raw, index_key(job, self.node))
+                found, held, owner = _decode(raw, index_key(job, self.node))
                 self._held[job] = held
             except ValueError as exc:  # unreadable: rebuilt from the markers
                 log.warning("%s: unreadable step index (%s); rebuilding it", job, exc)
                 found = await self._from_markers(job)
         self._jobs[job] = found
+        if found:
+            self.owner_found(job, *owner)
         return found
 
     async def _from_markers(self, job: str) -> dict[int, Entry]:
