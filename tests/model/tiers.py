@@ -53,7 +53,8 @@ def restore(
     def opener(path: str) -> int:
         return open_readable(conn.session, path)
 
-    reader = ShardReader(resp.directory, manifest, opener)
+    holders = dict(resp.holder_directories)  # a replaced holder's held copy: not beside
+    reader = ShardReader(resp.directory, manifest, opener, holders)
     leaf = restore_flow.jax_leaf_builder(conn, client.job, reader, resp)
 
     def adopt(arrays: dict[str, Any]) -> None:
@@ -63,7 +64,9 @@ def restore(
         if resp.HasField("lease"):
             tree, meta = restore_flow.adopt_segment(conn, 0, resp, manifest, leaf, None, adopt)
         else:
-            mm = mapped_views.map_file_verified(resp.directory, manifest, 0, opener)
+            mm = mapped_views.map_file_verified(
+                resp.directory, manifest, 0, opener, holders=holders
+            )
             tree, meta = mapped_views.build_tree(mm, manifest, 0, 0, leaf, None, adopt)
     finally:
         reader.close()
