@@ -310,3 +310,22 @@ def test_a_copy_set_aside_while_it_uploads_leaves_the_step_to_the_drain() -> Non
         assert st.state == FAILED and st.final(DURABLE)
 
     run(body())
+
+
+def test_the_end_of_the_last_read_of_a_copy_is_told() -> None:
+    """The drain passes over a LOCAL step that is being read (its peer replication, a
+    restore); it hears when the last read ends, so the upload does not wait a period."""
+
+    async def body() -> None:
+        c = catalog()
+        freed: list[tuple[str, int]] = []
+        c.on_free(lambda st: freed.append(st.key))
+        st = c.begin("j", 1, node_ranks=(0,), world_size=1)
+        c.committed(st, manifest())
+        with c.in_use(st):
+            with c.in_use(st):
+                pass
+            assert freed == [] and st.busy  # another read still runs
+        assert freed == [("j", 1)] and not st.busy
+
+    run(body())

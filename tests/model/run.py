@@ -31,7 +31,7 @@ def run(
     ``shrink``: the bounded run fails fast and leaves shrinking to the long run)."""
     config = settings(
         max_examples=sequences,
-        stateful_step_count=steps,
+        stateful_step_count=steps + 1,  # the start, then ``steps`` operations
         deadline=None,
         derandomize=seed is None and not database,
         database=settings.get_profile("default").database if database else None,

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii as _json_string
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 ALIGN = 4096
@@ -34,12 +34,20 @@ sent while copying: the request's ``copied_nonce``, little-endian)."""
 COPIED_FAILED = (1 << 64) - 1
 """XORed with the nonce: the word of a copy that failed."""
 
-_ML_DTYPE_NAMES = frozenset(
-    name
-    for name in dir(ml_dtypes)
-    if isinstance(getattr(ml_dtypes, name), type)
-    and issubclass(getattr(ml_dtypes, name), np.generic)
-)
+
+@lru_cache(maxsize=1)
+def _ml_dtype_names() -> frozenset[str]:
+    """The dtype names ml_dtypes defines. Imported on first need: its import takes about
+    a second, and a daemon or a torch trainer with only numpy's dtypes never needs it."""
+    import ml_dtypes
+
+    return frozenset(
+        name
+        for name in dir(ml_dtypes)
+        if isinstance(getattr(ml_dtypes, name), type)
+        and issubclass(getattr(ml_dtypes, name), np.generic)
+    )
+
 
 _SAFETENSORS_CODES = {
     np.dtype("<f8"): "F64",
@@ -71,7 +79,7 @@ def dtype_to_str(dt: np.dtype) -> str:
             f"arrays of dtype {dt} hold Python object pointers and cannot be checkpointed; "
             "convert them to a fixed-size dtype or keep them as JSON-able leaves"
         )
-    if dt.type.__module__.startswith("ml_dtypes") and dt.name in _ML_DTYPE_NAMES:
+    if dt.type.__module__.startswith("ml_dtypes") and dt.name in _ml_dtype_names():
         return dt.name
     if dt.names is not None or dt.subdtype is not None:
         # Structured and sub-array dtypes round-trip through their descr.
@@ -83,8 +91,10 @@ def str_to_dtype(name: str) -> np.dtype:
     """Inverse of :func:`dtype_to_str`; raises ``ValueError`` naming the bad dtype."""
     dt: np.dtype
     try:
-        if name in _ML_DTYPE_NAMES:
-            dt = np.dtype(getattr(ml_dtypes, name))
+        if name and name[0] in "<>|=":  # numpy's own dtype.str: no ml_dtypes needed
+            dt = np.dtype(name)
+        elif name in _ml_dtype_names():
+            dt = np.dtype(getattr(sys.modules["ml_dtypes"], name))
         elif name.startswith("descr:"):
             dt = np.dtype([tuple(f) for f in json.loads(name[len("descr:") :])])
         else:

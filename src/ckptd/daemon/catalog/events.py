@@ -35,6 +35,7 @@ class EventLog:
         self._clock = clock
         self._monotonic = monotonic
         self._listeners: list[Listener] = []
+        self._free_listeners: list[Callable[[Step], None]] = []
         self._history: collections.deque[Event] = collections.deque(maxlen=HISTORY)
         self._seq = 0
         self._appended = asyncio.Event()
@@ -45,6 +46,15 @@ class EventLog:
     def subscribe(self, listener: Listener) -> None:
         """Call ``listener(event)`` after every transition (on the loop; keep it short)."""
         self._listeners.append(listener)
+
+    def on_free(self, listener: Callable[[Step], None]) -> None:
+        """Call ``listener(step)`` when nothing reads a step's copy any more (the last
+        ``in_use`` ended): work that passed it over while it was read looks again."""
+        self._free_listeners.append(listener)
+
+    def _freed(self, st: Step) -> None:
+        for listener in self._free_listeners:
+            listener(st)
 
     def events(self, after: int = 0, job: str = "", limit: int = HISTORY) -> _Events:
         """Events with ``seq > after`` still in the history, oldest first."""

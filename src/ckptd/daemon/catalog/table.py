@@ -189,6 +189,7 @@ class StepTable(EventLog):
             if not st.busy:  # wake :meth:`quiet` (and any waiter: they look again)
                 st.changed.set()
                 st._set(changed=asyncio.Event())
+                self._freed(st)
 
     def served(self, st: Step) -> None:
         """A Restore (or put-back) is reading it now: no eviction for a grace period."""

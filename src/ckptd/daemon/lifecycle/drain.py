@@ -134,6 +134,8 @@ class Drain:
         self.pace = UploadPace()
         """Each job's upload pace, as its newest commit asked (pace.py)."""
         catalog.subscribe(self._on_event)
+        # A LOCAL step read meanwhile (its peer replication, a restore) was passed over.
+        catalog.on_free(lambda st: self._wake.set() if st.state == pb.SAVE_STATE_LOCAL else None)
 
     def _on_event(self, event: Event) -> None:
         if event.kind in _WOKEN_BY:
