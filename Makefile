@@ -67,10 +67,12 @@ fuzz: venv
 # of CKPTD_MODEL_STEPS operations (default 20) against a real daemon, SeaweedFS, a peer and
 # trainers killed or run as two users, each checked against the model; new sequences each
 # run (CKPTD_MODEL_SEED=N: the same ones again), the failures kept in .hypothesis/ replayed
-# first; each failure shrunk; the counts printed and written to CKPTD_MODEL_REPORT.
+# first; each failure shrunk; the counts printed and written to CKPTD_MODEL_REPORT. Batches of
+# CKPTD_MODEL_BATCH sequences (default 25), CKPTD_MODEL_WORKERS at once (default 2), each with
+# its own seed (CKPTD_MODEL_SEED + its number), the report merged as each ends.
 CKPTD_MODEL_REPORT ?= bench/results/model-check.json
 model-check: venv
-	CKPTD_MODEL_REPORT=$(CKPTD_MODEL_REPORT) $(PY) -m pytest -q -m model tests/model
+	CKPTD_MODEL_REPORT=$(CKPTD_MODEL_REPORT) $(PY) tests/model/batches.py
 
 # Soak: 8 clients saving for 10 minutes against one daemon; SOAK_ARGS=--quick for 30 s.
 soak: venv
