@@ -96,3 +96,40 @@ def test_a_pin_during_a_bucket_outage_fails_cleanly(resources: Resources) -> Non
             ("pin", dict(job="alpha", on=True, pick=0)),
         ],
     )
+
+
+def test_a_listing_after_node_loss_shows_what_the_bucket_holds(resources: Resources) -> None:
+    """The node is lost; its new daemon takes the newest step back from the peer at
+    start, and a listing then skipped the bucket's index (the local tier held a step):
+    the older step only the bucket holds was not listed."""
+    replay(
+        Settings(keep=2, local_keep=1, memory_steps=1, pressure=True, peer=True),
+        [
+            ("new_run", dict(flavor="jax", incremental=False, job="alpha", version=1)),
+            (
+                "save_next",
+                dict(changes=frozenset("c"), count=1, job="alpha", milestone=True, version=4),
+            ),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="alpha")),
+        ],
+    )
+
+
+def test_a_memory_copy_without_its_local_copy_is_not_served(resources: Resources) -> None:
+    """Two steps kept in memory, one on disk: the evictor removes the older step's local
+    copy (and with it the manifest the memory tier serves by); a rollback to it failed
+    with an internal error instead of being served from the bucket."""
+    replay(
+        Settings(keep=2, local_keep=1, memory_steps=2, pressure=True, peer=False),
+        [
+            (
+                "save_next",
+                dict(changes=frozenset(), count=2, job="alpha", milestone=True, version=4),
+            ),
+            (
+                "save_next",
+                dict(changes=frozenset("cab"), count=3, job="alpha", milestone=False, version=1),
+            ),
+            ("rollback", dict(changes=frozenset("ab"), job="alpha", pick=0, version=5)),
+        ],
+    )

@@ -319,18 +319,13 @@ class MemoryTier:
         self.catalog.in_memory(st, ranks)
 
     def _on_event(self, event: Event) -> None:
-        """A step gone from the catalog, saved again on a new timeline, or no longer
-        restorable (its local copy set aside with none in the bucket, or found
-        unusable): its copies go."""
+        """A step gone from the catalog, saved again on a new timeline, found unusable,
+        or without its local copy (evicted or set aside: a copy here is served with the
+        local copy's manifest, and the bucket's copy is fetched whole): its copies go."""
         key = (event.job, event.step)
         for k in [k for k in self._kept.values() if (k.image.job, k.image.step) == key]:
             st = self.catalog.get(k.image.job, k.image.step)
-            if (
-                st is None
-                or st.timeline != k.image.timeline
-                or st.unusable
-                or not (st.local or st.in_remote)
-            ):
+            if st is None or st.timeline != k.image.timeline or st.unusable or not st.local:
                 self._evict(k, "its step is gone")
 
     def close(self) -> None:

@@ -132,12 +132,16 @@ class BucketSource:
                     self.catalog.discovered(job, step, nodes, adopted, timeline=None)
                     break
 
-    async def refresh_quietly(self, job: str, step: int | None = None) -> None:
+    async def refresh_quietly(
+        self, job: str, step: int | None = None, listing: bool = False
+    ) -> None:
         """:meth:`refresh`; a bucket that cannot be read is logged, and what is known
         is used (a restore or listing must not fail while the bucket is away). Until
         the node's index of ``job`` is read (with a jitter, in the background after a
-        start), a restore the local tier answers does not wait for it."""
-        if self.index is not None and not self.index.known(job):
+        start), a restore the local tier answers does not wait for it; a ``listing``
+        does (it shows every tier: after a node loss the local tier may hold only
+        the step a peer gave back)."""
+        if self.index is not None and not self.index.known(job) and not listing:
             if step is None and any(s.local for s in self.catalog.list(job)):
                 return
             if step is not None and (st := self.catalog.get(job, step)) and st.local:

@@ -140,6 +140,7 @@ class Restorer:
     async def learn(self, job: str) -> None:
         """Make what every tier holds of ``job`` known before it is listed (a node that
         lost its disk takes its newest step back from a peer)."""
+        await self.bucket.refresh_quietly(job, None, listing=True)
         await self.chooser.learn(job, None)
 
     async def prefetch(
