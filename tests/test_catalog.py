@@ -329,3 +329,22 @@ def test_the_end_of_the_last_read_of_a_copy_is_told() -> None:
         assert freed == [("j", 1)] and not st.busy
 
     run(body())
+
+
+def test_older_steps_stop_claiming_a_peer_before_a_newer_replica_goes_there() -> None:
+    """The peer drops the job's older replica when it takes the new one, before it
+    answers: an answer lost with the peer must not leave the older step claiming it."""
+
+    async def body() -> None:
+        c = catalog()
+        old, new = (c.begin("j", n, node_ranks=(0,), world_size=1) for n in (1, 2))
+        c.committed(old, manifest(step=1))
+        c.committed(new, manifest(step=2))
+        c.replicated(old, frozenset({"peer-a", "peer-b"}))
+        assert pb.TIER_PEER in old.tiers()
+        c.replicating(new, frozenset({"peer-a"}))  # sent; the answer never comes
+        assert old.replica_nodes == {"peer-b"} and not new.replica_nodes
+        c.replicated(new, frozenset({"peer-b"}))
+        assert not old.replica_nodes and new.replica_nodes == {"peer-b"}
+
+    run(body())

@@ -250,12 +250,19 @@ class Catalog(StepTable):
         if self.get(st.job, st.step) is st:
             st._set(memory_ranks=ranks)
 
-    def replicated(self, st: Step, nodes: frozenset[str]) -> None:
-        """This node's part of ``st`` is a complete replica on peer daemons ``nodes``;
-        they drop their older replica of the job, so older steps lose those nodes."""
+    def replicating(self, st: Step, nodes: frozenset[str]) -> None:
+        """A replica of ``st`` goes to peer daemons ``nodes``, which drop the job's
+        older replicas once they take it: those stop claiming ``nodes`` before it is
+        sent, so an answer lost with the peer leaves no claim on a removed replica
+        (listing less than a peer holds is safe: a restore asks the peer itself)."""
         for other in self.list(st.job):
             if other is not st and other.replica_nodes & nodes:
                 other._set(replica_nodes=other.replica_nodes - nodes)
+
+    def replicated(self, st: Step, nodes: frozenset[str]) -> None:
+        """This node's part of ``st`` is a complete replica on peer daemons ``nodes``
+        (older steps lost those nodes: :meth:`replicating`)."""
+        self.replicating(st, nodes)
         st._set(replica_nodes=st.replica_nodes | nodes)
         self._emit(st, pb.STEP_EVENT_REPLICATED, nodes=",".join(sorted(nodes)))
 

@@ -73,7 +73,7 @@ class Replicator:
         self._stopping = False
         self._task: asyncio.Future[bool] | None = None
         self._wake = asyncio.Event()
-        self._sent: dict[str, int] = {}
+        self._sent: dict[str, tuple[int, int]] = {}
         self.sent_bytes = 0
         """Bytes of replicas sent (metrics)."""
         self.last_error = ""
@@ -148,7 +148,7 @@ class Replicator:
         """Send the job's newest local step to peers until ``peer_replicas`` hold it;
         whether they do (False: try again later)."""
         st = self.newest(job)
-        if st is None or self._sent.get(job) == st.step:
+        if st is None or self._sent.get(job) == (st.timeline, st.step):
             self._behind.pop(job, None)
             return True  # nothing (new) to send
         holders = set(st.replica_nodes)
@@ -161,11 +161,12 @@ class Replicator:
             if newer is not None and newer.order > st.order:
                 self._dirty.add(job)  # superseded: send the newer one instead
                 return True
+            self.catalog.replicating(st, frozenset({peer.node}))
             if await self._send(peer, st):
                 self.catalog.replicated(st, frozenset({peer.node}))
                 holders.add(peer.node)
         if len(holders) >= self.replicas:
-            self._sent[job] = st.step
+            self._sent[job] = (st.timeline, st.step)  # a step saved again: sent again
             newest = self.newest(job)
             if newest is None or newest.step == st.step:  # caught up
                 self._behind.pop(job, None)
