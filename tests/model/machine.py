@@ -190,13 +190,23 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
             return
         target = targets[-1 - pick % len(targets)]
         t = self.trainer(job)
-        tree, meta = t.client.restore(step=target.step)
+        try:
+            tree, meta = t.client.restore(step=target.step)
+        except CkptdError as exc:
+            self.refused_in_outage(f"restore of {target.label()}", exc)
+            return
         check(meta.get("sid") == target.sid, f"restore of {target.label()} gave {meta}")
         wrong = differences(tree, target.versions)
         check(not wrong, f"restore of {target.label()}: {'; '.join(wrong)}")
         del tree
         t.arrays.set(target.versions)
         self.save(job, target.step + 1, changes, version)
+
+    def refused_in_outage(self, what: str, exc: CkptdError) -> None:
+        """A restore may be refused while the bucket is away (the step may be only
+        there), with an error that says so; never otherwise."""
+        check(not self.w.bucket_up, f"{what} failed: {exc}")
+        check("internal error" not in str(exc), f"{what} during a bucket outage: {exc}")
 
     def rollback_targets(self, job: str) -> list[Saved]:
         """Live steps below the newest that the rules keep (present for sure)."""
@@ -214,7 +224,11 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
         t = self.trainer(job, old.arrays.flavor if old else "numpy")
         if top is None:
             return
-        tree, meta = t.client.restore()
+        try:
+            tree, meta = t.client.restore()
+        except CkptdError as exc:
+            self.refused_in_outage(f"restore() of {top.label()}", exc)
+            return
         check(meta.get("sid") == top.sid, f"restore() should give {top.label()}, gave {meta}")
         check(not differences(tree, top.versions), f"restore() of {top.label()} differs")
         del tree

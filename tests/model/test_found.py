@@ -133,3 +133,40 @@ def test_a_memory_copy_without_its_local_copy_is_not_served(resources: Resources
             ("rollback", dict(changes=frozenset("ab"), job="alpha", pick=0, version=5)),
         ],
     )
+
+
+def test_a_restore_during_a_bucket_outage_fails_cleanly(resources: Resources) -> None:
+    """A rollback, during a bucket outage, to a step only the bucket holds: the fetch's
+    connection error came back as an internal error, not as the bucket being away."""
+    replay(
+        Settings(keep=2, local_keep=2, memory_steps=2, pressure=True, peer=True),
+        [
+            (
+                "save_next",
+                dict(changes=frozenset(), count=1, job="alpha", milestone=False, version=0),
+            ),
+            ("bucket", dict(up=True)),
+            ("bucket", dict(up=False)),
+            ("bucket", dict(up=False)),
+            ("bucket", dict(up=False)),
+            ("bucket", dict(up=False)),
+            ("resume", dict(job="alpha")),
+            ("bucket", dict(up=False)),
+            ("bucket", dict(up=True)),
+            ("rollback", dict(changes=frozenset(["a", "c", "b"]), job="alpha", pick=1, version=4)),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset(["b", "a", "c"]),
+                    count=3,
+                    job="alpha",
+                    milestone=True,
+                    version=3,
+                ),
+            ),
+            ("pin", dict(job="alpha", on=True, pick=5)),
+            ("bucket", dict(up=False)),
+            ("bucket", dict(up=False)),
+            ("rollback", dict(changes=frozenset(), job="alpha", pick=0, version=4)),
+        ],
+    )

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckptd.core.errors import DataLoss, NotFound
+from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST, Manifest
 
@@ -208,6 +208,14 @@ class BucketSource:
                     self.catalog.unusable(st, reason)
                     raise DataLoss(
                         f"step {st.step} of job {st.job!r} cannot be restored: {reason}"
+                    ) from None
+                except Exception as exc:
+                    if not self.remote.is_transient(exc):
+                        raise
+                    raise Unavailable(
+                        f"step {st.step} of job {st.job!r} is only in {self.remote.url}, which "
+                        f"does not answer ({type(exc).__name__}); restore it again once the "
+                        "bucket is back, or restore a step this node holds"
                     ) from None
 
     async def _fetch(self, st: Step, rank: int | None, shared_memory: bool) -> Lease | None:
