@@ -373,3 +373,30 @@ def test_several_ranks_restore_from_the_bucket_together(make_daemon: Any, tmp_pa
         assert tree["w1"].tobytes() == state_for(10 + r, 4)["w1"].tobytes()
     (fetched,) = daemon.events_of(pb.STEP_EVENT_FETCHED, "mr", 9)
     assert fetched.attributes["via"] == "shared memory"
+
+
+def test_a_late_write_of_the_manifest_is_caught_before_the_marker(
+    make_daemon: Any, remote: RemoteTarget
+) -> None:
+    """An upload of an earlier save under the same number, cut when the new save
+    replaced it, may land its manifest after the new one's: the drain reads the
+    manifest back before the marker and sends it again, so the marker never commits
+    another save's manifest."""
+    daemon = remote_daemon(make_daemon, remote, "drain.before_marker=pause")
+    client = daemon.client("late")
+    h = client.save(1, state_for(1, 4))
+    daemon.wait_failpoint("drain.before_marker")
+    key = "late/1/test-node/manifest.json"
+    sent: bytes = remote.run(lambda r: r.get_bytes(key))
+    stale = sent.replace(b'"created_unix":', b'"created_unix": 1.0, "x_stale":', 1)
+    assert stale != sent
+
+    async def late_write(r: Any) -> None:
+        await r.put_bytes(key, stale)
+
+    remote.run(late_write)
+    daemon.release("drain.before_marker")
+    h.wait("durable", 60)
+    assert remote.run(lambda r: r.get_bytes(key)) == sent
+    tree, _ = client.restore(step=1)
+    assert tree["w0"].tobytes() == state_for(1, 4)["w0"].tobytes()

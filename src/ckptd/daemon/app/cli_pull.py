@@ -21,7 +21,8 @@ from ..commit import RenameCommit
 from ..files import write_synced
 from ..remote import held, read
 from ..remote.base import Remote
-from ..remote.layout import FILES_DIR
+from ..remote.index import marker_entry
+from ..remote.layout import FILES_DIR, marker_key
 from ..restore.assemble import write_image
 from .cli_jobs import bucket_jobs, did_you_mean, with_hint
 from .cli_tiers import bucket_args, load_config, open_bucket
@@ -61,7 +62,14 @@ async def _pull_from(
     for n in nodes:
         if n not in found.nodes:
             raise CkptdError(f"node {n!r} has no complete copy of step {step}")
-        _, raw, manifest = await read.node_manifest(remote, job, step, {n}, None, n, found.adopted)
+        # The manifest of the save the node's marker commits, not a stale write of an
+        # earlier save under this number (then: refused, never pulled as this step).
+        committed = marker_entry(
+            step, found.adopted, await remote.get_bytes(marker_key(job, step, n, found.adopted))
+        )
+        _, raw, manifest = await read.node_manifest(
+            remote, job, step, {n}, None, n, found.adopted, committed.timeline
+        )
         target = dest if len(nodes) == 1 else dest / n
         _writable_dir(target)
         if any(target.iterdir()):

@@ -33,6 +33,7 @@ from ..io import IoPool, gather_all
 from ..local.store import LocalStore
 from . import held
 from .base import Remote
+from .errors import RemoteError
 from .index import Entry, NodeIndex
 from .layout import (
     COMMIT_FILE,
@@ -235,7 +236,8 @@ class Publisher:
             self.remote, f"{records}/{node}", marker_key(st.job, st.step, node, adopted)
         )
         manifest_bytes = await self.io.run((local_dir / "manifest.json").read_bytes)
-        await self.remote.put_bytes(manifest_key(st.job, st.step, node, adopted), manifest_bytes)
+        mkey = manifest_key(st.job, st.step, node, adopted)
+        await self.remote.put_bytes(mkey, manifest_bytes)
         if not adopted and manifest.ranks:
             ranks = (r.rank for r in manifest.ranks)
             await self.remote.put_bytes(ranks_key(st.job, st.step, node, ranks), b"")
@@ -245,6 +247,11 @@ class Publisher:
         missing = self.holders_missing(st)
         if missing:
             raise HolderMissing(missing)
+        # An upload of an earlier save under this number, cut when this one replaced it,
+        # may land its manifest late: the marker commits this save's (readers check the
+        # marker's timeline against the manifest too, remote/read.py).
+        if await self.remote.get_bytes(mkey) != manifest_bytes:
+            raise RemoteError(f"{mkey}: a late write replaced the manifest just sent", True)
         marker_info = {
             "node": node,
             "job": st.job,

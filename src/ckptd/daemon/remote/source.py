@@ -229,8 +229,11 @@ class BucketSource:
                 known = {me}
             else:
                 raise NotFound("not this node's part")
+            # An adopted tree is whole on every node; else this rank's part of that
+            # save (never a stale write of an earlier save under the number).
+            part, save = (None, None) if st.adopted else (rank, st.timeline)
             node, raw, manifest = await read.node_manifest(
-                self.remote, st.job, st.step, known, None if st.adopted else rank, me, st.adopted
+                self.remote, st.job, st.step, known, part, me, st.adopted, save
             )
         except NotFound:  # another node's part holds the rank: ask the step's records
             if rank is None:
@@ -380,11 +383,13 @@ class BucketSource:
             # Its part evicted since the listing, or not holding the rank after all.
             with contextlib.suppress(NotFound, FileNotFoundError):
                 return await read.node_manifest(
-                    self.remote, st.job, st.step, {node}, rank, node, False
+                    self.remote, st.job, st.step, {node}, rank, node, False, st.timeline
                 )
         rest = set(self.catalog.require(st.job, st.step).remote_nodes) - {*holders, *tried}
         me = self.catalog.node_id
-        return await read.node_manifest(self.remote, st.job, st.step, rest, rank, me, False)
+        return await read.node_manifest(
+            self.remote, st.job, st.step, rest, rank, me, False, st.timeline
+        )
 
     async def other_parts(self, job: str, step: int) -> list[tuple[str, Path, str]]:
         """Other nodes' parts of ``step``, downloaded and verified once into
