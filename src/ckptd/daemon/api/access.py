@@ -171,13 +171,12 @@ class Access:
 
     def found_in_bucket(self, job: str, owner: int | None, known: bool) -> None:
         """The owner this node's index in the bucket records for ``job`` (remote/index.py),
-        taken where this root has no word on it (a node that lost its disk): the jobs
-        come back with their owners, not open to the first caller. An index written
-        before owners were recorded (``known`` False) gives :data:`UNASSIGNED`, as a root
-        without records does (owners.py); None recorded: an operator's job, open."""
+        taken where this root records none (a node that lost its disk: its files may be
+        back already, from a peer): the jobs come back with their owners, not open to the
+        first caller. An index written before owners were recorded (``known`` False)
+        gives :data:`UNASSIGNED`, as a root without records does (owners.py); None
+        recorded: an operator's job, open."""
         if job in self.owners or job in self._claims or (owner is None and known):
-            return
-        if os.path.lexists(self.root / job):  # this root holds it: its own records rule
             return
         uid = owner if known and owner is not None else UNASSIGNED
         self.owners[job] = uid
