@@ -8,6 +8,8 @@ tiers that each answer the same interface (tier.py).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -27,6 +29,11 @@ from ..local.store import LocalStore
 from ..remote.source import BucketSource
 from .chooser import Chooser
 from .local_source import LocalSource
+
+LISTING_WAIT_SECONDS = 5.0
+"""Longest a listing waits for the first read of a job's index in the bucket: a hung
+bucket must not hang `ckptd ls` or a framework's resume; the read goes on, and the
+next listing shows what it found."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class Restorer:
         self.local = local
         self.bucket = bucket
         """The bucket's other nodes' parts (:meth:`other_parts`), and whether there is one."""
+        self._index_reads: dict[str, asyncio.Future[None]] = {}
 
     def choose(
         self,
@@ -140,7 +148,16 @@ class Restorer:
     async def learn(self, job: str) -> None:
         """Make what every tier holds of ``job`` known before it is listed (a node that
         lost its disk takes its newest step back from a peer)."""
-        await self.bucket.refresh_quietly(job, None, listing=True)
+        index = self.bucket.index
+        if index is None or index.known(job):  # read once per life: learn() refreshes
+            await self.chooser.learn(job, None)
+            return
+        read = self._index_reads.get(job)
+        if read is None or read.done():
+            read = asyncio.ensure_future(self.bucket.refresh_quietly(job, None, listing=True))
+            self._index_reads[job] = read
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(read), LISTING_WAIT_SECONDS)
         await self.chooser.learn(job, None)
 
     async def prefetch(
