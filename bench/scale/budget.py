@@ -58,7 +58,8 @@ def per_node_step(s: Shape, after: bool) -> tuple[int, int]:
     if after:
         writes = s.ranks * s.file_writes + 4  # files, manifest, ranks record, marker, index
         writes += 3  # eviction: index, marker, one DeleteObjects
-        reads = 3  # eviction: the pin's HEAD, the node's records and data (2 LISTs)
+        reads = 1  # the manifest read back before the marker (a late write is caught)
+        reads += 3  # eviction: the pin's HEAD, the node's records and data (2 LISTs)
     else:
         writes = s.ranks * s.file_writes + 2  # files, manifest, marker
         writes += 1 + s.ranks + 1  # eviction: marker, each rank file, manifest
