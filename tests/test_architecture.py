@@ -240,3 +240,81 @@ def test_every_daemon_package_says_what_it_is_and_modules_stay_small() -> None:
         if (n := len(p.read_text().splitlines())) > 450
     ]
     assert big == []
+
+
+def _assigned_attributes(fn: ast.AST) -> list[ast.Attribute]:
+    """Every ``x.attr = ...`` (also augmented, annotated, in tuples) under ``fn``."""
+    found: list[ast.Attribute] = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for t in targets:
+            found += [e for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+                      if isinstance(e, ast.Attribute)]  # fmt: skip
+    return found
+
+
+def _daemon_services() -> set[str]:
+    """Classes of the daemon that are not records (dataclasses, enums, named tuples,
+    exceptions): the services."""
+    services = set()
+    for p in (SRC / "daemon").rglob("*.py"):
+        for node in ast.walk(parse(p)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            decorated = {ast.unparse(d).split("(")[0] for d in node.decorator_list}
+            bases = {ast.unparse(b) for b in node.bases}
+            if decorated & {"dataclass", "dataclasses.dataclass"} or bases & {
+                "Enum", "IntEnum", "NamedTuple", "Exception", "Protocol"
+            } or node.name.endswith(("Error", "Exception")):  # fmt: skip
+                continue
+            services.add(node.name)
+    return services
+
+
+def test_no_service_assigns_an_attribute_of_another() -> None:
+    """What a service is handed (a constructor argument, kept as ``self.x``) is asked,
+    never rewired: ``self.x.attr = ...`` or ``arg.attr = ...`` in a constructor, or a
+    function assigning onto a service it was passed, is a loop that neither the floors
+    nor the structure drawing can see. Collaborators that need each other are passed
+    in at construction as small protocols (local/room.py)."""
+    services = _daemon_services()
+    offenders = []
+    for p in (SRC / "daemon").rglob("*.py"):
+        tree = parse(p)
+        methods: set[ast.AST] = set()
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            funcs = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            methods |= set(funcs)
+            handed: set[str] = set()
+            for init in (f for f in funcs if f.name == "__init__"):
+                params = {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"}
+                for node in ast.walk(init):
+                    value = node.value if isinstance(node, ast.Assign) else None
+                    if isinstance(value, ast.Name) and value.id in params:
+                        assert isinstance(node, ast.Assign)
+                        handed |= {ast.unparse(t).removeprefix("self.") for t in node.targets}
+                for t in _assigned_attributes(init):
+                    if isinstance(t.value, ast.Name) and t.value.id in params:
+                        offenders.append(f"{p.relative_to(REPO)}:{t.lineno}: {ast.unparse(t)}")
+            for f in funcs:
+                for t in _assigned_attributes(f):
+                    base = ast.unparse(t.value)
+                    if base.startswith("self.") and base.removeprefix("self.") in handed:
+                        offenders.append(f"{p.relative_to(REPO)}:{t.lineno}: {ast.unparse(t)}")
+        for f in ast.walk(tree):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) or f in methods:
+                continue
+            passed = {
+                a.arg
+                for a in f.args.args + f.args.kwonlyargs
+                if a.annotation is not None and ast.unparse(a.annotation) in services
+            }
+            for t in _assigned_attributes(f):
+                if isinstance(t.value, ast.Name) and t.value.id in passed:
+                    offenders.append(f"{p.relative_to(REPO)}:{t.lineno}: {ast.unparse(t)}")
+    assert offenders == []

@@ -21,6 +21,7 @@ from ckptd.daemon.catalog import Catalog
 from ckptd.daemon.local import memory as memory_module
 from ckptd.daemon.local.lease import Want
 from ckptd.daemon.local.memory import Image, MemoryTier
+from ckptd.daemon.local.room import Room
 from ckptd.daemon.local.staging import KEPT_SUFFIX, Staging
 
 from .helpers import own_tmpfs
@@ -39,11 +40,14 @@ class Node:
     def __init__(self, tmp_path: Path, budget: int = 16 * MiB, steps: int = 1) -> None:
         # Recorded beside it: a second Node on the same path finds the same segments.
         record = tmp_path / ".shm-dir"
-        self.staging = Staging("ckptd-test-", budget, 600.0, shm_dir=tmp_path, record=record)
+        room = Room()
+        self.staging = Staging(
+            "ckptd-test-", budget, 600.0, shm_dir=tmp_path, record=record, room=room
+        )
         self.staging.open()
         self.catalog = Catalog("node-a")
         self.spawned: list[asyncio.Task[None]] = []
-        self.tier = MemoryTier(self.staging, self.catalog, steps, 0, self._spawn)
+        self.tier = MemoryTier(self.staging, self.catalog, steps, 0, self._spawn, room)
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         self.spawned.append(asyncio.ensure_future(coro))

@@ -33,6 +33,7 @@ from ..local.increment import Increments
 from ..local.journal import Journal
 from ..local.memory import MemoryTier
 from ..local.prestaged import Prestaged
+from ..local.room import Room
 from ..local.saver import Saver
 from ..local.segments import DIR_RECORD
 from ..local.staging import Staging, segment_prefix
@@ -84,6 +85,7 @@ class Daemon:
         # Spare files: at most what the staging budget lets be in flight at once.
         self.store = LocalStore(local.root, local.staging_budget_bytes)
         owners: dict[str, int] = {}  # one table: Access fills it, staging reads it
+        room = Room()  # staging asks it for room, the memory tier answers (local/room.py)
         self.staging = Staging(
             segment_prefix(local.root),
             local.staging_budget_bytes,
@@ -91,6 +93,7 @@ class Daemon:
             uid_of=owners.get,
             share_per_uid=local.staging_share_per_uid,
             record=local.root / DIR_RECORD,
+            room=room,
         )
         self.access = Access(local.root, self.staging, opts.api.sharing, owners)
         self.memory = MemoryTier(
@@ -99,6 +102,7 @@ class Daemon:
             local.memory_tier_steps,
             local.memory_tier_bytes,
             self.supervisor.spawn,
+            room,
         )
         self.journal = Journal(local.root)
         self.history = JobHistory(local.root / HISTORY_FILE, nodes=self._node_totals)
@@ -172,20 +176,20 @@ class Daemon:
             relieve=self.evictor.relieve_local,
         )
         # The restore's tiers, fastest first: each answers restore/tier.py's interface.
-        memory = Prestaged(self.staging)
+        prestaged = Prestaged(self.staging)
         local_tier = LocalSource(self.catalog, self.store, self.staging, self.io)
         self.bucket = BucketSource(
-            self.catalog, self.store, memory, self.io, self.remote, self.index
+            self.catalog, self.store, prestaged, self.io, self.remote, self.index
         )
         self.peer = (
-            build_peer_tier(opts.peer, self.catalog, self.store, self.io, memory)
+            build_peer_tier(opts.peer, self.catalog, self.store, self.io, prestaged)
             if opts.peer.enabled
             else None
         )
         peer = self.peer.source if self.peer is not None else None
         tiers: list[Tier] = [
             self.memory,
-            memory,
+            prestaged,
             local_tier,
             *([peer] if peer else []),
             self.bucket,
@@ -225,7 +229,7 @@ class Daemon:
         )
         self.started = False
         self.metrics_address = ""
-        """Where /metrics is served (set by ``serve``); empty when it is not."""
+        """Where /metrics is served (:meth:`serves_metrics`); empty when it is not."""
         self.metrics = Metrics(
             Sources(
                 self.catalog,
@@ -328,6 +332,10 @@ class Daemon:
             history=self.history,
             paced=self.drain.pace.ask if self.drain is not None else lambda job, seconds: None,
         )
+
+    def serves_metrics(self, address: str) -> None:
+        """``serve`` bound the metrics endpoint at ``address`` (told in status)."""
+        self.metrics_address = address
 
     def begin_stop(self) -> None:
         """Stop begins: waiters answer at once (clients ask the next daemon), and no

@@ -47,11 +47,14 @@ class HealthServer:
     ) -> None:
         self._metrics = metrics
         self._healthy = healthy
-        self.ready = False
-        """Set by ``serve`` once the gRPC socket takes requests; cleared when stopping."""
+        self._ready = False
         self._server: asyncio.Server | None = None
         self.address = ""
         """``host:port`` actually bound (the port chosen when 0 was asked for)."""
+
+    def set_ready(self, ready: bool) -> None:
+        """``serve`` says the gRPC socket takes requests (True), or stop began (False)."""
+        self._ready = ready
 
     async def start(self, host: str, port: int) -> None:
         """Listen (raises OSError if the address cannot be bound)."""
@@ -101,7 +104,7 @@ class HealthServer:
                 return "503 Service Unavailable", "text/plain", f"unhealthy: {problem}\n".encode()
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
-            if self.ready:
+            if self._ready:
                 return "200 OK", "text/plain", b"ready\n"
             return "503 Service Unavailable", "text/plain", b"not ready: starting or stopping\n"
         return "404 Not Found", "text/plain", b"try /metrics, /healthz or /readyz\n"

@@ -51,14 +51,6 @@ def build_peer_tier(
     peers = Peers(options.node_id, options.peers, token, tls)
     # A replica is taken only from the node it claims to be (identity.py).
     sender_check = SenderCheck(options.identity, peers, asyncio.get_running_loop())
-    servicer = PeerServicer(
-        options.node_id,
-        token,
-        replicas,
-        io.run,
-        sender_check=sender_check,
-        idle=options.idle_seconds,
-    )
     bulk = BoundBulkServer(
         sender_check,
         replicas,
@@ -66,6 +58,15 @@ def build_peer_tier(
         tls,
         options.bulk_deadline_seconds,
         options.idle_seconds,
+    )
+    servicer = PeerServicer(
+        options.node_id,
+        token,
+        replicas,
+        io.run,
+        sender_check=sender_check,
+        idle=options.idle_seconds,
+        data_port=lambda: bulk.port,
     )
     server = None
     if options.serves:

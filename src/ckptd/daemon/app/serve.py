@@ -137,7 +137,7 @@ async def _start_http(options: MetricsOptions, daemon: Daemon) -> HealthServer |
             exc.strerror,
         )
         return None
-    daemon.metrics_address = http.address
+    daemon.serves_metrics(http.address)
     log.info("metrics on http://%s/metrics (and /healthz, /readyz)", http.address)
     return http
 
@@ -220,7 +220,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     if http is not None:
-        http.ready = True
+        http.set_ready(True)
     notify(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
     if on_ready:
         on_ready()
@@ -229,7 +229,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     notify("STOPPING=1\nSTATUS=finishing acknowledged saves")
     log.info("stopping: no new requests; finishing acknowledged saves")
     if http is not None:
-        http.ready = False
+        http.set_ready(False)
     await health.enter_graceful_shutdown()
     await server.stop(grace=5)
     await sessions.stop()

@@ -123,8 +123,8 @@ class Drain:
             stall_seconds,
             self._stalled,
             reading=catalog.read_copies,
+            holders_missing=self.holders.missing_reason,
         )
-        self.publisher.holders_missing = self.holders.missing_reason
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None

@@ -56,6 +56,7 @@ from ..catalog import Catalog, Event, Step
 from .kept import Image, Kept, live_writer
 from .lease import Handed, Lease, Segment, Want
 from .liveness import process_running, process_start
+from .room import Room
 from .staging import KEPT_SUFFIX, Staging
 
 log = logging.getLogger("ckptd.memory")
@@ -78,7 +79,10 @@ class MemoryTier:
         steps: int,
         budget_bytes: int,
         spawn: Spawn,
+        room: Room,
     ) -> None:
+        """``room``: the one staging asks for room (the same one it was built with);
+        this tier serves it."""
         self.staging = staging
         self.catalog = catalog
         self.steps = steps
@@ -91,8 +95,7 @@ class MemoryTier:
         """Restores answered from memory."""
         self.evicted = 0
         """Copies let go: for a save's memory, a newer step, the byte cap, a failed check."""
-        staging.give_way = self.give_way
-        staging.shed = self.shed
+        room.serve(self)
         catalog.subscribe(self._on_event)
 
     # -- what it holds ------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Rank files waiting in shared memory for their rank's restore: the memory tier.
+"""Rank files waiting in shared memory for their rank's restore: pre-staged copies
+(not the memory tier, memory.py, which keeps what saves committed).
 
 A download from the bucket fills a restore lease for every rank of the node
 (ranks' Restore calls usually arrive together), and the peer tier copies a
@@ -19,7 +20,7 @@ from .staging import Staging
 class Prestaged:
     """Verified restore leases, one per ``(job, step, rank)``."""
 
-    name = "memory"
+    name = "prestaged"
 
     def __init__(self, staging: Staging) -> None:
         self.staging = staging

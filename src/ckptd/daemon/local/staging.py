@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from .lending import Lending
 from .liveness import (
     check_holder,
 )
+from .room import Room
 from .segments import (
     SEGMENT_GRANULE,
     SHM_DIR,
@@ -90,6 +91,7 @@ class Staging(Lending):
         uid_of: Callable[[str], int | None] = lambda job: None,
         share_per_uid: float = 1.0,
         record: Path | None = None,
+        room: Room | None = None,
     ) -> None:
         super().__init__(prefix, shm_dir, lease_timeout_seconds, clock, uid_of, record)
         self.budget_bytes = budget_bytes
@@ -99,13 +101,10 @@ class Staging(Lending):
         self._savers: set[tuple[int, int]] = set()
         """Live processes ``(uid, pid)`` that asked for a save lease: their uids have
         a fair part of the budget kept for them (share.py) until :meth:`process_gone`."""
-        self.give_way: Callable[[int, int | None], Awaitable[None]] = _nothing
-        """Called when a lease of ``need`` bytes for ``uid`` finds no free segment and no
-        budget: the memory tier (memory.py) lets kept segments go, so a save never
-        waits or fails because of it."""
-        self.shed: Callable[[int], Awaitable[bool]] = _none_shed
-        """Called when the shm filesystem cannot hold a new segment of ``need`` bytes:
-        the memory tier lets at least that much go; False if it held nothing."""
+        self._room = room if room is not None else Room()
+        """Asked when a lease finds no free segment and no budget (``give_way``), or the
+        shm filesystem cannot hold a new segment (``shed``): the memory tier lets kept
+        segments go (room.py), so a save never waits or fails because of them."""
         self.segments_created = 0
         """Segments created for a lease: fresh memory in a save's or restore's path."""
         self.spares = SpareSegments(self)
@@ -284,7 +283,7 @@ class Staging(Lending):
             # (an earlier process of this job and rank left its image to nobody).
             seg = None
         if seg is None and self.allocated_bytes + need > self.budget_bytes:
-            await self.give_way(need, uid)  # the memory tier's segments go first
+            await self._room.give_way(need, uid)  # the memory tier's segments go first
             free = sorted(self.free_segments(), key=lambda s: s.size)
             seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
         short = self.allocated_bytes + need > self.budget_bytes
@@ -318,7 +317,7 @@ class Staging(Lending):
         try:
             return await self._new_segment(need, populate)
         except ResourceExhausted:
-            if not await self.shed(need):
+            if not await self._room.shed(need):
                 raise
         free = self.free_segments()
         fit = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
@@ -396,12 +395,3 @@ class Staging(Lending):
         if len(free) < 2 and self.allocated_bytes + need > self.budget_bytes:
             return None
         return self._grant(job, free[0], restore=True)
-
-
-async def _nothing(need: int, uid: int | None) -> None:
-    """No memory tier: nothing to give up."""
-
-
-async def _none_shed(need: int) -> bool:
-    """No memory tier: nothing to let go."""
-    return False

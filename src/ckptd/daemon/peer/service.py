@@ -46,6 +46,7 @@ class PeerServicer(pb_grpc.PeerServicer):
         on_replica: Callable[[Held], None] = lambda h: None,
         sender_check: SenderCheck | None = None,
         idle: float = 300.0,
+        data_port: Callable[[], int] = lambda: 0,
     ) -> None:
         self.node, self._token, self.store, self._run = node, token, store, run
         self.sender_check = sender_check
@@ -57,8 +58,8 @@ class PeerServicer(pb_grpc.PeerServicer):
         """Bytes of replicas taken (metrics)."""
         self.served_bytes = 0
         """Bytes of replica files served to nodes restoring with GetReplicaFile (metrics)."""
-        self.data_port = 0
-        """The bulk data listener's port, told in ``Hello`` (0: none)."""
+        self._data_port = data_port
+        """The bulk data listener's port once it listens, told in ``Hello`` (0: none)."""
 
     async def _check(self, context: Any) -> None:
         if not authorized(context, self._token):
@@ -69,7 +70,7 @@ class PeerServicer(pb_grpc.PeerServicer):
 
     async def Hello(self, request: pb.PeerHelloRequest, context: Any) -> pb.PeerHelloResponse:
         await self._check(context)
-        return pb.PeerHelloResponse(node=self.node, data_port=self.data_port)
+        return pb.PeerHelloResponse(node=self.node, data_port=self._data_port())
 
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: Any

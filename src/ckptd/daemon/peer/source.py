@@ -48,7 +48,7 @@ Order = tuple[bool, int, int]
 
 
 class PrestageMemory(Protocol):
-    """Shared memory for pre-staged files (the memory tier: local/prestaged.py)."""
+    """Shared memory for pre-staged files (local/prestaged.py)."""
 
     async def lease_for(self, job: str, size: int) -> Lease | None: ...
     def keep(self, job: str, step: int, rank: int, lease: Lease) -> None: ...

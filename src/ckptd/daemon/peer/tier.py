@@ -90,16 +90,14 @@ class PeerTier:
             bind = host.strip("[]") or "0.0.0.0"
             try:
                 if self.data_port >= 0:  # -1: replica bytes through gRPC only
-                    self.servicer.data_port = await self.io.run(
-                        self.bulk.start, bind, self.data_port
-                    )
+                    await self.io.run(self.bulk.start, bind, self.data_port)
             except OSError as exc:
                 await server.stop(None)
                 raise FailedPrecondition(
                     f"cannot listen on peer_data_port {self.data_port} on {bind}: "
                     f"{exc.strerror}; choose a free port (0: any, -1: none)"
                 ) from None
-            data_port = self.servicer.data_port
+            data_port = self.bulk.port
             await server.start()
             self._serving = True
             self.address = f"{host}:{port}"
@@ -143,7 +141,7 @@ class PeerTier:
         errors = [self.peers.last_error, self.replicator.last_error if self.replicator else ""]
         return {
             "peer_address": self.address,
-            "peer_data_port": self.servicer.data_port,
+            "peer_data_port": self.bulk.port,
             "peers_known": len(self.peers.names),
             "replicas_held": len(self.store.list()),
             "replicas_held_bytes": self.store.held_bytes,

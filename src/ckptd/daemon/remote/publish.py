@@ -71,6 +71,7 @@ class Publisher:
         stall_seconds: float,
         on_stall: Callable[[Step, str], None],
         reading: Callable[[str], Set[tuple[int, int]]] = lambda job: frozenset(),
+        holders_missing: Callable[[Step], str] = lambda st: "",
     ) -> None:
         self.remote = remote
         self.index = index
@@ -85,9 +86,9 @@ class Publisher:
         self.reading = reading
         """``(step, timeline)`` of the holders a job's local steps read (the catalog's
         ``read_copies``): a replaced copy they read stays in the bucket, held."""
-        self.holders_missing: Callable[[Step], str] = lambda st: ""
+        self.holders_missing = holders_missing
         """Why a step may not be committed now: a step it references is not complete in
-        the bucket (lifecycle/holders.py; the drain sets it)."""
+        the bucket (lifecycle/holders.py, from the drain)."""
 
     async def publish(self, st: Step) -> tuple[int, int]:
         """:meth:`_upload`, reporting in status (and as a RETRYING event) when it makes

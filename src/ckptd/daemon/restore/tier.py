@@ -1,7 +1,8 @@
 """What every tier answers a restore: the one interface the chooser (chooser.py) asks.
 
-A tier is a place a verified copy of a step can come from: shared memory (leases
-pre-staged for a rank: local/prestaged.py), the local disk (local_source.py),
+A tier is a place a verified copy of a step can come from: shared memory (the
+memory tier's kept copies of recent saves: local/memory.py; leases pre-staged for
+a rank by a download: local/prestaged.py), the local disk (local_source.py),
 the peers' replicas (peer/source.py) and the bucket (remote/source.py). Each
 answers two questions and nothing else: which verified steps of a job it holds,
 and "bring me this one", into the local tier (every copy is committed there
@@ -29,7 +30,7 @@ class Tier(Protocol):
     @property
     def name(self) -> str:
         """The tier a copy came from, for the restore metrics and the logs: "memory",
-        "local", "peer", "remote"."""
+        "prestaged", "local", "peer", "remote"."""
         ...
 
     async def holds(self, job: str, step: int | None) -> list[Order]:
