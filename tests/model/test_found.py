@@ -170,3 +170,20 @@ def test_a_restore_during_a_bucket_outage_fails_cleanly(resources: Resources) ->
             ("rollback", dict(changes=frozenset(), job="alpha", pick=0, version=4)),
         ],
     )
+
+
+def test_a_step_saved_again_after_node_loss_never_serves_the_peers_bytes(
+    resources: Resources,
+) -> None:
+    """Step 0 is taken back from the peer after the node's disk is lost, and its files
+    are pre-staged in shared memory for its restore; a new run saves step 0 again (a
+    new timeline). Restored, the new step 0 holds the old step's bytes: the pre-staged
+    lease was kept by (job, step, rank), not by the file it holds."""
+    replay(
+        Settings(keep=3, local_keep=3, memory_steps=1, pressure=False, peer=True),
+        [
+            ("new_run", dict(flavor="jax", incremental=False, job="beta", version=4)),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="alpha")),
+            ("new_run", dict(flavor="torch", incremental=False, job="beta", version=0)),
+        ],
+    )

@@ -176,7 +176,7 @@ class Daemon:
             relieve=self.evictor.relieve_local,
         )
         # The restore's tiers, fastest first: each answers restore/tier.py's interface.
-        prestaged = Prestaged(self.staging)
+        prestaged = Prestaged(self.staging, self.catalog)
         local_tier = LocalSource(self.catalog, self.store, self.staging, self.io)
         self.bucket = BucketSource(
             self.catalog, self.store, prestaged, self.io, self.remote, self.index

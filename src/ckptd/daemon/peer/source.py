@@ -51,7 +51,9 @@ class PrestageMemory(Protocol):
     """Shared memory for pre-staged files (local/prestaged.py)."""
 
     async def lease_for(self, job: str, size: int) -> Lease | None: ...
-    def keep(self, job: str, step: int, rank: int, lease: Lease) -> None: ...
+    def keep(
+        self, job: str, step: int, rank: int, lease: Lease, holds: tuple[int, int]
+    ) -> None: ...
     def release(self, lease: Lease) -> None: ...
 
 
@@ -390,7 +392,8 @@ class PeerSource:
                 if st.read_at != fetched_at:
                     self.memory.release(lease)
                     return
-                self.memory.keep(st.job, st.step, record.rank, lease)
+                holds = (manifest.timeline, record.crc32c)
+                self.memory.keep(st.job, st.step, record.rank, lease, holds)
                 self.staged_bytes += record.size
 
 

@@ -289,8 +289,9 @@ class BucketSource:
             " through shared memory" if leases else "",
         )
         lease = leases.pop(rank, None) if rank is not None else None
+        crcs = {r.rank: r.crc32c for r in manifest.ranks}
         for other, held in leases.items():
-            self.memory.keep(st.job, st.step, other, held)
+            self.memory.keep(st.job, st.step, other, held, (manifest.timeline, crcs[other]))
         return lease
 
     async def _bring_holders(self, st: Step, manifest: Manifest, rank: int | None) -> None:
