@@ -1,6 +1,6 @@
 """Incremental saves against a real daemon: a shard equal to the previous step's is
 referenced, not written; every step restores bit-exact from what holds its bytes
-(core/increments.py, daemon/local/increment.py, daemon/restore/assemble.py).
+(core/increments.py, daemon/local/increment.py, daemon/local/assemble.py).
 
 These tests drive the numpy path, where the daemon compares SHA-256 digests: the
 client's request builder is wrapped to ask for incremental saves.

@@ -6,7 +6,6 @@ its local tier holds them all, verified."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -115,12 +114,6 @@ def test_a_node_that_lost_its_disk_takes_back_a_step_with_the_steps_it_reference
     _lost_and_back(make_daemon, tmp_path)
 
 
-@pytest.mark.xfail(
-    importlib.util.find_spec("ckptd.daemon.restore.assemble") is None,
-    reason="the local restore's assembly of an incremental step (reading its "
-    "references from the local tier) is not in this tree",
-    strict=True,
-)
 def test_an_incremental_step_taken_back_from_peers_restores_bit_exact(
     make_daemon: Any, tmp_path: Path
 ) -> None:

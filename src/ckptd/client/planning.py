@@ -71,6 +71,13 @@ class Arrays:
     """The CUDA tensors among ``host`` (copied from the device straight into the lease)."""
 
 
+_Placing = tuple[
+    dict[str, Any], dict[str, ShardPlan], Layout, Placed, dict[str, DeviceTensor] | None
+]
+"""What :meth:`Planner._place` finds: host arrays, jax shards, layout, placement, CUDA
+tensors."""
+
+
 class Planner:
     """Plans saves; reuses the last plan while the tree's structure is the same."""
 
@@ -99,25 +106,44 @@ class Planner:
         """The plan of saving ``tree``, and its arrays (``track``: with their tokens:
         torch tensors' only with ``torch_versions``, jax arrays' where their memory is
         jax's alone or with ``trust_jax``; changes.py)."""
-        values: list[Any] = []
         tokens: dict[str, Token | None] | None = {} if track else None
+        spec, arrays, values_json = self._leaves(tree, tokens, torch_versions)
+        placing = self._place(arrays, tokens, trust_jax)
+        plan = self._laid_out(placing, spec, values_json)
+        self._last = plan
+        host, device, _, _, cuda = placing
+        return plan, Arrays(host, device, tokens, cuda)
+
+    def _leaves(
+        self, tree: Any, tokens: dict[str, Token | None] | None, torch_versions: bool
+    ) -> tuple[Any, list[tuple[str, Any]], str]:
+        """``tree``'s spec, its ``(key, array)`` leaves and its JSON values: the last
+        save's spec again when the structure is the same (a training loop's every save:
+        the tree is matched against it, not flattened anew; tree_match.py)."""
+        values: list[Any] = []
         token = tensor_token if torch_versions else None
         last = self._last
-        # The structure of the last save again (a training loop's every save): its
-        # spec gives the keys, and the tree is not flattened anew (tree_match.py).
         views = self._views if torch_versions else None
         found = None
         if last is not None:
             found = match(tree, last.spec, values, tokens, token, True, views)
         if last is not None and found is not None and _json(values) == last.values_json:
-            spec, arrays, values_json = last.spec, found, last.values_json
-        else:
-            values.clear()
-            self._views.clear()  # (of keys the new structure may not have)
-            if tokens is not None:
-                tokens.clear()
-            spec, arrays = flatten(tree, values, tokens, token, keep_device=True)
-            values_json = _json(values)
+            return last.spec, found, last.values_json
+        values.clear()
+        self._views.clear()  # (of keys the new structure may not have)
+        if tokens is not None:
+            tokens.clear()
+        spec, arrays = flatten(tree, values, tokens, token, keep_device=True)
+        return spec, arrays, _json(values)
+
+    def _place(
+        self,
+        arrays: list[tuple[str, Any]],
+        tokens: dict[str, Token | None] | None,
+        trust_jax: bool,
+    ) -> _Placing:
+        """Each leaf by where its bytes are (host, a jax array's shards, a CUDA
+        tensor), and the layout and placement of every shard, in leaf order."""
         host: dict[str, Any] = {}
         device: dict[str, ShardPlan] = {}
         layout: Layout = []
@@ -137,9 +163,16 @@ class Planner:
                 if type(a) is DeviceTensor:
                     cuda = cuda or {}
                     cuda[key] = a
+        return host, device, layout, placed, cuda
+
+    def _laid_out(self, placing: _Placing, spec: Any, values_json: str) -> SavePlan:
+        """The plan: the last one's entries and wire table again when the layout is the
+        same (the usual case), else laid out anew."""
+        _, device, layout, placed, _ = placing
+        last = self._last
         if last is not None and last.layout == layout and last.placed == placed:
             same = last.spec is spec or (last.values_json == values_json and last.spec == spec)
-            plan = SavePlan(
+            return SavePlan(
                 layout,
                 placed,
                 last.entries,
@@ -151,25 +184,21 @@ class Planner:
                 values_json,
                 last.tree_json if same else _json(spec),
             )
-        else:
-            entries = plan_layout(layout)
-            dtypes = {k: dtype_to_str(dt) for k, dt, _ in layout}
-            table = shard_wire.encode(entries, dtypes, placed)
-            data_len = sum(e.length for e in entries)
-            plan = SavePlan(
-                layout,
-                placed,
-                entries,
-                [e for e in entries if e.key not in device],
-                [e for e in entries if e.key in device],
-                table,
-                data_len,
-                spec,
-                values_json,
-                _json(spec),
-            )
-        self._last = plan
-        return plan, Arrays(host, device, tokens, cuda)
+        entries = plan_layout(layout)
+        dtypes = {k: dtype_to_str(dt) for k, dt, _ in layout}
+        table = shard_wire.encode(entries, dtypes, placed)
+        return SavePlan(
+            layout,
+            placed,
+            entries,
+            [e for e in entries if e.key not in device],
+            [e for e in entries if e.key in device],
+            table,
+            sum(e.length for e in entries),
+            spec,
+            values_json,
+            _json(spec),
+        )
 
     def _leaf_shards(self, key: str, a: Any) -> list[ShardPlan]:
         """``leaf_shards(key, a)``, asked of ``a`` once while it lives if its shards

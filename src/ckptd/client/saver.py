@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ckptd.core.errors import CapacityExhausted
@@ -24,12 +23,12 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from .changes import Changes, Saved, incremental_from_env, packbits
-from .copying import copy_into, cpu_views, host_batches
-from .device_leaf import jax_on_accelerator, jax_via_torch
+from .copy_plan import CopyPlan, Routes
+from .copying import copy_into, host_batches
 from .handle import WATCHERS, SaveHandle
 from .handoff import Copying, Handoff, lease_size
 from .jax_arrays import Replicas, ShardPlan
-from .planning import Planner, SavePlan, plan_in_place
+from .planning import Arrays, Planner, SavePlan, plan_in_place
 from .save_args import save_args
 
 if TYPE_CHECKING:
@@ -88,8 +87,7 @@ class Saver:
         self._committer = ThreadPoolExecutor(1, "ckptd-commit")
         self._copy_job: Future[None] | None = None
         self._cuda: DeviceCopies | None = None
-        self._via_torch: bool | None = None
-        self._accelerated: bool | None = None
+        self._routes = Routes(self.device_copies)
         self.last: SaveHandle | None = None
         """The previous save's handle (None before the first)."""
         self.last_at: float | None = None
@@ -158,6 +156,52 @@ class Saver:
         track = self.incremental
         what = f"step {step} of job {self.job!r} was not saved"
         started = time.monotonic()
+        plan, arrays, early = self._plan(tree, wait, what)
+        self.finish_copy()  # one background copy at a time: it may use a mapped segment
+        since = self.changes.last  # (the background commit of the last save is done)
+        record = self.changes.begin(step)
+        try:
+            lease, mm = self._lease(early, lease_size(plan.data_len), wait, what, track)
+        except CapacityExhausted as exc:
+            raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
+        committed = False
+        req = pb.CommitShardsRequest(lease_id=lease.lease_id)
+        copies: CopyPlan | None = None
+        job: Future[None] | None = None  # the copies and commit left to a thread
+        try:
+            # What the trainer says did not change since the last save, and of that what
+            # the lease holds already: neither is copied again (changes.py).
+            mask = self.changes.word(step, since, plan.keys, arrays.tokens)
+            held = self.changes.held(lease, plan.entries, plan.keys, arrays.tokens, since, mask)
+            copies = self._routes.plan(plan, arrays, held, mm, self.trust_jax_arrays, what)
+            req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
+            req.incremental = self.incremental
+            if mask is not None and since is not None:  # the trainer's word since `since`
+                req.unchanged_since, req.unchanged = since, packbits(mask)
+            saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
+            size, word = round_up(plan.data_len), lease.waits_for_word
+            if copies.after_return:
+                job = self._hand_off_copying(req, mm, size, word, copies, saved, what)
+            else:
+                copy = partial(self.copy_arrays, mm, copies.now, copies.host)
+                self._handoff.commit_copying(req, mm, size, what, copy, self._committer, word)
+                self.changes.acknowledged(step, saved)
+            committed = True
+        finally:
+            if not committed:
+                if copies is not None and copies.pending is not None:
+                    copies.pending.wait()  # no copy may still write into a lease given back
+                self._handoff.release(req.lease_id)  # the lease of the last attempt
+        handle = SaveHandle(self, step, job)
+        handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
+        return self._saved(handle, started, lease_size(plan.data_len))
+
+    def _plan(
+        self, tree: Any, wait: float, what: str
+    ) -> tuple[SavePlan, Arrays, tuple[int, Future[pb.Lease]] | None]:
+        """Plan ``tree`` while the lease is asked for early (:meth:`_lease_early`); a
+        plan that fails gives that lease back once granted."""
+        track = self.incremental
         early = self._lease_early(wait, what, track)
         try:
             trust = self.trust_torch_versions, self.trust_jax_arrays
@@ -166,100 +210,45 @@ class Saver:
             if early is not None:
                 early[1].add_done_callback(self._give_back)
             raise
-        host, device, data_len = arrays.host, arrays.device, plan.data_len
-        self.finish_copy()  # one background copy at a time: it may use a mapped segment
-        since = self.changes.last  # (the background commit of the last save is done)
-        record = self.changes.begin(step)
-        try:
-            lease, mm = self._lease(early, lease_size(data_len), wait, what, track)
-        except CapacityExhausted as exc:
-            raise CapacityExhausted(f"{what}: {exc}", exc.code) from None
-        committed = False
-        req = pb.CommitShardsRequest(lease_id=lease.lease_id)
-        pending: Pending | None = None
-        job: Future[None] | None = None  # the copies and commit left to a thread
-        try:
-            # What the trainer says did not change since the last save, and of that what
-            # the lease holds already: neither is copied again (changes.py).
-            mask = self.changes.word(step, since, plan.keys, arrays.tokens)
-            held = self.changes.held(lease, plan.entries, plan.keys, arrays.tokens, since, mask)
-            todo = [e for e in plan.host_entries if e.key not in held] if held else None
-            todo = plan.host_entries if todo is None else todo
-            jax_entries = [e for e in plan.device_entries if e.key not in held]
-            cuda = arrays.cuda or {}
-            if device and self._via_torch is None:
-                self._via_torch = jax_via_torch(device)
-            if device and self._via_torch:
-                # jax arrays on a CUDA device go the way CUDA tensors do (DLPack).
-                from .torch.device_copy import from_jax
+        return plan, arrays, early
 
-                cuda = {**cuda, **from_jax(device, jax_entries)}
-            if cuda:
-                # CUDA tensors first: their copies run on the devices' copy engines
-                # while this thread copies the host arrays.
-                queued = [e for e in (*todo, *jax_entries) if e.key in cuda]
-                pending = self.device_copies().start(mm, queued, cuda)
-                todo = [e for e in todo if e.key not in cuda]
-                jax_entries = [e for e in jax_entries if e.key not in cuda]
-            if jax_entries and not self.trust_jax_arrays:
-                # CPU memory others may write (DLPack, numpy): copied before returning.
-                now, views, jax_entries = cpu_views(jax_entries, device, what)
-                host, todo = {**host, **views}, sorted([*todo, *now], key=attrgetter("offset"))
-            req = self._commit_request(req.lease_id, step, plan, metadata_json, milestone, metrics)
-            req.incremental = self.incremental
-            if mask is not None and since is not None:  # the trainer's word since `since`
-                req.unchanged_since, req.unchanged = since, packbits(mask)
-            saved = Saved(arrays.tokens, plan.entries) if record and arrays.tokens else None
-            if jax_entries or pending is not None:
-                # jax never writes its arrays: copy them to host and hand off after returning.
-                # Every device-to-host transfer starts now, at once (on an accelerator they
-                # overlap; one by one, each waited for its own): the copies find them done.
-                # CUDA tensors' copies are queued ahead of the trainer's next writes.
-                if device and self._accelerated is None:
-                    self._accelerated = jax_on_accelerator(device)
-                if self._accelerated:  # (a CPU array is in host memory already)
-                    for e in jax_entries:
-                        device[e.key].data.copy_to_host_async()
-                # The commit goes out now, while this thread and then the background
-                # job copy (Handoff.send_copying).
-                size, word = round_up(data_len), lease.waits_for_word
-                sending: Copying | None = None
-                try:
-                    sending = self._handoff.send_copying(req, mm, size, what, self._committer, word)
-                    self.copy_arrays(mm, todo, host)
-                    job = self._copy_job = self._background.submit(
-                        self._copy_device_and_commit,
-                        mm,
-                        jax_entries,
-                        device,
-                        req,
-                        size,
-                        saved,
-                        pending,
-                        sending,
-                    )
-                except BaseException:
-                    if sending is not None:
-                        if pending is not None:  # none may write into a lease given up
-                            pending.wait_all()
-                        sending.done(whole=False)
-                    raise
-                pending = None  # the background job waits for it
-            else:
-                copy = partial(self.copy_arrays, mm, todo, host)
-                size = round_up(data_len)
-                word = lease.waits_for_word
-                self._handoff.commit_copying(req, mm, size, what, copy, self._committer, word)
-                self.changes.acknowledged(step, saved)
-            committed = True
-        finally:
-            if not committed:
-                if pending is not None:
-                    pending.wait()  # no copy may still write into a lease given back
-                self._handoff.release(req.lease_id)  # the lease of the last attempt
-        handle = SaveHandle(self, step, job)
-        handle.reused_bytes = sum(e.length for e in plan.entries if e.key in held) if held else 0
-        return self._saved(handle, started, lease_size(data_len))
+    def _hand_off_copying(
+        self,
+        req: pb.CommitShardsRequest,
+        mm: mmap.mmap,
+        size: int,
+        word: bool,
+        copies: CopyPlan,
+        saved: Saved | None,
+        what: str,
+    ) -> Future[None]:
+        """The commit goes out now, while this thread copies the host arrays and then a
+        background job the rest (:meth:`Handoff.send_copying`); that job, which from
+        now on waits for the queued CUDA copies (``copies.pending`` is cleared)."""
+        self._routes.start_transfers(copies)
+        sending: Copying | None = None
+        try:
+            sending = self._handoff.send_copying(req, mm, size, what, self._committer, word)
+            self.copy_arrays(mm, copies.now, copies.host)
+            job = self._copy_job = self._background.submit(
+                self._copy_device_and_commit,
+                mm,
+                copies.later,
+                copies.device,
+                req,
+                size,
+                saved,
+                copies.pending,
+                sending,
+            )
+        except BaseException:
+            if sending is not None:
+                if copies.pending is not None:  # none may write into a lease given up
+                    copies.pending.wait_all()
+                sending.done(whole=False)
+            raise
+        copies.pending = None  # the background job waits for it
+        return job
 
     def _lease_early(
         self, wait: float, what: str, reuse_image: bool

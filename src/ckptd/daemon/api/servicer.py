@@ -46,6 +46,7 @@ from ..local.admission import Admission
 from ..local.liveness import HOLDER_HEADER
 from ..local.records import INLINE_SHARDS
 from ..local.saver import Saver
+from ..local.staging import Staging
 from ..restore.restorer import Restorer
 from ..retention.planner import Retention
 from . import messages
@@ -107,6 +108,8 @@ class Services:
 
     catalog: Catalog
     saver: Saver
+    staging: Staging
+    """The lease pool: who holds what, what fits, what a restored trainer keeps."""
     admission: Admission
     retention: Retention
     restorer: Restorer
@@ -151,7 +154,7 @@ class Servicer(pb_grpc.CkptdServicer):
         return peer, job
 
     def _own_lease(self, peer: Peer, lease_id: str) -> None:
-        lease = self.s.saver.staging.get(lease_id)
+        lease = self.s.staging.get(lease_id)
         # A lease replayed from the journal is nobody's: it is committed already, and
         # the saver answers a retried commit of it with a conflict.
         if lease.owner not in (None, peer.process) and not self.s.access.privileged(peer):
@@ -163,7 +166,7 @@ class Servicer(pb_grpc.CkptdServicer):
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         peer, job = self._job(context, request.job)
         with self.s.access.claiming(peer, job):  # owned only once a lease is granted
-            self.s.saver.staging.check_fits(request.size_bytes)
+            self.s.staging.check_fits(request.size_bytes)
             await self.s.admission.check_space(request.size_bytes)
             holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
             image = (job, request.rank) if request.reuse_image else None
@@ -179,7 +182,7 @@ class Servicer(pb_grpc.CkptdServicer):
     ) -> pb.ReleaseLeaseResponse:
         self._own_lease(self._peer(context), request.lease_id)
         if request.client_holds:
-            self.s.restorer.lend(request.lease_id)
+            self.s.staging.lend(request.lease_id)  # the trainer maps it: its memory now
         else:
             self.s.saver.release_lease(request.lease_id)
         return pb.ReleaseLeaseResponse()
@@ -193,7 +196,7 @@ class Servicer(pb_grpc.CkptdServicer):
         # Whom the write (and a replay) waits for while it copies: the lease's client,
         # whatever the request says (local/copied.py).
         copying = bool(request.copied_nonce)
-        request.copied_holder = self.s.saver.staging.get(request.lease_id).holder if copying else ""
+        request.copied_holder = self.s.staging.get(request.lease_id).holder if copying else ""
         request.copied_pid = peer.pid if copying and peer.started else 0
         request.copied_started = (peer.started or 0) if copying else 0
         # Thousands of shards: their table is checked with array operations, but the
@@ -311,7 +314,7 @@ class Servicer(pb_grpc.CkptdServicer):
     async def CheckCapacity(self, request: pb.CheckCapacityRequest, context: Any) -> pb.Capacity:
         self._job(context, request.job)
         reason = self.s.admission.capacity_reason(request.size_bytes)
-        staging = self.s.saver.staging
+        staging = self.s.staging
         return pb.Capacity(
             ok=not reason,
             reason=reason,

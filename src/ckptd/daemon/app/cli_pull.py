@@ -1,6 +1,6 @@
 """``ckptd pull``: a complete step from the bucket into a directory, checked, and
 whole: an incremental step's images are assembled from the older steps it shares
-bytes with (daemon/restore/assemble.py), so the directory needs no other step."""
+bytes with (daemon/local/assemble.py), so the directory needs no other step."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from ckptd.core.timeline import abandoned, merge
 
 from ..commit import RenameCommit
 from ..files import write_synced
+from ..local.assemble import write_image
 from ..remote import held, read
 from ..remote.base import Remote
 from ..remote.index import marker_entry
 from ..remote.layout import FILES_DIR, marker_key
-from ..restore.assemble import write_image
 from .cli_jobs import bucket_jobs, did_you_mean, with_hint
 from .cli_tiers import bucket_args, load_config, open_bucket
 from .cli_view import ByteProgress

@@ -36,6 +36,7 @@ from ..local.prestaged import Prestaged
 from ..local.room import Room
 from ..local.saver import Saver
 from ..local.segments import DIR_RECORD
+from ..local.source import LocalSource
 from ..local.staging import Staging, segment_prefix
 from ..local.store import LocalStore
 from ..remote.claim import NodeClaim, root_id
@@ -43,7 +44,6 @@ from ..remote.index import NodeIndex
 from ..remote.node_fleet import NodeFleet
 from ..remote.source import BucketSource
 from ..restore.chooser import Chooser
-from ..restore.local_source import LocalSource
 from ..restore.restorer import Restorer
 from ..restore.tier import Tier
 from ..retention.planner import Retention
@@ -320,6 +320,7 @@ class Daemon:
         return Services(
             catalog=self.catalog,
             saver=self.saver,
+            staging=self.staging,
             admission=self.admission,
             retention=self.retention,
             restorer=self.restorer,

@@ -1,5 +1,5 @@
-"""A save in progress as the saver sees it: the validated request, and a step's
-ranks handed off so far (split out of saver.py)."""
+"""A save in progress as the saver sees it: the validated request (checked against
+its lease, and against the save it joins), and a step's ranks handed off so far."""
 
 from __future__ import annotations
 
@@ -136,3 +136,27 @@ def step_manifest(pending: PendingStep, node_id: str) -> Manifest:
         forks=st.forks,
         increment=pending.increment,
     )
+
+
+def check_join(st: Step, pending: PendingStep | None, req: CommitRequest, settling: bool) -> None:
+    """Another rank of ``st``, a save in progress under the same number, hands off:
+    Conflict or InvalidArgument, saying what to do, unless it may join
+    (``settling``: every rank of the step committed, its last work winding down)."""
+    if pending is None and settling:
+        raise Conflict(
+            f"step {req.step} of job {req.job!r} is already committed by all its "
+            "ranks; save under a new step number"
+        )
+    if pending is None or pending.step is not st:
+        raise Conflict(
+            f"step {req.step} of job {req.job!r} is being adopted here; save under a "
+            "new step number"
+        )
+    if st.node_ranks != req.node_ranks:
+        raise InvalidArgument(
+            f"rank {req.rank} names node ranks {list(req.node_ranks)} but step "
+            f"{req.step} was started with {list(st.node_ranks)}; every rank must pass "
+            "the same node_ranks"
+        )
+    if req.rank in pending.ranks or req.rank in pending.writing:
+        raise Conflict(f"rank {req.rank} already committed step {req.step} of job {req.job!r}")

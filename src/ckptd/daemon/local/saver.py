@@ -24,22 +24,21 @@ from functools import partial
 from typing import Any
 
 from ckptd.core import checksum
-from ckptd.core.errors import CkptdError, Conflict, InvalidArgument, ResourceExhausted
+from ckptd.core.errors import CkptdError, Conflict, ResourceExhausted
 from ckptd.core.format import round_up
-from ckptd.core.health import NonFiniteCount
-from ckptd.core.manifest import RankRecord, rank_file_name
+from ckptd.core.manifest import rank_file_name
 from ckptd.core.names import check_wait
 from ckptd.core.timeline import Forks
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Step
-from ..files import write_file_checksummed
 from ..io import IoPool
 from . import copied, increment
 from .journal import Entry, Journal
 from .memory import MemoryTier
-from .pending import CommitRequest, PendingStep, check_lease, step_manifest
-from .records import INLINE_SHARDS, RankLayouts, rank_layout, shard_records
+from .pending import CommitRequest, PendingStep, check_join, check_lease, step_manifest
+from .rank_write import write_whole
+from .records import INLINE_SHARDS, RankLayouts, rank_layout
 from .replay import replay as replay_journal
 from .staging import Lease, Staging
 from .store import LocalStore, retire_replaced
@@ -133,59 +132,11 @@ class Saver:
         pending = self._pending.get(key)
         if st is not None and st.state == pb.SAVE_STATE_STAGING:
             # Another rank of the save in progress under this number: it joins.
-            if pending is None and key in self._settling:
-                raise Conflict(
-                    f"step {req.step} of job {req.job!r} is already committed by all its "
-                    "ranks; save under a new step number"
-                )
-            if pending is None or pending.step is not st:
-                raise Conflict(
-                    f"step {req.step} of job {req.job!r} is being adopted here; save under a "
-                    "new step number"
-                )
-            if st.node_ranks != req.node_ranks:
-                raise InvalidArgument(
-                    f"rank {req.rank} names node ranks {list(req.node_ranks)} but step "
-                    f"{req.step} was started with {list(st.node_ranks)}; every rank must pass "
-                    "the same node_ranks"
-                )
-            if req.rank in pending.ranks or req.rank in pending.writing:
-                raise Conflict(
-                    f"rank {req.rank} already committed step {req.step} of job {req.job!r}"
-                )
+            check_join(st, pending, req, key in self._settling)
+            assert pending is not None
             self.catalog.joined(st, req.milestone, req.metrics)
         else:
-            # A replay of this very save (the same timeline) found committed: done.
-            same = st is not None and (replay is None or replay[0] == st.timeline)
-            if record is None and st is not None and st.in_lineage and same:
-                raise Conflict(f"{req.job}/{req.step} was committed before the crash")
-            if st is not None and pending is not None and pending.step is st and pending.writing:
-                raise Conflict(
-                    f"step {req.step} of job {req.job!r} failed and its other ranks are still "
-                    "winding down; save it again in a moment"
-                )
-            # The staging directory first: if it cannot be made, no step is left STAGING.
-            # One place in the I/O queue for all of the step's work: see IoPool.
-            ticket = self.io.ticket()
-            commit = self.store.begin_step(req.job, req.step, partial(self.io.run, ticket=ticket))
-            try:
-                st = self.catalog.begin(
-                    req.job,
-                    req.step,
-                    node_ranks=req.node_ranks,
-                    world_size=req.world_size,
-                    milestone=req.milestone,
-                    metrics=req.metrics,
-                    timeline=replay,
-                )
-            except CkptdError:  # refused (a pinned step under this number): nothing left
-                await commit.abort()
-                raise
-            pending = self._pending[key] = PendingStep(st, commit, ticket)
-            pending.replaces = self.catalog.replacing(st)
-            pending.timer = asyncio.get_running_loop().call_later(
-                self.step_timeout_seconds, self._check_complete, pending
-            )
+            st, pending = await self._begin(req, st, pending, record, replay)
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
         pending.leases[req.rank] = lease
@@ -196,6 +147,50 @@ class Saver:
         handoff.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
         await asyncio.shield(handoff)
         return st.state
+
+    async def _begin(
+        self,
+        req: CommitRequest,
+        st: Step | None,
+        pending: PendingStep | None,
+        record: bytes | None,
+        replay: tuple[int, Forks] | None,
+    ) -> tuple[Step, PendingStep]:
+        """The first rank of a save under this number: the step begins (STAGING), with
+        its staging directory and its place in the I/O queue; a save it replaces is
+        noted, and the step fails if its other ranks do not hand off in time."""
+        # A replay of this very save (the same timeline) found committed: done.
+        same = st is not None and (replay is None or replay[0] == st.timeline)
+        if record is None and st is not None and st.in_lineage and same:
+            raise Conflict(f"{req.job}/{req.step} was committed before the crash")
+        if st is not None and pending is not None and pending.step is st and pending.writing:
+            raise Conflict(
+                f"step {req.step} of job {req.job!r} failed and its other ranks are still "
+                "winding down; save it again in a moment"
+            )
+        # The staging directory first: if it cannot be made, no step is left STAGING.
+        # One place in the I/O queue for all of the step's work: see IoPool.
+        ticket = self.io.ticket()
+        commit = self.store.begin_step(req.job, req.step, partial(self.io.run, ticket=ticket))
+        try:
+            st = self.catalog.begin(
+                req.job,
+                req.step,
+                node_ranks=req.node_ranks,
+                world_size=req.world_size,
+                milestone=req.milestone,
+                metrics=req.metrics,
+                timeline=replay,
+            )
+        except CkptdError:  # refused (a pinned step under this number): nothing left
+            await commit.abort()
+            raise
+        pending = self._pending[req.job, req.step] = PendingStep(st, commit, ticket)
+        pending.replaces = self.catalog.replacing(st)
+        pending.timer = asyncio.get_running_loop().call_later(
+            self.step_timeout_seconds, self._check_complete, pending
+        )
+        return st, pending
 
     async def _hand_off(
         self,
@@ -283,25 +278,10 @@ class Saver:
                 pending.nonfinite[req.rank] = done.nonfinite
                 pending.increment = increment.chain_of(pending)
             else:
-                spare = self.store.take_spare(len(header) + data_len)
-                health = NonFiniteCount(req.table.keys, layout.floats)
-                file_crc, crcs = await run(
-                    write_file_checksummed,
-                    path,
-                    header,
-                    data,
-                    data_len,
-                    layout.ranges,
-                    spare,
-                    layout.pieces,
-                    health,
-                )
-                pending.nonfinite[req.rank] = health.result()
-                args = (req, len(header), crcs)
-                shards = await run(shard_records, *args) if many else shard_records(*args)
                 digests = done.digests if done is not None else None
-                size = len(header) + data_len
-                record = RankRecord(req.rank, name, size, file_crc, req.tree, digests=digests)
+                spare = self.store.take_spare(len(layout.header) + data_len)
+                args_w = (pending, req, layout, data, data_len, digests, spare)
+                record, shards = await write_whole(run, *args_w)
             if req.data_offset == 0 and self.memory is not None and self.memory.steps:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             pending.ranks[req.rank] = (record, shards, req.metadata)

@@ -266,9 +266,18 @@ class Staging(Lending):
                 f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
                 "operator to raise staging_budget_bytes"
             )
-        # The segment holding this client's own last image first (its unchanged
-        # shards need no copy), then the smallest that fits, one that holds another
-        # client's image last among equals (that client's next save may want it).
+        seg = self._reusable(need, uid, holder, image)
+        if seg is None:
+            seg = await self._room_for(need, uid, size_bytes, populate)
+        return self._grant(job, seg, restore, holder, owner=owner, image=image)
+
+    def _reusable(
+        self, need: int, uid: int | None, holder: str, image: tuple[str, int] | None
+    ) -> Segment | None:
+        """A free segment to grant as it is: the one holding this client's own last
+        image first (its unchanged shards need no copy), then the smallest that fits,
+        one that holds another client's image last among equals (that client's next
+        save may want it). None: the pool grows, or room is made."""
         own = partial(Segment.holds_image, image=image, holder=holder)
         free = sorted(self.free_segments(), key=lambda s: (not own(s), s.size, bool(s.image)))
         seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
@@ -281,34 +290,45 @@ class Staging(Lending):
         ):
             # Another job's or rank's image stays for its next save: the pool grows
             # (an earlier process of this job and rank left its image to nobody).
-            seg = None
-        if seg is None and self.allocated_bytes + need > self.budget_bytes:
+            return None
+        return seg
+
+    async def _room_for(
+        self, need: int, uid: int | None, size_bytes: int, populate: bool
+    ) -> Segment:
+        """A segment of ``need`` bytes when no free one is granted as it is, within the
+        budget: the memory tier's kept segments go first (room.py), a spare being made
+        is waited for, free segments of other uids and too small ones are dropped, and
+        a new one is made. StagingBusy if the budget still has no room."""
+        free = sorted(self.free_segments(), key=lambda s: s.size)
+        if self.allocated_bytes + need > self.budget_bytes:
             await self._room.give_way(need, uid)  # the memory tier's segments go first
             free = sorted(self.free_segments(), key=lambda s: s.size)
             seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
-        short = self.allocated_bytes + need > self.budget_bytes
-        if seg is None and short and self.spares.making_bytes:
+            if seg is not None:
+                return seg
+        if self.allocated_bytes + need > self.budget_bytes and self.spares.making_bytes:
             # A spare being made holds the room it was made for, counted: it joins the
             # pool in a moment, faulted in (or goes); wait rather than exceed the budget.
             await self.spares.settle()
             free = sorted(self.free_segments(), key=lambda s: s.size)
             seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
-        if seg is None:
-            # Drop free segments another uid used, then those too small, until the new
-            # one fits the budget.
-            for small in sorted(free, key=lambda s: s.uid in (None, uid)):
-                if self.allocated_bytes + need <= self.budget_bytes:
-                    break
-                self._destroy(small)
-            if self.allocated_bytes + need > self.budget_bytes:
-                raise StagingBusy(
-                    f"staging budget exhausted: {size_bytes} bytes are needed and "
-                    f"{self.in_use_bytes} of {self.budget_bytes} are held: "
-                    f"{self.holders(uid)}; wait for earlier saves to reach LOCAL, or ask the "
-                    "operator to raise staging_budget_bytes"
-                )
-            seg = await self._create_or_shed(need, populate, uid)
-        return self._grant(job, seg, restore, holder, owner=owner, image=image)
+            if seg is not None:
+                return seg
+        # Drop free segments another uid used, then those too small, until the new one
+        # fits the budget.
+        for small in sorted(free, key=lambda s: s.uid in (None, uid)):
+            if self.allocated_bytes + need <= self.budget_bytes:
+                break
+            self._destroy(small)
+        if self.allocated_bytes + need > self.budget_bytes:
+            raise StagingBusy(
+                f"staging budget exhausted: {size_bytes} bytes are needed and "
+                f"{self.in_use_bytes} of {self.budget_bytes} are held: "
+                f"{self.holders(uid)}; wait for earlier saves to reach LOCAL, or ask the "
+                "operator to raise staging_budget_bytes"
+            )
+        return await self._create_or_shed(need, populate, uid)
 
     async def _create_or_shed(self, need: int, populate: bool, uid: int | None) -> Segment:
         """A new segment of ``need`` bytes; if the shm filesystem is full (a tmpfs

@@ -24,11 +24,11 @@ from ckptd.proto import ckptd_pb2 as pb
 from ..catalog import Catalog, Step
 from ..local.lease import Want
 from ..local.liveness import check_holder
+from ..local.source import LocalSource
 from ..local.staging import Lease, Staging
 from ..local.store import LocalStore
 from ..remote.source import BucketSource
 from .chooser import Chooser
-from .local_source import LocalSource
 
 LISTING_WAIT_SECONDS = 5.0
 """Longest a listing waits for the first read of a job's index in the bucket: a hung
@@ -239,10 +239,6 @@ class Restorer:
         """Other nodes' parts of ``step``, verified into ``<root>/.peers`` for a restore
         that reshards across nodes: ``(node, directory, manifest json)`` each."""
         return await self.bucket.other_parts(job, step)
-
-    def lend(self, lease_id: str) -> None:
-        """The client mapped a restore lease: the segment is its memory from now on."""
-        self.staging.lend(lease_id)
 
     async def report_corrupt(self, job: str, step: int, detail: str) -> None:
         """Re-verify a copy a client found corrupt; if bad, set it aside."""

@@ -2,7 +2,7 @@
 
 A tier is a place a verified copy of a step can come from: shared memory (the
 memory tier's kept copies of recent saves: local/memory.py; leases pre-staged for
-a rank by a download: local/prestaged.py), the local disk (local_source.py),
+a rank by a download: local/prestaged.py), the local disk (local/source.py),
 the peers' replicas (peer/source.py) and the bucket (remote/source.py). Each
 answers two questions and nothing else: which verified steps of a job it holds,
 and "bring me this one", into the local tier (every copy is committed there

@@ -40,10 +40,10 @@ from .. import faults
 from ..catalog import Catalog, Step
 from ..files import data_offset, read_data_direct, read_header
 from ..io import CRC, IoPool
-from ..local.lease import Handed, Lease, Want
-from ..local.staging import Staging
-from ..local.store import LocalStore
 from .assemble import read_increment
+from .lease import Handed, Lease, Want
+from .staging import Staging
+from .store import LocalStore
 
 log = logging.getLogger("ckptd.restore")
 
@@ -109,7 +109,7 @@ class LocalSource:
 
     async def _assemble(self, st: Step, record: RankRecord, want: Want) -> Handed | None:
         """An incremental rank's image assembled into a free segment
-        (restore/assemble.py); None: the client maps the files, as for a full step.
+        (assemble.py); None: the client maps the files, as for a full step.
         A new segment is not made for it: its pages would be allocated as the reads
         land, which is slower on these VMs than mapping the files' page cache."""
         assert st.manifest is not None and record.image_size is not None
