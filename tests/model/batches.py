@@ -45,6 +45,7 @@ def merge(reports: list[dict[str, Any]], seconds: float, extra: dict[str, Any]) 
     )
     out["failures"] = [f for r in reports for f in r.get("failures", [])]
     out["first_seen"] = [s for r in reports for s in r.get("first_seen", [])]
+    out["failing_sequences"] = [t for r in reports for t in r.get("failing_sequences", [])]
     out["seconds"] = round(seconds, 1)
     out.update(extra)
     return out

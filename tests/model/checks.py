@@ -52,6 +52,10 @@ class Stats:
     """Waits over SLOW_QUIET_SECONDS: after which operation, and what the daemon logged."""
     began: float = field(default_factory=time.monotonic)
     first_seen: dict[str, tuple[float, int, str]] = field(default_factory=dict)
+    traces: list[dict[str, Any]] = field(default_factory=list)
+    """The first failing sequences of each kind as they ran (settings, then each
+    operation and its arguments): a failure hypothesis cannot replay (it depends on
+    timing) is still there to read and to replay (run.py, ``replay``)."""
     """Each failure (by the line that raised it): when it first failed a sequence
     (seconds into the run, sequences run by then) and its message."""
     steps: int = 0
@@ -59,7 +63,7 @@ class Stats:
     full_length: int = 0
     """Sequences that ran ``steps`` operations or more and passed every check."""
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException, trace: list[str] | None = None) -> None:
         """Count a failing sequence; remember when each kind of failure first showed."""
         self.failures += 1
         tb = exc.__traceback__
@@ -69,6 +73,8 @@ class Stats:
         if site not in self.first_seen:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self.first_seen[site] = (time.monotonic() - self.began, self.sequences, first)
+        if trace is not None and len(self.traces) < 10:
+            self.traces.append({"failure": str(exc).splitlines()[0][:500], "ran": trace})
 
 
 STATS = Stats()
@@ -83,6 +89,7 @@ def operation(fn: F) -> F:
 
     @functools.wraps(fn)
     def run(self: Any, *args: Any, **kw: Any) -> Any:
+        self.trace.append(f"{fn.__name__}({', '.join(f'{k}={v!r}' for k, v in kw.items())})")
         STATS.operations[fn.__name__] += 1
         self.ops += 1
         began = time.monotonic()

@@ -71,6 +71,8 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
         self.failed = False
         self.ops = 0
         """Operations run so far (the start one of them)."""
+        self.trace: list[str] = []
+        """Each operation run so far, with its arguments (a failure's report)."""
         STATS.sequences += 1
 
     # -- start ---------------------------------------------------------------------------
@@ -347,7 +349,7 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
         if not self.failed:
             exc = sys.exc_info()[1]
             if exc is not None:
-                STATS.failed(exc)
+                STATS.failed(exc, list(self.trace))
         self.failed = True
 
     def teardown(self) -> None:

@@ -80,6 +80,7 @@ def report(path: Path, seconds: float, found: list[str], extra: dict[str, Any]) 
             {"seconds": round(t, 1), "after_sequences": n, "failure": message}
             for t, n, message in sorted(s.first_seen.values())
         ],
+        "failing_sequences": s.traces,
         "seconds": round(seconds, 1),
         **extra,
     }
