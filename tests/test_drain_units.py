@@ -9,7 +9,6 @@ import pytest
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import DATA_BY_STEP, DATA_SPREAD, DATA_TIMELINE
-from ckptd.daemon.lifecycle.drain import Backoff
 from ckptd.daemon.remote.base import RemoteError
 from ckptd.daemon.remote.file import FileRemote
 from ckptd.daemon.remote.gcs import GCSRemote
@@ -26,6 +25,7 @@ from ckptd.daemon.remote.layout import (
     upload_order,
 )
 from ckptd.daemon.remote.s3 import S3Remote
+from ckptd.daemon.retry import Backoff
 
 
 def is_transient(exc: BaseException, backend: type = S3Remote) -> bool:
@@ -35,9 +35,9 @@ def is_transient(exc: BaseException, backend: type = S3Remote) -> bool:
 
 
 def test_backoff_is_exponential_capped_and_jittered() -> None:
-    top = Backoff(0.5, 8.0, rand=lambda: 1.0)
+    top = Backoff(0.5, 8.0, jitter=True, rand=lambda: 1.0)
     assert [top.delay(a) for a in range(6)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
-    bottom = Backoff(0.5, 8.0, rand=lambda: 0.0)
+    bottom = Backoff(0.5, 8.0, jitter=True, rand=lambda: 0.0)
     assert bottom.delay(3) == 0.0  # full jitter: anywhere in [0, cap]
 
 

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..retry import Backoff
+
 log = logging.getLogger("ckptd.supervisor")
 
 
@@ -55,6 +57,8 @@ class Supervisor:
         self.window_seconds = window_seconds
         self.first_pause_seconds = first_pause_seconds
         self.max_pause_seconds = max_pause_seconds
+        self._pause = Backoff(first_pause_seconds, max_pause_seconds)
+        """How long a crashed service waits before its restart, by crashes so far."""
         self.health: dict[str, TaskHealth] = {}
         self.job_errors = 0
         """One-shot jobs that raised (each is also logged)."""
@@ -94,10 +98,7 @@ class Supervisor:
                     return
                 health.state = "restarting"
                 health.restarts += 1
-                pause = min(
-                    self.max_pause_seconds,
-                    self.first_pause_seconds * 2 ** (len(health.crashes) - 1),
-                )
+                pause = self._pause.delay(len(health.crashes) - 1)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), pause)
         health.state = "stopped"

@@ -28,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from collections.abc import Callable
 
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -43,6 +41,7 @@ from ..remote.claim import NodeClaim
 from ..remote.index import NodeIndex
 from ..remote.publish import HolderMissing, Publisher
 from ..retention.planner import Retention
+from ..retry import Backoff
 from .holders import Holders
 from .pace import UploadPace
 
@@ -70,19 +69,6 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-class Backoff:
-    """Exponential backoff with full jitter; ``rand`` is injectable for tests."""
-
-    def __init__(
-        self, initial: float, maximum: float, rand: Callable[[], float] = random.random
-    ) -> None:
-        self.initial, self.maximum, self.rand = initial, maximum, rand
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number ``attempt`` (0-based)."""
-        return float(self.rand() * min(self.maximum, self.initial * 2**attempt))
-
-
 class Drain:
     """One background uploader per daemon."""
 
@@ -105,7 +91,9 @@ class Drain:
         self.io = io
         self.retention = retention
         self.node_id = catalog.node_id
-        self.backoff = Backoff(0.5, retry_max_seconds)
+        self.backoff = Backoff(0.5, retry_max_seconds, jitter=True)
+        self._revive = Backoff(retry_max_seconds, REVIVE_MAX_SECONDS)
+        """When an upload that failed for good is tried again (its local copy intact)."""
         self.retry_max_seconds = retry_max_seconds
         self.stall_seconds = stall_seconds
         self.claim = claim
@@ -410,7 +398,7 @@ class Drain:
                     return
                 if not self.remote.is_transient(exc):
                     failures = self._failed_uploads.get(st.key, (0, 0.0))[0] + 1
-                    wait = min(REVIVE_MAX_SECONDS, self.retry_max_seconds * 2 ** (failures - 1))
+                    wait = self._revive.delay(failures - 1)
                     self._failed_uploads[st.key] = (failures, time.monotonic() + wait)
                     reason += f"; the local copy stays restorable, next try in {wait:.0f} s"
                     log.error("%s/%d: %s", st.job, st.step, reason)
