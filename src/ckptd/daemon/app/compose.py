@@ -73,10 +73,18 @@ class Daemon:
         groups of ``config`` when the caller has already built them."""
         self.config = config
         opts = Options.of(config) if options is None else options
-        local, lifecycle = opts.local, opts.lifecycle
         self.started_at = time.time()
         self.supervisor = Supervisor(on_fatal)
-        self.catalog = Catalog(local.node_id)
+        self.catalog = Catalog(opts.local.node_id)
+        self._build_local(opts, measure_space)
+        self._build_remote(opts)
+        self._build_restore(opts)
+        self._build_lifecycle(opts)
+        self._build_metrics(opts)
+
+    def _build_local(self, opts: Options, measure_space: Callable[..., Space]) -> None:
+        """The local tier: I/O threads, disk, staging and the memory tier, journal, saver."""
+        local = opts.local
         set_nice(local.io_nice)  # before the I/O and checksum threads start
         self.io = IoPool(2 * local.write_workers)
         # Evictions get threads of their own: behind a queue of rank-file writes they
@@ -121,6 +129,11 @@ class Daemon:
             ),
         )
         self.disk = DiskSpace(local.root, local.low_watermark, local.floor, measure_space)
+
+    def _build_remote(self, opts: Options) -> None:
+        """The bucket tier and what each tier keeps: retention, the node index and
+        claim, the evictor and admission."""
+        local, lifecycle = opts.local, opts.lifecycle
         self.remote = open_remote_tier(opts.remote)
         self.retention = Retention(
             self.catalog,
@@ -175,6 +188,9 @@ class Daemon:
             lifecycle.retention_local.describe(),
             relieve=self.evictor.relieve_local,
         )
+
+    def _build_restore(self, opts: Options) -> None:
+        """The restore's tiers, fastest first, and the restorer over them."""
         # The restore's tiers, fastest first: each answers restore/tier.py's interface.
         prestaged = Prestaged(self.staging, self.catalog)
         local_tier = LocalSource(self.catalog, self.store, self.staging, self.io)
@@ -202,6 +218,10 @@ class Daemon:
             local_tier,
             self.bucket,
         )
+
+    def _build_lifecycle(self, opts: Options) -> None:
+        """What acts on steps after LOCAL: adoption, pins, the drain."""
+        local, lifecycle = opts.local, opts.lifecycle
         self.adopter = Adopter(
             self.catalog,
             self.store,
@@ -222,11 +242,14 @@ class Daemon:
                 self.retention,
                 lifecycle.drain_retry_max_seconds,
                 lifecycle.drain_stall_seconds,
-                claim,
+                self.claim,
             )
             if self.remote is not None and self.index is not None
             else None
         )
+
+    def _build_metrics(self, opts: Options) -> None:
+        """The metrics, fed by catalog events and read at scrape."""
         self.started = False
         self.metrics_address = ""
         """Where /metrics is served (:meth:`serves_metrics`); empty when it is not."""
@@ -234,7 +257,7 @@ class Daemon:
             Sources(
                 self.catalog,
                 self.status,
-                self.drain_lag,
+                self.drain.lag if self.drain is not None else lambda: 0.0,
                 self.remote is not None,
                 self._ready,
                 self.access.live.jobs,
@@ -254,17 +277,6 @@ class Daemon:
         """The node names' record for JobHistory: (observed seconds, replacements,
         names)."""
         return self.node_fleet.totals() if self.node_fleet is not None else (0.0, 0, 0)
-
-    def drain_lag(self) -> float:
-        """Seconds the oldest step waiting for the bucket has waited since its handoff."""
-        if self.drain is None:
-            return 0.0
-        waiting = [
-            st.handoff_at or st.created_unix
-            for st in self.catalog.steps()
-            if st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
-        ]
-        return max(0.0, time.time() - min(waiting)) if waiting else 0.0
 
     def process_gone(self, process: tuple[int, int]) -> None:
         """A client process exited (sessions.py): its uncommitted leases come back, and

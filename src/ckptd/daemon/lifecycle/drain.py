@@ -194,6 +194,15 @@ class Drain:
         self._stop.set()
         self._wake.set()
 
+    def lag(self) -> float:
+        """Seconds the oldest step waiting for the bucket has waited since its handoff."""
+        waiting = [
+            st.handoff_at or st.created_unix
+            for st in self.catalog.steps()
+            if st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
+        ]
+        return max(0.0, time.time() - min(waiting)) if waiting else 0.0
+
     async def run(self) -> None:
         """Upload until stopped (supervised: an unexpected error restarts the loop)."""
         if not self.resumed:
