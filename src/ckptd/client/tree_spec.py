@@ -99,12 +99,50 @@ def flatten(
     ``keep_device``: a CUDA tensor is a :class:`~ckptd.client.device_leaf.DeviceTensor`
     (a save copies it from the device into its lease), not a copy in host memory.
     """
-    arrays: list[tuple[str, Any]] = []
-    used: set[str] = set()
-    names: dict[object, str] = {}  # components of other keys seen (ints: layer numbers)
-    tensor_type = torch_tensor_type()
+    walker = _Flatten(values, tensors, token, keep_device)
+    return walker.walk(tree, (), ""), walker.arrays
 
-    def join(prefix: str, k: object) -> str:
+
+class _Flatten:
+    """One flatten: the arrays found so far, the keys used, and the walk. The common
+    leaves (numpy arrays and torch tensors in a dict: a transformer's state is
+    thousands) are handled inline in :meth:`walk`; the rest in :meth:`leaf`."""
+
+    __slots__ = (
+        "arrays",
+        "keep_device",
+        "names",
+        "tensor_type",
+        "tensors",
+        "to_array",
+        "token",
+        "used",
+        "values",
+    )
+
+    def __init__(
+        self,
+        values: list[Any] | None,
+        tensors: dict[str, Any] | None,
+        token: Callable[[Any], Any] | None,
+        keep_device: bool,
+    ) -> None:
+        self.arrays: list[tuple[str, Any]] = []
+        self.used: set[str] = set()
+        self.names: dict[object, str] = {}  # components of other keys seen (ints: layers)
+        self.tensor_type = torch_tensor_type()
+        self.to_array: Callable[[Any, bool], tuple[Any, str]] | None = None
+        if self.tensor_type is not None:
+            # Imported once here (torch is imported: the program has it), not at each
+            # leaf: a relative import statement costs 3 us even when it is loaded.
+            from .torch.tensors import to_array
+
+            self.to_array = to_array
+        self.values, self.tensors, self.token = values, tensors, token
+        self.keep_device = keep_device
+
+    def join(self, prefix: str, k: object) -> str:
+        """The shard key prefix of ``k`` under ``prefix`` (components cached)."""
         if type(k) is str:
             c = _STR_COMPONENTS.get(k)
             if c is None:
@@ -112,37 +150,35 @@ def flatten(
                     _STR_COMPONENTS.clear()
                 c = _STR_COMPONENTS[k] = _component(k)
         else:
-            c = names.get(k)
+            c = self.names.get(k)
             if c is None:
-                c = names[k] = _component(k)
+                c = self.names[k] = _component(k)
         return f"{prefix}.{c}" if prefix else c
 
-    if tensor_type is not None:
-        # Imported once here (torch is imported: the program has it), not at each
-        # leaf: a relative import statement costs 3 us even when it is loaded.
-        from .torch.tensors import to_array
-
-    def tensor(t: Any, path: Path, prefix: str, k: Any = _LEAF) -> dict[str, Any]:
+    def tensor(self, t: Any, path: Path, prefix: str, k: Any = _LEAF) -> dict[str, Any]:
         """A torch tensor leaf at ``path``, or under ``k`` of the dict at ``path``
         (the path of a leaf is built only for an error: a thousand leaves a save)."""
+        assert self.to_array is not None
         try:
-            arr, torch_dtype = to_array(t, keep_device)
+            arr, torch_dtype = self.to_array(t, self.keep_device)
         except InvalidArgument as exc:
             where: Path = path if k is _LEAF else (*path, k)
             raise InvalidArgument(f"at {path_str(where)}: {exc}") from None
-        key = _key_for(prefix, used)
-        arrays.append((key, arr))
-        if tensors is not None:  # its change token (changes.py)
-            tensors[key] = None if token is None else token(t)
+        key = _key_for(prefix, self.used)
+        self.arrays.append((key, arr))
+        if self.tensors is not None:  # its change token (changes.py)
+            self.tensors[key] = None if self.token is None else self.token(t)
         return {"array": key, "torch": torch_dtype}
 
     # The path tuple is for error messages; the joined string builds the shard key
     # incrementally instead of joining every component again at each leaf.
-    def walk(node: Any, path: Path, prefix: str) -> Any:
+    def walk(self, node: Any, path: Path, prefix: str) -> Any:
+        """The spec of ``node`` at ``path`` (its shard key prefix ``prefix``)."""
         t = type(node)
         if t is dict:
             if len(path) >= MAX_TREE_DEPTH:
                 raise too_deep(path, saved=False)
+            arrays, used, join, tensor_type = self.arrays, self.used, self.join, self.tensor_type
             items = []
             for k, v in node.items():
                 if type(k) is not str:
@@ -154,36 +190,42 @@ def flatten(
                     items.append([k, {"array": key}])
                 elif tensor_type is not None and isinstance(v, tensor_type):
                     # And a torch one (a walk() call per leaf cost 2 us of 7).
-                    items.append([k, tensor(v, path, join(prefix, k), k)])
+                    items.append([k, self.tensor(v, path, join(prefix, k), k)])
                 else:
-                    items.append([k, walk(v, (*path, k), join(prefix, k))])
+                    items.append([k, self.walk(v, (*path, k), join(prefix, k))])
             return {"dict": items}
         if t is list or t is tuple:
             if len(path) >= MAX_TREE_DEPTH:
                 raise too_deep(path, saved=False)
             kind = "tuple" if t is tuple else "list"
+            walk, join = self.walk, self.join
             return {kind: [walk(v, (*path, i), join(prefix, i)) for i, v in enumerate(node)]}
         if t is np.ndarray and not node.dtype.hasobject:
             # The common leaf first (is_jax_array is an ABC check).
-            key = _key_for(prefix, used)
-            arrays.append((key, node))
+            key = _key_for(prefix, self.used)
+            self.arrays.append((key, node))
             return {"array": key}
-        if tensor_type is not None and isinstance(node, tensor_type):
-            return tensor(node, path, prefix)
+        if self.tensor_type is not None and isinstance(node, self.tensor_type):
+            return self.tensor(node, path, prefix)
+        return self.leaf(node, path, prefix)
+
+    def leaf(self, node: Any, path: Path, prefix: str) -> Any:
+        """Every other node: a jax array, a numpy scalar, a JSON value, a pytree node
+        of another type, anything with ``__array__``, or a static callable."""
         if is_jax_array(node):
-            key = _key_for(prefix, used)
+            key = _key_for(prefix, self.used)
             if isinstance(node.dtype, np.dtype):
-                arrays.append((key, node))  # the client saves its addressable shards
+                self.arrays.append((key, node))  # the client saves its addressable shards
                 return {"jax": key, "dtype": dtype_to_str(np.dtype(node.dtype))}
             data, impl = key_data_of(node, path_str(path))  # a typed PRNG key array
-            arrays.append((key, data))
+            self.arrays.append((key, data))
             return {"jax": key, "dtype": dtype_to_str(np.dtype(data.dtype)), "key_impl": impl}
         # Before the Python scalars: np.float64 is a subclass of float but is an array leaf.
         if isinstance(node, np.ndarray | np.generic):
-            return _array(node, path, prefix)
+            return self.array(node, path, prefix)
         if node is None or isinstance(node, bool | int | float | str):
-            if values is not None:
-                values.append(node)
+            if self.values is not None:
+                self.values.append(node)
             if isinstance(node, int) and not isinstance(node, bool) and abs(node) >= 2**63:
                 return {"bigint": str(node)}
             return {"value": node}
@@ -193,7 +235,7 @@ def flatten(
             if len(path) >= MAX_TREE_DEPTH:
                 raise too_deep(path, saved=False)
             subs = [
-                walk(c, (*path, k), join(prefix, k))
+                self.walk(c, (*path, k), self.join(prefix, k))
                 for k, c in zip(n.keys, n.children, strict=True)
             ]
             if n.named:
@@ -203,7 +245,8 @@ def flatten(
                 }
             return {"tuple" if isinstance(node, tuple) else "list": subs, "type": n.type_name}
         if hasattr(node, "__array__"):
-            return _array(node, path, prefix)
+            return self.array(node, path, prefix)
+        t = type(node)
         if callable(node):
             name = getattr(node, "__qualname__", None) or t.__qualname__
             return {"static": f"{getattr(node, '__module__', None) or t.__module__}.{name}"}
@@ -213,21 +256,20 @@ def flatten(
             "jax.tree_util flattens) or None/bool/int/float/str"
         )
 
-    def _array(node: Any, path: Path, prefix: str) -> dict[str, Any]:
+    def array(self, node: Any, path: Path, prefix: str) -> dict[str, Any]:
+        """An array leaf other than a plain numpy array (a scalar, ``__array__``)."""
         arr = np.asarray(node)
         if arr.dtype.hasobject:
             raise TypeError(
                 f"array at {path_str(path)} has dtype object; ckptd stores fixed-size "
                 "dtypes only (convert it, or store its items as JSON leaves)"
             )
-        key = _key_for(prefix, used)
-        arrays.append((key, arr))
+        key = _key_for(prefix, self.used)
+        self.arrays.append((key, arr))
         spec: dict[str, Any] = {"array": key}
         if isinstance(node, np.generic):
             spec["scalar"] = True
         return spec
-
-    return walk(tree, (), ""), arrays
 
 
 def unflatten(
