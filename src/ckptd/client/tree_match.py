@@ -81,83 +81,52 @@ def match(
     own memory is kept (never of a copy ``to_array`` made); it holds no reference to
     the tensor, so it never keeps memory alive, and it is used only while the tree
     being saved holds that storage."""
-    arrays: list[tuple[str, Any]] = []
-    tensor_type = torch_tensor_type()
-    if tensor_type is not None:
-        from .torch.tensors import to_array
-    jax = sys.modules.get("jax")
-    jax_array = getattr(jax, "Array", None)
+    m = _Match(values, tensors, token, keep_device, views)
+    return m.arrays if type(spec) is dict and m.walk(tree, spec) else None
 
-    def leaf(v: Any, s: dict[str, Any]) -> bool:
-        key = s.get("array")
-        if key is not None:
-            if "torch" in s:
-                if tensor_type is None or not isinstance(v, tensor_type) or len(s) != 2:
-                    return False
-                tok = None if token is None else token(v)
-                if tensors is not None:
-                    tensors[key] = tok
-                if tok is not None and views is not None and not s["torch"]:
-                    hit = views.get(key)
-                    if hit is not None and hit[0] is tok[0] and hit[1] == tok[1][1]:
-                        arrays.append((key, hit[2]))
-                        return True
-                try:
-                    arr, torch_dtype = to_array(v, keep_device)
-                except InvalidArgument:
-                    return False  # flatten says where, and why
-                if torch_dtype != s["torch"]:
-                    return False
-                arrays.append((key, arr))
-                if (
-                    tok is not None
-                    and views is not None
-                    and type(arr) is np.ndarray
-                    and arr.__array_interface__["data"][0] == tok[1][1][0]
-                ):
-                    # A view of the tensor's own memory only, never of a copy to_array
-                    # made (a lazily negated or conjugated tensor, another device's):
-                    # that copy is freed after this save.
-                    view = unowned(arr)
-                    if view is not None:
-                        views[key] = (tok[0], tok[1][1], view)
-                return True
-            if len(s) == 1 and type(v) is np.ndarray and not v.dtype.hasobject:
-                arrays.append((key, v))
-                return True
-            if len(s) == 2 and s.get("scalar") and isinstance(v, np.generic):
-                arr = np.asarray(v)  # (a numpy scalar: flatten saves it as a 0-d array)
-                if not arr.dtype.hasobject:
-                    arrays.append((key, arr))
-                    return True
-            return False  # (an array-like flatten converts, or another kind of leaf)
-        key = s.get("jax")
-        if key is not None:
-            if jax_array is None or len(s) != 2 or not isinstance(v, jax_array):
-                return False  # (a typed PRNG key array has key_impl too)
-            dtype = v.dtype
-            if not isinstance(dtype, np.dtype):
-                return False
-            name = _DTYPE_NAMES.get(dtype)
-            if name is None:
-                name = _DTYPE_NAMES[dtype] = dtype_to_str(dtype)
-            if name != s["dtype"]:
-                return False
-            arrays.append((key, v))
-            return True
-        if "value" in s and len(s) == 1 and (v is None or type(v) in (bool, int, float, str)):
-            if type(v) is int and abs(v) >= 2**63:
-                return False  # a bigint: flatten writes it as text
-            values.append(v)
-            return True
-        return False
 
-    def walk(node: Any, s: Any) -> bool:
+class _Match:
+    """One match: the arrays found so far, and the walk over tree and spec together."""
+
+    __slots__ = (
+        "arrays",
+        "jax_array",
+        "keep_device",
+        "tensor_type",
+        "tensors",
+        "to_array",
+        "token",
+        "values",
+        "views",
+    )
+
+    def __init__(
+        self,
+        values: list[Any],
+        tensors: dict[str, Any] | None,
+        token: Callable[[Any], Any] | None,
+        keep_device: bool,
+        views: dict[str, View] | None,
+    ) -> None:
+        self.arrays: list[tuple[str, Any]] = []
+        self.values, self.tensors, self.token = values, tensors, token
+        self.keep_device, self.views = keep_device, views
+        self.tensor_type = torch_tensor_type()
+        self.to_array: Callable[[Any, bool], tuple[Any, str]] | None = None
+        if self.tensor_type is not None:
+            from .torch.tensors import to_array
+
+            self.to_array = to_array
+        self.jax_array = getattr(sys.modules.get("jax"), "Array", None)
+
+    def walk(self, node: Any, s: Any) -> bool:
+        """Whether ``node`` has the structure of ``s`` (its leaves taken as it goes)."""
         t = type(node)
         if t is dict:
             items = s.get("dict")
             if items is None or len(s) != 1 or len(items) != len(node):
                 return False
+            walk = self.walk
             for (k, v), (k0, s0) in zip(node.items(), items, strict=True):
                 if k is not k0 and (type(k) is not type(k0) or k != k0):
                     return False
@@ -170,10 +139,85 @@ def match(
             subs = s.get("tuple" if t is tuple else "list")
             if subs is None or len(s) != 1 or len(subs) != len(node):
                 return False
-            return all(walk(v, s0) for v, s0 in zip(node, subs, strict=True))
-        return leaf(node, s)
+            return all(self.walk(v, s0) for v, s0 in zip(node, subs, strict=True))
+        return self.leaf(node, s)
 
-    return arrays if type(spec) is dict and walk(tree, spec) else None
+    def leaf(self, v: Any, s: dict[str, Any]) -> bool:
+        """Whether leaf ``v`` is of the kind spec leaf ``s`` says (taken if so)."""
+        key = s.get("array")
+        if key is not None:
+            if "torch" in s:
+                return self.tensor(v, s, key)
+            if len(s) == 1 and type(v) is np.ndarray and not v.dtype.hasobject:
+                self.arrays.append((key, v))
+                return True
+            if len(s) == 2 and s.get("scalar") and isinstance(v, np.generic):
+                arr = np.asarray(v)  # (a numpy scalar: flatten saves it as a 0-d array)
+                if not arr.dtype.hasobject:
+                    self.arrays.append((key, arr))
+                    return True
+            return False  # (an array-like flatten converts, or another kind of leaf)
+        key = s.get("jax")
+        if key is not None:
+            return self.jax(v, s, key)
+        if "value" in s and len(s) == 1 and (v is None or type(v) in (bool, int, float, str)):
+            if type(v) is int and abs(v) >= 2**63:
+                return False  # a bigint: flatten writes it as text
+            self.values.append(v)
+            return True
+        return False
+
+    def tensor(self, v: Any, s: dict[str, Any], key: str) -> bool:
+        """A torch tensor leaf: its view kept from the last save while its memory is
+        where it was (:func:`match`'s ``views``), else taken anew."""
+        if self.tensor_type is None or not isinstance(v, self.tensor_type) or len(s) != 2:
+            return False
+        assert self.to_array is not None
+        tok = None if self.token is None else self.token(v)
+        if self.tensors is not None:
+            self.tensors[key] = tok
+        views = self.views
+        if tok is not None and views is not None and not s["torch"]:
+            hit = views.get(key)
+            if hit is not None and hit[0] is tok[0] and hit[1] == tok[1][1]:
+                self.arrays.append((key, hit[2]))
+                return True
+        try:
+            arr, torch_dtype = self.to_array(v, self.keep_device)
+        except InvalidArgument:
+            return False  # flatten says where, and why
+        if torch_dtype != s["torch"]:
+            return False
+        self.arrays.append((key, arr))
+        if (
+            tok is not None
+            and views is not None
+            and type(arr) is np.ndarray
+            and arr.__array_interface__["data"][0] == tok[1][1][0]
+        ):
+            # A view of the tensor's own memory only, never of a copy to_array made (a
+            # lazily negated or conjugated tensor, another device's): that copy is
+            # freed after this save.
+            view = unowned(arr)
+            if view is not None:
+                views[key] = (tok[0], tok[1][1], view)
+        return True
+
+    def jax(self, v: Any, s: dict[str, Any], key: str) -> bool:
+        """A jax array leaf of the spec's dtype (a typed PRNG key array never matches:
+        flatten saves its key data)."""
+        if self.jax_array is None or len(s) != 2 or not isinstance(v, self.jax_array):
+            return False  # (a typed PRNG key array has key_impl too)
+        dtype = v.dtype
+        if not isinstance(dtype, np.dtype):
+            return False
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = dtype_to_str(dtype)
+        if name != s["dtype"]:
+            return False
+        self.arrays.append((key, v))
+        return True
 
 
 __all__ = ["match"]
