@@ -385,47 +385,10 @@ class Drain:
                     return
                 raise
             except Exception as exc:
-                self.publisher.suspect.add(st.key)  # parts of it may be in the bucket
-                if isinstance(exc, HolderMissing):  # they go first, then it goes again
-                    self.catalog.requeued(st, str(exc))
+                delay = await self._failed(st, exc, attempt)
+                if delay is None:
                     return
-                if self._replaced(st):
-                    return
-                if self._stop.is_set():
-                    self.catalog.requeued(st, "the daemon is stopping")
-                    return
-                reason = f"upload to {self.remote.url} failed: {exc}"
-                # A checksum mismatch may mean the local bytes changed: check once.
-                suspect = attempt == 2 or "crc32c" in str(exc)
-                changed = await self.publisher.local_changed(st) if suspect else ""
-                if changed:
-                    log.error("%s/%d: %s", st.job, st.step, changed)
-                    self.last_error = changed
-                    await self.io.run(self.store.set_aside, st.job, st.step)
-                    self.catalog.local_removed(st, pb.STEP_EVENT_SET_ASIDE, changed)
-                    self.catalog.failed(st, changed, "remote")
-                    return
-                if not self.remote.is_transient(exc):
-                    failures = self._failed_uploads.get(st.key, (0, 0.0))[0] + 1
-                    wait = self._revive.delay(failures - 1)
-                    self._failed_uploads[st.key] = (failures, time.monotonic() + wait)
-                    reason += f"; the local copy stays restorable, next try in {wait:.0f} s"
-                    log.error("%s/%d: %s", st.job, st.step, reason)
-                    self.last_error = reason
-                    self.catalog.failed(st, reason, "remote")
-                    return
-                delay = self.backoff.delay(attempt)
                 attempt += 1
-                self.last_error = f"retrying in {delay:.1f} s: {reason}"
-                log.warning("%s/%d: %s", st.job, st.step, self.last_error)
-                self.catalog.retrying(st, self.last_error)
-                self.supersede_unwanted()  # other steps may be unwanted by now
-                if (
-                    self._newer_pending(st)
-                    and st.step not in self.retention.plan(st.job).remote_wants
-                ):
-                    self.catalog.requeued(st, "a newer step goes first (coalescing)")
-                    return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
             finally:
@@ -438,3 +401,47 @@ class Drain:
         log.info(
             "%s/%d DURABLE in %.3f s after handoff", st.job, st.step, st.durable_at - st.handoff_at
         )
+
+    async def _failed(self, st: Step, exc: Exception, attempt: int) -> float | None:
+        """An upload attempt of ``st`` failed: the seconds to wait before the next, or
+        None when this drain of it ends (its holders go first, it was replaced, the
+        daemon stops, its local bytes changed, the error is not transient, or a newer
+        step goes first)."""
+        self.publisher.suspect.add(st.key)  # parts of it may be in the bucket
+        if isinstance(exc, HolderMissing):  # they go first, then it goes again
+            self.catalog.requeued(st, str(exc))
+            return None
+        if self._replaced(st):
+            return None
+        if self._stop.is_set():
+            self.catalog.requeued(st, "the daemon is stopping")
+            return None
+        reason = f"upload to {self.remote.url} failed: {exc}"
+        # A checksum mismatch may mean the local bytes changed: check once.
+        suspect = attempt == 2 or "crc32c" in str(exc)
+        changed = await self.publisher.local_changed(st) if suspect else ""
+        if changed:
+            log.error("%s/%d: %s", st.job, st.step, changed)
+            self.last_error = changed
+            await self.io.run(self.store.set_aside, st.job, st.step)
+            self.catalog.local_removed(st, pb.STEP_EVENT_SET_ASIDE, changed)
+            self.catalog.failed(st, changed, "remote")
+            return None
+        if not self.remote.is_transient(exc):
+            failures = self._failed_uploads.get(st.key, (0, 0.0))[0] + 1
+            wait = self._revive.delay(failures - 1)
+            self._failed_uploads[st.key] = (failures, time.monotonic() + wait)
+            reason += f"; the local copy stays restorable, next try in {wait:.0f} s"
+            log.error("%s/%d: %s", st.job, st.step, reason)
+            self.last_error = reason
+            self.catalog.failed(st, reason, "remote")
+            return None
+        delay = self.backoff.delay(attempt)
+        self.last_error = f"retrying in {delay:.1f} s: {reason}"
+        log.warning("%s/%d: %s", st.job, st.step, self.last_error)
+        self.catalog.retrying(st, self.last_error)
+        self.supersede_unwanted()  # other steps may be unwanted by now
+        if self._newer_pending(st) and st.step not in self.retention.plan(st.job).remote_wants:
+            self.catalog.requeued(st, "a newer step goes first (coalescing)")
+            return None
+        return delay

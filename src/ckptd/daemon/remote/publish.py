@@ -22,13 +22,15 @@ import logging
 import time
 from collections.abc import Callable, Set
 from functools import partial
+from typing import Any
 
 from ckptd.core import checksum
+from ckptd.core.manifest import Manifest
 from ckptd.core.verify import verify_step
 
 from .. import faults
 from ..catalog import Step
-from ..commit import MarkerCommit
+from ..commit import Commit, MarkerCommit
 from ..io import IoPool, gather_all
 from ..local.store import LocalStore
 from . import held
@@ -179,30 +181,60 @@ class Publisher:
                 )
 
     async def _upload(self, st: Step) -> tuple[int, int]:
-        """Upload one step, its marker last; returns (files sent, files already there)."""
+        """Upload one step, its marker last; returns (files sent, files already there).
+        In stages: what this save replaces goes (retract, held copies), the rank files,
+        an adopted tree's own commit file, then this node's part: manifest, ranks,
+        marker (the commit point), and the node index."""
         if faults.armed("drain.upload"):
             await asyncio.to_thread(faults.hit, "drain.upload")
         manifest = st.manifest
         assert manifest is not None
-        node = self.node_id
-        local_dir = self.store.step_dir(st.job, st.step)
         adopted = manifest.adopted
         tree = step_prefix(st.job, st.step)
         records = record_prefix(st.job, st.step, adopted)
         # An adopted tree is published where its framework reads it (its own commit
         # file last); ckptd's records of the step are committed beside it.
-        tree_commit = self.remote.tree_commit(tree, records, node) if adopted else None
-        skipped: list[str] = []
+        tree_commit = self.remote.tree_commit(tree, records, self.node_id) if adopted else None
         await self._retract_replaced(st, adopted)
         await self._publish_held(st)
         suspect = st.key in self.suspect
+        sent, skipped = await self._send_files(st, manifest, tree_commit, suspect)
+        if tree_commit is not None:
+            await self._commit_tree(st, manifest, tree_commit)
+        await self._commit_part(st, manifest, records)
+        await self.index.add(st.job, _index_entry(st, manifest))
+        if suspect:
+            # Attempts cut by an outage or a kill could not abort their multipart
+            # uploads: do it now (this node's prefix only: never another's in flight).
+            with contextlib.suppress(Exception):
+                data = data_prefix(
+                    st.job, st.step, self.node_id, manifest.data_layout, manifest.timeline
+                )
+                await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{data}/")
+            self.suspect.discard(st.key)
+        return sent, skipped
+
+    async def _send_files(
+        self, st: Step, manifest: Manifest, tree_commit: Commit | None, suspect: bool
+    ) -> tuple[int, int]:
+        """Every rank file but an adopted tree's commit file, in waves (upload_order);
+        after an attempt that may have sent some (``suspect``), those already there
+        with the right crc32c are not sent again. (sent, skipped)."""
+        local_dir = self.store.step_dir(st.job, st.step)
+        skipped: list[str] = []
 
         async def one(rank_file: str, size: int, crc32c: int) -> None:
             if tree_commit is not None:
                 key = f"{tree_commit.location}/{tree_path(rank_file)}"
             else:
                 key = file_key(
-                    st.job, st.step, node, rank_file, False, manifest.data_layout, manifest.timeline
+                    st.job,
+                    st.step,
+                    self.node_id,
+                    rank_file,
+                    False,
+                    manifest.data_layout,
+                    manifest.timeline,
                 )
             with contextlib.suppress(FileNotFoundError):
                 if suspect and await self.remote.native_crc32c(key) == crc32c:
@@ -216,26 +248,35 @@ class Publisher:
             await self.remote.put_file(local_dir / rank_file, key, size, crc32c)
             self._progress_at = time.monotonic()
 
-        records_by_file = {r.file: r for r in manifest.ranks}
+        by_file = {r.file: r for r in manifest.ranks}
         top_commit = f"{FILES_DIR}/{COMMIT_FILE}"
-        for wave in upload_order([f for f in records_by_file if f != top_commit]):
-            await gather_all(
-                *(one(f, records_by_file[f].size, records_by_file[f].crc32c) for f in wave)
-            )
-        if tree_commit is not None:
-            await asyncio.to_thread(faults.hit, "drain.before_tree_commit")
-            marker = None
-            if top_commit in records_by_file:
-                marker = await self.io.run((local_dir / top_commit).read_bytes)
-                want = records_by_file[top_commit].crc32c
-                if checksum.value(marker) != want:
-                    raise self.remote.mismatch(
-                        top_commit, "read back", checksum.value(marker), want
-                    )
-            await tree_commit.finalize(marker)
+        for wave in upload_order([f for f in by_file if f != top_commit]):
+            await gather_all(*(one(f, by_file[f].size, by_file[f].crc32c) for f in wave))
+        return len(by_file) - len(skipped), len(skipped)
+
+    async def _commit_tree(self, st: Step, manifest: Manifest, tree_commit: Commit) -> None:
+        """An adopted tree's own commit file last (read back against its crc32c)."""
+        await asyncio.to_thread(faults.hit, "drain.before_tree_commit")
+        by_file = {r.file: r for r in manifest.ranks}
+        top_commit = f"{FILES_DIR}/{COMMIT_FILE}"
+        marker = None
+        if top_commit in by_file:
+            local_dir = self.store.step_dir(st.job, st.step)
+            marker = await self.io.run((local_dir / top_commit).read_bytes)
+            want = by_file[top_commit].crc32c
+            if checksum.value(marker) != want:
+                raise self.remote.mismatch(top_commit, "read back", checksum.value(marker), want)
+        await tree_commit.finalize(marker)
+
+    async def _commit_part(self, st: Step, manifest: Manifest, records: str) -> None:
+        """This node's part of the step: its manifest and ranks, then its marker (the
+        commit point), once every step it references is in the bucket and the manifest
+        read back is the one sent."""
+        node, adopted = self.node_id, manifest.adopted
         part = MarkerCommit(
             self.remote, f"{records}/{node}", marker_key(st.job, st.step, node, adopted)
         )
+        local_dir = self.store.step_dir(st.job, st.step)
         manifest_bytes = await self.io.run((local_dir / "manifest.json").read_bytes)
         mkey = manifest_key(st.job, st.step, node, adopted)
         await self.remote.put_bytes(mkey, manifest_bytes)
@@ -253,43 +294,42 @@ class Publisher:
         # marker's timeline against the manifest too, remote/read.py).
         if await self.remote.get_bytes(mkey) != manifest_bytes:
             raise RemoteError(f"{mkey}: a late write replaced the manifest just sent", True)
-        marker_info = {
-            "node": node,
-            "job": st.job,
-            "step": st.step,
-            "time": time.time(),
-            "files": [r.file for r in manifest.ranks] + ["manifest.json"],
-            # What retention needs once the local copy is gone.
-            "created_unix": manifest.created_unix,
-            "milestone": st.milestone,
-            "metrics": st.metrics,
-            # Which timeline it is of: a node that lost its disk learns the lineage.
-            "timeline": manifest.timeline,
-            "forks": manifest.forks,
-            # The steps its references read: retention keeps them while it is here.
-            "holders": sorted(manifest.holders()),
-            # Where its rank files are: deleted by their layout's prefix (retract.py).
-            "data_layout": manifest.data_layout,
-        }
-        await part.finalize(json.dumps(marker_info).encode())
-        entry = Entry(
-            st.step,
-            adopted,
-            manifest.created_unix,
-            st.milestone,
-            dict(st.metrics),
-            st.pinned,
-            manifest.timeline,
-            manifest.forks,
-            sorted(manifest.holders()),
-            manifest.data_layout,
-        )
-        await self.index.add(st.job, entry)
-        if suspect:
-            # Attempts cut by an outage or a kill could not abort their multipart
-            # uploads: do it now (this node's prefix only: never another's in flight).
-            with contextlib.suppress(Exception):
-                data = data_prefix(st.job, st.step, node, manifest.data_layout, manifest.timeline)
-                await self.remote.cleanup_incomplete(f"{tree}/" if adopted else f"{data}/")
-            self.suspect.discard(st.key)
-        return len(records_by_file) - len(skipped), len(skipped)
+        await part.finalize(json.dumps(_marker_info(st, manifest, node)).encode())
+
+
+def _marker_info(st: Step, manifest: Manifest, node: str) -> dict[str, Any]:
+    """What a node's marker of a step records (remote/layout.py)."""
+    return {
+        "node": node,
+        "job": st.job,
+        "step": st.step,
+        "time": time.time(),
+        "files": [r.file for r in manifest.ranks] + ["manifest.json"],
+        # What retention needs once the local copy is gone.
+        "created_unix": manifest.created_unix,
+        "milestone": st.milestone,
+        "metrics": st.metrics,
+        # Which timeline it is of: a node that lost its disk learns the lineage.
+        "timeline": manifest.timeline,
+        "forks": manifest.forks,
+        # The steps its references read: retention keeps them while it is here.
+        "holders": sorted(manifest.holders()),
+        # Where its rank files are: deleted by their layout's prefix (retract.py).
+        "data_layout": manifest.data_layout,
+    }
+
+
+def _index_entry(st: Step, manifest: Manifest) -> Entry:
+    """The node index's entry of a step just committed in the bucket."""
+    return Entry(
+        st.step,
+        manifest.adopted,
+        manifest.created_unix,
+        st.milestone,
+        dict(st.metrics),
+        st.pinned,
+        manifest.timeline,
+        manifest.forks,
+        sorted(manifest.holders()),
+        manifest.data_layout,
+    )
