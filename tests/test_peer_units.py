@@ -257,7 +257,7 @@ class _Memory:
         self.leases.append(len(self.leases))
         return SimpleNamespace(segment=self.leases[-1])
 
-    def keep(self, job: str, step: int, rank: int, lease: Any) -> None:
+    def keep(self, job: str, step: int, rank: int, lease: Any, holds: tuple[int, int]) -> None:
         self.kept.append((rank, lease.segment))
 
     def release(self, lease: Any) -> None:
@@ -284,7 +284,8 @@ def test_staging_stops_once_a_restore_has_read_the_step(
     fetcher = PeerSource(_Catalog(), store, _Io(), None)  # type: ignore[arg-type]
     memory = fetcher.memory = _Memory()
     try:
-        asyncio.run(fetcher._stage(st, SimpleNamespace(ranks=ranks)))  # type: ignore[arg-type]
+        manifest = SimpleNamespace(ranks=ranks, timeline=1)
+        asyncio.run(fetcher._stage(st, manifest))  # type: ignore[arg-type]
     finally:
         fetcher.close()
     assert staged == [0, 1]
