@@ -318,3 +318,25 @@ def test_no_service_assigns_an_attribute_of_another() -> None:
                 if isinstance(t.value, ast.Name) and t.value.id in passed:
                     offenders.append(f"{p.relative_to(REPO)}:{t.lineno}: {ast.unparse(t)}")
     assert offenders == []
+
+
+FRAMEWORK_ROOMS = ("torch", "lightning", "orbax", "hf", "torchtitan", "demo")
+"""The client's framework integrations (and the demo): each imports its framework and
+the client's generic code; the generic code never imports them (leaves/ holds the
+framework leaf kinds it handles)."""
+
+
+def test_the_clients_generic_code_never_imports_a_framework_room() -> None:
+    def room(module: str) -> str:
+        first = module.split(".")[2] if module.count(".") >= 2 else ""
+        return next((r for r in FRAMEWORK_ROOMS if first == r or first.startswith(r + "_")), "")
+
+    edges = import_edges(SRC)
+    offenders = [
+        f"{m} -> {t}"
+        for m, targets in sorted(edges.items())
+        if m.startswith("ckptd.client.") and not room(m) and m != "ckptd.client"
+        for t in sorted(targets)
+        if t.startswith("ckptd.client.") and room(t)
+    ]
+    assert offenders == []

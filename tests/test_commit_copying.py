@@ -361,7 +361,7 @@ def test_a_client_killed_while_a_process_it_forked_holds_its_lock_still_counts_a
 
 def test_pending_device_copies_are_all_waited_for_even_after_one_failed() -> None:
     """No queued device-to-host copy may still write into a lease given up."""
-    from ckptd.client.torch.device_copy import Pending
+    from ckptd.client.leaves.torch_device import Pending
 
     synced: list[int] = []
 

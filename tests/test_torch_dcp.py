@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ckptd.client import CheckpointNotFound, CkptdError  # noqa: E402
 from ckptd.client.handle import SaveHandle  # noqa: E402
+from ckptd.client.leaves.torch_tensors import dtype_names  # noqa: E402
 from ckptd.client.torch import CkptdReader, CkptdWriter  # noqa: E402
-from ckptd.client.torch.tensors import dtype_names  # noqa: E402
 from ckptd.proto import ckptd_pb2 as pb  # noqa: E402
 
 from .conftest import Daemon, RemoteTarget  # noqa: E402

@@ -6,7 +6,7 @@ A save's array leaves go one of three ways (the save path: saver.py):
   imports, zero-copy host buffers) is copied by the calling thread before
   ``save()`` returns;
 - CUDA tensors, and jax arrays on a CUDA device when torch is there, are queued on
-  the devices' copy engines at once (torch/device_copy.py) and run while the
+  the devices' copy engines at once (leaves/torch_device.py) and run while the
   calling thread copies the host arrays;
 - the other jax arrays (on an accelerator, or trusted CPU ones:
   ``Client(trust_jax_arrays=True)``) are copied after ``save()`` returns, on a
@@ -31,7 +31,7 @@ from .planning import Arrays, SavePlan
 
 if TYPE_CHECKING:
     from .jax_arrays import ShardPlan
-    from .torch.device_copy import DeviceCopies, Pending
+    from .leaves.torch_device import DeviceCopies, Pending
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Routes:
         later = [e for e in plan.device_entries if e.key not in held]
         cuda = arrays.cuda or {}
         if device and self.via_torch(device):
-            from .torch.device_copy import from_jax
+            from .leaves.torch_device import from_jax
 
             cuda = {**cuda, **from_jax(device, later)}
         copies = CopyPlan(host, now, later, device)

@@ -1,7 +1,7 @@
 """A tensor leaf whose bytes are in accelerator memory, as a save plans it.
 
 Planning needs a leaf's dtype and shape only; the bytes of an accelerator's tensor
-go straight from the device into the save's lease (``ckptd.client.torch.device_copy``),
+go straight from the device into the save's lease (``ckptd.client.leaves.torch_device``),
 with no copy to host memory of its own first. This module imports no framework, so
 the planner can tell such a leaf apart without importing torch.
 """

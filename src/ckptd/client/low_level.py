@@ -21,7 +21,7 @@ from .handle import SaveHandle
 from .saver import Saver
 
 if TYPE_CHECKING:
-    from .torch.device_copy import DeviceCopies
+    from .leaves.torch_device import DeviceCopies
 
 
 class LowLevel:

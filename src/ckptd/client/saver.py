@@ -32,7 +32,7 @@ from .planning import Arrays, Planner, SavePlan, plan_in_place
 from .save_args import save_args
 
 if TYPE_CHECKING:
-    from .torch.device_copy import DeviceCopies, Pending
+    from .leaves.torch_device import DeviceCopies, Pending
 
 
 _START_WAIT = 0.005
@@ -411,7 +411,7 @@ class Saver:
         """The copier of CUDA tensors into leases (made at the first save holding one:
         only then is torch known to be imported)."""
         if self._cuda is None:
-            from .torch.device_copy import DeviceCopies
+            from .leaves.torch_device import DeviceCopies
 
             self._cuda = DeviceCopies()
             self._handoff.unmapping.append(self._cuda.forget)

@@ -114,7 +114,7 @@ class _Match:
         self.tensor_type = torch_tensor_type()
         self.to_array: Callable[[Any, bool], tuple[Any, str]] | None = None
         if self.tensor_type is not None:
-            from .torch.tensors import to_array
+            from .leaves.torch_tensors import to_array
 
             self.to_array = to_array
         self.jax_array = getattr(sys.modules.get("jax"), "Array", None)

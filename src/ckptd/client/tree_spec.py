@@ -135,7 +135,7 @@ class _Flatten:
         if self.tensor_type is not None:
             # Imported once here (torch is imported: the program has it), not at each
             # leaf: a relative import statement costs 3 us even when it is loaded.
-            from .torch.tensors import to_array
+            from .leaves.torch_tensors import to_array
 
             self.to_array = to_array
         self.values, self.tensors, self.token = values, tensors, token
@@ -316,11 +316,11 @@ def unflatten(
                 )
             tensor_type = torch_tensor_type()
             if tensor_type is not None and isinstance(t, tensor_type):
-                from .torch.tensors import load_into
+                from .leaves.torch_tensors import load_into
 
                 return load_into(t, arr, s.get("torch", ""))
             if "torch" in s:
-                from .torch.tensors import to_tensor
+                from .leaves.torch_tensors import to_tensor
 
                 return to_tensor(arr, s["torch"])
             return arr[()] if s.get("scalar") else arr

@@ -29,7 +29,7 @@ import torch
 from ckptd.core.format import TensorEntry, round_up
 
 from ..client import Client
-from .tensors import to_array
+from ..leaves.torch_tensors import to_array
 
 HEADROOM_BASE = 256 * 2**10
 HEADROOM_PER_OBJECT = 8 * 2**10

@@ -32,6 +32,7 @@ from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgu
 from .. import mapped_views
 from ..client import Client
 from ..distributed import restorable_steps
+from ..leaves.torch_tensors import to_tensor
 from .common import (
     COORDINATOR,
     ITEMS,
@@ -43,7 +44,6 @@ from .common import (
     parse_checkpoint_id,
     world,
 )
-from .tensors import to_tensor
 
 
 class CkptdReader(StorageReader):

@@ -34,6 +34,7 @@ from ckptd.core.errors import InvalidArgument
 
 from ..client import Client
 from ..handle import SaveHandle
+from ..leaves.torch_tensors import to_array
 from . import lease_stage
 from .common import (
     COORDINATOR,
@@ -48,7 +49,6 @@ from .common import (
     parse_checkpoint_id,
     world,
 )
-from .tensors import to_array
 
 _STAGES = (None, "local", "durable")
 

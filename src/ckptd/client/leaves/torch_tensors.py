@@ -151,7 +151,7 @@ def load_into(target: torch.Tensor, arr: np.ndarray, torch_dtype: str = "") -> t
     with torch.no_grad():
         source = to_tensor(arr, torch_dtype)
         if target.is_cuda:
-            from .device_copy import restore_into  # (only where CUDA is)
+            from .torch_device import restore_into  # (only where CUDA is)
 
             if restore_into(target, source):
                 return target
