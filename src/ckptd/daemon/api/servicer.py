@@ -31,7 +31,6 @@ from ckptd.core.errors import (
     Unauthenticated,
     from_os_error,
 )
-from ckptd.core.manifest import Manifest
 from ckptd.core.names import check_name, check_step, check_wait
 from ckptd.core.redact import redact
 from ckptd.core.session import SESSION_HEADER
@@ -328,13 +327,14 @@ class Servicer(pb_grpc.CkptdServicer):
     ) -> pb.FetchPeersResponse:
         peer, job = self._job(context, request.job)
         parts = await self.s.restorer.other_parts(job, check_step(request.step))
-        for _, directory, raw in parts:
-            self.s.access.grant(peer, directory)
-            held_by = Manifest.from_json(raw).holders() if '"refs"' in raw else ()
-            for held in held_by:  # that node's part of an older step
-                self.s.access.grant(peer, directory.parent.parent / str(held) / directory.name)
+        for part in parts:
+            for directory in part.reads:
+                self.s.access.grant(peer, directory)
         return pb.FetchPeersResponse(
-            parts=[pb.PeerPart(node=n, directory=str(d), manifest_json=m) for n, d, m in parts]
+            parts=[
+                pb.PeerPart(node=p.node, directory=str(p.directory), manifest_json=p.manifest_json)
+                for p in parts
+            ]
         )
 
     @_rpc

@@ -53,6 +53,17 @@ class RestorePlan:
     its held copy where a later timeline replaced it (local/held.py)."""
 
 
+@dataclass(frozen=True)
+class OtherPart:
+    """Another node's part of a step, fetched here for a restore that reshards."""
+
+    node: str
+    directory: Path
+    manifest_json: str
+    reads: tuple[Path, ...]
+    """Every directory a client reading the part opens (access is granted to each)."""
+
+
 class Restorer:
     """Chooses what to restore and hands it to the client, verified."""
 
@@ -235,10 +246,17 @@ class Restorer:
             plan = replace(plan, lease=None, data_offset=0, tier="local")
         return plan
 
-    async def other_parts(self, job: str, step: int) -> list[tuple[str, Path, str]]:
+    async def other_parts(self, job: str, step: int) -> list[OtherPart]:
         """Other nodes' parts of ``step``, verified into ``<root>/.peers`` for a restore
-        that reshards across nodes: ``(node, directory, manifest json)`` each."""
-        return await self.bucket.other_parts(job, step)
+        that reshards across nodes, each with the directories a restoring client reads:
+        the part's own and, for an incremental part, its holders' parts."""
+        out = []
+        for node, directory, raw in await self.bucket.other_parts(job, step):
+            # (Parsed only when it references older steps: most parts are whole files.)
+            held = Manifest.from_json(raw).holders() if '"refs"' in raw else ()
+            holders = (directory.parent.parent / str(h) / directory.name for h in held)
+            out.append(OtherPart(node, directory, raw, (directory, *holders)))
+        return out
 
     async def report_corrupt(self, job: str, step: int, detail: str) -> None:
         """Re-verify a copy a client found corrupt; if bad, set it aside."""
