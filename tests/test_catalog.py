@@ -216,6 +216,12 @@ def test_pins_need_a_complete_copy() -> None:
         c.set_pinned(st, True)
         c.set_pinned(st, False)
         assert kinds(c)[-2:] == ["PINNED", "UNPINNED"] and not st.pinned
+        # A step with no copy left (its save failed) is not there to pin: NotFound, as
+        # for a step retention removed, not "try again later".
+        gone = c.begin("j", 2)
+        c.failed(gone, "the trainer died", "local")
+        with pytest.raises(NotFound, match="no copy left to pin"):
+            c.set_pinned(gone, True)
 
     run(body())
 

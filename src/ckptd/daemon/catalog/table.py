@@ -164,12 +164,21 @@ class StepTable(EventLog):
 
     # -- pins and use ------------------------------------------------------------
     def check_pinnable(self, st: Step) -> None:
-        """Raise unless the step has a complete copy that a pin could keep."""
-        if not st.local and not st.in_remote:
+        """Raise unless the step has a complete copy that a pin could keep: a save still
+        in progress is FailedPrecondition (pin it once it is LOCAL); a step with no copy
+        left (retention removed it, or its save failed) is NotFound, as if unknown."""
+        if st.local or st.in_remote:
+            return
+        if st.state == pb.SAVE_STATE_STAGING:
             raise FailedPrecondition(
                 f"step {st.step} of job {st.job!r} has no complete copy to pin "
-                f"({state_name(st.state)})"
+                f"({state_name(st.state)}); pin it once it is LOCAL"
             )
+        raise NotFound(
+            f"step {st.step} of job {st.job!r} has no copy left to pin "
+            f"({state_name(st.state)}): retention removed it, or its save failed; "
+            "pin a step `ckptd ls` lists"
+        )
 
     def set_pinned(self, st: Step, pinned: bool) -> None:
         """Pin (no tier evicts it) or unpin a step that has a complete copy."""
