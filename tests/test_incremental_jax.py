@@ -12,7 +12,8 @@ jax = pytest.importorskip("jax")
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ckptd.client.jax_arrays import ShardReader, build_leaf  # noqa: E402
+from ckptd.client.leaves.jax_arrays import build_leaf  # noqa: E402
+from ckptd.client.shards import ShardReader  # noqa: E402
 from ckptd.core.format import dtype_to_str  # noqa: E402
 from ckptd.core.manifest import MANIFEST  # noqa: E402
 

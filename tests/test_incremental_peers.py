@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptd.client.jax_arrays import ShardReader
+from ckptd.client.shards import ShardReader
 
 from .conftest import Daemon, RemoteTarget
 from .test_incremental_readers import incremental  # noqa: F401

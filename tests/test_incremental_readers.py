@@ -14,9 +14,9 @@ import pytest
 
 from ckptd.client import CheckpointCorrupt
 from ckptd.client import saver as client_saver
-from ckptd.client.jax_arrays import CorruptShard, ShardReader
 from ckptd.client.mapped_views import Corrupt, build_tree, map_file_verified
 from ckptd.client.rank_files import holder_dir
+from ckptd.client.shards import CorruptShard, ShardReader
 from ckptd.core.increments import file_offset
 from ckptd.core.manifest import MANIFEST
 from ckptd.core.shard_table import table_of

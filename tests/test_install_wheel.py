@@ -68,7 +68,7 @@ def test_the_wheel_installs_alone_and_runs_outside_the_clone(tmp_path: Path) -> 
     points = configparser.ConfigParser()
     points.read_string(entry_points)
     assert points["console_scripts"]["ckptd"] == "ckptd.daemon.app.cli:main"
-    assert points["fsspec.specs"]["ckptd"] == "ckptd.client.lightning_fs.CkptdFileSystem"
+    assert points["fsspec.specs"]["ckptd"] == "ckptd.client.lightning.fs.CkptdFileSystem"
 
     # A fresh environment that sees this one's dependencies but not its ckptd: a plain
     # path line in a .pth adds the directory without running its .pth files, so the
@@ -92,4 +92,4 @@ def test_the_wheel_installs_alone_and_runs_outside_the_clone(tmp_path: Path) -> 
     )
     where, points_seen = _run([str(python), "-c", code], outside).splitlines()
     assert Path(where).is_relative_to(site), f"ckptd.client came from {where}, not the wheel"
-    assert "ckptd.client.lightning_fs.CkptdFileSystem" in points_seen
+    assert "ckptd.client.lightning.fs.CkptdFileSystem" in points_seen

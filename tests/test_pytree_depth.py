@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from ckptd.client.tree_nodes import MAX_TREE_DEPTH
-from ckptd.client.tree_spec import flatten, unflatten
+from ckptd.client.tree.nodes import MAX_TREE_DEPTH
+from ckptd.client.tree.spec import flatten, unflatten
 from ckptd.core.errors import InvalidArgument
 
 from .conftest import Daemon

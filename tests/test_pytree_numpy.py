@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ckptd.client import TreeMismatch
-from ckptd.client.tree_spec import flatten, unflatten
+from ckptd.client.tree.spec import flatten, unflatten
 
 from .conftest import Daemon
 

@@ -198,7 +198,7 @@ def test_jax_shards_are_planned_once_while_the_array_lives(
 def test_a_single_device_array_is_its_own_one_shard() -> None:
     """What jax's addressable_shards says, taken without asking it (shapes of every rank)."""
     jnp = pytest.importorskip("jax.numpy")
-    from ckptd.client.jax_arrays import leaf_shards
+    from ckptd.client.leaves.jax_arrays import leaf_shards
 
     for a in (jnp.float32(2.5), jnp.zeros((0,)), jnp.arange(12.0).reshape(3, 4)):
         (got,) = leaf_shards("k", a, False)

@@ -1,5 +1,5 @@
 """A save of the last save's structure is planned from the last spec, without
-flattening the tree again (client/tree_match.py). Whatever the next tree is, the plan
+flattening the tree again (client/tree/match.py). Whatever the next tree is, the plan
 must be the one a fresh flatten gives: the same spec text, keys, layout and arrays,
 and a tree that differs anywhere is flattened anew."""
 
@@ -19,8 +19,8 @@ import torch
 
 from ckptd.client.changes import tensor_token
 from ckptd.client.planning import Planner
-from ckptd.client.tree_match import match
-from ckptd.client.tree_spec import flatten
+from ckptd.client.tree.match import match
+from ckptd.client.tree.spec import flatten
 
 
 def base_tree() -> dict[Any, Any]:

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ckptd.client.tree_spec import flatten, unflatten
+from ckptd.client.tree.spec import flatten, unflatten
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.format import (
     ALIGN,

@@ -51,7 +51,7 @@ TINY = [
 
 def hold_at(step: int, outdir: Path) -> None:
     """Test instrumentation: after ``save(step)`` returned, say so and wait to be killed."""
-    from ckptd.client import orbax_manager
+    from ckptd.client.orbax import manager as orbax_manager
 
     save = orbax_manager.CheckpointManager.save
 
@@ -115,7 +115,7 @@ def functions(socket: str, run: str, outdir: str) -> int:
     mngr = checkpointing.create_orbax_checkpoint_manager(
         f"{outdir}/{run}/checkpoints/", True, True, 5, max_num_checkpoints_to_keep=3
     )
-    assert type(mngr).__module__ == "ckptd.client.orbax_manager", type(mngr)
+    assert type(mngr).__module__ == "ckptd.client.orbax.manager", type(mngr)
     assert checkpointing.latest_step(mngr) is None
     assert checkpointing.save_checkpoint(mngr, 5, state)
     assert not checkpointing.save_checkpoint(mngr, 7, state)  # not a multiple of 5

@@ -159,7 +159,7 @@ def step_of(name: str) -> int:
 
 
 def test_a_resumed_run_keeps_the_names_lightning_still_refers_to() -> None:
-    from ckptd.client.lightning_pins import names_after_restore
+    from ckptd.client.lightning.pins import names_after_restore
 
     saved = {"ckptd://j/s3": 3, "ckptd://j/s6": 6, "ckptd://j/s9": 9, "ckptd://j/last": 6}
     saved["/tmp/manual.ckpt"] = 2  # trainer.save_checkpoint's own name: never dropped
@@ -341,7 +341,7 @@ def test_ddp_two_processes_resume_bit_identical(daemon: Daemon, tmp_path: Path) 
 
 def test_the_standalone_pytorch_lightning_package_resumes_too(daemon: Daemon) -> None:
     pl = pytest.importorskip("pytorch_lightning")
-    from ckptd.client.lightning_pl import CkptdAsyncCheckpointIO, CkptdModelCheckpoint
+    from ckptd.client.lightning.pl import CkptdAsyncCheckpointIO, CkptdModelCheckpoint
 
     class Small(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ckptd.client import CkptdError, Client, mapped_views, restore_flow
-from ckptd.client.jax_arrays import ShardReader, build_leaf
+from ckptd.client.leaves.jax_arrays import build_leaf
+from ckptd.client.shards import ShardReader
 from ckptd.core.session import open_readable
 from ckptd.proto import ckptd_pb2 as pb
 

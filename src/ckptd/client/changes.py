@@ -54,7 +54,7 @@ import numpy.typing as npt
 
 from ckptd.core.format import TensorEntry
 
-from .device_leaf import ShardingFacts, sharding_fact
+from .leaves.device import ShardingFacts, sharding_fact
 
 ENV = "CKPTD_INCREMENTAL"
 """Environment variable that turns incremental saves off (``0``) for every client."""

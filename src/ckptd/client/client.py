@@ -17,7 +17,7 @@ from . import restore_flow
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
 from .handoff import Handoff
-from .jax_arrays import Replicas
+from .leaves.jax_arrays import Replicas
 from .low_level import LowLevel
 from .policies import FailureHistory, SaveContext, SavePolicy
 from .save_args import check_metrics

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 from ckptd.core.format import TensorEntry
 
 from .copying import cpu_views
-from .device_leaf import jax_on_accelerator, jax_via_torch
+from .leaves.device import jax_on_accelerator, jax_via_torch
 from .planning import Arrays, SavePlan
 
 if TYPE_CHECKING:
-    from .jax_arrays import ShardPlan
+    from .leaves.jax_arrays import ShardPlan
     from .leaves.torch_device import DeviceCopies, Pending
 
 

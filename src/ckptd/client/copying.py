@@ -13,7 +13,7 @@ import numpy as np
 from ckptd.core.errors import SaveFailed
 from ckptd.core.format import TensorEntry
 
-from .device_leaf import jax_on_cpu
+from .leaves.device import jax_on_cpu
 
 HOST_BATCH_BYTES = 64 * 2**20
 """jax shards are copied to host and into the lease this many bytes at a time."""

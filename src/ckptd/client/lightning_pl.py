@@ -1,24 +1,8 @@
-"""ckptd's Lightning classes for the standalone ``pytorch_lightning`` package: the same
-as :mod:`ckptd.client.lightning`'s, for ``import pytorch_lightning as pl`` code."""
+"""The standalone ``pytorch_lightning`` package's ckptd classes, kept at this import path
+for code that names it: they live in :mod:`ckptd.client.lightning.pl`."""
 
 from __future__ import annotations
 
-from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-from pytorch_lightning.callbacks import ModelCheckpoint
-
-from .lightning_mixins import AsyncMixin, CheckpointIOMixin, ModelCheckpointMixin
-
-
-class CkptdCheckpointIO(CheckpointIOMixin, CheckpointIO):
-    """:class:`ckptd.client.lightning.CkptdCheckpointIO` for ``pytorch_lightning``."""
-
-
-class CkptdAsyncCheckpointIO(AsyncMixin, CkptdCheckpointIO):
-    """:class:`ckptd.client.lightning.CkptdAsyncCheckpointIO` for ``pytorch_lightning``."""
-
-
-class CkptdModelCheckpoint(ModelCheckpointMixin, ModelCheckpoint):
-    """:class:`ckptd.client.lightning.CkptdModelCheckpoint` for ``pytorch_lightning``."""
-
+from .lightning.pl import CkptdAsyncCheckpointIO, CkptdCheckpointIO, CkptdModelCheckpoint
 
 __all__ = ["CkptdAsyncCheckpointIO", "CkptdCheckpointIO", "CkptdModelCheckpoint"]

@@ -24,7 +24,7 @@ from ckptd.core.shard_table import table_of
 from . import rank_files
 from .rank_files import Corrupt as Corrupt  # raised here; callers catch it from here
 from .rank_files import MappedImage
-from .tree_spec import unflatten
+from .tree.spec import unflatten
 
 SHM_DIR = "/dev/shm"
 

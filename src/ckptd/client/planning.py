@@ -18,10 +18,10 @@ from ckptd.core import shard_wire
 from ckptd.core.format import TensorEntry, dtype_to_str, plan_layout
 
 from .changes import Token, tensor_token, token_of
-from .device_leaf import DeviceTensor
-from .jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards, single_shard
-from .tree_match import View, match
-from .tree_spec import flatten
+from .leaves.device import DeviceTensor
+from .leaves.jax_arrays import Replicas, ShardPlan, is_jax_array, leaf_shards, single_shard
+from .tree.match import View, match
+from .tree.spec import flatten
 
 Layout = list[tuple[str, np.dtype, tuple[int, ...]]]
 Placed = dict[str, tuple[tuple[int, ...], list[tuple[int, int]]]]
@@ -89,7 +89,7 @@ class Planner:
         # a thousand-array save whose frozen weights are the same objects each time).
         self._shards: dict[int, tuple[weakref.ref[Any], str, list[Sharded]]] = {}
         self._views: dict[str, View] = {}
-        """Torch tensors' numpy views by key, while their memory stays (tree_match.py)."""
+        """Torch tensors' numpy views by key, while their memory stays (tree/match.py)."""
 
     @property
     def last(self) -> SavePlan | None:
@@ -119,7 +119,7 @@ class Planner:
     ) -> tuple[Any, list[tuple[str, Any]], str]:
         """``tree``'s spec, its ``(key, array)`` leaves and its JSON values: the last
         save's spec again when the structure is the same (a training loop's every save:
-        the tree is matched against it, not flattened anew; tree_match.py)."""
+        the tree is matched against it, not flattened anew; tree/match.py)."""
         values: list[Any] = []
         token = tensor_token if torch_versions else None
         last = self._last

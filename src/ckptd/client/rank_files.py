@@ -9,7 +9,7 @@ sibling ``<root>/<job>/<holder>/``; another node's part fetched for a restore li
 in ``<peers>/<job>/<step>/<node>/``, so its holder is ``<peers>/<job>/<holder>/<node>/``.
 The daemon grants a restore's holder directories with the step's own.
 
-Readers that take a shard at a time (:class:`~ckptd.client.jax_arrays.ShardReader`)
+Readers that take a shard at a time (:class:`~ckptd.client.shards.ShardReader`)
 ask :class:`Locator` for its file and offset; a whole-rank restore from files
 (:func:`map_image`) maps each file copy-on-write and views every shard where it
 lies, as a full rank's file is mapped whole.

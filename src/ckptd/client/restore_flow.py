@@ -19,7 +19,8 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import mapped_views
-from .jax_arrays import CorruptShard, MissingShards, ShardReader, build_leaf
+from .leaves.jax_arrays import build_leaf
+from .shards import CorruptShard, MissingShards, ShardReader
 
 log = logging.getLogger("ckptd.client")
 

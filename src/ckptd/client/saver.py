@@ -27,7 +27,7 @@ from .copy_plan import CopyPlan, Routes
 from .copying import copy_into, host_batches
 from .handle import WATCHERS, SaveHandle
 from .handoff import Copying, Handoff, lease_size
-from .jax_arrays import Replicas, ShardPlan
+from .leaves.jax_arrays import Replicas, ShardPlan
 from .planning import Arrays, Planner, SavePlan, plan_in_place
 from .save_args import save_args
 

@@ -36,7 +36,7 @@ from torch.utils.dlpack import from_dlpack
 
 from ckptd.core.format import TensorEntry
 
-from ..device_leaf import DeviceTensor
+from .device import DeviceTensor
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 
 from ckptd.core.errors import InvalidArgument
 
-from ..device_leaf import DeviceTensor
+from .device import DeviceTensor
 
 # Same-size unsigned integer dtypes: torch can view any dtype as one of these.
 _UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}

@@ -35,10 +35,10 @@ from typing import Any
 
 from ckptd.core.errors import CheckpointNotFound, CkptdError, InvalidArgument
 
-from .client import Client
-from .handle import SaveHandle
-from .lightning_codec import FORMAT, MapLocation, decode, encode
-from .lightning_pins import Settle, names_after_restore, reconcile_pins
+from ..client import Client
+from ..handle import SaveHandle
+from .codec import FORMAT, MapLocation, decode, encode
+from .pins import Settle, names_after_restore, reconcile_pins
 
 log = logging.getLogger("ckptd.lightning")
 
@@ -275,7 +275,7 @@ class CheckpointStore:
         if step is None:
             self._wait_in_flight()
         if step is None and _world_size() > 1:
-            from .distributed import agree_on_step
+            from ..distributed import agree_on_step
 
             step = agree_on_step(self.client)  # a collective: every rank loads
             if step is None:

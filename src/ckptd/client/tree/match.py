@@ -8,7 +8,7 @@ incremental save blocks the trainer for. :func:`match` walks the tree beside the
 last spec instead and takes each leaf's key from it. Anything it does not see exactly
 as the spec has it (another key or order, a changed JSON value, a leaf of another
 kind, a node type other than dict/list/tuple) is not matched, and the caller
-flattens the tree as usual, so a match gives what :func:`~.tree_spec.flatten`
+flattens the tree as usual, so a match gives what :func:`~.spec.flatten`
 would have given.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.format import dtype_to_str
 
-from .tree_spec import torch_tensor_type
+from .spec import torch_tensor_type
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 """``dtype_to_str`` of each dtype a jax leaf had (a handful)."""
@@ -67,7 +67,7 @@ def match(
     keep_device: bool = False,
     views: dict[str, View] | None = None,
 ) -> list[tuple[str, Any]] | None:
-    """The ``(key, array)`` pairs :func:`~.tree_spec.flatten` gives for ``tree`` if
+    """The ``(key, array)`` pairs :func:`~.spec.flatten` gives for ``tree`` if
     ``tree`` has exactly the structure ``spec`` (flatten's spec of an earlier tree)
     describes, else None. JSON leaves are appended to ``values`` (the caller checks
     they are the spec's); ``tensors``, ``token`` and ``keep_device`` as in flatten.
@@ -114,7 +114,7 @@ class _Match:
         self.tensor_type = torch_tensor_type()
         self.to_array: Callable[[Any, bool], tuple[Any, str]] | None = None
         if self.tensor_type is not None:
-            from .leaves.torch_tensors import to_array
+            from ..leaves.torch_tensors import to_array
 
             self.to_array = to_array
         self.jax_array = getattr(sys.modules.get("jax"), "Array", None)

@@ -1,5 +1,5 @@
 """Which steps the Lightning integration keeps pinned, and the pin calls themselves
-(:mod:`ckptd.client.lightning_store` says why it pins)."""
+(:mod:`ckptd.client.lightning.store` says why it pins)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 from ckptd.core.errors import CkptdError, NotFound
 
-from .client import Client
-from .handle import SaveHandle
-from .lightning_codec import live_names
+from ..client import Client
+from ..handle import SaveHandle
+from .codec import live_names
 
 log = logging.getLogger("ckptd.lightning")
 

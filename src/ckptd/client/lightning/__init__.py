@@ -12,10 +12,10 @@ from the bucket)::
     trainer.fit(model, ckpt_path="last")
 
 ``ckpt_path`` also takes ``"ckptd://<job>/latest"`` and ``"ckptd://<job>/<step>"``.
-How steps, names, pins and ranks map: :mod:`ckptd.client.lightning_store`; the
-checkpoint dict's layout: :mod:`ckptd.client.lightning_codec`; the user's guide:
+How steps, names, pins and ranks map: :mod:`ckptd.client.lightning.store`; the
+checkpoint dict's layout: :mod:`ckptd.client.lightning.codec`; the user's guide:
 docs/integrations/lightning.md. For the standalone ``pytorch_lightning`` package,
-import the same names from :mod:`ckptd.client.lightning_pl`.
+import the same names from :mod:`ckptd.client.lightning.pl`.
 
 Importing this module imports neither torch nor Lightning; the classes load
 ``lightning.pytorch`` on first use.
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .lightning_io import CkptdAsyncCheckpointIO, CkptdCheckpointIO, CkptdModelCheckpoint
+    from .io import CkptdAsyncCheckpointIO, CkptdCheckpointIO, CkptdModelCheckpoint
 
 __all__ = ["CkptdAsyncCheckpointIO", "CkptdCheckpointIO", "CkptdModelCheckpoint"]
 
@@ -34,7 +34,7 @@ __all__ = ["CkptdAsyncCheckpointIO", "CkptdCheckpointIO", "CkptdModelCheckpoint"
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import lightning_io
+    from . import io as lightning_io
 
     value = getattr(lightning_io, name)
     globals()[name] = value

@@ -35,7 +35,7 @@ def use_in_maxtext(
     loop starts; calling it again replaces the settings."""
     from maxtext.common import checkpointing  # type: ignore[import-not-found]
 
-    from .orbax_manager import CheckpointManager
+    from .manager import CheckpointManager
 
     original = getattr(
         checkpointing.create_orbax_checkpoint_manager,

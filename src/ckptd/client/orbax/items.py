@@ -8,7 +8,7 @@ step's metadata under ``"orbax"``: each item's kind, the ``JsonSave`` items,
 ``custom_metadata`` and the metrics. Restore args become a ckptd restore target:
 ``ArrayRestoreArgs(sharding=...)`` (MaxText's) and ``jax.ShapeDtypeStruct`` leaves
 with a sharding restore as ``jax.Array`` on that sharding; items not asked for are
-not built (:data:`ckptd.client.tree_nodes.SKIP`).
+not built (:data:`ckptd.client.tree.nodes.SKIP`).
 
 Only imported when the manager is: it imports Orbax and jax.
 """
@@ -27,8 +27,8 @@ from ckptd.core.errors import InvalidArgument, TreeMismatch
 from ckptd.core.format import str_to_dtype
 from ckptd.core.shard_table import rows
 
-from .jax_arrays import leaf_of
-from .tree_nodes import SKIP, as_saved
+from ..shards import leaf_of
+from ..tree.nodes import SKIP, as_saved
 
 META = "orbax"
 """The key of the manager's record in a step's ckptd metadata."""

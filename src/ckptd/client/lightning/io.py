@@ -6,7 +6,7 @@ from __future__ import annotations
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from .lightning_mixins import AsyncMixin, CheckpointIOMixin, ModelCheckpointMixin
+from .mixins import AsyncMixin, CheckpointIOMixin, ModelCheckpointMixin
 
 
 class CkptdCheckpointIO(CheckpointIOMixin, CheckpointIO):

@@ -1,6 +1,6 @@
 """Pytree flattening: a tree into array leaves and a JSON spec, and back.
 
-Nodes are dict/list/tuple and, through :mod:`.tree_nodes`, every other pytree node
+Nodes are dict/list/tuple and, through :mod:`.nodes`, every other pytree node
 (NamedTuples, dataclasses, what ``jax.tree_util`` flattens). Array leaves (numpy
 arrays and scalars, ``jax.Array`` incl. typed PRNG keys, anything with
 ``__array__``) become shards with keys derived from their path; JSON-able leaves
@@ -35,8 +35,8 @@ import numpy as np
 from ckptd.core.errors import InvalidArgument, TreeMismatch
 from ckptd.core.format import dtype_to_str
 
-from .jax_arrays import is_jax_array, key_data_of
-from .tree_nodes import MAX_TREE_DEPTH, Path, check_key, node_of, path_str, rebuild, too_deep
+from ..leaves.jax_arrays import is_jax_array, key_data_of
+from .nodes import MAX_TREE_DEPTH, Path, check_key, node_of, path_str, rebuild, too_deep
 
 MAX_KEY_BYTES = 1024
 _UNSAFE = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -96,7 +96,7 @@ def flatten(
     ``values``: if given, every JSON leaf's value is appended to it in order.
     ``tensors``: if given, each torch tensor's ``token(tensor)`` (None without
     ``token``), by key: taken here, in the one pass over a thousand tensors.
-    ``keep_device``: a CUDA tensor is a :class:`~ckptd.client.device_leaf.DeviceTensor`
+    ``keep_device``: a CUDA tensor is a :class:`~ckptd.client.leaves.device.DeviceTensor`
     (a save copies it from the device into its lease), not a copy in host memory.
     """
     walker = _Flatten(values, tensors, token, keep_device)
@@ -135,7 +135,7 @@ class _Flatten:
         if self.tensor_type is not None:
             # Imported once here (torch is imported: the program has it), not at each
             # leaf: a relative import statement costs 3 us even when it is loaded.
-            from .leaves.torch_tensors import to_array
+            from ..leaves.torch_tensors import to_array
 
             self.to_array = to_array
         self.values, self.tensors, self.token = values, tensors, token
@@ -282,7 +282,7 @@ def unflatten(
 
     Without ``target``: dicts, lists and tuples as saved (other nodes as dicts by
     field name, or lists). With one: the target's own structure and node types
-    (:func:`ckptd.client.tree_nodes.rebuild`), or :class:`TreeMismatch` naming the
+    (:func:`ckptd.client.tree.nodes.rebuild`), or :class:`TreeMismatch` naming the
     path where they differ. ``jax_leaf(spec_node, target_leaf)`` builds saved jax
     leaves.
     """
@@ -316,11 +316,11 @@ def unflatten(
                 )
             tensor_type = torch_tensor_type()
             if tensor_type is not None and isinstance(t, tensor_type):
-                from .leaves.torch_tensors import load_into
+                from ..leaves.torch_tensors import load_into
 
                 return load_into(t, arr, s.get("torch", ""))
             if "torch" in s:
-                from .leaves.torch_tensors import to_tensor
+                from ..leaves.torch_tensors import to_tensor
 
                 return to_tensor(arr, s["torch"])
             return arr[()] if s.get("scalar") else arr

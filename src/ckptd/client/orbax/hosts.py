@@ -16,8 +16,8 @@ import socket
 
 import numpy as np
 
-from .client import Client
-from .distributed import MAX_CANDIDATES, restorable_steps
+from ..client import Client
+from ..distributed import MAX_CANDIDATES, restorable_steps
 
 
 def _allgather(row: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The bodies of ckptd's Lightning classes, apart from their Lightning bases, so the
 same code serves the ``lightning`` package (:mod:`ckptd.client.lightning`) and the
-standalone ``pytorch_lightning`` one (:mod:`ckptd.client.lightning_pl`)."""
+standalone ``pytorch_lightning`` one (:mod:`ckptd.client.lightning.pl`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 from ckptd.core.errors import InvalidArgument
 
-from .client import Client
-from .lightning_codec import MapLocation
-from .lightning_fs import register
-from .lightning_store import LATEST, CheckpointStore
+from ..client import Client
+from .codec import MapLocation
+from .fs import register
+from .store import LATEST, CheckpointStore
 
 register()
 

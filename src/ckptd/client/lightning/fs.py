@@ -27,8 +27,8 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
-from .client import Client
-from .handle import CheckpointInfo
+from ..client import Client
+from ..handle import CheckpointInfo
 
 log = logging.getLogger("ckptd.lightning")
 
@@ -52,7 +52,7 @@ class CkptdFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is un
     # -- the job's view -------------------------------------------------------------
     def _rows(self, job: str) -> dict[int, CheckpointInfo]:
         """The job's restorable steps (its store's client when this process has one)."""
-        from .lightning_store import STORES
+        from .store import STORES
 
         store = STORES.get(job)
         if store is not None and self.socket is None:
@@ -65,7 +65,7 @@ class CkptdFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is un
         return {c.step: c for c in client.list() if c.tiers and not c.adopted and not c.abandoned}
 
     def _names(self, job: str) -> dict[str, int]:
-        from .lightning_store import STORES
+        from .store import STORES
 
         store = STORES.get(job)
         return dict(store.names) if store is not None else {}

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from .orbax_items import ocp
+from .items import ocp
 
 policies = ocp.checkpoint_managers
 """Orbax's save decision policies (the ones MaxText configures decide here too)."""

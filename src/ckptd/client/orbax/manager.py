@@ -10,7 +10,7 @@ writes the step to its local tier and drains it to the bucket. What maps to what
   ``JsonSave`` items, honouring the save decision policy (``save_interval_steps``,
   ``save_on_steps``, ``should_save_fn`` or ``save_decision_policy``: Orbax's own
   policy objects decide, fed ckptd's state). ``save`` returns once the trainer may
-  donate the arrays (client/orbax_save.py); the write runs on.
+  donate the arrays (client/orbax/save.py); the write runs on.
 - ``wait_until_finished``: the last save is LOCAL (on the node's disk), or
   DURABLE (in the bucket) if it was saved at a preemption.
 - ``restore`` with ``StandardRestore`` / ``PyTreeRestore`` (``restore_args`` with a
@@ -34,11 +34,11 @@ from jax.experimental import multihost_utils
 
 from ckptd.core.errors import InvalidArgument
 
-from . import orbax_hosts as hosts
-from . import orbax_items as items_lib
-from . import orbax_save as decide
-from .client import Client
-from .jax_arrays import Replicas
+from ..client import Client
+from ..leaves.jax_arrays import Replicas
+from . import hosts
+from . import items as items_lib
+from . import save as decide
 
 log = logging.getLogger("ckptd.client.orbax")
 ocp = items_lib.ocp
@@ -73,7 +73,8 @@ class CheckpointManager:
     (Orbax's own contract; MaxText's train step does): on an accelerator once each
     is on its way to pinned host memory, on CPU once copied into shared memory.
     False copies them after ``save`` returned, for trainers that never donate.
-    ``replicas``: which shards each process saves (:data:`~ckptd.client.jax_arrays.Replicas`);
+    ``replicas``: which shards each process saves
+    (:data:`~ckptd.client.leaves.jax_arrays.Replicas`);
     by default each distinct shard it holds, so every node restores from its own
     disk what its devices need (arrays replicated across processes, such as the
     step, are stored once per process); False: replica 0 only, as Orbax (the other

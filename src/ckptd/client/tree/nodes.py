@@ -33,7 +33,7 @@ import numpy as np
 
 from ckptd.core.errors import InvalidArgument, TreeMismatch
 
-from .jax_arrays import is_jax_array
+from ..leaves.jax_arrays import is_jax_array
 
 Key = str | int
 Path = tuple[Key, ...]

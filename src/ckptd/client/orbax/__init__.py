@@ -2,7 +2,7 @@
 
 ``ckptd.client.orbax.CheckpointManager`` is Orbax's v0 ``CheckpointManager`` API
 (what MaxText calls) saving through ckptd's shared memory, multi-host
-(client/orbax_manager.py; :func:`use_in_maxtext` makes MaxText create it). It is
+(client/orbax/manager.py; :func:`use_in_maxtext` makes MaxText create it). It is
 imported when first named: this module never imports Orbax itself.
 
 Or keep Orbax's own writer (below).
@@ -40,17 +40,17 @@ from typing import TYPE_CHECKING, Any
 from ckptd.core.errors import CheckpointNotFound
 from ckptd.proto import ckptd_pb2 as pb
 
-from .client import Client
-from .handle import SaveHandle
+from ..client import Client
+from ..handle import SaveHandle
 
 if TYPE_CHECKING:
-    from .orbax_manager import CheckpointManager, StepAlreadyExistsError
-    from .orbax_maxtext import use_in_maxtext
+    from .manager import CheckpointManager, StepAlreadyExistsError
+    from .maxtext import use_in_maxtext
 
 _LAZY = {
-    "CheckpointManager": "orbax_manager",
-    "StepAlreadyExistsError": "orbax_manager",
-    "use_in_maxtext": "orbax_maxtext",
+    "CheckpointManager": "manager",
+    "StepAlreadyExistsError": "manager",
+    "use_in_maxtext": "maxtext",
 }
 
 
