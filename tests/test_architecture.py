@@ -320,6 +320,23 @@ def test_no_service_assigns_an_attribute_of_another() -> None:
     assert offenders == []
 
 
+def test_only_the_segment_state_module_moves_a_segment() -> None:
+    """Who holds a shared-memory segment (its ``state``, and the ``lease_id`` and
+    ``kept`` that go with it) changes only through local/segment_state.move, which
+    checks the transition table: no other code assigns those fields."""
+    owner = SRC / "daemon" / "local" / "segment_state.py"
+    offenders = []
+    for p in (SRC / "daemon").rglob("*.py"):
+        if p == owner:
+            continue
+        for t in _assigned_attributes(parse(p)):
+            base = ast.unparse(t.value)
+            moved = t.attr in ("lease_id", "kept", "lent") or (t.attr == "state" and "seg" in base)
+            if moved and (base != "self" or p.name == "lease.py"):
+                offenders.append(f"{p.relative_to(REPO)}:{t.lineno}: {ast.unparse(t)}")
+    assert offenders == []
+
+
 CLIENT_FLOORS = {
     # records and plain helpers every room may use
     **dict.fromkeys(

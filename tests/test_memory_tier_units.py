@@ -83,6 +83,7 @@ class Node:
             job, step, 0, st.timeline, len(HEADER), checksum.value(HEADER), len(data), file_crc
         )
         layout = (image.header_len, image.header_crc, image.data_len)
+        self.staging.begin_commit(lease.lease_id)  # handed off, as the save path does
         if not self.tier.keep(st, 0, lease, layout, image.file_crc):
             self.staging.release(lease.lease_id)
         return image

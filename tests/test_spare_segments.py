@@ -224,6 +224,7 @@ def test_once_stop_begins_no_spare_is_asked_for_and_no_segment_made(tmp_path: Pa
         n = Node(tmp_path, budget=16 * MiB)
         lease = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
         n.staging.begin_stop()
+        n.staging.begin_commit(lease.lease_id)
         n.staging.keep(lease, ("a", 1, 0))  # a save finished during the stop: kept
         await n.staging.spares.settle()
         assert n.staging.spares.made == 0 and n.staging.allocated_bytes == 4 * MiB

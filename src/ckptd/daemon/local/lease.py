@@ -6,17 +6,21 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .segment_state import LENT, SegState
 from .shm import SharedMapping
 
 
 @dataclass
 class Segment:
-    """One shared-memory file mapped into the daemon."""
+    """One shared-memory file mapped into the daemon. Who holds it (:attr:`state`, with
+    :attr:`lease_id` and :attr:`kept`) changes only through segment_state.move."""
 
     name: str
     size: int
     mapping: SharedMapping
+    state: SegState = SegState.NEW
     lease_id: str | None = None
+    """The lease that holds it, in a state with a lease (segment_state.HAS_LEASE)."""
     uid: int | None = None
     """The uid whose processes were handed this segment: a process may keep its
     mapping, so the segment is never granted to another uid (access.py)."""
@@ -27,16 +31,19 @@ class Segment:
     allocated would die of SIGBUS if /dev/shm were full."""
     kept: tuple[str, int, int] | None = None
     """``(job, step, rank)`` whose committed rank file the memory tier keeps here
-    (memory.py): not free for a lease until the tier lets it go."""
-    lent: bool = False
-    """A restore mapped it copy-on-write: never granted for a save again (the
-    restored arrays would change under the trainer); the tier removes it when it
-    lets it go, unless no process maps it any more."""
+    (memory.py), in a kept state: not free for a lease until the tier lets it go."""
     image: tuple[str, int, int, str] | None = None
     """``(job, rank, step, holder)``: the segment holds, byte for byte, the lease of that
     rank's save of ``step`` that committed LOCAL, granted to the client whose liveness
     file is ``holder`` (a name no other process ever has), and nothing wrote into it
     since (a grant for anything that writes clears it)."""
+
+    @property
+    def lent(self) -> bool:
+        """A restore may map it copy-on-write: never granted for a save again (the
+        restored arrays would change under the trainer); the tier removes it when it
+        lets it go, unless no process maps it any more."""
+        return self.state in LENT
 
     def holds_image(self, image: tuple[str, int] | None, holder: str) -> bool:
         """Whether it holds the last committed image of ``image`` (``(job, rank)``)

@@ -22,6 +22,7 @@ from ckptd.core.errors import Conflict, NotFound
 from .lease import Lease, Segment
 from .liveness import SWEEP_SECONDS, check_holder, locked_by_others, sweep_dead_clients
 from .pool import SegmentPool
+from .segment_state import SegState, move
 from .segments import open_trusted
 
 log = logging.getLogger("ckptd.staging")
@@ -99,6 +100,24 @@ class Lending(SegmentPool):
         reuse it, told (:attr:`Lease.holds`) when the image is that very process's."""
         tag = seg.image if seg.holds_image(image, holder) else None
         seg.image = None
+        lease = self._lease(job, seg, restore, holder, lease_id, owner)
+        lease.reuses = image is not None
+        if tag is not None:
+            lease.holds = tag[2]
+        to = SegState.RESTORE if restore else SegState.SAVE
+        move(seg, to, f"granted to job {job}", lease_id=lease.lease_id)
+        return lease
+
+    def _lease(
+        self,
+        job: str,
+        seg: Segment,
+        restore: bool,
+        holder: str = "",
+        lease_id: str = "",
+        owner: tuple[int, int] | None = None,
+    ) -> Lease:
+        """A new lease on ``seg``, in the book (the caller moves the segment)."""
         lease = Lease(
             lease_id or secrets.token_hex(12),
             job,
@@ -108,10 +127,6 @@ class Lending(SegmentPool):
             holder=holder,
             owner=owner,
         )
-        lease.reuses = image is not None
-        if tag is not None:
-            lease.holds = tag[2]
-        seg.lease_id = lease.lease_id
         uid = owner[0] if owner is not None else self.uid_of(job)
         if uid is not None:  # never None again once someone could have mapped it
             seg.uid = uid
@@ -147,42 +162,47 @@ class Lending(SegmentPool):
                 f"lease {lease_id!r} is not a restore lease; only those can be held by the client"
             )
         del self._leases[lease_id]
-        if lease.shared and lease.segment.kept is not None:
+        if lease.segment.state is SegState.KEPT_SHARED:
             # The memory tier keeps it; the client's copy-on-write mapping shares its
             # pages until the tier lets it go (memory.py).
-            lease.segment.lease_id = None
+            move(lease.segment, SegState.KEPT_LENT, f"lease {lease_id} mapped by its client")
             self._left_service(lease.segment)
             return
-        self._destroy(lease.segment)
+        self._destroy(lease.segment, f"lease {lease_id} mapped by its client: its memory now")
         self._wake()  # the budget it held is free for saves waiting for memory
 
     def grant_kept(self, job: str, seg: Segment) -> Lease:
         """A restore lease on a segment the memory tier keeps, shared: the client maps
         it copy-on-write and the segment is never granted for a save again."""
-        seg.lent = True
-        tag = seg.image  # a copy-on-write mapping of a read-only descriptor cannot change it
-        lease = self._grant(job, seg, restore=True)
-        lease.shared, seg.image = True, tag
+        lease = self._lease(job, seg, restore=True)
+        lease.shared = True
+        # The image stays: a copy-on-write mapping of a read-only descriptor cannot
+        # change it.
+        move(seg, SegState.KEPT_SHARED, f"shared with a restore of job {job}", lease.lease_id)
         return lease
 
     def keep(self, lease: Lease, key: tuple[str, int, int]) -> None:
         """End a committed save lease without freeing its segment: the memory tier
         keeps ``key``'s rank file in it (memory.py)."""
-        if self._leases.pop(lease.lease_id, None) is not None:
-            lease.segment.lease_id = None
-            lease.segment.kept = key
+        if self._leases.get(lease.lease_id) is lease:
+            move(lease.segment, SegState.KEPT, "kept by the memory tier", kept=key)
+            del self._leases[lease.lease_id]
             self._left_service(lease.segment)
 
     def adopt_kept(
         self, name: str, size: int, uid: int | None, key: tuple[str, int, int]
     ) -> Segment:
         """Take over a segment the memory tier of a crashed daemon kept (checked as
-        :meth:`adopt` checks; raises the same)."""
+        :meth:`adopt` checks; raises the same). It is lent: a trainer the last daemon
+        restored from it may map it still, so when the tier lets it go it goes back
+        to the pool only if nobody maps it (else a save would write under that
+        trainer's restored arrays)."""
         if not name.startswith(self.prefix) or "/" in name or name in (".", ".."):
             raise ValueError(f"segment {name!r} is not one of this root's")
         self.open()
         mapping = open_trusted(self.dir / name, size, legacy=self.shm_dir / name)
-        seg = Segment(name, mapping.size, mapping, uid=uid, kept=key)
+        seg = Segment(name, mapping.size, mapping, uid=uid)
+        move(seg, SegState.KEPT_LENT, "kept by the last daemon's memory tier", kept=key)
         self._segments[name] = seg
         return seg
 
@@ -190,13 +210,16 @@ class Lending(SegmentPool):
         """The memory tier no longer keeps ``seg``: it is free for saves again, unless a
         restore mapped it and a process maps it still (then it leaves the pool and the
         budget: those pages are the trainer's now)."""
-        seg.kept = None
-        if seg.lease_id is not None:  # a restore lease not yet taken: it ends with it
+        if seg.state is SegState.GONE:
+            return  # removed with the pool at stop while a check of it ran
+        if seg.state is SegState.KEPT_SHARED:  # a restore lease not yet taken: it ends with it
+            move(seg, SegState.SHARED, "let go by the memory tier, a restore lease out")
             return
         if seg.lent and locked_by_others(self.dir / seg.name):
-            self._destroy(seg)
+            self._destroy(seg, "let go by the memory tier, a restore maps it: the trainer's")
             self._left_service(seg)
-        seg.lent = False
+        else:
+            move(seg, SegState.FREE, "let go by the memory tier")
         self._wake()
 
     def saves_in_flight(self, size: int) -> bool:
@@ -230,6 +253,7 @@ class Lending(SegmentPool):
         lease = self.get(lease_id)
         if lease.committed:
             raise Conflict(f"lease {lease_id!r} was already committed; acquire a new lease")
+        move(lease.segment, SegState.COMMITTING, f"lease {lease_id} handed off")
         lease.committed = True
         return lease
 
@@ -237,13 +261,22 @@ class Lending(SegmentPool):
         """Return a lease to the pool (after its commit finished, or if the client gave up).
         A segment not allocated whole (a download that failed) is dropped instead."""
         lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            lease.segment.lease_id = None
-            if lease.segment.kept is None and lease.segment.lent:
-                self.let_go(lease.segment)  # let go while this restore lease was out
-            elif not lease.segment.populated:
-                self._destroy(lease.segment)
-            self._wake()
+        if lease is None:
+            return
+        seg, why = lease.segment, f"lease {lease_id} released"
+        if seg.state is SegState.KEPT_SHARED:  # the memory tier keeps it still
+            move(seg, SegState.KEPT_LENT, why)
+        elif seg.state is SegState.SHARED:  # let go while this restore lease was out
+            if locked_by_others(self.dir / seg.name):
+                self._destroy(seg, f"{why}, a restore maps it: the trainer's")
+                self._left_service(seg)
+            else:
+                move(seg, SegState.FREE, why)
+        elif not seg.populated:
+            self._destroy(seg, f"{why}, never allocated whole")
+        else:
+            move(seg, SegState.FREE, why)
+        self._wake()
 
     def reclaim_expired(self) -> list[str]:
         """Return leases whose client died (its liveness file is unlocked) or that

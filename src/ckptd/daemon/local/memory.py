@@ -394,11 +394,7 @@ class MemoryTier:
             return False
         if self.staging.allocated_bytes + size > self.staging.budget_bytes:
             return False  # beyond this daemon's staging budget: removed as a leftover
-        seg = self.staging.adopt_kept(name, size, self.staging.uid_of(image.job), key)
-        # A trainer the last daemon restored from it may map it still: when the tier
-        # lets it go, it goes back to the pool only if nobody maps it (else a save
-        # would write under that trainer's restored arrays).
-        seg.lent = True
+        seg = self.staging.adopt_kept(name, size, self.staging.uid_of(image.job), key)  # lent
         # A writer that lives on is followed again (its next session's end says when
         # it exits); one already gone leaves nothing to wait for: checked once now.
         # A record naming none: every restore checks it.

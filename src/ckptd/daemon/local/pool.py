@@ -11,6 +11,7 @@ import secrets
 from pathlib import Path
 
 from .lease import Segment
+from .segment_state import SegState, move
 from .segments import claim_dir, create_segment, legacy_dir
 from .shm import SharedMapping, can_populate
 
@@ -68,7 +69,10 @@ class SegmentPool:
         log.info("allocated staging segment %s (%d bytes)", name, size)
         return Segment(name, size, mapping, populated=populate)
 
-    def _destroy(self, seg: Segment) -> None:
+    def _destroy(self, seg: Segment, why: str = "removed") -> None:
+        if seg.state is SegState.GONE:
+            return  # removed already (a stop after it went, say): nothing is left to drop
+        move(seg, SegState.GONE, why)
         self._segments.pop(seg.name, None)
         (self.dir / seg.name).unlink(missing_ok=True)
         if not seg.mapping.close():

@@ -40,6 +40,7 @@ from .liveness import (
     check_holder,
 )
 from .room import Room
+from .segment_state import SegState, move
 from .segments import (
     SEGMENT_GRANULE,
     SHM_DIR,
@@ -358,6 +359,7 @@ class Staging(Lending):
             seg = await asyncio.to_thread(self._create, need, populate)
         finally:
             self._reserved -= need
+        move(seg, SegState.FREE, "made for a lease")
         self._segments[seg.name] = seg
         self.segments_created += 1
         return seg
@@ -380,12 +382,14 @@ class Staging(Lending):
 
     def add_free(self, seg: Segment) -> None:
         """A segment from :meth:`create_segment` joins the pool, free."""
+        move(seg, SegState.FREE, "a spare joins the pool")
         self._segments[seg.name] = seg
         self._wake()  # a save waiting for memory may take it
 
     def remove_segment(self, seg: Segment) -> None:
         """Unlink and unmap a segment :meth:`create_segment` made that is not in the
         pool (any thread: it touches nothing the pool holds)."""
+        move(seg, SegState.GONE, "a spare not needed any more")
         (self.dir / seg.name).unlink(missing_ok=True)
         seg.mapping.close()
 
