@@ -39,8 +39,9 @@ $(VENV)/bin/promtool: | venv
 test: venv promtool
 	$(PY) -m pytest -q -m "not faults and not fuzz and not frameworks and not model" tests
 
+# The unit tier (tests/unit/, laid out as src/ is): no daemon process, no bucket server.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow and not faults and not fuzz and not frameworks and not model" tests
+	$(PY) -m pytest -q tests/unit
 
 # The accelerator path (tests/test_gpu.py) on a machine with a CUDA GPU; it skips elsewhere.
 test-gpu: venv

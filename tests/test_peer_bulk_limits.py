@@ -31,11 +31,11 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .pki import make_pki
 from .servers import free_port
-from .test_peer_bulk import DATA, FILES, TOKEN, _read, _req
 from .test_peer_tier import TOKEN as CLUSTER_TOKEN
 from .test_peer_tier import Cluster, same, state
 from .test_peer_tls import tls_of
-from .test_peer_units import _manifest
+from .unit.daemon.peer.test_bulk import DATA, FILES, TOKEN, _read, _req
+from .unit.daemon.peer.test_peer import _manifest
 
 SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
 """Addresses the idle connections come from (all of 127/8 is loopback on Linux);

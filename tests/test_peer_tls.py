@@ -30,7 +30,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .pki import SHARED_NAME, Pki, make_pki
 from .test_peer_tier import TOKEN, Cluster, same, state
-from .test_peer_units import _manifest
+from .unit.daemon.peer.test_peer import _manifest
 
 DATA = bytes(range(256)) * 20_000
 FILES = {"rank-00000.safetensors": DATA}

@@ -25,7 +25,7 @@ from ckptd.daemon.local.spares import FAILPOINT
 from ckptd.daemon.local.staging import Stopping
 
 from .test_memory_tier import Trainer, memory_daemon, saved_by_trainer, wait_status
-from .test_memory_tier_units import Node
+from .unit.daemon.local.test_memory import Node
 
 MiB = 2**20
 UID = os.getuid()

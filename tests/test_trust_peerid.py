@@ -34,7 +34,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 from .conftest import CKPTD, short_tmpdir
 from .pki import Pki, make_pki
 from .test_peer_tier import NODES, TOKEN, Cluster, same, state
-from .test_peer_units import _manifest
+from .unit.daemon.peer.test_peer import _manifest
 
 DATA = bytes(range(256)) * 64
 FILES = {"rank-00000.safetensors": DATA}

@@ -24,7 +24,7 @@ from ckptd.daemon.local.memory import Image, MemoryTier
 from ckptd.daemon.local.room import Room
 from ckptd.daemon.local.staging import KEPT_SUFFIX, Staging
 
-from .helpers import own_tmpfs
+from ....helpers import own_tmpfs
 
 MiB = 2**20
 UID = os.getuid()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCANNED = ["src", "bench", "deploy", ".ci"]
 TOP_FILES = ["Makefile", "Dockerfile", "pyproject.toml"]
 SUFFIXES = {".py", ".pyi", ".sh", ".toml", ".yaml", ".yml", ".service", ".md", ".txt", ".cfg"}

@@ -16,7 +16,7 @@ from ckptd.core.names import check_tree_path
 from ckptd.daemon.remote import index
 from ckptd.daemon.remote.layout import file_key, parse_marker, tree_path
 
-from .test_remote_names import NODE, set_field
+from ...test_remote_names import NODE, set_field
 
 
 # -- the validator ------------------------------------------------------------------

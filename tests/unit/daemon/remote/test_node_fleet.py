@@ -19,7 +19,7 @@ from ckptd.daemon.remote.base import Remote
 from ckptd.daemon.remote.claim import REPLACED_KEPT, ClaimRecord, NodeClaim, claim_key
 from ckptd.daemon.remote.node_fleet import SAMPLE, NodeFleet
 
-from .conftest import RemoteTarget
+from ....conftest import RemoteTarget
 
 
 class Clock:

@@ -204,7 +204,7 @@ def test_when_no_tier_gives_the_step_and_nothing_changed_the_reason_is_raised() 
 def test_the_api_reaches_the_tiers_only_through_the_restorer() -> None:
     """The servicer translates; which tier gives a copy is the chooser's. The tiers
     answer restore's interface by its shape and never import restore (above them)."""
-    daemon = Path(__file__).resolve().parent.parent / "src" / "ckptd" / "daemon"
+    daemon = Path(__file__).resolve().parents[4] / "src" / "ckptd" / "daemon"
     api = {m for p in (daemon / "api").glob("*.py") for m in _daemon_imports(p)}
     assert not {m for m in api if m.startswith(("remote", "peer"))}
     assert {m for m in api if m.startswith("restore")} == {"restore.restorer"}

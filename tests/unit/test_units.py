@@ -283,7 +283,7 @@ def test_a_download_segment_is_allocated_as_it_fills_and_pooled_only_whole(
 
 
 def test_example_config_in_deploy_is_valid() -> None:
-    example = Path(__file__).resolve().parent.parent / "deploy" / "ckptd.toml.example"
+    example = Path(__file__).resolve().parents[2] / "deploy" / "ckptd.toml.example"
     cfg = config.load(example, env={})
     assert cfg.staging_budget_bytes == 16 * 2**30 and cfg.socket == Path("/run/ckptd/ckptd.sock")
     # Parsed once, into typed values.

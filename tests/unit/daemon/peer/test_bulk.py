@@ -21,7 +21,7 @@ from ckptd.daemon.peer.bulk import BulkServer, request_frame
 from ckptd.daemon.peer.bulk_client import push, read_range
 from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
 
-from .test_peer_units import _manifest
+from .test_peer import _manifest
 
 TOKEN = "bulk-test-token-0123456789abcdef"
 DATA = bytes(range(256)) * 40_000  # 10 MB: several recv_into rounds and sendfile calls

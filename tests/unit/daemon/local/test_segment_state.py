@@ -24,7 +24,7 @@ from ckptd.daemon.local.segment_state import (
 )
 from ckptd.daemon.local.staging import Staging
 
-from .test_memory_tier_units import UID, Node
+from .test_memory import UID, Node
 
 MiB = 2**20
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src" / "ckptd"
 STEP_FIELDS = (
     "state|error|manifest|remote_nodes|peers|pinned|adopted|busy|read_at|local_at|durable_at"
@@ -15,6 +16,7 @@ STEP_FIELDS = (
 )
 
 
+@functools.cache
 def parse(path: Path) -> ast.Module:
     """``ast.parse`` on a fresh thread: CPython 3.11 (gh-106905) can sometimes
     raise "AST constructor recursion depth mismatch" when the calling thread's
@@ -63,6 +65,7 @@ def module_names(src: Path) -> dict[str, Path]:
     return names
 
 
+@functools.cache
 def import_edges(src: Path) -> dict[str, set[str]]:
     """module -> the modules of the package it imports: every ``import`` and ``from``
     statement anywhere in the file (under ``if TYPE_CHECKING:`` and inside functions
@@ -388,3 +391,15 @@ def test_no_client_module_imports_a_floor_above_its_own() -> None:
         if b.startswith("ckptd.client") and (fb := client_floor(b)) is not None and fb > fa
     ]
     assert upward == []
+
+
+def test_the_unit_tier_is_laid_out_as_the_source_is() -> None:
+    """tests/unit/<package>/ tests src/ckptd/<package>/: a folder of the unit tier
+    that names no package of the source is a test nobody will find."""
+    unit = REPO / "tests" / "unit"
+    strays = [
+        str(d.relative_to(REPO))
+        for d in unit.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and not (SRC / d.relative_to(unit)).is_dir()
+    ]
+    assert strays == []
