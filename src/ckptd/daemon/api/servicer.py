@@ -259,24 +259,9 @@ class Servicer(pb_grpc.CkptdServicer):
             request.copy_on_write,
             functools.partial(self.s.access.may_use, peer),
         )
-        if plan.lease is None or len(plan.manifest.ranks) > 1:
-            # The client opens files of the step itself next (its own rank's, or other
-            # local ranks' to reshard): the evictor leaves them alone for a while. A
-            # rank whose whole file is in the lease needs none, and holding the step
-            # back would keep retention from turning it into a spare for later saves.
-            self.s.catalog.served(plan.step)
-            for held in self.s.catalog.references(plan.step):
-                older = self.s.catalog.get(job, held)
-                if older is not None:  # its file is read too: no eviction meanwhile
-                    self.s.catalog.served(older)
         self.s.restored(plan.tier)
         self.history.restored(job, request.rank, peer.process)
-        self.s.access.grant(peer, plan.directory)
-        # An incremental rank's references: the same rank's file of an older step
-        # (client/rank_files.py), in that step's directory, or in its held copy where a
-        # later timeline replaced it (local/held.py). References are never chained, so
-        # the holders' own holders are never read for this step.
-        for where in plan.holder_dirs.values():
+        for where in plan.reads:
             self.s.access.grant(peer, where)
         resp = pb.RestoreResponse(
             job=job,

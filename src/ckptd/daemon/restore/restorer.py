@@ -52,6 +52,15 @@ class RestorePlan:
     """An incremental step's holders: the directory of each on the disk, its step's or
     its held copy where a later timeline replaced it (local/held.py)."""
 
+    @property
+    def reads(self) -> tuple[Path, ...]:
+        """Every directory the client opens for this restore (access is granted to
+        each): the step's, and an incremental rank's references, the same rank's
+        file of an older step (client/rank_files.py) in that step's directory or its
+        held copy. References are never chained, so the holders' own holders are
+        never read for this step."""
+        return (self.directory, *self.holder_dirs.values())
+
 
 @dataclass(frozen=True)
 class OtherPart:
@@ -244,6 +253,16 @@ class Restorer:
         if plan.lease is not None and not self.staging.hold(plan.lease, holder, owner):
             # Another uid mapped that segment before: serve the verified file instead.
             plan = replace(plan, lease=None, data_offset=0, tier="local")
+        if plan.lease is None or len(plan.manifest.ranks) > 1:
+            # The client opens files of the step itself next (its own rank's, or other
+            # local ranks' to reshard): the evictor leaves them alone for a while. A
+            # rank whose whole file is in the lease needs none, and holding the step
+            # back would keep retention from turning it into a spare for later saves.
+            self.catalog.served(st)
+            for held in self.catalog.references(st):
+                older = self.catalog.get(job, held)
+                if older is not None:  # its file is read too: no eviction meanwhile
+                    self.catalog.served(older)
         return plan
 
     async def other_parts(self, job: str, step: int) -> list[OtherPart]:
