@@ -109,61 +109,72 @@ class Restorer:
         the jobs a NotFound may name as the one probably meant (those the caller
         may read; by default none)."""
         if step is not None:
-            st = self.catalog.require(job, step)
-            if st.state == pb.SAVE_STATE_STAGING:
-                raise FailedPrecondition(
-                    f"step {step} of job {job!r} is still being written; wait('local') first"
-                )
-            if st.manifest is None and not st.in_remote:
-                raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
-            if st.unusable:
-                raise DataLoss(f"step {step} of job {job!r} cannot be restored: {st.unusable}")
-            if st.adopted and not adopted:
-                raise FailedPrecondition(
-                    f"step {step} of job {job!r} is a directory adopted from "
-                    f"{st.manifest.source if st.manifest else 'another framework'}, not "
-                    "ckptd arrays: make it local with ckptd.client.orbax.ensure_local() "
-                    "(or `ckptd pull`) and restore it with the framework that wrote it"
-                )
-            if adopted and not st.adopted:
-                raise FailedPrecondition(
-                    f"step {step} of job {job!r} was saved with Client.save, not adopted; "
-                    "restore it with Client.restore()"
-                )
-            if healthy and st.healthy is not True:
-                raise FailedPrecondition(
-                    f"step {step} of job {job!r} is not known healthy ("
-                    f"{_health_text(st)}); restore it without healthy=True, or ask for "
-                    "no step to get the newest healthy one"
-                )
+            st = self._named(job, step, adopted, healthy)
         else:
-            candidates = [
-                s
-                for s in self.catalog.list(job)
-                if (s.local or s.in_remote)
-                and s.adopted == adopted
-                and not s.unusable
-                and not s.abandoned  # a later timeline left it: restore(step=N) only
-            ]
-            sick = [s for s in candidates if s.healthy is not True] if healthy else []
-            candidates = [s for s in candidates if s not in sick]
-            if not candidates:
-                where = "on this node or in the bucket" if self.bucket.remote else "on this node"
-                what = "adopted step" if adopted else "restorable checkpoint"
-                if sick:
-                    raise NotFound(
-                        f"job {job!r} has no {what} known healthy {where}: "
-                        + ", ".join(f"step {s.step} ({_health_text(s)})" for s in sick[:5])
-                        + "; restore without healthy=True to take one anyway"
-                    )
-                raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job, offer)}")
-            st = candidates[0]
+            st = self._newest(job, adopted, healthy, offer)
         held = {r.rank for r in st.manifest.ranks} if st.manifest is not None else None
         if rank is not None and held is not None and rank not in held:
             raise NotFound(
                 f"step {st.step} of job {job!r} holds no shards of rank {rank} on this node"
             )
         return st
+
+    def _named(self, job: str, step: int, adopted: bool, healthy: bool) -> Step:
+        """The step asked for by number, if it can be restored as asked; a status that
+        says why not otherwise."""
+        st = self.catalog.require(job, step)
+        if st.state == pb.SAVE_STATE_STAGING:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} is still being written; wait('local') first"
+            )
+        if st.manifest is None and not st.in_remote:
+            raise FailedPrecondition(f"step {step} of job {job!r} failed: {st.error}")
+        if st.unusable:
+            raise DataLoss(f"step {step} of job {job!r} cannot be restored: {st.unusable}")
+        if st.adopted and not adopted:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} is a directory adopted from "
+                f"{st.manifest.source if st.manifest else 'another framework'}, not "
+                "ckptd arrays: make it local with ckptd.client.orbax.ensure_local() "
+                "(or `ckptd pull`) and restore it with the framework that wrote it"
+            )
+        if adopted and not st.adopted:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} was saved with Client.save, not adopted; "
+                "restore it with Client.restore()"
+            )
+        if healthy and st.healthy is not True:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} is not known healthy ("
+                f"{_health_text(st)}); restore it without healthy=True, or ask for "
+                "no step to get the newest healthy one"
+            )
+        return st
+
+    def _newest(self, job: str, adopted: bool, healthy: bool, offer: Callable[[str], bool]) -> Step:
+        """The newest step of ``job`` that can be restored as asked (of the timeline
+        it follows); NotFound that says what there is otherwise."""
+        candidates = [
+            s
+            for s in self.catalog.list(job)
+            if (s.local or s.in_remote)
+            and s.adopted == adopted
+            and not s.unusable
+            and not s.abandoned  # a later timeline left it: restore(step=N) only
+        ]
+        sick = [s for s in candidates if s.healthy is not True] if healthy else []
+        candidates = [s for s in candidates if s not in sick]
+        if not candidates:
+            where = "on this node or in the bucket" if self.bucket.remote else "on this node"
+            what = "adopted step" if adopted else "restorable checkpoint"
+            if sick:
+                raise NotFound(
+                    f"job {job!r} has no {what} known healthy {where}: "
+                    + ", ".join(f"step {s.step} ({_health_text(s)})" for s in sick[:5])
+                    + "; restore without healthy=True to take one anyway"
+                )
+            raise NotFound(f"job {job!r} has no {what} {where}{self._did_you_mean(job, offer)}")
+        return candidates[0]
 
     async def learn(self, job: str) -> None:
         """Make what every tier holds of ``job`` known before it is listed (a node that
