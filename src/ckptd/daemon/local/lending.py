@@ -22,7 +22,7 @@ from ckptd.core.errors import Conflict, NotFound
 from .lease import Lease, Segment
 from .liveness import SWEEP_SECONDS, check_holder, locked_by_others, sweep_dead_clients
 from .pool import SegmentPool
-from .segment_state import SegState, move
+from .segment_state import HAS_KEPT, IllegalMove, SegState, move
 from .segments import open_trusted
 
 log = logging.getLogger("ckptd.staging")
@@ -99,13 +99,14 @@ class Lending(SegmentPool):
         image it held is forgotten; ``image``: the ``(job, rank)`` of a save that would
         reuse it, told (:attr:`Lease.holds`) when the image is that very process's."""
         tag = seg.image if seg.holds_image(image, holder) else None
+        lease_id = lease_id or secrets.token_hex(12)
+        to = SegState.RESTORE if restore else SegState.SAVE
+        move(seg, to, f"granted to job {job}", lease_id=lease_id)  # first: it may refuse
         seg.image = None
         lease = self._lease(job, seg, restore, holder, lease_id, owner)
         lease.reuses = image is not None
         if tag is not None:
             lease.holds = tag[2]
-        to = SegState.RESTORE if restore else SegState.SAVE
-        move(seg, to, f"granted to job {job}", lease_id=lease.lease_id)
         return lease
 
     def _lease(
@@ -113,13 +114,13 @@ class Lending(SegmentPool):
         job: str,
         seg: Segment,
         restore: bool,
-        holder: str = "",
-        lease_id: str = "",
+        holder: str,
+        lease_id: str,
         owner: tuple[int, int] | None = None,
     ) -> Lease:
-        """A new lease on ``seg``, in the book (the caller moves the segment)."""
+        """A new lease on ``seg``, in the book (the caller has moved the segment)."""
         lease = Lease(
-            lease_id or secrets.token_hex(12),
+            lease_id,
             job,
             seg,
             self._clock(),
@@ -174,20 +175,24 @@ class Lending(SegmentPool):
     def grant_kept(self, job: str, seg: Segment) -> Lease:
         """A restore lease on a segment the memory tier keeps, shared: the client maps
         it copy-on-write and the segment is never granted for a save again."""
-        lease = self._lease(job, seg, restore=True)
-        lease.shared = True
+        lease_id = secrets.token_hex(12)
+        move(seg, SegState.KEPT_SHARED, f"shared with a restore of job {job}", lease_id)
         # The image stays: a copy-on-write mapping of a read-only descriptor cannot
         # change it.
-        move(seg, SegState.KEPT_SHARED, f"shared with a restore of job {job}", lease.lease_id)
+        lease = self._lease(job, seg, True, "", lease_id)
+        lease.shared = True
         return lease
 
-    def keep(self, lease: Lease, key: tuple[str, int, int]) -> None:
+    def keep(self, lease: Lease, key: tuple[str, int, int]) -> bool:
         """End a committed save lease without freeing its segment: the memory tier
-        keeps ``key``'s rank file in it (memory.py)."""
-        if self._leases.get(lease.lease_id) is lease:
-            move(lease.segment, SegState.KEPT, "kept by the memory tier", kept=key)
-            del self._leases[lease.lease_id]
-            self._left_service(lease.segment)
+        keeps ``key``'s rank file in it (memory.py). False: the lease was not held any
+        more (the pool stopped), nothing is kept."""
+        if self._leases.get(lease.lease_id) is not lease:
+            return False
+        move(lease.segment, SegState.KEPT, "kept by the memory tier", kept=key)
+        del self._leases[lease.lease_id]
+        self._left_service(lease.segment)
+        return True
 
     def adopt_kept(
         self, name: str, size: int, uid: int | None, key: tuple[str, int, int]
@@ -212,6 +217,8 @@ class Lending(SegmentPool):
         budget: those pages are the trainer's now)."""
         if seg.state is SegState.GONE:
             return  # removed with the pool at stop while a check of it ran
+        if seg.state not in HAS_KEPT:  # letting go twice could free a segment a lease holds
+            raise IllegalMove(f"segment {seg.name} is {seg.state.value}, not kept: not let go")
         if seg.state is SegState.KEPT_SHARED:  # a restore lease not yet taken: it ends with it
             move(seg, SegState.SHARED, "let go by the memory tier, a restore lease out")
             return

@@ -141,7 +141,8 @@ class MemoryTier:
         except OSError as exc:  # /dev/shm full: the step is LOCAL all the same
             log.warning("memory tier: not keeping %s/%d rank %d: %s", *key, exc)
             return False
-        self.staging.keep(lease, key)
+        if not self.staging.keep(lease, key):
+            return False  # the pool stopped meanwhile: its segments are gone
         started = process_start(lease.owner[1]) if lease.owner is not None else None
         k = self._kept[key] = Kept(image, seg, lease.owner, lease.owner is not None, started)
         if lease.owner is not None and started is None:

@@ -104,6 +104,9 @@ def test_a_segment_goes_through_staging_and_the_memory_tier(tmp_path: Path) -> N
         assert seg.state is SegState.SHARED and seg.kept is None
         n.staging.release(handed.lease.lease_id)  # nobody maps it: back to the pool
         assert seg.state is SegState.FREE and seg in n.staging.free_segments()
+        with pytest.raises(IllegalMove, match="free, not kept: not let go"):
+            n.staging.let_go(seg)  # twice: it could free a segment a new lease holds
+        assert seg.state is SegState.FREE
 
     asyncio.run(body())
 
