@@ -45,7 +45,8 @@ from ckptd.core.errors import (
 from ckptd.core.manifest import KIND_DIRECTORY, Manifest
 from ckptd.core.verify import verify_step
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Saves
 from ..files import replace_synced
 from ..io import IoPool
 from ..local.store import LocalStore, retire_replaced
@@ -90,7 +91,7 @@ class Adopter:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Saves,
         store: LocalStore,
         io: IoPool,
         restorer: Restorer,

@@ -42,7 +42,8 @@ from prometheus_client.registry import Collector
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import __version__
-from ..catalog import Catalog, Event
+from ..catalog import Event
+from ..catalog.roles import Steps
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 """Seconds: a 64 MiB save reaches LOCAL in ~0.05 s; a large drain takes many minutes."""
@@ -59,7 +60,7 @@ _RESULTS: dict[int, str] = {
 class Sources:
     """What the scrape-time gauges read (the composition root fills it in)."""
 
-    catalog: Catalog
+    catalog: Steps
     status: Callable[[], pb.DaemonStatus]
     """The daemon's ``GetStatus`` answer: drain queue, staging, free space, tasks."""
     drain_lag: Callable[[], float]
@@ -148,7 +149,7 @@ class Metrics:
             for value in values:
                 counter.labels(value)
 
-    def on_event(self, event: Event, catalog: Catalog) -> None:
+    def on_event(self, event: Event, catalog: Steps) -> None:
         """Count one catalog transition (on the loop: a few additions, no I/O)."""
         kind = event.kind
         if kind in _RESULTS:

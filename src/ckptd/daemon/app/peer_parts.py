@@ -17,7 +17,7 @@ from ckptd.core.errors import FailedPrecondition, InvalidArgument
 from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
-from ..catalog import Catalog
+from ..catalog.roles import Copies
 from ..io import IoPool
 from ..local.store import LocalStore
 from ..peer.identity import BoundBulkServer, SenderCheck
@@ -33,7 +33,7 @@ from ..peer.tls import PeerTls
 
 def build_peer_tier(
     options: PeerOptions,
-    catalog: Catalog,
+    catalog: Copies,
     store: LocalStore,
     io: IoPool,
     memory: PrestageMemory,

@@ -20,7 +20,8 @@ from collections.abc import Callable, Set
 
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Steps
 from ..retention.references import referenced
 
 PENDING = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
@@ -31,7 +32,7 @@ class Holders:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Steps,
         retracting: Set[tuple[str, int]],
         held_in_bucket: Callable[[str], Set[tuple[int, int]]] = lambda job: frozenset(),
     ) -> None:

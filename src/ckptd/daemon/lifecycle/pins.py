@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptd.core.errors import CkptdError, CkptdUnavailable, FailedPrecondition, from_os_error
 
-from ..catalog import Catalog
+from ..catalog.roles import Pinning
 from ..files import replace_synced
 from ..io import IoPool
 from ..remote.base import Remote
@@ -44,7 +44,7 @@ class Pins:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Pinning,
         root: Path,
         io: IoPool,
         remote: Remote | None,

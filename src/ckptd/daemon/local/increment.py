@@ -27,7 +27,8 @@ from ckptd.core.manifest import RankRecord, rank_file_name
 from ckptd.core.shard_table import ShardTable
 
 from .. import faults
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Steps
 from ..files import write_runs_direct
 from .records import RankLayout
 from .store import LocalStore
@@ -60,7 +61,7 @@ class Base:
     """Its NaN/Inf counts of this rank (a reused shard's are the same)."""
 
 
-def base_of(catalog: Catalog, st: Step, rank: int, full_every: int) -> Base | None:
+def base_of(catalog: Steps, st: Step, rank: int, full_every: int) -> Base | None:
     """The job's newest LOCAL step before ``st`` on its live history, if it holds this
     rank as ckptd's own rank file and the chain of references may grow; else None."""
     older = [
@@ -94,7 +95,7 @@ def base_of(catalog: Catalog, st: Step, rank: int, full_every: int) -> Base | No
     return Base(prev, previous, dict((m.nonfinite or {}).get(str(rank), {})))
 
 
-def hold_base(catalog: Catalog, pending: PendingStep, rank: int, opts: Increments) -> Base | None:
+def hold_base(catalog: Steps, pending: PendingStep, rank: int, opts: Increments) -> Base | None:
     """The step ``pending``'s rank may reference, held from now until the save is
     LOCAL or FAILED (``pending.holds``): the evictor keeps it, and with it whatever
     it references."""

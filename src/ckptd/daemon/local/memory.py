@@ -52,7 +52,8 @@ from typing import Any
 from ckptd.core import checksum
 from ckptd.core.errors import NotFound
 
-from ..catalog import Catalog, Event, Step
+from ..catalog import Event, Step
+from ..catalog.roles import Copies
 from .kept import Image, Kept, live_writer
 from .lease import Handed, Lease, Segment, Want
 from .liveness import process_running, process_start
@@ -75,7 +76,7 @@ class MemoryTier:
     def __init__(
         self,
         staging: Staging,
-        catalog: Catalog,
+        catalog: Copies,
         steps: int,
         budget_bytes: int,
         spawn: Spawn,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ckptd.core.errors import NotFound, ResourceExhausted, Unavailable
 from ckptd.core.format import round_up
 
-from ..catalog import Catalog
+from ..catalog.roles import Steps
 from .lease import Handed, Lease, Want
 from .staging import Staging
 
@@ -25,7 +25,7 @@ class Prestaged:
 
     name = "prestaged"
 
-    def __init__(self, staging: Staging, catalog: Catalog) -> None:
+    def __init__(self, staging: Staging, catalog: Steps) -> None:
         self.staging = staging
         self.catalog = catalog
         self._leases: dict[tuple[str, int, int], tuple[Lease, tuple[int, int]]] = {}

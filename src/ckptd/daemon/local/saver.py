@@ -31,7 +31,8 @@ from ckptd.core.names import check_wait
 from ckptd.core.timeline import Forks
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Saves
 from ..io import IoPool
 from . import copied, increment
 from .journal import Entry, Journal
@@ -57,7 +58,7 @@ class Saver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Saves,
         staging: Staging,
         store: LocalStore,
         io: IoPool,

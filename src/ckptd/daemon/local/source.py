@@ -37,7 +37,8 @@ from ckptd.core.verify import verify_step
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Copies
 from ..files import data_offset, read_data_direct, read_header
 from ..io import CRC, IoPool
 from .assemble import read_increment
@@ -57,7 +58,7 @@ class LocalSource:
 
     name = "local"
 
-    def __init__(self, catalog: Catalog, store: LocalStore, staging: Staging, io: IoPool) -> None:
+    def __init__(self, catalog: Copies, store: LocalStore, staging: Staging, io: IoPool) -> None:
         self.catalog = catalog
         self.store = store
         self.staging = staging

@@ -31,7 +31,8 @@ from pathlib import Path
 from ckptd.core.manifest import MANIFEST, Manifest
 
 from .. import faults
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Saves
 from ..commit import RenameCommit, Runner
 from ..files import fsync_dir, read_small
 from ..io import IoPool
@@ -237,7 +238,7 @@ class LocalStore:
 
 
 async def retire_replaced(
-    catalog: Catalog, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
+    catalog: Saves, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
 ) -> None:
     """Before ``st`` commits: the local copy of the step its save replaces (an earlier
     timeline's under the same number, core/timeline.py) leaves view once nothing is
@@ -267,7 +268,7 @@ async def retire_replaced(
     catalog.replaced(old)
 
 
-def reading(catalog: Catalog, job: str, step: int, timeline: int) -> list[Step]:
+def reading(catalog: Saves, job: str, step: int, timeline: int) -> list[Step]:
     """The steps on the disk, or being read or written right now, whose references
     read the save ``step`` of ``timeline`` of ``job``: its copy must stay while any do."""
     return [
@@ -277,7 +278,7 @@ def reading(catalog: Catalog, job: str, step: int, timeline: int) -> list[Step]:
     ]
 
 
-async def prune_held(catalog: Catalog, store: LocalStore, io: IoPool) -> None:
+async def prune_held(catalog: Saves, store: LocalStore, io: IoPool) -> None:
     """Delete the held copies that no step on the disk (or in use) reads any more."""
     if not store.held.keys():
         return  # the common case: nothing held

@@ -31,7 +31,8 @@ from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Event, Step
+from ..catalog import Event, Step
+from ..catalog.roles import Copies
 from ..files import open_direct
 from ..io import IoPool
 from ..local.store import LocalStore
@@ -51,7 +52,7 @@ class Replicator:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Copies,
         store: LocalStore,
         io: IoPool,
         peers: Peers,

@@ -27,7 +27,8 @@ from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.manifest import Manifest, ManifestInvalid, RankRecord
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Copies
 from ..io import IoPool
 from ..local.lease import Handed, Lease, Segment, Want
 from ..local.store import LocalStore
@@ -85,7 +86,7 @@ class PeerSource:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Copies,
         store: LocalStore,
         io: IoPool,
         peers: Peers,

@@ -24,7 +24,8 @@ from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.format import round_up
 from ckptd.core.manifest import MANIFEST, Manifest
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Copies
 from ..commit import RenameCommit
 from ..files import read_small
 from ..io import IoPool
@@ -49,7 +50,7 @@ class BucketSource:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Copies,
         store: LocalStore,
         memory: Prestaged,
         io: IoPool,

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from ckptd.core.errors import CkptdError, DataLoss, NotFound, Unavailable
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Steps
 from ..local.lease import Handed, Want
 from .tier import Order, Tier
 
@@ -53,7 +54,7 @@ class Served:
 class Chooser:
     """Picks the fastest holder of the newest verified step; falls back in order."""
 
-    def __init__(self, catalog: Catalog, tiers: Sequence[Tier], local: Tier) -> None:
+    def __init__(self, catalog: Steps, tiers: Sequence[Tier], local: Tier) -> None:
         if local not in tiers:
             raise ValueError("the local tier must be one of the tiers")
         self.catalog = catalog

@@ -21,7 +21,8 @@ from ckptd.core.health import NONFINITE_METRIC
 from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Steps
 from ..local.lease import Want
 from ..local.liveness import check_holder
 from ..local.source import LocalSource
@@ -78,7 +79,7 @@ class Restorer:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Steps,
         store: LocalStore,
         staging: Staging,
         chooser: Chooser,

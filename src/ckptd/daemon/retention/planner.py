@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Step
+from ..catalog import Step
+from ..catalog.roles import Steps
 from .plan import Plan, StepView, plan_job
 from .policies import Policy
 
@@ -21,7 +22,7 @@ class Retention:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: Steps,
         local_policy: Policy,
         remote_policy: Policy | None,
         *,
