@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckptd.core.errors import ResourceExhausted
 
-from .staging import Staging
+from .roles import Budget
 from .store import LocalStore
 
 _SIZE_UNITS = {
@@ -131,7 +131,7 @@ class Admission:
     def __init__(
         self,
         disk: DiskSpace,
-        staging: Staging,
+        staging: Budget,
         store: LocalStore,
         run_io: Callable[..., Awaitable[object]],
         retention_hint: str,

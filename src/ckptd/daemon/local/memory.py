@@ -57,8 +57,9 @@ from ..catalog.roles import Copies
 from .kept import Image, Kept, live_writer
 from .lease import Handed, Lease, Segment, Want
 from .liveness import process_running, process_start
+from .roles import Keeping
 from .room import Room
-from .staging import KEPT_SUFFIX, Staging
+from .staging import KEPT_SUFFIX
 
 log = logging.getLogger("ckptd.memory")
 
@@ -75,7 +76,7 @@ class MemoryTier:
 
     def __init__(
         self,
-        staging: Staging,
+        staging: Keeping,
         catalog: Copies,
         steps: int,
         budget_bytes: int,

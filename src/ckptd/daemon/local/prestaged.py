@@ -15,7 +15,7 @@ from ckptd.core.format import round_up
 
 from ..catalog.roles import Steps
 from .lease import Handed, Lease, Want
-from .staging import Staging
+from .roles import Leases
 
 
 class Prestaged:
@@ -25,7 +25,7 @@ class Prestaged:
 
     name = "prestaged"
 
-    def __init__(self, staging: Staging, catalog: Steps) -> None:
+    def __init__(self, staging: Leases, catalog: Steps) -> None:
         self.staging = staging
         self.catalog = catalog
         self._leases: dict[tuple[str, int, int], tuple[Lease, tuple[int, int]]] = {}

@@ -19,8 +19,8 @@ from ckptd.core.timeline import Forks
 from .. import faults
 from .journal import Entry, Journal
 from .pending import CommitRequest
+from .roles import Leases
 from .segments import SegmentRefused
-from .staging import Staging
 
 Commit = Callable[[CommitRequest, bytes | None, tuple[int, Forks] | None], Awaitable[int]]
 """``Saver.commit``: taken as a callable so the replay sits beneath the saver."""
@@ -37,7 +37,7 @@ def _step_of(entry: Entry, parse: Callable[[bytes], CommitRequest]) -> str:
 
 
 async def replay(
-    staging: Staging,
+    staging: Leases,
     journal: Journal,
     commit: Commit,
     entries: list[Entry],

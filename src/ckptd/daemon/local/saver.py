@@ -41,7 +41,8 @@ from .pending import CommitRequest, PendingStep, check_join, check_lease, step_m
 from .rank_write import write_whole
 from .records import INLINE_SHARDS, RankLayouts, rank_layout
 from .replay import replay as replay_journal
-from .staging import Lease, Staging
+from .roles import Leases
+from .staging import Lease
 from .store import LocalStore, retire_replaced
 
 log = logging.getLogger("ckptd.node")
@@ -59,7 +60,7 @@ class Saver:
     def __init__(
         self,
         catalog: Saves,
-        staging: Staging,
+        staging: Leases,
         store: LocalStore,
         io: IoPool,
         node_id: str,

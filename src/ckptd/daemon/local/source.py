@@ -43,7 +43,7 @@ from ..files import data_offset, read_data_direct, read_header
 from ..io import CRC, IoPool
 from .assemble import read_increment
 from .lease import Handed, Lease, Want
-from .staging import Staging
+from .roles import Leases
 from .store import LocalStore
 
 log = logging.getLogger("ckptd.restore")
@@ -58,7 +58,7 @@ class LocalSource:
 
     name = "local"
 
-    def __init__(self, catalog: Copies, store: LocalStore, staging: Staging, io: IoPool) -> None:
+    def __init__(self, catalog: Copies, store: LocalStore, staging: Leases, io: IoPool) -> None:
         self.catalog = catalog
         self.store = store
         self.staging = staging

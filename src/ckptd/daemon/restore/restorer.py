@@ -25,8 +25,9 @@ from ..catalog import Step
 from ..catalog.roles import Steps
 from ..local.lease import Want
 from ..local.liveness import check_holder
+from ..local.roles import Leases
 from ..local.source import LocalSource
-from ..local.staging import Lease, Staging
+from ..local.staging import Lease
 from ..local.store import LocalStore
 from ..remote.source import BucketSource
 from .chooser import Chooser
@@ -81,7 +82,7 @@ class Restorer:
         self,
         catalog: Steps,
         store: LocalStore,
-        staging: Staging,
+        staging: Leases,
         chooser: Chooser,
         local: LocalSource,
         bucket: BucketSource,
