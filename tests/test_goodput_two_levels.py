@@ -161,10 +161,14 @@ def test_the_drain_keeps_the_pace_a_job_asks_for(make_daemon: Any, s3_server: An
     assert states[2] == "DURABLE" and states[4] == "DURABLE" and states[3] == "SUPERSEDED"
     (skipped,) = d.events_of(pb.STEP_EVENT_SUPERSEDED, "paced", 3)
     assert "uploads at most every 2 s" in skipped.detail
-    # Step 4's upload started no sooner than the pace after step 1's.
+    # Step 4's upload started no sooner than the pace after step 1's. The pace runs on
+    # the monotonic clock from the upload's start, the events carry the wall clock of
+    # their emission: the two differ by the few milliseconds between them (seen: 1.7 ms
+    # on a loaded machine), which says nothing about the pace; an unpaced drain would
+    # start step 4 at once.
     (first,) = d.events_of(pb.STEP_EVENT_DRAINING, "paced", 1)
     (fourth,) = d.events_of(pb.STEP_EVENT_DRAINING, "paced", 4)
-    assert fourth.time_unix - first.time_unix >= 2.0
+    assert fourth.time_unix - first.time_unix >= 2.0 - 0.1
     client.close()
 
 

@@ -187,3 +187,39 @@ def test_a_step_saved_again_after_node_loss_never_serves_the_peers_bytes(
             ("new_run", dict(flavor="torch", incremental=False, job="beta", version=0)),
         ],
     )
+
+
+def test_a_step_saved_again_during_an_outage_is_uploaded_over_the_older_timelines_copy(
+    resources: Resources,
+) -> None:
+    """Step 0 of timeline 3 reaches the bucket; a new run saves step 0 again (timeline 4)
+    during an outage, and retention (one step kept) evicts it before it ever goes up,
+    so no upload retracts timeline 3's copy. The daemon then listed the replaced save
+    as step 0 again, from its index, and ``ckptd pull`` of step 0 gave its bytes: a
+    replaced save never comes back now (the catalog refuses it by the lineage, the
+    evictor retracts it)."""
+    replay(
+        Settings(keep=1, local_keep=3, memory_steps=0, pressure=False, peer=True),
+        [
+            ("peer", dict(up=True)),
+            ("new_run", dict(flavor="torch", incremental=True, job="alpha", version=1)),
+            ("peer", dict(up=True)),
+            ("bucket", dict(up=False)),
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="alpha", version=4)),
+            ("new_run", dict(flavor="jax", incremental=True, job="beta", version=4)),
+            ("new_run", dict(flavor="torch", incremental=True, job="alpha", version=2)),
+            ("peer", dict(up=False)),
+            ("restart_daemon", dict(how="kill", in_flight=False, job="beta")),
+            ("peer", dict(up=True)),
+            ("restart_daemon", dict(how="kill", in_flight=False, job="beta")),
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="alpha", version=0)),
+            ("peer", dict(up=False)),
+            ("bucket", dict(up=False)),
+            ("new_run", dict(flavor="numpy", incremental=False, job="alpha", version=5)),
+            ("restart_daemon", dict(how="kill", in_flight=True, job="alpha")),
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="beta", version=2)),
+            ("bucket", dict(up=True)),
+            ("peer", dict(up=False)),
+            ("restart_daemon", dict(how="stop", in_flight=False, job="alpha")),
+        ],
+    )

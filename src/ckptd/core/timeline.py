@@ -48,6 +48,14 @@ def abandoned(timeline: int, step: int, forks: Mapping[int, int] | Forks) -> boo
     return any(t > timeline and start <= step for t, start in items)
 
 
+def replaced(timeline: int, step: int, forks: Mapping[int, int] | Forks) -> bool:
+    """Whether the save of ``timeline`` numbered ``step`` was replaced: a later timeline
+    of ``forks`` began with a save under that very number (a save under a held number
+    replaces it; abandoned steps above the fork are not replaced, only left behind)."""
+    items = forks.items() if isinstance(forks, Mapping) else forks
+    return any(t > timeline and start == step for t, start in items)
+
+
 def timeline_at(step: int, timeline: int, forks: Mapping[int, int] | Forks) -> int:
     """The timeline of the save numbered ``step`` in the history a save on ``timeline``
     (with lineage ``forks``) grew from: the newest timeline up to ``timeline`` that

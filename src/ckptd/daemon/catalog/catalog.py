@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from ckptd.core.errors import Conflict
 from ckptd.core.manifest import Manifest
-from ckptd.core.timeline import Forks, merge
+from ckptd.core.timeline import Forks, merge, replaced
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import timelines
@@ -356,10 +356,25 @@ class Catalog(StepTable):
         the node's index, for retention and timelines); a LOCAL step whose marker
         from this node is there is DURABLE too. Copies of another timeline than the
         step known here under that number are other saves, not copies of it: ignored
-        (None; a replaced step's, which the new save's upload retracts).
+        (None; a replaced step's, which the new save's upload retracts). So is a copy
+        of a save the job's lineage says was replaced (a later timeline began with a
+        save under its number) when no step is known under it: the replacing save may
+        have left this node before its upload (lifecycle/evictor.py retracts it).
         ``timeline=None``: not known (a marker listed, not read): the known step's.
         """
         st = self._steps.get((job, step))
+        if st is None and timeline is not None and replaced(timeline, step, self.lineage(job)):
+            # The save that began a later timeline under this number replaced it, and
+            # left (evicted before it went up, say) before its upload retracted this copy.
+            log.info(
+                "%s/%d: the bucket's copy of nodes %s is of timeline %d, which a later "
+                "save under this number replaced: not a step (retracted by the evictor)",
+                job,
+                step,
+                ",".join(sorted(nodes)),
+                timeline,
+            )
+            return None
         if st is not None and timeline is not None and timeline != st.timeline:
             log.info(
                 "%s/%d: the bucket's copy of nodes %s is of timeline %d, this step of %d: "

@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from ckptd.core.timeline import replaced
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
@@ -130,6 +131,43 @@ class Evictor:
                     await self.relieve_local()
                 await self._evict_remote(job, step, "retention")
             await self._prune_held_remote(job)
+            await self._retract_replaced_remote(job)
+
+    async def _retract_replaced_remote(self, job: str) -> None:
+        """This node's copies in the bucket of saves a later timeline replaced under
+        their number, when no step under that number is here to upload (the replacing
+        save left the local tier, evicted, before it went up: its upload would have
+        retracted them, publish.py). Out of view, marker first, like any replaced copy;
+        held while steps of this node read its files (remote/held.py)."""
+        if self.remote is None or self.index is None or not self.may_write_remote():
+            return
+        lineage = self.catalog.lineage(job)
+        try:
+            entries = await self.index.entries(job)
+            stale = [
+                e
+                for e in entries.values()
+                if replaced(e.timeline, e.step, lineage) and self.catalog.get(job, e.step) is None
+            ]
+            for e in stale:
+                read = held.read_in_bucket(entries) | self.catalog.read_copies(job)
+                node = self.catalog.node_id
+                log.info(
+                    "%s/%d: retracting this node's copy of timeline %d from %s: a later save "
+                    "under its number replaced it",
+                    job,
+                    e.step,
+                    e.timeline,
+                    self.remote.url,
+                )
+                if not e.adopted and (e.step, e.timeline) in read:
+                    await held.hold(self.remote, self.index, job, node, e.step)
+                    continue
+                await retract_marker(self.remote, job, e.step, node, e.adopted)
+                await delete_copy(self.remote, self.index, job, e.step, node, e.adopted)
+        except Exception as exc:  # the next pass tries again
+            log.warning("could not retract replaced copies of %s from %s: %s", job,
+                        self.remote.url, exc)  # fmt: skip
 
     async def _prune_held_remote(self, job: str) -> None:
         """Replaced steps' copies held in the bucket go once no step of this node there

@@ -354,3 +354,20 @@ def test_older_steps_stop_claiming_a_peer_before_a_newer_replica_goes_there() ->
         assert not old.replica_nodes and new.replica_nodes == {"peer-b"}
 
     run(body())
+
+
+def test_a_bucket_copy_of_a_replaced_save_never_comes_back_as_the_step() -> None:
+    """A later timeline began with a save under this number: an older timeline's copy of
+    that number in the bucket is the replaced save, not a step, once nothing is known
+    under the number here (the replacing save left before its upload retracted it).
+    Above the fork, an older timeline's copy is only abandoned, and stays a step."""
+    c = catalog()
+    forks = ((1, 0), (2, 0))
+    got = c.discovered("j", 3, {NODE}, False, timeline=2, forks=forks)
+    assert got is not None and c.lineage("j") == forks
+    assert c.discovered("j", 0, {NODE}, False, timeline=1, forks=((1, 0),)) is None
+    assert c.get("j", 0) is None
+    older = c.discovered("j", 1, {NODE}, False, timeline=1, forks=((1, 0),))
+    assert older is not None and older.abandoned  # left behind above the fork, kept
+    live = c.discovered("j", 0, {NODE}, False, timeline=2, forks=forks)
+    assert live is not None and not live.abandoned  # the replacing save's own copy
