@@ -397,7 +397,10 @@ class Catalog(StepTable):
                 forks=forks,
             )
             self._move(st, DURABLE)
+            before = self.lineage(job)
             self._add(st)
+            if self.lineage(job) != before:
+                self._forget_replaced(job)
         new_nodes = frozenset(nodes) - st.remote_nodes
         new_pin = pinned and not st.pinned
         st._set(
@@ -411,6 +414,17 @@ class Catalog(StepTable):
         if new_nodes or new_pin:
             self._emit(st, pb.STEP_EVENT_DISCOVERED, nodes=",".join(sorted(new_nodes)))
         return st
+
+    def _forget_replaced(self, job: str) -> None:
+        """Bucket copies taken in before a step carrying a later fork was (a node's
+        index is read oldest step first) that the lineage now says were replaced: not
+        steps (:meth:`discovered`); the evictor retracts them."""
+        forks = self.lineage(job)
+        for s in [s for s in self._steps.values() if s.job == job]:
+            if not s.local and not s.pinned and replaced(s.timeline, s.step, forks):
+                log.info("%s/%d (timeline %d) is a replaced save's copy: not a step",
+                         job, s.step, s.timeline)  # fmt: skip
+                self._drop(s)
 
     def unusable(self, st: Step, reason: str) -> None:
         """No copy of the step verifies in any tier (the local one set aside, the

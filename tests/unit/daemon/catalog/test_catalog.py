@@ -371,3 +371,13 @@ def test_a_bucket_copy_of_a_replaced_save_never_comes_back_as_the_step() -> None
     assert older is not None and older.abandoned  # left behind above the fork, kept
     live = c.discovered("j", 0, {NODE}, False, timeline=2, forks=forks)
     assert live is not None and not live.abandoned  # the replacing save's own copy
+
+
+def test_a_replaced_saves_copy_read_before_the_fork_is_dropped_once_it_is_known() -> None:
+    """A node's index is read oldest step first: the replaced save's copy of step 0 comes
+    before the step that carries the fork replacing it; it leaves once that one does."""
+    c = catalog()
+    old = c.discovered("j", 0, {NODE}, False, timeline=1, forks=((1, 0),))
+    assert old is not None and c.get("j", 0) is old
+    c.discovered("j", 1, {NODE}, False, timeline=2, forks=((1, 0), (2, 0)))
+    assert c.get("j", 0) is None and [s.step for s in c.list("j")] == [1]
