@@ -223,3 +223,32 @@ def test_a_step_saved_again_during_an_outage_is_uploaded_over_the_older_timeline
             ("restart_daemon", dict(how="stop", in_flight=False, job="alpha")),
         ],
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="user 0 lists another user's jobs: ['tb-run'] (a job taken back only from the "
+    "peer after a node loss has no owner recorded)",
+)
+def test_a_job_taken_back_only_from_a_peer_keeps_its_owner(resources: Resources) -> None:
+    """Test user 1 saves during a bucket outage (its step is on the disk and the peer
+    only); the node is lost; the daemon takes the step back from the peer, and user 0's
+    listing shows user 1's job: its owner came back with neither copy."""
+    if resources.users_missing:
+        pytest.skip(f"the test users cannot run here: {resources.users_missing}")
+    replay(
+        Settings(keep=1, local_keep=3, memory_steps=1, pressure=True, peer=True),
+        [
+            ("rollback", dict(changes=frozenset({"a"}), job="beta", pick=2, version=4)),
+            ("bucket", dict(up=False)),
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="beta", version=1)),
+            ("user_save", dict(changes=frozenset({"a", "b"}), user=1)),
+            ("new_run", dict(flavor="torch", incremental=False, job="beta", version=5)),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="alpha")),
+            ("resume", dict(job="beta")),
+            ("resume", dict(job="beta")),
+            ("user_save", dict(changes=frozenset({"a", "b", "c"}), user=0)),
+            ("kill_trainer", dict(flavor="torch", job="beta", point="acked", version=3)),
+            ("user_probe", dict(probe="list", user=0)),
+        ],
+    )
