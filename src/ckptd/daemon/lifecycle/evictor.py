@@ -149,9 +149,8 @@ class Evictor:
                 for e in entries.values()
                 if replaced(e.timeline, e.step, lineage) and self.catalog.get(job, e.step) is None
             ]
+            read = held.read_in_bucket(entries) | self.catalog.read_copies(job)
             for e in stale:
-                read = held.read_in_bucket(entries) | self.catalog.read_copies(job)
-                node = self.catalog.node_id
                 log.info(
                     "%s/%d: retracting this node's copy of timeline %d from %s: a later save "
                     "under its number replaced it",
@@ -160,11 +159,7 @@ class Evictor:
                     e.timeline,
                     self.remote.url,
                 )
-                if not e.adopted and (e.step, e.timeline) in read:
-                    await held.hold(self.remote, self.index, job, node, e.step)
-                    continue
-                await retract_marker(self.remote, job, e.step, node, e.adopted)
-                await delete_copy(self.remote, self.index, job, e.step, node, e.adopted)
+                await held.take_out(self.remote, self.index, job, self.catalog.node_id, e, read)
         except Exception as exc:  # the next pass tries again
             log.warning("could not retract replaced copies of %s from %s: %s", job,
                         self.remote.url, exc)  # fmt: skip

@@ -57,6 +57,19 @@ async def hold(remote: Remote, index: NodeIndex, job: str, node: str, step: int)
     await delete_copy(remote, index, job, step, node, False, keep_data=True)
 
 
+async def take_out(
+    remote: Remote, index: NodeIndex, job: str, node: str, old: Entry, read: Set[tuple[int, int]]
+) -> None:
+    """Take this node's copy ``old`` (a replaced save's) out of view, marker first: its
+    files held while steps of this node read them (``read``: ``(step, timeline)``),
+    deleted otherwise."""
+    if not old.adopted and (old.step, old.timeline) in read:
+        await hold(remote, index, job, node, old.step)
+        return
+    await retract_marker(remote, job, old.step, node, old.adopted)
+    await delete_copy(remote, index, job, old.step, node, old.adopted)
+
+
 async def held_manifest(
     remote: Remote, job: str, node: str, step: int, timeline: int
 ) -> tuple[bytes, Manifest]:

@@ -50,7 +50,6 @@ from .layout import (
     tree_path,
     upload_order,
 )
-from .retract import delete_copy, retract_marker
 
 log = logging.getLogger("ckptd.drain")
 
@@ -156,12 +155,8 @@ class Publisher:
             self.remote.url,
             st.timeline,
         )
-        key = (st.step, old.timeline)
-        if not old.adopted and key in held.read_in_bucket(entries) | self.reading(st.job):
-            await held.hold(self.remote, self.index, st.job, self.node_id, st.step)
-            return
-        await retract_marker(self.remote, st.job, st.step, self.node_id, old.adopted)
-        await delete_copy(self.remote, self.index, st.job, st.step, self.node_id, old.adopted)
+        read = held.read_in_bucket(entries) | self.reading(st.job)
+        await held.take_out(self.remote, self.index, st.job, self.node_id, old, read)
 
     async def _publish_held(self, st: Step) -> None:
         """The held copies ``st`` reads that the bucket lacks go up first, from the local
