@@ -25,7 +25,8 @@ from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.daemon.app import config
 from ckptd.daemon.peer import bulk
 from ckptd.daemon.peer.bulk import BulkServer, request_frame
-from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from ckptd.daemon.peer.incoming import Incoming
+from ckptd.daemon.peer.replicas import ReplicaStore
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 

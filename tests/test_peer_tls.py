@@ -20,9 +20,10 @@ from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.daemon.app import config
 from ckptd.daemon.peer.bulk import BulkServer
 from ckptd.daemon.peer.bulk_client import push, read_range
+from ckptd.daemon.peer.incoming import Incoming
 from ckptd.daemon.peer.link import Peers
 from ckptd.daemon.peer.options import PeerTlsFiles
-from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from ckptd.daemon.peer.replicas import ReplicaStore
 from ckptd.daemon.peer.service import PeerServicer
 from ckptd.daemon.peer.tls import PeerTls
 from ckptd.proto import ckptd_pb2 as pb

@@ -21,12 +21,14 @@ import grpc
 import pytest
 
 from ckptd.core.errors import InvalidArgument, PermissionDenied, Unavailable
+from ckptd.core.names import UNKNOWN_OWNER as NO_OWNER
 from ckptd.core.wire import CHANNEL_OPTIONS
 from ckptd.daemon.peer.bulk import request_frame
 from ckptd.daemon.peer.bulk_client import push
 from ckptd.daemon.peer.identity import Sender, SenderCheck, grpc_sender
+from ckptd.daemon.peer.incoming import Incoming
 from ckptd.daemon.peer.link import Peer, read_token
-from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from ckptd.daemon.peer.replicas import ReplicaStore
 from ckptd.daemon.peer.tls import PeerTls
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -274,7 +276,7 @@ def test_a_replacement_takes_only_a_part_the_bucket_names_for_the_rank() -> None
     taken: list[Any] = []
 
     async def replicas(job: str = "", source: str | None = None) -> Any:
-        return {("job", 5): [(b, real), (b, forged), (c, forged)]}
+        return {("job", 5): [(b, real, NO_OWNER), (b, forged, NO_OWNER), (c, forged, NO_OWNER)]}
 
     async def fetch(job: str, step: int, replica: Any, rank: int) -> None:
         taken.append(replica)

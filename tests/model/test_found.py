@@ -225,15 +225,11 @@ def test_a_step_saved_again_during_an_outage_is_uploaded_over_the_older_timeline
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="user 0 lists another user's jobs: ['tb-run'] (a job taken back only from the "
-    "peer after a node loss has no owner recorded)",
-)
 def test_a_job_taken_back_only_from_a_peer_keeps_its_owner(resources: Resources) -> None:
     """Test user 1 saves during a bucket outage (its step is on the disk and the peer
     only); the node is lost; the daemon takes the step back from the peer, and user 0's
-    listing shows user 1's job: its owner came back with neither copy."""
+    listing showed user 1's job: its owner came back with neither copy. The replica
+    carries its owner now."""
     if resources.users_missing:
         pytest.skip(f"the test users cannot run here: {resources.users_missing}")
     replay(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 from .errors import InvalidArgument
 
@@ -97,6 +98,27 @@ def check_step(step: int) -> int:
     if step < 0 or step >= MAX_STEP:
         raise InvalidArgument(f"step {step} is out of range; steps are integers in [0, 2**62)")
     return step
+
+
+Owner = tuple[int | None, bool]
+"""A job's owner as a record from elsewhere says it (a node's bucket index, a peer's
+replica): ``(uid, known)``. ``uid`` None and ``known``: nobody's (an operator's job,
+open); ``known`` False: the record does not say (written before owners were
+recorded), so the job stays closed until an operator assigns it."""
+UNKNOWN_OWNER: Owner = (None, False)
+
+
+def recorded_owner(record: Mapping[str, object]) -> Owner:
+    """The owner ``record``'s ``owner`` key says (absent: not known). ValueError for a
+    value that is not a uid (or -1, a job saved before owners were recorded)."""
+    if "owner" not in record:
+        return UNKNOWN_OWNER
+    owner = record["owner"]
+    if owner is None:
+        return None, True
+    if type(owner) is int and -1 <= owner < 2**32:
+        return owner, True
+    raise ValueError(f"an owner that is not a uid: {str(owner)[:40]!r}")
 
 
 def check_path(field: str, value: str, *, optional: bool = False) -> str:

@@ -747,17 +747,25 @@ class PeerHelloResponse(_message.Message):
     data_port: int
     def __init__(self, node: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
+class JobOwner(_message.Message):
+    __slots__ = ("uid",)
+    UID_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    def __init__(self, uid: _Optional[int] = ...) -> None: ...
+
 class ReplicaChunk(_message.Message):
-    __slots__ = ("job", "step", "manifest_json", "data")
+    __slots__ = ("job", "step", "manifest_json", "data", "owner")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     manifest_json: str
     data: bytes
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    owner: JobOwner
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., data: _Optional[bytes] = ..., owner: _Optional[_Union[JobOwner, _Mapping]] = ...) -> None: ...
 
 class PutReplicaResponse(_message.Message):
     __slots__ = ("size_bytes",)
@@ -774,18 +782,20 @@ class ListReplicasRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., source_node: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("job", "source_node", "step", "manifest_json", "size_bytes")
+    __slots__ = ("job", "source_node", "step", "manifest_json", "size_bytes", "owner")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     job: str
     source_node: str
     step: int
     manifest_json: str
     size_bytes: int
-    def __init__(self, job: _Optional[str] = ..., source_node: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    owner: JobOwner
+    def __init__(self, job: _Optional[str] = ..., source_node: _Optional[str] = ..., step: _Optional[int] = ..., manifest_json: _Optional[str] = ..., size_bytes: _Optional[int] = ..., owner: _Optional[_Union[JobOwner, _Mapping]] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("node", "replicas")

@@ -170,12 +170,22 @@ class Access:
             log.info("job %r belongs to uid %d from now on", job, peer.uid)
 
     def found_in_bucket(self, job: str, owner: int | None, known: bool) -> None:
-        """The owner this node's index in the bucket records for ``job`` (remote/index.py),
-        taken where this root records none (a node that lost its disk: its files may be
-        back already, from a peer): the jobs come back with their owners, not open to the
-        first caller. An index written before owners were recorded (``known`` False)
-        gives :data:`UNASSIGNED`, as a root without records does (owners.py); None
-        recorded: an operator's job, open."""
+        """The owner this node's index in the bucket records for ``job`` (remote/index.py):
+        see :meth:`found_elsewhere`."""
+        self.found_elsewhere(job, owner, known, "the bucket")
+
+    def found_on_peer(self, job: str, owner: int | None, known: bool) -> None:
+        """The owner a peer's replica of this node's ``job`` came with (peer/source.py):
+        see :meth:`found_elsewhere`."""
+        self.found_elsewhere(job, owner, known, "a peer")
+
+    def found_elsewhere(self, job: str, owner: int | None, known: bool, where: str) -> None:
+        """The owner a record ``where`` says ``job`` has on this node, taken where this
+        root records none (a node that lost its disk takes its jobs back from the bucket
+        or its peers, whichever comes first): the jobs come back with their owners, not
+        open to the first caller. A record that does not say (``known`` False: written
+        before owners were recorded) gives :data:`UNASSIGNED`, as a root without records
+        does (owners.py); None recorded: an operator's job, open."""
         if job in self.owners or job in self._claims or (owner is None and known):
             return
         uid = owner if known and owner is not None else UNASSIGNED
@@ -185,17 +195,18 @@ class Access:
         except FileExistsError:  # `ckptd own` assigned it meanwhile: its record stands
             self._reread(job)
             return
-        except OSError as exc:  # kept in memory for this life; the bucket still says it
+        except OSError as exc:  # kept in memory for this life; the record still says it
             log.warning("cannot record the owner of job %r in %s: %s", job, self._dir, exc)
         if uid == UNASSIGNED:
             log.warning(
-                "job %r comes from the bucket, whose records predate job owners; it stays "
+                "job %r comes from %s, whose record does not say whose it is; it stays "
                 "closed to non-operators until `ckptd own %s USER` assigns it",
                 job,
+                where,
                 job,
             )
         else:
-            log.info("job %r comes from the bucket; it belongs to uid %d there", job, uid)
+            log.info("job %r comes from %s; it belongs to uid %d there", job, where, uid)
 
     def _reread(self, job: str) -> None:
         """Pick up an owner record written while the daemon runs (``ckptd own``)."""

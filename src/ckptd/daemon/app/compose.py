@@ -190,15 +190,16 @@ class Daemon:
         )
 
     def _build_restore(self, opts: Options) -> None:
-        """The restore's tiers, fastest first, and the restorer over them."""
-        # The restore's tiers, fastest first: each answers restore/tier.py's interface.
+        """The restore's tiers, fastest first (each answers restore/tier.py's
+        interface), and the restorer over them."""
         prestaged = Prestaged(self.staging, self.catalog)
         local_tier = LocalSource(self.catalog, self.store, self.staging, self.io)
         self.bucket = BucketSource(
             self.catalog, self.store, prestaged, self.io, self.remote, self.index
         )
+        owners = (self.access.owner_of, self.access.found_on_peer)
         self.peer = (
-            build_peer_tier(opts.peer, self.catalog, self.store, self.io, prestaged)
+            build_peer_tier(opts.peer, self.catalog, self.store, self.io, prestaged, owners)
             if opts.peer.enabled
             else None
         )

@@ -10,6 +10,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -26,9 +27,12 @@ from ..peer.options import PeerOptions
 from ..peer.replicas import ReplicaStore
 from ..peer.replicator import Replicator
 from ..peer.service import PeerServicer
-from ..peer.source import PeerSource, PrestageMemory
+from ..peer.source import OwnerFound, PeerSource, PrestageMemory
 from ..peer.tier import PeerTier
 from ..peer.tls import PeerTls
+
+OwnerOf = Callable[[str], int | None]
+"""The uid a job belongs to on this node (None: nobody's)."""
 
 
 def build_peer_tier(
@@ -37,11 +41,13 @@ def build_peer_tier(
     store: LocalStore,
     io: IoPool,
     memory: PrestageMemory,
+    owners: tuple[OwnerOf, OwnerFound],
 ) -> PeerTier:
     """Every part of the peer tier, wired; ``memory``: where pre-staged files also go
-    into shared memory (the memory tier). Called on the daemon's event loop, which
-    the bulk listener's threads ask for sender checks. Raises FailedPrecondition (a bad
-    token file or TLS files) with what to fix."""
+    into shared memory (the memory tier); ``owners``: each job's owner here, and
+    where an owner a replica came with is told (api/access.py). Called on the
+    daemon's event loop, which the bulk listener's threads ask for sender checks.
+    Raises FailedPrecondition (a bad token file or TLS files) with what to fix."""
     try:
         token = read_token(options.token_file)
     except InvalidArgument as exc:
@@ -82,8 +88,9 @@ def build_peer_tier(
             options.replicas,
             Limiter(options.bandwidth_bytes),
             options.max_lag_seconds,
+            owner_of=owners[0],
         )
-        source = PeerSource(catalog, store, io, peers, memory)
+        source = PeerSource(catalog, store, io, peers, memory, owner_found=owners[1])
     return PeerTier(
         options, io, tls, replicas, peers, sender_check, servicer, bulk, server, replicator, source
     )

@@ -50,7 +50,7 @@ import time
 from typing import Any
 
 from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated, Unavailable
-from ckptd.core.names import check_name, check_step
+from ckptd.core.names import UNKNOWN_OWNER, check_name, check_step, recorded_owner
 
 from .. import faults
 from .deadline import Watchdog
@@ -319,7 +319,11 @@ class BulkServer:
         """Take a replica pushed by its source (checked like a PutReplica stream)."""
         job = check_name("job", str(req.get("job", "")))
         step, holder_for = check_step(int(req["step"])), int(req.get("holder_for", 0))
-        begun = self.store.begin(job, step, str(req["manifest"]), holder_for)
+        try:
+            owner = recorded_owner(req)
+        except ValueError:
+            owner = UNKNOWN_OWNER
+        begun = self.store.begin(job, step, str(req["manifest"]), holder_for, owner)
         if isinstance(begun, Held):  # its source restarted and sent it again
             conn.sendall(b"HD" + struct.pack("<Q", begun.size))
             return

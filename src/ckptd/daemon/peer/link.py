@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.names import check_name
+from ckptd.core.names import UNKNOWN_OWNER, Owner, check_name, recorded_owner
 from ckptd.core.wire import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -47,6 +47,25 @@ CLOSE_GRACE_SECONDS = 900.0
 """How long calls on a channel replaced by renewed certificates may go on."""
 RETRY_SECONDS = 2.0
 """How soon the peers are asked again while some address did not answer."""
+
+
+def owner_message(owner: Owner) -> pb.JobOwner | None:
+    """A job's owner on the wire (None: not known, the field left unset)."""
+    uid, known = owner
+    if not known:
+        return None
+    return pb.JobOwner() if uid is None else pb.JobOwner(uid=uid)
+
+
+def owner_of_message(message: Any) -> Owner:
+    """The owner a ReplicaChunk or Replica carries (unset, or not a uid: not known)."""
+    if not message.HasField("owner"):
+        return UNKNOWN_OWNER
+    record = {"owner": message.owner.uid if message.owner.HasField("uid") else None}
+    try:
+        return recorded_owner(record)
+    except ValueError:
+        return UNKNOWN_OWNER
 
 
 def read_token(path: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ckptd.core.errors import DataLoss
 from ckptd.core.manifest import Manifest
+from ckptd.core.names import UNKNOWN_OWNER, Owner
 
 from ..catalog import Step
 from .link import Peer
@@ -29,6 +30,9 @@ class Replica:
     text: str
     """The manifest as the peers gave it: the commit writes it as it came."""
     peers: list[Peer]
+    owner: Owner = UNKNOWN_OWNER
+    """The job's owner on this node, as the first peer naming it says this node said
+    when it sent it (core/names.py)."""
 
 
 def referenced(

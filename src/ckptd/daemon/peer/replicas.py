@@ -1,6 +1,6 @@
 """The replicas this daemon holds for its peers, on its own disk.
 
-    <root>/.replicas/<job>/<source node>/<step>/manifest.json + rank files
+    <root>/.replicas/<job>/<source node>/<step>/manifest.json + owner.json + rank files
     <root>/.replicas/.incoming/<random>/             a replica being received
 
 Per (job, source node): the replica its source sent last (its *head*), and the
@@ -20,13 +20,16 @@ leaves whole replicas only, never a part; ``.incoming`` is emptied at start-up,
 where the last head written is found again (a holder's directory is marked) and
 what it does not need removed. Everything a peer sends is checked like a bucket's
 manifest (names, sizes, files within the step) before a byte is written, and the
-replicas together stay within ``peer_budget_bytes``.
+replicas together stay within ``peer_budget_bytes``. Each replica keeps the owner
+its source said the job has (``owner.json``): a node that lost its disk takes its
+jobs back with their owners (api/access.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import mmap
+import json
 import os
 import secrets
 import shutil
@@ -34,20 +37,19 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.core import checksum
 from ckptd.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from ckptd.core.format import ALIGN, round_up
-from ckptd.core.manifest import MANIFEST, Manifest, RankRecord
-from ckptd.core.names import check_name, check_step
+from ckptd.core.manifest import MANIFEST, Manifest
+from ckptd.core.names import UNKNOWN_OWNER, Owner, check_name, check_step, recorded_owner
 
-from ..files import fsync_dir, open_direct, read_small, write_synced
+from ..files import fsync_dir, read_small, replace_synced, write_synced
+from .incoming import Incoming
 
 INCOMING = ".incoming"
 HOLDER_MARK = ".holder"
 """In a replica's directory: it came as a step a newer replica references (not its
 source's head); only a head's commit decides what stays."""
-BUFFER = 4 * 2**20
-"""Bytes gathered before a write (a multiple of ALIGN; the buffer holds two)."""
+OWNER = "owner.json"
+"""In a replica's directory: the job's owner on its source, as the source said it."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Held:
     receptions from one source at once, the later one begun is the newer save."""
     holders: frozenset[int] = frozenset()
     """The older steps its rank files reference (held here with it)."""
+    owner: Owner = UNKNOWN_OWNER
+    """The job's owner on its source, as the source said it (core/names.py)."""
 
 
 class ReplicaStore:
@@ -120,7 +124,10 @@ class ReplicaStore:
     def _read(self, job: str, source: str, step_dir: Path) -> Held:
         raw = read_small(step_dir / MANIFEST).decode()
         m = _checked(raw, job, int(step_dir.name), source)
-        return Held(job, source, m.step, raw, m.size_bytes, m.timeline, 0, frozenset(m.holders()))
+        owner = _read_owner(step_dir / OWNER)
+        return Held(
+            job, source, m.step, raw, m.size_bytes, m.timeline, 0, frozenset(m.holders()), owner
+        )
 
     def _dir_of(self, held: Held) -> Path:
         return self.dir / held.job / held.source / str(held.step)
@@ -164,24 +171,36 @@ class ReplicaStore:
             if (not job or j == job) and (not source or s == source)
         ]
 
-    def begin(self, job: str, step: int, raw: str, holder_for: int = 0) -> Incoming | Held:
+    def begin(
+        self,
+        job: str,
+        step: int,
+        raw: str,
+        holder_for: int = 0,
+        owner: Owner = UNKNOWN_OWNER,
+    ) -> Incoming[Held] | Held:
         """Start receiving ``source``'s replica of ``step`` (``raw``: its manifest, whose
-        ``node`` is the source, already checked to be the sender); the replica itself if
-        it is held already. Refused if it would not fit the budget, or if it references
-        a step not held here. Once received it becomes the source's head, whatever the
-        step numbers (the sender is the source, and the source sends its newest save),
-        unless ``holder_for`` names the newer step it is sent ahead of."""
+        ``node`` is the source, already checked to be the sender; ``owner``: the job's
+        owner there, as it says); the replica itself if it is held already (its owner
+        updated). Refused if it would not fit the budget, or if it references a step not
+        held here. Once received it becomes the source's head, whatever the step numbers
+        (the sender is the source, and the source sends its newest save), unless
+        ``holder_for`` names the newer step it is sent ahead of."""
         m = _checked(raw, check_name("job", job), check_step(step), None)
         if holder_for and not step < holder_for:
             raise InvalidArgument(f"step {step} cannot hold references of step {holder_for}")
         with self._lock:
-            return self._begin(job, step, m, raw, holder_for)
+            return self._begin(job, step, m, raw, holder_for, owner)
 
     def _begin(
-        self, job: str, step: int, m: Manifest, raw: str, holder_for: int
-    ) -> Incoming | Held:
+        self, job: str, step: int, m: Manifest, raw: str, holder_for: int, owner: Owner
+    ) -> Incoming[Held] | Held:
         old = self._held.get((job, m.node, step))
         if old is not None and old.raw == raw:
+            if owner[1] and owner != old.owner:  # `ckptd own` on the source since
+                replace_synced(self._dir_of(old) / OWNER, _owner_bytes(owner))
+                old = dataclasses.replace(old, owner=owner)
+                self._held = {**self._held, (job, m.node, step): old}
             if not holder_for:  # sent again (its source restarted): held already
                 self._head[(job, m.node)] = step
                 self._keep(job, m.node, step)
@@ -204,7 +223,7 @@ class ReplicaStore:
         path.mkdir(mode=0o750)
         self._reserved[path.name] = m.size_bytes
         self._begun += 1
-        return Incoming(self, path, m, raw, self._begun, holder_for)
+        return Incoming(self._commit, self._abort, path, m, raw, self._begun, holder_for, owner)
 
     def _check_holders(self, job: str, m: Manifest) -> None:
         """FailedPrecondition unless every step ``m`` references is held here, with the
@@ -230,11 +249,11 @@ class ReplicaStore:
             raise NotFound(f"{file!r} is not a file of that replica")
         return self._dir_of(held) / file
 
-    def _commit(self, incoming: Incoming) -> Held:
+    def _commit(self, incoming: Incoming[Held]) -> Held:
         with self._lock:
             return self._commit_locked(incoming)
 
-    def _commit_locked(self, incoming: Incoming) -> Held:
+    def _commit_locked(self, incoming: Incoming[Held]) -> Held:
         m = incoming.manifest
         self._reserved.pop(incoming.path.name, None)
         head = self._head.get((m.job, m.node))
@@ -249,11 +268,21 @@ class ReplicaStore:
             raise
         if incoming.holder_for:
             write_synced(incoming.path / HOLDER_MARK, b"")
+        if incoming.owner[1]:
+            write_synced(incoming.path / OWNER, _owner_bytes(incoming.owner))
         write_synced(incoming.path / MANIFEST, incoming.raw.encode())
         fsync_dir(incoming.path)
         holders = frozenset(m.holders())
         held = Held(
-            m.job, m.node, m.step, incoming.raw, m.size_bytes, m.timeline, incoming.begun, holders
+            m.job,
+            m.node,
+            m.step,
+            incoming.raw,
+            m.size_bytes,
+            m.timeline,
+            incoming.begun,
+            holders,
+            incoming.owner,
         )
         final = self._dir_of(held)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
@@ -266,117 +295,10 @@ class ReplicaStore:
             self._keep(m.job, m.node, m.step)
         return held
 
-    def _abort(self, incoming: Incoming) -> None:
+    def _abort(self, incoming: Incoming[Held]) -> None:
         with self._lock:
             self._reserved.pop(incoming.path.name, None)
         shutil.rmtree(incoming.path, ignore_errors=True)
-
-
-class Incoming:
-    """A replica being received: its rank files' bytes in manifest order, back to back.
-
-    Written with ``O_DIRECT`` from one reused page-aligned buffer (whole blocks; the
-    padding past a file's end is cut off), so a replica allocates no page cache,
-    whose fresh memory is slow on these VMs and taken from the trainer beside it."""
-
-    def __init__(
-        self,
-        store: ReplicaStore,
-        path: Path,
-        manifest: Manifest,
-        raw: str,
-        begun: int = 0,
-        holder_for: int = 0,
-    ) -> None:
-        self.store, self.path, self.manifest, self.raw = store, path, manifest, raw
-        self.begun = begun
-        """Its place in the order receptions began (ReplicaStore)."""
-        self.holder_for = holder_for
-        """The newer step it is sent ahead of (0: its source's head)."""
-        self._files: list[RankRecord] = list(manifest.ranks)
-        self._index = 0
-        self._done = 0  # bytes of the current file taken in
-        self._written = 0  # of those, written to the file (a multiple of ALIGN)
-        self._crc = 0
-        self._fd = -1
-        self._direct = False
-        self._buf = mmap.mmap(-1, 2 * BUFFER)
-        self._fill = 0  # bytes waiting in the buffer
-
-    def _open(self, record: RankRecord) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        self._fd, self._direct = open_direct(self.path / record.file, flags)
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Take the next bytes; a file whose bytes are all in is checked and closed."""
-        view = memoryview(data)
-        while view:
-            if self._index >= len(self._files):
-                raise InvalidArgument("more bytes than the manifest's files hold")
-            record = self._files[self._index]
-            if self._fd < 0:
-                self._open(record)
-            take = view[: min(record.size - self._done, BUFFER)]
-            self._buf[self._fill : self._fill + len(take)] = take
-            self._fill += len(take)
-            self._crc = checksum.extend(self._crc, take)
-            self._done += len(take)
-            view = view[len(take) :]
-            if self._fill >= BUFFER:
-                self._flush(whole=False)
-            if self._done == record.size:
-                self._close_file(record)
-
-    def _flush(self, whole: bool) -> None:
-        """Write the buffer's whole blocks (``whole``: all of it, padded to a block)."""
-        n = round_up(self._fill) if whole else self._fill // ALIGN * ALIGN
-        if not n:
-            return
-        if whole:
-            self._buf[self._fill : n] = bytes(n - self._fill)
-        view = memoryview(self._buf)[:n]
-        if not self._direct:  # a filesystem without O_DIRECT: the bytes as they are
-            view = view[: min(n, self._fill)]
-        pos = 0
-        while pos < len(view):
-            pos += os.pwrite(self._fd, view[pos:], self._written + pos)
-        rest = self._fill - n
-        if rest > 0:
-            self._buf[:rest] = self._buf[n : self._fill]
-        self._written += n
-        self._fill = max(rest, 0)
-
-    def _close_file(self, record: RankRecord) -> None:
-        if self._fd < 0:  # an empty file: nothing was written
-            self._open(record)
-        self._flush(whole=True)
-        os.ftruncate(self._fd, record.size)  # the block padding past its end
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        if self._crc != record.crc32c:
-            raise InvalidArgument(
-                f"{record.file} arrived with crc32c {self._crc:08x}, not {record.crc32c:08x}"
-            )
-        self._index, self._done, self._written, self._crc = self._index + 1, 0, 0, 0
-
-    def finish(self) -> Held:
-        """Every file is in and checked: make the replica visible."""
-        while self._index < len(self._files) and self._files[self._index].size == 0:
-            self._close_file(self._files[self._index])
-        if self._index < len(self._files):
-            missing = self._files[self._index].file
-            raise InvalidArgument(f"the stream ended before {missing} was complete")
-        self._buf.close()
-        return self.store._commit(self)
-
-    def abort(self) -> None:
-        """Drop what was received."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._buf.close()
-        self.store._abort(self)
 
 
 def _checked(raw: str, job: str, step: int, source: str | None) -> Manifest:
@@ -391,6 +313,19 @@ def _checked(raw: str, job: str, step: int, source: str | None) -> Manifest:
     if m.adopted:
         raise InvalidArgument("adopted directories are not replicated")
     return m
+
+
+def _owner_bytes(owner: Owner) -> bytes:
+    return json.dumps({"owner": owner[0]}).encode()
+
+
+def _read_owner(path: Path) -> Owner:
+    """A replica's recorded owner (none recorded, or unreadable: not known)."""
+    try:
+        body = json.loads(read_small(path))
+        return recorded_owner(body) if isinstance(body, dict) else UNKNOWN_OWNER
+    except (OSError, ValueError):
+        return UNKNOWN_OWNER
 
 
 @functools.lru_cache(maxsize=64)

@@ -37,7 +37,7 @@ from ..files import open_direct
 from ..io import IoPool
 from ..local.store import LocalStore
 from .bulk_client import push
-from .link import CHUNK, Limiter, Peer, Peers
+from .link import CHUNK, Limiter, Peer, Peers, owner_message
 from .service import HOLDER_FOR
 
 log = logging.getLogger("ckptd.peer")
@@ -60,12 +60,16 @@ class Replicator:
         limiter: Limiter,
         max_lag: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        owner_of: Callable[[str], int | None] = lambda job: None,
     ) -> None:
         self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
         self.replicas = replicas
         self.limiter = limiter
         self.max_lag = max_lag
         self._clock = clock
+        self.owner_of = owner_of
+        """Each job's owner here (api/access.py), sent with its replicas: a node that
+        lost its disk takes its jobs back from its peers with their owners."""
         self._behind: dict[str, float] = {}
         """Per job, since when its newest local step has had no replica (cleared once
         the replica caught up): replication stops yielding to saves at ``max_lag``."""
@@ -254,6 +258,7 @@ class Replicator:
             "job": st.job,
             "step": st.step,
             "manifest": manifest.to_json(),
+            "owner": self.owner_of(st.job),
         }
         if holder_for:
             request["holder_for"] = holder_for
@@ -277,7 +282,12 @@ class Replicator:
 
     async def _chunks(self, st: Step, manifest: Manifest) -> AsyncIterator[pb.ReplicaChunk]:
         """The PutReplica stream: the manifest, then the files' bytes."""
-        yield pb.ReplicaChunk(job=st.job, step=st.step, manifest_json=manifest.to_json())
+        yield pb.ReplicaChunk(
+            job=st.job,
+            step=st.step,
+            manifest_json=manifest.to_json(),
+            owner=owner_message((self.owner_of(st.job), True)),
+        )
         async for piece in self._pieces(st, manifest):
             yield pb.ReplicaChunk(data=bytes(piece))
 

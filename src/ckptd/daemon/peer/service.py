@@ -26,7 +26,7 @@ from ckptd.proto import ckptd_pb2_grpc as pb_grpc
 
 from .. import faults
 from .identity import SenderCheck, claimed_node, grpc_sender
-from .link import CHUNK, authorized
+from .link import CHUNK, authorized, owner_message, owner_of_message
 from .replicas import Held, ReplicaStore
 
 log = logging.getLogger("ckptd.peer")
@@ -85,6 +85,7 @@ class PeerServicer(pb_grpc.PeerServicer):
                     step=h.step,
                     manifest_json=h.raw,
                     size_bytes=h.size,
+                    owner=owner_message(h.owner),
                 )
                 for h in self.store.list(request.job, request.source_node)
             ],
@@ -104,7 +105,12 @@ class PeerServicer(pb_grpc.PeerServicer):
             await self.sender_check.check(claimed_node(first.manifest_json), grpc_sender(context))
             holder_for = holder_for_of(context)
             begun = await self._run(
-                self.store.begin, first.job, first.step, first.manifest_json, holder_for
+                self.store.begin,
+                first.job,
+                first.step,
+                first.manifest_json,
+                holder_for,
+                owner_of_message(first),
             )
             if isinstance(begun, Held):  # its source restarted and sent it again
                 return pb.PutReplicaResponse(size_bytes=begun.size)

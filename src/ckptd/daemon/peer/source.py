@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from ckptd.core import checksum
 from ckptd.core.errors import DataLoss, NotFound, Unavailable
 from ckptd.core.manifest import Manifest, ManifestInvalid, RankRecord
+from ckptd.core.names import Owner
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Step
@@ -32,7 +34,7 @@ from ..catalog.roles import Copies
 from ..io import IoPool
 from ..local.lease import Handed, Lease, Segment, Want
 from ..local.store import LocalStore
-from .link import Peer, Peers
+from .link import Peer, Peers, owner_of_message
 from .references import Replica, referenced
 from .transfer import ReplicaReader
 
@@ -42,8 +44,11 @@ LIST_TIMEOUT_SECONDS = 5.0
 ASK_AGAIN_SECONDS = 30.0
 """A job none of whose steps is local asks the peers at most this often."""
 
-Holders = list[tuple[Peer, str]]
-"""The peers holding one replica, each with its manifest (JSON), as they list it."""
+Holders = list[tuple[Peer, str, Owner]]
+"""The peers holding one replica, each with its manifest (JSON) and the job's owner
+that came with it, as they list it."""
+OwnerFound = Callable[[str, int | None, bool], None]
+"""Told ``(job, owner, known)``: the owner a replica of a job came with."""
 Order = tuple[bool, int, int]
 """A step's place in its job's history: ``Step.order`` (catalog/step.py)."""
 
@@ -91,8 +96,12 @@ class PeerSource:
         io: IoPool,
         peers: Peers,
         memory: PrestageMemory | None = None,
+        owner_found: OwnerFound = lambda job, owner, known: None,
     ) -> None:
         self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
+        self.owner_found = owner_found
+        """Told the owner a replica came with before its step is taken in
+        (api/access.py): a job taken back from peers is not open to the first caller."""
         self.reader = ReplicaReader(io, peers)
         self._locks: dict[str, asyncio.Lock] = {}
         self._asked: dict[str, float] = {}
@@ -139,7 +148,9 @@ class PeerSource:
         found: dict[tuple[str, int], Holders] = {}
         answers = await asyncio.gather(*(ask(p) for p in await self.peers.known(fresh=True)))
         for peer, r in (pair for answer in answers for pair in answer):
-            found.setdefault((r.job, r.step), []).append((peer, r.manifest_json))
+            found.setdefault((r.job, r.step), []).append(
+                (peer, r.manifest_json, owner_of_message(r))
+            )
         return found
 
     async def _listing(
@@ -152,12 +163,12 @@ class PeerSource:
         bad: set[str] = set()
         for (j, n), held in (await self.replicas(job, source)).items():
             same: dict[str, Replica] = {}
-            for peer, text in held:
+            for peer, text, owner in held:
                 if text in same:
                     same[text].peers.append(peer)
                 elif text not in bad:
                     try:
-                        same[text] = Replica(Manifest.from_json(text), text, [peer])
+                        same[text] = Replica(Manifest.from_json(text), text, [peer], owner)
                     except (ManifestInvalid, ValueError) as exc:
                         bad.add(text)
                         log.warning("%s/%d: the replica held by %s is not taken (%s)",
@@ -310,6 +321,7 @@ class PeerSource:
         mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
+        self.owner_found(job, *replica.owner)  # before any step of it can be listed
         if manifest.holders():  # the local tier holds a step with the steps it references
             await self._bring_references(manifest)
         gave = await self._commit(replica)

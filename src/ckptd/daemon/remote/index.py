@@ -44,7 +44,7 @@ from typing import Any
 
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import DATA_LAYOUTS, DATA_SPREAD
-from ckptd.core.names import check_name
+from ckptd.core.names import UNKNOWN_OWNER, Owner, check_name, recorded_owner
 from ckptd.core.timeline import MAX_TIMELINES, Forks, check_forks, check_timeline, merge
 
 from . import records
@@ -133,19 +133,15 @@ def decode_all(raw: bytes, key: str = "") -> tuple[dict[int, Entry], Held]:
     return entries, held
 
 
-def _owner(body: dict[str, Any], key: str) -> tuple[int | None, bool]:
-    if "owner" not in body:
-        return None, False
-    owner = body["owner"]
-    if owner is None:
-        return None, True
-    if type(owner) is int and -1 <= owner < 2**32:
-        return owner, True
-    records.skipped(key, f"an owner that is not a uid: {str(owner)[:40]!r}")
-    return None, False
+def _owner(body: dict[str, Any], key: str) -> Owner:
+    try:
+        return recorded_owner(body)
+    except ValueError as exc:
+        records.skipped(key, str(exc))
+        return UNKNOWN_OWNER
 
 
-def _decode(raw: bytes, key: str) -> tuple[dict[int, Entry], Held, tuple[int | None, bool]]:
+def _decode(raw: bytes, key: str) -> tuple[dict[int, Entry], Held, Owner]:
     body = _json(raw)
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ValueError(f"not a ckptd step index of format {FORMAT}")
@@ -342,7 +338,7 @@ class NodeIndex:
             return found
         if self.jitter_seconds > 0:  # a whole job restarting: not all in the same second
             await asyncio.sleep(random.uniform(0, self.jitter_seconds))
-        owner: tuple[int | None, bool] = (None, False)
+        owner: Owner = UNKNOWN_OWNER
         try:
             raw = await self.remote.get_bytes(index_key(job, self.node))
         except FileNotFoundError:

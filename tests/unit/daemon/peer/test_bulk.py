@@ -19,7 +19,8 @@ from ckptd.core.errors import DataLoss, Unavailable
 from ckptd.daemon.peer import bulk
 from ckptd.daemon.peer.bulk import BulkServer, request_frame
 from ckptd.daemon.peer.bulk_client import push, read_range
-from ckptd.daemon.peer.replicas import Incoming, ReplicaStore
+from ckptd.daemon.peer.incoming import Incoming
+from ckptd.daemon.peer.replicas import ReplicaStore
 
 from .test_peer import _manifest
 

@@ -15,11 +15,21 @@ import pytest
 
 from ckptd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from ckptd.core.manifest import Manifest, RankRecord
+from ckptd.core.names import UNKNOWN_OWNER as NO_OWNER
 from ckptd.daemon.local.lease import Want
 from ckptd.daemon.peer import source as peer_source
-from ckptd.daemon.peer.link import Limiter, Peer, Peers, read_token
-from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
+from ckptd.daemon.peer.incoming import Incoming
+from ckptd.daemon.peer.link import (
+    Limiter,
+    Peer,
+    Peers,
+    owner_message,
+    owner_of_message,
+    read_token,
+)
+from ckptd.daemon.peer.replicas import Held, ReplicaStore
 from ckptd.daemon.peer.source import PeerSource
+from ckptd.proto import ckptd_pb2 as pb
 
 
 def _manifest(step: int, files: dict[str, bytes], job: str = "j", node: str = "src") -> str:
@@ -307,7 +317,10 @@ def test_a_restore_while_another_takes_the_job_back_from_peers_waits_for_it() ->
     fetching, done, fetched = asyncio.Event(), asyncio.Event(), []
 
     async def replicas(job: str = "", source: str | None = None) -> Any:
-        return {("j", 4): [(peer, _manifest(4, FILES, node="n"))], ("j", 5): [(peer, "{")]}
+        return {
+            ("j", 4): [(peer, _manifest(4, FILES, node="n"), NO_OWNER)],
+            ("j", 5): [(peer, "{", NO_OWNER)],
+        }
 
     async def fetch(job: str, step: int, replica: Any, rank: int | None = None) -> None:
         fetched.append(step)
@@ -349,7 +362,10 @@ def test_only_a_replica_whose_manifest_parses_is_a_step_of_the_peers() -> None:
     taken: list[Any] = []
 
     async def replicas(job: str = "", source: str | None = None) -> Any:
-        return {("j", 6): [(b, unreadable)], ("j", 5): [(b, "{"), (c, sound)]}
+        return {
+            ("j", 6): [(b, unreadable, NO_OWNER)],
+            ("j", 5): [(b, "{", NO_OWNER), (c, sound, NO_OWNER)],
+        }
 
     async def fetch(job: str, step: int, replica: Any, rank: int | None = None) -> None:
         taken.append((step, replica.text, replica.peers))
@@ -367,3 +383,41 @@ def test_only_a_replica_whose_manifest_parses_is_a_step_of_the_peers() -> None:
     finally:
         source.close()
     assert taken == [(5, sound, [c])]
+
+
+def test_a_job_taken_back_from_peers_is_told_its_owner_before_it_is_listed() -> None:
+    """A node that lost its disk takes a job back from its peers: the owner the replica
+    came with is told before the step is in the catalog (else the first caller of any
+    uid would find it open), and it crosses the wire as the source said it."""
+    from ckptd.daemon.catalog import Catalog
+
+    for said in [(1001, True), (None, True), (-1, True), NO_OWNER]:
+        message = pb.Replica(owner=owner_message(said))
+        assert owner_of_message(pb.Replica.FromString(message.SerializeToString())) == said
+    catalog = Catalog("n")
+    told: list[Any] = []
+
+    def owner_found(job: str, owner: int | None, known: bool) -> None:
+        told.append((job, owner, known, catalog.get(job, 4)))
+
+    source = PeerSource(catalog, None, None, SimpleNamespace(), owner_found=owner_found)  # type: ignore[arg-type]
+    peer = Peer("b", "10.0.0.2:7000")
+
+    async def replicas(job: str = "", source: str | None = None) -> Any:
+        return {("j", 4): [(peer, _manifest(4, FILES, node="n"), (1001, True))]}
+
+    async def commit(replica: Any) -> str:
+        return "b"
+
+    source.replicas = replicas  # type: ignore[method-assign]
+    source._commit = commit  # type: ignore[method-assign]
+
+    async def run() -> None:
+        await source.holds("j", None)
+        await source.bring("j", 4, Want(0))
+
+    try:
+        asyncio.run(run())
+    finally:
+        source.close()
+    assert told == [("j", 1001, True, None)] and catalog.require("j", 4).local

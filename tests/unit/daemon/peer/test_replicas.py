@@ -12,7 +12,8 @@ import pytest
 
 from ckptd.core.errors import FailedPrecondition
 from ckptd.core.manifest import Manifest, RankRecord
-from ckptd.daemon.peer.replicas import Held, Incoming, ReplicaStore
+from ckptd.daemon.peer.incoming import Incoming
+from ckptd.daemon.peer.replicas import Held, ReplicaStore
 
 FILE = "rank-00000.safetensors"
 FULL = b"f" * 8192
@@ -74,3 +75,27 @@ def test_a_step_sent_ahead_as_a_holder_leaves_the_newest_in_place(tmp_path: Path
     assert _steps(again) == [6, 7, 8]
     third = ReplicaStore(tmp_path, 10**6)
     assert third.load() == 3 and _steps(third) == [6, 7, 8]
+
+
+def test_a_replica_keeps_the_owner_its_source_said_across_restarts(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path, 10**6)
+    store.load()
+    incoming = store.begin("j", 1, _manifest(1, FULL), 0, (1001, True))
+    assert isinstance(incoming, Incoming)
+    incoming.write(FULL)
+    assert incoming.finish().owner == (1001, True)
+    _put(store, 2, FULL)  # a sender that does not say: not known, never "nobody's"
+    assert [h.owner for h in store.list("j")] == [(None, False)]
+    # Sent again after `ckptd own` moved the job on the source: the new owner is kept.
+    again = store.begin("j", 2, _manifest(2, FULL), 0, (1002, True))
+    assert isinstance(again, Held) and again.owner == (1002, True)
+    reloaded = ReplicaStore(tmp_path, 10**6)
+    reloaded.load()
+    assert [h.owner for h in reloaded.list("j")] == [(1002, True)]
+    # An operator's job (nobody's, open) is kept as such, not as unknown.
+    _put(reloaded, 3, FULL)
+    open_job = reloaded.begin("j", 3, _manifest(3, FULL), 0, (None, True))
+    assert isinstance(open_job, Held) and open_job.owner == (None, True)
+    third = ReplicaStore(tmp_path, 10**6)
+    third.load()
+    assert [h.owner for h in third.list("j")] == [(None, True)]
