@@ -248,3 +248,93 @@ def test_a_job_taken_back_only_from_a_peer_keeps_its_owner(resources: Resources)
             ("user_probe", dict(probe="list", user=0)),
         ],
     )
+
+
+def test_a_number_saved_again_later_on_a_new_timeline_replaces_the_buckets_copy(
+    resources: Resources,
+) -> None:
+    """Run A saves alpha/0-3 (all uploaded); run B begins at 0 and saves alpha/1-3
+    again. B's alpha/2 is evicted before it goes up (B's alpha/3 is the newest), so no
+    upload retracts A's alpha/2 from the bucket: it came back as the step after a node
+    loss. The evictor retracts it now; and a daemon killed mid-retract (the last
+    operations) found an index entry whose copy was half deleted: the entry goes first."""
+    replay(
+        Settings(keep=1, local_keep=2, memory_steps=1, pressure=True, peer=True),
+        [
+            (
+                "save_next",
+                dict(changes=frozenset({"a"}), count=1, job="beta", milestone=True, version=1),
+            ),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset({"b", "c"}), count=2, job="alpha", milestone=True, version=2
+                ),
+            ),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset({"b", "c", "a"}),
+                    count=2,
+                    job="alpha",
+                    milestone=False,
+                    version=5,
+                ),
+            ),
+            ("new_run", dict(flavor="torch", incremental=True, job="beta", version=3)),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset({"b", "c", "a"}),
+                    count=1,
+                    job="beta",
+                    milestone=True,
+                    version=4,
+                ),
+            ),
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="alpha", version=3)),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="beta")),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset({"b", "c", "a"}),
+                    count=3,
+                    job="alpha",
+                    milestone=False,
+                    version=2,
+                ),
+            ),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="beta")),
+            (
+                "save_next",
+                dict(changes=frozenset({"b"}), count=1, job="beta", milestone=True, version=2),
+            ),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="beta")),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset({"c", "a"}), count=2, job="beta", milestone=False, version=2
+                ),
+            ),
+            ("new_run", dict(flavor="jax", incremental=True, job="beta", version=0)),
+            (
+                "save_next",
+                dict(
+                    changes=frozenset({"b", "c", "a"}),
+                    count=1,
+                    job="alpha",
+                    milestone=True,
+                    version=2,
+                ),
+            ),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="alpha")),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="alpha")),
+            ("restart_daemon", dict(how="stop", in_flight=True, job="alpha")),
+            ("resume", dict(job="alpha")),
+            (
+                "save_next",
+                dict(changes=frozenset({"c"}), count=3, job="beta", milestone=False, version=2),
+            ),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="beta")),
+        ],
+    )

@@ -159,6 +159,7 @@ class Catalog(StepTable):
         """A new save takes ``old``'s number: ``old`` leaves the catalog (a save that
         failed with nothing kept just goes); its local copy, if any, stays until the
         saver removes it (:meth:`replacing`, :meth:`quiet`, :meth:`replaced`)."""
+        self._taken(old.job, old.step, timeline)
         if not old.in_lineage:
             self._drop(old)
             return
@@ -355,17 +356,20 @@ class Catalog(StepTable):
         ``milestone``, ``metrics``, ``timeline`` and ``forks`` come from its marker or
         the node's index, for retention and timelines); a LOCAL step whose marker
         from this node is there is DURABLE too. Copies of another timeline than the
-        step known here under that number are other saves, not copies of it: ignored
-        (None; a replaced step's, which the new save's upload retracts). So is a copy
-        of a save the job's lineage says was replaced (a later timeline began with a
-        save under its number) when no step is known under it: the replacing save may
-        have left this node before its upload (lifecycle/evictor.py retracts it).
+        step known here under that number are other saves: ignored (None; an older
+        one is recorded as replaced, :meth:`replaced_numbers`). So is a replaced save's
+        copy (a later timeline began with a save under its number, or one was seen
+        here) when no step is known under it: the replacing save may have left before
+        its upload retracted it (lifecycle/evictor.py does).
         ``timeline=None``: not known (a marker listed, not read): the known step's.
         """
         st = self._steps.get((job, step))
-        if st is None and timeline is not None and replaced(timeline, step, self.lineage(job)):
-            # The save that began a later timeline under this number replaced it, and
-            # left (evicted before it went up, say) before its upload retracted this copy.
+        later = self._replaced_by.get((job, step), -1)
+        if (
+            st is None
+            and timeline is not None
+            and (replaced(timeline, step, self.lineage(job)) or later > timeline)
+        ):
             log.info(
                 "%s/%d: the bucket's copy of nodes %s is of timeline %d, which a later "
                 "save under this number replaced: not a step (retracted by the evictor)",
@@ -376,6 +380,8 @@ class Catalog(StepTable):
             )
             return None
         if st is not None and timeline is not None and timeline != st.timeline:
+            if timeline < st.timeline:  # replaced by it: out once no upload of it will be
+                self._taken(job, step, st.timeline)
             log.info(
                 "%s/%d: the bucket's copy of nodes %s is of timeline %d, this step of %d: "
                 "not a copy of it",

@@ -43,6 +43,27 @@ class StepTable(EventLog):
         """Each job's forks, from the steps it has (core/timeline.py)."""
         self._replacing: dict[tuple[str, int], Step] = {}
         """Steps a save under their number is replacing, until their local copy is gone."""
+        self._replaced_by: dict[tuple[str, int], int] = {}
+        """Numbers a later save took, whose older save's copy this node may still have in
+        the bucket: (job, step) -> the later save's timeline. Kept until the evictor
+        retracted that copy or found none (:meth:`replaced_numbers`): a later save that
+        leaves before its upload (superseded, evicted) retracts nothing itself."""
+
+    # -- numbers a later save took ------------------------------------------------
+    def replaced_numbers(self, job: str) -> dict[int, int]:
+        """Step -> the timeline of the later save under that number, for this node's
+        copies in the bucket that such a save replaced and that may still be there."""
+        return {n: t for (j, n), t in self._replaced_by.items() if j == job}
+
+    def retracted(self, job: str, step: int, timeline: int) -> None:
+        """No copy under ``step`` older than ``timeline`` is in the bucket any more."""
+        if self._replaced_by.get((job, step)) == timeline:
+            del self._replaced_by[(job, step)]
+
+    def _taken(self, job: str, step: int, timeline: int) -> None:
+        """A save of ``timeline`` took ``step``'s number: older copies are replaced."""
+        key = (job, step)
+        self._replaced_by[key] = max(timeline, self._replaced_by.get(key, timeline))
 
     # -- queries -----------------------------------------------------------------
     def get(self, job: str, step: int) -> Step | None:

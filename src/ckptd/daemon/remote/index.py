@@ -282,7 +282,7 @@ class NodeIndex:
             await self._write(job, entries)
 
     async def remove(self, job: str, step: int) -> None:
-        """Forget a step (call before its marker is deleted)."""
+        """Forget a step (after its marker is deleted, before its objects are)."""
         async with self._lock(job):
             entries = await self._load(job)
             if entries.pop(step, None) is not None:

@@ -36,8 +36,11 @@ async def delete_copy(
     adopted: bool,
     keep_data: bool = False,
 ) -> None:
-    """After :func:`retract_marker`: the copy's objects, then its index entry.
-    ``keep_data``: its rank files stay, held for the steps that read them (held.py)."""
+    """After :func:`retract_marker`: the copy's index entry, then its objects.
+    ``keep_data``: its rank files stay, held for the steps that read them (held.py).
+    The entry goes first: a daemon killed between the two must not find an entry
+    whose copy is half deleted (it would list a step that cannot be read); one killed
+    after leaves objects no entry names, which cost space and mislead no reader."""
     tree, records = step_prefix(job, step), record_prefix(job, step, adopted)
     prefixes = [f"{records}/{node}/"]
     if adopted:  # out of the framework's view first, then deleted
@@ -53,6 +56,6 @@ async def delete_copy(
         ):
             # Not the files of another timeline's copy held under the same number.
             prefixes.append(f"{data_prefix(job, step, node, DATA_SPREAD)}/")
+    await index.remove(job, step)
     for prefix in prefixes:
         await remote.delete(await remote.list_keys(prefix))
-    await index.remove(job, step)

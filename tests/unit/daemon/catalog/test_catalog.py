@@ -34,7 +34,13 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coro)
 
 
-def manifest(job: str = "j", step: int = 1, milestone: bool = False) -> Manifest:
+def manifest(
+    job: str = "j",
+    step: int = 1,
+    milestone: bool = False,
+    timeline: int = 0,
+    forks: tuple[tuple[int, int], ...] = (),
+) -> Manifest:
     return Manifest(
         job=job,
         step=step,
@@ -45,6 +51,8 @@ def manifest(job: str = "j", step: int = 1, milestone: bool = False) -> Manifest
         shards=[],
         milestone=milestone,
         metrics={"loss": 0.5},
+        timeline=timeline,
+        forks=forks,
     )
 
 
@@ -381,3 +389,33 @@ def test_a_replaced_saves_copy_read_before_the_fork_is_dropped_once_it_is_known(
     assert old is not None and c.get("j", 0) is old
     c.discovered("j", 1, {NODE}, False, timeline=2, forks=((1, 0), (2, 0)))
     assert c.get("j", 0) is None and [s.step for s in c.list("j")] == [1]
+
+
+def test_a_number_a_later_save_took_is_kept_until_its_older_bucket_copy_is_retracted() -> None:
+    """Run B (timeline 1, begun at step 0) saves step 2 again, over run A's uploaded
+    step 2: the number stays recorded as taken until the evictor retracts A's copy, even
+    once B's step 2 left without going up, and A's copy never comes back as the step."""
+    c = catalog()
+    a = c.discovered("j", 2, {NODE}, False, timeline=0)
+    assert a is not None and c.replaced_numbers("j") == {}
+    b = c.begin("j", 2, node_ranks=(0,), world_size=1, timeline=(1, ((1, 0),)))
+    assert c.replaced_numbers("j") == {2: 1}
+    c.committed(b, manifest(step=2, timeline=1, forks=((1, 0),)))
+    c.superseded(b, "a newer step went up first")
+    c.local_removed(b, pb.STEP_EVENT_EVICTED_LOCAL, "retention")
+    assert c.get("j", 2) is None
+    assert c.discovered("j", 2, {NODE}, False, timeline=0) is None  # A's: replaced
+    c.retracted("j", 2, 0)  # not the timeline recorded: stays
+    assert c.replaced_numbers("j") == {2: 1}
+    c.retracted("j", 2, 1)
+    assert c.replaced_numbers("j") == {}
+
+
+def test_a_step_known_here_records_an_older_bucket_copy_under_its_number() -> None:
+    """After a restart the replacing save is local (its record of the replacement died
+    with the daemon); the older copy read from the bucket under its number is recorded,
+    so it is retracted even if the local step never goes up."""
+    c = catalog()
+    st = c.recovered(manifest(step=2, timeline=1, forks=((1, 0),)), False)
+    assert c.discovered("j", 2, {NODE}, False, timeline=0) is None
+    assert c.get("j", 2) is st and c.replaced_numbers("j") == {2: 1}
