@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -64,7 +65,9 @@ USERS = ("ckptd-ta", "ckptd-tb")
 """The test users (tests/test_security.py makes them, in the socket group GROUP)."""
 GROUP = "ckptd-clients"
 USER_WORKER = Path(__file__).with_name("user_worker.py")
-ANSWER_TIMEOUT = 120.0
+ANSWER_TIMEOUT = 180.0
+"""Longer than any wait of the worker's own (its save waits 120 s for LOCAL): a worker
+that stops answering is stuck, not slow."""
 
 
 def users_available() -> str:
@@ -89,12 +92,14 @@ class User:
         from ..test_security import _python, as_user
 
         self.name = name
+        # Its stderr, read back when it stops answering (a crash, a stack dump).
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [*_python(), str(USER_WORKER), str(socket)],
             **as_user(name),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             text=True,
         )
 
@@ -109,9 +114,24 @@ class User:
         ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            raise AssertionError(f"{self.name}'s trainer gave no answer to {request}")
+            raise AssertionError(
+                f"{self.name}'s trainer gave no answer to {request}: {self._why()}"
+            )
         answer: dict[str, object] = json.loads(line)
         return answer
+
+    def _why(self) -> str:
+        """What a worker that gave no answer left: its exit status, or its threads'
+        stacks (it dumps them on SIGUSR1), and the tail of its stderr."""
+        code = self.proc.poll()
+        if code is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2)  # the dump is written at once; it goes on running
+        self.stderr.seek(0)
+        tail = self.stderr.read().decode(errors="replace")[-4000:]
+        state = "still running" if code is None else f"exited with {code}"
+        return f"it is {state}; its stderr ends:\n{tail}"
 
     def close(self) -> None:
         """Stdin closed: the worker exits (killed if it does not)."""
@@ -124,3 +144,4 @@ class User:
             self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        self.stderr.close()

@@ -16,8 +16,10 @@ One JSON request a line, one JSON answer a line: ``{"ok": true, ...}`` or
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,12 +74,15 @@ def act(socket: str, clients: dict[str, Client], req: dict[str, Any]) -> dict[st
 def main(argv: list[str]) -> int:
     """Answer requests until stdin closes."""
     socket = argv[0]
+    faulthandler.register(signal.SIGUSR1)  # the checker's look at a worker gone quiet
     clients: dict[str, Client] = {}
     for line in sys.stdin:
         try:
             answer = act(socket, clients, json.loads(line))
         except CkptdError as exc:
             answer = {"error": type(exc).__name__, "message": str(exc)}
+        except Exception as exc:  # a wait that timed out, a bug: the checker says which
+            answer = {"error": type(exc).__name__, "message": str(exc), "unexpected": True}
         print(json.dumps(answer), flush=True)
     for c in clients.values():
         c.close()
