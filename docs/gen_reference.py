@@ -58,35 +58,48 @@ def _markdown(text: str) -> str:
 
 
 def configuration_page() -> str:
-    """docs/reference/configuration.md: one row per key of ``Config``."""
+    """docs/reference/configuration.md: one table per option group, a row per key."""
     from ckptd.daemon.app.cli_help import default_text
     from ckptd.daemon.app.config import Config, default_values
+    from ckptd.daemon.app.config_fields import GROUPS
 
     texts = field_texts(Config)
     defaults = default_values()
-    rows = []
-    for f in dataclasses.fields(Config):
-        default = default_text(f.name, defaults[f.name])
-        shown = f"`{default}`" if defaults[f.name] and f.name != "node_id" else default
-        env = f"CKPTD_{f.name.upper()}"
-        flag = "--" + f.name.replace("_", "-")
-        rows.append(f"| `{f.name}` | {shown} | `{env}`<br>`{flag}` | {_markdown(texts[f.name])} |")
+    sections: list[str] = []
+    for group in GROUPS:
+        doc = " ".join((group.__doc__ or "").split())
+        sections += [
+            f"## {group.__name__}",
+            "",
+            f"{doc} Declared in `src/{group.__module__.replace('.', '/')}.py`.",
+            "",
+            "| key | default | environment, flag | meaning |",
+            "|---|---|---|---|",
+        ]
+        for f in dataclasses.fields(group):
+            default = default_text(f.name, defaults[f.name])
+            shown = f"`{default}`" if defaults[f.name] and f.name != "node_id" else default
+            env = f"CKPTD_{f.name.upper()}"
+            flag = "--" + f.name.replace("_", "-")
+            sections.append(
+                f"| `{f.name}` | {shown} | `{env}`<br>`{flag}` | {_markdown(texts[f.name])} |"
+            )
+        sections.append("")
     return "\n".join(
         [
             "# Configuration reference",
             "",
             GENERATED,
             "",
-            "Every key `ckptd serve` takes, in the order of the `Config` dataclass",
-            "(`src/ckptd/daemon/app/config.py`). A key is set in the TOML file, as the",
-            "environment variable `CKPTD_<KEY>` or as the flag `--<key-with-dashes>`;",
+            "Every key `ckptd serve` takes. Each is declared once, in the option group of",
+            "the part of the daemon that uses it (a frozen dataclass: the key's name, type,",
+            "default and this text); `Config` (`src/ckptd/daemon/app/config_fields.py`)",
+            "composes the groups into the flat set of keys. A key is set in the TOML file,",
+            "as the environment variable `CKPTD_<KEY>` or as the flag `--<key-with-dashes>`;",
             "[Configuration](../operating/configuration.md) says which wins and how values",
             "are written (sizes as `512MiB`, lists comma-separated or as TOML arrays).",
             "",
-            "| key | default | environment, flag | meaning |",
-            "|---|---|---|---|",
-            *rows,
-            "",
+            *sections,
         ]
     )
 

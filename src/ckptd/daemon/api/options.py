@@ -1,9 +1,10 @@
-"""The wire API's settings: a typed, frozen group the composition root builds from
-the daemon's configuration, so the API floor never reads the configuration itself."""
+"""The wire API's configuration keys, declared here once (see local/options.py):
+who may reach the socket and use whose jobs. The socket's path is the
+application's (app/options.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -25,14 +26,30 @@ class Sharing:
 
 @dataclass(frozen=True)
 class ApiOptions:
-    """What the wire API (its sockets, sessions and access) is configured with beyond
-    the socket's path; each field names its configuration key."""
+    """What the wire API (its sockets, sessions and access) is configured with."""
 
-    socket_group: int = -1
-    """``socket_group``: the group given the sockets and their directory; -1: none."""
-    sharing: Sharing = field(default_factory=Sharing)
-    """``allow_uids``, ``allow_gids``, ``shared_jobs``."""
+    socket_group: str = ""
+    """Group (name or gid) given to the socket, its session socket and its directory:
+    the users who may call the daemon. Empty: the daemon's own group."""
+    allow_uids: tuple[int, ...] = ()
+    """Users (uids or names) who may use every job; a job otherwise belongs to the uid
+    that first used it (root and the daemon's uid may use every job)."""
+    allow_gids: tuple[int, ...] = ()
+    """Groups (gids or names) whose members may use every job."""
+    shared_jobs: tuple[str, ...] = ()
+    """Job name patterns (fnmatch: ``team-*``) that anyone who reaches the socket may use."""
     sessions_per_uid: int = 0
-    """``sessions_per_uid``: sessions one uid may hold (0: three quarters of the limit)."""
-    session_idle_seconds: float = 600.0
-    """``lease_timeout_seconds``: a process with leases and no session loses them then."""
+    """Sessions (connected clients) one uid may hold at once; root and the daemon's
+    uid are not counted. 0: three quarters of the daemon's session limit (a quarter
+    of its fd limit), so one user cannot take every slot from the others while a
+    single-user node keeps room for all its clients."""
+
+    @property
+    def sharing(self) -> Sharing:
+        """``allow_uids``, ``allow_gids`` and ``shared_jobs`` together."""
+        return Sharing(self.allow_uids, self.allow_gids, self.shared_jobs)
+
+    @property
+    def socket_gid(self) -> int:
+        """``socket_group`` as a gid (names are resolved when the key is read); -1: none."""
+        return int(self.socket_group) if self.socket_group else -1

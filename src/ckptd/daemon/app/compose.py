@@ -128,7 +128,9 @@ class Daemon:
                 local.incremental, local.incremental_max_files, local.incremental_full_every
             ),
         )
-        self.disk = DiskSpace(local.root, local.low_watermark, local.floor, measure_space)
+        self.disk = DiskSpace(
+            local.root, local.local_low_watermark, local.local_floor, measure_space
+        )
 
     def _build_remote(self, opts: Options) -> None:
         """The bucket tier and what each tier keeps: retention, the node index and
@@ -139,7 +141,7 @@ class Daemon:
             self.catalog,
             lifecycle.retention_local,
             lifecycle.retention_remote if self.remote is not None else None,
-            evict_unuploaded=lifecycle.evict_unuploaded,
+            evict_unuploaded=lifecycle.local_evict_unuploaded,
         )
         # This node's step index in the bucket (remote/index.py): one owner, shared by
         # the drain (adds), the evictor (removes), pins and restores (reads).
@@ -147,7 +149,7 @@ class Daemon:
             NodeIndex(
                 self.remote,
                 local.node_id,
-                opts.remote.read_jitter_seconds,
+                opts.remote.remote_read_jitter_seconds,
                 owner_of=self.access.owner_of,
                 owner_found=self.access.found_in_bucket,
             )
@@ -161,9 +163,9 @@ class Daemon:
                 self.remote,
                 local.node_id,
                 root_id(local.root),
-                opts.remote.claim_heartbeat_seconds,
-                opts.remote.claim_stale_seconds,
-                opts.remote.claim_takeover,
+                opts.remote.node_claim_heartbeat_seconds,
+                opts.remote.node_claim_stale_seconds,
+                opts.remote.node_claim_takeover,
             )
             if self.remote is not None
             else None
@@ -263,7 +265,7 @@ class Daemon:
                 self._ready,
                 self.access.live.jobs,
                 lambda: job_labels_shown(
-                    opts.metrics.job_labels,
+                    opts.metrics.metrics_job_labels,
                     {*self.access.owners.values(), *self.access.live.uids()},
                     opts.api.sharing.any,
                 ),

@@ -206,8 +206,17 @@ def refuse_unknown_env(env: Mapping[str, str] | None = None) -> None:
 
 
 def field_texts(cls: type = Config) -> dict[str, str]:
-    """Each field of the dataclass ``cls`` with its whole docstring (the string literal
-    right after it), whitespace folded; "" for a field without one."""
+    """Each field of the dataclass ``cls`` (its own and its bases', as for
+    :class:`Config`, whose keys its option groups declare) with its whole docstring
+    (the string literal right after it), whitespace folded; "" for one without."""
+    texts: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if "__dataclass_fields__" in vars(base):
+            texts.update(_own_field_texts(base))
+    return texts
+
+
+def _own_field_texts(cls: type) -> dict[str, str]:
     import ast
     import inspect
     import textwrap

@@ -49,29 +49,29 @@ def build_peer_tier(
     daemon's event loop, which the bulk listener's threads ask for sender checks.
     Raises FailedPrecondition (a bad token file or TLS files) with what to fix."""
     try:
-        token = read_token(options.token_file)
+        token = read_token(options.peer_token_file)
     except InvalidArgument as exc:
         raise FailedPrecondition(str(exc)) from None
     tls = PeerTls.load(options.tls)
-    replicas = ReplicaStore(options.root, options.budget_bytes)
-    peers = Peers(options.node_id, options.peers, token, tls)
+    replicas = ReplicaStore(store.root, options.peer_budget_bytes)
+    peers = Peers(catalog.node_id, options.peers, token, tls)
     # A replica is taken only from the node it claims to be (identity.py).
-    sender_check = SenderCheck(options.identity, peers, asyncio.get_running_loop())
+    sender_check = SenderCheck(options.peer_identity, peers, asyncio.get_running_loop())
     bulk = BoundBulkServer(
         sender_check,
         replicas,
         token,
         tls,
-        options.bulk_deadline_seconds,
-        options.idle_seconds,
+        options.peer_bulk_deadline_seconds,
+        options.peer_idle_seconds,
     )
     servicer = PeerServicer(
-        options.node_id,
+        catalog.node_id,
         token,
         replicas,
         io.run,
         sender_check=sender_check,
-        idle=options.idle_seconds,
+        idle=options.peer_idle_seconds,
         data_port=lambda: bulk.port,
     )
     server = None
@@ -85,9 +85,9 @@ def build_peer_tier(
             store,
             io,
             peers,
-            options.replicas,
-            Limiter(options.bandwidth_bytes),
-            options.max_lag_seconds,
+            options.peer_replicas,
+            Limiter(options.peer_bandwidth_bytes),
+            options.peer_max_lag_seconds,
             owner_of=owners[0],
         )
         source = PeerSource(catalog, store, io, peers, memory, owner_found=owners[1])

@@ -33,9 +33,10 @@ from ..api.servicer import Servicer
 from ..api.sessions import SessionServer
 from .compose import Daemon
 from .config import DEFAULT_METRICS_ADDRESS, Config
+from .config_fields import MetricsOptions
 from .http import HealthServer, parse_address
 from .notify import notify
-from .options import MetricsOptions, Options
+from .options import Options
 from .startup import StartupError
 
 log = logging.getLogger("ckptd.server")
@@ -118,22 +119,22 @@ def _raise_fd_limit() -> None:
 
 async def _start_http(options: MetricsOptions, daemon: Daemon) -> HealthServer | None:
     """Serve /metrics, /healthz and /readyz where configured (``metrics_address``)."""
-    address = parse_address(options.address)
+    address = parse_address(options.metrics_address)
     if address is None:
         return None
     http = HealthServer(daemon.metrics.exposition, daemon.unhealthy)
     try:
         await http.start(*address)
     except OSError as exc:
-        if options.address != DEFAULT_METRICS_ADDRESS:
+        if options.metrics_address != DEFAULT_METRICS_ADDRESS:
             raise StartupError(
-                f"cannot serve metrics on {options.address}: {exc.strerror}; set "
+                f"cannot serve metrics on {options.metrics_address}: {exc.strerror}; set "
                 "metrics_address to a free HOST:PORT (port 0: any free port) or off"
             ) from None
         log.warning(
             "metrics and health endpoints are off: %s is taken (%s), probably by another "
             "ckptd on this host; give each daemon its own metrics_address",
-            options.address,
+            options.metrics_address,
             exc.strerror,
         )
         return None
@@ -151,7 +152,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     _raise_fd_limit()
     options = Options.of(config)
     api = options.api
-    group = api.socket_group
+    group = api.socket_gid
     _check_writable(config.root, "root")
     _check_writable(config.socket.parent, "socket")
     try:
@@ -179,7 +180,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         {"lease": access.open_lease, "file": access.open_file},
         access.forget,
         on_process_gone=daemon.process_gone,
-        idle_seconds=api.session_idle_seconds,
+        idle_seconds=options.local.lease_timeout_seconds,
         per_uid=api.sessions_per_uid,
         exempt=access.operators,
     )

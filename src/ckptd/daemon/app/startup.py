@@ -92,14 +92,17 @@ async def recover(
 
 def open_remote_tier(options: RemoteOptions) -> Remote | None:
     """The remote tier's backend (checked by :func:`check_remote`), or None without one."""
-    if not options.url:
+    if not options.remote:
         return None
     try:
         return open_remote(
-            options.url, options.endpoint_url, options.part_size_bytes, options.concurrency
+            options.remote,
+            options.remote_endpoint_url,
+            options.part_size_bytes,
+            options.drain_concurrency,
         )
     except Exception as exc:
-        raise remote_error(options.url, exc) from None
+        raise remote_error(options.remote, exc) from None
 
 
 async def check_remote(remote: Remote | None, url: str) -> None:

@@ -1,30 +1,38 @@
-"""The lifecycle's settings (retention, the drain, adoption): a typed, frozen group the
-composition root builds from the daemon's configuration."""
+"""The lifecycle's configuration keys, declared here once (see local/options.py):
+retention in each tier, the drain's pauses, adoption."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..retention.policies import Policy
+from ..retention.policies import Policy, parse_policy
 
 
 @dataclass(frozen=True)
 class LifecycleOptions:
-    """What moves steps between the tiers is configured with; each field names its
-    configuration key."""
+    """What the background services (the drain, the evictor, the adopter) are
+    configured with."""
 
-    retention_local: Policy
-    """``retention_local``: which steps the local tier keeps."""
-    retention_remote: Policy
-    """``retention_remote``: which steps the bucket keeps (with a remote tier)."""
-    evict_unuploaded: bool
-    """``local_evict_unuploaded``: the local tier may evict steps not yet in the bucket."""
-    drain_retry_max_seconds: float
-    """``drain_retry_max_seconds``: the longest pause between upload attempts."""
-    drain_stall_seconds: float
-    """``drain_stall_seconds``: an upload moving no byte this long is retried."""
-    adopt_poll_seconds: float
-    """``adopt_poll_seconds``: how often watched directories are looked at."""
-    adopt_dirs: tuple[Path, ...]
-    """``adopt_dirs``: where adoption and put-back may act."""
+    retention_local: Policy = field(default_factory=lambda: parse_policy("KeepLatest(3)"))
+    """Which checkpoints the local tier keeps (see daemon/retention/policies.py)."""
+    retention_remote: Policy = field(
+        default_factory=lambda: parse_policy("KeepAny([KeepLatest(3), KeepMilestones()])")
+    )
+    """Which checkpoints the remote tier keeps; milestones are always kept there."""
+    local_evict_unuploaded: bool = False
+    """Let the local retention evict a copy whose remote copy is not complete yet
+    (milestones excepted). Off: such copies wait for the drain."""
+    drain_retry_max_seconds: float = 30.0
+    """Longest pause between retries of a transient remote error (backoff doubles up to it);
+    also the first pause before a failed upload is tried again (doubling to ten minutes)."""
+    drain_stall_seconds: float = 45.0
+    """An upload with no file finished for this long shows as the drain's error in
+    status (a store that hangs without answering)."""
+    adopt_poll_seconds: float = 0.25
+    """How often watched directories (a job's Orbax directory) are scanned for
+    finished steps to adopt."""
+    adopt_dirs: tuple[Path, ...] = ()
+    """Directories (absolute; symlinks resolved at start-up) in which Adopt, Watch and
+    EnsureLocal may act, on files the calling process could read or write itself.
+    Empty: only each job's own Orbax directory under the root (``<root>/.orbax/<job>``)."""

@@ -53,8 +53,8 @@ class PeerTier:
     ) -> None:
         self.io = io
         self.tls = tls
-        self.listen = options.address
-        self.data_port = options.data_port
+        self.listen = options.peer_address
+        self.data_port = options.peer_data_port
         self.address = ""
         """Where the Peer service answers (set once it does)."""
         self.store = store

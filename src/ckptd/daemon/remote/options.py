@@ -1,5 +1,5 @@
-"""The remote tier's settings: a typed, frozen group the composition root builds from
-the daemon's configuration, so the tier never reads the configuration itself."""
+"""The remote tier's configuration keys, declared here once (see local/options.py):
+the bucket, how it is written and read, and the claim on the node's name there."""
 
 from __future__ import annotations
 
@@ -8,22 +8,30 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RemoteOptions:
-    """What the bucket tier (the backend, the node's index and its claim) is
-    configured with; each field names its configuration key."""
+    """What the remote tier (the bucket, uploads, ranged reads, the node claim) is
+    configured with."""
 
-    url: str = ""
-    """``remote``: the bucket URL; empty: no remote tier."""
-    endpoint_url: str = ""
-    """``remote_endpoint_url``: an S3-compatible endpoint."""
-    concurrency: int = 8
-    """``drain_concurrency``: parts in flight per transfer."""
+    remote: str = ""
+    """Remote tier: ``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX`` or ``file:///PATH``.
+    Empty: local tier only (a warning at start-up)."""
+    remote_endpoint_url: str = ""
+    """Endpoint override for S3-compatible stores or the GCS emulator (else the
+    standard AWS_ENDPOINT_URL_S3 / STORAGE_EMULATOR_HOST variables apply)."""
+    drain_concurrency: int = 8
+    """Parts uploaded (and ranged reads downloaded) in parallel."""
     part_size_bytes: int = 16 * 2**20
-    """``part_size_bytes``: the size of one part of an upload or a ranged download."""
-    read_jitter_seconds: float = 0.0
-    """``remote_read_jitter_seconds``: spreads the nodes' first reads of the bucket."""
-    claim_heartbeat_seconds: float = 300.0
-    """``node_claim_heartbeat_seconds``: how often the node name's claim is renewed."""
-    claim_stale_seconds: float = 900.0
-    """``node_claim_stale_seconds``: a claim not renewed this long may be taken over."""
-    claim_takeover: bool = False
-    """``node_claim_takeover``: take the node name from a daemon still holding it."""
+    """Size of one upload part / ranged read (S3 needs at least 5 MiB)."""
+    remote_read_jitter_seconds: float = 0.0
+    """Before its first read of the bucket for a job (at start-up, or a restore on a
+    node that holds none of it), the daemon waits a random time up to this long, so a
+    whole job restarting at once does not reach the bucket in the same second (0: no
+    wait; docs/scale.md: nodes / 2,000 at 1,000 nodes and more)."""
+    node_claim_heartbeat_seconds: float = 300.0
+    """How often the daemon refreshes its claim on ``node_id`` in the bucket (one
+    conditional PUT: docs/scale.md counts them)."""
+    node_claim_stale_seconds: float = 900.0
+    """A claim on the node name not refreshed for this long is taken over by another
+    daemon with that name (a replacement node); must exceed the heartbeat."""
+    node_claim_takeover: bool = False
+    """Take the node name's claim at start-up even if another daemon's is fresh: for
+    an operator who knows the old daemon is gone (its disk and host lost)."""

@@ -81,7 +81,7 @@ def test_the_sharing_keys_reach_access_through_the_api_options(tmp_path: Path) -
         sessions_per_uid=3,
     )
     api = Options.of(config).api
-    assert (api.socket_group, api.sessions_per_uid) == (-1, 3)  # no socket_group: none
+    assert (api.socket_gid, api.sessions_per_uid) == (-1, 3)  # no socket_group: none
     assert api.sharing.any and not Options.of(Config(root=root)).api.sharing.any
     acc = Access(root, Staging("ckptd-test-", 8 * 2**20, 10.0, shm_dir=tmp_path), api.sharing)
     acc.load()
