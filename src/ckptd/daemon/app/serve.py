@@ -143,9 +143,15 @@ async def _start_http(options: MetricsOptions, daemon: Daemon) -> HealthServer |
     return http
 
 
-async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
+async def serve(
+    config: Config,
+    on_ready: Callable[[], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Run the daemon until SIGTERM/SIGINT, then finish acknowledged saves and exit.
 
+    ``stop``: set it to stop instead (no signal handlers are installed: a daemon run
+    in a thread of another program, the unit tier's in-process daemon).
     Raises :class:`StartupError` if it cannot start, or if a background service
     kept crashing (after finishing the saves it had acknowledged).
     """
@@ -164,13 +170,14 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
         config.socket.with_name(config.socket.name + ".lock"), str(config.socket)
     )
     root_lock = _take_lock(config.root / ".lock", f"root {config.root}")
-    stop = asyncio.Event()
+    signals = stop is None
+    stopping = asyncio.Event() if stop is None else stop
     fatal: list[str] = []
 
     def on_fatal(reason: str) -> None:
         log.error("%s", reason)
         fatal.append(reason)
-        stop.set()
+        stopping.set()
 
     # Every service is built before anything serves (compose.py: one phase).
     daemon = Daemon(config, on_fatal, options=options)
@@ -208,8 +215,8 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     if group >= 0:
         os.chown(config.socket, -1, group)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
+        loop.add_signal_handler(sig, stopping.set)
     log.info(
         "ckptd %s serving on %s (root %s, node %s, pid %d)",
         __version__,
@@ -225,7 +232,7 @@ async def serve(config: Config, on_ready: Callable[[], None] | None = None) -> N
     notify(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
     if on_ready:
         on_ready()
-    await stop.wait()
+    await stopping.wait()
     daemon.begin_stop()  # waiters answer at once, and no shared memory is made any more
     notify("STOPPING=1\nSTATUS=finishing acknowledged saves")
     log.info("stopping: no new requests; finishing acknowledged saves")
