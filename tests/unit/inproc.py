@@ -69,8 +69,11 @@ def in_process_daemon(root: Path, **keys: Any) -> Iterator[InProcessDaemon]:
         yield InProcessDaemon(cfg.socket, cfg.root, cfg)
     finally:
         if stop and thread.is_alive():
-            loop.call_soon_threadsafe(stop[0].set)
+            with contextlib.suppress(RuntimeError):  # it ended meanwhile: its loop is closed
+                loop.call_soon_threadsafe(stop[0].set)
         thread.join(START_SECONDS)
+        if thread.is_alive():
+            raise RuntimeError(f"the in-process daemon did not stop in {START_SECONDS:g} s")
         shutil.rmtree(sockdir, ignore_errors=True)
     if failed:
         raise failed[0]

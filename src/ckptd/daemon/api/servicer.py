@@ -259,6 +259,12 @@ class Servicer(pb_grpc.CkptdServicer):
             request.copy_on_write,
             functools.partial(self.s.access.may_use, peer),
         )
+        try:  # the job's owner may have come with its copies (a node that lost its disk)
+            self.s.access.check_job(peer, job)
+        except PermissionDenied:
+            if plan.lease is not None:
+                self.s.staging.release(plan.lease.lease_id)
+            raise
         self.s.restored(plan.tier)
         self.history.restored(job, request.rank, peer.process)
         for where in plan.reads:

@@ -219,6 +219,8 @@ class Catalog(StepTable):
         if st.state in (FAILED, NEW):
             return
         self._move(st, FAILED, error=reason)
+        if stage == "local":  # the number is the older save's again, in the bucket too
+            self.retracted(st.job, st.step, st.timeline)
         if self._steps.get(st.key) is st:
             self._relineage(st.job, st)  # a fork whose only save failed is forgotten
         self._emit(st, pb.STEP_EVENT_FAILED, reason, stage=stage)

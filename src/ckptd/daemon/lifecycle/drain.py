@@ -17,10 +17,9 @@ an error) shows as the drain's error in status while it keeps waiting. At
 start-up, the node's index of each job it holds locally (one GET per job, never
 a listing of the bucket) says which steps are DURABLE; the others are queued
 again, and their files already in the bucket with the right crc32c are not sent
-twice. A job may ask for an upload pace (pace.py): its newest step then waits
-until the job's interval has passed since its last upload started, and the
-steps the pace skipped become SUPERSEDED when a newer one goes. A step that
-references older steps' rank files goes up only after them (holders.py).
+twice. A job may ask for an upload pace (pace.py); a step that references older
+steps' rank files goes up after them (holders.py); between uploads, replaced
+saves' copies no upload will take out go (replaced.py).
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from ..retention.planner import Retention
 from ..retry import Backoff
 from .holders import Holders
 from .pace import UploadPace
+from .replaced import ReplacedCopies
 
 log = logging.getLogger("ckptd.drain")
 
@@ -58,6 +58,9 @@ _WOKEN_BY = frozenset(
         pb.STEP_EVENT_UNPINNED,
         pb.STEP_EVENT_EVICTED_REMOTE,
         pb.STEP_EVENT_REQUEUED,
+        pb.STEP_EVENT_REPLACED,
+        pb.STEP_EVENT_SUPERSEDED,
+        pb.STEP_EVENT_EVICTED_LOCAL,
     }
 )
 """Transitions that can put a step in the queue or change what the bucket wants."""
@@ -113,6 +116,7 @@ class Drain:
             reading=catalog.read_copies,
             holders_missing=self.holders.missing_reason,
         )
+        self.replaced = ReplacedCopies(catalog, remote, index)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None
@@ -196,11 +200,9 @@ class Drain:
 
     def lag(self) -> float:
         """Seconds the oldest step waiting for the bucket has waited since its handoff."""
-        waiting = [
-            st.handoff_at or st.created_unix
-            for st in self.catalog.steps()
-            if st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
-        ]
+        pending = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
+        steps = [s for s in self.catalog.steps() if s.state in pending]
+        waiting = [s.handoff_at or s.created_unix for s in steps]
         return max(0.0, time.time() - min(waiting)) if waiting else 0.0
 
     async def run(self) -> None:
@@ -214,6 +216,7 @@ class Drain:
                 await self._wait_for_claim(self.claim)
                 continue
             self.supersede_unwanted()
+            await self.replaced.run()  # between uploads: none runs under their numbers
             next_revival = self._revive_failed()
             picked = self.pick()
             st = self._holder_first(picked) if picked is not None else None

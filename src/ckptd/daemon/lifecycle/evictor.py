@@ -24,7 +24,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from ckptd.core.timeline import Forks, replaced
 from ckptd.proto import ckptd_pb2 as pb
 
 from .. import faults
@@ -34,7 +33,7 @@ from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore, prune_held
 from ..remote import held
 from ..remote.base import Remote
-from ..remote.index import Entry, NodeIndex
+from ..remote.index import NodeIndex
 from ..remote.layout import pin_key
 from ..remote.retract import delete_copy, retract_marker
 from ..retention.planner import Retention
@@ -131,54 +130,6 @@ class Evictor:
                     await self.relieve_local()
                 await self._evict_remote(job, step, "retention")
             await self._prune_held_remote(job)
-            await self._retract_replaced_remote(job)
-
-    async def _retract_replaced_remote(self, job: str) -> None:
-        """This node's copies in the bucket of saves a later timeline replaced under
-        their number, when no step under that number is here to upload (the replacing
-        save left the local tier, evicted, before it went up: its upload would have
-        retracted them, publish.py). Out of view, marker first, like any replaced copy;
-        held while steps of this node read its files (remote/held.py)."""
-        if self.remote is None or self.index is None or not self.may_write_remote():
-            return
-        lineage = self.catalog.lineage(job)
-        later = self.catalog.replaced_numbers(job)
-        try:
-            entries = await self.index.entries(job)
-            for n, timeline in later.items():
-                if (e := entries.get(n)) is None or e.timeline >= timeline:
-                    self.catalog.retracted(job, n, timeline)  # uploaded over, or none there
-            stale = [e for e in entries.values() if self._replaced_copy(job, e, lineage, later)]
-            read = held.read_in_bucket(entries) | self.catalog.read_copies(job)
-            for e in stale:
-                log.info(
-                    "%s/%d: retracting this node's copy of timeline %d from %s: a later save "
-                    "under its number replaced it",
-                    job,
-                    e.step,
-                    e.timeline,
-                    self.remote.url,
-                )
-                await held.take_out(self.remote, self.index, job, self.catalog.node_id, e, read)
-                if e.step in later:
-                    self.catalog.retracted(job, e.step, later[e.step])
-        except Exception as exc:  # the next pass tries again
-            log.warning("could not retract replaced copies of %s from %s: %s", job,
-                        self.remote.url, exc)  # fmt: skip
-
-    def _replaced_copy(self, job: str, e: Entry, lineage: Forks, later: dict[int, int]) -> bool:
-        """Whether ``e``, this node's copy in the bucket, is of a save a later one
-        replaced, with no upload on its way to retract it: a later timeline began with
-        a save under its number and no step under it is here, or the catalog saw a
-        later save under it (:meth:`Catalog.replaced_numbers`) that is not waiting for
-        its upload (superseded, evicted, failed for good)."""
-        st = self.catalog.get(job, e.step)
-        if st is None and replaced(e.timeline, e.step, lineage):
-            return True
-        if e.step not in later or e.timeline >= later[e.step]:
-            return False
-        uploading = (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING, pb.SAVE_STATE_FAILED)
-        return st is None or not (st.local and st.state in uploading and st.timeline > e.timeline)
 
     async def _prune_held_remote(self, job: str) -> None:
         """Replaced steps' copies held in the bucket go once no step of this node there

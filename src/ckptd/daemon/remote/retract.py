@@ -1,11 +1,12 @@
 """Taking this node's copy of a step out of the bucket: the publish protocol in reverse.
 
 The ``_complete/<node>`` marker goes first: from then on no node lists or
-restores the copy. Then its objects, then its entry in the node's index last:
-until then the index still names the step, so a crash anywhere in between
-leaves it to this node's next pass (the evictor's, or the next upload of a save
-under the same number), which deletes the marker again (nothing to do), what is
-left of the objects, and the entry. Retention evicts through it, and so does the
+restores the copy. Then its entry in the node's index, then its objects: a crash
+between the marker and the entry leaves an entry whose copy is still whole (the
+next pass, the evictor's or the next upload of a save under the same number,
+takes it out again); a crash after the entry leaves objects no entry names, which
+cost space and mislead no reader (the entry going last listed, after a restart, a
+step whose copy was half deleted). Retention evicts through it, and so does the
 upload of a save that replaces a step of an earlier timeline (publish.py).
 """
 

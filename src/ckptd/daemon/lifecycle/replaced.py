@@ -1,0 +1,104 @@
+"""This node's copies in the bucket of saves a later save replaced under their number,
+taken out when no upload will take them out.
+
+A save under a number held before replaces that step; its upload first takes this
+node's older copy under the number out of the bucket (remote/publish.py). When the
+replacing save leaves before its upload (superseded, evicted), nothing would: the
+older copy would come back as the step after a node loss. So the drain, between
+uploads, takes out the copies of saves that were replaced and will not be uploaded
+over: a later timeline began with a save under its number and no step is known under
+it here, or the catalog recorded a later save under it (``Catalog.replaced_numbers``)
+that is gone or superseded. It runs in the drain, the one writer of this node's copies
+under a number: no upload under that number runs meanwhile, so the keys it deletes,
+which name the number and the node but not the timeline, are the older copy's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ckptd.core.timeline import Forks, replaced
+from ckptd.proto import ckptd_pb2 as pb
+
+from ..catalog import Catalog, Step
+from ..remote import held
+from ..remote.base import Remote
+from ..remote.index import Entry, NodeIndex
+
+log = logging.getLogger("ckptd.drain")
+
+RETRY_SECONDS = 30.0
+"""A job whose retract failed (the bucket away) is tried again after this long."""
+
+
+class ReplacedCopies:
+    """Takes replaced saves' copies out of the bucket (see the module doc)."""
+
+    def __init__(self, catalog: Catalog, remote: Remote, index: NodeIndex) -> None:
+        self.catalog, self.remote, self.index = catalog, remote, index
+        self._failed_at: dict[str, float] = {}
+
+    async def run(self) -> None:
+        """One pass over the jobs that may have such copies: those with a number a
+        later save took, or a later timeline."""
+        for job in self.catalog.jobs():
+            later = self.catalog.replaced_numbers(job)
+            lineage = self.catalog.lineage(job)
+            if not later and not lineage:
+                continue
+            if time.monotonic() - self._failed_at.get(job, -RETRY_SECONDS) < RETRY_SECONDS:
+                continue
+            try:
+                await self._job(job, later, lineage)
+            except Exception as exc:  # the bucket away: the next pass tries again
+                self._failed_at[job] = time.monotonic()
+                log.warning("could not retract replaced copies of %s from %s: %s", job,
+                            self.remote.url, exc)  # fmt: skip
+            else:
+                self._failed_at.pop(job, None)
+
+    async def _job(self, job: str, later: dict[int, int], lineage: Forks) -> None:
+        entries = await self.index.entries(job)
+        for n, timeline in later.items():
+            if (e := entries.get(n)) is None or e.timeline >= timeline:
+                self.catalog.retracted(job, n, timeline)  # uploaded over, or none there
+        stale = [e for e in entries.values() if self.stale(job, e, lineage, later)]
+        if not stale:
+            return
+        read = held.read_in_bucket(entries) | self.catalog.read_copies(job)
+        for e in stale:
+            if not self.stale(job, e, self.catalog.lineage(job), later):
+                continue  # a save under its number came meanwhile: its upload decides
+            log.info(
+                "%s/%d: retracting this node's copy of timeline %d from %s: a later save "
+                "under its number replaced it",
+                job,
+                e.step,
+                e.timeline,
+                self.remote.url,
+            )
+            await held.take_out(self.remote, self.index, job, self.catalog.node_id, e, read)
+            if e.step in later:
+                self.catalog.retracted(job, e.step, later[e.step])
+
+    def stale(self, job: str, e: Entry, lineage: Forks, later: dict[int, int]) -> bool:
+        """Whether ``e``, this node's copy in the bucket, is of a save a later one
+        replaced, with no upload on its way to take it out: a later timeline began
+        with a save under its number and no step under it is here, or a later save
+        under it was recorded and no step under it will be uploaded (gone, or
+        superseded; one still staging, waiting or failed with its local copy is
+        uploaded, or fails and gives the number back)."""
+        st = self.catalog.get(job, e.step)
+        if st is None and replaced(e.timeline, e.step, lineage):
+            return True
+        if e.step not in later or e.timeline >= later[e.step]:
+            return False
+        return st is None or _will_not_upload(st)
+
+
+def _will_not_upload(st: Step) -> bool:
+    """A step the drain will not upload: superseded, or failed with no local copy."""
+    if st.state == pb.SAVE_STATE_SUPERSEDED:
+        return True
+    return st.state == pb.SAVE_STATE_FAILED and not st.local
