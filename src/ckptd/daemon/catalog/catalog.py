@@ -362,7 +362,7 @@ class Catalog(StepTable):
         one is recorded as replaced, :meth:`replaced_numbers`). So is a replaced save's
         copy (a later timeline began with a save under its number, or one was seen
         here) when no step is known under it: the replacing save may have left before
-        its upload retracted it (lifecycle/evictor.py does).
+        its upload retracted it (the drain does: lifecycle/replaced.py).
         ``timeline=None``: not known (a marker listed, not read): the known step's.
         """
         st = self._steps.get((job, step))
@@ -374,7 +374,7 @@ class Catalog(StepTable):
         ):
             log.info(
                 "%s/%d: the bucket's copy of nodes %s is of timeline %d, which a later "
-                "save under this number replaced: not a step (retracted by the evictor)",
+                "save under this number replaced: not a step (the drain retracts it)",
                 job,
                 step,
                 ",".join(sorted(nodes)),
@@ -426,7 +426,7 @@ class Catalog(StepTable):
     def _forget_replaced(self, job: str) -> None:
         """Bucket copies taken in before a step carrying a later fork was (a node's
         index is read oldest step first) that the lineage now says were replaced: not
-        steps (:meth:`discovered`); the evictor retracts them."""
+        steps (:meth:`discovered`); the drain retracts them (lifecycle/replaced.py)."""
         forks = self.lineage(job)
         for s in [s for s in self._steps.values() if s.job == job]:
             if not s.local and not s.pinned and replaced(s.timeline, s.step, forks):
