@@ -1,16 +1,18 @@
 """This node's copies in the bucket of saves a later save replaced under their number,
 taken out when no upload will take them out.
 
-A save under a number held before replaces that step; its upload first takes this
-node's older copy under the number out of the bucket (remote/publish.py). When the
-replacing save leaves before its upload (superseded, evicted), nothing would: the
-older copy would come back as the step after a node loss. So the drain, between
-uploads, takes out the copies of saves that were replaced and will not be uploaded
-over: a later timeline began with a save under its number and no step is known under
-it here, or the catalog recorded a later save under it (``Catalog.replaced_numbers``)
-that is gone or superseded. It runs in the drain, the one writer of this node's copies
-under a number: no upload under that number runs meanwhile, so the keys it deletes,
-which name the number and the node but not the timeline, are the older copy's.
+A save under a number held before replaces that step in every tier. Its upload
+would take this node's older copy under the number out of the bucket
+(remote/publish.py), but the save may leave before it goes up (superseded,
+evicted), or the node may be lost first, and then the older copy would come back as
+the step. So once the replacing save is committed, the drain takes the older copy
+out between its uploads, without waiting for the upload: a copy the catalog
+recorded as replaced (``Catalog.replaced_numbers``) unless the save under its number
+is still being written (it may fail and give the number back), and a copy of a
+save a later timeline began with when no step is known under its number here. It
+runs in the drain, the one writer of this node's copies under a number: no upload
+under that number runs meanwhile, so the keys it deletes, which name the number and
+the node but not the timeline, are the older copy's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from ckptd.core.timeline import Forks, replaced
 from ckptd.proto import ckptd_pb2 as pb
 
-from ..catalog import Catalog, Step
+from ..catalog import Catalog
 from ..remote import held
 from ..remote.base import Remote
 from ..remote.index import Entry, NodeIndex
@@ -84,21 +86,12 @@ class ReplacedCopies:
 
     def stale(self, job: str, e: Entry, lineage: Forks, later: dict[int, int]) -> bool:
         """Whether ``e``, this node's copy in the bucket, is of a save a later one
-        replaced, with no upload on its way to take it out: a later timeline began
-        with a save under its number and no step under it is here, or a later save
-        under it was recorded and no step under it will be uploaded (gone, or
-        superseded; one still staging, waiting or failed with its local copy is
-        uploaded, or fails and gives the number back)."""
+        replaced: a later timeline began with a save under its number and no step
+        under it is here, or a later save under it was recorded and is not still
+        being written."""
         st = self.catalog.get(job, e.step)
         if st is None and replaced(e.timeline, e.step, lineage):
             return True
         if e.step not in later or e.timeline >= later[e.step]:
             return False
-        return st is None or _will_not_upload(st)
-
-
-def _will_not_upload(st: Step) -> bool:
-    """A step the drain will not upload: superseded, or failed with no local copy."""
-    if st.state == pb.SAVE_STATE_SUPERSEDED:
-        return True
-    return st.state == pb.SAVE_STATE_FAILED and not st.local
+        return st is None or st.state != pb.SAVE_STATE_STAGING

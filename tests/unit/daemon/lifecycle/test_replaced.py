@@ -1,7 +1,7 @@
-"""The drain takes a replaced save's copy out of the bucket when no upload will
-(lifecycle/replaced.py), over a ``file://`` bucket: only once the save under its
-number is gone or superseded, never while that save may still go up, and not when
-the save under its number failed and gave the number back."""
+"""The drain takes a replaced save's copy out of the bucket (lifecycle/replaced.py),
+over a ``file://`` bucket: once the save under its number is committed, without
+waiting for its upload (which may never come), never while that save is still
+being written, and not when it failed and gave the number back."""
 
 from __future__ import annotations
 
@@ -54,19 +54,17 @@ def _in_bucket(index: NodeIndex) -> dict[int, int]:
     return asyncio.run(read())
 
 
-def test_the_older_copy_goes_once_the_save_under_its_number_will_not_go_up(
+def test_the_older_copy_goes_once_the_save_under_its_number_is_committed(
     tmp_path: Path,
 ) -> None:
     catalog, index, replaced = _world(tmp_path)
     b = catalog.begin("j", 2, node_ranks=(0,), world_size=1, timeline=(1, ((1, 0),)))
-    asyncio.run(replaced.run())  # staging: it may still go up, its upload decides
+    asyncio.run(replaced.run())  # still being written: it may fail and give it back
     assert _in_bucket(index) == {2: 0}
     catalog.committed(b, _manifest(2, 1))
-    asyncio.run(replaced.run())  # waiting for the drain: the same
-    assert _in_bucket(index) == {2: 0}
-    catalog.superseded(b, "a newer step went up first")
-    asyncio.run(replaced.run())
+    asyncio.run(replaced.run())  # committed: out now, not at an upload that may not come
     assert _in_bucket(index) == {} and catalog.replaced_numbers("j") == {}
+    assert catalog.discovered("j", 2, {NODE}, False, timeline=0) is None
 
 
 def test_a_save_that_failed_gives_the_number_back_to_the_older_copy(tmp_path: Path) -> None:
