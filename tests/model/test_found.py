@@ -340,20 +340,16 @@ def test_a_number_saved_again_later_on_a_new_timeline_replaces_the_buckets_copy(
     )
 
 
-@pytest.mark.xfail(
-    strict=False,  # open; it fails unless the peer's replication retry lands before the wipe
-    reason="alpha/0 (save #8, timeline 1) is listed abandoned, the timelines say live (after "
-    "a node loss during a bucket outage, the node takes back from its peer a replica of the "
-    "save that its later save under the number replaced, and keeps it once the bucket is back)",
-)
 def test_a_replica_of_a_replaced_save_is_not_taken_back_as_the_step(
     resources: Resources,
 ) -> None:
     """A rerun saves alpha/0 again while the peer is down (no replica of it goes there)
     and it goes up to the bucket; the peer still holds the replica of the older run's
     alpha/0. The node is lost during a bucket outage: it takes alpha/0 back from the
-    peer, the replaced save, and lists it (abandoned once the bucket's index says a
-    later timeline began at 0) instead of the rerun's save the bucket holds."""
+    peer (nothing here can tell it is replaced), and kept it, listed abandoned, once
+    the bucket's index said its own copy of step 0 is of a later timeline. Now that
+    copy is the step: the local one leaves view before a fetch, and the peer's replica
+    of the older save is not taken again."""
     replay(
         Settings(keep=2, local_keep=3, memory_steps=1, pressure=True, peer=True),
         [

@@ -359,40 +359,33 @@ class Catalog(StepTable):
         the node's index, for retention and timelines); a LOCAL step whose marker
         from this node is there is DURABLE too. Copies of another timeline than the
         step known here under that number are other saves: ignored (None; an older
-        one is recorded as replaced, :meth:`replaced_numbers`). So is a replaced save's
-        copy (a later timeline began with a save under its number, or one was seen
-        here) when no step is known under it: the replacing save may have left before
-        its upload retracted it (the drain does: lifecycle/replaced.py).
+        one is recorded as replaced, :meth:`replaced_numbers`), unless this node's is
+        of a later save (``timelines.outdated``): the step is then the bucket's. So is
+        a replaced save's copy (a later timeline began with a save under its number,
+        or one was seen here) when no step is known under it: the replacing save may
+        have left before its upload retracted it (the drain does: lifecycle/replaced.py).
         ``timeline=None``: not known (a marker listed, not read): the known step's.
         """
         st = self._steps.get((job, step))
+        if st is not None and timelines.outdated(st, self.node_id in nodes, timeline):
+            self._replace(st, timeline or 0)  # its local copy leaves view before a fetch
+            st = None
         later = self._replaced_by.get((job, step), -1)
         if (
             st is None
             and timeline is not None
             and (replaced(timeline, step, self.lineage(job)) or later > timeline)
         ):
-            log.info(
-                "%s/%d: the bucket's copy of nodes %s is of timeline %d, which a later "
-                "save under this number replaced: not a step (the drain retracts it)",
-                job,
-                step,
-                ",".join(sorted(nodes)),
-                timeline,
-            )
+            log.info("%s/%d: the bucket's copy of nodes %s is of timeline %d, which a later "
+                     "save under this number replaced: not a step (the drain retracts it)",
+                     job, step, ",".join(sorted(nodes)), timeline)  # fmt: skip
             return None
         if st is not None and timeline is not None and timeline != st.timeline:
             if timeline < st.timeline:  # replaced by it: out once no upload of it will be
                 self._taken(job, step, st.timeline)
-            log.info(
-                "%s/%d: the bucket's copy of nodes %s is of timeline %d, this step of %d: "
-                "not a copy of it",
-                job,
-                step,
-                ",".join(sorted(nodes)),
-                timeline,
-                st.timeline,
-            )
+            log.info("%s/%d: the bucket's copy of nodes %s is of timeline %d, this step of "
+                     "%d: not a copy of it", job, step, ",".join(sorted(nodes)), timeline,
+                     st.timeline)  # fmt: skip
             return None
         if st is None:
             st = Step(

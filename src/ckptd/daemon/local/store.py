@@ -32,7 +32,7 @@ from ckptd.core.manifest import MANIFEST, Manifest
 
 from .. import faults
 from ..catalog import Step
-from ..catalog.roles import Saves
+from ..catalog.roles import Replacing, Saves, Steps
 from ..commit import RenameCommit, Runner
 from ..files import fsync_dir, read_small
 from ..io import IoPool
@@ -238,7 +238,7 @@ class LocalStore:
 
 
 async def retire_replaced(
-    catalog: Saves, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
+    catalog: Replacing, store: LocalStore, io: IoPool, st: Step, ticket: int | None = None
 ) -> None:
     """Before ``st`` commits: the local copy of the step its save replaces (an earlier
     timeline's under the same number, core/timeline.py) leaves view once nothing is
@@ -268,7 +268,7 @@ async def retire_replaced(
     catalog.replaced(old)
 
 
-def reading(catalog: Saves, job: str, step: int, timeline: int) -> list[Step]:
+def reading(catalog: Steps, job: str, step: int, timeline: int) -> list[Step]:
     """The steps on the disk, or being read or written right now, whose references
     read the save ``step`` of ``timeline`` of ``job``: its copy must stay while any do."""
     return [

@@ -33,7 +33,7 @@ from ..catalog import Step
 from ..catalog.roles import Copies
 from ..io import IoPool
 from ..local.lease import Handed, Lease, Segment, Want
-from ..local.store import LocalStore
+from ..local.store import LocalStore, retire_replaced
 from .link import Peer, Peers, owner_of_message
 from .references import Replica, referenced
 from .transfer import ReplicaReader
@@ -321,6 +321,12 @@ class PeerSource:
         mine = manifest.node == me if rank is None else any(r.rank == rank for r in manifest.ranks)
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
+        known = self.catalog.get(job, step)
+        if known is not None and known.timeline != manifest.timeline:  # another save's
+            raise DataLoss(
+                f"the peers' replica of {job}/{step} is of timeline {manifest.timeline}, "
+                f"the step known here of {known.timeline} (a later save replaced it)"
+            )
         self.owner_found(job, *replica.owner)  # before any step of it can be listed
         if manifest.holders():  # the local tier holds a step with the steps it references
             await self._bring_references(manifest)
@@ -352,6 +358,9 @@ class PeerSource:
                     for n in (len(peers),)
                 )
             )
+            known = self.catalog.get(manifest.job, manifest.step)
+            if known is not None:  # a local copy it replaces leaves view first
+                await retire_replaced(self.catalog, self.store, self.io, known)
             await commit.finalize(replica.text.encode())
         except BaseException:
             await commit.abort()

@@ -1,15 +1,14 @@
 """The bucket as a restore's tier: which steps it holds, a step made local again,
 and other nodes' parts of a step for restores that reshard across nodes.
 
-Every file is checked against its crc32c as it arrives and the copy is
-committed locally (``manifest.json`` last, one rename) before anything reads it.
-The bucket's read protocol itself (markers, manifests, downloads) is read.py.
+Every file is checked against its crc32c as it arrives and the copy is committed
+locally (``manifest.json`` last, one rename) before anything reads it (read.py).
 
 A step whose rank files reference older steps' (core/increments.py) comes with
 them: each holder is brought first, as the complete step it is, through this same
 verified path (its own holders first), so the local tier holds what the step
-reads. A holder the bucket cannot give makes the step unrestorable from it, like
-any corrupt copy: the restore takes the next older step.
+reads. A holder the bucket cannot give makes the step unrestorable; the restore
+takes the next older step.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from ..files import read_small
 from ..io import IoPool
 from ..local.lease import Handed, Lease, Want
 from ..local.prestaged import Prestaged
-from ..local.store import LocalStore
+from ..local.store import LocalStore, retire_replaced
 from . import held, read
 from .base import Remote
 from .index import NodeIndex
@@ -39,8 +38,7 @@ from .ranged import Populate
 
 log = logging.getLogger("ckptd.restore")
 
-OTHER_STEPS = 3
-"""How many of a job's newest steps a node with none of its own learns from the others."""
+OTHER_STEPS = 3  # a job's newest steps a node with none of its own learns from the others
 
 
 class BucketSource:
@@ -273,6 +271,8 @@ class BucketSource:
             # The pages past each file's end too: a segment goes back to the pool whole.
             for held in leases.values():
                 await self.io.run(held.segment.populate)
+            # A local copy of an older save it replaces (a peer's, after a node loss) goes.
+            await retire_replaced(self.catalog, self.store, self.io, st)
             await commit.finalize(raw)
         except BaseException:
             for held in leases.values():

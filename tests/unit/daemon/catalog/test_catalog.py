@@ -419,3 +419,23 @@ def test_a_step_known_here_records_an_older_bucket_copy_under_its_number() -> No
     st = c.recovered(manifest(step=2, timeline=1, forks=((1, 0),)), False)
     assert c.discovered("j", 2, {NODE}, False, timeline=0) is None
     assert c.get("j", 2) is st and c.replaced_numbers("j") == {2: 1}
+
+
+def test_a_local_copy_this_nodes_bucket_copy_outdates_gives_way_to_it() -> None:
+    """After a node loss the peer gave back step 0 of timeline 0, but this node's own
+    copy in the bucket is of timeline 1 (a rerun saved step 0 again; the peer was down):
+    the local copy is a replaced save. The step becomes the bucket's, and the local
+    copy waits to leave view before a fetch commits in its place. Another node's copy,
+    a pinned step or one being saved keeps the local step."""
+    c = catalog()
+    old = c.peer_fetched(manifest(step=0), "peer-b")
+    assert c.discovered("j", 0, {"node-b"}, False, timeline=1, forks=((1, 0),)) is None
+    assert c.get("j", 0) is old  # another node's copy: not this node's history
+    new = c.discovered("j", 0, {NODE}, False, timeline=1, forks=((1, 0),))
+    assert new is not None and new is not old and new.timeline == 1
+    assert not new.local and not new.abandoned and c.replacing(new) is old
+    assert pb.StepEvent.Name(c.events()[-2].kind) == "STEP_EVENT_REPLACED"
+    pinned = c.peer_fetched(manifest(step=5), "peer-b")
+    c.set_pinned(pinned, True)
+    assert c.discovered("j", 5, {NODE}, False, timeline=1, forks=((1, 0),)) is None
+    assert c.get("j", 5) is pinned

@@ -421,3 +421,24 @@ def test_a_job_taken_back_from_peers_is_told_its_owner_before_it_is_listed() -> 
     finally:
         source.close()
     assert told == [("j", 1001, True, None)] and catalog.require("j", 4).local
+
+
+def test_a_replica_of_another_save_than_the_step_known_here_is_not_taken() -> None:
+    """The bucket says this node's step 4 is of timeline 1 (a rerun saved it again while
+    the peer was down); the peer's replica of step 4 is timeline 0's, the save that
+    rerun replaced: not taken (the bucket is next)."""
+    from ckptd.core.errors import DataLoss
+    from ckptd.daemon.catalog import Catalog
+    from ckptd.daemon.peer.references import Replica
+
+    catalog = Catalog("n")
+    assert catalog.discovered("j", 4, {"n"}, False, timeline=1, forks=((1, 0),)) is not None
+    source = PeerSource(catalog, None, None, SimpleNamespace())  # type: ignore[arg-type]
+    text = _manifest(4, FILES, node="n")
+    replica = Replica(Manifest.from_json(text), text, [Peer("b", "10.0.0.2:7000")])
+    try:
+        with pytest.raises(DataLoss, match="timeline 0, the step known here of 1"):
+            asyncio.run(source.fetch("j", 4, replica))
+    finally:
+        source.close()
+    assert not catalog.require("j", 4).local
