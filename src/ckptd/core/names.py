@@ -121,6 +121,15 @@ def recorded_owner(record: Mapping[str, object]) -> Owner:
     raise ValueError(f"an owner that is not a uid: {str(owner)[:40]!r}")
 
 
+def owner_or_unknown(record: Mapping[str, object]) -> Owner:
+    """:func:`recorded_owner`, a value that is not a uid counting as not known (a
+    peer's word: the job then stays closed, as with no word at all)."""
+    try:
+        return recorded_owner(record)
+    except ValueError:
+        return UNKNOWN_OWNER
+
+
 def check_path(field: str, value: str, *, optional: bool = False) -> str:
     """Accept an absolute path a client names (a directory to adopt, watch or fill).
 

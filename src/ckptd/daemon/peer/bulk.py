@@ -50,7 +50,7 @@ import time
 from typing import Any
 
 from ckptd.core.errors import CkptdError, InvalidArgument, Unauthenticated, Unavailable
-from ckptd.core.names import UNKNOWN_OWNER, check_name, check_step, recorded_owner
+from ckptd.core.names import check_name, check_step, owner_or_unknown
 
 from .. import faults
 from .deadline import Watchdog
@@ -319,10 +319,7 @@ class BulkServer:
         """Take a replica pushed by its source (checked like a PutReplica stream)."""
         job = check_name("job", str(req.get("job", "")))
         step, holder_for = check_step(int(req["step"])), int(req.get("holder_for", 0))
-        try:
-            owner = recorded_owner(req)
-        except ValueError:
-            owner = UNKNOWN_OWNER
+        owner = owner_or_unknown(req)
         begun = self.store.begin(job, step, str(req["manifest"]), holder_for, owner)
         if isinstance(begun, Held):  # its source restarted and sent it again
             conn.sendall(b"HD" + struct.pack("<Q", begun.size))

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from ckptd.core.errors import InvalidArgument
-from ckptd.core.names import UNKNOWN_OWNER, Owner, check_name, recorded_owner
+from ckptd.core.names import UNKNOWN_OWNER, Owner, check_name, owner_or_unknown
 from ckptd.core.wire import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from ckptd.proto import ckptd_pb2 as pb
 from ckptd.proto import ckptd_pb2_grpc as pb_grpc
@@ -61,11 +61,7 @@ def owner_of_message(message: Any) -> Owner:
     """The owner a ReplicaChunk or Replica carries (unset, or not a uid: not known)."""
     if not message.HasField("owner"):
         return UNKNOWN_OWNER
-    record = {"owner": message.owner.uid if message.owner.HasField("uid") else None}
-    try:
-        return recorded_owner(record)
-    except ValueError:
-        return UNKNOWN_OWNER
+    return owner_or_unknown({"owner": message.owner.uid if message.owner.HasField("uid") else None})
 
 
 def read_token(path: str) -> str:
