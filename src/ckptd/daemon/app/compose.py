@@ -200,8 +200,9 @@ class Daemon:
             self.catalog, self.store, prestaged, self.io, self.remote, self.index
         )
         owners = (self.access.owner_of, self.access.found_on_peer)
+        learn = self.bucket.refresh_quietly
         self.peer = (
-            build_peer_tier(opts.peer, self.catalog, self.store, self.io, prestaged, owners)
+            build_peer_tier(opts.peer, self.catalog, self.store, self.io, prestaged, owners, learn)
             if opts.peer.enabled
             else None
         )

@@ -27,7 +27,7 @@ from ..peer.options import PeerOptions
 from ..peer.replicas import ReplicaStore
 from ..peer.replicator import Replicator
 from ..peer.service import PeerServicer
-from ..peer.source import OwnerFound, PeerSource, PrestageMemory
+from ..peer.source import Learn, OwnerFound, PeerSource, PrestageMemory
 from ..peer.tier import PeerTier
 from ..peer.tls import PeerTls
 
@@ -42,10 +42,12 @@ def build_peer_tier(
     io: IoPool,
     memory: PrestageMemory,
     owners: tuple[OwnerOf, OwnerFound],
+    learn: Learn,
 ) -> PeerTier:
     """Every part of the peer tier, wired; ``memory``: where pre-staged files also go
     into shared memory (the memory tier); ``owners``: each job's owner here, and
-    where an owner a replica came with is told (api/access.py). Called on the
+    where an owner a replica came with is told (api/access.py); ``learn``: learns
+    what the bucket holds of a job (the pre-staging's comparison). Called on the
     daemon's event loop, which the bulk listener's threads ask for sender checks.
     Raises FailedPrecondition (a bad token file or TLS files) with what to fix."""
     try:
@@ -90,7 +92,7 @@ def build_peer_tier(
             options.peer_max_lag_seconds,
             owner_of=owners[0],
         )
-        source = PeerSource(catalog, store, io, peers, memory, owner_found=owners[1])
+        source = PeerSource(catalog, store, io, peers, memory, owner_found=owners[1], learn=learn)
     return PeerTier(
         options, io, tls, replicas, peers, sender_check, servicer, bulk, server, replicator, source
     )

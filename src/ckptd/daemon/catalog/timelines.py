@@ -9,16 +9,17 @@ from collections.abc import Iterable, Sequence
 
 from ckptd.core.timeline import Forks, abandoned, merge, newest
 
-from .step import DURABLE, LOCAL, SUPERSEDED, Step
+from .step import DRAINING, DURABLE, LOCAL, SUPERSEDED, Step
 
 
 def outdated(st: Step, ours: bool, timeline: int | None) -> bool:
     """Whether a copy in the bucket of ``timeline`` (``ours``: this node's own) is of a
     later save under ``st``'s number than ``st`` is: a local copy taken back after a
     node loss (from a peer the later save never reached) that the later save replaced.
-    Not a step being saved, nor a pinned one."""
+    Not a step being saved, nor a pinned one; one being uploaded is (its upload would
+    retract the later save's copy as the one it replaced: the drain stops it)."""
     later = ours and timeline is not None and timeline > st.timeline
-    return later and st.state in (LOCAL, DURABLE, SUPERSEDED) and not st.pinned
+    return later and st.state in (LOCAL, DRAINING, DURABLE, SUPERSEDED) and not st.pinned
 
 
 def lineage(steps: Iterable[Step]) -> Forks:

@@ -17,9 +17,10 @@ an error) shows as the drain's error in status while it keeps waiting. At
 start-up, the node's index of each job it holds locally (one GET per job, never
 a listing of the bucket) says which steps are DURABLE; the others are queued
 again, and their files already in the bucket with the right crc32c are not sent
-twice. A job may ask for an upload pace (pace.py); a step that references older
-steps' rank files goes up after them (holders.py); between uploads, replaced
-saves' copies no upload will take out go (replaced.py).
+twice. A job that appears later is matched so before its first upload (queue.py).
+A job may ask for an upload pace (pace.py); a step that references older steps'
+rank files goes up after them (holders.py); between uploads, replaced saves'
+copies no upload will take out go (replaced.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..remote.index import NodeIndex
 from ..remote.publish import HolderMissing, Publisher
 from ..retention.planner import Retention
 from ..retry import Backoff
+from . import queue
 from .holders import Holders
 from .pace import UploadPace
 from .replaced import ReplacedCopies
@@ -119,7 +121,7 @@ class Drain:
         self.replaced = ReplacedCopies(catalog, remote, index)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        self._uploading: tuple[Step, asyncio.Future[tuple[int, int]]] | None = None
+        self._uploading: tuple[Step, asyncio.Future[tuple[int, int] | None]] | None = None
         """The step being published and its task (cancelled if the step is replaced)."""
         self.resumed = False
         """The node's index matched against the local steps (:meth:`resume`)."""
@@ -163,22 +165,7 @@ class Drain:
 
         async def one(job: str) -> int:
             async with limit:
-                entries = await self.index.entries(job)
-            for e in entries.values():
-                self.catalog.discovered(
-                    job,
-                    e.step,
-                    {self.node_id},
-                    e.adopted,
-                    pinned=e.pinned,
-                    created_unix=e.created_unix,
-                    milestone=e.milestone,
-                    metrics=e.metrics,
-                    timeline=e.timeline,
-                    forks=e.forks,
-                    holders=frozenset(e.holders),
-                )
-            return len(entries)
+                return await queue.match(self.catalog, self.index, job)
 
         found = await asyncio.gather(*(one(job) for job in sorted(self.catalog.jobs())))
         for st in self.catalog.steps():
@@ -192,6 +179,25 @@ class Drain:
             len(found),
             self.queue_length,
         )
+
+    def supersede_unwanted(self) -> None:
+        """Pending steps the bucket will never want become SUPERSEDED (queue.py)."""
+        queue.supersede_unwanted(self.catalog, self.retention, self.node_id)
+
+    def pick(self) -> Step | None:
+        """The step to upload next (queue.py)."""
+        return queue.pick(self.catalog, self.retention, self.pace, self.node_id)
+
+    async def _publish(self, st: Step) -> tuple[int, int] | None:
+        """Upload ``st``; None when it gave way instead. A job the start-up did not
+        match (taken back from a peer after a node loss, or first saved since) is
+        matched first: the bucket may hold a later save under ``st``'s number, which
+        the upload would otherwise retract as the one ``st`` replaced."""
+        if not self.index.known(st.job):
+            await queue.match(self.catalog, self.index, st.job)
+            if self.catalog.get(*st.key) is not st:
+                return None
+        return await self.publisher.publish(st)
 
     def stop(self) -> None:
         """Ask the loop to stop after the current attempt (the step is retried next start)."""
@@ -278,45 +284,6 @@ class Drain:
                 due = min(due, at - now)
         return due
 
-    def supersede_unwanted(self) -> None:
-        """Pending steps the bucket will never want become SUPERSEDED: a newer step of
-        their job is complete there and the remote retention does not keep them."""
-        for job in self.catalog.jobs():
-            supersede = self.retention.plan(job).supersede
-            if not supersede:
-                continue
-            newest = next(
-                (s.step for s in self.catalog.list(job) if self.node_id in s.remote_nodes), -1
-            )
-            for step in supersede:
-                st = self.catalog.get(job, step)
-                if st is not None and st.state == pb.SAVE_STATE_LOCAL:
-                    self.catalog.superseded(
-                        st,
-                        f"superseded by step {newest}, uploaded first (coalescing drain); "
-                        "the remote retention does not keep this step",
-                    )
-
-    def pick(self) -> Step | None:
-        """Each job's newest pending step first (most recently committed job first), then
-        older steps the remote retention keeps, newest first."""
-        by_job: dict[str, list[Step]] = {}
-        for s in self.catalog.steps():
-            if s.state == pb.SAVE_STATE_LOCAL and s.local and not s.busy:
-                by_job.setdefault(s.job, []).append(s)
-        newest = [max(steps, key=lambda s: s.order) for steps in by_job.values()]
-        fresh = [s for s in newest if not self._newer_in_remote(s) and self.pace.ready(s.job)]
-        if fresh:
-            return max(fresh, key=lambda s: s.local_at)
-        older = [
-            s
-            for job, steps in by_job.items()
-            for s in steps
-            if s.step in self.retention.plan(job).remote_wants
-            and (s.milestone or not self.pace.interval(job))
-        ]
-        return max(older, key=lambda s: s.order) if older else None
-
     def _holder_first(self, st: Step) -> Step | None:
         """The step to upload for ``st``: itself, or the oldest step it references that
         is not in the bucket yet (queued again if it was not waiting). None: nothing can
@@ -357,11 +324,6 @@ class Drain:
                     f"policy's upload interval); step {st.step} went instead",
                 )
 
-    def _newer_in_remote(self, st: Step) -> bool:
-        return any(
-            s.order > st.order and self.node_id in s.remote_nodes for s in self.catalog.list(st.job)
-        )
-
     def _newer_pending(self, st: Step) -> bool:
         return any(
             s.order > st.order and s.state == pb.SAVE_STATE_LOCAL for s in self.catalog.list(st.job)
@@ -378,10 +340,14 @@ class Drain:
                     st, "its local copy failed a checksum and was set aside", "remote"
                 )
                 return
-            task = asyncio.ensure_future(self.publisher.publish(st))
+            task = asyncio.ensure_future(self._publish(st))
             self._uploading = (st, task)
             try:
-                sent, skipped = await task
+                done = await task
+                if done is None:  # it gave way to the bucket's later save
+                    self._replaced(st)
+                    return
+                sent, skipped = done
                 break
             except asyncio.CancelledError:
                 if task.cancelled() and not _cancelling() and self._replaced(st):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +51,14 @@ OwnerFound = Callable[[str, int | None, bool], None]
 """Told ``(job, owner, known)``: the owner a replica of a job came with."""
 Order = tuple[bool, int, int]
 """A step's place in its job's history: ``Step.order`` (catalog/step.py)."""
+Learn = Callable[[str], Awaitable[None]]
+"""Learns which steps of a job the bucket holds (logs, never raises, a bucket away)."""
+LEARN_SECONDS = 10.0
+"""How long the pre-staging waits for the bucket before it goes on the peers' word."""
+
+
+async def _knows_already(job: str) -> None:
+    """No bucket to learn from."""
 
 
 class PrestageMemory(Protocol):
@@ -97,9 +105,13 @@ class PeerSource:
         peers: Peers,
         memory: PrestageMemory | None = None,
         owner_found: OwnerFound = lambda job, owner, known: None,
+        learn: Learn = _knows_already,
     ) -> None:
         self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
         self.owner_found = owner_found
+        self.learn = learn
+        """Learns which steps of a job the bucket holds (restore/tier.py's bucket,
+        quietly): the start-up pre-staging weighs the peers' replicas against them."""
         """Told the owner a replica came with before its step is taken in
         (api/access.py): a job taken back from peers is not open to the first caller."""
         self.reader = ReplicaReader(io, peers)
@@ -263,6 +275,10 @@ class PeerSource:
         """Make the newest step of ``job`` the peers hold of this node local, when the
         local tier has none and the bucket holds nothing newer (the start-up
         pre-staging); whether it did. A failure is logged."""
+        # After a node loss the catalog knows nothing of the bucket yet: a replica of a
+        # save the bucket holds a later one under its number would otherwise be taken.
+        learning = asyncio.ensure_future(self.learn(job))
+        await asyncio.wait({learning}, timeout=LEARN_SECONDS)  # the bucket away: go on
         async with self._locks.setdefault(job, asyncio.Lock()):
             held = await self._holds(job, None)
             in_bucket = [s.order for s in self.catalog.list(job) if s.in_remote and not s.abandoned]
