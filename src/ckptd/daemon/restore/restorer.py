@@ -181,17 +181,28 @@ class Restorer:
     async def learn(self, job: str) -> None:
         """Make what every tier holds of ``job`` known before it is listed (a node that
         lost its disk takes its newest step back from a peer)."""
+        await self.read_index(job)
+        await self.chooser.learn(job, None)
+
+    async def read_index(self, job: str, again: bool = True) -> None:
+        """Read this node's index of ``job`` in the bucket, once in this daemon's life
+        (later reads keep it current), waiting at most :data:`LISTING_WAIT_SECONDS`.
+        A listing needs it, and so does a job's first save here: its timeline follows
+        the saves the bucket holds under the job's name (a node that lost its disk
+        knows none of them until it reads). Not ``again``: a read that ended without
+        an answer (the bucket away) is not tried again (a save does not wait twice;
+        the drain reads it before the job's first upload)."""
         index = self.bucket.index
-        if index is None or index.known(job):  # read once per life: learn() refreshes
-            await self.chooser.learn(job, None)
+        if index is None or index.known(job):
             return
         read = self._index_reads.get(job)
+        if read is not None and read.done() and not again:
+            return
         if read is None or read.done():
             read = asyncio.ensure_future(self.bucket.refresh_quietly(job, None, listing=True))
             self._index_reads[job] = read
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(read), LISTING_WAIT_SECONDS)
-        await self.chooser.learn(job, None)
 
     async def prefetch(
         self, job: str, offer: Callable[[str], bool] = lambda job: False
