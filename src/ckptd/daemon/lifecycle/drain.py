@@ -188,16 +188,14 @@ class Drain:
         """The step to upload next (queue.py)."""
         return queue.pick(self.catalog, self.retention, self.pace, self.node_id)
 
-    async def _publish(self, st: Step) -> tuple[int, int] | None:
-        """Upload ``st``; None when it gave way instead. A job the start-up did not
-        match (taken back from a peer after a node loss, or first saved since) is
-        matched first: the bucket may hold a later save under ``st``'s number, which
-        the upload would otherwise retract as the one ``st`` replaced."""
+    async def _still_goes(self, st: Step) -> bool:
+        """Whether ``st`` still goes up. A job the start-up did not match (taken back
+        from a peer after a node loss, or first saved since) is matched first
+        (queue.py): the bucket may hold a later save under ``st``'s number, which the
+        upload would otherwise retract as the one ``st`` replaced; ``st`` gives way."""
         if not self.index.known(st.job):
             await queue.match(self.catalog, self.index, st.job)
-            if self.catalog.get(*st.key) is not st:
-                return None
-        return await self.publisher.publish(st)
+        return self.catalog.get(*st.key) is st
 
     def stop(self) -> None:
         """Ask the loop to stop after the current attempt (the step is retried next start)."""
@@ -340,7 +338,7 @@ class Drain:
                     st, "its local copy failed a checksum and was set aside", "remote"
                 )
                 return
-            task = asyncio.ensure_future(self._publish(st))
+            task = asyncio.ensure_future(self.publisher.publish(st, lambda: self._still_goes(st)))
             self._uploading = (st, task)
             try:
                 done = await task

@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Set
+from collections.abc import Awaitable, Callable, Set
 from functools import partial
 from typing import Any
 
@@ -91,11 +91,15 @@ class Publisher:
         """Why a step may not be committed now: a step it references is not complete in
         the bucket (lifecycle/holders.py, from the drain)."""
 
-    async def publish(self, st: Step) -> tuple[int, int]:
+    async def publish(
+        self, st: Step, first: Callable[[], Awaitable[bool]] | None = None
+    ) -> tuple[int, int] | None:
         """:meth:`_upload`, reporting in status (and as a RETRYING event) when it makes
-        no progress for ``stall_seconds``: a store that hangs never raises."""
+        no progress for ``stall_seconds``: a store that hangs never raises. ``first``
+        runs before it, watched the same way (it reads the bucket too); when it says
+        False, ``st`` is not uploaded (None)."""
         self._progress_at = time.monotonic()
-        task = asyncio.ensure_future(self._upload(st))
+        task = asyncio.ensure_future(self._upload_unless(st, first))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.stall_seconds / 3)
@@ -114,6 +118,13 @@ class Publisher:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait({task})  # its part uploads end before we go on
+
+    async def _upload_unless(
+        self, st: Step, first: Callable[[], Awaitable[bool]] | None
+    ) -> tuple[int, int] | None:
+        if first is not None and not await first():
+            return None
+        return await self._upload(st)
 
     async def local_changed(self, st: Step) -> str:
         """Why the step can never upload, if its local bytes no longer match the

@@ -36,6 +36,8 @@ LISTING_WAIT_SECONDS = 5.0
 """Longest a listing waits for the first read of a job's index in the bucket: a hung
 bucket must not hang `ckptd ls` or a framework's resume; the read goes on, and the
 next listing shows what it found."""
+SAVE_WAIT_SECONDS = 2.0
+"""Longest a job's first save waits for that read (once: see :meth:`Restorer.read_index`)."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ class Restorer:
 
     async def read_index(self, job: str, again: bool = True) -> None:
         """Read this node's index of ``job`` in the bucket, once in this daemon's life
-        (later reads keep it current), waiting at most :data:`LISTING_WAIT_SECONDS`.
+        (later reads keep it current), waiting at most :data:`LISTING_WAIT_SECONDS`
+        (:data:`SAVE_WAIT_SECONDS` not ``again``).
         A listing needs it, and so does a job's first save here: its timeline follows
         the saves the bucket holds under the job's name (a node that lost its disk
         knows none of them until it reads). Not ``again``: a read that ended without
@@ -202,7 +205,8 @@ class Restorer:
             read = asyncio.ensure_future(self.bucket.refresh_quietly(job, None, listing=True))
             self._index_reads[job] = read
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(read), LISTING_WAIT_SECONDS)
+            wait = LISTING_WAIT_SECONDS if again else SAVE_WAIT_SECONDS
+            await asyncio.wait_for(asyncio.shield(read), wait)
 
     async def prefetch(
         self, job: str, offer: Callable[[str], bool] = lambda job: False
