@@ -9,10 +9,10 @@ that peer's users run it, so a ckptd benchmark can put the numbers beside ckptd'
   with ``StorageType.DISK`` (a copy into shared memory; its saver process writes the file).
 
 ``save`` returns the seconds the training loop was blocked; ``wait_durable`` the seconds
-from the start of the last ``save`` until the peer reports it complete: written and closed,
-not fsynced, as both peers leave their ``torch.save`` file (``fsync=True`` adds a timed
-fsync of the file and its directory). Both arms run under a one-rank gloo process group
-(created if absent), as under torchrun: both peers ask ``torch.distributed`` for the rank.
+from the start of the last ``save`` until the peer reports it complete: written, not
+fsynced, as both peers leave their ``torch.save`` file (``fsync=True`` adds a timed fsync
+of the file and its directory). Both run under a one-rank gloo group (made if absent), as
+under torchrun: both peers ask ``torch.distributed`` for the rank.
 
 ``python bench/peer_arms.py --mib 8``: a self-check, 3 saves per arm, the state mutated in
 place right after each save returns, every step loaded back and compared bit for bit.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import multiprocessing
 import os
 import shutil
 import sys
@@ -50,11 +51,22 @@ def ensure_process_group() -> None:
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
+def _poll(
+    what: str, start: float, timeout_s: float, done: Callable[[], bool], alive: Callable[[], bool]
+) -> None:
+    """Poll ``done`` every POLL_S; raise if ``alive`` turns false or ``timeout_s`` passes."""
+    while not done():
+        if not alive():
+            raise RuntimeError(f"{what}: the peer's process died")
+        if time.perf_counter() - start > timeout_s:
+            raise TimeoutError(f"{what}: not done in {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
 class _Arm:
     """What both arms share: the directory, the last save, the wait and the load."""
 
-    LAYOUT = "step_{step:08d}.pt"
-    """A step's file under the directory."""
+    LAYOUT = "step_{step:08d}.pt"  # a step's file under the directory
 
     def __init__(self, directory: Path, fsync: bool, timeout_s: float) -> None:
         self.directory = directory
@@ -73,12 +85,7 @@ class _Arm:
         if self._last is None:
             raise RuntimeError(f"{type(self).__name__}.wait_durable: nothing saved yet")
         step, start = self._last
-        while not done():
-            if not alive():
-                raise RuntimeError(f"{type(self).__name__}: writer died before step {step}")
-            if time.perf_counter() - start > self._timeout_s:
-                raise TimeoutError(f"{type(self).__name__}: step {step} not written in time")
-            time.sleep(POLL_S)
+        _poll(f"{type(self).__name__} step {step}", start, self._timeout_s, done, alive)
         if self._fsync:
             for p in (self.path(step), self.path(step).parent):  # the bytes, then the name
                 fd = os.open(p, os.O_RDONLY)
@@ -89,9 +96,7 @@ class _Arm:
     def load(self, step: int) -> State:
         """Load ``step`` from its file with ``torch.load``, as both peers read theirs (not
         DLRover's ``load_checkpoint``: it returns the shared-memory copy when there is one)."""
-        state = torch.load(self.path(step), map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise TypeError(f"{self.path(step)} holds a {type(state).__name__}, not a dict")
+        state: State = torch.load(self.path(step), map_location="cpu", weights_only=True)
         return state
 
 
@@ -110,11 +115,10 @@ class NvrxAsync(_Arm):
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
         start = time.perf_counter()
-        # TorchAsyncCheckpoint.async_save cannot run on a CPU-only torch: it calls
-        # torch.cuda.synchronize() unconditionally (torch_ckpt.py:50, "Torch not compiled
-        # with CUDA enabled"). So this is its body without that call. Its preload_tensors()
-        # is a D2H copy into fresh host tensors, the snapshot that lets training go on; for
-        # CPU tensors .to("cpu") returns the tensor itself, so the CPU equivalent is a clone.
+        # TorchAsyncCheckpoint.async_save, less its torch.cuda.synchronize() (torch_ckpt.py:50),
+        # which fails on a CPU-only torch. Its preload_tensors() copies D2H into new host
+        # tensors, the snapshot that lets training go on; on CPU, .to("cpu") returns the
+        # tensor itself, so the CPU equivalent is a clone.
         snapshot = {k: v.detach().clone() for k, v in state.items()}
         self._queue.schedule_async_request(
             AsyncRequest(torch.save, (snapshot, str(self.path(step))), [])
@@ -140,11 +144,9 @@ class NvrxAsync(_Arm):
 
     def close(self) -> None:
         """Finish pending saves and stop the worker process."""
-        caller = self._queue.persistent_caller
-        if caller is None or caller.process is None:
-            return
-        if not caller.process.is_alive():
-            caller.process = None  # dead: nothing will complete, and close() would wait forever
+        if not self._worker_alive():  # none yet, or dead: close() would wait for it forever
+            if self._queue.persistent_caller is not None:
+                self._queue.persistent_caller.process = None
             return
         # AsyncCallsQueue.close() finalizes with no_dist=False (a CUDA all-reduce) when calls
         # are pending, so drain them here first; then it only stops the worker.
@@ -158,35 +160,42 @@ class DlroverFlash(_Arm):
     LAYOUT = "{step}/rank_0.pt"  # DdpCheckpointer's default path
 
     def __init__(self, directory: Path, *, fsync: bool = False, timeout_s: float = 600.0) -> None:
-        """Make DLRover's checkpointer; its engine forks the saver process and waits for it."""
-        from dlrover.python.common.multi_process import SOCKET_TMP_DIR
+        """Start DLRover's saver process (as its agent does), then its checkpointer."""
+        from dlrover.python.common.multi_process import SOCKET_TMP_DIR, SharedQueue
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+        from dlrover.trainer.torch.flash_checkpoint.engine import start_async_save
 
-        # Importing dlrover sets the root logger to INFO, and it logs every save at INFO.
-        logging.getLogger("dlrover.logger").setLevel(logging.WARNING)
-        if os.environ.get("ROLE_NAME") == "dlrover-trainer":  # the engine would start no saver
-            raise RuntimeError("ROLE_NAME=dlrover-trainer: DLRover expects dlrover-run's agent")
+        logging.getLogger("dlrover.logger").setLevel(logging.WARNING)  # INFO logs each save
         super().__init__(directory, fsync, timeout_s)
-        # DLRover names its sockets (/tmp/ckpt_sock/<id>/) and shared memory (<id>_ckpt_shm_0)
-        # after TORCHELASTIC_RUN_ID, with fixed names when unset: a unique id per arm keeps
-        # concurrent runs and stale sockets of killed ones apart. All are named, and the saver
-        # forked (inheriting the variable), inside the constructor.
+        # Its sockets (/tmp/ckpt_sock/<id>/) and shared memory (<id>_ckpt_shm_0) are named after
+        # TORCHELASTIC_RUN_ID: a unique id keeps concurrent runs and stale sockets apart.
         run_id = f"ckptd-peer-{os.getpid()}-{next(_RUN_IDS)}"
         self._sock_dir = Path(SOCKET_TMP_DIR) / run_id
-        previous = os.environ.get("TORCHELASTIC_RUN_ID")
-        os.environ["TORCHELASTIC_RUN_ID"] = run_id
+        # Not the engine's own fork (start_saver_process): it asks the new child at once, but
+        # SharedQueue serves before it has a queue (multi_process.py), so an early put is lost
+        # and the engine fails 60 s later (1 start in ~10 here). As dlrover-run does: the
+        # saver first, waited for; ROLE_NAME=dlrover-trainer makes the engine use it.
+        saved = {k: os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "ROLE_NAME")}
+        os.environ |= {"TORCHELASTIC_RUN_ID": run_id, "ROLE_NAME": "dlrover-trainer"}
+        self._saver = multiprocessing.get_context("fork").Process(target=start_async_save)
+        self._saver.daemon = True
         try:
-            # Without dlrover-run, CheckpointEngine.__init__ forks start_saver_process(): a
-            # child running AsyncCheckpointSaver.start_async_saving_ckpt(), as the agent would.
+            self._saver.start()
+            q, t0, alive = SharedQueue(name="factory"), time.perf_counter(), self._saver.is_alive
+            _poll("DLRover saver start", t0, 60, q.is_available, alive)
+            time.sleep(0.05)  # past its bind-to-listen gap and queue-less window: fewer error logs
+            _poll("DLRover saver start", t0, 60, lambda: q.qsize() >= 0, alive)  # -1: no queue
             self._ckpt = DdpCheckpointer(str(directory))
+        except BaseException:
+            self._saver.terminate()
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            raise
         finally:
-            if previous is None:
-                del os.environ["TORCHELASTIC_RUN_ID"]
-            else:
-                os.environ["TORCHELASTIC_RUN_ID"] = previous
-        self._engine = self._ckpt._engine  # holds the saver process and the accepted step
-        self.skipped: list[int] = []
-        """Steps DLRover dropped: a save while its saver still writes the last one is skipped."""
+            os.environ.update({k: v for k, v in saved.items() if v is not None})
+            for k in (k for k, v in saved.items() if v is None):
+                del os.environ[k]
+        self._engine = self._ckpt._engine  # holds the accepted step and the shared memory
+        self.skipped: list[int] = []  # dropped by DLRover: saved while its saver was writing
 
     def save(self, step: int, state: State) -> float:
         """Copy ``step`` into shared memory and queue its write; returns the blocked seconds."""
@@ -217,7 +226,7 @@ class DlroverFlash(_Arm):
             text = tracker.read_text().strip() if tracker.exists() else ""
             return text.isdigit() and int(text) >= step  # empty while being rewritten
 
-        return self._wait(done, self._engine.saver_proc.is_alive)
+        return self._wait(done, self._saver.is_alive)
 
     def close(self) -> None:
         """Stop the saver process and remove the shared memory and sockets of this arm."""
@@ -225,17 +234,14 @@ class DlroverFlash(_Arm):
         self._engine.close()  # unmaps the shared memory in this process
         if shm is not None:
             shm.unlink()  # created here; DLRover's class keeps it off the resource tracker
-        saver = self._engine.saver_proc
-        if saver is not None:
-            saver.terminate()  # it loops forever (engine.start_async_save); SIGTERM is unhandled
-            saver.join(timeout=10)
+        self._saver.terminate()  # it loops forever (engine.start_async_save); SIGTERM unhandled
+        self._saver.join(timeout=10)
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
 
 def make_state(mib: float, tensors: int = 8) -> State:
     """``tensors`` float32 tensors totaling ``mib`` MiB, random (seeded)."""
-    numel = max(1, int(mib * 2**20) // (4 * tensors))
-    gen = torch.Generator().manual_seed(0)
+    gen, numel = torch.Generator().manual_seed(0), max(1, int(mib * 2**20) // (4 * tensors))
     return {f"t{i}": torch.randn(numel, generator=gen) for i in range(tensors)}
 
 
