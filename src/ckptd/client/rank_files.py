@@ -36,6 +36,10 @@ class Corrupt(Exception):
     """A shard failed its checksum (triggers ReportCorrupt and a retry)."""
 
 
+class Gone(NotFound):
+    """The step's own rank file is gone since the daemon named it (a retry asks again)."""
+
+
 Holders = Mapping[int, str]
 """Where the daemon said each holder's files are (``RestoreResponse.holder_directories``):
 a holder a later timeline replaced lies in its held copy, not beside the step."""
@@ -251,10 +255,14 @@ def map_held(fd: int, size: int, flags: int = mmap.MAP_PRIVATE) -> mmap.mmap:
 
 
 def _open(opener: Callable[[str], int], path: str, own: str) -> int:
-    """Open ``path``; a missing holder file makes the step unreadable here: corrupt."""
+    """Open ``path``; a missing holder file makes the step unreadable here: corrupt.
+    The step's own file missing is :class:`Gone`: removed since the daemon named it."""
     try:
         return opener(path)
     except (FileNotFoundError, NotFound):  # NotFound: the daemon's answer
         if path == own:
-            raise
+            raise Gone(
+                f"{path} was removed after the daemon named it (the step left the local "
+                "tier meanwhile: evicted, or replaced); restore again"
+            ) from None
         raise Corrupt(f"{path}, which holds shards {own} references, is missing") from None

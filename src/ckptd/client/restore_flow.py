@@ -18,7 +18,7 @@ from ckptd.core.session import open_readable
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
-from . import mapped_views
+from . import mapped_views, rank_files
 from .leaves.jax_arrays import build_leaf
 from .shards import CorruptShard, MissingShards, ShardReader
 
@@ -69,6 +69,11 @@ def restore(
                 resp.directory, manifest, rank, opener, holders=holders
             )
             return mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
+        except rank_files.Gone as gone:  # evicted between the answer and the open
+            log.info("step %d of job %s: %s", resp.step, job, gone)
+            if attempt == 7:
+                raise
+            continue
         except (mapped_views.Corrupt, CorruptShard) as bad:
             log.error("step %d of job %s: %s; asking for another copy", resp.step, job, str(bad))
             # The client checks only rank files of the local tier (its own, or other ranks'
