@@ -164,7 +164,7 @@ class Servicer(pb_grpc.CkptdServicer):
     @_rpc
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         peer, job = self._job(context, request.job)
-        await self.s.restorer.read_index(job, again=False)  # a rerun after a node loss
+        await self.s.restorer.read_own_index(job)  # a rerun after a node loss: a new timeline
         with self.s.access.claiming(peer, job):  # owned only once a lease is granted
             self.s.staging.check_fits(request.size_bytes)
             await self.s.admission.check_space(request.size_bytes)

@@ -64,6 +64,7 @@ class BucketSource:
         self.index = index
         self._asked_others: set[str] = set()
         """Jobs whose newest steps were learnt from other nodes' markers in this life."""
+        self._learnt: set[str] = set()
         self._fetching: dict[tuple[str, int], asyncio.Lock] = {}
         self.in_flight_bytes = 0
         """Bytes of the bucket fetches under way (``ckptd status``: restore progress)."""
@@ -87,13 +88,19 @@ class BucketSource:
             self.in_flight_bytes -= size
             self.in_flight_done -= done
 
-    async def refresh(self, job: str, step: int | None = None) -> None:
+    def learnt(self, job: str) -> bool:
+        """Whether :meth:`refresh` read what the bucket holds of ``job`` in this life."""
+        return job in self._learnt
+
+    async def refresh(self, job: str, step: int | None = None, others: bool = True) -> None:
         """Learn which steps of ``job`` the bucket holds complete, never by listing the
         job's objects (docs/scale.md): this node's steps from its index (one GET, the
         first time in this daemon's life; the drain and the evictor keep it current).
         A node with no step of its own there (a replacement under a new name) learns
         the job's newest steps from the other nodes' markers, once; a ``step`` asked
-        for that is still unknown, from that step's markers."""
+        for that is still unknown, from that step's markers. Not ``others``: this
+        node's own steps only (what a first save must know: the other nodes' steps
+        under its numbers are parts of the same saves, not earlier ones)."""
         if self.remote is None or self.index is None:
             return
         entries = await self.index.entries(job)
@@ -112,6 +119,8 @@ class BucketSource:
                 forks=e.forks,
                 holders=frozenset(e.holders),
             )
+        if not others:
+            return
         if not entries and job not in self._asked_others:
             self._asked_others.add(job)
             for n, found in (await read.newest_steps(self.remote, job, OTHER_STEPS)).items():
@@ -130,9 +139,10 @@ class BucketSource:
                 if nodes:
                     self.catalog.discovered(job, step, nodes, adopted, timeline=None)
                     break
+        self._learnt.add(job)
 
     async def refresh_quietly(
-        self, job: str, step: int | None = None, listing: bool = False
+        self, job: str, step: int | None = None, listing: bool = False, others: bool = True
     ) -> None:
         """:meth:`refresh`; a bucket that cannot be read is logged, and what is known
         is used (a restore or listing must not fail while the bucket is away). Until
@@ -146,7 +156,7 @@ class BucketSource:
             if step is not None and (st := self.catalog.get(job, step)) and st.local:
                 return
         try:
-            await self.refresh(job, step)
+            await self.refresh(job, step, others)
         except Exception as exc:
             log.warning("cannot read the bucket for job %s (%s); using the copies known", job, exc)
 

@@ -97,6 +97,7 @@ class Restorer:
         self.bucket = bucket
         """The bucket's other nodes' parts (:meth:`other_parts`), and whether there is one."""
         self._index_reads: dict[str, asyncio.Future[None]] = {}
+        self._own_reads: dict[str, asyncio.Future[None]] = {}
 
     def choose(
         self,
@@ -186,27 +187,35 @@ class Restorer:
         await self.read_index(job)
         await self.chooser.learn(job, None)
 
-    async def read_index(self, job: str, again: bool = True) -> None:
-        """Read this node's index of ``job`` in the bucket, once in this daemon's life
-        (later reads keep it current), waiting at most :data:`LISTING_WAIT_SECONDS`
-        (:data:`SAVE_WAIT_SECONDS` not ``again``).
-        A listing needs it, and so does a job's first save here: its timeline follows
-        the saves the bucket holds under the job's name (a node that lost its disk
-        knows none of them until it reads). Not ``again``: a read that ended without
-        an answer (the bucket away) is not tried again (a save does not wait twice;
-        the drain reads it before the job's first upload)."""
-        index = self.bucket.index
-        if index is None or index.known(job):
+    async def read_index(self, job: str) -> None:
+        """Read what the bucket holds of ``job`` (:meth:`BucketSource.refresh`), once in
+        this daemon's life (later reads keep it current), waiting at most
+        :data:`LISTING_WAIT_SECONDS`: a listing needs it."""
+        if self.bucket.index is None or self.bucket.learnt(job):
             return
         read = self._index_reads.get(job)
-        if read is not None and read.done() and not again:
-            return
         if read is None or read.done():
             read = asyncio.ensure_future(self.bucket.refresh_quietly(job, None, listing=True))
             self._index_reads[job] = read
         with contextlib.suppress(TimeoutError):
-            wait = LISTING_WAIT_SECONDS if again else SAVE_WAIT_SECONDS
-            await asyncio.wait_for(asyncio.shield(read), wait)
+            await asyncio.wait_for(asyncio.shield(read), LISTING_WAIT_SECONDS)
+
+    async def read_own_index(self, job: str) -> None:
+        """Read this node's own index of ``job`` before the job's first save here,
+        waiting at most :data:`SAVE_WAIT_SECONDS`: the save's timeline follows this
+        node's saves the bucket holds under the job's name (a node that lost its disk
+        knows none of them until it reads). Tried once: a save does not wait twice
+        for a bucket that did not answer (the drain reads it before the job's first
+        upload)."""
+        index = self.bucket.index
+        if index is None or index.known(job) or job in self._own_reads:
+            return
+        read = asyncio.ensure_future(
+            self.bucket.refresh_quietly(job, None, listing=True, others=False)
+        )
+        self._own_reads[job] = read
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(read), SAVE_WAIT_SECONDS)
 
     async def prefetch(
         self, job: str, offer: Callable[[str], bool] = lambda job: False
