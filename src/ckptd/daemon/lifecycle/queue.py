@@ -14,30 +14,15 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog, Step
 from ..remote.index import NodeIndex
+from ..remote.own import learn_own
 from ..retention.planner import Retention
 from .pace import UploadPace
 
 
 async def match(catalog: Catalog, index: NodeIndex, job: str) -> int:
     """Tell ``catalog`` the steps of ``job`` this node's index records (read once);
-    how many. A local copy a later save in the bucket replaced gives way to it
-    (catalog/timelines.outdated)."""
-    entries = await index.entries(job)
-    for e in entries.values():
-        catalog.discovered(
-            job,
-            e.step,
-            {catalog.node_id},
-            e.adopted,
-            pinned=e.pinned,
-            created_unix=e.created_unix,
-            milestone=e.milestone,
-            metrics=e.metrics,
-            timeline=e.timeline,
-            forks=e.forks,
-            holders=frozenset(e.holders),
-        )
-    return len(entries)
+    how many (remote/own.py)."""
+    return len(await learn_own(catalog, index, job))
 
 
 def supersede_unwanted(catalog: Catalog, retention: Retention, node_id: str) -> None:

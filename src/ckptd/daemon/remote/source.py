@@ -34,6 +34,7 @@ from ..local.store import LocalStore, retire_replaced
 from . import held, read
 from .base import Remote
 from .index import NodeIndex
+from .own import learn_own
 from .ranged import Populate
 
 log = logging.getLogger("ckptd.restore")
@@ -103,22 +104,7 @@ class BucketSource:
         under its numbers are parts of the same saves, not earlier ones)."""
         if self.remote is None or self.index is None:
             return
-        entries = await self.index.entries(job)
-        me = self.catalog.node_id
-        for e in entries.values():
-            self.catalog.discovered(
-                job,
-                e.step,
-                {me},
-                e.adopted,
-                pinned=e.pinned,
-                created_unix=e.created_unix,
-                milestone=e.milestone,
-                metrics=e.metrics,
-                timeline=e.timeline,
-                forks=e.forks,
-                holders=frozenset(e.holders),
-            )
+        entries = await learn_own(self.catalog, self.index, job)
         if not others:
             return
         if not entries and job not in self._asked_others:
