@@ -107,7 +107,7 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The test extra includes jax and Orbax, which the benchmarks compare against.
-bench: venv bench-deps bench-dlrover
+bench: venv bench-deps bench-dlrover bench-peers
 	$(PY) bench/run_all.py
 
 # torch for the DCP tests and bench_transformer.py's PyTorch DCP arm, always a CPU build:
@@ -149,6 +149,20 @@ $(DLROVER_STAMP): Makefile
 
 .PHONY: bench-dlrover
 bench-dlrover: $(DLROVER_STAMP)
+
+# The peers bench_default_save.py times beside ckptd, on the same tensors: NVRx's
+# async save and DLRover's flash checkpoint (bench/peer_arms.py), without their
+# dependency lists (never a CUDA torch: the constraint torch<0 makes pip fail instead).
+PEERS_STAMP := $(VENV)/.bench-peers
+$(PEERS_STAMP): Makefile | venv
+	printf 'torch<0\n' > $(VENV)/no-torch.txt
+	$(PY) -m pip install -q --no-deps dlrover==0.6.1 nvidia-resiliency-ext==0.4.1
+	$(PY) -m pip install -q -c $(VENV)/no-torch.txt psutil pynvml==13.0.1 Deprecated==1.3.1 \
+		defusedxml nvidia-ml-py pyyaml
+	touch $@
+
+.PHONY: bench-peers
+bench-peers: $(PEERS_STAMP)
 
 proto: venv
 	$(PY) -m ckptd.proto.generate

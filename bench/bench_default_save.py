@@ -1,0 +1,270 @@
+"""The default save when everything changed: ``save()`` and time to LOCAL against their
+floors, the daemon's settings that cost time, a process's first saves, and the peers.
+
+One run, one data set per shape, one disk (``--dir``). The trainer's state is CPU
+torch tensors (``torch.from_numpy`` views), each changed in place before every save
+(``add_(1)``, outside the timings), as a training step changes them all:
+
+- shapes: ``8x`` (8 tensors, ``--gib`` together) and ``transformer`` (~1,500 tensors:
+  parameters and Adam's two moments, bench/transformer_arms.py);
+- daemons, each with its own root, up side by side, arms rotated per repetition:
+  ``default`` (memory tier and incremental saves on), ``no-memory-tier``
+  (``--memory-tier-steps 0``), ``no-incremental`` (``--no-incremental``);
+- floors, on the same tensors in the same repetition: ``memcpy`` (a 2-thread copy
+  into a touched buffer, as the client copies) and ``write`` (that buffer written with
+  O_DIRECT and fsynced into a new file on the same disk);
+- first saves: each daemon arm's first and second save of a new client process
+  (fresh segments), beside its steady median;
+- peers (``--peers``, ``make bench-peers``): NVRx async save and DLRover flash
+  checkpoint (bench/peer_arms.py) on the same tensors in this process: the time the
+  caller is blocked, and to durable (their file written and fsynced, as LOCAL is).
+
+Ratios are of medians. The goals: ``save()`` within 1.1x of memcpy, LOCAL within
+1.1x of memcpy + write, the first two saves within 1.2x of steady. A table on stdout
+and ``bench/results/NAME.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from bench_tensors import memcpy2
+from common import DEFAULT_WORK_DIR, Daemon, print_table, run_directory, settle, write_results
+from floors import packed_offsets, packed_size, touched_buffer, write_file
+from transformer_arms import eight_array_state, leaves, transformer_state
+
+from ckptd.client import Client
+
+DAEMONS: dict[str, list[str]] = {
+    "default": [],
+    "no-memory-tier": ["--memory-tier-steps", "0"],
+    "no-incremental": ["--no-incremental"],
+}
+SHAPES = ("8x", "transformer")
+GOALS = {"save": 1.1, "local": 1.1, "first": 1.2}
+
+
+def make_state(shape: str, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    """A flat dict of CPU torch tensors viewing numpy arrays of ``shape``."""
+    if shape == "8x":
+        tree: Any = eight_array_state(nbytes, seed)
+    else:
+        tree, _ = transformer_state(nbytes, np.dtype(np.float32), seed)
+    arrays = list(leaves(tree))
+    return {f"t{i:05d}": torch.from_numpy(a) for i, a in enumerate(arrays)}
+
+
+def change(state: dict[str, torch.Tensor]) -> None:
+    """Every tensor changed in place (a training step), its pages left in cache."""
+    with torch.no_grad():
+        for t in state.values():
+            t.add_(1.0)
+
+
+class Arm:
+    """One daemon configuration: its daemon, a client, its samples."""
+
+    def __init__(self, name: str, run_dir: Path, job: str) -> None:
+        self.name, self.job = name, job
+        root = run_dir / name
+        self.daemon = Daemon(root, run_dir / f"{name}.sock", extra_args=DAEMONS[name])
+        self.daemon.start()
+        self.client: Client | None = None
+        self.save: list[float] = []
+        self.local: list[float] = []
+        self.first: list[float] = []
+        self.step = 0
+
+    def open(self) -> None:
+        """A new client (a new trainer process's first saves map fresh segments)."""
+        if self.client is not None:
+            self.client.close()
+        self.client = Client(self.job, socket=self.daemon.socket, timeout=300.0)
+
+    def one(self, state: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """Save ``state`` under the next step: (``save()`` blocked, to LOCAL)."""
+        assert self.client is not None
+        t0 = time.perf_counter()
+        handle = self.client.save(self.step, state)
+        t1 = time.perf_counter()
+        handle.wait("local", timeout=600)
+        t2 = time.perf_counter()
+        self.step += 1
+        return t1 - t0, t2 - t0
+
+    def close(self) -> None:
+        """Close the client, stop the daemon."""
+        if self.client is not None:
+            self.client.close()
+        self.daemon.stop()
+
+
+def floors(
+    state: dict[str, torch.Tensor],
+    buf: Any,
+    offsets: list[int],
+    path: Path,
+    pool: ThreadPoolExecutor,
+) -> tuple[float, float]:
+    """(memcpy, write + fsync) of ``state`` as it is now."""
+    arrays = [t.numpy() for t in state.values()]
+    t0 = time.perf_counter()
+    memcpy2(arrays, buf, offsets, pool)
+    t1 = time.perf_counter()
+    write_file(path, buf, packed_size(arrays), direct=True)
+    t2 = time.perf_counter()
+    path.unlink()
+    return t1 - t0, t2 - t1
+
+
+def med(xs: list[float]) -> float:
+    """The median (0 for none)."""
+    return statistics.median(xs) if xs else 0.0
+
+
+def run_shape(args: argparse.Namespace, shape: str, run_dir: Path) -> dict[str, Any]:
+    """Every arm on one shape; its figures."""
+    state = make_state(shape, int(args.gib * 2**30), args.seed)
+    arrays = [t.numpy() for t in state.values()]
+    offsets = packed_offsets(arrays)
+    buf = touched_buffer(packed_size(arrays))
+    pool = ThreadPoolExecutor(2)
+    arms = [Arm(n, run_dir / shape, f"bench-{shape}") for n in DAEMONS]
+    peers: list[Any] = []
+    if args.peers:
+        from peer_arms import DlroverFlash, NvrxAsync
+
+        peers = [  # fsynced, as ckptd's LOCAL is: like for like
+            NvrxAsync(run_dir / shape / "nvrx", fsync=True),
+            DlroverFlash(run_dir / shape / "dlrover", fsync=True),
+        ]
+    memcpy: list[float] = []
+    write: list[float] = []
+    peer_blocked: dict[str, list[float]] = {type(p).__name__: [] for p in peers}
+    peer_durable: dict[str, list[float]] = {type(p).__name__: [] for p in peers}
+    try:
+        for arm in arms:  # a new process's first two saves, then the steady ones
+            arm.open()
+            for _ in range(2):
+                change(state)
+                settle()
+                arm.first.append(arm.one(state)[0])
+        for rep in range(args.warmups + args.reps):
+            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
+            for arm in order:
+                change(state)
+                settle()
+                s, loc = arm.one(state)
+                if rep >= args.warmups:
+                    arm.save.append(s)
+                    arm.local.append(loc)
+            change(state)
+            settle()
+            m, w = floors(state, buf, offsets, run_dir / shape / "floor.bin", pool)
+            if rep >= args.warmups:
+                memcpy.append(m)
+                write.append(w)
+            for p in peers:
+                change(state)
+                settle()
+                name = type(p).__name__
+                blocked = p.save(rep + 1, state)  # DLRover never writes step 0
+                durable = p.wait_durable()
+                if rep >= args.warmups:
+                    peer_blocked[name].append(blocked)
+                    peer_durable[name].append(durable)
+    finally:
+        for arm in arms:
+            arm.close()
+        for p in peers:
+            p.close()
+        buf.close()
+        pool.shutdown()
+    floor_save, floor_local = med(memcpy), med(memcpy) + med(write)
+    out: dict[str, Any] = {
+        "tensors": len(state),
+        "bytes": sum(a.nbytes for a in arrays),
+        "memcpy_s": memcpy,
+        "write_s": write,
+        "arms": {},
+        "peers": {
+            n: {"blocked_s": peer_blocked[n], "durable_s": peer_durable[n]} for n in peer_blocked
+        },
+    }
+    for arm in arms:
+        steady = med(arm.save)
+        out["arms"][arm.name] = {
+            "save_s": arm.save,
+            "local_s": arm.local,
+            "first_two_s": arm.first,
+            "save_over_memcpy": med(arm.save) / floor_save,
+            "local_over_floor": med(arm.local) / floor_local,
+            "first_over_steady": [f / steady for f in arm.first] if steady else [],
+        }
+    return out
+
+
+def report(results: dict[str, Any]) -> None:
+    """The tables."""
+    for shape, r in results["shapes"].items():
+        rows: list[list[object]] = []
+        for name, a in r["arms"].items():
+            firsts = ", ".join(f"{x:.2f}x" for x in a["first_over_steady"])
+            rows.append([
+                f"ckptd {name}", f"{med(a['save_s']) * 1e3:.0f}", f"{a['save_over_memcpy']:.2f}x",
+                f"{med(a['local_s']) * 1e3:.0f}", f"{a['local_over_floor']:.2f}x", firsts,
+            ])  # fmt: skip
+        for name, p in r["peers"].items():
+            blocked, durable = med(p["blocked_s"]), med(p["durable_s"])
+            ratio = blocked / med(r["memcpy_s"])
+            ms = f"{durable * 1e3:.0f}"
+            rows.append([name, f"{blocked * 1e3:.0f}", f"{ratio:.2f}x", ms, "", ""])
+        rows.append(["floor: memcpy", f"{med(r['memcpy_s']) * 1e3:.0f}", "1.00x", "", "", ""])
+        floor_local = (med(r["memcpy_s"]) + med(r["write_s"])) * 1e3
+        rows.append(["floor: memcpy + write + fsync", "", "", f"{floor_local:.0f}", "1.00x", ""])
+        print_table(
+            ["arm", "save() ms", "/ memcpy", "LOCAL ms", "/ floor", "1st, 2nd / steady"],
+            rows,
+            f"{shape}: {r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB, every one changed",
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print, write the results."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
+    p.add_argument("--warmups", type=int, default=2, help="unmeasured first rounds (default 2)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    p.add_argument("--peers", action="store_true", help="NVRx and DLRover beside (peer_arms.py)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch dir (same disk)")
+    p.add_argument("--name", default="default_save", help="results: bench/results/NAME.json")
+    args = p.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    if any(s not in SHAPES for s in shapes) or args.gib <= 0 or args.reps < 1:
+        p.error(f"--shapes must name some of {', '.join(SHAPES)}; --gib, --reps positive")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    results: dict[str, Any] = {"args": vars(args) | {"dir": str(args.dir)}, "shapes": {}}
+    with run_directory(args.dir, "default-save") as run_dir:
+        for shape in shapes:
+            (run_dir / shape).mkdir()
+            results["shapes"][shape] = run_shape(args, shape, run_dir)
+    report(results)
+    path = write_results(args.name, results, args.dir)
+    print(f"results: {os.path.relpath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
