@@ -15,7 +15,7 @@ torch tensors (``torch.from_numpy`` views), each changed in place before every s
   O_DIRECT and fsynced into a new file on the same disk);
 - first saves: each daemon arm's first and second save of a new client process
   (fresh segments), beside its steady median;
-- peers (``--peers``, ``make bench-peers``): NVRx async save and DLRover flash
+- peers (``make bench-peers``; ``--no-peers`` leaves them out): NVRx async save and DLRover flash
   checkpoint (bench/peer_arms.py) on the same tensors in this process: the time the
   caller is blocked, and to durable (their file written and fsynced, as LOCAL is).
 
@@ -246,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
     p.add_argument("--warmups", type=int, default=2, help="unmeasured first rounds (default 2)")
     p.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
-    p.add_argument("--peers", action="store_true", help="NVRx and DLRover beside (peer_arms.py)")
+    p.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="NVRx and DLRover beside (peer_arms.py; `make bench-peers`; default on)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch dir (same disk)")
     p.add_argument("--name", default="default_save", help="results: bench/results/NAME.json")
@@ -254,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in args.shapes.split(",") if s]
     if any(s not in SHAPES for s in shapes) or args.gib <= 0 or args.reps < 1:
         p.error(f"--shapes must name some of {', '.join(SHAPES)}; --gib, --reps positive")
+    if args.peers:
+        try:
+            import dlrover  # noqa: F401
+            import nvidia_resiliency_ext  # noqa: F401
+        except ImportError as exc:
+            p.error(f"the peers are not installed ({exc}): run `make bench-peers`, or --no-peers")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     results: dict[str, Any] = {"args": vars(args) | {"dir": str(args.dir)}, "shapes": {}}
     with run_directory(args.dir, "default-save") as run_dir:
