@@ -109,11 +109,11 @@ class PeerSource:
     ) -> None:
         self.catalog, self.store, self.io, self.peers = catalog, store, io, peers
         self.owner_found = owner_found
+        """Told the owner a replica came with before its step is taken in
+        (api/access.py): a job taken back from peers is not open to the first caller."""
         self.learn = learn
         """Learns which steps of a job the bucket holds (restore/tier.py's bucket,
         quietly): the start-up pre-staging weighs the peers' replicas against them."""
-        """Told the owner a replica came with before its step is taken in
-        (api/access.py): a job taken back from peers is not open to the first caller."""
         self.reader = ReplicaReader(io, peers)
         self._locks: dict[str, asyncio.Lock] = {}
         self._asked: dict[str, float] = {}

@@ -37,7 +37,7 @@ LISTING_WAIT_SECONDS = 5.0
 bucket must not hang `ckptd ls` or a framework's resume; the read goes on, and the
 next listing shows what it found."""
 SAVE_WAIT_SECONDS = 2.0
-"""Longest a job's first save waits for that read (once: see :meth:`Restorer.read_index`)."""
+"""Longest a job's first save waits for its index (once: :meth:`Restorer.read_own_index`)."""
 
 
 @dataclass(frozen=True)

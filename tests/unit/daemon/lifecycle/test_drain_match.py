@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.daemon.catalog import Catalog
 from ckptd.daemon.io import IoPool
 from ckptd.daemon.lifecycle.drain import Drain
@@ -20,20 +19,7 @@ from ckptd.daemon.retention.planner import Retention
 from ckptd.daemon.retention.policies import KeepLatest
 from ckptd.proto import ckptd_pb2 as pb
 
-NODE = "node-a"
-
-
-def _manifest(step: int, timeline: int) -> Manifest:
-    return Manifest(
-        job="j",
-        step=step,
-        node=NODE,
-        world_size=1,
-        created_unix=1.0,
-        ranks=[RankRecord(0, "rank-00000.safetensors", 4096, 7, None)],
-        timeline=timeline,
-        forks=((1, 0),) if timeline else (),
-    )
+from .manifests import NODE, manifest
 
 
 def test_a_step_taken_back_from_a_peer_gives_way_to_the_buckets_later_save(
@@ -43,7 +29,7 @@ def test_a_step_taken_back_from_a_peer_gives_way_to_the_buckets_later_save(
         bucket = f"file://{tmp_path}/bucket"
         remote = open_remote(bucket, "", 2**20, 2)
         before = NodeIndex(remote, NODE)  # the daemon before the loss: run B's step 0 up
-        await remote.put_bytes(manifest_key("j", 0, NODE), _manifest(0, 1).to_json().encode())
+        await remote.put_bytes(manifest_key("j", 0, NODE), manifest(0, 1).to_json().encode())
         await remote.put_bytes(marker_key("j", 0, NODE), b"")
         await before.add("j", Entry(0, timeline=1, forks=((1, 0),)))
 
@@ -55,7 +41,7 @@ def test_a_step_taken_back_from_a_peer_gives_way_to_the_buckets_later_save(
         drain = Drain(catalog, remote, index, store, IoPool(2), retention, 1.0)
         await drain.resume()  # no job known yet: nothing matched
         # The peer was down when run B saved step 0: it gave back run A's.
-        st = catalog.peer_fetched(_manifest(0, 0), "peer")
+        st = catalog.peer_fetched(manifest(0, 0), "peer")
         assert st.state == pb.SAVE_STATE_LOCAL
 
         await drain._drain(st)

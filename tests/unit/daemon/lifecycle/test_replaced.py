@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from ckptd.core.manifest import Manifest, RankRecord
 from ckptd.daemon.catalog import Catalog
 from ckptd.daemon.lifecycle.replaced import ReplacedCopies
 from ckptd.daemon.remote.backends import open_remote
@@ -16,20 +15,7 @@ from ckptd.daemon.remote.index import Entry, NodeIndex
 from ckptd.daemon.remote.layout import manifest_key, marker_key
 from ckptd.proto import ckptd_pb2 as pb
 
-NODE = "node-a"
-
-
-def _manifest(step: int, timeline: int) -> Manifest:
-    return Manifest(
-        job="j",
-        step=step,
-        node=NODE,
-        world_size=1,
-        created_unix=1.0,
-        ranks=[RankRecord(0, "rank-00000.safetensors", 4096, 7, None)],
-        timeline=timeline,
-        forks=((1, 0),) if timeline else (),
-    )
+from .manifests import NODE, manifest
 
 
 def _world(tmp_path: Path) -> tuple[Catalog, NodeIndex, ReplacedCopies]:
@@ -38,7 +24,7 @@ def _world(tmp_path: Path) -> tuple[Catalog, NodeIndex, ReplacedCopies]:
     catalog = Catalog(NODE)
 
     async def upload_old() -> None:  # run A's step 2 (timeline 0), uploaded
-        await remote.put_bytes(manifest_key("j", 2, NODE), _manifest(2, 0).to_json().encode())
+        await remote.put_bytes(manifest_key("j", 2, NODE), manifest(2, 0).to_json().encode())
         await remote.put_bytes(marker_key("j", 2, NODE), b"")
         await index.add("j", Entry(2, timeline=0))
 
@@ -61,7 +47,7 @@ def test_the_older_copy_goes_once_the_save_under_its_number_is_committed(
     b = catalog.begin("j", 2, node_ranks=(0,), world_size=1, timeline=(1, ((1, 0),)))
     asyncio.run(replaced.run())  # still being written: it may fail and give it back
     assert _in_bucket(index) == {2: 0}
-    catalog.committed(b, _manifest(2, 1))
+    catalog.committed(b, manifest(2, 1))
     asyncio.run(replaced.run())  # committed: out now, not at an upload that may not come
     assert _in_bucket(index) == {} and catalog.replaced_numbers("j") == {}
     assert catalog.discovered("j", 2, {NODE}, False, timeline=0) is None
