@@ -201,9 +201,10 @@ def test_killed_evicting_from_the_bucket_between_marker_and_index(
     make_daemon: Any, tmp_path: Path
 ) -> None:
     """Killed after deleting step 1's marker, before taking it out of the node's
-    index: the restarted daemon reads the index, still naming step 1, and its evictor
-    finishes the eviction (before, the index went first and such a crash left a
-    complete step in the bucket that no node would ever evict)."""
+    index: the restarted daemon reads the index, still naming step 1 (flagged as
+    being removed: never listed), and its evictor finishes the eviction (before, the
+    index went first and such a crash left a complete step in the bucket that no
+    node would ever evict)."""
     url = _remote(tmp_path)
     daemon: Daemon = make_daemon(
         env={"CKPTD_FAILPOINTS": "evict.remote_marker_gone=pause"},
@@ -214,6 +215,8 @@ def test_killed_evicting_from_the_bucket_between_marker_and_index(
     ledger.save(client, 1).wait("durable", 60)
     ledger.save(client, 2).wait("durable", 60)
     _crash_at(daemon, "evict.remote_marker_gone")
+    # Never listed again, before or after the eviction is finished (its copy is going).
+    assert [c.step for c in client.list() if "REMOTE" in c.tiers] == [2]
     bucket = tmp_path / "bucket" / "gone"
 
     def step_1_objects() -> list[Path]:  # gone/1/... and gone/_data/<hh>/<node>/1.0/...

@@ -381,3 +381,48 @@ def test_a_replica_of_a_replaced_save_is_not_taken_back_as_the_step(
             ("restart_daemon", dict(how="wipe", in_flight=False, job="alpha")),
         ],
     )
+
+
+def test_an_uploaded_step_of_a_rolled_back_timeline_stays_complete_in_the_bucket(
+    resources: Resources,
+) -> None:
+    """Retention takes beta/1 out of the bucket while an outage begins: its marker
+    goes, its index entry stays. After a node loss the next daemon listed it from
+    that entry (the bucket held no complete copy), and a restore of it raced the
+    evictor finishing the removal. The entry is flagged before the marker goes now:
+    never listed, never fetched, finished at the evictor's next pass."""
+    no = frozenset[str]()
+    replay(
+        Settings(keep=2, local_keep=3, memory_steps=2, pressure=True, peer=False),
+        [
+            (
+                "save_next",
+                dict(changes=frozenset("b"), count=3, job="beta", milestone=False, version=2),
+            ),
+            ("restart_daemon", dict(how="kill", in_flight=True, job="alpha")),
+            ("bucket", dict(up=False)),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="beta")),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="alpha")),
+            ("save_next", dict(changes=no, count=1, job="beta", milestone=False, version=5)),
+            ("bucket", dict(up=False)),
+            ("bucket", dict(up=False)),
+            ("rollback", dict(changes=frozenset("b"), job="alpha", pick=0, version=0)),
+            (
+                "save_next",
+                dict(changes=frozenset("b"), count=1, job="alpha", milestone=True, version=5),
+            ),
+            ("rollback", dict(changes=frozenset("b"), job="beta", pick=2, version=5)),
+            ("user_save", dict(changes=no, user=0)),
+            ("save_next", dict(changes=no, count=2, job="alpha", milestone=True, version=0)),
+            ("user_save", dict(changes=frozenset("abc"), user=0)),
+            (
+                "save_next",
+                dict(changes=frozenset("bc"), count=3, job="alpha", milestone=True, version=0),
+            ),
+            ("user_save", dict(changes=frozenset("abc"), user=0)),
+            ("bucket", dict(up=False)),
+            ("rollback", dict(changes=no, job="beta", pick=0, version=3)),
+            ("bucket", dict(up=True)),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="alpha")),
+        ],
+    )

@@ -53,7 +53,7 @@ async def hold(remote: Remote, index: NodeIndex, job: str, node: str, step: int)
     manifest = parse_remote_manifest(raw, manifest_key(job, step, node), job, step, node, False)
     await remote.put_bytes(held_key(job, node, step, manifest.timeline), raw)
     await index.add_held(job, step, manifest.timeline, manifest.data_layout)
-    await retract_marker(remote, job, step, node, False)
+    await retract_marker(remote, index, job, step, node, False)
     await delete_copy(remote, index, job, step, node, False, keep_data=True)
 
 
@@ -66,7 +66,7 @@ async def take_out(
     if not old.adopted and (old.step, old.timeline) in read:
         await hold(remote, index, job, node, old.step)
         return
-    await retract_marker(remote, job, old.step, node, old.adopted)
+    await retract_marker(remote, index, job, old.step, node, old.adopted)
     await delete_copy(remote, index, job, old.step, node, old.adopted)
 
 

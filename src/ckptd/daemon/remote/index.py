@@ -14,11 +14,11 @@ look: a step is added after its marker is written (and before the drain calls
 it DURABLE), and removed after its marker is deleted. A crash while adding
 leaves a complete step out of the index: a step still local is uploaded again
 at start-up (its files are found in place, only the marker and index are
-rewritten). An eviction deletes the marker, then the objects, then the entry: a
-crash in between leaves the index naming a step whose marker is gone (no other
-node lists or restores it any more; the marker is the commit point, and a part
-whose objects were partly deleted is refused by its checksums), and the node's
-evictor, which plans from the index, finishes the eviction at its next pass.
+rewritten). An eviction flags the entry ``retracting`` first, then deletes the
+marker, the entry and the objects (remote/retract.py): a flagged entry is never
+listed or restored, by this daemon or the next one on the node, and the evictor
+finishes its removal at its next pass (a crash or an outage between the marker and
+the entry once left a step listed whose copy was half deleted).
 
 Buckets written before the index (no ``_index`` object) are read the slower way
 once per job: the step names under ``<job>/`` (one delimited listing, O(steps),
@@ -84,6 +84,8 @@ class Entry:
     data_layout: int = DATA_SPREAD
     """Where its rank files are (core/manifest.py ``data_layout``); entries written
     before the field: the spread layout (or the records' prefix, deleted with them)."""
+    retracting: bool = False
+    """Retention is taking it out of the bucket: not a copy, whatever the marker says."""
 
 
 Held = dict[tuple[int, int], int]
@@ -205,6 +207,7 @@ def _entry(item: Any) -> Entry | None:
         data_layout=layout
         if type(layout := item.get("data_layout")) is int and layout in DATA_LAYOUTS
         else DATA_SPREAD,
+        retracting=item.get("retracting") is True,
     )
 
 
@@ -259,6 +262,7 @@ class NodeIndex:
         self._held: dict[str, Held] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._written: dict[str, float] = {}
+        self._retracting: set[tuple[str, int]] = set()
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
@@ -280,6 +284,7 @@ class NodeIndex:
                 return
             entries[entry.step] = entry
             await self._write(job, entries)
+            self._retracting.discard((job, entry.step))
 
     async def remove(self, job: str, step: int) -> None:
         """Forget a step (after its marker is deleted, before its objects are)."""
@@ -287,6 +292,43 @@ class NodeIndex:
             entries = await self._load(job)
             if entries.pop(step, None) is not None:
                 await self._write(job, entries)
+            self._retracting.discard((job, step))
+
+    async def flag_retracting(self, job: str, step: int) -> None:
+        """Flag ``step``'s entry before its marker goes (retract.py). Marked in memory
+        at the call, before any wait (a fetch that starts later is refused: source.py);
+        a failed write leaves the entry as it was."""
+        self._retracting.add((job, step))
+        try:
+            async with self._lock(job):
+                entry = (await self._load(job)).get(step)
+                if entry is not None and not entry.retracting:
+                    entry.retracting = True
+                    try:
+                        await self._write(job, self._jobs[job])
+                    except BaseException:
+                        entry.retracting = False
+                        raise
+        except BaseException:
+            self._retracting.discard((job, step))
+            raise
+
+    def retracting(self, job: str, step: int) -> bool:
+        """Whether ``step``'s copy is being (or was partly) taken out of the bucket."""
+        return (job, step) in self._retracting or self.flagged(job, step)
+
+    def flagged(self, job: str, step: int) -> bool:
+        """Whether ``step``'s entry is flagged in the bucket (a removal to finish)."""
+        entry = self._jobs.get(job, {}).get(step)
+        return entry is not None and entry.retracting
+
+    def unmark(self, job: str, step: int) -> None:
+        """A removal that changed nothing in the bucket: the copy is whole again."""
+        self._retracting.discard((job, step))
+
+    def flagged_now(self) -> list[tuple[str, Entry]]:
+        """The flagged entries of the jobs read so far (a removal to finish)."""
+        return [(job, e) for job, es in self._jobs.items() for e in es.values() if e.retracting]
 
     async def held(self, job: str) -> Held:
         """``job``'s held copies of this node in the bucket (remote/held.py)."""

@@ -1,13 +1,14 @@
 """Taking this node's copy of a step out of the bucket: the publish protocol in reverse.
 
-The ``_complete/<node>`` marker goes first: from then on no node lists or
-restores the copy. Then its entry in the node's index, then its objects: a crash
-between the marker and the entry leaves an entry whose copy is still whole (the
-next pass, the evictor's or the next upload of a save under the same number,
-takes it out again); a crash after the entry leaves objects no entry names, which
-cost space and mislead no reader (the entry going last listed, after a restart, a
-step whose copy was half deleted). Retention evicts through it, and so does the
-upload of a save that replaces a step of an earlier timeline (publish.py).
+The index entry is flagged ``retracting`` first: from then on this node's daemons
+neither list nor fetch the copy (remote/index.py). Then the ``_complete/<node>``
+marker: from then on no node lists or restores it. Then the entry, then the
+objects. A crash or a failed request anywhere after the flag leaves the flagged
+entry, and the evictor finishes the removal at its next pass (lifecycle/evictor.py);
+a crash after the entry leaves objects no entry names, which cost space and
+mislead no reader (the entry going last listed, after a restart, a step whose copy
+was half deleted). Retention evicts through it, and so does the upload of a save
+that replaces a step of an earlier timeline (publish.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from ckptd.core.manifest import DATA_SPREAD, DATA_TIMELINE
 
 from .. import faults
 from .base import Remote
-from .index import NodeIndex
+from .index import Entry, NodeIndex
 from .layout import data_prefix, marker_key, record_prefix, step_prefix
 
 
-async def retract_marker(remote: Remote, job: str, step: int, node: str, adopted: bool) -> None:
-    """Delete ``node``'s marker of the step: its copy is no longer complete anywhere."""
+async def retract_marker(
+    remote: Remote, index: NodeIndex, job: str, step: int, node: str, adopted: bool
+) -> None:
+    """Flag the step's entry, then delete ``node``'s marker of it: its copy is no
+    longer complete anywhere."""
+    await index.flag_retracting(job, step)
     await remote.delete([marker_key(job, step, node, adopted)])
     await asyncio.to_thread(faults.hit, "evict.remote_marker_gone")
 
@@ -60,3 +65,12 @@ async def delete_copy(
     await index.remove(job, step)
     for prefix in prefixes:
         await remote.delete(await remote.list_keys(prefix))
+
+
+async def finish(remote: Remote, index: NodeIndex, job: str, entry: Entry, node: str) -> None:
+    """Finish taking out a copy whose entry is flagged (a removal cut short): the
+    marker (if still there), the entry, the objects; the rank files of a held copy
+    stay (held.py records it before its removal begins)."""
+    keep = (entry.step, entry.timeline) in await index.held(job)
+    await retract_marker(remote, index, job, entry.step, node, entry.adopted)
+    await delete_copy(remote, index, job, entry.step, node, entry.adopted, keep_data=keep)

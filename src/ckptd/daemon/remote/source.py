@@ -191,6 +191,8 @@ class BucketSource:
         async with lock:
             if st.local:
                 return None  # another restore fetched it meanwhile
+            if self.index is not None and self.index.retracting(st.job, st.step):
+                raise NotFound(f"retention is taking {st.job}/{st.step} out of the bucket")
             with self.catalog.in_use(st):  # the evictor leaves the bucket copy alone
                 try:
                     return await self._fetch(st, rank, shared_memory)

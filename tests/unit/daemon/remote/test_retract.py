@@ -37,7 +37,7 @@ def test_a_retract_cut_short_leaves_no_entry_for_a_half_deleted_copy(tmp_path: P
             await real_delete(keys)
 
         remote.delete = delete  # type: ignore[method-assign]
-        await retract_marker(remote, "j", 2, "node-a", False)
+        await retract_marker(remote, index, "j", 2, "node-a", False)
         with pytest.raises(Killed):
             await delete_copy(remote, index, "j", 2, "node-a", False)
         after_restart = NodeIndex(remote, "node-a")
