@@ -202,7 +202,7 @@ def test_killed_evicting_from_the_bucket_between_marker_and_index(
 ) -> None:
     """Killed after deleting step 1's marker, before taking it out of the node's
     index: the restarted daemon reads the index, still naming step 1 (flagged as
-    being removed: never listed), and its evictor finishes the eviction (before, the
+    being removed: never listed), and its drain finishes the eviction (before, the
     index went first and such a crash left a complete step in the bucket that no
     node would ever evict)."""
     url = _remote(tmp_path)

@@ -390,7 +390,7 @@ def test_an_uploaded_step_of_a_rolled_back_timeline_stays_complete_in_the_bucket
     goes, its index entry stays. After a node loss the next daemon listed it from
     that entry (the bucket held no complete copy), and a restore of it raced the
     evictor finishing the removal. The entry is flagged before the marker goes now:
-    never listed, never fetched, finished at the evictor's next pass."""
+    never listed, never fetched, finished by the drain between its uploads."""
     no = frozenset[str]()
     replay(
         Settings(keep=2, local_keep=3, memory_steps=2, pressure=True, peer=False),

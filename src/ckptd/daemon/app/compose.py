@@ -425,7 +425,8 @@ class Daemon:
             local_low_watermark_bytes=low,
             local_floor_bytes=floor,
             evicted_local=self.evictor.evicted_local,
-            evicted_remote=self.evictor.evicted_remote,
+            evicted_remote=self.evictor.evicted_remote
+            + (self.drain.replaced.finished if self.drain else 0),
             watched_directories=len(self.adopter.watches),
             adopted=self.adopter.adopted,
             tasks=[

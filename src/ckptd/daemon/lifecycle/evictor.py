@@ -31,7 +31,7 @@ from ..catalog import Catalog, Event, Step
 from ..io import IoPool
 from ..local.admission import DiskSpace, gib
 from ..local.store import LocalStore, prune_held
-from ..remote import held, retract
+from ..remote import held
 from ..remote.base import Remote
 from ..remote.index import NodeIndex
 from ..remote.layout import pin_key
@@ -130,7 +130,6 @@ class Evictor:
                     await self.relieve_local()
                 await self._evict_remote(job, step, "retention")
             await self._prune_held_remote(job)
-        await self._finish_flagged()
 
     async def _prune_held_remote(self, job: str) -> None:
         """Replaced steps' copies held in the bucket go once no step of this node there
@@ -242,66 +241,52 @@ class Evictor:
             return
         if not self.may_write_remote():
             return  # retried at the next pass, once the claim is held
-        node_id = self.catalog.node_id
-        gone = False
         try:
             # A pin set through another node's daemon is only in the bucket: look.
             if await self.remote.exists(pin_key(job, step, st.adopted)):
                 self.catalog.set_pinned(st, True)
                 log.info("%s/%d is pinned in the bucket: kept", job, step)
                 return
-            # Planned again now: a step that references it may have gone up (or started
-            # to) meanwhile. From here the drain counts it out of the bucket (holders.py).
-            if step not in self.retention.plan(job).evict_remote:
-                return
-            self.retention.retracting.add(st.key)
+        except Exception as exc:
+            log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
+            return
+        # Planned again now: a step that references it may have gone up (or started
+        # to) meanwhile. From here the drain counts it out of the bucket (holders.py),
+        # and a fetch of it is refused (remote/source.py).
+        if step not in self.retention.plan(job).evict_remote:
+            return
+        self.retention.retracting.add(st.key)
+        try:
+            with self.index.removing(job, step):
+                await self._retract(st, why)
+        finally:
+            self.retention.retracting.discard(st.key)
+
+    async def _retract(self, st: Step, why: str) -> None:
+        assert self.remote is not None and self.index is not None
+        (job, step), node_id = st.key, self.catalog.node_id
+        marker_gone = True
+        try:
             # Its entry flagged, then the marker (remote/retract.py): from then on the
             # step is not complete, never listed or restored by any node.
             await retract_marker(self.remote, self.index, job, step, node_id, st.adopted)
-            gone = True
         except Exception as exc:
             log.warning("could not remove %s/%d from %s: %s", job, step, self.remote.url, exc)
-            if not self.index.flagged(job, step):  # nothing changed: planned again
-                self.index.unmark(job, step)
-                self.retention.retracting.discard(st.key)
-                return
-        # Flagged: out of view from here; a removal cut short, the next pass finishes.
-        self.retention.retracting.discard(st.key)
+            if not self.index.flagged(job, step):
+                return  # nothing changed in the bucket: planned again at the next pass
+            marker_gone = False  # flagged: the drain finishes it (lifecycle/replaced.py)
         self.catalog.remote_removed(st, "removed from the remote tier by its retention policy")
-        if not gone:
+        if not marker_gone:
             return
         try:
-            await delete_copy(self.remote, self.index, job, step, node_id, st.adopted)
-        except Exception as exc:  # the entry is flagged: the next pass finishes it
+            # Held meanwhile: the drain uploads no copy of it (as a holder) while its
+            # objects go, under keys that name its number.
+            with self.catalog.in_use(st):
+                await delete_copy(self.remote, self.index, job, step, node_id, st.adopted)
+        except Exception as exc:  # the entry is flagged: the drain finishes it
             log.warning(
                 "could not remove %s/%d's objects from %s: %s", job, step, self.remote.url, exc
             )
             return
         self.evicted_remote += 1
         log.info("evicted %s/%d from the remote tier (%s)", job, step, why)
-
-    async def _finish_flagged(self) -> None:
-        """Removals from the bucket cut short by a crash or a failed request: their
-        entries stay flagged (remote/retract.py) and are finished here. Not one whose
-        number a save on its way up took: its upload takes the old copy out."""
-        if self.remote is None or self.index is None or not self.may_write_remote():
-            return
-        for job, entry in self.index.flagged_now():
-            st = self.catalog.get(job, entry.step)
-            if (job, entry.step) in self.retention.retracting or (
-                st is not None and st.state in (pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING)
-            ):
-                continue
-            try:
-                await retract.finish(self.remote, self.index, job, entry, self.catalog.node_id)
-            except Exception as exc:
-                log.warning(
-                    "could not finish removing %s/%d from %s: %s",
-                    job,
-                    entry.step,
-                    self.remote.url,
-                    exc,
-                )
-                continue
-            self.evicted_remote += 1
-            log.info("finished removing %s/%d from %s", job, entry.step, self.remote.url)

@@ -13,6 +13,10 @@ save a later timeline began with when no step is known under its number here. It
 runs in the drain, the one writer of this node's copies under a number: no upload
 under that number runs meanwhile, so the keys it deletes, which name the number and
 the node but not the timeline, are the older copy's.
+
+Removals cut short (a crash, or the bucket away, after an entry was flagged
+``retracting``: remote/retract.py) are finished here too, for the same reason; not
+one whose number a save on its way up took (its upload replaces the entry).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ckptd.core.timeline import Forks, replaced
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Catalog
-from ..remote import held
+from ..remote import held, retract
 from ..remote.base import Remote
 from ..remote.index import Entry, NodeIndex
 
@@ -40,10 +44,13 @@ class ReplacedCopies:
     def __init__(self, catalog: Catalog, remote: Remote, index: NodeIndex) -> None:
         self.catalog, self.remote, self.index = catalog, remote, index
         self._failed_at: dict[str, float] = {}
+        self.finished = 0
+        """Removals cut short that this drain finished (counted as remote evictions)."""
 
     async def run(self) -> None:
         """One pass over the jobs that may have such copies: those with a number a
-        later save took, or a later timeline."""
+        later save took, or a later timeline; then the removals cut short."""
+        await self._finish_cut_short()
         for job in self.catalog.jobs():
             later = self.catalog.replaced_numbers(job)
             lineage = self.catalog.lineage(job)
@@ -95,3 +102,24 @@ class ReplacedCopies:
         if e.step not in later or e.timeline >= later[e.step]:
             return False
         return st is None or st.state != pb.SAVE_STATE_STAGING
+
+    async def _finish_cut_short(self) -> None:
+        for job, entry in self.index.cut_short():
+            st = self.catalog.get(job, entry.step)
+            if st is not None and st.state in _ON_ITS_WAY:
+                continue
+            if time.monotonic() - self._failed_at.get(job, -RETRY_SECONDS) < RETRY_SECONDS:
+                continue
+            try:
+                await retract.finish(self.remote, self.index, job, entry, self.catalog.node_id)
+            except Exception as exc:  # the bucket away: the next pass tries again
+                self._failed_at[job] = time.monotonic()
+                log.warning("could not finish removing %s/%d from %s: %s", job, entry.step,
+                            self.remote.url, exc)  # fmt: skip
+                continue
+            self.finished += 1
+            log.info("%s/%d: finished its removal from %s", job, entry.step, self.remote.url)
+
+
+_ON_ITS_WAY = frozenset({pb.SAVE_STATE_STAGING, pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING})
+"""A save in these states under a number goes up and takes the number's entry."""

@@ -53,8 +53,9 @@ async def hold(remote: Remote, index: NodeIndex, job: str, node: str, step: int)
     manifest = parse_remote_manifest(raw, manifest_key(job, step, node), job, step, node, False)
     await remote.put_bytes(held_key(job, node, step, manifest.timeline), raw)
     await index.add_held(job, step, manifest.timeline, manifest.data_layout)
-    await retract_marker(remote, index, job, step, node, False)
-    await delete_copy(remote, index, job, step, node, False, keep_data=True)
+    with index.removing(job, step):
+        await retract_marker(remote, index, job, step, node, False)
+        await delete_copy(remote, index, job, step, node, False, keep_data=True)
 
 
 async def take_out(
@@ -66,8 +67,9 @@ async def take_out(
     if not old.adopted and (old.step, old.timeline) in read:
         await hold(remote, index, job, node, old.step)
         return
-    await retract_marker(remote, index, job, old.step, node, old.adopted)
-    await delete_copy(remote, index, job, old.step, node, old.adopted)
+    with index.removing(job, old.step):
+        await retract_marker(remote, index, job, old.step, node, old.adopted)
+        await delete_copy(remote, index, job, old.step, node, old.adopted)
 
 
 async def held_manifest(

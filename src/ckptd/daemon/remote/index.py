@@ -14,11 +14,10 @@ look: a step is added after its marker is written (and before the drain calls
 it DURABLE), and removed after its marker is deleted. A crash while adding
 leaves a complete step out of the index: a step still local is uploaded again
 at start-up (its files are found in place, only the marker and index are
-rewritten). An eviction flags the entry ``retracting`` first, then deletes the
-marker, the entry and the objects (remote/retract.py): a flagged entry is never
-listed or restored, by this daemon or the next one on the node, and the evictor
-finishes its removal at its next pass (a crash or an outage between the marker and
-the entry once left a step listed whose copy was half deleted).
+rewritten). A removal flags the entry ``retracting``, then deletes the marker,
+the entry and the objects (remote/retract.py): a flagged entry is never listed or
+restored by a daemon of the node, and one cut short is finished between the
+drain's uploads (lifecycle/replaced.py).
 
 Buckets written before the index (no ``_index`` object) are read the slower way
 once per job: the step names under ``<job>/`` (one delimited listing, O(steps),
@@ -33,13 +32,14 @@ four parts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ckptd.core.errors import InvalidArgument
@@ -262,7 +262,7 @@ class NodeIndex:
         self._held: dict[str, Held] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._written: dict[str, float] = {}
-        self._retracting: set[tuple[str, int]] = set()
+        self._removing: set[tuple[str, int]] = set()
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
@@ -280,55 +280,55 @@ class NodeIndex:
         """Record a step whose marker is written (call before announcing it DURABLE)."""
         async with self._lock(job):
             entries = await self._load(job)
-            if entries.get(entry.step) == entry:
-                return
-            entries[entry.step] = entry
-            await self._write(job, entries)
-            self._retracting.discard((job, entry.step))
+            if entries.get(entry.step) != entry:
+                await self._put(job, {**entries, entry.step: entry})
 
     async def remove(self, job: str, step: int) -> None:
         """Forget a step (after its marker is deleted, before its objects are)."""
         async with self._lock(job):
             entries = await self._load(job)
-            if entries.pop(step, None) is not None:
-                await self._write(job, entries)
-            self._retracting.discard((job, step))
+            if step in entries:
+                await self._put(job, {n: e for n, e in entries.items() if n != step})
 
     async def flag_retracting(self, job: str, step: int) -> None:
-        """Flag ``step``'s entry before its marker goes (retract.py). Marked in memory
-        at the call, before any wait (a fetch that starts later is refused: source.py);
-        a failed write leaves the entry as it was."""
-        self._retracting.add((job, step))
+        """Flag ``step``'s entry before its marker goes (retract.py)."""
+        async with self._lock(job):
+            entries = await self._load(job)
+            if (entry := entries.get(step)) is not None and not entry.retracting:
+                await self._put(job, {**entries, step: replace(entry, retracting=True)})
+
+    async def _put(self, job: str, entries: dict[int, Entry]) -> None:
+        """Write ``entries`` as ``job``'s index, then know them (a failed write: as was)."""
+        await self._write(job, entries)
+        self._jobs[job] = entries
+
+    @contextlib.contextmanager
+    def removing(self, job: str, step: int) -> Iterator[None]:
+        """Held while this daemon takes ``step``'s copy out of the bucket (entered before
+        any wait: a fetch that starts meanwhile is refused, source.py)."""
+        self._removing.add((job, step))
         try:
-            async with self._lock(job):
-                entry = (await self._load(job)).get(step)
-                if entry is not None and not entry.retracting:
-                    entry.retracting = True
-                    try:
-                        await self._write(job, self._jobs[job])
-                    except BaseException:
-                        entry.retracting = False
-                        raise
-        except BaseException:
-            self._retracting.discard((job, step))
-            raise
+            yield
+        finally:
+            self._removing.discard((job, step))
 
     def retracting(self, job: str, step: int) -> bool:
         """Whether ``step``'s copy is being (or was partly) taken out of the bucket."""
-        return (job, step) in self._retracting or self.flagged(job, step)
+        return (job, step) in self._removing or self.flagged(job, step)
 
     def flagged(self, job: str, step: int) -> bool:
         """Whether ``step``'s entry is flagged in the bucket (a removal to finish)."""
         entry = self._jobs.get(job, {}).get(step)
         return entry is not None and entry.retracting
 
-    def unmark(self, job: str, step: int) -> None:
-        """A removal that changed nothing in the bucket: the copy is whole again."""
-        self._retracting.discard((job, step))
-
-    def flagged_now(self) -> list[tuple[str, Entry]]:
-        """The flagged entries of the jobs read so far (a removal to finish)."""
-        return [(job, e) for job, es in self._jobs.items() for e in es.values() if e.retracting]
+    def cut_short(self) -> list[tuple[str, Entry]]:
+        """Flagged entries of the jobs read so far whose removal no one is doing now."""
+        return [
+            (job, e)
+            for job, es in self._jobs.items()
+            for e in es.values()
+            if e.retracting and (job, e.step) not in self._removing
+        ]
 
     async def held(self, job: str) -> Held:
         """``job``'s held copies of this node in the bucket (remote/held.py)."""

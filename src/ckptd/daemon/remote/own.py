@@ -15,7 +15,7 @@ from .index import Entry, NodeIndex
 async def learn_own(catalog: Copies, index: NodeIndex, job: str) -> dict[int, Entry]:
     """The steps of ``job`` this node's index records, each told to ``catalog`` (a
     local copy a later save in the bucket replaced gives way: timelines.outdated).
-    An entry flagged ``retracting`` is no copy: left out (the evictor finishes it)."""
+    An entry flagged ``retracting`` is no copy: left out (the drain finishes it)."""
     entries = {n: e for n, e in (await index.entries(job)).items() if not e.retracting}
     for e in entries.values():
         catalog.discovered(

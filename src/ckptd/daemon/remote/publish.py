@@ -177,7 +177,7 @@ class Publisher:
         entries = await self.index.entries(st.job)
         for n, timeline in sorted(st.reads().items()):
             if (n, timeline) in in_bucket or (
-                (e := entries.get(n)) is not None and e.timeline == timeline
+                (e := entries.get(n)) is not None and e.timeline == timeline and not e.retracting
             ):
                 continue
             if self.store.held.has(st.job, n, timeline):

@@ -1,14 +1,15 @@
 """Taking this node's copy of a step out of the bucket: the publish protocol in reverse.
 
-The index entry is flagged ``retracting`` first: from then on this node's daemons
-neither list nor fetch the copy (remote/index.py). Then the ``_complete/<node>``
-marker: from then on no node lists or restores it. Then the entry, then the
-objects. A crash or a failed request anywhere after the flag leaves the flagged
-entry, and the evictor finishes the removal at its next pass (lifecycle/evictor.py);
-a crash after the entry leaves objects no entry names, which cost space and
-mislead no reader (the entry going last listed, after a restart, a step whose copy
-was half deleted). Retention evicts through it, and so does the upload of a save
-that replaces a step of an earlier timeline (publish.py).
+Every removal runs inside ``NodeIndex.removing`` (a fetch that starts meanwhile is
+refused). The index entry is flagged ``retracting`` first: from then on this node's
+daemons neither list nor fetch the copy (remote/index.py). Then the
+``_complete/<node>`` marker: from then on no node lists or restores it. Then the
+entry, then the objects. A crash or a failed request anywhere after the flag leaves
+the flagged entry, and the drain finishes the removal between its uploads
+(lifecycle/replaced.py: no upload under the number runs then, and the keys name the
+number, not the timeline); a crash after the entry leaves objects no entry names,
+which cost space and mislead no reader. Retention evicts through it, and so does the
+upload of a save that replaces a step of an earlier timeline (publish.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ckptd.core.manifest import DATA_SPREAD, DATA_TIMELINE
 
 from .. import faults
 from .base import Remote
-from .index import Entry, NodeIndex
+from .index import Entry, NodeIndex, marker_entry
 from .layout import data_prefix, marker_key, record_prefix, step_prefix
 
 
@@ -69,8 +70,23 @@ async def delete_copy(
 
 async def finish(remote: Remote, index: NodeIndex, job: str, entry: Entry, node: str) -> None:
     """Finish taking out a copy whose entry is flagged (a removal cut short): the
-    marker (if still there), the entry, the objects; the rank files of a held copy
-    stay (held.py records it before its removal begins)."""
-    keep = (entry.step, entry.timeline) in await index.held(job)
-    await retract_marker(remote, index, job, entry.step, node, entry.adopted)
-    await delete_copy(remote, index, job, entry.step, node, entry.adopted, keep_data=keep)
+    marker (if still its own), the entry, the objects; the rank files of a held copy
+    stay (held.py records it before its removal begins). A marker of another timeline
+    under the number is a later save's, uploaded before the index could say so: only
+    the entry goes, and the rank files of its own timeline's layout."""
+    with index.removing(job, entry.step):
+        try:
+            raw = await remote.get_bytes(marker_key(job, entry.step, node, entry.adopted))
+        except FileNotFoundError:
+            raw = None
+        if raw is not None and marker_entry(entry.step, entry.adopted, raw).timeline != (
+            entry.timeline
+        ):
+            await index.remove(job, entry.step)
+            if not entry.adopted and entry.data_layout == DATA_TIMELINE:
+                prefix = data_prefix(job, entry.step, node, DATA_TIMELINE, entry.timeline)
+                await remote.delete(await remote.list_keys(f"{prefix}/"))
+            return
+        keep = (entry.step, entry.timeline) in await index.held(job)
+        await retract_marker(remote, index, job, entry.step, node, entry.adopted)
+        await delete_copy(remote, index, job, entry.step, node, entry.adopted, keep_data=keep)

@@ -1,12 +1,14 @@
 """A removal from the bucket cut short (lifecycle/evictor.py, remote/retract.py), over
-a ``file://`` bucket: the bucket goes away after a step's marker is deleted and before
-its index entry is. The step must leave view at once, stay out of view for the next
+a ``file://`` bucket: the bucket goes away at a step's marker, or after it and before
+its index entry goes. The step must leave view at once, stay out of view for the next
 daemon on the node (its entry names a copy whose marker is gone), be refused to a
-fetch, and be finished by the next pass once the bucket is back."""
+fetch, and be finished between the drain's uploads once the bucket is back
+(lifecycle/replaced.py), without touching a later save's copy under its number."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from ckptd.core.errors import NotFound
 from ckptd.daemon.catalog import Catalog
 from ckptd.daemon.io import IoPool
 from ckptd.daemon.lifecycle.evictor import Evictor
+from ckptd.daemon.lifecycle.replaced import ReplacedCopies
 from ckptd.daemon.local.admission import DiskSpace, Space, SpaceMark
 from ckptd.daemon.local.prestaged import Prestaged
 from ckptd.daemon.local.staging import Staging
@@ -103,8 +106,8 @@ def test_a_removal_cut_short_is_out_of_view_and_finished_at_the_next_pass(
 
         remote.put_bytes = real_put  # type: ignore[method-assign]
         remote.delete = real_delete  # type: ignore[method-assign]
-        ev2 = evictor(tmp_path, catalog2, remote, index2)
-        await ev2.run_once()
+        await ReplacedCopies(catalog2, remote, index2).run()
+        assert not index2.retracting("j", 0)
         assert set(await NodeIndex(remote, NODE).entries("j")) == {1}
         assert not await remote.exists(manifest_key("j", 0, NODE))
         assert await remote.exists(marker_key("j", 1, NODE))
@@ -113,8 +116,9 @@ def test_a_removal_cut_short_is_out_of_view_and_finished_at_the_next_pass(
 
 
 def test_a_fetch_that_starts_while_a_step_is_retracted_is_refused(tmp_path: Path) -> None:
-    """The flag is set before the first wait of the removal: a restore that picked the
-    step from the listing just before gets NotFound, not a half-deleted copy."""
+    """While this daemon removes a step, and while its entry stays flagged, a restore
+    that picked the step from the listing just before gets NotFound, not a copy being
+    deleted; once the removal stopped with nothing changed, it is served again."""
 
     async def body() -> None:
         remote, catalog, index = await two_steps_up(tmp_path)
@@ -124,12 +128,64 @@ def test_a_fetch_that_starts_while_a_step_is_retracted_is_refused(tmp_path: Path
         source = BucketSource(catalog, store, Prestaged(staging, catalog), IoPool(1), remote, index)
         st = catalog.get("j", 0)
         assert st is not None and st.in_remote
-        flagging = asyncio.create_task(index.flag_retracting("j", 0))
-        await asyncio.sleep(0)  # the removal began; its write has not finished
-        assert index.retracting("j", 0)
+        with index.removing("j", 0), pytest.raises(NotFound, match="retention is taking"):
+            await source.to_local(st, 0, False)
+        assert not index.retracting("j", 0)  # nothing was flagged: whole again
+        await index.flag_retracting("j", 0)
         with pytest.raises(NotFound, match="retention is taking"):
             await source.to_local(st, 0, False)
-        await flagging
         assert (await NodeIndex(remote, NODE).entries("j"))[0].retracting
+
+    asyncio.run(body())
+
+
+def test_a_failed_index_write_changes_nothing_the_daemon_knows(tmp_path: Path) -> None:
+    """An index write that fails leaves the daemon's view as the bucket's: a flag, a
+    removal or an addition that did not land is not believed (a later write would
+    otherwise skip it, or leave a flag under a later save)."""
+
+    async def body() -> None:
+        remote, _, index = await two_steps_up(tmp_path)
+        real_put = remote.put_bytes
+
+        async def put(key: str, data: bytes) -> None:
+            raise Outage("connection refused")
+
+        remote.put_bytes = put  # type: ignore[method-assign]
+        for call in (
+            index.flag_retracting("j", 0),
+            index.remove("j", 0),
+            index.add("j", Entry(0, timeline=1, forks=((1, 0),))),
+        ):
+            with pytest.raises(Outage):
+                await call
+        remote.put_bytes = real_put  # type: ignore[method-assign]
+        assert await index.entries("j") == await NodeIndex(remote, NODE).entries("j")
+        assert not index.retracting("j", 0)
+        await index.add("j", Entry(0, timeline=1, forks=((1, 0),)))  # written now, not skipped
+        assert (await NodeIndex(remote, NODE).entries("j"))[0].timeline == 1
+
+    asyncio.run(body())
+
+
+def test_finishing_keeps_a_later_saves_copy_under_the_number(tmp_path: Path) -> None:
+    """A flagged entry of timeline 0's step 0, and a marker of timeline 1's save under
+    the number (its upload landed, the index write did not): finishing drops the
+    entry and leaves the later save's marker and manifest."""
+
+    async def body() -> None:
+        remote, _, index = await two_steps_up(tmp_path)
+        await index.flag_retracting("j", 0)
+        later = manifest(0, 1).to_json().encode()
+        await remote.put_bytes(manifest_key("j", 0, NODE), later)
+        await remote.put_bytes(
+            marker_key("j", 0, NODE), json.dumps({"timeline": 1, "forks": [[1, 0]]}).encode()
+        )
+        restarted = NodeIndex(remote, NODE)
+        await restarted.entries("j")  # the job learnt (a listing, a restore, a save)
+        await ReplacedCopies(Catalog(NODE), remote, restarted).run()
+        assert set(await NodeIndex(remote, NODE).entries("j")) == {1}
+        assert await remote.exists(marker_key("j", 0, NODE))
+        assert await remote.get_bytes(manifest_key("j", 0, NODE)) == later
 
     asyncio.run(body())
