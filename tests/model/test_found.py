@@ -426,3 +426,42 @@ def test_an_uploaded_step_of_a_rolled_back_timeline_stays_complete_in_the_bucket
             ("restart_daemon", dict(how="wipe", in_flight=True, job="alpha")),
         ],
     )
+
+
+def test_a_save_on_a_third_timeline_during_an_outage_serves_its_own_bytes(
+    resources: Resources,
+) -> None:
+    """Two new runs of alpha after a node loss, the second during a bucket outage;
+    its alpha/1 (timeline 2) was served from LOCAL with alpha/1 of timeline 0."""
+    no = frozenset[str]()
+    replay(
+        Settings(keep=1, local_keep=3, memory_steps=1, pressure=False, peer=False),
+        [
+            ("restart_daemon", dict(how="kill", in_flight=False, job="alpha")),
+            (
+                "save_next",
+                dict(changes=frozenset("bc"), count=2, job="alpha", milestone=False, version=0),
+            ),
+            ("resume", dict(job="beta")),
+            ("pin", dict(job="beta", on=True, pick=6)),
+            ("user_save", dict(changes=frozenset("a"), user=0)),
+            ("peer", dict(up=False)),
+            ("resume", dict(job="alpha")),
+            ("restart_daemon", dict(how="wipe", in_flight=True, job="alpha")),
+            ("peer", dict(up=True)),
+            ("restart_daemon", dict(how="stop", in_flight=False, job="alpha")),
+            ("peer", dict(up=True)),
+            ("new_run", dict(flavor="numpy", incremental=True, job="beta", version=5)),
+            ("new_run", dict(flavor="jax", incremental=True, job="beta", version=3)),
+            ("new_run", dict(flavor="jax-alias", incremental=True, job="alpha", version=0)),
+            (
+                "save_next",
+                dict(changes=frozenset("abc"), count=1, job="beta", milestone=False, version=5),
+            ),
+            ("bucket", dict(up=False)),
+            ("new_run", dict(flavor="jax", incremental=True, job="alpha", version=0)),
+            ("peer", dict(up=False)),
+            ("resume", dict(job="beta")),
+            ("save_next", dict(changes=no, count=3, job="alpha", milestone=False, version=5)),
+        ],
+    )

@@ -17,6 +17,7 @@ from ckptd.core.manifest import Manifest, ManifestInvalid
 from ckptd.core.names import MAX_PATH_BYTES, check_name
 from ckptd.core.timeline import abandoned, merge
 
+from ..catalog.roles import Copies
 from ..files import open_dir_beneath
 from ..io import gather_all, in_thread
 from .base import Remote
@@ -52,6 +53,41 @@ async def step_nodes(remote: Remote, job: str, step: int, adopted: bool) -> set[
     a request per 1,000 nodes)."""
     keys = await remote.list_keys(f"{record_prefix(job, step, adopted)}/_complete/")
     return {m.node for m in map(parse_marker, keys) if m is not None and m.step == step}
+
+
+async def step_found(remote: Remote, job: str, step: int, me: str) -> RemoteStep | None:
+    """``step`` as its markers say (None: none): the nodes, and the timeline one marker
+    records (this node's where it has one). A step a restore asks for by number that
+    nothing here knew: its copy may be of a save a later one replaced, which only the
+    marker's timeline tells."""
+    for adopted in (False, True):
+        nodes = await step_nodes(remote, job, step, adopted)
+        if not nodes:
+            continue
+        try:
+            raw = await remote.get_bytes(
+                marker_key(job, step, me if me in nodes else min(nodes), adopted)
+            )
+        except FileNotFoundError:
+            return None  # removed meanwhile: being taken out
+        entry = marker_entry(step, adopted, raw)
+        return RemoteStep(nodes, adopted, entry.timeline, entry.forks, entry.created_unix)
+    return None
+
+
+async def learn_step(remote: Remote, catalog: Copies, job: str, step: int) -> None:
+    """Tell ``catalog`` of ``step``'s copies in the bucket, as :func:`step_found`
+    reads them (a copy of a replaced save is recorded as not a step)."""
+    if found := await step_found(remote, job, step, catalog.node_id):
+        catalog.discovered(
+            job,
+            step,
+            found.nodes,
+            found.adopted,
+            timeline=found.timeline,
+            forks=found.forks,
+            created_unix=found.created_unix,
+        )
 
 
 async def rank_holders(

@@ -120,11 +120,7 @@ class BucketSource:
                     forks=found.forks,
                 )
         if step is not None and self.catalog.get(job, step) is None:
-            for adopted in (False, True):
-                nodes = await read.step_nodes(self.remote, job, step, adopted)
-                if nodes:
-                    self.catalog.discovered(job, step, nodes, adopted, timeline=None)
-                    break
+            await read.learn_step(self.remote, self.catalog, job, step)
         self._learnt.add(job)
 
     async def refresh_quietly(
