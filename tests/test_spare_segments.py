@@ -43,16 +43,19 @@ def test_a_restarted_trainers_second_save_reuses_a_segment(make_daemon: Any) -> 
     t = Trainer(d, "life")  # the next life maps step 2's segment copy-on-write
     assert t.do("restore") == "RESTORED 2"
     t.save(3, seed=3)  # takes the free segment; the tier keeps it
-    # The restored segment is the trainer's, step 3's is kept: the pool makes a
-    # spare in the background, as the trainer's next steps run.
-    wait_status(d, lambda s: s.staging_spares_made == spares + 1)
+    # The restored segment is the trainer's, step 3's is kept: one more segment is
+    # made in the background, as the trainer's next steps run (a spare, or the
+    # client's reservation of its second save's segment: client/ahead.py).
+    made = created + spares + 1
+    wait_status(d, lambda s: s.staging_segments_created + s.staging_spares_made == made)
+    before = d.status().staging_segments_created
     t.save(4, seed=4)
     st = d.status()
-    assert st.staging_segments_created == created  # granted the spare: no fresh memory
+    assert st.staging_segments_created == before  # granted that one: no fresh memory
     assert st.staging_allocated_bytes <= st.staging_budget_bytes
-    t.save(5, seed=5)  # steady state: the tier gives step 3's segment back, no spare
+    t.save(5, seed=5)  # steady state: the tier gives step 3's segment back, none made
     st = d.status()
-    assert (st.staging_segments_created, st.staging_spares_made) == (created, spares + 1)
+    assert st.staging_segments_created + st.staging_spares_made == made
     assert t.do("check 2") == "SAME"  # the restored arrays never changed
 
 
@@ -132,51 +135,45 @@ def paused_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     faults.release(where, FAILPOINT)  # a test that failed holding it must not hang the exit
 
 
-def test_a_spare_being_made_counts_in_the_budget_saves_see(
+def test_a_spare_being_made_counts_in_the_budget_and_a_save_waits_for_it(
     tmp_path: Path, paused_spare: Path
 ) -> None:
     async def body() -> None:
         n = Node(tmp_path, budget=12 * MiB)
-        await n.save("a", 1, 1)  # kept: 4 MiB held, room for a spare and one save
-        kept = n.tier._kept[("a", 1, 0)].segment
+        await n.save("a", 1, 1)  # made for it, kept: a spare is begun at once
         await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
-        # The spare is being made (held at its failpoint): it holds its room, so the
-        # saves are granted within the budget, the memory tier giving way first.
-        assert n.staging.allocated_bytes == 8 * MiB
+        assert n.staging.allocated_bytes == 8 * MiB  # the spare holds its room
         created = n.staging.segments_created
-        first = await n.staging.acquire("b", 4 * MiB, owner=(UID, 2))
-        second = await n.staging.acquire("c", 4 * MiB, owner=(UID, 3))
-        assert second.segment is kept and n.tier.files == 0
-        assert n.staging.segments_created == created + 1  # the first's only
-        assert n.staging.allocated_bytes == 12 * MiB
+        # A save that comes meanwhile waits for it rather than make another (begun
+        # earlier, it is ready sooner; two would stay one too many).
+        save = asyncio.ensure_future(n.staging.acquire("b", 4 * MiB, owner=(UID, 2)))
+        await asyncio.sleep(0)
+        assert not save.done()
         faults.release(paused_spare, FAILPOINT)
-        await n.staging.spares.settle()
-        # Made too late: a save made its own, so it is removed, not pooled.
-        assert n.staging.spares.made == 0
+        lease = await save
+        assert (n.staging.segments_created, n.staging.spares.made) == (created, 1)
         assert n.staging.allocated_bytes == 8 * MiB
-        for lease in (first, second):
-            n.staging.release(lease.lease_id)
-        assert len([p for p in n.staging.dir.iterdir() if ".kept" not in p.name]) == 2
+        n.staging.release(lease.lease_id)
 
     run(body)
 
 
-def test_a_save_short_of_room_takes_the_spare_being_made(
-    tmp_path: Path, paused_spare: Path
-) -> None:
+def test_saves_short_of_room_take_the_spare_being_made(tmp_path: Path, paused_spare: Path) -> None:
     async def body() -> None:
         n = Node(tmp_path, budget=12 * MiB)
         await n.save("a", 1, 1)
         await asyncio.to_thread(faults.wait_hit, paused_spare, FAILPOINT, 60)
-        held = [await n.staging.acquire(j, 4 * MiB, owner=(UID, 2)) for j in "bc"]
-        assert n.tier.files == 0  # the tier gave way; the spare's room is all that is left
-        third = asyncio.ensure_future(n.staging.acquire("d", 4 * MiB, owner=(UID, 3)))
+        saves = [
+            asyncio.ensure_future(n.staging.acquire(j, 4 * MiB, owner=(UID, 2))) for j in "bcd"
+        ]
         await asyncio.sleep(0)
-        assert not third.done()  # waits for the spare rather than exceed the budget
+        assert not any(s.done() for s in saves)  # none exceeds the budget meanwhile
         faults.release(paused_spare, FAILPOINT)
-        lease = await third
+        leases = await asyncio.gather(*saves)
+        # The spare, one new segment, and the tier's kept one (it gave way).
         assert n.staging.allocated_bytes <= n.staging.budget_bytes
-        for x in (*held, lease):
+        assert n.tier.files == 0 and n.staging.segments_created == 2
+        for x in leases:
             n.staging.release(x.lease_id)
         assert len([p for p in n.staging.dir.iterdir() if ".kept" not in p.name]) == 3
 
@@ -260,8 +257,47 @@ def test_no_spare_while_the_next_save_already_holds_a_segment(tmp_path: Path) ->
         following = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
         await n.save("a", 1, 1)  # kept, no free segment left, a save in flight
         await n.staging.spares.settle()
-        assert n.staging.spares.made == 0
+        # The one spare, begun when the first lease's segment was made, went to step 1.
+        assert n.staging.spares.made <= 1
         n.staging.release(following.lease_id)
         assert n.staging.allocated_bytes == 8 * MiB  # two segments, as before spares
+
+    run(body)
+
+
+def test_a_segment_made_for_a_save_the_tier_keeps_begins_the_next_ones_spare(
+    tmp_path: Path,
+) -> None:
+    # The first save of a job had to make its segment, and the memory tier will keep
+    # it: the next save needs another. The spare is begun at the grant, while the first
+    # save is written, not once it is kept (then a save right after LOCAL made its
+    # own in its blocking time, and the spare stayed one segment too many).
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB)
+        first = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
+        await n.staging.spares.settle()
+        assert (n.staging.segments_created, n.staging.spares.made) == (1, 1)
+        second = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
+        assert second.segment is not first.segment
+        assert n.staging.segments_created == 1  # the spare: no fresh memory
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 1  # granted from the pool: no spare for it
+        for lease in (first, second):
+            n.staging.release(lease.lease_id)
+        await n.save("a", 1, 1)
+        await n.save("a", 2, 2)
+        await n.staging.spares.settle()
+        assert n.staging.allocated_bytes == 8 * MiB  # two segments, steady
+
+    run(body)
+
+
+def test_no_early_spare_without_the_memory_tier(tmp_path: Path) -> None:
+    async def body() -> None:
+        n = Node(tmp_path, budget=16 * MiB, steps=0)
+        lease = await n.staging.acquire("a", 4 * MiB, owner=(UID, 1))
+        await n.staging.spares.settle()
+        assert n.staging.spares.made == 0  # the segment comes back once the save is in
+        n.staging.release(lease.lease_id)
 
     run(body)

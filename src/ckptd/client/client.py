@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from ckptd.core.errors import CkptdUnavailable
@@ -14,6 +15,7 @@ from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
 from . import restore_flow
+from .ahead import warm_imports
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
 from .handoff import Handoff
@@ -114,6 +116,7 @@ class Client:
             trust_jax_arrays=trust_jax_arrays,
         )
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
+        warm_imports()  # what a first save would import, on a thread (ahead.py)
         """What framework adapters call beyond this surface: leases they fill
         themselves, in-place commits, the daemon's status, adoption of a directory."""
 
@@ -232,6 +235,14 @@ class Client:
             # more nodes, more frequent node losses, which errs towards saving often.
             max(-(-self.world_size // max(len(self.node_ranks), 1)), 1),
         )
+
+    def reserve(self, tree: Any) -> Future[int]:
+        """Have the staging memory of ``tree``'s first saves made and mapped now, on a
+        thread, so the first save is as fast as later ones (call it once the state
+        exists, before training). Best effort and optional: it holds nothing between
+        saves, and resolves to the number of segments made ready (0: none; the saves
+        then ask for their own)."""
+        return self._saver.reserve(tree)
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: the policy's answer, and room for the save.

@@ -154,6 +154,8 @@ class Handoff:
         self.connect_timeout = connect_timeout
         self.liveness = Liveness()
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._premapped: dict[str, mmap.mmap] = {}  # reserve.py's, for _map to take
+        self._premap_lock = threading.Lock()
         self._warned = False
         self.unmapping: list[Callable[[mmap.mmap], None]] = []
         """Called with a segment's mapping before it is unmapped (a copier that
@@ -377,11 +379,10 @@ class Handoff:
         if mm is not None and len(mm) >= size:
             self._segments.move_to_end(name)
             return mm
-        fd = self.connection.session.open_lease(lease.lease_id)
-        try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
+        with self._premap_lock:
+            mm = self._premapped.pop(name, None)
+        if mm is None or len(mm) < size:
+            mm = self._open(lease)
         self._segments[name] = mm
         while len(self._segments) > MAPPED_SEGMENTS:
             old = self._segments.popitem(last=False)[1]
@@ -391,6 +392,30 @@ class Handoff:
                 # last of them goes, with the mapping object.
                 old.close()
         return mm
+
+    def _open(self, lease: pb.Lease) -> mmap.mmap:
+        """The lease's segment mapped, every page mapped now (MAP_POPULATE)."""
+        fd = self.connection.session.open_lease(lease.lease_id)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return mmap.mmap(fd, lease.size_bytes, flags=flags)
+        finally:
+            os.close(fd)
+
+    def premap(self, lease: pb.Lease) -> None:
+        """Map a lease's segment ahead of the save that will be granted it (any thread:
+        reserve.py); that save's :meth:`map` takes the mapping instead of making one."""
+        if lease.segment in self._segments:
+            return
+        mm = self._open(lease)
+        with self._premap_lock:
+            dropped = [self._premapped.pop(lease.segment, None)]
+            self._premapped[lease.segment] = mm
+            while len(self._premapped) > MAPPED_SEGMENTS:  # older ones no save took
+                dropped.append(self._premapped.pop(next(iter(self._premapped))))
+        for old in dropped:
+            if old is not None:
+                old.close()
 
     def _unmapping(self, mm: mmap.mmap) -> None:
         for hook in self.unmapping:
@@ -403,4 +428,8 @@ class Handoff:
             self._unmapping(mm)
             mm.close()
         self._segments.clear()
+        with self._premap_lock:
+            for mm in self._premapped.values():
+                mm.close()
+            self._premapped.clear()
         self.liveness.close()

@@ -22,6 +22,7 @@ from ckptd.core.format import TensorEntry, round_up
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
+from .ahead import Reserver
 from .changes import Changes, Saved, incremental_from_env, packbits
 from .copy_plan import CopyPlan, Routes
 from .copying import copy_into, host_batches
@@ -85,6 +86,9 @@ class Saver:
         self._background = ThreadPoolExecutor(1, "ckptd-d2h")
         self._leaser = ThreadPoolExecutor(1, "ckptd-lease")
         self._committer = ThreadPoolExecutor(1, "ckptd-commit")
+        self.ahead = Reserver(handoff, rank, self._leaser)
+        """Staging memory made and mapped before the saves that take it (ahead.py)."""
+        self._reserved = False
         self._copy_job: Future[None] | None = None
         self._cuda: DeviceCopies | None = None
         self._routes = Routes(self.device_copies)
@@ -329,8 +333,18 @@ class Saver:
             upload_interval_seconds=self._upload_interval(),
         )
 
+    def reserve(self, tree: Any) -> Future[int]:
+        """:meth:`Client.reserve`: plan ``tree``; its first saves' segments made ahead."""
+        trust = self.trust_torch_versions, self.trust_jax_arrays
+        plan, _ = self.planner.plan(tree, self.incremental, *trust)
+        self._reserved = True
+        return self.ahead.reserve(lease_size(plan.data_len))
+
     def _saved(self, handle: SaveHandle, started: float, size: int) -> SaveHandle:
-        """Bookkeeping after a handoff: the last save, for should_save()."""
+        """Bookkeeping after a handoff: the last save, for should_save(); after the
+        first, the second's segment made and mapped ahead (ahead.py)."""
+        if self.last is None and not self._reserved:
+            self.ahead.second(size)
         self.last, self.last_at, self.last_bytes = handle, started, size
         self._reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next

@@ -86,6 +86,7 @@ class MemoryTier:
         """``room``: the one staging asks for room (the same one it was built with);
         this tier serves it."""
         self.staging = staging
+        staging.grows_with = self._grows_with
         self.catalog = catalog
         self.steps = steps
         """Newest steps kept per job (0: the tier is off)."""
@@ -155,6 +156,14 @@ class MemoryTier:
         self._mark(st)
         self._trim(image.job)
         return key in self._kept
+
+    def _grows_with(self, job: str, size: int) -> bool:
+        """Whether keeping a save of ``job`` of ``size`` bytes adds a segment to the
+        tier (it keeps fewer than ``steps`` of the job's steps): staging.py begins a
+        spare for the job's next save at once."""
+        if not self.steps or size > self.budget_bytes:
+            return False
+        return len({(k.image.timeline, k.image.step) for k in self._of(job)}) < self.steps
 
     def _trim(self, job: str) -> None:
         """Older steps of ``job`` beyond ``steps``, then the least recent anywhere

@@ -99,7 +99,7 @@ class SpareSegments:
         self.staging = staging
         self.made = 0
         """Spares that joined the pool."""
-        self._asked: dict[int, int | None] = {}  # size -> uid, decided at the loop's next turn
+        self._asked: dict[int, tuple[int | None, bool]] = {}  # size -> (uid, early), next turn
         self._making: dict[int, int] = {}  # size -> segments_created when it began
         self._ready: list[Segment] = []  # made by the worker, not yet taken (under _lock)
         self._lock = threading.Lock()
@@ -107,26 +107,35 @@ class SpareSegments:
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: set[asyncio.Future[None]] = set()
 
-    def want(self, size: int, uid: int | None) -> None:
+    def want(self, size: int, uid: int | None, early: bool = False) -> None:
         """A segment of ``size`` bytes that ``uid``'s processes used left the pool's
         service: consider a spare once the loop's current callback is done (the
         memory tier lets older copies go right after it keeps a new one, which may
-        free a segment of that size)."""
+        free a segment of that size). ``early``: a save's segment the memory tier will
+        keep as one more was just granted; the spare is begun now, while that save is
+        written, so the next one finds it ready."""
         if self._closed or size in self._asked:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (a tool outside the daemon): no background
             return
-        self._asked[size] = uid
-        loop.call_soon(self._consider, size)
+        self._asked[size] = (uid, early)
+        if early:  # now: a save that comes before the loop's next turn waits for it
+            self._consider(size)
+        else:
+            loop.call_soon(self._consider, size)
+
+    def making_for(self, need: int) -> bool:
+        """Whether a spare of at least ``need`` bytes is being made."""
+        return any(size >= need for size in self._making)
 
     def _consider(self, size: int) -> None:
-        uid = self._asked.pop(size, None)
+        uid, early = self._asked.pop(size, (None, False))
         st = self.staging
         if self._closed or size in self._making or self._has_free(size, uid):
             return
-        if st.saves_in_flight(size):
+        if not early and st.saves_in_flight(size):
             # The next save already has its segment (made it, or took a free one): the
             # kept one it supersedes comes back free when it is in. A spare now would be
             # one segment too many for good.

@@ -110,6 +110,9 @@ class Staging(Lending):
         """Segments created for a lease: fresh memory in a save's or restore's path."""
         self.spares = SpareSegments(self)
         """Free segments made in the background when one leaves service (spares.py)."""
+        self.grows_with: Callable[[str, int], bool] = lambda job, size: False
+        """Whether the memory tier keeps one more segment of ``size`` once a save of
+        ``job`` is in (memory.py): the next save needs another, made now (spares.py)."""
         self.stopping = False
         """Stop began (:meth:`begin_stop`): no segment is made from now on."""
 
@@ -267,10 +270,15 @@ class Staging(Lending):
                 f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
                 "operator to raise staging_budget_bytes"
             )
-        seg = self._reusable(need, uid, holder, image)
+        seg, created = self._reusable(need, uid, holder, image), self.segments_created
         if seg is None:
             seg = await self._room_for(need, uid, size_bytes, populate)
-        return self._grant(job, seg, restore, holder, owner=owner, image=image)
+        lease = self._grant(job, seg, restore, holder, owner=owner, image=image)
+        if not restore and self.segments_created > created and self.grows_with(job, seg.size):
+            # Made for this save, which the memory tier will keep: the pool had no
+            # segment of its size, and the next save would make one in its own time.
+            self.spares.want(seg.size, uid, early=True)
+        return lease
 
     def _reusable(
         self, need: int, uid: int | None, holder: str, image: tuple[str, int] | None
@@ -298,24 +306,32 @@ class Staging(Lending):
         self, need: int, uid: int | None, size_bytes: int, populate: bool
     ) -> Segment:
         """A segment of ``need`` bytes when no free one is granted as it is, within the
-        budget: the memory tier's kept segments go first (room.py), a spare being made
-        is waited for, free segments of other uids and too small ones are dropped, and
-        a new one is made. StagingBusy if the budget still has no room."""
-        free = sorted(self.free_segments(), key=lambda s: s.size)
+        budget: a spare of that size being made is waited for (begun earlier, it is
+        ready sooner than a new one, and two would stay one too many), the memory
+        tier's kept segments go next (room.py), then a spare of another size being
+        made is waited for (it holds room, counted), free segments of other uids and
+        too small ones are dropped, and a new one is made. StagingBusy if the budget
+        still has no room."""
+
+        def fits() -> Segment | None:
+            free = sorted(self.free_segments(), key=lambda s: s.size)
+            return next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
+
+        if self.spares.making_for(need):
+            await self.spares.settle()
+            if (seg := fits()) is not None:
+                return seg
         if self.allocated_bytes + need > self.budget_bytes:
             await self._room.give_way(need, uid)  # the memory tier's segments go first
-            free = sorted(self.free_segments(), key=lambda s: s.size)
-            seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
-            if seg is not None:
+            if (seg := fits()) is not None:
                 return seg
         if self.allocated_bytes + need > self.budget_bytes and self.spares.making_bytes:
             # A spare being made holds the room it was made for, counted: it joins the
             # pool in a moment, faulted in (or goes); wait rather than exceed the budget.
             await self.spares.settle()
-            free = sorted(self.free_segments(), key=lambda s: s.size)
-            seg = next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
-            if seg is not None:
+            if (seg := fits()) is not None:
                 return seg
+        free = sorted(self.free_segments(), key=lambda s: s.size)
         # Drop free segments another uid used, then those too small, until the new one
         # fits the budget.
         for small in sorted(free, key=lambda s: s.uid in (None, uid)):

@@ -1,0 +1,115 @@
+"""Work done ahead of the saves that would otherwise pay for it in the trainer's time.
+
+A process's first save used to take 3-30x a steady one. Three costs were in it, each
+once per process: the import of the leaf converters' modules (``ml_dtypes`` for torch
+tensors: 0.1-2 s), the daemon making a segment of fresh memory (page by page, the
+slowest memory on a VM that hands freed memory back), and mapping it here. With the
+memory tier on, the second save paid the last two again: the first one's segment
+stays in the tier, so the second needs another.
+
+- :func:`warm_imports`, on a thread when a client is made: the converters' modules
+  of the frameworks the program has imported.
+- :class:`Reserver`: once the state's size is known (declared with
+  ``Client.reserve(tree)`` before the first save; after the first save for the
+  second), the segments those saves will be granted are asked for on a thread,
+  mapped (handoff.py keeps the mapping for the save that is granted the segment)
+  and given back at once: they wait free in the daemon's pool, faulted in. No lease
+  is held between saves, so nothing can expire or hold the budget from other jobs,
+  and a reservation never makes the daemon let go of what its memory tier keeps: it
+  asks only while the budget has room.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+from concurrent.futures import Executor, Future
+
+from ckptd.core.errors import CkptdError
+from ckptd.proto import ckptd_pb2 as pb
+
+from .handoff import MAPPED_SEGMENTS, Handoff
+
+log = logging.getLogger("ckptd.client")
+
+_CONVERTERS = {"torch": "ckptd.client.leaves.torch_tensors"}
+"""The module a framework's arrays need, imported when the program imported it."""
+
+
+def warm_imports() -> threading.Thread | None:
+    """Import the converters of the frameworks already imported, on a daemon thread
+    (a save that needs one meanwhile waits for the same import, no longer)."""
+    names = [module for framework, module in _CONVERTERS.items() if framework in sys.modules]
+    if not names:
+        return None
+
+    def run() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the save that needs it raises the error, with context
+                log.debug("could not import %s ahead of the first save", name, exc_info=True)
+
+    thread = threading.Thread(target=run, name="ckptd-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+class Reserver:
+    """Segments of a size made and mapped ahead of the saves that take them."""
+
+    def __init__(self, handoff: Handoff, rank: int, executor: Executor) -> None:
+        self.handoff = handoff
+        self.rank = rank
+        self.executor = executor
+        self._memory_tier: bool | None = None  # asked once
+
+    def reserve(self, size: int, count: int | None = None) -> Future[int]:
+        """Have ``count`` segments of ``size`` bytes made and mapped (None: as many as
+        a process's first saves take: two with the memory tier on, one without);
+        resolves to the number made ready."""
+        return self.executor.submit(self._run, size, count)
+
+    def second(self, size: int) -> Future[int] | None:
+        """After the first save: the second save's segment, with the memory tier on
+        (without it the first one's comes back; another would stay one too many)."""
+        return self.reserve(size, 1) if self.memory_tier() else None
+
+    def memory_tier(self) -> bool:
+        """Whether the daemon keeps saves in its memory tier (asked once)."""
+        if self._memory_tier is None:
+            try:
+                status = self.handoff.connection.get_status(pb.GetStatusRequest())
+            except CkptdError:
+                return False  # asked again next time
+            self._memory_tier = status.memory_tier_steps > 0
+        return self._memory_tier
+
+    def _room(self, size: int) -> bool:
+        """Whether the budget has room for a segment of ``size`` besides what is
+        allocated now (a reservation never makes the memory tier let go of a copy)."""
+        status = self.handoff.connection.get_status(pb.GetStatusRequest())
+        return status.staging_allocated_bytes + size <= status.staging_budget_bytes
+
+    def _run(self, size: int, count: int | None) -> int:
+        try:
+            want = min(MAPPED_SEGMENTS, count or (2 if self.memory_tier() else 1))
+            leases: list[pb.Lease] = []
+            try:
+                # A spare being made counts as allocated already: the daemon gives it
+                # (staging.py) and the budget kept room for it and one more save.
+                for _ in range(want):
+                    if not self._room(size):
+                        break
+                    lease = self.handoff.request(size, 0.0, "reserve", self.rank)
+                    leases.append(lease)
+                    self.handoff.premap(lease)
+            finally:
+                for lease in leases:
+                    self.handoff.release(lease.lease_id)
+            return len(leases)
+        except Exception as exc:  # best effort: the saves ask for their own
+            log.debug("could not reserve staging memory ahead of the saves: %s", exc)
+            return 0
