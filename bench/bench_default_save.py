@@ -14,7 +14,8 @@ torch tensors (``torch.from_numpy`` views), each changed in place before every s
   into a touched buffer, as the client copies) and ``write`` (that buffer written with
   O_DIRECT and fsynced into a new file on the same disk);
 - first saves: each daemon arm's first and second save of a new client process
-  (fresh segments), beside its steady median;
+  (fresh segments), beside its steady median; ``default-reserve`` is the default
+  daemon whose new client reserved its first saves' memory (``Client.reserve``);
 - peers (``make bench-peers``; ``--no-peers`` leaves them out): NVRx async save and DLRover flash
   checkpoint (bench/peer_arms.py) on the same tensors in this process: the time the
   caller is blocked, and to durable (their file written and fsynced, as LOCAL is).
@@ -47,9 +48,14 @@ from ckptd.client import Client
 
 DAEMONS: dict[str, list[str]] = {
     "default": [],
+    "default-reserve": [],
     "no-memory-tier": ["--memory-tier-steps", "0"],
     "no-incremental": ["--no-incremental"],
 }
+RESERVE = "reserve"
+"""Arms whose new client calls ``Client.reserve(state)`` (waited for) before its first
+save: the first saves' segments made and mapped ahead, as a trainer declares its state
+before training."""
 SHAPES = ("8x", "transformer")
 GOALS = {"save": 1.1, "local": 1.1, "first": 1.2}
 
@@ -85,11 +91,14 @@ class Arm:
         self.first: list[float] = []
         self.step = 0
 
-    def open(self) -> None:
-        """A new client (a new trainer process's first saves map fresh segments)."""
+    def open(self, state: dict[str, torch.Tensor]) -> None:
+        """A new client (a new trainer process's first saves map fresh segments, unless
+        it reserves them ahead)."""
         if self.client is not None:
             self.client.close()
         self.client = Client(self.job, socket=self.daemon.socket, timeout=300.0)
+        if RESERVE in self.name:
+            self.client.reserve(state).result(timeout=600)
 
     def one(self, state: dict[str, torch.Tensor]) -> tuple[float, float]:
         """Save ``state`` under the next step: (``save()`` blocked, to LOCAL)."""
@@ -153,8 +162,12 @@ def run_shape(args: argparse.Namespace, shape: str, run_dir: Path) -> dict[str, 
     peer_blocked: dict[str, list[float]] = {type(p).__name__: [] for p in peers}
     peer_durable: dict[str, list[float]] = {type(p).__name__: [] for p in peers}
     try:
+        # The converters' imports (a new process's client makes them on a thread while
+        # its trainer starts: client/ahead.py) out of every arm's first save alike.
+        import ckptd.client.leaves.torch_tensors  # noqa: F401
+
         for arm in arms:  # a new process's first two saves, then the steady ones
-            arm.open()
+            arm.open(state)
             for _ in range(2):
                 change(state)
                 settle()
