@@ -95,3 +95,22 @@ def test_a_reservation_never_pushes_out_what_the_memory_tier_keeps(make_daemon: 
     b = d.client("other")
     assert b.reserve({"x": np.zeros(6 * MiB // 8)}).result(timeout=120) == 0
     assert d.status().memory_tier_files == 1
+
+
+def test_a_reservation_of_another_size_is_let_go(
+    make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer saved more than it reserved (optimizer state made after): the
+    reserved mappings are unmapped once two saves did not take them, and the second
+    save's segment is made and mapped ahead all the same."""
+    d = make_daemon()
+    c = d.client("grown")
+    assert c.reserve({"w": np.zeros(MiB // 8)}).result(timeout=120) == 2
+    big = state(0)
+    c.save(0, big).wait("local", timeout=120)
+    c._saver._leaser.submit(lambda: None).result(timeout=120)  # the second's, made
+    seen = mapped_in_saves(c, monkeypatch)
+    for step in (1, 2):
+        c.save(step, state(step)).wait("local", timeout=120)
+    assert seen == []
+    assert c._handoff._premapped == {}

@@ -167,12 +167,14 @@ def test_saves_short_of_room_take_the_spare_being_made(tmp_path: Path, paused_sp
             asyncio.ensure_future(n.staging.acquire(j, 4 * MiB, owner=(UID, 2))) for j in "bcd"
         ]
         await asyncio.sleep(0)
-        assert not any(s.done() for s in saves)  # none exceeds the budget meanwhile
+        assert not saves[0].done()  # the first waits for the spare; the others do not
         faults.release(paused_spare, FAILPOINT)
         leases = await asyncio.gather(*saves)
-        # The spare, one new segment, and the tier's kept one (it gave way).
+        # The spare, one new segment, and the tier's kept one (it gave way): none
+        # exceeded the budget meanwhile.
         assert n.staging.allocated_bytes <= n.staging.budget_bytes
         assert n.tier.files == 0 and n.staging.segments_created == 2
+        assert n.staging.spares.made == 1
         for x in leases:
             n.staging.release(x.lease_id)
         assert len([p for p in n.staging.dir.iterdir() if ".kept" not in p.name]) == 3

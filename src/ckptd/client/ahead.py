@@ -12,11 +12,11 @@ stays in the tier, so the second needs another.
 - :class:`Reserver`: once the state's size is known (declared with
   ``Client.reserve(tree)`` before the first save; after the first save for the
   second), the segments those saves will be granted are asked for on a thread,
-  mapped (handoff.py keeps the mapping for the save that is granted the segment)
-  and given back at once: they wait free in the daemon's pool, faulted in. No lease
-  is held between saves, so nothing can expire or hold the budget from other jobs,
-  and a reservation never makes the daemon let go of what its memory tier keeps: it
-  asks only while the budget has room.
+  mapped (handoff.py keeps the mapping for the saves granted those segments, until
+  two saves have been) and given back at once: they wait free in the daemon's
+  pool, faulted in. No lease is held between saves, so nothing can expire or hold
+  the budget from other jobs, and a reservation never makes the daemon let go of
+  what its memory tier keeps (``AcquireLeaseRequest.reserve``: free room only).
 """
 
 from __future__ import annotations
@@ -66,16 +66,16 @@ class Reserver:
         self.executor = executor
         self._memory_tier: bool | None = None  # asked once
 
-    def reserve(self, size: int, count: int | None = None) -> Future[int]:
+    def reserve(self, size: int, count: int | None = None, tier_only: bool = False) -> Future[int]:
         """Have ``count`` segments of ``size`` bytes made and mapped (None: as many as
-        a process's first saves take: two with the memory tier on, one without);
-        resolves to the number made ready."""
-        return self.executor.submit(self._run, size, count)
+        a process's first saves take: two with the memory tier on, one without;
+        ``tier_only``: none without it); resolves to the number made ready."""
+        return self.executor.submit(self._run, size, count, tier_only)
 
-    def second(self, size: int) -> Future[int] | None:
+    def second(self, size: int) -> Future[int]:
         """After the first save: the second save's segment, with the memory tier on
         (without it the first one's comes back; another would stay one too many)."""
-        return self.reserve(size, 1) if self.memory_tier() else None
+        return self.reserve(size, 1, tier_only=True)
 
     def memory_tier(self) -> bool:
         """Whether the daemon keeps saves in its memory tier (asked once)."""
@@ -87,29 +87,27 @@ class Reserver:
             self._memory_tier = status.memory_tier_steps > 0
         return self._memory_tier
 
-    def _room(self, size: int) -> bool:
-        """Whether the budget has room for a segment of ``size`` besides what is
-        allocated now (a reservation never makes the memory tier let go of a copy)."""
-        status = self.handoff.connection.get_status(pb.GetStatusRequest())
-        return status.staging_allocated_bytes + size <= status.staging_budget_bytes
-
-    def _run(self, size: int, count: int | None) -> int:
+    def _run(self, size: int, count: int | None, tier_only: bool) -> int:
+        leases: list[pb.Lease] = []
+        ready = 0
         try:
-            want = min(MAPPED_SEGMENTS, count or (2 if self.memory_tier() else 1))
-            leases: list[pb.Lease] = []
-            try:
-                # A spare being made counts as allocated already: the daemon gives it
-                # (staging.py) and the budget kept room for it and one more save.
-                for _ in range(want):
-                    if not self._room(size):
-                        break
-                    lease = self.handoff.request(size, 0.0, "reserve", self.rank)
-                    leases.append(lease)
-                    self.handoff.premap(lease)
-            finally:
-                for lease in leases:
-                    self.handoff.release(lease.lease_id)
-            return len(leases)
+            tier = self.memory_tier()
+            if tier_only and not tier:
+                return 0
+            # Held until all are mapped: given back one by one, the next would be granted
+            # the same free segment. Asked once each, never retried: a daemon that does
+            # not answer now gets the saves' own requests.
+            for _ in range(min(MAPPED_SEGMENTS, count or (2 if tier else 1))):
+                req = pb.AcquireLeaseRequest(
+                    job=self.handoff.job, size_bytes=size, rank=self.rank, reserve=True
+                )
+                conn = self.handoff.connection
+                leases.append(conn.acquire_lease(req, None, self.handoff.liveness.metadata()))
+                self.handoff.premap(leases[-1])
+                ready += 1
         except Exception as exc:  # best effort: the saves ask for their own
-            log.debug("could not reserve staging memory ahead of the saves: %s", exc)
-            return 0
+            log.debug("reserved no more staging memory ahead of the saves: %s", exc)
+        finally:
+            for lease in leases:
+                self.handoff.release(lease.lease_id)
+        return ready

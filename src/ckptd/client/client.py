@@ -116,9 +116,9 @@ class Client:
             trust_jax_arrays=trust_jax_arrays,
         )
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
-        warm_imports()  # what a first save would import, on a thread (ahead.py)
         """What framework adapters call beyond this surface: leases they fill
         themselves, in-place commits, the daemon's status, adoption of a directory."""
+        warm_imports()  # what a first save would import, on a thread (ahead.py)
 
     @property
     def rank(self) -> int:

@@ -154,7 +154,8 @@ class Handoff:
         self.connect_timeout = connect_timeout
         self.liveness = Liveness()
         self._segments: OrderedDict[str, mmap.mmap] = OrderedDict()
-        self._premapped: dict[str, mmap.mmap] = {}  # reserve.py's, for _map to take
+        self._premapped: dict[str, mmap.mmap] = {}  # ahead.py's, for _map to take
+        self._premap_saves = 0  # saves left to take them; then the rest are unmapped
         self._premap_lock = threading.Lock()
         self._warned = False
         self.unmapping: list[Callable[[mmap.mmap], None]] = []
@@ -375,14 +376,26 @@ class Handoff:
         # A segment mapped for an earlier lease is mapped still: the daemon grants a
         # segment again only to the uid it was granted to, so reusing it is safe.
         name, size = lease.segment, lease.size_bytes
+        with self._premap_lock:
+            ahead = self._premapped.pop(name, None)
+            self._premap_saves -= 1
+            # Not taken by the saves they were made for (the daemon restarted, another
+            # size was saved): unmapped, not held for the process's life.
+            stale = list(self._premapped.values()) if self._premap_saves <= 0 else []
+            if stale:
+                self._premapped.clear()
+        for old in stale:
+            old.close()
         mm = self._segments.get(name)
         if mm is not None and len(mm) >= size:
             self._segments.move_to_end(name)
+            if ahead is not None:
+                ahead.close()
             return mm
-        with self._premap_lock:
-            mm = self._premapped.pop(name, None)
-        if mm is None or len(mm) < size:
-            mm = self._open(lease)
+        if ahead is not None and len(ahead) < size:  # not the segment it was made for
+            ahead.close()
+            ahead = None
+        mm = ahead if ahead is not None else self._open(lease)
         self._segments[name] = mm
         while len(self._segments) > MAPPED_SEGMENTS:
             old = self._segments.popitem(last=False)[1]
@@ -411,6 +424,7 @@ class Handoff:
         with self._premap_lock:
             dropped = [self._premapped.pop(lease.segment, None)]
             self._premapped[lease.segment] = mm
+            self._premap_saves = MAPPED_SEGMENTS
             while len(self._premapped) > MAPPED_SEGMENTS:  # older ones no save took
                 dropped.append(self._premapped.pop(next(iter(self._premapped))))
         for old in dropped:

@@ -85,18 +85,20 @@ TIER_PEER: Tier
 TIER_MEMORY: Tier
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("job", "size_bytes", "wait_seconds", "rank", "reuse_image")
+    __slots__ = ("job", "size_bytes", "wait_seconds", "rank", "reuse_image", "reserve")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REUSE_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     job: str
     size_bytes: int
     wait_seconds: float
     rank: int
     reuse_image: bool
-    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., reuse_image: _Optional[bool] = ...) -> None: ...
+    reserve: bool
+    def __init__(self, job: _Optional[str] = ..., size_bytes: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., reuse_image: _Optional[bool] = ..., reserve: _Optional[bool] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "segment", "size_bytes", "alignment", "holds_image", "holds_step", "waits_for_word")

@@ -171,8 +171,9 @@ class Servicer(pb_grpc.CkptdServicer):
             holder = str(dict(context.invocation_metadata() or ()).get(HOLDER_HEADER, ""))
             image = (job, request.rank) if request.reuse_image else None
             lease = await self.s.saver.acquire_lease(
-                job, request.size_bytes, request.wait_seconds, holder, peer.process, image
-            )
+                job, request.size_bytes, request.wait_seconds, holder, peer.process, image,
+                request.reserve,
+            )  # fmt: skip
         self.history.seen(job)
         return messages.lease(lease)
 

@@ -95,14 +95,17 @@ class Saver:
         holder: str = "",
         owner: tuple[int, int] | None = None,
         image: tuple[str, int] | None = None,
+        reserve: bool = False,
     ) -> Lease:
         """Grant shared memory for one rank's save, waiting up to ``wait_seconds`` for it;
         ``owner``: the ``(uid, pid)`` of the process that may map it; ``image``: its
-        ``(job, rank)``, to be granted the segment that holds its last image if free."""
+        ``(job, rank)``, to be granted the segment that holds its last image if free;
+        ``reserve``: a reservation ahead of the saves (staging.py)."""
         wait = check_wait("wait_seconds", wait_seconds, MAX_WAIT_SECONDS)
         return await self.staging.acquire(
-            job, size_bytes, wait_seconds=wait, holder=holder, owner=owner, image=image
-        )
+            job, size_bytes, wait_seconds=wait, holder=holder, owner=owner, image=image,
+            reserve=reserve,
+        )  # fmt: skip
 
     def release_lease(self, lease_id: str) -> None:
         """Give back a lease the client will not commit."""

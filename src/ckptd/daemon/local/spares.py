@@ -106,6 +106,8 @@ class SpareSegments:
         self._closed = False
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: set[asyncio.Future[None]] = set()
+        self._futures: dict[int, asyncio.Future[None]] = {}  # size -> its spare's making
+        self._claimed: set[int] = set()  # sizes whose spare a save waits for
 
     def want(self, size: int, uid: int | None, early: bool = False) -> None:
         """A segment of ``size`` bytes that ``uid``'s processes used left the pool's
@@ -126,9 +128,15 @@ class SpareSegments:
         else:
             loop.call_soon(self._consider, size)
 
-    def making_for(self, need: int) -> bool:
-        """Whether a spare of at least ``need`` bytes is being made."""
-        return any(size >= need for size in self._making)
+    def claim(self, need: int) -> asyncio.Future[None] | None:
+        """The spare of exactly ``need`` bytes being made, for one save to wait for
+        (None: none, or another save waits for it): it joins the pool when made,
+        whatever was made meanwhile, and that save takes it."""
+        made = self._futures.get(need)
+        if made is None or need in self._claimed:
+            return None
+        self._claimed.add(need)
+        return made
 
     def _consider(self, size: int) -> None:
         uid, early = self._asked.pop(size, (None, False))
@@ -149,6 +157,7 @@ class SpareSegments:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, "ckptd-spare")
         made = asyncio.get_running_loop().run_in_executor(self._worker, self._make, size)
         self._pending.add(made)
+        self._futures[size] = made
         made.add_done_callback(lambda f: self._made(size, f))
 
     def _has_free(self, size: int, uid: int | None) -> bool:
@@ -177,14 +186,20 @@ class SpareSegments:
     def _made(self, size: int, done: asyncio.Future[None]) -> None:
         self._pending.discard(done)
         created_before = self._making.pop(size)
+        self._futures.pop(size, None)
+        claimed = size in self._claimed
+        self._claimed.discard(size)
         if not done.cancelled() and done.exception() is not None:
             log.debug("no spare segment of %d bytes: %s", size, done.exception())
         with self._lock:
             ready, self._ready = self._ready, []
         st = self.staging
         for seg in ready:
-            if self._closed or self._has_free(seg.size, None):
+            if self._closed or (self._has_free(seg.size, None) and not claimed):
                 st.remove_segment(seg)
+            elif claimed:  # a save waits for it (counted in the budget while made)
+                st.add_free(seg)
+                self.made += 1
             elif st.segments_created != created_before or st.making_own(seg.size):
                 # A save came first and made its own: the pool has its segment back
                 # once that save is LOCAL, so a spare now would be one too many.
@@ -199,8 +214,8 @@ class SpareSegments:
                 log.debug("spare segment %s (%d bytes) ready for the next save", seg.name, size)
 
     async def settle(self) -> None:
-        """Wait until every spare asked for so far is made or given up (tests; the
-        daemon never waits for a spare)."""
+        """Wait until every spare asked for so far is made or given up (tests, and a
+        save short of room while spares hold it: staging.py)."""
         await asyncio.sleep(0)  # the decisions scheduled by want()
         while self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)

@@ -110,6 +110,7 @@ class Staging(Lending):
         """Segments created for a lease: fresh memory in a save's or restore's path."""
         self.spares = SpareSegments(self)
         """Free segments made in the background when one leaves service (spares.py)."""
+        self._fresh: set[str] = set()  # segments made for the lease being granted
         self.grows_with: Callable[[str, int], bool] = lambda job, size: False
         """Whether the memory tier keeps one more segment of ``size`` once a save of
         ``job`` is in (memory.py): the next save needs another, made now (spares.py)."""
@@ -203,6 +204,7 @@ class Staging(Lending):
         owner: tuple[int, int] | None = None,
         populate: bool = True,
         image: tuple[str, int] | None = None,
+        reserve: bool = False,
     ) -> Lease:
         """Grant a lease of at least ``size_bytes``, reusing a free segment if one fits.
 
@@ -217,6 +219,8 @@ class Staging(Lending):
         ``owner``: the ``(uid, pid)`` the lease is granted to. ``image``: the ``(job,
         rank)`` of a save that would rather have the segment holding its last committed
         image (:attr:`Segment.image`; :attr:`Lease.holds` says if it got it).
+        ``reserve``: a client's reservation ahead of its saves (client/ahead.py): from
+        a free segment, a spare being made or the budget's free room only.
         """
         check_holder(holder)
         deadline = time.monotonic() + max(0.0, wait_seconds)
@@ -228,7 +232,7 @@ class Staging(Lending):
             while True:
                 try:
                     return await self._acquire_now(
-                        job, size_bytes, restore, holder, owner, populate, image
+                        job, size_bytes, restore, holder, owner, populate, image, reserve
                     )
                 except StagingBusy:
                     left = deadline - time.monotonic()
@@ -257,6 +261,7 @@ class Staging(Lending):
         owner: tuple[int, int] | None,
         populate: bool = True,
         image: tuple[str, int] | None = None,
+        reserve: bool = False,
     ) -> Lease:
         self.reclaim_expired()
         need = self.check_fits(size_bytes)
@@ -270,11 +275,13 @@ class Staging(Lending):
                 f"{self.holders(uid)}. Wait for earlier saves to reach LOCAL, or ask the "
                 "operator to raise staging_budget_bytes"
             )
-        seg, created = self._reusable(need, uid, holder, image), self.segments_created
+        seg = self._reusable(need, uid, holder, image)
         if seg is None:
-            seg = await self._room_for(need, uid, size_bytes, populate)
+            seg = await self._room_for(need, uid, size_bytes, populate, reserve)
+        fresh = seg.name in self._fresh
+        self._fresh.discard(seg.name)
         lease = self._grant(job, seg, restore, holder, owner=owner, image=image)
-        if not restore and self.segments_created > created and self.grows_with(job, seg.size):
+        if not restore and fresh and self.grows_with(job, seg.size):
             # Made for this save, which the memory tier will keep: the pool had no
             # segment of its size, and the next save would make one in its own time.
             self.spares.want(seg.size, uid, early=True)
@@ -303,7 +310,7 @@ class Staging(Lending):
         return seg
 
     async def _room_for(
-        self, need: int, uid: int | None, size_bytes: int, populate: bool
+        self, need: int, uid: int | None, size_bytes: int, populate: bool, reserve: bool
     ) -> Segment:
         """A segment of ``need`` bytes when no free one is granted as it is, within the
         budget: a spare of that size being made is waited for (begun earlier, it is
@@ -311,16 +318,18 @@ class Staging(Lending):
         tier's kept segments go next (room.py), then a spare of another size being
         made is waited for (it holds room, counted), free segments of other uids and
         too small ones are dropped, and a new one is made. StagingBusy if the budget
-        still has no room."""
+        still has no room; for a reservation, past the spare, as soon as it has none."""
 
         def fits() -> Segment | None:
             free = sorted(self.free_segments(), key=lambda s: s.size)
             return next((s for s in free if s.size >= need and s.uid in (None, uid)), None)
 
-        if self.spares.making_for(need):
-            await self.spares.settle()
+        if (made := self.spares.claim(need)) is not None:
+            await asyncio.wait([made])  # made for this one alone: it joins the pool first
             if (seg := fits()) is not None:
                 return seg
+        if reserve and self.allocated_bytes + need > self.budget_bytes:
+            raise StagingBusy(f"no room to reserve {size_bytes} bytes of staging memory")
         if self.allocated_bytes + need > self.budget_bytes:
             await self._room.give_way(need, uid)  # the memory tier's segments go first
             if (seg := fits()) is not None:
@@ -377,6 +386,7 @@ class Staging(Lending):
             self._reserved -= need
         move(seg, SegState.FREE, "made for a lease")
         self._segments[seg.name] = seg
+        self._fresh.add(seg.name)
         self.segments_created += 1
         return seg
 
