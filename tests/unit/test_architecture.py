@@ -349,8 +349,8 @@ CLIENT_FLOORS = {
     "leaves": 1,  # a framework's leaf kinds (jax arrays, torch tensors, device copies)
     **dict.fromkeys(("tree", "changes", "copying"), 2),  # generic trees, change tokens
     **dict.fromkeys(  # the save and restore machinery
-        ("planning", "copy_plan", "mapped_views", "handoff", "restore_flow", "saver",
-         "low_level"), 3
+        ("planning", "copy_plan", "mapped_views", "handoff", "ahead", "restore_flow",
+         "saver", "low_level"), 3
     ),
     **dict.fromkeys(("client", "distributed", "__init__"), 4),  # the Client
     # the framework integrations (and the demo): each imports its framework

@@ -86,7 +86,6 @@ class MemoryTier:
         """``room``: the one staging asks for room (the same one it was built with);
         this tier serves it."""
         self.staging = staging
-        staging.grows_with = self._grows_with
         self.catalog = catalog
         self.steps = steps
         """Newest steps kept per job (0: the tier is off)."""
@@ -157,7 +156,7 @@ class MemoryTier:
         self._trim(image.job)
         return key in self._kept
 
-    def _grows_with(self, job: str, size: int) -> bool:
+    def grows_with(self, job: str, size: int) -> bool:
         """Whether keeping a save of ``job`` of ``size`` bytes adds a segment to the
         tier (it keeps fewer than ``steps`` of the job's steps): staging.py begins a
         spare for the job's next save at once."""

@@ -75,8 +75,6 @@ class Keeping(Protocol):
 
     budget_bytes: int
     uid_of: Callable[[str], int | None]
-    grows_with: Callable[[str, int], bool]
-    """Set by the tier: whether it keeps one more segment after a save of a job."""
 
     @property
     def allocated_bytes(self) -> int: ...

@@ -24,6 +24,10 @@ class MakesRoom(Protocol):
         """The shm filesystem cannot hold a new segment: let at least ``need`` bytes
         go; False if nothing was held."""
 
+    def grows_with(self, job: str, size: int) -> bool:
+        """Whether a save of ``job`` of ``size`` bytes, once in, is kept as one segment
+        more (staging begins the next save's spare at once: spares.py)."""
+
 
 class Room:
     """The one place staging's ask for room is answered: by nobody (no memory tier),
@@ -46,3 +50,7 @@ class Room:
     async def shed(self, need: int) -> bool:
         """:meth:`MakesRoom.shed` of the serving service; False without one."""
         return await self._by.shed(need) if self._by is not None else False
+
+    def grows_with(self, job: str, size: int) -> bool:
+        """:meth:`MakesRoom.grows_with` of the serving service; False without one."""
+        return self._by.grows_with(job, size) if self._by is not None else False

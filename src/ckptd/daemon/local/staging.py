@@ -111,9 +111,6 @@ class Staging(Lending):
         self.spares = SpareSegments(self)
         """Free segments made in the background when one leaves service (spares.py)."""
         self._fresh: set[str] = set()  # segments made for the lease being granted
-        self.grows_with: Callable[[str, int], bool] = lambda job, size: False
-        """Whether the memory tier keeps one more segment of ``size`` once a save of
-        ``job`` is in (memory.py): the next save needs another, made now (spares.py)."""
         self.stopping = False
         """Stop began (:meth:`begin_stop`): no segment is made from now on."""
 
@@ -281,7 +278,7 @@ class Staging(Lending):
         fresh = seg.name in self._fresh
         self._fresh.discard(seg.name)
         lease = self._grant(job, seg, restore, holder, owner=owner, image=image)
-        if not restore and fresh and self.grows_with(job, seg.size):
+        if not restore and fresh and self._room.grows_with(job, seg.size):
             # Made for this save, which the memory tier will keep: the pool had no
             # segment of its size, and the next save would make one in its own time.
             self.spares.want(seg.size, uid, early=True)
