@@ -53,8 +53,11 @@ def _crash_with_one_handoff(make_daemon: Any) -> tuple[Daemon, Path, bytes]:
     prefix = segment_prefix(daemon.root)
     seg_dir = recorded_dir(daemon.root)
     assert seg_dir is not None
-    where = [*SHM.glob(prefix + "*"), *seg_dir.glob("*")]
-    assert len(where) == 1, where  # the one acknowledged handoff's segment
+    # The one acknowledged handoff's segment (beside it, the next save's spare, begun
+    # when this save's segment had to be made: local/spares.py).
+    victim = _pattern(VICTIM)
+    where = [p for p in (*SHM.glob(prefix + "*"), *seg_dir.glob("*")) if victim in p.read_bytes()]
+    assert len(where) == 1, where
     return daemon, where[0], where[0].read_bytes()
 
 
