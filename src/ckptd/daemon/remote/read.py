@@ -55,6 +55,16 @@ async def step_nodes(remote: Remote, job: str, step: int, adopted: bool) -> set[
     return {m.node for m in map(parse_marker, keys) if m is not None and m.step == step}
 
 
+async def _as_marked(
+    remote: Remote, job: str, step: int, adopted: bool, nodes: set[str], node: str
+) -> RemoteStep:
+    """``step``'s copies on ``nodes``, with the timeline, lineage and time ``node``'s
+    marker records (FileNotFoundError: that marker went meanwhile)."""
+    raw = await remote.get_bytes(marker_key(job, step, node, adopted))
+    entry = marker_entry(step, adopted, raw)
+    return RemoteStep(nodes, adopted, entry.timeline, entry.forks, entry.created_unix)
+
+
 async def step_found(remote: Remote, job: str, step: int, me: str) -> RemoteStep | None:
     """``step`` as its markers say (None: none): the nodes, and the timeline one marker
     records (this node's where it has one). A step a restore asks for by number that
@@ -65,29 +75,32 @@ async def step_found(remote: Remote, job: str, step: int, me: str) -> RemoteStep
         if not nodes:
             continue
         try:
-            raw = await remote.get_bytes(
-                marker_key(job, step, me if me in nodes else min(nodes), adopted)
-            )
+            node = me if me in nodes else min(nodes)
+            return await _as_marked(remote, job, step, adopted, nodes, node)
         except FileNotFoundError:
             return None  # removed meanwhile: being taken out
-        entry = marker_entry(step, adopted, raw)
-        return RemoteStep(nodes, adopted, entry.timeline, entry.forks, entry.created_unix)
     return None
+
+
+def tell(catalog: Copies, job: str, step: int, found: RemoteStep) -> None:
+    """Tell ``catalog`` of ``step``'s copies in the bucket as ``found`` (a copy of a
+    replaced save is recorded as not a step: Catalog.discovered)."""
+    catalog.discovered(
+        job,
+        step,
+        found.nodes,
+        found.adopted,
+        timeline=found.timeline,
+        forks=found.forks,
+        created_unix=found.created_unix,
+    )
 
 
 async def learn_step(remote: Remote, catalog: Copies, job: str, step: int) -> None:
     """Tell ``catalog`` of ``step``'s copies in the bucket, as :func:`step_found`
-    reads them (a copy of a replaced save is recorded as not a step)."""
+    reads them."""
     if found := await step_found(remote, job, step, catalog.node_id):
-        catalog.discovered(
-            job,
-            step,
-            found.nodes,
-            found.adopted,
-            timeline=found.timeline,
-            forks=found.forks,
-            created_unix=found.created_unix,
-        )
+        tell(catalog, job, step, found)
 
 
 async def rank_holders(
@@ -125,13 +138,11 @@ async def newest_steps(remote: Remote, job: str, count: int) -> dict[int, Remote
         nodes = await step_nodes(remote, job, step, adopted)
         if not nodes:
             continue
-        info = RemoteStep(nodes, adopted)
-        with contextlib.suppress(FileNotFoundError):
-            raw = await remote.get_bytes(marker_key(job, step, min(nodes), adopted))
-            entry = marker_entry(step, adopted, raw)
-            info.timeline, info.forks = entry.timeline, entry.forks
-            info.created_unix = entry.created_unix
-            forks = merge(forks, entry.forks)
+        try:
+            info = await _as_marked(remote, job, step, adopted, nodes, min(nodes))
+            forks = merge(forks, info.forks)
+        except FileNotFoundError:
+            info = RemoteStep(nodes, adopted)
         found[step] = info
         live = [n for n, s in found.items() if not abandoned(s.timeline or 0, n, forks)]
         if len(live) >= count:

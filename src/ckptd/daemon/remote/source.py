@@ -110,15 +110,7 @@ class BucketSource:
         if not entries and job not in self._asked_others:
             self._asked_others.add(job)
             for n, found in (await read.newest_steps(self.remote, job, OTHER_STEPS)).items():
-                self.catalog.discovered(
-                    job,
-                    n,
-                    found.nodes,
-                    found.adopted,
-                    created_unix=found.created_unix,
-                    timeline=found.timeline,
-                    forks=found.forks,
-                )
+                read.tell(self.catalog, job, n, found)
         if step is not None and self.catalog.get(job, step) is None:
             await read.learn_step(self.remote, self.catalog, job, step)
         self._learnt.add(job)
