@@ -143,6 +143,36 @@ def test_a_pinned_step_refuses_a_save_that_would_replace_it() -> None:
     _run(body())
 
 
+def test_a_blind_save_begins_a_timeline_above_any_the_bucket_can_hold_once() -> None:
+    c = _catalog()
+    _commit(c, 1)
+    _commit(c, 2)
+    c.blind("j")  # its next save could not read the bucket's steps of the job
+    _commit(c, 3)
+    blind = c.require("j", 3).timeline
+    assert blind >= 100_000 and dict(c.lineage("j")) == {blind: 3}  # milliseconds
+    assert _state(c) == [(3, blind, False), (2, 0, False), (1, 0, False)]  # nothing left
+    _commit(c, 4)  # numbered above the bucket's now: as usual
+    assert c.require("j", 4).timeline == blind
+    c.blind("j")
+    c.sighted("j")  # read after all
+    _commit(c, 5)
+    assert c.require("j", 5).timeline == blind
+    c.blind("j")
+    replayed = c.begin("j", 6, timeline=(blind, c.lineage("j")))  # a journal replay
+    assert replayed.timeline == blind
+    c.failed(replayed, "test", "write")
+    _commit(c, 7)  # still blind: the replay was numbered before
+    assert c.require("j", 7).timeline > blind
+    assert tl.blind_timeline(tl.MAX_TIMELINE, 1.0) == tl.MAX_TIMELINE - 1  # bounded
+    # A job this node's disk held at start-up numbers from it, as its other nodes do.
+    rank = RankRecord(0, "rank-00000.safetensors", 4096, 7, None)
+    m = Manifest(job="k", step=1, node="node-a", world_size=1, created_unix=1.0, ranks=[rank])
+    c.recovered(m, pinned=False)
+    c.blind("k")
+    assert c.begin("k", 2).timeline == 0
+
+
 def _views(spec: list[tuple[int, int, bool, str]]) -> list[StepView]:
     """(step, timeline, abandoned, tiers: "l", "r", "lr", "" for a save in flight)."""
     return [
@@ -314,3 +344,40 @@ def test_a_pinned_step_refuses_a_save_under_its_number_and_leaves_nothing(
     client.unpin(5)
     _save(client, 5, 50.0)  # unpinned: the save replaces it
     assert _value(client) == (5, 50.0)
+
+
+def test_a_save_that_could_not_read_the_bucket_first_is_still_the_newest(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    """A node that lost its disk saves before it could read its steps in the bucket (a
+    slow or absent bucket): the save is blind, so it starts a timeline above any the
+    bucket can hold, and once the bucket is read the older run is what is left behind."""
+    bucket = RemoteTarget("file", f"file://{tmp_path}/bucket", {})
+    daemon = remote_daemon(make_daemon, bucket)
+    client = daemon.client("blind")
+    for step, value in ((1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0)):  # 2 again: timeline 1
+        client.save(step, {"w": np.full(8, value, np.float32)}, {"step": step}).wait(
+            "durable", timeout=60
+        )
+    daemon.stop()
+    shutil.rmtree(daemon.root)  # the node's disk is gone
+    daemon.env["CKPTD_FAILPOINTS"] = "index.read_own=pause"  # the bucket does not answer
+    daemon.start()
+    client = daemon.client("blind")
+    handle = client.save(1, {"w": np.full(8, -1.0, np.float32)}, {"step": 1})  # a rerun
+    handle.wait("local", timeout=60)
+    daemon.wait_failpoint("index.read_own")  # the save went on without the bucket's answer
+    daemon.release("index.read_own")
+    handle.wait("durable", timeout=60)
+    assert _value(client) == (1, -1.0)  # not the older run's step 2
+    rows = {c.step: c for c in client.list()}
+    assert not rows[1].abandoned and rows[1].timeline > 1, rows
+    assert rows[2].abandoned and rows[3].abandoned, rows
+    # Another node loss, the bucket answering: it holds the same history.
+    daemon.stop()
+    shutil.rmtree(daemon.root)
+    daemon.env.pop("CKPTD_FAILPOINTS")
+    daemon.start()
+    again = daemon.client("blind")
+    assert _value(again) == (1, -1.0)
+    assert {c.step: c.abandoned for c in again.list()} == {1: False, 2: True, 3: True}

@@ -472,9 +472,10 @@ def test_a_new_run_after_a_node_loss_keeps_the_older_runs_step_live(
 ) -> None:
     """Four runs of alpha, a trainer killed right after its commit, outages, a node
     loss, a fifth run: alpha/0 of timeline 3 was listed abandoned while the model had
-    it live. Seen once under load; hypothesis could not replay it (its shrinking
-    ended flaky) and neither did 6 replays here: kept so that a run where the race
-    happens fails with the sequence that led to it."""
+    it live. Seen once under load, never replayed: the fifth run's first save waited
+    its 2 s for the node's index, then numbered its timeline from the wiped node's
+    knowledge, below the older runs' forks. Such a save is now blind (a timeline from
+    the clock): tests/test_timeline.py -k could_not_read holds the read back."""
     replay(
         Settings(keep=3, local_keep=3, memory_steps=0, pressure=True, peer=True),
         [

@@ -14,6 +14,11 @@ step number is always a later save: restore, retention's "newest" and the drain
 read only those. Abandoned steps stay listed (``ckptd ls``) and kept by their
 own rule (docs/reliability.md, "Timelines"), and a save under the number of an
 abandoned step replaces it.
+
+A save that could not first read what the bucket holds of its job is *blind*: it
+always starts a timeline, at its own step, numbered from the clock
+(:func:`blind_timeline`), so that whatever the bucket turns out to hold, the
+save is the newest of its number and what it follows is decided as a rerun's.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from .names import check_step
 Forks = tuple[tuple[int, int], ...]
 """``((timeline, first step), ...)``, ascending by timeline; timeline 0 has none."""
 
-MAX_TIMELINES = 1 << 20
+MAX_TIMELINE = 1 << 53
+"""Timeline numbers read back are below this (a blind save's is a clock reading in
+milliseconds: :func:`blind_timeline`)."""
+MAX_FORKS = 1 << 20
+"""Longest lineage read back."""
 
 
 def merge(*lineages: Iterable[tuple[int, int]]) -> Forks:
@@ -71,12 +80,22 @@ def newest(forks: Forks, timelines: Iterable[int] = ()) -> int:
     return max([0, *(t for t, _ in forks), *timelines])
 
 
+def blind_timeline(current: int, now_unix: float) -> int:
+    """The timeline of a save that could not first read what the bucket holds of its
+    job (a node that lost its disk, saving during an outage): the bucket may hold
+    timelines above ``current`` (the newest this node knows) that it cannot see, so
+    the save starts a timeline numbered from the clock, in milliseconds, above any
+    the bucket can hold: each of those was numbered one above a known timeline, or
+    from an earlier clock reading, and no job forks once per millisecond."""
+    return min(max(current + 1, int(now_unix * 1000)), MAX_TIMELINE - 1)
+
+
 def check_forks(raw: Any, where: str = "forks") -> Forks:
     """A lineage read from a manifest, a marker or the journal, checked: a list of
     ``[timeline, first step]`` pairs of non-negative ints, timelines >= 1, each once."""
     if raw is None:
         return ()
-    if not isinstance(raw, list | tuple) or len(raw) > MAX_TIMELINES:
+    if not isinstance(raw, list | tuple) or len(raw) > MAX_FORKS:
         raise InvalidArgument(f"{where} is not a list of [timeline, first step] pairs")
     seen: set[int] = set()
     out = []
@@ -88,7 +107,7 @@ def check_forks(raw: Any, where: str = "forks") -> Forks:
         ):
             raise InvalidArgument(f"{where} holds {str(pair)[:40]!r}, not [timeline, first step]")
         timeline, start = int(pair[0]), int(pair[1])
-        if not 1 <= timeline < MAX_TIMELINES or timeline in seen:
+        if not 1 <= timeline < MAX_TIMELINE or timeline in seen:
             raise InvalidArgument(f"{where}: timeline {timeline} is out of range or repeated")
         check_step(start)
         seen.add(timeline)
@@ -98,7 +117,7 @@ def check_forks(raw: Any, where: str = "forks") -> Forks:
 
 def check_timeline(raw: Any, forks: Forks, where: str = "timeline") -> int:
     """A step's timeline, checked against its lineage (a timeline >= 1 has a fork)."""
-    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw < MAX_TIMELINES:
+    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw < MAX_TIMELINE:
         raise InvalidArgument(f"{where} = {str(raw)[:40]!r} is not a timeline number")
     if raw and raw not in dict(forks):
         raise InvalidArgument(f"{where} {raw} has no fork in the step's lineage")

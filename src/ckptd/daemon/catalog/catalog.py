@@ -47,6 +47,7 @@ class Catalog(StepTable):
     def recovered(self, manifest: Manifest, pinned: bool) -> Step:
         """A committed step found in the local tier at start-up: LOCAL."""
         st = self._committed_here(manifest, pinned)
+        self._on_disk.add(st.job)
         self._emit(st, pb.STEP_EVENT_RECOVERED)
         return st
 
@@ -106,7 +107,10 @@ class Catalog(StepTable):
                 "step number"
             )
         before = self.lineage(job)
-        number, forks = timeline if timeline is not None else self.next_timeline(job, step)
+        if timeline is None:
+            timeline = self.next_timeline(job, step)
+            self._blind.discard(job)  # numbered above anything the bucket holds
+        number, forks = timeline
         if old is not None:
             self._replace(old, number)
         st = Step(
@@ -129,9 +133,11 @@ class Catalog(StepTable):
 
     def next_timeline(self, job: str, step: int) -> tuple[int, Forks]:
         """``(timeline, forks)`` for a new save of ``step``: the job's current timeline,
-        or a new one when ``step`` is at or below the newest step of its live history."""
+        or a new one when ``step`` is at or below the newest step of its live history
+        (or when the job is :meth:`blind`: a new one from the clock)."""
         steps = [s for s in self._steps.values() if s.job == job]
-        return timelines.next_timeline(steps, self.lineage(job), step)
+        blind_at = self._clock() if job in self._blind else None
+        return timelines.next_timeline(steps, self.lineage(job), step, blind_at)
 
     def _forked(self, st: Step) -> None:
         """Tell once (a log line and a TIMELINE event) that a save began a new timeline."""

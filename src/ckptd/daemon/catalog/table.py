@@ -48,6 +48,25 @@ class StepTable(EventLog):
         the bucket: (job, step) -> the later save's timeline. Kept until the evictor
         retracted that copy or found none (:meth:`replaced_numbers`): a later save that
         leaves before its upload (superseded, evicted) retracts nothing itself."""
+        self._blind: set[str] = set()
+        """Jobs whose next save could not read what the bucket holds of them
+        (:meth:`blind`)."""
+        self._on_disk: set[str] = set()
+        """Jobs the local tier held a step of at start-up."""
+
+    # -- what the bucket holds, unseen --------------------------------------------
+    def blind(self, job: str) -> None:
+        """The job's next save could not read this node's steps of it in the bucket
+        first: unless this node's disk held the job's steps at start-up (it numbers
+        from them, as every node of a multi-node job does), its timeline cannot follow
+        the bucket's, so it starts one above any the bucket can hold (core/timeline.py,
+        ``blind_timeline``)."""
+        if job not in self._on_disk:
+            self._blind.add(job)
+
+    def sighted(self, job: str) -> None:
+        """What the bucket holds of the job is read after all: saves number as usual."""
+        self._blind.discard(job)
 
     # -- numbers a later save took ------------------------------------------------
     def replaced_numbers(self, job: str) -> dict[int, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ckptd.core.timeline import Forks, abandoned, merge, newest
+from ckptd.core.timeline import Forks, abandoned, blind_timeline, merge, newest
 
 from .step import DRAINING, DURABLE, LOCAL, SUPERSEDED, Step
 
@@ -38,12 +38,18 @@ def flips(steps: Iterable[Step], forks: Forks) -> list[tuple[Step, bool]]:
     return out
 
 
-def next_timeline(steps: Sequence[Step], forks: Forks, step: int) -> tuple[int, Forks]:
+def next_timeline(
+    steps: Sequence[Step], forks: Forks, step: int, blind_at: float | None = None
+) -> tuple[int, Forks]:
     """``(timeline, forks)`` of a new save of ``step`` among a job's ``steps``: the
     current timeline, or a new one when ``step`` is at or below the newest step of the
-    live history."""
+    live history. ``blind_at``: the save could not read what the bucket holds of the
+    job (the time now): a new timeline from the clock, whatever this node knows."""
     counted = [s for s in steps if s.in_lineage]
     current = newest(forks, (s.timeline for s in counted))
+    if blind_at is not None:
+        number = blind_timeline(current, blind_at)
+        return number, merge(forks, [(number, step)])
     top = max((s.step for s in counted if not s.abandoned), default=None)
     if top is not None and step <= top:
         return current + 1, merge(forks, [(current + 1, step)])

@@ -45,7 +45,7 @@ from typing import Any
 from ckptd.core.errors import InvalidArgument
 from ckptd.core.manifest import DATA_LAYOUTS, DATA_SPREAD
 from ckptd.core.names import UNKNOWN_OWNER, Owner, check_name, recorded_owner
-from ckptd.core.timeline import MAX_TIMELINES, Forks, check_forks, check_timeline, merge
+from ckptd.core.timeline import MAX_TIMELINE, Forks, check_forks, check_timeline, merge
 
 from . import records
 from .base import Remote
@@ -165,7 +165,7 @@ def _decode(raw: bytes, key: str) -> tuple[dict[int, Entry], Held, Owner]:
             and len(item) == 3
             and all(type(v) is int for v in item)
             and 0 <= item[0] < 2**63
-            and 0 <= item[1] < MAX_TIMELINES
+            and 0 <= item[1] < MAX_TIMELINE
             and item[2] in DATA_LAYOUTS
         ):
             held[(item[0], item[1])] = item[2]

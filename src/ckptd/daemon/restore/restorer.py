@@ -21,6 +21,7 @@ from ckptd.core.health import NONFINITE_METRIC
 from ckptd.core.manifest import Manifest
 from ckptd.proto import ckptd_pb2 as pb
 
+from .. import faults
 from ..catalog import Step
 from ..catalog.roles import Steps
 from ..local.lease import Want
@@ -97,7 +98,8 @@ class Restorer:
         self.bucket = bucket
         """The bucket's other nodes' parts (:meth:`other_parts`), and whether there is one."""
         self._index_reads: dict[str, asyncio.Future[None]] = {}
-        self._own_reads: dict[str, asyncio.Future[None]] = {}
+        self._own_reads: dict[str, tuple[asyncio.Future[None], float]] = {}
+        """Each job's first read of its own index, and until when a save waits for it."""
 
     def choose(
         self,
@@ -206,16 +208,34 @@ class Restorer:
         node's saves the bucket holds under the job's name (a node that lost its disk
         knows none of them until it reads). Tried once: a save does not wait twice
         for a bucket that did not answer (the drain reads it before the job's first
-        upload)."""
+        upload). Unread by then, the job's next save is blind: it numbers its timeline
+        above any the bucket can hold (core/timeline.py)."""
         index = self.bucket.index
-        if index is None or index.known(job) or job in self._own_reads:
+        if index is None or index.known(job):
             return
-        read = asyncio.ensure_future(
-            self.bucket.refresh_quietly(job, None, listing=True, others=False)
-        )
-        self._own_reads[job] = read
+        loop = asyncio.get_running_loop()
+        if job not in self._own_reads:
+            first = asyncio.ensure_future(self._read_own(job))
+            first.add_done_callback(lambda _: self._sighted(job))
+            deadline = loop.time() + SAVE_WAIT_SECONDS + index.jitter_seconds
+            self._own_reads[job] = (first, deadline)
+        read, deadline = self._own_reads[job]
+        if read.done() or loop.time() >= deadline:
+            return  # read, or tried: the first save's wait decided, once
+        # The job's other ranks on this node wait for the same read, as long.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(read), SAVE_WAIT_SECONDS)
+            await asyncio.wait_for(asyncio.shield(read), max(0.0, deadline - loop.time()))
+        if not index.known(job):  # away, or slow: the save cannot follow what it holds
+            self.catalog.blind(job)
+
+    def _sighted(self, job: str) -> None:
+        if self.bucket.index is not None and self.bucket.index.known(job):
+            self.catalog.sighted(job)  # read late: the job's next save need not be blind
+
+    async def _read_own(self, job: str) -> None:
+        if faults.armed("index.read_own"):  # a test holds the bucket's answer back
+            await asyncio.to_thread(faults.hit, "index.read_own")
+        await self.bucket.refresh_quietly(job, None, listing=True, others=False)
 
     async def prefetch(
         self, job: str, offer: Callable[[str], bool] = lambda job: False
