@@ -165,6 +165,12 @@ def test_a_blind_save_begins_a_timeline_above_any_the_bucket_can_hold_once() -> 
     _commit(c, 7)  # still blind: the replay was numbered before
     assert c.require("j", 7).timeline > blind
     assert tl.blind_timeline(tl.MAX_TIMELINE, 1.0) == tl.MAX_TIMELINE - 1  # bounded
+    # A blind save that fails with nothing kept takes its fork along: the next is blind.
+    c.blind("f")
+    first = c.begin("f", 1)
+    c.failed(first, "test", "write")
+    again = c.begin("f", 1)
+    assert again.timeline > first.timeline > 0 and dict(c.lineage("f")) == {again.timeline: 1}
     # A job this node's disk held at start-up numbers from it, as its other nodes do.
     rank = RankRecord(0, "rank-00000.safetensors", 4096, 7, None)
     m = Manifest(job="k", step=1, node="node-a", world_size=1, created_unix=1.0, ranks=[rank])

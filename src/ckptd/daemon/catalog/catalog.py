@@ -109,7 +109,8 @@ class Catalog(StepTable):
         before = self.lineage(job)
         if timeline is None:
             timeline = self.next_timeline(job, step)
-            self._blind.discard(job)  # numbered above anything the bucket holds
+            if job in self._blind:  # its saves number on from here while this one lasts
+                self._blind[job] = max(timeline[0], self._blind[job])
         number, forks = timeline
         if old is not None:
             self._replace(old, number)
@@ -136,8 +137,13 @@ class Catalog(StepTable):
         or a new one when ``step`` is at or below the newest step of its live history
         (or when the job is :meth:`blind`: a new one from the clock)."""
         steps = [s for s in self._steps.values() if s.job == job]
-        blind_at = self._clock() if job in self._blind else None
-        return timelines.next_timeline(steps, self.lineage(job), step, blind_at)
+        forks = self.lineage(job)
+        # Blind: a timeline from the clock, unless one begun so is still in the lineage
+        # (a blind save that failed with nothing kept took its fork with it).
+        jumped = self._blind.get(job)
+        above = jumped is not None and 0 < jumped <= timelines.current(steps, forks)
+        blind_at = self._clock() if jumped is not None and not above else None
+        return timelines.next_timeline(steps, forks, step, blind_at)
 
     def _forked(self, st: Step) -> None:
         """Tell once (a log line and a TIMELINE event) that a save began a new timeline."""

@@ -48,9 +48,9 @@ class StepTable(EventLog):
         the bucket: (job, step) -> the later save's timeline. Kept until the evictor
         retracted that copy or found none (:meth:`replaced_numbers`): a later save that
         leaves before its upload (superseded, evicted) retracts nothing itself."""
-        self._blind: set[str] = set()
-        """Jobs whose next save could not read what the bucket holds of them
-        (:meth:`blind`)."""
+        self._blind: dict[str, int] = {}
+        """Jobs whose saves could not read what the bucket holds of them (:meth:`blind`),
+        and the timeline their first blind save began (0: none yet)."""
         self._on_disk: set[str] = set()
         """Jobs the local tier held a step of at start-up."""
 
@@ -62,11 +62,11 @@ class StepTable(EventLog):
         the bucket's, so it starts one above any the bucket can hold (core/timeline.py,
         ``blind_timeline``)."""
         if job not in self._on_disk:
-            self._blind.add(job)
+            self._blind.setdefault(job, 0)
 
     def sighted(self, job: str) -> None:
         """What the bucket holds of the job is read after all: saves number as usual."""
-        self._blind.discard(job)
+        self._blind.pop(job, None)
 
     # -- numbers a later save took ------------------------------------------------
     def replaced_numbers(self, job: str) -> dict[int, int]:

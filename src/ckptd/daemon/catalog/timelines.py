@@ -38,6 +38,11 @@ def flips(steps: Iterable[Step], forks: Forks) -> list[tuple[Step, bool]]:
     return out
 
 
+def current(steps: Sequence[Step], forks: Forks) -> int:
+    """The newest timeline of a job's ``steps`` that count, or of its ``forks``."""
+    return newest(forks, (s.timeline for s in steps if s.in_lineage))
+
+
 def next_timeline(
     steps: Sequence[Step], forks: Forks, step: int, blind_at: float | None = None
 ) -> tuple[int, Forks]:
@@ -46,14 +51,14 @@ def next_timeline(
     live history. ``blind_at``: the save could not read what the bucket holds of the
     job (the time now): a new timeline from the clock, whatever this node knows."""
     counted = [s for s in steps if s.in_lineage]
-    current = newest(forks, (s.timeline for s in counted))
+    now = current(counted, forks)
     if blind_at is not None:
-        number = blind_timeline(current, blind_at)
+        number = blind_timeline(now, blind_at)
         return number, merge(forks, [(number, step)])
     top = max((s.step for s in counted if not s.abandoned), default=None)
     if top is not None and step <= top:
-        return current + 1, merge(forks, [(current + 1, step)])
-    return current, forks
+        return now + 1, merge(forks, [(now + 1, step)])
+    return now, forks
 
 
 def left_behind(steps: Iterable[Step], at: int) -> tuple[list[int], str]:

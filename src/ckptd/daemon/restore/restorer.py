@@ -37,7 +37,7 @@ LISTING_WAIT_SECONDS = 5.0
 """Longest a listing waits for the first read of a job's index in the bucket: a hung
 bucket must not hang `ckptd ls` or a framework's resume; the read goes on, and the
 next listing shows what it found."""
-SAVE_WAIT_SECONDS = 2.0
+SAVE_WAIT_SECONDS = 5.0
 """Longest a job's first save waits for its index (once: :meth:`Restorer.read_own_index`)."""
 
 
@@ -211,7 +211,10 @@ class Restorer:
         upload). Unread by then, the job's next save is blind: it numbers its timeline
         above any the bucket can hold (core/timeline.py)."""
         index = self.bucket.index
-        if index is None or index.known(job):
+        if index is None:
+            return
+        if index.known(job):  # read, here or by a listing or restore since
+            self.catalog.sighted(job)
             return
         loop = asyncio.get_running_loop()
         if job not in self._own_reads:
