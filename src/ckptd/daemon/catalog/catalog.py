@@ -107,11 +107,9 @@ class Catalog(StepTable):
                 "step number"
             )
         before = self.lineage(job)
-        if timeline is None:
-            timeline = self.next_timeline(job, step)
-            if job in self._blind:  # its saves number on from here while this one lasts
-                self._blind[job] = max(timeline[0], self._blind[job])
-        number, forks = timeline
+        number, forks = timeline or self.next_timeline(job, step)
+        if timeline is None and job in self._blind:  # numbered on from here while it lasts
+            self._blind[job] = max(number, self._blind[job])
         if old is not None:
             self._replace(old, number)
         st = Step(
@@ -137,23 +135,20 @@ class Catalog(StepTable):
         or a new one when ``step`` is at or below the newest step of its live history
         (or when the job is :meth:`blind`: a new one from the clock)."""
         steps = [s for s in self._steps.values() if s.job == job]
-        forks = self.lineage(job)
-        # Blind: a timeline from the clock, unless one begun so is still in the lineage
-        # (a blind save that failed with nothing kept took its fork with it).
-        jumped = self._blind.get(job)
-        above = jumped is not None and 0 < jumped <= timelines.current(steps, forks)
-        blind_at = self._clock() if jumped is not None and not above else None
-        return timelines.next_timeline(steps, forks, step, blind_at)
+        blind = self._blind.get(job)
+        now = self._clock() if blind is not None else 0.0
+        return timelines.next_timeline(steps, self.lineage(job), step, now, blind)
 
     def _forked(self, st: Step) -> None:
         """Tell once (a log line and a TIMELINE event) that a save began a new timeline."""
         job_steps = (s for s in self._steps.values() if s.job == st.job)
         newer, span = timelines.left_behind(job_steps, st.step)
         log.warning(
-            "job %s: step %d is at or below the newest step of its timeline: timeline %d "
-            "begins here (a rollback, or a rerun under a reused job name). Steps %s are "
-            "abandoned: restore() and retention follow the new timeline, `ckptd ls` lists "
-            "them as abandoned (docs/reliability.md, Timelines)",
+            "job %s: step %d begins timeline %d (a rollback or a rerun under a reused job "
+            "name, at or below the newest step; or a save this node made before it could "
+            "read the bucket's record of the job). Steps %s are abandoned: restore() and "
+            "retention follow the new timeline, `ckptd ls` lists them as abandoned "
+            "(docs/reliability.md, Timelines)",
             st.job,
             st.step,
             st.timeline,

@@ -44,16 +44,22 @@ def current(steps: Sequence[Step], forks: Forks) -> int:
 
 
 def next_timeline(
-    steps: Sequence[Step], forks: Forks, step: int, blind_at: float | None = None
+    steps: Sequence[Step],
+    forks: Forks,
+    step: int,
+    now_unix: float = 0.0,
+    blind: int | None = None,
 ) -> tuple[int, Forks]:
     """``(timeline, forks)`` of a new save of ``step`` among a job's ``steps``: the
     current timeline, or a new one when ``step`` is at or below the newest step of the
-    live history. ``blind_at``: the save could not read what the bucket holds of the
-    job (the time now): a new timeline from the clock, whatever this node knows."""
+    live history. ``blind``: the job's saves could not read what the bucket holds of
+    it (the timeline its first blind save began, 0: none yet): a new timeline from the
+    clock, whatever this node knows, unless one begun so is still in the lineage (a
+    blind save that failed with nothing kept took its fork along)."""
     counted = [s for s in steps if s.in_lineage]
     now = current(counted, forks)
-    if blind_at is not None:
-        number = blind_timeline(now, blind_at)
+    if blind is not None and not 0 < blind <= now:
+        number = blind_timeline(now, now_unix)
         return number, merge(forks, [(number, step)])
     top = max((s.step for s in counted if not s.abandoned), default=None)
     if top is not None and step <= top:

@@ -118,7 +118,7 @@ class Drain:
             reading=catalog.read_copies,
             holders_missing=self.holders.missing_reason,
         )
-        self.replaced = ReplacedCopies(catalog, remote, index)
+        self.replaced = ReplacedCopies(catalog, remote, index, stall_seconds)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._uploading: tuple[Step, asyncio.Future[tuple[int, int] | None]] | None = None

@@ -21,6 +21,7 @@ one whose number a save on its way up took (its upload replaces the entry).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -41,8 +42,13 @@ RETRY_SECONDS = 30.0
 class ReplacedCopies:
     """Takes replaced saves' copies out of the bucket (see the module doc)."""
 
-    def __init__(self, catalog: Catalog, remote: Remote, index: NodeIndex) -> None:
+    def __init__(
+        self, catalog: Catalog, remote: Remote, index: NodeIndex, stall_seconds: float = 45.0
+    ) -> None:
         self.catalog, self.remote, self.index = catalog, remote, index
+        self.stall_seconds = stall_seconds
+        """Longest one job's pass waits on the bucket: a store that hangs never raises,
+        and the drain's uploads (which report the stall) must not wait behind it."""
         self._failed_at: dict[str, float] = {}
         self.finished = 0
         """Removals cut short that this drain finished (counted as remote evictions)."""
@@ -59,11 +65,11 @@ class ReplacedCopies:
             if time.monotonic() - self._failed_at.get(job, -RETRY_SECONDS) < RETRY_SECONDS:
                 continue
             try:
-                await self._job(job, later, lineage)
-            except Exception as exc:  # the bucket away: the next pass tries again
+                await asyncio.wait_for(self._job(job, later, lineage), self.stall_seconds)
+            except Exception as exc:  # the bucket away or hung: the next pass tries again
                 self._failed_at[job] = time.monotonic()
                 log.warning("could not retract replaced copies of %s from %s: %s", job,
-                            self.remote.url, exc)  # fmt: skip
+                            self.remote.url, self._why(exc))  # fmt: skip
             else:
                 self._failed_at.pop(job, None)
 
@@ -110,15 +116,25 @@ class ReplacedCopies:
                 continue
             if time.monotonic() - self._failed_at.get(job, -RETRY_SECONDS) < RETRY_SECONDS:
                 continue
+            node = self.catalog.node_id
             try:
-                await retract.finish(self.remote, self.index, job, entry, self.catalog.node_id)
-            except Exception as exc:  # the bucket away: the next pass tries again
+                await asyncio.wait_for(
+                    retract.finish(self.remote, self.index, job, entry, node), self.stall_seconds
+                )
+            except Exception as exc:  # the bucket away or hung: the next pass tries again
                 self._failed_at[job] = time.monotonic()
                 log.warning("could not finish removing %s/%d from %s: %s", job, entry.step,
-                            self.remote.url, exc)  # fmt: skip
+                            self.remote.url, self._why(exc))  # fmt: skip
                 continue
             self.finished += 1
             log.info("%s/%d: finished its removal from %s", job, entry.step, self.remote.url)
+
+    def _why(self, exc: Exception) -> str:
+        """What failed, in words (a wait that ran out says nothing itself); a removal
+        cut short by it is finished by a later pass (remote/retract.py)."""
+        if isinstance(exc, TimeoutError):
+            return f"no answer within {self.stall_seconds:.0f} s: the store is not answering"
+        return str(exc)
 
 
 _ON_ITS_WAY = frozenset({pb.SAVE_STATE_STAGING, pb.SAVE_STATE_LOCAL, pb.SAVE_STATE_DRAINING})
