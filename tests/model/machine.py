@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -270,10 +271,11 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
     @operation
     def restart_daemon(self, how: str, in_flight: bool, job: str) -> None:
         """SIGKILL (``kill``) or stop the daemon and start it again on the same root, or
-        lose the node (``wipe``: its disk and memory; only what the bucket holds complete
-        comes back). With ``in_flight``, right after a save it acknowledged but has not
-        written yet (``wipe``: the drain is let finish first, so the model knows what
-        the bucket holds)."""
+        lose the node (``wipe``: its disk and memory; what the bucket holds complete
+        comes back, and the newest replica the peer holds of each job unless the bucket
+        holds a newer step). With ``in_flight``, right after a save it acknowledged but
+        has not written yet (``wipe``: the drain is let finish first, so the model knows
+        what the bucket holds)."""
         if in_flight and how != "wipe":
             self.save(job, self.trainer(job).next_step, frozenset(KEYS[:1]), 4, wait=False)
         survivors: set[tuple[str, int]] = set()
@@ -283,9 +285,32 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
             for name in self.model.jobs:
                 rows = self.w.listing(name).items()
                 survivors |= {(name, step) for step, row in rows if "REMOTE" in row.tiers}
-        self.w.restart(how)
+        replicas: dict[str, tuple[int, int, Any]] = {}
+
+        def down() -> None:  # what the peer holds, read while no daemon can change it
+            peer = self.w.node.peer
+            if how != "wipe" or peer is None or not peer.running():
+                return
+            for name in self.model.jobs:
+                held = self.w.node.replicas(name)
+                if held:
+                    n = max(held, key=lambda n: (held[n][0], n))
+                    replicas[name] = (n, held[n][0], held[n][1].get("sid"))
+
+        self.w.restart(how, down)
         if how == "wipe":
+            back = []
+            for name, (step, timeline, sid) in replicas.items():
+                # The new daemon takes the job's newest replica back, unless the bucket
+                # holds a newer step (docs/operating/peer-tier.md).
+                held = self.model.job(name).held
+                bucket = [held[n] for j, n in survivors if j == name and n in held]
+                taken = all((b.timeline, b.step) < (timeline, step) for b in bucket)
+                if taken and sid in self.model.archive:
+                    back.append(self.model.archive[sid])
             self.model.node_lost(survivors)
+            for s in back:
+                self.model.commit(s)
 
     @rule(up=st.booleans())
     @operation

@@ -504,3 +504,46 @@ def test_a_new_run_after_a_node_loss_keeps_the_older_runs_step_live(
             ("new_run", dict(flavor="numpy", incremental=False, job="alpha", version=1)),
         ],
     )
+
+
+def test_a_rollback_the_bucket_never_got_comes_back_from_the_peer(
+    resources: Resources,
+) -> None:
+    """Both jobs roll back while the bucket is away; the node is lost, its peer holding
+    the rollbacks' newest saves. beta/3 (timeline 0) was listed abandoned while the
+    model had it live: the model dropped what the peer gives back (the daemon was
+    right for beta). For alpha the daemon was wrong: it refused the peer's alpha/4 of
+    timeline 1 because the bucket held alpha/4 of timeline 0, the older save that the
+    rollback replaced, and resumed from alpha/5 of the abandoned timeline."""
+    abc, no = frozenset("abc"), frozenset()
+    replay(
+        Settings(keep=3, local_keep=3, memory_steps=1, pressure=False, peer=True),
+        [
+            ("new_run", dict(flavor="numpy", incremental=True, job="alpha", version=4)),
+            ("save_next", dict(changes=abc, count=1, job="alpha", milestone=False, version=0)),
+            ("save_next", dict(changes=no, count=3, job="alpha", milestone=False, version=1)),
+            ("verify_all", dict()),
+            ("peer", dict(up=True)),
+            ("resume", dict(job="alpha")),
+            ("save_next", dict(changes=abc, count=2, job="beta", milestone=False, version=2)),
+            ("verify_all", dict()),
+            ("kill_trainer", dict(flavor="numpy", job="alpha", point="acked", version=1)),
+            (
+                "kill_trainer",
+                dict(flavor="numpy", job="beta", point="before:CommitShards", version=3),
+            ),
+            ("kill_trainer", dict(flavor="numpy", job="beta", point="acked", version=1)),
+            ("bucket", dict(up=False)),
+            ("rollback", dict(changes=abc, job="beta", pick=3, version=0)),
+            (
+                "save_next",
+                dict(changes=frozenset("b"), count=1, job="beta", milestone=True, version=5),
+            ),
+            ("resume", dict(job="beta")),
+            ("rollback", dict(changes=frozenset("a"), job="alpha", pick=1, version=4)),
+            ("restart_daemon", dict(how="wipe", in_flight=False, job="beta")),
+            ("verify_all", dict()),
+            ("resume", dict(job="alpha")),
+            ("resume", dict(job="beta")),
+        ],
+    )

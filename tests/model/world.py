@@ -11,12 +11,15 @@ sequence gets a :class:`World` with a fresh root and its own prefix in the bucke
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptd.client import CheckpointInfo, Client, FixedInterval
 from ckptd.daemon.app.launcher import DaemonProcess
@@ -148,6 +151,17 @@ class Node:
             return None
         return self.peer.root / ".replicas" / job / NODE / str(step)
 
+    def replicas(self, job: str) -> dict[int, tuple[int, dict[str, Any]]]:
+        """The peer's replicas of this node's steps of ``job``: step -> (timeline,
+        metadata), as their manifests say (none without a peer)."""
+        where = None if self.peer is None else self.peer.root / ".replicas" / job / NODE
+        out: dict[int, tuple[int, dict[str, Any]]] = {}
+        for d in sorted(where.iterdir()) if where is not None and where.is_dir() else []:
+            if d.name.isdigit() and (d / "manifest.json").is_file():
+                m = json.loads((d / "manifest.json").read_text())
+                out[int(d.name)] = (int(m.get("timeline", 0)), dict(m.get("metadata") or {}))
+        return out
+
     def clean_shm(self) -> None:
         """The root's shared-memory segments (a killed daemon cannot remove them)."""
         _remove_shm(self.daemon.root)
@@ -253,6 +267,20 @@ class World:
                 raise AssertionError("the daemon started while its bucket was unreachable")
             self.set_bucket(True)
         self.daemon.start()
+        if self.node.peer is not None:
+            self.prestaged()
+
+    def prestaged(self, timeout: float = QUIET_TIMEOUT) -> None:
+        """Wait until the started daemon has asked its peers for its steps (and taken
+        back what it takes): until then a listing may not show them yet."""
+        deadline = time.monotonic() + timeout
+        while self.daemon.status().peer_prestaging:
+            if time.monotonic() > deadline:
+                raise Stuck(
+                    f"still taking steps back from the peer after {timeout:.0f} s\n"
+                    f"{self.daemon.log_tail(30)}"
+                )
+            time.sleep(0.01)
 
     def client(self, job: str, incremental: bool = True) -> Client:
         """A trainer's client of ``job`` (closed with the world)."""
@@ -265,14 +293,16 @@ class World:
         self.clients.append(c)
         return c
 
-    def restart(self, how: str) -> None:
+    def restart(self, how: str, down: Callable[[], None] = lambda: None) -> None:
         """``kill`` (SIGKILL) or ``stop`` (SIGTERM) the daemon and start it again on the
         same root, or ``wipe``: the node dies with its disk and memory (SIGKILL, the root
-        and its shared memory removed) and a new daemon takes the same name and bucket."""
+        and its shared memory removed) and a new daemon takes the same name and bucket.
+        ``down`` is called while no daemon runs."""
         if how == "stop":
             self.daemon.stop()
         else:
             self.daemon.kill()
+        down()
         if how == "wipe":
             self.node.clean_shm()
             shutil.rmtree(self.daemon.root)

@@ -182,19 +182,6 @@ class Catalog(StepTable):
         )
         self._emit(old, pb.STEP_EVENT_REPLACED, f"replaced by a save of timeline {timeline}")
 
-    def replacing(self, st: Step) -> Step | None:
-        """The step ``st``'s save replaces whose local copy is still on disk, if any."""
-        return self._replacing.get(st.key)
-
-    async def quiet(self, st: Step) -> None:
-        """Wait until nothing reads ``st``'s copies (no restore, eviction or upload in
-        flight): then its files can go."""
-        while True:
-            changed = st.changed
-            if not st.busy and st.state != DRAINING:
-                return
-            await changed.wait()
-
     def replaced(self, old: Step) -> None:
         """The local copy of a replaced step is gone (moved out of view)."""
         if self._replacing.get(old.key) is old:
@@ -279,9 +266,17 @@ class Catalog(StepTable):
     def peer_fetched(self, manifest: Manifest, node: str) -> Step:
         """A peer's replica of this node's part was verified and committed locally (a
         node that lost its disk): the step is LOCAL again (attributes: ``node``, the
-        peer, and ``via`` "peer")."""
+        peer, and ``via`` "peer"). A replica of a later save than the one known under
+        its number (the bucket's copy of an older timeline's, which a save the bucket
+        never got replaced) replaces it: the drain retracts that copy before it
+        uploads this one (lifecycle/replaced.py)."""
         st = self._steps.get((manifest.job, manifest.step))
+        if st is not None and st.timeline < manifest.timeline and not st.local:
+            self._replace(st, manifest.timeline)  # the bucket's copy is an older save's
+            st = None
         if st is not None:
+            if st.timeline != manifest.timeline:  # the caller refuses an older save's
+                raise IllegalTransition(f"{st!r}: a replica of timeline {manifest.timeline}")
             self.fetched(st, manifest, node=node, via="peer")
             return st
         st = self._committed_here(manifest, pinned=False)

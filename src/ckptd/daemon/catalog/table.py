@@ -19,7 +19,7 @@ from ckptd.proto import state_name
 
 from . import timelines
 from .events import MAX_WAIT_SECONDS, EventLog
-from .step import DURABLE, LOCAL, NEW, TRANSITIONS, IllegalTransition, Step
+from .step import DRAINING, DURABLE, LOCAL, NEW, TRANSITIONS, IllegalTransition, Step
 
 log = logging.getLogger("ckptd.catalog")
 
@@ -249,6 +249,19 @@ class StepTable(EventLog):
         return self._monotonic() - st.read_at < grace_seconds
 
     # -- waiting -----------------------------------------------------------------
+    def replacing(self, st: Step) -> Step | None:
+        """The step ``st``'s save replaces whose local copy is still on disk, if any."""
+        return self._replacing.get(st.key)
+
+    async def quiet(self, st: Step) -> None:
+        """Wait until nothing reads ``st``'s copies (no restore, eviction or upload in
+        flight): then its files can go."""
+        while True:
+            changed = st.changed
+            if not st.busy and st.state != DRAINING:
+                return
+            await changed.wait()
+
     async def wait(self, job: str, step: int, target: int, timeout: float) -> Step:
         """Wait until a step reaches ``target`` (LOCAL or DURABLE), fails for good,
         or ``timeout`` passes; a stopping daemon answers at once."""

@@ -64,6 +64,11 @@ def referenced(
         found = [r for r in listed.get((job, step), []) if r.manifest.node == node]
         if not found:
             raise DataLoss(f"{job}/{manifest.step} references step {step}, which no peer holds")
+        if st is not None and st.timeline > found[0].manifest.timeline:
+            raise DataLoss(
+                f"{job}/{manifest.step} references step {step} of timeline "
+                f"{found[0].manifest.timeline}, which a later save replaced"
+            )
         wanted[step] = found[0]
         todo |= found[0].manifest.holders()
     return wanted

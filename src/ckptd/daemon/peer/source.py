@@ -338,7 +338,7 @@ class PeerSource:
         if (manifest.job, manifest.step) != (job, step) or not mine or manifest.adopted:
             raise DataLoss(f"a peer's replica of {job}/{step} is not the part asked for")
         known = self.catalog.get(job, step)
-        if known is not None and known.timeline != manifest.timeline:  # another save's
+        if known is not None and known.timeline > manifest.timeline:  # an older save's
             raise DataLoss(
                 f"the peers' replica of {job}/{step} is of timeline {manifest.timeline}, "
                 f"the step known here of {known.timeline} (a later save replaced it)"

@@ -56,6 +56,8 @@ class PeerTier:
         self.listen = options.peer_address
         self.data_port = options.peer_data_port
         self.address = ""
+        self.prestaging = False
+        """Taking this node's steps back from the peers (:meth:`prestage`)."""
         """Where the Peer service answers (set once it does)."""
         self.store = store
         self.peers = peers
@@ -108,6 +110,7 @@ class PeerTier:
         if self.replicator is not None:
             service("replicator", self.replicator.run)
         if self.source is not None:
+            self.prestaging = True
             spawn("prestage", self.prestage())
 
     async def prestage(self) -> None:
@@ -115,12 +118,15 @@ class PeerTier:
         of (a node that lost its disk), before the trainer asks."""
         assert self.source is not None
         try:
-            jobs = sorted({job for job, _ in await self.source.replicas()})
-        except Exception as exc:
-            log.warning("cannot ask the peers what they hold (%s)", exc)
-            return
-        for job in jobs:
-            await self.source.ensure(job)
+            try:
+                jobs = sorted({job for job, _ in await self.source.replicas()})
+            except Exception as exc:
+                log.warning("cannot ask the peers what they hold (%s)", exc)
+                return
+            for job in jobs:
+                await self.source.ensure(job)
+        finally:
+            self.prestaging = False
 
     def halt(self) -> None:
         """Tell the replicator to return (the supervisor then waits for it)."""
@@ -148,6 +154,7 @@ class PeerTier:
             "replicated_bytes": self.replicator.sent_bytes if self.replicator else 0,
             "peer_fetched_bytes": self.source.fetched_bytes if self.source else 0,
             "peer_prestaged_bytes": self.source.staged_bytes if self.source else 0,
+            "peer_prestaging": self.prestaging,
             "peer_served_bytes": self.servicer.served_bytes + self.bulk.served_bytes,
             "peer_received_bytes": self.servicer.received_bytes + self.bulk.received_bytes,
             "peer_error": next((e for e in errors if e), ""),

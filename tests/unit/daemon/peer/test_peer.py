@@ -442,3 +442,40 @@ def test_a_replica_of_another_save_than_the_step_known_here_is_not_taken() -> No
     finally:
         source.close()
     assert not catalog.require("j", 4).local
+
+
+def test_a_replica_of_a_later_save_than_the_buckets_replaces_it() -> None:
+    """The bucket holds this node's steps 4 and 5 of timeline 0; the peer's replica of
+    step 4 is of timeline 1, a rollback's save the bucket never got (it was away): the
+    replica is taken and replaces the bucket's older save under that number (which the
+    drain retracts), and step 5 is abandoned."""
+    import dataclasses
+
+    from ckptd.daemon.catalog import Catalog
+    from ckptd.daemon.peer.references import Replica
+
+    catalog = Catalog("n")
+    for step in (4, 5):
+        assert catalog.discovered("j", step, {"n"}, False, timeline=0) is not None
+    later = dataclasses.replace(
+        Manifest.from_json(_manifest(4, FILES, node="n")), timeline=1, forks=((1, 4),)
+    )
+    text = later.to_json()
+    replica = Replica(Manifest.from_json(text), text, [Peer("b", "10.0.0.2:7000")])
+    source = PeerSource(catalog, None, None, SimpleNamespace())  # type: ignore[arg-type]
+
+    async def commit(replica: Any) -> str:
+        return "b"
+
+    source._commit = commit  # type: ignore[method-assign]
+    try:
+        asyncio.run(source.fetch("j", 4, replica))
+    finally:
+        source.close()
+    st = catalog.require("j", 4)
+    assert st.local and st.timeline == 1 and not st.in_remote
+    assert catalog.require("j", 5).abandoned
+    assert catalog.replaced_numbers("j") == {4: 1}
+    # The bucket's copy, listed again before the drain retracted it, is not this step.
+    assert catalog.discovered("j", 4, {"n"}, False, timeline=0) is None
+    assert catalog.require("j", 4).timeline == 1 and not catalog.require("j", 4).in_remote
