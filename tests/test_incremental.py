@@ -311,3 +311,26 @@ def test_a_node_lost_restores_the_newest_incremental_step_from_the_bucket(
     assert_same(got, saved[-1])  # step 4's state, assembled from steps 4 and 1
     local = sorted(c.step for c in fresh.client("lost").list() if "LOCAL" in c.tiers)
     assert local == [1, 4]
+
+
+def test_saves_where_everything_changed_are_written_in_one_pass(make_daemon: Any) -> None:
+    """After a save where every array changed, the next writes whole without reading
+    the lease for a comparison first (its crc32c computed on the way). The first save
+    after the arrays stop changing is written whole too (steps 4 and 7); the one after
+    it references them again, and every step restores bit-exact."""
+    d: Daemon = make_daemon(extra_args=[*KEEP, "--memory-tier-steps", "0"])
+    client = d.client("steps")
+    state = lora_state()
+    saved = []
+    for step, change in enumerate([True, True, True, False, False, True, False, False], start=1):
+        if change:
+            state = {k: v + 1 for k, v in state.items()}
+        client.save(step, state).wait("local", timeout=120)
+        saved.append({k: v.copy() for k, v in state.items()})
+    written = [manifest_of(d, "steps", s).ranks[0].incremental for s in range(1, 9)]
+    assert written == [False, False, False, False, True, False, False, True]
+    assert manifest_of(d, "steps", 5).holders() == {4}
+    assert manifest_of(d, "steps", 8).holders() == {7}
+    for step, want in enumerate(saved, start=1):
+        got, _ = client.restore(step=step)
+        assert_same(got, want)

@@ -166,24 +166,26 @@ def test_a_corrupt_referenced_range_is_detected(disk_daemon: Daemon, incremental
     one, two = states()
     client.save(1, zero).wait("local", 60)
     client.save(2, one).wait("local", 60)  # in full: nothing as in step 1
-    client.save(3, two).wait("local", 60)  # a and c referenced from step 2's file
+    # In full too: step 2 changed every array, so step 3 is written without a scan.
+    client.save(3, one).wait("local", 60)
+    client.save(4, two).wait("local", 60)  # a and c referenced from step 3's file
     root = disk_daemon.root
-    r3 = manifest_of(root, "rot", 3)["ranks"][0]
-    ref = max(r3["refs"], key=lambda r: r[1])
-    assert ref[2] == 2
-    flip_byte(root / "rot" / "2" / RANK0, where=ref[3] + ref[1] // 2)
+    r4 = manifest_of(root, "rot", 4)["ranks"][0]
+    ref = max(r4["refs"], key=lambda r: r[1])
+    assert ref[2] == 3
+    flip_byte(root / "rot" / "3" / RANK0, where=ref[3] + ref[1] // 2)
 
     # The file path names the holder's file and range.
-    with pytest.raises(Corrupt, match=f"{root}/rot/2/{RANK0}"):
-        map_file_verified(str(root / "rot" / "3"), manifest_of(root, "rot", 3), 0, opener)
+    with pytest.raises(Corrupt, match=f"{root}/rot/3/{RANK0}"):
+        map_file_verified(str(root / "rot" / "4"), manifest_of(root, "rot", 4), 0, opener)
 
     # Restore never serves those bytes: an older intact step, or CheckpointCorrupt.
     try:
         tree, _ = client.restore(shared_memory=False)
     except CheckpointCorrupt:
         return
-    same(tree, zero)
-    assert [c.step for c in client.list()] == [1]
+    same(tree, one)
+    assert [c.step for c in client.list()][-1] == 2  # steps 3 and 4 set aside
 
 
 def test_holder_directories_beside_a_step_and_a_fetched_part() -> None:

@@ -2,10 +2,13 @@
 are referenced (core/increments.py), only the rest is written.
 
 One pass over the lease first (crc32c of every shard and of the whole image, and,
-for a save without the trainer's word, each shard's SHA-256 on two threads), then
-the decision, then the runs written with aligned ``O_DIRECT`` writes like a full
-file. What the previous step holds is never read back: its manifest says where each
-shard is and what its crc32c and digest are.
+for a save without the trainer's word, the SHA-256 on two threads of each shard
+whose crc32c is its base's), then the decision, then the runs written with aligned
+``O_DIRECT`` writes like a full file. What the previous step holds is read back
+only for a digest it lacks of a shard that may be unchanged (it was written whole
+with none); its manifest says where each shard is and what its crc32c is. A save
+with no base, or one of a rank whose saves change every shard, skips the pass
+(:class:`Habits`).
 """
 
 from __future__ import annotations
@@ -112,6 +115,48 @@ def chain_of(pending: PendingStep) -> int:
     return base.increment + 1 if base is not None else 0
 
 
+class Habits:
+    """Per job and rank, whether its last save with a base could reference nothing of
+    it (every shard changed, the common case of a training step): the next such save
+    skips the scan before the write and writes whole, its crc32c computed on the way
+    (one pass over the lease, not two). It compares its crcs with its base's after
+    the write, so once shards stop changing the save after it scans again: at most
+    one save is written whole that could have referenced some of its shards."""
+
+    def __init__(self) -> None:
+        self._changing: set[tuple[str, int]] = set()
+
+    def scans(self, req: CommitRequest, base: Base | None) -> bool:
+        """Whether ``req``'s save scans before it writes (:func:`write`). A save with
+        no base has nothing to compare with: written whole, no digest computed (the
+        next save hashes a shard of it only where the crc32c is the same, from its
+        file: :func:`_with_digests`)."""
+        if base is None:
+            return False
+        word = word_of(req, base)
+        if word is not None and word.any():
+            return True
+        return (req.job, req.rank) not in self._changing
+
+    def learn(self, req: CommitRequest, base: Base | None, crcs: Any) -> None:
+        """``req``'s rank is written, its shards' crc32c ``crcs``: whether any may
+        equal its base's decides whether the next save scans."""
+        key = (req.job, req.rank)
+        if (
+            base is not None
+            and not increments.candidates(req.table.keys, crcs, base.previous).any()
+        ):
+            self._changing.add(key)
+        else:
+            self._changing.discard(key)
+
+
+def word_of(req: CommitRequest, base: Base | None) -> npt.NDArray[np.bool_] | None:
+    """The trainer's word for which shards are unchanged since ``base``, if it gave one
+    for that very step."""
+    return req.unchanged if base and req.unchanged_since == base.step.step else None
+
+
 @dataclass(frozen=True)
 class Scan:
     """What one pass over a lease learnt: each shard's crc32c, the image's, digests."""
@@ -133,8 +178,8 @@ def scan(
 ) -> Scan:
     """crc32c of every shard and of the image (header + data), then SHA-256 of each
     shard that may equal the base's without the trainer's word for it: its crc32c is
-    the base's shard's at the same key (every shard, for a save with no base, so that
-    the next save can compare). A shard whose crc differs changed: no digest."""
+    the base's shard's at the same key (every shard, for a save with no base). A
+    shard whose crc differs changed: no digest."""
     flat = np.frombuffer(data, np.uint8)
     stream = checksum.FileCrc(header, layout.ranges, data_len, layout.pieces)
     stream.feed(flat, data_len)
@@ -179,7 +224,7 @@ def write(
     :class:`Scan` instead, writing nothing, if nothing can be referenced (the caller
     writes the whole file, recording the scan's digests). ``holder_file(step)``: that
     step's rank file of this rank in the local tier."""
-    word = req.unchanged if base and req.unchanged_since == base.step.step else None
+    word = word_of(req, base)
     found = scan(header, data, data_len, layout, req, base, word)
     if base is None:
         return found

@@ -72,6 +72,7 @@ class Saver:
     ) -> None:
         self.catalog = catalog
         self.increments = increments or increment.Increments()
+        self.habits = increment.Habits()
         self.staging = staging
         self.store = store
         self.io = io
@@ -271,10 +272,15 @@ class Saver:
             data = lease.segment.view(req.data_offset, round_up(data_len))
             path = pending.commit.path / name
             done: increment.Written | increment.Scan | None = None
-            if req.incremental and self.increments.enabled:
-                # The base is the newest LOCAL step now: an older save still being
-                # written is not waited for (its successor compares with an older one).
-                base = increment.hold_base(self.catalog, pending, req.rank, self.increments)
+            incremental = req.incremental and self.increments.enabled
+            # The base is the newest LOCAL step now: an older save still being
+            # written is not waited for (its successor compares with an older one).
+            base = (
+                increment.hold_base(self.catalog, pending, req.rank, self.increments)
+                if incremental
+                else None
+            )
+            if incremental and self.habits.scans(req, base):
                 args_i = (path, header, data, data_len, layout, req, base)
                 held_at = partial(increment.rank_file, self.store, req.job, name)
                 done = await run(increment.write, *args_i, self.increments.max_files, held_at)
@@ -287,6 +293,8 @@ class Saver:
                 spare = self.store.take_spare(len(layout.header) + data_len)
                 args_w = (pending, req, layout, data, data_len, digests, spare)
                 record, shards = await write_whole(run, *args_w)
+            if incremental:
+                self.habits.learn(req, base, shards.crc32c)
             if req.data_offset == 0 and self.memory is not None and self.memory.steps:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             pending.ranks[req.rank] = (record, shards, req.metadata)
