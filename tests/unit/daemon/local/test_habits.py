@@ -42,6 +42,6 @@ def test_a_save_after_one_where_everything_changed_skips_the_scan_until_a_shard_
     assert not habits.scans(_req([False, True, False], since=0), base)  # a word of another step
     habits.learn(req, base, np.array([4, 2, 6]))  # b may equal the base's: scan again
     assert habits.scans(req, base)
-    other = SimpleNamespace(**{**vars(req), "rank": 1})
+    other: Any = SimpleNamespace(**{**vars(req), "rank": 1})
     habits.learn(req, base, np.array([7, 8, 9]))
     assert habits.scans(other, base)  # per rank
