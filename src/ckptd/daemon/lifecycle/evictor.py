@@ -122,7 +122,9 @@ class Evictor:
         self._local_due = False
         await self.relieve_local()
         for job in self.catalog.jobs():
-            for step in self.retention.plan(job).evict_remote:
+            # Newest first: the steps a step reads are older, so whatever is left in the
+            # bucket at any moment (a pass cut short too) holds what it reads.
+            for step in sorted(self.retention.plan(job).evict_remote, reverse=True):
                 if self._local_due:
                     # Bucket deletions are slow and many under a high save rate; the
                     # disk must not wait for them to finish: a local pass first.

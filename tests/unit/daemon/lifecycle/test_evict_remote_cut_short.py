@@ -189,3 +189,29 @@ def test_finishing_keeps_a_later_saves_copy_under_the_number(tmp_path: Path) -> 
         assert await remote.get_bytes(manifest_key("j", 0, NODE)) == later
 
     asyncio.run(body())
+
+
+def test_retention_takes_the_newest_step_out_of_the_bucket_first(tmp_path: Path) -> None:
+    """Steps 0, 1 and 2 in the bucket, retention keeps 1: step 1 goes before step 0.
+    An incremental step reads older steps' files, never newer ones, so whatever a pass
+    cut short leaves (an outage, a kill) holds what it reads."""
+
+    async def body() -> None:
+        remote, catalog, index = await two_steps_up(tmp_path)
+        await remote.put_bytes(manifest_key("j", 2, NODE), manifest(2, 0).to_json().encode())
+        await remote.put_bytes(marker_key("j", 2, NODE), b"")
+        await index.add("j", Entry(2))
+        await learn_own(catalog, index, "j")
+        ev = evictor(tmp_path, catalog, remote, index)
+        real_delete, order = remote.delete, []
+
+        async def delete(keys: list[str]) -> None:
+            order.extend(n for n in (0, 1, 2) if marker_key("j", n, NODE) in keys)
+            await real_delete(keys)
+
+        remote.delete = delete  # type: ignore[method-assign]
+        await ev.run_once()
+        assert order == [1, 0]
+        assert set(await NodeIndex(remote, NODE).entries("j")) == {2}
+
+    asyncio.run(body())
