@@ -3,12 +3,12 @@ are referenced (core/increments.py), only the rest is written.
 
 One pass over the lease first (crc32c of every shard and of the whole image, and,
 for a save without the trainer's word, the SHA-256 on two threads of each shard
-whose crc32c is its base's), then the decision, then the runs written with aligned
-``O_DIRECT`` writes like a full file. What the previous step holds is read back
-only for a digest it lacks of a shard that may be unchanged (it was written whole
-with none); its manifest says where each shard is and what its crc32c is. A save
-with no base, or one of a rank whose saves change every shard, skips the pass
-(:class:`Habits`).
+whose crc32c is its base's, or of every shard with no base), then the decision,
+then the runs written with aligned ``O_DIRECT`` writes like a full file. What the
+previous step holds is read back only for a digest it lacks of a shard that may be
+unchanged (it was written whole without a scan); its manifest says where each
+shard is and what its crc32c is. A save of a rank whose saves change every shard
+skips the pass (:class:`Habits`).
 """
 
 from __future__ import annotations
@@ -128,13 +128,10 @@ class Habits:
 
     def scans(self, req: CommitRequest, base: Base | None) -> bool:
         """Whether ``req``'s save scans before it writes (:func:`write`). A save with
-        no base has nothing to compare with: written whole, no digest computed (the
-        next save hashes a shard of it only where the crc32c is the same, from its
-        file: :func:`_with_digests`)."""
-        if base is None:
-            return False
+        no base always does: its digests spare the next save reading them back from
+        its file for every shard that did not change (a model's frozen weights)."""
         word = word_of(req, base)
-        if word is not None and word.any():
+        if base is None or (word is not None and word.any()):
             return True
         return (req.job, req.rank) not in self._changing
 
@@ -178,8 +175,8 @@ def scan(
 ) -> Scan:
     """crc32c of every shard and of the image (header + data), then SHA-256 of each
     shard that may equal the base's without the trainer's word for it: its crc32c is
-    the base's shard's at the same key (every shard, for a save with no base). A
-    shard whose crc differs changed: no digest."""
+    the base's shard's at the same key (every shard, for a save with no base, so that
+    the next save can compare). A shard whose crc differs changed: no digest."""
     flat = np.frombuffer(data, np.uint8)
     stream = checksum.FileCrc(header, layout.ranges, data_len, layout.pieces)
     stream.feed(flat, data_len)
