@@ -146,6 +146,10 @@ def test_a_forked_child_starts_watch_threads_of_its_own(daemon: Daemon) -> None:
             break
         done.wait(0.1)
     assert WATCHERS._idle
+    # The parent's reservation for its second save (gRPC calls on its lease thread)
+    # done first: a fork while another thread is inside a gRPC call leaves the
+    # child's gRPC unusable (it aborts), whatever the client does.
+    parent._saver.ahead.executor.submit(lambda: None).result(timeout=60)
     pid = os.fork()
     if pid == 0:  # the child: its watch must run though the parent's thread is not here
         code = 1
