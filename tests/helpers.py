@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -66,3 +67,10 @@ def load_goodput(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def reservations_done(client: Any, timeout: float = 60) -> None:
+    """Wait until ``client``'s reservations ahead of its next saves are done (white-box:
+    its lease thread runs them). They hold leases until mapped, and are gRPC calls: a
+    fork while one is in flight leaves the child's gRPC unusable."""
+    client._saver.ahead.executor.submit(lambda: None).result(timeout=timeout)

@@ -17,6 +17,7 @@ from ckptd.client.handle import WATCHERS
 from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
+from .helpers import reservations_done
 
 
 def leases_back(daemon: Daemon) -> None:
@@ -149,7 +150,7 @@ def test_a_forked_child_starts_watch_threads_of_its_own(daemon: Daemon) -> None:
     # The parent's reservation for its second save (gRPC calls on its lease thread)
     # done first: a fork while another thread is inside a gRPC call leaves the
     # child's gRPC unusable (it aborts), whatever the client does.
-    parent._saver.ahead.executor.submit(lambda: None).result(timeout=60)
+    reservations_done(parent)
     pid = os.fork()
     if pid == 0:  # the child: its watch must run though the parent's thread is not here
         code = 1

@@ -30,6 +30,8 @@ from ckptd.client.handle import SaveHandle
 from ckptd.daemon.app.launcher import ckptd_command
 from ckptd.daemon.local.staging import KEPT_SUFFIX, recorded_dir
 
+from ..helpers import reservations_done
+
 SHM = Path("/dev/shm")
 _probe_steps = itertools.count(int(time.time()))  # a new step for every probe
 
@@ -123,7 +125,7 @@ def check_no_leaks(daemon: Any, baseline: tuple[int, int] | None = None) -> None
     probe.save(next(_probe_steps), {"p": np.zeros(8)}).wait("local", timeout=60)
     # Its reservation for a second save holds leases until it has mapped them (a
     # background call on its lease thread): done first, it holds none after.
-    probe._saver.ahead.executor.submit(lambda: None).result(timeout=60)
+    reservations_done(probe)
     status = daemon.status()
     assert status.leases_held == 0, f"{status.leases_held} leases still held"
     assert status.saves_in_flight == 0

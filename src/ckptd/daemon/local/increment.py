@@ -135,17 +135,28 @@ class Habits:
             return True
         return (req.job, req.rank) not in self._changing
 
-    def learn(self, req: CommitRequest, base: Base | None, crcs: Any) -> None:
-        """``req``'s rank is written, its shards' crc32c ``crcs``: whether any may
-        equal its base's decides whether the next save scans."""
+    def learn(self, req: CommitRequest, base: Base | None, alike: bool) -> None:
+        """``req``'s rank is written; ``alike``: whether any of its shards' crc32c
+        equals its base's at the same key (:func:`alike`). It decides whether the
+        next save scans."""
         key = (req.job, req.rank)
-        if (
-            base is not None
-            and not increments.candidates(req.table.keys, crcs, base.previous).any()
-        ):
+        if base is not None and not alike:
             self._changing.add(key)
         else:
             self._changing.discard(key)
+
+
+def alike(req: CommitRequest, base: Base | None, done: Written | Scan | None, crcs: Any) -> bool:
+    """Whether any shard of ``req`` may equal its base's (the same key, the same
+    crc32c): the scan's answer (``done``, :func:`write`'s result), else its shards'
+    crc32c ``crcs`` compared (per-shard Python: on a thread for many shards)."""
+    if isinstance(done, Written):
+        return True  # it references some
+    if done is not None:
+        return done.alike
+    return base is not None and bool(
+        increments.candidates(req.table.keys, crcs, base.previous).any()
+    )
 
 
 def word_of(req: CommitRequest, base: Base | None) -> npt.NDArray[np.bool_] | None:
@@ -162,6 +173,8 @@ class Scan:
     image_crc: int
     digests: list[str] | None
     """Per shard, its SHA-256 where computed (``""`` elsewhere); None: none computed."""
+    alike: bool
+    """Whether any shard's crc32c is its base's at the same key (False: no base)."""
 
 
 def scan(
@@ -183,18 +196,19 @@ def scan(
     image_crc, crcs = stream.result()
     worded = word if word is not None else np.zeros(len(crcs), bool)
     if base is None:
-        todo = np.flatnonzero(~worded)
+        todo, same = np.flatnonzero(~worded), False
     else:
-        todo = np.flatnonzero(increments.candidates(req.table.keys, crcs, base.previous) & ~worded)
+        maybe = increments.candidates(req.table.keys, crcs, base.previous)
+        todo, same = np.flatnonzero(maybe & ~worded), bool(maybe.any())
     if not len(todo):
-        return Scan(crcs, image_crc, None)
+        return Scan(crcs, image_crc, None, same)
     futures = {
         i: DIGESTS.submit(increments.digest, data[o : o + n])
         for i in todo.tolist()
         for o, n in [layout.ranges[i]]
     }
     digests = [futures[i].result() if i in futures else "" for i in range(len(crcs))]
-    return Scan(crcs, image_crc, digests)
+    return Scan(crcs, image_crc, digests, same)
 
 
 @dataclass(frozen=True)

@@ -293,8 +293,11 @@ class Saver:
                 spare = self.store.take_spare(len(layout.header) + data_len)
                 args_w = (pending, req, layout, data, data_len, digests, spare)
                 record, shards = await write_whole(run, *args_w)
-            if incremental:
-                self.habits.learn(req, base, shards.crc32c)
+            if incremental:  # the scan's answer, else a pass over crcs (a thread for many)
+                args_a = (req, base, done, shards.crc32c)
+                slow = many and done is None
+                same = await run(increment.alike, *args_a) if slow else increment.alike(*args_a)
+                self.habits.learn(req, base, same)
             if req.data_offset == 0 and self.memory is not None and self.memory.steps:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             pending.ranks[req.rank] = (record, shards, req.metadata)
