@@ -16,6 +16,8 @@ torch tensors (``torch.from_numpy`` views), each changed in place before every s
 - first saves: each daemon arm's first and second save of a new client process
   (fresh segments), beside its steady median; ``default-reserve`` is the default
   daemon whose new client reserved its first saves' memory (``Client.reserve``);
+  ``default-restored`` the default daemon whose new client restored first (a
+  restarted trainer: its restore makes its first saves' memory ready);
 - peers (``make bench-peers``; ``--no-peers`` leaves them out): NVRx async save and DLRover flash
   checkpoint (bench/peer_arms.py) on the same tensors in this process: the time the
   caller is blocked, and to durable (their file written and fsynced, as LOCAL is).
@@ -49,6 +51,7 @@ from ckptd.client import Client
 DAEMONS: dict[str, list[str]] = {
     "default": [],
     "default-reserve": [],
+    "default-restored": [],
     "no-memory-tier": ["--memory-tier-steps", "0"],
     "no-incremental": ["--no-incremental"],
 }
@@ -56,6 +59,11 @@ RESERVE = "reserve"
 """Arms whose new client calls ``Client.reserve(state)`` (waited for) before its first
 save: the first saves' segments made and mapped ahead, as a trainer declares its state
 before training."""
+RESTORED = "restored"
+"""Arms whose new client is a restarted trainer's: it restores the step an earlier
+client of the same job saved, copies it into the state, and waits until the
+memory its restore had made ahead for its first saves is ready (a restarted
+trainer's first steps, its compilation among them, take longer than that)."""
 SHAPES = ("8x", "transformer")
 GOALS = {"save": 1.1, "local": 1.1, "first": 1.2}
 
@@ -90,6 +98,7 @@ class Arm:
         self.local: list[float] = []
         self.first: list[float] = []
         self.step = 0
+        self.restore_s = self.ahead_s = 0.0  # a restarted trainer's restore; then ready
 
     def open(self, state: dict[str, torch.Tensor]) -> None:
         """A new client (a new trainer process's first saves map fresh segments, unless
@@ -99,6 +108,24 @@ class Arm:
         self.client = Client(self.job, socket=self.daemon.socket, timeout=300.0)
         if RESERVE in self.name:
             self.client.reserve(state).result(timeout=600)
+        if RESTORED in self.name:
+            self.restart(state)
+
+    def restart(self, state: dict[str, torch.Tensor]) -> None:
+        """An earlier process saved; this one restores it into ``state``."""
+        assert self.client is not None
+        with Client(self.job, socket=self.daemon.socket, timeout=300.0) as before:
+            before.save(self.step, state).wait("local", timeout=600)
+        self.step += 1
+        t0 = time.perf_counter()
+        tree, _ = self.client.restore()
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            for k, t in state.items():
+                t.copy_(torch.as_tensor(tree[k]))
+        del tree
+        self.client._saver.ahead.executor.submit(lambda: None).result(timeout=600)
+        self.restore_s, self.ahead_s = t1 - t0, time.perf_counter() - t1
 
     def one(self, state: dict[str, torch.Tensor]) -> tuple[float, float]:
         """Save ``state`` under the next step: (``save()`` blocked, to LOCAL)."""
@@ -224,6 +251,8 @@ def run_shape(args: argparse.Namespace, shape: str, run_dir: Path) -> dict[str, 
             "local_over_floor": med(arm.local) / floor_local,
             "first_over_steady": [f / steady for f in arm.first] if steady else [],
         }
+        if RESTORED in arm.name:
+            out["arms"][arm.name] |= {"restore_s": arm.restore_s, "ready_after_s": arm.ahead_s}
     return out
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from ckptd.client import Client
 
+from .helpers import reservations_done
+
 MiB = 2**20
 
 
@@ -65,7 +67,7 @@ def test_the_second_save_finds_its_segment_made_and_mapped(
     d = make_daemon()
     c = d.client("second")
     c.save(0, state(0)).wait("local", timeout=120)
-    c._saver._leaser.submit(lambda: None).result(timeout=120)  # the reservation, done
+    reservations_done(c, 120)  # the second's reservation, done
     made = d.status().staging_segments_created + d.status().staging_spares_made
     seen = mapped_in_saves(c, monkeypatch)
     for step in (1, 2, 3):
@@ -108,9 +110,35 @@ def test_a_reservation_of_another_size_is_let_go(
     assert c.reserve({"w": np.zeros(MiB // 8)}).result(timeout=120) == 2
     big = state(0)
     c.save(0, big).wait("local", timeout=120)
-    c._saver._leaser.submit(lambda: None).result(timeout=120)  # the second's, made
+    reservations_done(c, 120)  # the second's, made
     seen = mapped_in_saves(c, monkeypatch)
     for step in (1, 2):
         c.save(step, state(step)).wait("local", timeout=120)
     assert seen == []
     assert c._handoff._premapped == {}
+
+
+def test_a_restarted_trainer_restores_and_its_first_saves_make_and_map_nothing(
+    make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new process's restore of its own rank tells the state's size: its first saves'
+    segments are made and mapped ahead, as if it had called reserve()."""
+    d = make_daemon()
+    before = d.client("restarted")
+    for step in (0, 1):
+        before.save(step, state(step)).wait("local", timeout=120)
+    before.close()
+    c = d.client("restarted")
+    tree, _ = c.restore()
+    reservations_done(c, 120)
+    made = d.status().staging_segments_created + d.status().staging_spares_made
+    seen = mapped_in_saves(c, monkeypatch)
+    for step in (2, 3, 4):
+        c.save(step, {k: v + step for k, v in tree.items()}).wait("local", timeout=120)
+    st = d.status()
+    assert seen == []
+    assert st.staging_segments_created + st.staging_spares_made == made
+    back, _ = c.restore()  # a save came first: nothing more reserved
+    reservations_done(c, 120)
+    assert d.status().staging_segments_created + d.status().staging_spares_made == made
+    assert all(np.array_equal(back[k], v + 4) for k, v in tree.items())

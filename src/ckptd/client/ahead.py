@@ -10,8 +10,9 @@ stays in the tier, so the second needs another.
 - :func:`warm_imports`, on a thread when a client is made: the converters' modules
   of the frameworks the program has imported.
 - :class:`Reserver`: once the state's size is known (declared with
-  ``Client.reserve(tree)`` before the first save; after the first save for the
-  second), the segments those saves will be granted are asked for on a thread,
+  ``Client.reserve(tree)`` before the first save; learnt from a restore of the
+  process's own rank, as a restarted trainer's first call; after the first save
+  for the second), the segments those saves will be granted are asked for on a thread,
   mapped (handoff.py keeps the mapping for the saves granted those segments, until
   two saves have been) and given back at once: they wait free in the daemon's
   pool, faulted in. No lease is held between saves, so nothing can expire or hold
@@ -65,6 +66,29 @@ class Reserver:
         self.rank = rank
         self.executor = executor
         self._memory_tier: bool | None = None  # asked once
+        self.size: int | None = None
+        """The lease size made ready for the first saves (declared or restored)."""
+        self.saved = False
+
+    def first_saves(self, size: int) -> Future[int]:
+        """The first saves' segments of ``size`` bytes made ahead: the state's size
+        declared (``Client.reserve``) or learnt from a restore of this rank."""
+        self.size = size
+        return self.reserve(size)
+
+    def restored(self, size: int) -> None:
+        """This rank restored a step whose save took a lease of ``size`` bytes: the
+        first saves, likely of its size (a restarted trainer saves what it restored),
+        have their segments made ahead unless a save or a reservation came first."""
+        if not self.saved and self.size is None:
+            self.first_saves(size)
+
+    def after_first(self, size: int) -> None:
+        """The first save handed off (``size`` bytes): the second's segment made ahead
+        unless the first saves' were, of this size."""
+        self.saved = True
+        if size != self.size:
+            self.second(size)
 
     def reserve(self, size: int, count: int | None = None, tier_only: bool = False) -> Future[int]:
         """Have ``count`` segments of ``size`` bytes made and mapped (None: as many as

@@ -18,7 +18,7 @@ from . import restore_flow
 from .ahead import warm_imports
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
-from .handoff import Handoff
+from .handoff import Handoff, lease_size
 from .leaves.jax_arrays import Replicas
 from .low_level import LowLevel
 from .policies import FailureHistory, SaveContext, SavePolicy
@@ -355,8 +355,16 @@ class Client:
         them in every floating shard as it saves; ``CheckpointInfo.healthy``): the
         newest such step, the "last known good" after a divergence. Steps saved by a
         ckptd that did not count them are not known healthy.
+
+        A process's first restore of its own rank, before it saves, also has its first
+        saves' staging memory made ready on a thread, of the restored step's size (as
+        :meth:`reserve` does): a restarted trainer's first saves are as fast as later
+        ones. It uses only free room and holds nothing between saves.
         """
-        # A restarting daemon is waited for (reconnect_timeout), like a save.
+        # A restarting daemon is waited for (reconnect_timeout), like a save. A
+        # restore of this rank tells its size: the first saves' memory made ahead.
+        own = rank is None or rank == self.rank
+        ahead = (lambda n: self._saver.ahead.restored(lease_size(n))) if own else None
         return self._handoff.retrying(
             f"job {self.job!r} was not restored",
             lambda: restore_flow.restore(
@@ -368,6 +376,7 @@ class Client:
                 shared_memory,
                 self._handoff.liveness.metadata(),
                 healthy,
+                ahead,
             ),
         )
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from ckptd.core.errors import CheckpointCorrupt, CheckpointNotFound, CkptdError
 from ckptd.core.session import open_readable
+from ckptd.core.shard_table import table_of
 from ckptd.core.wire import Connection
 from ckptd.proto import ckptd_pb2 as pb
 
@@ -34,8 +35,10 @@ def restore(
     shared_memory: bool,
     metadata: tuple[tuple[str, str], ...] = (),
     healthy: bool = False,
+    restored: Callable[[int], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """See :meth:`ckptd.client.Client.restore` (``metadata``: the liveness header)."""
+    """See :meth:`ckptd.client.Client.restore` (``metadata``: the liveness header;
+    ``restored``: told the rank's data length in bytes once it is restored)."""
 
     def opener(path: str) -> int:
         return open_readable(conn.session, path)
@@ -64,11 +67,15 @@ def restore(
 
         try:
             if resp.HasField("lease"):
-                return adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
-            mm = mapped_views.map_file_verified(
-                resp.directory, manifest, rank, opener, holders=holders
-            )
-            return mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
+                out = adopt_segment(conn, rank, resp, manifest, leaf_builder, target, adopt)
+            else:
+                mm = mapped_views.map_file_verified(
+                    resp.directory, manifest, rank, opener, holders=holders
+                )
+                out = mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
+            if restored is not None:
+                restored(int(table_of(manifest).of_rank(rank).length.sum()))
+            return out
         except rank_files.Gone as gone:  # evicted between the answer and the open
             log.info("step %d of job %s: %s", resp.step, job, gone)
             if attempt == 7:

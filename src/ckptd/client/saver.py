@@ -88,7 +88,6 @@ class Saver:
         self._committer = ThreadPoolExecutor(1, "ckptd-commit")
         self.ahead = Reserver(handoff, rank, self._leaser)
         """Staging memory made and mapped before the saves that take it (ahead.py)."""
-        self._reserved: int | None = None  # the lease size Client.reserve made ready
         self._copy_job: Future[None] | None = None
         self._cuda: DeviceCopies | None = None
         self._routes = Routes(self.device_copies)
@@ -337,14 +336,13 @@ class Saver:
         """:meth:`Client.reserve`: plan ``tree``; its first saves' segments made ahead."""
         trust = self.trust_torch_versions, self.trust_jax_arrays
         plan, _ = self.planner.plan(tree, self.incremental, *trust)
-        self._reserved = lease_size(plan.data_len)
-        return self.ahead.reserve(self._reserved)
+        return self.ahead.first_saves(lease_size(plan.data_len))
 
     def _saved(self, handle: SaveHandle, started: float, size: int) -> SaveHandle:
         """Bookkeeping after a handoff: the last save, for should_save(); after the
         first, the second's segment made and mapped ahead (ahead.py)."""
-        if self.last is None and size != self._reserved:  # not reserved (or not its size)
-            self.ahead.second(size)
+        if self.last is None:
+            self.ahead.after_first(size)
         self.last, self.last_at, self.last_bytes = handle, started, size
         self._reached, self._watch = set(), {}
         # Start watching now, so a save that reaches the stage before the next
