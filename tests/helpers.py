@@ -74,3 +74,15 @@ def reservations_done(client: Any, timeout: float = 60) -> None:
     its lease thread runs them). They hold leases until mapped, and are gRPC calls: a
     fork while one is in flight leaves the child's gRPC unusable."""
     client._saver.ahead.executor.submit(lambda: None).result(timeout=timeout)
+
+
+def setpriv(user: str, group: str | None = None) -> list[str]:
+    """The command prefix that runs a command as ``user`` (with ``group``: as its one
+    group, else keeping this process's groups, as ``Popen(user=...)`` does).
+
+    setpriv switches after the exec: with ``user=`` Popen forks rather than vforks,
+    which runs gRPC's fork handlers in this gRPC-using process, and those can
+    deadlock against gRPC's own timer thread (a test run hung in one)."""
+    if group is None:
+        return ["setpriv", f"--reuid={user}", "--keep-groups", "--"]
+    return ["setpriv", f"--reuid={user}", f"--regid={group}", f"--groups={group}", "--"]

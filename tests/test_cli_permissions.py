@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from .conftest import RemoteTarget
+from .helpers import setpriv
 from .test_remote_tier import remote_daemon
 from .test_security import USERS, _ensure_users, _world_usable
 
@@ -51,8 +52,7 @@ def shared_base() -> Iterator[Path]:
 
 def ckptd_as_user(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*_cli_as_user(), *args],
-        user=USER,
+        [*setpriv(USER), *_cli_as_user(), *args],
         env={**os.environ, "HOME": "/tmp", "CKPTD_SOCKET": "/nonexistent/ckptd.sock"},
         capture_output=True,
         text=True,

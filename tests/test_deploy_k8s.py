@@ -24,6 +24,7 @@ from ckptd.core.wire import Connection
 from ckptd.daemon.app import config
 from ckptd.proto import ckptd_pb2 as pb
 
+from .helpers import setpriv
 from .test_security import GROUP, USERS, _ensure_users, _python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,9 +209,7 @@ def _serve_as(user: str, root: Path, socket: Path) -> subprocess.Popen[str]:
         ]
     args = ["serve", "--root", str(root), "--socket", str(socket), "--metrics-address", "off"]
     return subprocess.Popen(
-        [*python, *module, *args],
-        user=user,
-        group=GROUP,
+        [*setpriv(user, GROUP), *python, *module, *args],
         env={**os.environ, "HOME": "/tmp"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -18,7 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ import pytest
 
 from ckptd.daemon.app.launcher import DaemonProcess
 from ckptd.daemon.local.staging import recorded_dir
+
+from .helpers import setpriv
 
 WORKER = Path(__file__).with_name("security_worker.py")
 GROUP = "ckptd-clients"
@@ -88,15 +90,12 @@ def _ensure_users() -> None:
             )
 
 
-def as_user(user: str) -> dict[str, Any]:
-    """``subprocess`` keyword arguments running a command as ``user``, a member of
-    the socket group."""
-    return {
-        "user": user,
-        "group": GROUP,
-        "extra_groups": [GROUP],
-        "env": {**os.environ, "HOME": "/tmp"},
-    }
+def as_user(user: str, argv: Sequence[str]) -> dict[str, Any]:
+    """``subprocess`` keyword arguments, ``args`` among them, running ``argv`` as
+    ``user``, a member of the socket group.
+
+    The switch is setpriv's, after the exec (:func:`tests.helpers.setpriv`)."""
+    return {"args": [*setpriv(user, GROUP), *argv], "env": {**os.environ, "HOME": "/tmp"}}
 
 
 @contextlib.contextmanager
@@ -138,8 +137,7 @@ class Node:
 
     def run(self, user: str, action: str, job: str, *args: str) -> dict[str, Any]:
         proc = subprocess.Popen(
-            [*_python(), str(WORKER), str(self.daemon.socket), action, job, *args],
-            **as_user(user),
+            **as_user(user, [*_python(), str(WORKER), str(self.daemon.socket), action, job, *args]),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -159,8 +157,7 @@ class Node:
 
     def hold_lease(self, user: str, job: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
         proc = subprocess.Popen(
-            [*_python(), str(WORKER), str(self.daemon.socket), "hold-lease", job],
-            **as_user(user),
+            **as_user(user, [*_python(), str(WORKER), str(self.daemon.socket), "hold-lease", job]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

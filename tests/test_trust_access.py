@@ -48,8 +48,7 @@ class Node:
 
     def run(self, user: str, action: str, job: str, *args: str) -> dict[str, Any]:
         out = subprocess.run(
-            self._cmd(action, job, *args),
-            **as_user(user),
+            **as_user(user, self._cmd(action, job, *args)),
             capture_output=True,
             text=True,
             timeout=120,
@@ -60,8 +59,7 @@ class Node:
 
     def start(self, user: str, action: str, job: str, *args: str) -> Worker:
         proc = subprocess.Popen(
-            self._cmd(action, job, *args),
-            **as_user(user),
+            **as_user(user, self._cmd(action, job, *args)),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -201,8 +201,7 @@ def shared_node() -> Iterator[DaemonProcess]:
 def _as(user: str, socket: Path, *args: str, hold: bool = False) -> subprocess.Popen[str]:
     """The worker as ``user``; ``hold``: a trainer that keeps its session (a lease)."""
     proc = subprocess.Popen(
-        [*_python(), str(WORKER), str(socket), *args],
-        **as_user(user),
+        **as_user(user, [*_python(), str(WORKER), str(socket), *args]),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

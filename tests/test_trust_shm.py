@@ -31,6 +31,7 @@ from ckptd.daemon.local.segments import (
 from ckptd.daemon.local.staging import segment_prefix
 
 from .conftest import Daemon
+from .helpers import setpriv
 from .test_security import USERS, _ensure_users
 
 SHM = Path("/dev/shm")
@@ -84,9 +85,8 @@ def _next_save_elsewhere(daemon: Daemon) -> None:
 def _plant_as(user: str, path: Path, data: bytes) -> bool:
     """Create ``path`` (mode 0666) holding ``data`` as ``user``; whether it could."""
     out = subprocess.run(
-        ["/bin/sh", "-c", 'umask 0; cat > "$1"', "sh", str(path)],
+        [*setpriv(user), "/bin/sh", "-c", 'umask 0; cat > "$1"', "sh", str(path)],
         input=data,
-        user=user,
         capture_output=True,
         timeout=60,
     )
@@ -165,7 +165,7 @@ def test_an_older_daemons_segment_is_moved_in_and_replayed(make_daemon: Any) -> 
 def _mkdir_as(user: str, path: Path) -> None:
     """Make the directory ``path`` (mode 0777) as ``user``, as any local user may in
     /dev/shm."""
-    subprocess.run(["mkdir", "-m", "0777", str(path)], user=user, check=True, timeout=60)
+    subprocess.run([*setpriv(user), "mkdir", "-m", "0777", str(path)], check=True, timeout=60)
 
 
 def test_a_directory_another_user_made_first_keeps_no_daemon_from_starting(

@@ -221,7 +221,7 @@ def test_a_user_saving_keeps_its_fair_part_while_another_holds_leases() -> None:
     a, b = USERS
     with _node() as node:  # the default share
         cmd = [*_python(), str(ACCESS_WORKER), str(node.daemon.socket), "save-again", "jb", "1"]
-        trainer = Worker(subprocess.Popen([*cmd, "5"], **as_user(b), **_PIPES))
+        trainer = Worker(subprocess.Popen(**as_user(b, [*cmd, "5"]), **_PIPES))
         procs: list[Any] = []
         try:
             assert trainer.read().get("ok"), "b's first save failed"  # b's trainer lives on

@@ -95,8 +95,7 @@ class User:
         # Its stderr, read back when it stops answering (a crash, a stack dump).
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [*_python(), str(USER_WORKER), str(socket)],
-            **as_user(name),
+            **as_user(name, [*_python(), str(USER_WORKER), str(socket)]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
