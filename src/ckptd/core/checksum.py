@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import base64
 import functools
-import itertools
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from pathlib import Path
 
 import google_crc32c
@@ -113,32 +111,6 @@ def extend(crc: int, data: bytes | bytearray | memoryview | np.ndarray) -> int:
         # google-crc32c takes numpy arrays but not writable memoryviews; this is a view.
         data = np.frombuffer(data, np.uint8)
     return int(google_crc32c.extend(crc, data))
-
-
-def value_split(
-    data: memoryview | np.ndarray, pool: Executor, parts: int, chunk: int = 64 * 2**20
-) -> int:
-    """crc32c of ``data`` in up to ``parts`` pieces at once, the calling thread taking
-    the first and ``pool`` the others, combined (google-crc32c lets go of the GIL):
-    a check that one core's crc32c would bound. Pieces of at least ``chunk`` bytes,
-    each read ``chunk`` bytes at a time."""
-    flat = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-    n = len(flat)
-    parts = max(1, min(parts, n // chunk))
-    bounds = [n * i // parts for i in range(parts + 1)]
-
-    def piece(lo: int, hi: int) -> int:
-        crc = 0
-        for pos in range(lo, hi, chunk):
-            crc = int(google_crc32c.extend(crc, flat[pos : min(pos + chunk, hi)]))
-        return crc
-
-    spans = list(itertools.pairwise(bounds))
-    others = [pool.submit(piece, lo, hi) for lo, hi in spans[1:]]
-    crc = piece(*spans[0])
-    for (lo, hi), f in zip(spans[1:], others, strict=True):
-        crc = combine(crc, f.result(), hi - lo)
-    return crc
 
 
 def to_base64(crc: int) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import google_crc32c
 import numpy as np
 import pytest
@@ -94,11 +92,3 @@ def test_file_crc_refuses_overlapping_shards_and_an_unfinished_feed() -> None:
     stream.feed(np.zeros(200, np.uint8), 150)
     with pytest.raises(ValueError, match="only 150 bytes"):
         stream.result()
-
-
-@pytest.mark.parametrize("n", [0, 1, 4095, 3 * 4096 + 17, 10 * 4096])
-@pytest.mark.parametrize("parts", [1, 2, 3, 4])
-def test_a_crc_in_pieces_at_once_is_the_crc_of_the_whole(n: int, parts: int) -> None:
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        assert crc.value_split(memoryview(data), pool, parts, chunk=4096) == crc.value(data)

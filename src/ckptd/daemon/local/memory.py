@@ -41,7 +41,6 @@ Rules (docs/architecture.md, "The memory tier"):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
@@ -66,10 +65,6 @@ log = logging.getLogger("ckptd.memory")
 
 CHECK_CHUNK = 64 * 2**20
 """Bytes checksummed per call (the event loop is never blocked: a thread runs it)."""
-CHECK_PARTS = max(1, min(4, os.cpu_count() or 1))
-"""A copy's check runs in this many pieces at once: a restore that waits on it is
-bound by memory bandwidth, not by one core's crc32c."""
-CHECKS = concurrent.futures.ThreadPoolExecutor(max(1, CHECK_PARTS - 1), "ckptd-check")
 
 Spawn = Callable[[str, Coroutine[Any, Any, None]], None]
 
@@ -431,5 +426,8 @@ def _intact(k: Kept) -> bool:
     """crc32c of the header (recorded) and the kept data section, combined, against
     the rank file's crc32c recorded at commit."""
     im = k.image
-    crc = checksum.value_split(k.segment.view(0, im.data_len), CHECKS, CHECK_PARTS, CHECK_CHUNK)
+    view = k.segment.view(0, im.data_len)
+    crc = 0
+    for pos in range(0, im.data_len, CHECK_CHUNK):
+        crc = checksum.extend(crc, view[pos : pos + CHECK_CHUNK])
     return checksum.combine(im.header_crc, crc, im.data_len) == im.file_crc
