@@ -26,12 +26,13 @@ import importlib
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from ckptd.core.errors import CkptdError
 from ckptd.proto import ckptd_pb2 as pb
 
-from .handoff import MAPPED_SEGMENTS, Handoff
+from .handoff import MAPPED_SEGMENTS, Handoff, lease_size
 
 log = logging.getLogger("ckptd.client")
 
@@ -67,8 +68,7 @@ class Reserver:
         self.executor = executor
         self._memory_tier: bool | None = None  # asked once
         self.size: int | None = None
-        """The lease size made ready for the first saves (declared or restored)."""
-        self.saved = False
+        """The lease size the first saves take, once known: declared, restored, saved."""
 
     def first_saves(self, size: int) -> Future[int]:
         """The first saves' segments of ``size`` bytes made ahead: the state's size
@@ -76,19 +76,19 @@ class Reserver:
         self.size = size
         return self.reserve(size)
 
-    def restored(self, size: int) -> None:
-        """This rank restored a step whose save took a lease of ``size`` bytes: the
-        first saves, likely of its size (a restarted trainer saves what it restored),
-        have their segments made ahead unless a save or a reservation came first."""
-        if not self.saved and self.size is None:
-            self.first_saves(size)
+    def restored(self, data_len: Callable[[], int]) -> None:
+        """This rank restored a step of ``data_len()`` bytes: the first saves, likely of
+        its size (a restarted trainer saves what it restored), have their segments made
+        ahead unless a save or a reservation told the size first."""
+        if self.size is None:
+            self.first_saves(lease_size(data_len()))
 
     def after_first(self, size: int) -> None:
         """The first save handed off (``size`` bytes): the second's segment made ahead
         unless the first saves' were, of this size."""
-        self.saved = True
         if size != self.size:
             self.second(size)
+        self.size = size
 
     def reserve(self, size: int, count: int | None = None, tier_only: bool = False) -> Future[int]:
         """Have ``count`` segments of ``size`` bytes made and mapped (None: as many as

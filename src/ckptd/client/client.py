@@ -18,7 +18,7 @@ from . import restore_flow
 from .ahead import warm_imports
 from .goodput import Goodput
 from .handle import CheckpointInfo, SaveHandle
-from .handoff import Handoff, lease_size
+from .handoff import Handoff
 from .leaves.jax_arrays import Replicas
 from .low_level import LowLevel
 from .policies import FailureHistory, SaveContext, SavePolicy
@@ -364,7 +364,7 @@ class Client:
         # A restarting daemon is waited for (reconnect_timeout), like a save. A
         # restore of this rank tells its size: the first saves' memory made ahead.
         own = rank is None or rank == self.rank
-        ahead = (lambda n: self._saver.ahead.restored(lease_size(n))) if own else None
+        ahead = self._saver.ahead.restored if own else None
         return self._handoff.retrying(
             f"job {self.job!r} was not restored",
             lambda: restore_flow.restore(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,11 @@ from .shards import CorruptShard, MissingShards, ShardReader
 log = logging.getLogger("ckptd.client")
 
 
+def _data_len(manifest: dict[str, Any], rank: int) -> int:
+    """The bytes of ``rank``'s shards in a step: what its save's lease held."""
+    return int(table_of(manifest).of_rank(rank).length.sum())
+
+
 def restore(
     conn: Connection,
     job: str,
@@ -35,10 +41,11 @@ def restore(
     shared_memory: bool,
     metadata: tuple[tuple[str, str], ...] = (),
     healthy: bool = False,
-    restored: Callable[[int], None] | None = None,
+    restored: Callable[[Callable[[], int]], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """See :meth:`ckptd.client.Client.restore` (``metadata``: the liveness header;
-    ``restored``: told the rank's data length in bytes once it is restored)."""
+    ``restored``: once the rank is restored, given its data length in bytes, as a
+    function: the manifest's table is read again only if it is called)."""
 
     def opener(path: str) -> int:
         return open_readable(conn.session, path)
@@ -74,7 +81,7 @@ def restore(
                 )
                 out = mapped_views.build_tree(mm, manifest, rank, 0, leaf_builder, target, adopt)
             if restored is not None:
-                restored(int(table_of(manifest).of_rank(rank).length.sum()))
+                restored(partial(_data_len, manifest, rank))
             return out
         except rank_files.Gone as gone:  # evicted between the answer and the open
             log.info("step %d of job %s: %s", resp.step, job, gone)
