@@ -105,13 +105,9 @@ class Daemon:
         )
         self.access = Access(local.root, self.staging, opts.api.sharing, owners)
         self.memory = MemoryTier(
-            self.staging,
-            self.catalog,
-            local.memory_tier_steps,
-            local.memory_tier_bytes,
-            self.supervisor.spawn,
-            room,
-        )
+            self.staging, self.catalog, local.memory_tier_steps, local.memory_tier_bytes,
+            self.supervisor.spawn, room,
+        )  # fmt: skip
         self.journal = Journal(local.root)
         self.history = JobHistory(local.root / HISTORY_FILE, nodes=self._node_totals)
         self.saver = Saver(
@@ -127,6 +123,7 @@ class Daemon:
             Increments(
                 local.incremental, local.incremental_max_files, local.incremental_full_every
             ),
+            local.supersede_unwritten,
         )
         self.disk = DiskSpace(
             local.root, local.local_low_watermark, local.local_floor, measure_space
@@ -221,6 +218,7 @@ class Daemon:
             Chooser(self.catalog, tiers, local_tier),
             local_tier,
             self.bucket,
+            self.saver.newest_written,
         )
 
     def _build_lifecycle(self, opts: Options) -> None:

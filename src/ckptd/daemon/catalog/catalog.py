@@ -207,17 +207,22 @@ class Catalog(StepTable):
         )
         self._emit(st, pb.STEP_EVENT_LOCAL, f"{manifest.size_bytes} bytes")
 
-    def failed(self, st: Step, reason: str, stage: str) -> None:
-        """The save (``stage`` = "local") or its upload ("remote") failed for good.
-        A step that already failed, or left the catalog meanwhile, stays as it is."""
-        if st.state in (FAILED, NEW):
+    def failed(self, st: Step, reason: str, stage: str, newer: bool = False) -> None:
+        """The save (``stage`` = "local") or its upload ("remote") failed for good;
+        ``newer``: a save the job's newer save took the place of before its write
+        began (SUPERSEDED, then forgotten: local/order.py). A step that already
+        failed, or left the catalog meanwhile, stays as it is."""
+        if st.state in (FAILED, SUPERSEDED, NEW):
             return
-        self._move(st, FAILED, error=reason)
+        self._move(st, SUPERSEDED if newer else FAILED, error=reason)
         if stage == "local":  # the number is the older save's again, in the bucket too
             self.retracted(st.job, st.step, st.timeline)
         if self._steps.get(st.key) is st:
             self._relineage(st.job, st)  # a fork whose only save failed is forgotten
-        self._emit(st, pb.STEP_EVENT_FAILED, reason, stage=stage)
+        kind = pb.STEP_EVENT_SUPERSEDED if newer else pb.STEP_EVENT_FAILED
+        self._emit(st, kind, reason, stage=stage)
+        if newer:  # no copy anywhere: out of the table
+            self._forget_superseded(st)
 
     def abandoned(self, st: Step, reason: str) -> None:
         """An adoption that never committed: the step is forgotten."""

@@ -23,8 +23,10 @@ TRANSITIONS: Mapping[int, frozenset[int]] = {
     # A save or an adoption begins; a step found on disk at start-up; one only the
     # bucket holds.
     NEW: frozenset({STAGING, LOCAL, DURABLE}),
-    # Committed locally; failed; an adoption that never committed is forgotten (NEW).
-    STAGING: frozenset({LOCAL, FAILED, NEW}),
+    # Committed locally; failed; an adoption that never committed is forgotten (NEW);
+    # a newer save of the job was acknowledged before its write began (SUPERSEDED,
+    # then forgotten: local/order.py).
+    STAGING: frozenset({LOCAL, FAILED, SUPERSEDED, NEW}),
     # The drain takes it; a newer step went up instead; found complete in the bucket
     # at start-up; evicted (NEW) when no tier keeps it.
     LOCAL: frozenset({DRAINING, SUPERSEDED, DURABLE, NEW}),
@@ -208,7 +210,7 @@ class Step:
     def in_lineage(self) -> bool:
         """Counts for the job's timelines: a save in flight or a step with a copy
         somewhere (a save that failed with nothing kept does not)."""
-        return self.state != FAILED or self.local or self.in_remote
+        return self.state not in (FAILED, SUPERSEDED) or self.local or self.in_remote
 
     @property
     def local(self) -> bool:
@@ -255,8 +257,8 @@ class Step:
         """Will it never reach ``target``?"""
         if self.reached(target):
             return False
-        if target == LOCAL:
-            return self.state == FAILED
+        if target == LOCAL:  # failed, or a newer save was written instead
+            return self.state in (FAILED, SUPERSEDED)
         # A FAILED upload with its local copy is tried again later (the drain).
         return self.state == SUPERSEDED or (self.state == FAILED and not self.local)
 

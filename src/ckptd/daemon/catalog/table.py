@@ -53,6 +53,9 @@ class StepTable(EventLog):
         and the timeline their first blind save began (0: none yet)."""
         self._on_disk: set[str] = set()
         """Jobs the local tier held a step of at start-up."""
+        self._superseded: dict[tuple[str, int], Step] = {}
+        """The newest saves superseded before their write began (no copy, so out of
+        the table): what a status asks of them answers SUPERSEDED, not NotFound."""
 
     # -- what the bucket holds, unseen --------------------------------------------
     def blind(self, job: str) -> None:
@@ -175,6 +178,16 @@ class StepTable(EventLog):
         self._relineage(st.job, st)
         return st
 
+    def _forget_superseded(self, st: Step) -> None:
+        """``st`` (SUPERSEDED, no copy anywhere) leaves the table; the newest 256 such
+        are remembered for :meth:`wait`."""
+        if self._steps.get(st.key) is st:
+            del self._steps[st.key]
+        self._superseded.pop(st.key, None)
+        self._superseded[st.key] = st
+        while len(self._superseded) > 256:
+            del self._superseded[next(iter(self._superseded))]
+
     def _drop(self, st: Step) -> None:
         self._move(st, NEW)
         if self._steps.get(st.key) is st:
@@ -265,19 +278,22 @@ class StepTable(EventLog):
     async def wait(self, job: str, step: int, target: int, timeout: float) -> Step:
         """Wait until a step reaches ``target`` (LOCAL or DURABLE), fails for good,
         or ``timeout`` passes; a stopping daemon answers at once."""
+        gone = None if (job, step) in self._steps else self._superseded.get((job, step))
         if target not in (LOCAL, DURABLE):
             if target == NEW:
-                return self.require(job, step)
+                return gone or self.require(job, step)
             raise InvalidArgument(
                 f"cannot wait for state {state_name(target)}; wait for LOCAL or DURABLE "
                 "(or leave wait_for unset to ask without waiting)"
             )
         deadline = self._monotonic() + check_wait("timeout_seconds", timeout, MAX_WAIT_SECONDS)
+        st = gone or self.require(job, step)
         while True:
-            st = self.require(job, step)
             if st.reached(target) or st.final(target):
                 return st
             left = deadline - self._monotonic()
             if left <= 0 or self.stopping.is_set():
                 return st
             await self._either(st.changed, left)
+            # A save superseded meanwhile has left the table: its last state answers.
+            st = self._steps.get((job, step), st)

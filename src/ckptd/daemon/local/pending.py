@@ -97,7 +97,7 @@ class PendingStep:
     header crc32c, data length)``, for the memory tier (memory.py)."""
     timer: asyncio.TimerHandle | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set once the step is LOCAL or FAILED: newer saves of the job commit after that."""
+    """Set once the step is LOCAL or ended: newer saves of the job commit after that."""
     replaces: Step | None = None
     """The step this save replaces (core/timeline.py), until its local copy is gone."""
     base: Step | None = None
@@ -106,6 +106,12 @@ class PendingStep:
     """The base held (``Catalog.in_use``) until this step is LOCAL or FAILED."""
     increment: int = 0
     """The manifest's ``increment``: 0 unless a rank file references an older step."""
+    copied: set[int] = field(default_factory=set)
+    """Ranks whose bytes are in the lease (the trainer's copy done: copied.py)."""
+    started: bool = False
+    """Its write had its turn (order.py): no newer save can take its place now."""
+    superseded: bool = False
+    """A newer save of the job took its place before its write began (order.py)."""
 
     def handed_off(self) -> bool:
         """Every rank of the node has handed its shards over (some may still be writing)."""

@@ -34,7 +34,7 @@ from ckptd.proto import ckptd_pb2 as pb
 from ..catalog import Step
 from ..catalog.roles import Saves
 from ..io import IoPool
-from . import copied, increment
+from . import copied, increment, order
 from .journal import Entry, Journal
 from .memory import MemoryTier
 from .pending import CommitRequest, PendingStep, check_join, check_lease, step_manifest
@@ -69,6 +69,7 @@ class Saver:
         step_timeout_seconds: float = 600.0,
         memory: MemoryTier | None = None,
         increments: increment.Increments | None = None,
+        supersede: bool = True,
     ) -> None:
         self.catalog = catalog
         self.increments = increments or increment.Increments()
@@ -82,6 +83,8 @@ class Saver:
         self.step_timeout_seconds = step_timeout_seconds
         self.memory = memory
         """Keeps the leases of committed steps instead of freeing them (memory.py)."""
+        self.supersede = supersede
+        """A newer save takes the place of one whose write has not begun (order.py)."""
         self._pending: dict[tuple[str, int], PendingStep] = {}
         self._settling: set[tuple[str, int]] = set()
         """Steps committed on disk whose leases are still being given back (not LOCAL yet)."""
@@ -264,6 +267,10 @@ class Saver:
         try:
             if req.copied_nonce:  # sent while the client copies: wait for its word
                 await copied.wait(lease, req, self.staging.shm_dir)
+            pending.copied.add(req.rank)
+            if self.supersede and pending.copied >= set(st.node_ranks):
+                self._supersede_older(pending)
+            await order.turn(self._pending.values(), pending)  # one step's write at a time
             layout = self._layouts.get(req)
             if layout is None:
                 layout = await run(rank_layout, req) if many else rank_layout(req)
@@ -301,6 +308,8 @@ class Saver:
             if req.data_offset == 0 and self.memory is not None and self.memory.steps:
                 pending.images[req.rank] = (len(header), checksum.value(header), data_len)
             pending.ranks[req.rank] = (record, shards, req.metadata)
+        except order.Superseded:
+            return  # ended by _supersede_older; its lease goes back below
         except Exception as exc:  # any failure fails the step, never the daemon
             # A trainer's copy that never completed is its failure, no bug: one line.
             how = log.warning if isinstance(exc, copied.Incomplete) else log.exception
@@ -311,37 +320,29 @@ class Saver:
         finally:
             pending.writing.discard(req.rank)
             await self._settle(pending)
+            if pending.superseded:  # nothing of it is kept: no record either
+                self._forget_if_done(pending)
         if st.state == pb.SAVE_STATE_STAGING and set(pending.ranks) == set(st.node_ranks):
             await self._commit_step(pending)
 
     async def _commit_step(self, pending: PendingStep) -> None:
         try:
-            await self._after_older(pending)
+            await order.after_older(self._pending.values(), pending)
             await self._commit_in_order(pending)
         finally:
             pending.settled.set()
 
-    async def _after_older(self, pending: PendingStep) -> None:
-        """Wait until every older save of the job that was fully handed off is LOCAL or
-        FAILED, so a job's steps reach LOCAL in the order their saves were acknowledged.
+    def _supersede_older(self, newer: PendingStep) -> None:
+        """End the job's older saves whose write has not begun: ``newer`` (every rank's
+        bytes in, its handoff journaled) is written in their place (order.py)."""
+        reason = order.SUPERSEDED_REASON.format(newer=newer.step.step)
+        for gone in order.supersede_older(self._pending.values(), newer):
+            name = f"supersede {gone.step.job}/{gone.step.step}"
+            self._spawn(name, self._fail(gone, reason, newer=True))
 
-        Two steps' writes share the disk at once, and the newer (or smaller) one would
-        otherwise finish first: a reader of "the newest LOCAL step" would then skip an
-        acknowledged older one that is still in flight, and a crash in between would
-        leave a gap. An older step still waiting for ranks that never handed off is not
-        waited for: it may wait ``step_timeout_seconds``, and it fails alone.
-        """
-        me = pending.step
-        for other in list(self._pending.values()):
-            st = other.step
-            if (
-                other is not pending
-                and st.job == me.job
-                and other.ticket < pending.ticket
-                and st.state == pb.SAVE_STATE_STAGING
-                and other.handed_off()
-            ):
-                await other.settled.wait()
+    async def newest_written(self, job: str) -> None:
+        """Wait until the job's newest fully handed-off save is LOCAL or ended."""
+        await order.newest_written(self._pending.values(), job)
 
     async def _commit_in_order(self, pending: PendingStep) -> None:
         st = pending.step
@@ -380,15 +381,18 @@ class Saver:
             await retire_replaced(self.catalog, self.store, self.io, pending.step, pending.ticket)
             pending.replaces = None
 
-    async def _fail(self, pending: PendingStep, reason: str) -> None:
+    async def _fail(self, pending: PendingStep, reason: str, newer: bool = False) -> None:
+        """The step fails (``newer``: is superseded); its memory comes back."""
         try:
-            await self._fail_step(pending, reason)
+            await self._fail_step(pending, reason, newer)
         finally:
-            if pending.step.state == pb.SAVE_STATE_FAILED:
+            if pending.step.state in (pb.SAVE_STATE_FAILED, pb.SAVE_STATE_SUPERSEDED):
                 pending.settled.set()
+            if newer:
+                self._forget_if_done(pending)
 
-    async def _fail_step(self, pending: PendingStep, reason: str) -> None:
-        if pending.step.state == pb.SAVE_STATE_FAILED:
+    async def _fail_step(self, pending: PendingStep, reason: str, newer: bool) -> None:
+        if pending.step.state != pb.SAVE_STATE_STAGING:
             return
         # The memory of ranks no write still reads goes back before FAILED is
         # announced, so whoever sees FAILED can save again at once.
@@ -396,9 +400,9 @@ class Saver:
         # What was staged goes too before FAILED is announced: whoever sees FAILED
         # finds nothing partial left (removing it twice, if two ranks fail, is harmless).
         await pending.commit.abort()
-        if pending.step.state == pb.SAVE_STATE_FAILED:
+        if pending.step.state != pb.SAVE_STATE_STAGING:
             return  # failed meanwhile by another rank
-        self.catalog.failed(pending.step, reason, "local")
+        self.catalog.failed(pending.step, reason, "local", newer)
         pending.holds.close()
         await self._settle(pending)
 
@@ -441,6 +445,7 @@ class Saver:
 
     def _forget_if_done(self, pending: PendingStep, force: bool = False) -> None:
         """Drop the bookkeeping of a save that committed, or failed with no write left."""
-        failed = pending.step.state == pb.SAVE_STATE_FAILED and not pending.writing
+        ended = (pb.SAVE_STATE_FAILED, pb.SAVE_STATE_SUPERSEDED)
+        failed = pending.step.state in ended and not pending.writing
         if (force or failed) and self._pending.get(pending.step.key) is pending:
             del self._pending[pending.step.key]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -89,6 +89,7 @@ class Restorer:
         chooser: Chooser,
         local: LocalSource,
         bucket: BucketSource,
+        in_flight: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.catalog = catalog
         self.store = store
@@ -97,6 +98,8 @@ class Restorer:
         self.local = local
         self.bucket = bucket
         """The bucket's other nodes' parts (:meth:`other_parts`), and whether there is one."""
+        self.in_flight = in_flight
+        """Waits until a job's newest acknowledged save is LOCAL or ended (the saver)."""
         self._index_reads: dict[str, asyncio.Future[None]] = {}
         self._own_reads: dict[str, tuple[asyncio.Future[None], float]] = {}
         """Each job's first read of its own index, and until when a save waits for it."""
@@ -289,6 +292,10 @@ class Restorer:
         :meth:`choose`'s."""
         check_holder(holder)  # before any memory is taken: a refusal leaves nothing held
         want = Want(rank, shared_memory, owner[0] if owner else None, copy_on_write, owner)
+        if step is None and self.in_flight is not None:
+            # The newest step is the one acknowledged last, though its write may still
+            # run (a trainer killed right after a save): it is LOCAL in a moment.
+            await self.in_flight(job)
         served = await self.chooser.restore(
             job, step, want, lambda: self.choose(job, step, rank, healthy=healthy, offer=offer)
         )
