@@ -27,12 +27,15 @@ def _tree(step: int) -> dict[str, np.ndarray]:
     return {"w": np.full(1 << 14, step, np.float32), "b": np.arange(step + 3, dtype=np.int64)}
 
 
+KEEP = ["--retention-local", "KeepLatest(10)"]  # every step stays: the listing is the answer
+
+
 def _local(client: Any) -> list[int]:
     return sorted(c.step for c in client.list() if c.state == "LOCAL")
 
 
 def test_a_newer_save_takes_the_place_of_one_not_yet_written(make_daemon: Any) -> None:
-    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
     client = daemon.client("fast")
     first = client.save(1, _tree(1))
     daemon.wait_failpoint("write.begin")  # step 1 is being written, and held
@@ -58,7 +61,7 @@ def test_a_newer_save_takes_the_place_of_one_not_yet_written(make_daemon: Any) -
 
 
 def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
-    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"})
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
     client = daemon.client("kept")
     client.save(1, _tree(1))
     daemon.wait_failpoint("write.begin")
@@ -74,7 +77,8 @@ def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
     assert _local(client) == [1, 2, 4]
 
     off: Daemon = make_daemon(
-        env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=["--no-supersede-unwritten"]
+        env={"CKPTD_FAILPOINTS": "write.begin=pause"},
+        extra_args=[*KEEP, "--no-supersede-unwritten"],
     )
     every = off.client("every")
     every.save(1, _tree(1))

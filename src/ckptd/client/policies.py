@@ -84,14 +84,20 @@ class SavePolicy(ABC):
 @dataclass(frozen=True)
 class Continuous(SavePolicy):
     """Save as soon as the previous save has reached ``stage`` and, if set,
-    ``min_interval_seconds`` have passed since it started."""
+    ``min_interval_seconds`` have passed since it started.
+
+    ``stage="memory"``: every step (the previous save was acknowledged when its
+    ``save()`` returned: it is in the daemon's shared memory, safe from a trainer
+    or daemon crash). When saves arrive faster than the local disk writes them,
+    the daemon writes the newest it can and the ones in between end SUPERSEDED
+    (``supersede_unwritten``), so the trainer does not wait for the disk."""
 
     min_interval_seconds: float | None = None
     stage: str = "local"
 
     def __post_init__(self) -> None:
-        if self.stage not in ("local", "durable"):
-            raise ValueError(f"stage must be 'local' or 'durable', not {self.stage!r}")
+        if self.stage not in ("memory", "local", "durable"):
+            raise ValueError(f"stage must be 'memory', 'local' or 'durable', not {self.stage!r}")
         if self.min_interval_seconds is not None and self.min_interval_seconds < 0:
             raise ValueError("min_interval_seconds must be >= 0 or None")
 
@@ -103,7 +109,7 @@ class Continuous(SavePolicy):
             and ctx.now - ctx.last_save_at < self.min_interval_seconds
         ):
             return False
-        return ctx.previous_reached(self.stage)
+        return self.stage == "memory" or ctx.previous_reached(self.stage)
 
 
 @dataclass(frozen=True)

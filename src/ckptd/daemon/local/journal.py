@@ -1,15 +1,22 @@
 """The handoff journal: every acknowledged save survives a daemon crash while the host lives.
 
 ``CommitShards`` is acknowledged only after a *commit* record (the lease's
-segment name and the request itself) is appended to ``<root>/.journal`` and
-fsynced; the segment, a named file in /dev/shm, stays granted until the step is
-LOCAL or FAILED. A *done* record is appended (and fsynced) before the segment
-goes back to the pool, so a commit record without a done record always names
-bytes nobody has overwritten. At start-up the daemon replays those: each one
-whose segment still exists is written and committed as if it had just arrived.
-Shared memory does not survive a reboot of the host; neither do those saves.
+segment name and the request itself) is appended to ``<root>/.journal``; the
+segment, a named file in /dev/shm, stays granted until the step is LOCAL or
+ended. A *done* record is appended before the segment goes back to the pool, so
+a commit record without a done record always names bytes nobody has
+overwritten. At start-up the daemon replays those: each one whose segment still
+exists is written and committed as if it had just arrived.
 
-Appends from concurrent commits share one fsync (group commit) on a thread of
+Appends are written, not fsynced: a record is needed only while the segment it
+names exists, and shared memory lives exactly as long as the kernel whose page
+cache holds the record (a killed daemon's successor reads it there); a reboot
+takes the segments and those saves with them, and a record torn by it is dropped
+on load. An fsync would buy nothing, and on a disk busy with a rank-file write
+it held the trainer's acknowledgement (and a superseded save's memory) behind
+that write.
+
+Appends from concurrent commits share one write (group commit) on a thread of
 their own, so a journal write never queues behind a large rank-file write.
 The file is emptied whenever nothing in it is live, and rewritten with only
 the live records at start-up.
@@ -229,7 +236,7 @@ class Journal:
         size: int | None = None,
     ) -> None:
         """Record an acknowledged handoff (the timeline it went on, its step, the
-        segment's size); returns once it is on disk."""
+        segment's size); returns once it is written."""
         header = Entry(lease_id, segment, job, body, timeline, step, size).header()
         self._live.add(lease_id)
         try:
@@ -239,7 +246,7 @@ class Journal:
             raise
 
     async def done(self, lease_ids: list[str]) -> None:
-        """Record that these leases' steps are LOCAL or FAILED; returns once on disk,
+        """Record that these leases' steps are LOCAL or FAILED; returns once written,
         after which their segments may be written again."""
         ids = [lid for lid in lease_ids if lid in self._live]
         if not ids:
@@ -287,7 +294,7 @@ class Journal:
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view) :]
-        os.fdatasync(self._fd)
+        # No fsync: see the module's docstring (the record lives as long as its segment).
         if commits:
-            faults.hit("journal.synced")  # on disk, not yet acknowledged
+            faults.hit("journal.synced")  # written, not yet acknowledged
         self._size += len(data)

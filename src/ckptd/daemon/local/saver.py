@@ -3,7 +3,7 @@
 ``CommitShards`` is the acknowledgement point: :meth:`Saver.commit` checks the
 request against its lease, records the handoff in the catalog (STAGING), starts
 the rank's write in the background and appends the handoff to the journal
-(journal.py); the reply goes out once that record is fsynced, so an
+(journal.py); the reply goes out once that record is written, so an
 acknowledged save survives a daemon crash. The lease stays granted until the
 step is LOCAL or FAILED; a step whose other ranks never hand off fails after
 ``step_timeout_seconds``, and its memory comes back. Each
@@ -212,8 +212,8 @@ class Saver:
         """Journal the handoff (``record``; None: a replay) and start the rank's write."""
         st = pending.step
         if record is not None:
-            # The journal's fsync first, alone: started beside a large rank-file write
-            # it waited for the filesystem's metadata commit, and so did the trainer.
+            # The journal's record first, alone: nothing else of the save stands
+            # between the trainer and its acknowledgement.
             try:
                 seg, timeline = lease.segment, (st.timeline, st.forks)
                 await self.journal.commit(
@@ -337,8 +337,9 @@ class Saver:
         bytes in, its handoff journaled) is written in their place (order.py)."""
         reason = order.SUPERSEDED_REASON.format(newer=newer.step.step)
         for gone in order.supersede_older(self._pending.values(), newer):
-            name = f"supersede {gone.step.job}/{gone.step.step}"
-            self._spawn(name, self._fail(gone, reason, newer=True))
+            self.catalog.failed(gone.step, reason, "local", newer=True)
+            gone.settled.set()  # its ranks wake in order.turn and give their memory back
+            self._spawn(f"supersede {gone.step.job}/{gone.step.step}", gone.commit.abort())
 
     async def newest_written(self, job: str) -> None:
         """Wait until the job's newest fully handed-off save is LOCAL or ended."""
@@ -360,7 +361,7 @@ class Saver:
         finally:
             self._forget_if_done(pending, force=True)
         # The memory goes back before LOCAL is announced, so whoever sees LOCAL can
-        # save again at once (the journal's fsync is small and shared).
+        # save again at once (the journal's record is small and shared).
         self._settling.add(st.key)  # no await since the line above: no gap
         try:
             await self._settle(pending, committed=True, keep=True)
@@ -381,17 +382,14 @@ class Saver:
             await retire_replaced(self.catalog, self.store, self.io, pending.step, pending.ticket)
             pending.replaces = None
 
-    async def _fail(self, pending: PendingStep, reason: str, newer: bool = False) -> None:
-        """The step fails (``newer``: is superseded); its memory comes back."""
+    async def _fail(self, pending: PendingStep, reason: str) -> None:
         try:
-            await self._fail_step(pending, reason, newer)
+            await self._fail_step(pending, reason)
         finally:
-            if pending.step.state in (pb.SAVE_STATE_FAILED, pb.SAVE_STATE_SUPERSEDED):
+            if pending.step.state == pb.SAVE_STATE_FAILED:
                 pending.settled.set()
-            if newer:
-                self._forget_if_done(pending)
 
-    async def _fail_step(self, pending: PendingStep, reason: str, newer: bool) -> None:
+    async def _fail_step(self, pending: PendingStep, reason: str) -> None:
         if pending.step.state != pb.SAVE_STATE_STAGING:
             return
         # The memory of ranks no write still reads goes back before FAILED is
@@ -402,7 +400,7 @@ class Saver:
         await pending.commit.abort()
         if pending.step.state != pb.SAVE_STATE_STAGING:
             return  # failed meanwhile by another rank
-        self.catalog.failed(pending.step, reason, "local", newer)
+        self.catalog.failed(pending.step, reason, "local")
         pending.holds.close()
         await self._settle(pending)
 
