@@ -2,7 +2,8 @@
 says it should, and in the order it was acknowledged?
 
 One client issues ``--saves`` saves of ``--mib`` MiB back to back (no wait between
-them) against a daemon whose staging budget holds ``--budget`` saves, so the
+them) against a daemon that writes every save (``--no-supersede-unwritten``) and
+whose staging budget holds ``--budget`` saves, so the
 first ones are acknowledged at once and later ``save()`` calls block on the
 budget only. A thread per handle records when its save reaches LOCAL.
 
@@ -92,7 +93,11 @@ def main() -> None:
     runs = []
     with run_directory(args.dir, "overload") as run:
         daemon = Daemon(
-            run / "root", staging_budget=budget, extra_args=["--retention-local", "KeepLatest(2)"]
+            run / "root",
+            staging_budget=budget,
+            # Every save written, in order: the queue this measures (by default a newer
+            # save takes the place of one not yet written: bench_every_step.py).
+            extra_args=["--retention-local", "KeepLatest(2)", "--no-supersede-unwritten"],
         )
         daemon.start()
         try:
