@@ -32,7 +32,7 @@ from concurrent.futures import Executor, Future
 from ckptd.core.errors import CkptdError
 from ckptd.proto import ckptd_pb2 as pb
 
-from .handoff import MAPPED_SEGMENTS, Handoff, lease_size
+from .handoff import PREMAPPED, Handoff, lease_size
 
 log = logging.getLogger("ckptd.client")
 
@@ -121,7 +121,7 @@ class Reserver:
             # Held until all are mapped: given back one by one, the next would be granted
             # the same free segment. Asked once each, never retried: a daemon that does
             # not answer now gets the saves' own requests.
-            for _ in range(min(MAPPED_SEGMENTS, count or (2 if tier else 1))):
+            for _ in range(min(PREMAPPED, count or (2 if tier else 1))):
                 req = pb.AcquireLeaseRequest(
                     job=self.handoff.job, size_bytes=size, rank=self.rank, reserve=True
                 )
