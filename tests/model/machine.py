@@ -142,11 +142,18 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
             self.pending.append((expect, handle))
         return expect
 
-    def settle_save(self, s: Saved, handle: SaveHandle) -> None:
-        """An acknowledged save reaches LOCAL (no fault here may fail it)."""
+    def settle_save(self, s: Saved, handle: SaveHandle, superseded_ok: bool = False) -> None:
+        """An acknowledged save reaches LOCAL (no fault here may fail it), or, with
+        ``superseded_ok`` (a newer save of its job was acknowledged right after it), ends
+        SUPERSEDED: then the model forgets it."""
         try:
             handle.wait("local", timeout=120)
         except SaveFailed as exc:
+            if superseded_ok and exc.code == "SUPERSEDED":
+                STATS.operations["a burst's older save superseded"] += 1
+                if self.model.job(s.job).held.get(s.step) is s:
+                    self.model.forget(s.job, s.step)
+                return
             raise Violation(f"acknowledged save {s.label()} failed: {exc}") from exc
 
     # -- operations ----------------------------------------------------------------------
@@ -161,10 +168,18 @@ class DaemonMachine(ProcessRules, RuleBasedStateMachine):
     def save_next(
         self, job: str, changes: frozenset[str], version: int, milestone: bool, count: int
     ) -> None:
-        """The job's trainer saves its next ``count`` steps (the same arrays change in
-        each, to the same version: the first save changes them, the others not)."""
+        """The job's trainer saves its next ``count`` steps back to back, waiting for none
+        (the same arrays change in each, to the same version: the first save changes
+        them, the others not). The newest reaches LOCAL; an older one may instead end
+        SUPERSEDED, when the newer one's bytes were in before its write began
+        (docs/guarantees.md): it is gone, as if never saved."""
+        burst: list[tuple[Saved, SaveHandle]] = []
         for _ in range(count):
-            self.save(job, self.trainer(job).next_step, changes, version, milestone)
+            step = self.trainer(job).next_step
+            if self.save(job, step, changes, version, milestone, wait=False) is not None:
+                burst.append(self.pending.pop())
+        for i, (s, handle) in enumerate(burst):
+            self.settle_save(s, handle, superseded_ok=i < len(burst) - 1 and not s.milestone)
 
     @rule(
         job=st.sampled_from(JOBS),
