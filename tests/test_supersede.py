@@ -21,6 +21,7 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from .conftest import Daemon
 from .helpers import reservations_done
+from .test_metrics import scrape, value
 
 
 def _tree(step: int) -> dict[str, np.ndarray]:
@@ -56,6 +57,9 @@ def test_a_newer_save_takes_the_place_of_one_not_yet_written(make_daemon: Any) -
     # Its memory came back: no lease is held once the saves are LOCAL.
     reservations_done(client)
     assert daemon.status().leases_held == 0
+    saves = scrape(daemon)
+    assert value(saves, "ckptd_saves_total", result="superseded") == 1
+    assert value(saves, "ckptd_saves_total", result="failed") == 0
     # A new save under the superseded number is an ordinary save.
     client.save(2, _tree(2)).wait("local", timeout=60)
 

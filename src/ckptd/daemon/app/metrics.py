@@ -86,7 +86,8 @@ class Metrics:
         r = self.registry
         self.saves = Counter(
             "ckptd_saves",
-            "Saves by result: local, durable, failed, abandoned.",
+            "Saves by result: local, durable, failed, abandoned, superseded (a newer "
+            "save of the job was written in its place before its write began).",
             ["result"],
             registry=r,
         )
@@ -140,7 +141,7 @@ class Metrics:
         # see nothing of a series' first sample, so a counter born at 1 on the first
         # failure would never show in a dashboard or fire an alert.
         for counter, values in (
-            (self.saves, _RESULTS.values()),
+            (self.saves, [*_RESULTS.values(), "superseded"]),
             (self.bytes, ("local", "upload", "fetch")),
             (self.evictions, ("local", "remote")),
             (self.errors, ("local", "drain", "verify")),
@@ -154,6 +155,8 @@ class Metrics:
         kind = event.kind
         if kind in _RESULTS:
             self.saves.labels(_RESULTS[kind]).inc()
+        elif kind == pb.STEP_EVENT_SUPERSEDED and event.attributes.get("stage") == "local":
+            self.saves.labels("superseded").inc()
         st = catalog.get(event.job, event.step)
         size = st.manifest.size_bytes if st is not None and st.manifest is not None else 0
         if kind == pb.STEP_EVENT_LOCAL and st is not None:
