@@ -79,6 +79,18 @@ def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
     with pytest.raises(SaveFailed):
         plain.wait("local", timeout=60)
     assert _local(client) == [1, 2, 4]
+    # A client that names each checkpoint (a framework's integration) has every save
+    # written, the daemon's default notwithstanding.
+    held: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
+    named = held.client("named", supersede=False)
+    named.save(1, _tree(1))
+    held.wait_failpoint("write.begin")
+    handles = [named.save(s, _tree(s)) for s in (2, 3, 4)]
+    held.release("write.begin")
+    for h in handles:
+        h.wait("local", timeout=60)
+    assert _local(named) == [1, 2, 3, 4]
+    assert not held.events_of(pb.STEP_EVENT_SUPERSEDED, "named")
 
     off: Daemon = make_daemon(
         env={"CKPTD_FAILPOINTS": "write.begin=pause"},

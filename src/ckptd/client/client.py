@@ -63,6 +63,10 @@ class Client:
     for programs whose jax arrays share no memory that anything else writes (DLPack
     to or from torch, ``jax.device_put`` / ``jnp.asarray`` of a numpy array on CPU,
     which may take its memory as it is). Off, such arrays are copied and compared.
+    ``supersede``: when saves come faster than the daemon's disk writes them, a save
+    whose write has not begun may be superseded by a newer one (it ends SUPERSEDED
+    and never reaches the disk; the trainer does not wait for the disk). False:
+    every save is written (what a framework that names each checkpoint needs).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Client:
         incremental: bool = True,
         trust_torch_versions: bool = False,
         trust_jax_arrays: bool = False,
+        supersede: bool = True,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")
@@ -115,6 +120,7 @@ class Client:
             trust_torch_versions=trust_torch_versions,
             trust_jax_arrays=trust_jax_arrays,
         )
+        self._saver.supersede = supersede
         self.low_level = LowLevel(self.connection, job, rank, self._saver)
         """What framework adapters call beyond this surface: leases they fill
         themselves, in-place commits, the daemon's status, adoption of a directory."""

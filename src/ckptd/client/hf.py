@@ -96,7 +96,8 @@ class CkptdCallback(TrainerCallback):
         """The client of the job (created at first use, so building the callback needs
         no daemon)."""
         if self._client is None:
-            self._client = Client(str(self._job), socket=self._socket)
+            # The Trainer names each checkpoint-N it saved: each is written.
+            self._client = Client(str(self._job), socket=self._socket, supersede=False)
         return self._client
 
     def on_save(

@@ -76,6 +76,8 @@ class Saver:
         self.planner = Planner(save_replicas)
         self._handoff = handoff
         self._watched_stage = watched_stage
+        self.supersede = True
+        """A newer save may take the place of this one's not yet written (Client's)."""
         self._upload_interval = upload_interval
         # numpy releases the GIL while copying, so a few threads copy into the
         # lease faster than one (memory bandwidth, not CPU, is the limit). The
@@ -125,7 +127,7 @@ class Saver:
     def previous_reached(self, stage: str) -> bool:
         """Has the previous save reached ``stage``? Never blocks, and costs no RPC per
         call: a watcher thread waits on the daemon (server-side) and flips a flag."""
-        if self.last is None or stage in self._reached or stage in self.last.reached:
+        if self.last is None or stage == "memory" or stage in self._reached | self.last.reached:
             return True
         done = self._watch.get(stage)
         if done is None:
@@ -330,6 +332,7 @@ class Saver:
             milestone=milestone,
             metrics=metrics,
             upload_interval_seconds=self._upload_interval(),
+            supersede=self.supersede,
         )
 
     def reserve(self, tree: Any) -> Future[int]:

@@ -121,6 +121,7 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
             rank=rank,
             node_ranks=node_ranks_for(rank, size),
             world_size=size,
+            supersede=False,  # torchtitan names each step it saved: each is written
         )
         pinned = self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
         self.writer = CkptdWriter(self.client, wait=_WAITS[config.wait], async_staging=pinned)

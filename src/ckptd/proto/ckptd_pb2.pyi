@@ -179,7 +179,7 @@ class SliceSpec(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class CommitShardsRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged", "copied_nonce", "copied_at", "copied_holder", "copied_pid", "copied_started")
+    __slots__ = ("lease_id", "job", "step", "rank", "node_ranks", "world_size", "data_offset", "shards", "table", "tree_json", "metadata_json", "milestone", "metrics", "upload_interval_seconds", "incremental", "unchanged_since", "unchanged", "copied_nonce", "copied_at", "copied_holder", "copied_pid", "copied_started", "supersede")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class CommitShardsRequest(_message.Message):
     COPIED_HOLDER_FIELD_NUMBER: _ClassVar[int]
     COPIED_PID_FIELD_NUMBER: _ClassVar[int]
     COPIED_STARTED_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job: str
     step: int
@@ -231,7 +232,8 @@ class CommitShardsRequest(_message.Message):
     copied_holder: str
     copied_pid: int
     copied_started: int
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ..., copied_nonce: _Optional[int] = ..., copied_at: _Optional[int] = ..., copied_holder: _Optional[str] = ..., copied_pid: _Optional[int] = ..., copied_started: _Optional[int] = ...) -> None: ...
+    supersede: bool
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., node_ranks: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ..., data_offset: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., table: _Optional[_Union[ShardTable, _Mapping]] = ..., tree_json: _Optional[str] = ..., metadata_json: _Optional[str] = ..., milestone: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_interval_seconds: _Optional[float] = ..., incremental: _Optional[bool] = ..., unchanged_since: _Optional[int] = ..., unchanged: _Optional[bytes] = ..., copied_nonce: _Optional[int] = ..., copied_at: _Optional[int] = ..., copied_holder: _Optional[str] = ..., copied_pid: _Optional[int] = ..., copied_started: _Optional[int] = ..., supersede: _Optional[bool] = ...) -> None: ...
 
 class CommitShardsResponse(_message.Message):
     __slots__ = ("state",)

@@ -118,7 +118,9 @@ class CheckpointStore:
         """This process's client (made on first use: a Lightning launcher may fork or
         spawn the processes after this object was made)."""
         if self._client is None or self._pid != os.getpid():
-            opts = {"rank": 0, "node_ranks": [0], "world_size": 1, **self.options}
+            # Every checkpoint Lightning names is written (supersede=False).
+            opts = {"rank": 0, "node_ranks": [0], "world_size": 1, "supersede": False,
+                    **self.options}  # fmt: skip
             self._client, self._pid = Client(self.job, self.socket, **opts), os.getpid()
             self._worker, self._last = None, None
         return self._client

@@ -117,6 +117,7 @@ class CheckpointManager:
                 rank=rank,
                 world_size=count,
                 save_replicas=replicas,
+                supersede=False,  # Orbax lists every step it saved: each is written
             )
             client.node_ranks = hosts.node_ranks(client)
         self.client = client

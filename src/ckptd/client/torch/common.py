@@ -152,7 +152,7 @@ class ClientSource:
                 rank=rank,
                 node_ranks=ranks,
                 world_size=size,
-                **self.options,
+                **{"supersede": False, **self.options},  # DCP's every checkpoint_id
             )
         elif check and self._client.rank != rank:
             raise InvalidArgument(

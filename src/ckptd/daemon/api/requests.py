@@ -127,6 +127,7 @@ def parse_commit(
         copied_at=req.copied_at,
         copied_holder=_copied_holder(req),
         copied_process=(req.copied_pid, req.copied_started),
+        supersede=req.supersede,
     )
 
 

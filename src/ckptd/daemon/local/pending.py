@@ -52,6 +52,8 @@ class CommitRequest:
     copied_process: tuple[int, int] = (0, 0)
     """Sent while the client still copies: the rank's write waits for its word while
     that client lives (copied.py): its liveness file, ``(pid, start time)``."""
+    supersede: bool = False
+    """A newer save of the job may take its place before its write begins (order.py)."""
 
 
 def check_lease(req: CommitRequest, lease: Lease) -> int:
@@ -112,6 +114,8 @@ class PendingStep:
     """Its write had its turn (order.py): no newer save can take its place now."""
     superseded: bool = False
     """A newer save of the job took its place before its write began (order.py)."""
+    supersedable: bool = True
+    """Every rank that handed off allows it (``CommitRequest.supersede``)."""
 
     def handed_off(self) -> bool:
         """Every rank of the node has handed its shards over (some may still be writing)."""

@@ -148,6 +148,7 @@ class Saver:
             st, pending = await self._begin(req, st, pending, record, replay)
         self.staging.begin_commit(req.lease_id)
         pending.writing.add(req.rank)
+        pending.supersedable &= req.supersede
         pending.leases[req.rank] = lease
         # From here the handoff is carried through whatever becomes of the call: a
         # client that dies with its commit in flight cancels the call, which would

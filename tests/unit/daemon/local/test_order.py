@@ -49,13 +49,15 @@ def test_saves_that_are_always_written(older: PendingStep) -> None:
     assert not older.superseded
 
 
-def test_not_every_rank_handed_off_or_replacing_a_step() -> None:
+def test_not_every_rank_handed_off_replacing_a_step_or_refused() -> None:
     half = pending(2, 2)
     half.writing.discard(1)  # rank 1 never handed off: it fails alone, in time
     replacing = pending(3, 3)
     replacing.replaces = Step("j", 3, state=pb.SAVE_STATE_LOCAL)
+    refused = pending(3, 3)
+    refused.supersedable = False  # its client asked for every save to be written
     newest = pending(4, 4)
-    assert order.supersede_older([half, replacing, newest], newest) == []
+    assert order.supersede_older([half, replacing, refused, newest], newest) == []
 
 
 def test_a_step_waits_its_turn_and_a_superseded_one_never_begins() -> None:
