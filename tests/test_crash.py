@@ -109,7 +109,8 @@ def test_saves_that_never_waited_all_survive_a_crash(make_daemon: Any) -> None:
         env={"CKPTD_FAILPOINTS": "write.begin=pause"},
         extra_args=["--retention-local", "KeepLatest(100)"],
     )
-    client = daemon.client("loop")
+    # Every save written: none may take another's place (test_supersede.py has that).
+    client = daemon.client("loop", supersede=False)
     for step in range(1, 9):
         client.save(step, state_for(step, 1), metadata={"s": step})
     daemon.wait_failpoint("write.begin")

@@ -132,3 +132,19 @@ def test_a_restore_of_the_newest_step_waits_for_the_save_in_flight(make_daemon: 
     assert len(got) == 1 and not isinstance(got[0], BaseException), got
     tree, _ = got[0]
     assert tree["w"].tobytes() == _tree(1)["w"].tobytes()
+
+
+def test_a_daemon_crash_keeps_the_newest_acknowledged_save(make_daemon: Any) -> None:
+    daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
+    client = daemon.client("kept-newest")
+    client.save(1, _tree(1))
+    daemon.wait_failpoint("write.begin")  # step 1 is being written, and held
+    for step in (2, 3, 4):
+        client.save(step, _tree(step))
+    daemon.wait_event(event_is(pb.STEP_EVENT_SUPERSEDED, 3), job="kept-newest")
+    daemon.kill()  # steps 1 and 4 acknowledged and not written; 2 and 3 superseded
+    daemon.env = {}
+    daemon.restart()  # replays the journal from shared memory
+    tree, _ = daemon.client("kept-newest").restore()
+    assert tree["w"].tobytes() == _tree(4)["w"].tobytes()
+    assert _local(client) == [1, 4]

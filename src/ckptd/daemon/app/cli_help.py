@@ -23,7 +23,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("root", "socket", "node_id", "log_level")),
     ("saves and the local tier", "shared memory, writers and local disk space",
      ("staging_", "memory_tier_", "lease_", "step_", "write_", "io_", "local_floor",
-      "local_low_", "incremental", "incremental_")),
+      "local_low_", "incremental", "incremental_", "supersede_")),
     ("remote tier (bucket)", "where steps are drained to and how",
      ("remote", "remote_", "drain_", "part_size_bytes", "node_claim_")),
     ("retention",
