@@ -115,12 +115,23 @@ class RenameCommit(Commit):
         self._marker_mode = marker_mode
 
     @classmethod
-    def beside(cls, final: Path, tmp_dir: Path, name: str, **kw: Any) -> RenameCommit:
+    def beside(
+        cls, final: Path, tmp_dir: Path, name: str, make: bool = True, **kw: Any
+    ) -> RenameCommit:
         """A commit whose temporary directory ``tmp_dir/<name>.<token>`` is created now
-        (``tmp_dir`` must be on the final directory's filesystem)."""
+        (``tmp_dir`` must be on the final directory's filesystem); ``make=False``: by
+        :meth:`make` later, off the caller's thread."""
         tmp = tmp_dir / f"{name}.{secrets.token_hex(4)}"
-        tmp.mkdir(mode=0o750, parents=True)
-        return cls(final, tmp, **kw)
+        commit = cls(final, tmp, **kw)
+        if make:
+            commit.make()
+        return commit
+
+    def make(self) -> None:
+        """Create the temporary directory (blocking; idempotent). On a disk busy with a
+        large write a directory's creation can wait for the filesystem's journal for
+        half a second: never on the event loop of a save's acknowledgement."""
+        self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
 
     async def finalize(self, marker: bytes | None = None) -> None:
         """Write the marker, fsync the tree, rename it into place, fsync the parent."""

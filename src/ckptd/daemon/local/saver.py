@@ -178,23 +178,21 @@ class Saver:
                 f"step {req.step} of job {req.job!r} failed and its other ranks are still "
                 "winding down; save it again in a moment"
             )
-        # The staging directory first: if it cannot be made, no step is left STAGING.
-        # One place in the I/O queue for all of the step's work: see IoPool.
+        # One place in the I/O queue for all of the step's work (see IoPool); its
+        # directory is made by the first write, after the answer (RenameCommit.make).
         ticket = self.io.ticket()
-        commit = self.store.begin_step(req.job, req.step, partial(self.io.run, ticket=ticket))
-        try:
-            st = self.catalog.begin(
-                req.job,
-                req.step,
-                node_ranks=req.node_ranks,
-                world_size=req.world_size,
-                milestone=req.milestone,
-                metrics=req.metrics,
-                timeline=replay,
-            )
-        except CkptdError:  # refused (a pinned step under this number): nothing left
-            await commit.abort()
-            raise
+        run = partial(self.io.run, ticket=ticket)
+        commit = self.store.begin_step(req.job, req.step, run, make=False)
+        # Refused (a pinned step under this number): nothing is left, nothing was made.
+        st = self.catalog.begin(
+            req.job,
+            req.step,
+            node_ranks=req.node_ranks,
+            world_size=req.world_size,
+            milestone=req.milestone,
+            metrics=req.metrics,
+            timeline=replay,
+        )
         pending = self._pending[req.job, req.step] = PendingStep(st, commit, ticket)
         pending.replaces = self.catalog.replacing(st)
         pending.timer = asyncio.get_running_loop().call_later(
@@ -272,6 +270,7 @@ class Saver:
             if self.supersede and pending.copied >= set(st.node_ranks):
                 self._supersede_older(pending)
             await order.turn(self._pending.values(), pending)  # one step's write at a time
+            await run(pending.commit.make)
             layout = self._layouts.get(req)
             if layout is None:
                 layout = await run(rank_layout, req) if many else rank_layout(req)

@@ -138,14 +138,18 @@ class LocalStore:
             dirs.get(step) or self.held.path(manifest.job, step, timelines.get(step, 0))
         )
 
-    def begin_step(self, job: str, step: int, run: Runner, fetch: bool = False) -> RenameCommit:
+    def begin_step(
+        self, job: str, step: int, run: Runner, fetch: bool = False, make: bool = True
+    ) -> RenameCommit:
         """A commit of a step: its files go in a fresh directory on the same filesystem
         (``.staging`` for a save, ``.cache`` for a download from the bucket), and
-        ``finalize(manifest bytes)`` renames it to :meth:`step_dir`."""
+        ``finalize(manifest bytes)`` renames it to :meth:`step_dir`. ``make=False``:
+        the directory is made by ``commit.make()`` later (a save: after its answer)."""
         return RenameCommit.beside(
             self.step_dir(job, step),
             self.cache_root if fetch else self.staging_root,
             f"{job}.{step}",
+            make=make,
             marker=MANIFEST,
             run=run,
             fault="commit.before_rename",
