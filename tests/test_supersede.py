@@ -37,7 +37,7 @@ def _local(client: Any) -> list[int]:
 
 def test_a_newer_save_takes_the_place_of_one_not_yet_written(make_daemon: Any) -> None:
     daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
-    client = daemon.client("fast")
+    client = daemon.client("fast", supersede=True)
     first = client.save(1, _tree(1))
     daemon.wait_failpoint("write.begin")  # step 1 is being written, and held
     second = client.save(2, _tree(2))
@@ -66,7 +66,7 @@ def test_a_newer_save_takes_the_place_of_one_not_yet_written(make_daemon: Any) -
 
 def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
     daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
-    client = daemon.client("kept")
+    client = daemon.client("kept", supersede=True)
     client.save(1, _tree(1))
     daemon.wait_failpoint("write.begin")
     milestone = client.save(2, _tree(2), milestone=True)
@@ -79,8 +79,8 @@ def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
     with pytest.raises(SaveFailed):
         plain.wait("local", timeout=60)
     assert _local(client) == [1, 2, 4]
-    # A client that names each checkpoint (a framework's integration) has every save
-    # written, the daemon's default notwithstanding.
+    # A client that does not ask for it (a framework's integration, or any client
+    # whose policy does not save every step) has every save written.
     held: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
     named = held.client("named", supersede=False)
     named.save(1, _tree(1))
@@ -96,7 +96,7 @@ def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
         env={"CKPTD_FAILPOINTS": "write.begin=pause"},
         extra_args=[*KEEP, "--no-supersede-unwritten"],
     )
-    every = off.client("every")
+    every = off.client("every", supersede=True)
     every.save(1, _tree(1))
     off.wait_failpoint("write.begin")
     handles = [every.save(s, _tree(s)) for s in (2, 3, 4)]
@@ -136,7 +136,7 @@ def test_a_restore_of_the_newest_step_waits_for_the_save_in_flight(make_daemon: 
 
 def test_a_daemon_crash_keeps_the_newest_acknowledged_save(make_daemon: Any) -> None:
     daemon: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
-    client = daemon.client("kept-newest")
+    client = daemon.client("kept-newest", supersede=True)
     client.save(1, _tree(1))
     daemon.wait_failpoint("write.begin")  # step 1 is being written, and held
     for step in (2, 3, 4):

@@ -289,6 +289,7 @@ class World:
             socket=self.daemon.socket,
             policy=FixedInterval(1),  # no upload pace: the drain goes idle when done
             incremental=incremental,
+            supersede=True,  # a burst's older saves may be superseded (machine.save_next)
         )
         self.clients.append(c)
         return c

@@ -65,8 +65,9 @@ class Client:
     which may take its memory as it is). Off, such arrays are copied and compared.
     ``supersede``: when saves come faster than the daemon's disk writes them, a save
     whose write has not begun may be superseded by a newer one (it ends SUPERSEDED
-    and never reaches the disk; the trainer does not wait for the disk). False:
-    every save is written (what a framework that names each checkpoint needs).
+    and never reaches the disk; the trainer does not wait for the disk). None (the
+    default): only while the policy saves every step (``Continuous(stage="memory")``);
+    False: every acknowledged save is written.
     """
 
     def __init__(
@@ -87,7 +88,7 @@ class Client:
         incremental: bool = True,
         trust_torch_versions: bool = False,
         trust_jax_arrays: bool = False,
-        supersede: bool = True,
+        supersede: bool | None = None,
     ) -> None:
         if not isinstance(job, str) or not job:
             raise ValueError("job must be a non-empty string such as 'run-42'")

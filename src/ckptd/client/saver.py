@@ -76,8 +76,7 @@ class Saver:
         self.planner = Planner(save_replicas)
         self._handoff = handoff
         self._watched_stage = watched_stage
-        self.supersede = True
-        """A newer save may take the place of this one's not yet written (Client's)."""
+        self.supersede: bool | None = None  # Client's: None, while the stage is "memory"
         self._upload_interval = upload_interval
         # numpy releases the GIL while copying, so a few threads copy into the
         # lease faster than one (memory bandwidth, not CPU, is the limit). The
@@ -95,10 +94,8 @@ class Saver:
         self._routes = Routes(self.device_copies)
         self.last: SaveHandle | None = None
         """The previous save's handle (None before the first)."""
-        self.last_at: float | None = None
-        """When the previous save started (``time.monotonic()``)."""
-        self.last_bytes = 0
-        """The previous save's size in staging memory."""
+        self.last_at: float | None = None  # when it started (time.monotonic())
+        self.last_bytes = 0  # its size in staging memory
         self._reached: set[str] = set()
         self._watch: dict[str, threading.Event] = {}
         self.incremental = incremental_from_env(incremental)
@@ -332,8 +329,11 @@ class Saver:
             milestone=milestone,
             metrics=metrics,
             upload_interval_seconds=self._upload_interval(),
-            supersede=self.supersede,
+            supersede=self._supersedes(),
         )
+
+    def _supersedes(self) -> bool:
+        return self._watched_stage() == "memory" if self.supersede is None else self.supersede
 
     def reserve(self, tree: Any) -> Future[int]:
         """:meth:`Client.reserve`: plan ``tree``; its first saves' segments made ahead."""

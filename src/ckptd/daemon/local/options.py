@@ -62,11 +62,12 @@ class LocalOptions:
     when ``incremental_max_files`` says so)."""
     supersede_unwritten: bool = True
     """When a job's saves arrive faster than the local disk writes them, a save whose
-    write has not begun is not written once a newer save of the job is acknowledged
-    (it ends SUPERSEDED): the disk writes the newest save it can and the trainer
-    never waits for it while the staging budget has room. Milestones, and saves
-    that start a new timeline, are always written. False: every acknowledged save
-    is written, in order."""
+    write has not begun, of a client that asked for it (``Client(supersede=True)``,
+    or a policy saving every step), is not written once a newer save of the job is
+    acknowledged (it ends SUPERSEDED): the disk writes the newest save it can and the
+    trainer never waits for it while the staging budget has room. Milestones, and
+    saves that start a new timeline, are always written. False: every acknowledged
+    save is written, in order, whatever the client asked."""
     lease_timeout_seconds: float = 600.0
     """A lease held this long without a commit is reclaimed (clients of this release
     are watched directly: their leases come back as soon as they exit)."""

@@ -10,8 +10,8 @@ the disk and both arrive late, and the older one's place could not be given up.
 While a step waits for its turn, a newer save of the job whose every rank's
 bytes are in (the trainer's copy done, its handoff journaled) takes its place:
 the waiting step is never written, and ends SUPERSEDED (``supersede_unwritten``),
-if its client allowed it (``Client(supersede=True)``, the default; a framework's
-integration that names each checkpoint does not).
+if its client asked for it (``Client(supersede=True)``, or a policy that saves every
+step; never a framework integration, which names each checkpoint it saved).
 So a trainer that saves every step never waits for the disk while the staging
 budget has room for the step being written, the newest acknowledged one and the
 one it is copying: the disk writes the newest save it can, the others' memory
