@@ -47,14 +47,10 @@ log = logging.getLogger("ckptd.client")
 
 HOLDER_HEADER = "ckptd-holder"
 """gRPC metadata naming the liveness file (the daemon's staging.HOLDER_HEADER)."""
-MAPPED_SEGMENTS = 4
-"""Segments kept mapped between saves (the daemon reuses them). Saves every step
-rotate through up to four: one being written, the newest acknowledged, the one being
-copied and the memory tier's. Mapping one again costs its page tables (MAP_POPULATE):
-tens of milliseconds for 256 MiB, in the trainer's save()."""
+MAPPED_SEGMENTS = 4  # saves every step rotate through four; a re-map costs tens of ms
+"""Segments kept mapped between saves (the daemon reuses them)."""
 PREMAPPED = 2
-"""Segments mapped ahead of the saves (reserve, a restore's size): unmapped once that
-many saves did not take them."""
+"""Segments mapped ahead of saves (reserve): unmapped once that many did not take them."""
 T = TypeVar("T")
 
 
@@ -388,8 +384,7 @@ class Handoff:
             # Not taken by the saves they were made for (the daemon restarted, another
             # size was saved): unmapped, not held for the process's life.
             stale = list(self._premapped.values()) if self._premap_saves <= 0 else []
-            if stale:
-                self._premapped.clear()
+            self._premapped = {} if stale else self._premapped
         for old in stale:
             old.close()
         mm = self._segments.get(name)
