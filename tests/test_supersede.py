@@ -82,29 +82,24 @@ def test_milestones_and_the_opt_out_are_written(make_daemon: Any) -> None:
     # A client that does not ask for it (a framework's integration, or any client
     # whose policy does not save every step) has every save written.
     held: Daemon = make_daemon(env={"CKPTD_FAILPOINTS": "write.begin=pause"}, extra_args=KEEP)
-    named = held.client("named", supersede=False)
-    named.save(1, _tree(1))
-    held.wait_failpoint("write.begin")
-    handles = [named.save(s, _tree(s)) for s in (2, 3, 4)]
-    held.release("write.begin")
-    for h in handles:
-        h.wait("local", timeout=60)
-    assert _local(named) == [1, 2, 3, 4]
-    assert not held.events_of(pb.STEP_EVENT_SUPERSEDED, "named")
-
+    _all_written(held, held.client("named", supersede=False))
     off: Daemon = make_daemon(
         env={"CKPTD_FAILPOINTS": "write.begin=pause"},
         extra_args=[*KEEP, "--no-supersede-unwritten"],
     )
-    every = off.client("every", supersede=True)
-    every.save(1, _tree(1))
-    off.wait_failpoint("write.begin")
-    handles = [every.save(s, _tree(s)) for s in (2, 3, 4)]
-    off.release("write.begin")
+    _all_written(off, off.client("every", supersede=True))
+
+
+def _all_written(daemon: Daemon, client: Any) -> None:
+    """Saves 2-4 arrive while step 1's write is held; every one of them is written."""
+    client.save(1, _tree(1))
+    daemon.wait_failpoint("write.begin")
+    handles = [client.save(s, _tree(s)) for s in (2, 3, 4)]
+    daemon.release("write.begin")
     for h in handles:
         h.wait("local", timeout=60)
-    assert _local(every) == [1, 2, 3, 4]
-    assert not off.events_of(pb.STEP_EVENT_SUPERSEDED, "every")
+    assert _local(client) == [1, 2, 3, 4]
+    assert not daemon.events_of(pb.STEP_EVENT_SUPERSEDED, client.job)
 
 
 def test_a_restore_of_the_newest_step_waits_for_the_save_in_flight(make_daemon: Any) -> None:

@@ -339,7 +339,7 @@ class Saver:
         for gone in order.supersede_older(self._pending.values(), newer):
             self.catalog.failed(gone.step, reason, "local", newer=True)
             gone.settled.set()  # its ranks wake in order.turn and give their memory back
-            self._spawn(f"supersede {gone.step.job}/{gone.step.step}", gone.commit.abort())
+            # Nothing to remove: its directory is made only once its write begins.
 
     async def newest_written(self, job: str) -> None:
         """Wait until the job's newest fully handed-off save is LOCAL or ended."""
