@@ -92,6 +92,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kill-after", type=int, default=-1)
     p.add_argument("--kill-mid-save", type=int, default=-1)
     p.add_argument(
+        "--best",
+        action="store_true",
+        help="evaluate at each save and load the best model at the end, the best being "
+        "the highest eval_loss (the first checkpoint: one save_total_limit would drop)",
+    )
+    p.add_argument(
         "--native-check",
         type=int,
         default=-1,
@@ -119,6 +125,17 @@ def train(a: argparse.Namespace, out: str, result: str, resume_arg: str) -> dict
         use_cpu=True,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         disable_tqdm=True,
+        **(
+            {
+                "eval_strategy": "steps",
+                "eval_steps": a.save_steps,
+                "load_best_model_at_end": True,
+                "metric_for_best_model": "eval_loss",
+                "greater_is_better": True,
+            }
+            if a.best
+            else {}
+        ),
     )
     set_seed(0)  # the same initial weights in every run (a resume loads them anyway)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
@@ -131,7 +148,11 @@ def train(a: argparse.Namespace, out: str, result: str, resume_arg: str) -> dict
             callbacks.append(KillAfter(a.kill_after, ckptd, f"{result}.ready"))
     KillingTrainer.kill_mid_save = a.kill_mid_save
     trainer = KillingTrainer(
-        model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=Tokens(),
+        eval_dataset=Tokens() if a.best else None,
+        callbacks=callbacks,
     )
 
     resume: str | bool | None = None
@@ -160,6 +181,7 @@ def train(a: argparse.Namespace, out: str, result: str, resume_arg: str) -> dict
         "resumed_from": resume if isinstance(resume, str) else str(resume),
         "adopted": ckptd.adopted if ckptd else [],
         "on_disk": sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")),
+        "best": trainer.state.best_model_checkpoint,
     }
 
 

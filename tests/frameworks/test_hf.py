@@ -228,6 +228,55 @@ def test_two_processes_resume_exactly_after_node_loss(make_daemon: Any, tmp_path
     assert [e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)] == [4]
 
 
+def test_best_checkpoint_comes_back_after_node_loss(make_daemon: Any, tmp_path: Path) -> None:
+    """``load_best_model_at_end`` with the best checkpoint an old one: after the node
+    is lost, resume() brings back the best and what save_total_limit keeps beside the
+    resumed step, so the run ends with the best model, as the uninterrupted run does."""
+    d: Daemon = remote_daemon(make_daemon, file_bucket(tmp_path))
+    out = tmp_path / "out"
+    ref = start("--out", str(tmp_path / "ref"), "--result", str(tmp_path / "ref.pt"), "--best")
+    killed = start("--out", str(out), "--result", str(tmp_path / "never.pt"), "--job", JOB,
+                   "--socket", str(d.socket), "--resume", "ckptd", "--kill-after", "6",
+                   "--best")  # fmt: skip
+    wait_for(lambda: (tmp_path / "never.pt.ready.0").exists(), killed)
+    killed[0].kill()
+    finish(killed, rc=-9)
+    (want,) = finish(ref)
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-6"]  # as the Trainer left it
+    assert want["best"] == str(tmp_path / "ref" / "checkpoint-2")  # the highest eval_loss
+    assert want["on_disk"] == ["checkpoint-2", "checkpoint-8"]
+    assert adopted_steps(d) == [2, 4, 6]
+
+    d.kill()
+    shutil.rmtree(d.root)
+    shutil.rmtree(out)
+    fresh: Daemon = remote_daemon(make_daemon, file_bucket(tmp_path))
+    (got,) = run("--out", str(out), "--result", str(tmp_path / "resumed.pt"), "--job", JOB,
+                 "--socket", str(fresh.socket), "--resume", "ckptd", "--best")  # fmt: skip
+    assert got["resumed_from"] == str(out / "checkpoint-6")
+    assert got["best"] == str(out / "checkpoint-2")
+    assert got["on_disk"] == ["checkpoint-2", "checkpoint-8"]  # as the Trainer rotates
+    # save_total_limit=2 kept the best (2) beside 6 (4 was rotated out): both come back.
+    assert sorted(e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)) == [2, 6]
+    assert_identical(tmp_path / "resumed.pt", tmp_path / "ref.pt")  # the best model at the end
+
+
+def test_named_steps_reads_the_trainer_state(tmp_path: Path) -> None:
+    from ckptd.client.hf import named_steps
+
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"best_model_checkpoint": "/elsewhere/out/checkpoint-3"}))
+    assert named_steps(state, 9, [1, 3, 5, 7, 9], 3) == [3, 7]  # 9, the best, the newest
+    assert named_steps(state, 9, [1, 3, 5, 7, 9], 4) == [3, 5, 7]
+    assert named_steps(state, 3, [1, 3], 2) == [1]  # the resumed step is the best
+    assert named_steps(state, 9, [1, 3, 5, 7, 9], None) == [3]  # no limit: the best only
+    state.write_text(json.dumps({"best_model_checkpoint": None}))
+    assert named_steps(state, 9, [1, 3, 5, 7, 9], 1) == []
+    state.write_text("{not json")
+    assert named_steps(state, 9, [7, 9], 2) == [7]  # unreadable: warned, the limit still kept
+    assert named_steps(tmp_path / "missing.json", 9, [], 2) == []
+
+
 def test_resume_on_a_fresh_start_and_what_it_refuses(daemon: Daemon, tmp_path: Path) -> None:
     """The script as documented runs the first time too: nothing to resume is None."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

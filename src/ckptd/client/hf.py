@@ -24,6 +24,7 @@ See docs/integrations/hf.md.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptd.core.errors import (
@@ -208,6 +210,7 @@ def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -
                 "from the bucket" if resp.fetched else "linked back" if resp.linked else "in place"
             )
             log.info("resuming job %r from step %d (%s, %s)", client.job, step, resp.path, how)
+            _bring_named(client, out, step, args.save_total_limit, timeout)
     # Every process learns whether each node's copy is in place (the others read what
     # their node's writing process put back), and none is left waiting if one failed.
     errors = _gather(str(failure) if failure else "")
@@ -236,6 +239,56 @@ def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -
             why,
         )
     return str(out / f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def named_steps(state_file: Path, step: int, held: list[int], limit: int | None) -> list[int]:
+    """The steps besides ``step`` that the Trainer whose state ``state_file`` is would
+    find in ``output_dir``: its best checkpoint (``best_model_checkpoint``, which
+    ``load_best_model_at_end`` loads and rotation never deletes) and, under
+    ``save_total_limit``, the newest older ones (of ``held``: the job's adopted steps)
+    its rotation kept beside ``step`` and the best: ``limit`` in all. Without a limit the Trainer keeps every
+    checkpoint; only the best is brought back then (the rest stay in ckptd)."""
+    try:
+        best = json.loads(state_file.read_text()).get("best_model_checkpoint")
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("%s is unreadable (%s): its best checkpoint is not brought back", state_file, exc)
+        best = None
+    m = _CHECKPOINT.match(Path(best).name) if isinstance(best, str) else None
+    wanted = {int(m.group(1))} - {step} if m else set()
+    if limit:
+        # The Trainer's rotation keeps the newest `limit`, the best counted among them.
+        others = sorted((s for s in held if s < step and s not in wanted), reverse=True)
+        wanted.update(others[: max(limit - 1 - len(wanted), 0)])
+    return sorted(wanted)
+
+
+def _bring_named(
+    client: Client, out: Path, step: int, limit: int | None, timeout: float
+) -> None:
+    """Put back the other checkpoints the resumed step's Trainer state names
+    (:func:`named_steps`): a best checkpoint lost with the node would otherwise make
+    ``load_best_model_at_end`` end with the last model, logged only at INFO by the
+    Trainer. One ckptd no longer holds is said at WARNING."""
+    held = sorted(
+        c.step
+        for c in client.list()
+        if c.adopted and c.tiers and c.state != "STAGING" and not c.abandoned
+    )
+    state_file = out / f"{PREFIX_CHECKPOINT_DIR}-{step}" / TRAINER_STATE_NAME
+    for other in named_steps(state_file, step, held, limit):
+        req = pb.EnsureLocalRequest(job=client.job, directory=str(out), layout=LAYOUT, step=other)
+        try:
+            resp = client.low_level.ensure_local(req, timeout)
+        except CkptdError as exc:
+            log.warning(
+                "step %d's Trainer state names %s, which could not be put back (%s): "
+                "the Trainer will go on without it",
+                step,
+                out / f"{PREFIX_CHECKPOINT_DIR}-{other}",
+                exc,
+            )
+            continue
+        log.info("put back %s, which step %d's Trainer state names", resp.path, step)
 
 
 def _output_dir(args: TrainingArguments) -> Path:
@@ -320,4 +373,4 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["LAYOUT", "CkptdCallback", "logged_metrics", "resume"]
+__all__ = ["LAYOUT", "CkptdCallback", "logged_metrics", "named_steps", "resume"]
