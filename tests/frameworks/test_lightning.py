@@ -234,6 +234,80 @@ def test_ckpt_path_last_resumes_from_ckptd_never_from_scratch(daemon: Daemon) ->
     assert latest["start_step"] == 12
 
 
+def test_best_model_path_loads_as_a_file_would_in_this_process_and_a_fresh_one(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Model.load_from_checkpoint(best_model_path)``, ``torch.load`` of it through
+    fsspec and ``load_checkpoint``: the dict Lightning saved, here and in a process
+    that never trained (the name is read from the job's newest step)."""
+    import fsspec
+
+    from ckptd.client.lightning import load_checkpoint
+    from ckptd.client.lightning.store import STORES
+
+    monkeypatch.setenv("CKPTD_SOCKET", str(daemon.socket))  # what a fresh process is given
+    io = Recording("serve", daemon.socket)
+    t = worker.trainer(str(daemon.socket), "serve", STEPS, io=io)
+    t.fit(worker.Tiny())
+    best = t.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    step = step_of(best)
+    assert best.startswith("ckptd://serve/") and step in (3, 6, 9, 12)
+    want = io.handed[step]
+    io.store.close()
+    for fresh in (False, True):
+        if fresh:
+            STORES.pop("serve", None)  # as in a process that only evaluates
+        model = worker.Tiny.load_from_checkpoint(best)
+        assert_same(model.state_dict(), want["state_dict"], "load_from_checkpoint")
+        assert model.hparams == want["hyper_parameters"]
+        with fsspec.open(best).open() as f:
+            assert_same(torch.load(f, weights_only=True), want, "torch.load")
+        assert_same(load_checkpoint(best), want, "load_checkpoint")
+    with pytest.raises(CheckpointNotFound, match="not a checkpoint name"):
+        load_checkpoint("ckptd://serve/epoch=9-step=99.ckpt")
+    with pytest.raises(NotImplementedError, match="CkptdCheckpointIO"):
+        fsspec.open("ckptd://serve/new.ckpt", "wb").open()
+
+
+def test_the_plugin_with_a_plain_model_checkpoint_refuses_to_train_over_the_job(
+    daemon: Daemon,
+) -> None:
+    """A half-done migration: ckptd's CheckpointIO, Lightning's own ModelCheckpoint and
+    fit(ckpt_path="last"). Lightning finds no last*.ckpt and would train from scratch
+    over the job's steps; the callback ckptd registers with Lightning refuses first."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptd.core.errors import FailedPrecondition
+
+    def plain(max_steps: int) -> Any:
+        return L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            plugins=[CkptdCheckpointIO("migrating", daemon.socket)],
+            callbacks=[ModelCheckpoint(dirpath="ckptd://migrating", every_n_train_steps=3)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    first = plain(6)
+    assert any(type(cb).__name__ == "CkptdResumeGuard" for cb in first.callbacks)
+    first.fit(worker.Tiny())  # the job has no step yet: trains and saves
+    first.strategy.checkpoint_io.store.close()
+    assert daemon.client("migrating").latest_step() == 6
+    second = plain(12)
+    model = worker.Tiny()
+    with pytest.raises(FailedPrecondition, match="CkptdModelCheckpoint"):
+        second.fit(model, ckpt_path="last")
+    assert second.global_step == 0 and daemon.client("migrating").latest_step() == 6
+    # Resuming by ckptd's own path trains on, the plain ModelCheckpoint beside it.
+    third = plain(9)
+    third.fit(worker.Tiny(), ckpt_path="ckptd://migrating/latest")
+    assert third.global_step == 9
+    third.strategy.checkpoint_io.store.close()
+
+
 def test_a_fresh_run_under_a_used_job_name_saves_every_step_again(daemon: Daemon) -> None:
     first = run(daemon, "rerun", STEPS)
     pinned_before = {c.step for c in daemon.client("rerun").list() if c.pinned}

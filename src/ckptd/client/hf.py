@@ -246,12 +246,13 @@ def named_steps(state_file: Path, step: int, held: list[int], limit: int | None)
     find in ``output_dir``: its best checkpoint (``best_model_checkpoint``, which
     ``load_best_model_at_end`` loads and rotation never deletes) and, under
     ``save_total_limit``, the newest older ones (of ``held``: the job's adopted steps)
-    its rotation kept beside ``step`` and the best: ``limit`` in all. Without a limit the Trainer keeps every
-    checkpoint; only the best is brought back then (the rest stay in ckptd)."""
+    its rotation kept beside ``step`` and the best: ``limit`` in all. Without a limit
+    the Trainer keeps every checkpoint; only the best is brought back then (the rest
+    stay in ckptd)."""
     try:
         best = json.loads(state_file.read_text()).get("best_model_checkpoint")
     except (OSError, ValueError, AttributeError) as exc:
-        log.warning("%s is unreadable (%s): its best checkpoint is not brought back", state_file, exc)
+        log.warning("%s is unreadable (%s): no best checkpoint brought back", state_file, exc)
         best = None
     m = _CHECKPOINT.match(Path(best).name) if isinstance(best, str) else None
     wanted = {int(m.group(1))} - {step} if m else set()
@@ -262,9 +263,7 @@ def named_steps(state_file: Path, step: int, held: list[int], limit: int | None)
     return sorted(wanted)
 
 
-def _bring_named(
-    client: Client, out: Path, step: int, limit: int | None, timeout: float
-) -> None:
+def _bring_named(client: Client, out: Path, step: int, limit: int | None, timeout: float) -> None:
     """Put back the other checkpoints the resumed step's Trainer state names
     (:func:`named_steps`): a best checkpoint lost with the node would otherwise make
     ``load_best_model_at_end`` end with the last model, logged only at INFO by the

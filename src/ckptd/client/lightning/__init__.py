@@ -11,7 +11,10 @@ from the bucket)::
     )
     trainer.fit(model, ckpt_path="last")
 
-``ckpt_path`` also takes ``"ckptd://<job>/latest"`` and ``"ckptd://<job>/<step>"``.
+``ckpt_path`` also takes ``"ckptd://<job>/latest"`` and ``"ckptd://<job>/<step>"``;
+``Model.load_from_checkpoint`` takes those and every name Lightning saved under
+(``trainer.checkpoint_callback.best_model_path``), and :func:`load_checkpoint` is
+``torch.load`` for them.
 How steps, names, pins and ranks map: :mod:`ckptd.client.lightning.store`; the
 checkpoint dict's layout: :mod:`ckptd.client.lightning.codec`; the user's guide:
 docs/integrations/lightning.md. For the standalone ``pytorch_lightning`` package,
@@ -26,16 +29,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .files import load_checkpoint
     from .io import CkptdAsyncCheckpointIO, CkptdCheckpointIO, CkptdModelCheckpoint
 
-__all__ = ["CkptdAsyncCheckpointIO", "CkptdCheckpointIO", "CkptdModelCheckpoint"]
+__all__ = ["CkptdAsyncCheckpointIO", "CkptdCheckpointIO", "CkptdModelCheckpoint", "load_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import io as lightning_io
+    if name == "load_checkpoint":
+        from . import files as source
+    else:
+        from . import io as source  # type: ignore[no-redef]
 
-    value = getattr(lightning_io, name)
+    value = getattr(source, name)
     globals()[name] = value
     return value

@@ -131,14 +131,32 @@ class CkptdFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec is un
         """Nothing to make: a job exists once it has a step."""
 
     def _open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"ckptd://{self._strip_protocol(path)} is a ckptd step, not a file: ckptd's "
-            "steps are saved and loaded through shared memory, never as byte streams. "
-            "Lightning: Trainer(plugins=[ckptd.client.lightning.CkptdCheckpointIO(job)]); "
-            "torchtitan: add --override.imports ckptd.client.torchtitan.ckptd_checkpoint; "
-            "PyTorch DCP: storage_writer=CkptdWriter(job) / storage_reader=CkptdReader(job); "
-            "otherwise ckptd.client.Client.save / restore"
-        )
+        """Reading a step of Lightning's gives the bytes ``torch.save`` would have
+        written for its checkpoint dict, so ``Model.load_from_checkpoint(path)`` and
+        ``torch.load(fsspec.open(path).open())`` work as with a ``.ckpt`` file.
+        Writing is refused with the setting that saves through ckptd."""
+        if mode != "rb":
+            raise NotImplementedError(
+                f"ckptd://{self._strip_protocol(path)} is a ckptd step, not a file to "
+                "write: ckptd's steps are saved through shared memory. Lightning: "
+                "Trainer(plugins=[ckptd.client.lightning.CkptdCheckpointIO(job)]); "
+                "torchtitan: add --override.imports ckptd.client.torchtitan.ckptd_checkpoint; "
+                "PyTorch DCP: storage_writer=CkptdWriter(job) / storage_reader=CkptdReader(job); "
+                "otherwise ckptd.client.Client.save / restore"
+            )
+        import io
+
+        import torch
+
+        from .files import read_checkpoint
+
+        job, _, rest = self._strip_protocol(path).partition("/")
+        client = self._clients.get(job) or self._clients.setdefault(job, Client(job, self.socket))
+        checkpoint = read_checkpoint(client, job, rest, self._names(job), weights_only=True)
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        buf.seek(0)
+        return buf
 
 
 def register() -> None:
