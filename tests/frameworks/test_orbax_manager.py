@@ -394,6 +394,80 @@ def test_continuous_policy_waits_for_the_previous_save_and_specific_steps(
     mngr.close()
 
 
+def until(check: Any, rows: Any, timeout: float = 60.0) -> None:
+    """Wait for the evictor (a background pass after each LOCAL) to make ``check`` true;
+    fail with what ``rows()`` shows."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"retention never got there: {rows()}"
+        time.sleep(0.05)
+
+
+def kept(daemon: Daemon, job: str) -> list[tuple[int, tuple[str, ...], tuple[str, ...]]]:
+    return [(c.step, c.tiers, c.local_reasons) for c in daemon.client(job).list()]
+
+
+def test_max_to_keep_best_fn_and_keep_period_are_the_jobs_retention(daemon: Daemon) -> None:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min", keep_period=4
+    )
+    mngr = ckptd_orbax.CheckpointManager(job="ranked", socket=daemon.socket, options=options)
+    losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 2.0, 5: 6.0, 6: 3.0, 7: 9.0}
+    for t, loss in losses.items():
+        assert mngr.save(t, args=ocp.args.StandardSave(state(t)), metrics={"loss": loss})
+    mngr.wait_until_finished()
+    # The two best (2, 4), every 4th (4), and the newest, which ckptd always keeps.
+    # The others go; one whose unchanged shards a kept step reads stays until that
+    # step goes, but it is no longer the job's, and Orbax no longer lists it.
+    until(lambda: mngr.all_steps() == [2, 4, 7], lambda: kept(daemon, "ranked"))
+    for step, _, reasons in kept(daemon, "ranked"):
+        assert step in (2, 4, 7) or all(r.startswith("referenced-by-") for r in reasons)
+    assert mngr.best_step() == 2 and mngr.metrics(2) == {"loss": 1.0}
+    assert_equal(mngr.restore(mngr.all_steps()[0], args=ocp.args.StandardRestore(
+        abstract(state(2)))), state(2))  # fmt: skip
+    mngr.close()
+    again = ckptd_orbax.CheckpointManager(job="ranked", socket=daemon.socket, options=options)
+    assert again.all_steps() == [2, 4, 7], kept(daemon, "ranked")
+    assert again.best_step() == 2  # from the daemon's record
+    again.close()
+    one = ocp.CheckpointManagerOptions(max_to_keep=1)
+    unranked = ckptd_orbax.CheckpointManager(job="latest", socket=daemon.socket, options=one)
+    for t in (1, 2, 3):
+        unranked.save(t, args=ocp.args.StandardSave(state(t)))
+    unranked.wait_until_finished()
+    until(lambda: unranked.all_steps() == [3], lambda: kept(daemon, "latest"))
+    assert unranked.best_step() == 3
+    unranked.close()
+
+
+def test_orbax_preservation_policies_map_to_ckptds() -> None:
+    from ckptd.client.orbax.retention import Retention
+
+    pp = policies.preservation_policy if hasattr(policies, "preservation_policy") else None
+    pp = pp or __import__(
+        "orbax.checkpoint._src.checkpoint_managers.preservation_policy", fromlist=["x"]
+    )
+
+    def text(**options: Any) -> str | None:
+        return Retention(ocp.CheckpointManagerOptions(**options)).text
+
+    assert text() is None  # Orbax's default keeps every step: the node's policy
+    assert text(max_to_keep=3) == "KeepLatest(3)"
+    assert text(max_to_keep=2, keep_period=10) == "KeepAny([KeepEverySteps(10), KeepLatest(2)])"
+    policy = pp.AnyPreservationPolicy([
+        pp.LatestN(n=1), pp.EveryNSteps(interval_steps=5), pp.CustomSteps(steps=[3, 1]),
+        pp.BestN(get_metric_fn=lambda m: m["acc"], reverse=False, n=2),
+    ])  # fmt: skip
+    r = Retention(ocp.CheckpointManagerOptions(preservation_policy=policy))
+    assert r.text == (
+        "KeepAny([KeepLatest(1), KeepEverySteps(5), KeepSteps([1, 3]), "
+        "KeepBest('orbax_best', 2, 'max', keep_without_metric=True)])"
+    )
+    assert r.scores({"acc": 0.5}) == {"orbax_best": 0.5} and r.scores(None) == {}
+    closest = pp.EveryNStepsClosest(interval_steps=5)
+    assert Retention(ocp.CheckpointManagerOptions(preservation_policy=closest)).text is None
+
+
 def test_a_rollback_keeps_saving_and_every_new_save(daemon: Daemon) -> None:
     mngr = ckptd_orbax.CheckpointManager(job="roll", socket=daemon.socket)
     for t in (1, 2, 3):

@@ -168,6 +168,15 @@ class Connection:
         """Pin or unpin a step."""
         return self._unary("Pin", request, pb.PinResponse, timeout, metadata)
 
+    def set_retention(
+        self,
+        request: pb.SetRetentionRequest,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+    ) -> pb.SetRetentionResponse:
+        """Set (or clear) a job's own retention policy."""
+        return self._unary("SetRetention", request, pb.SetRetentionResponse, timeout, metadata)
+
     def check_capacity(
         self,
         request: pb.CheckCapacityRequest,

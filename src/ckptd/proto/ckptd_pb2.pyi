@@ -431,6 +431,22 @@ class PinResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SetRetentionRequest(_message.Message):
+    __slots__ = ("job", "policy")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    policy: str
+    def __init__(self, job: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class SetRetentionResponse(_message.Message):
+    __slots__ = ("local", "remote")
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    local: str
+    remote: str
+    def __init__(self, local: _Optional[str] = ..., remote: _Optional[str] = ...) -> None: ...
+
 class CheckCapacityRequest(_message.Message):
     __slots__ = ("job", "size_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class CkptdStub:
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.PinRequest.SerializeToString,
                 response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.SetRetention = channel.unary_unary(
+                '/ckptd.v1.Ckptd/SetRetention',
+                request_serializer=ckptd_dot_proto_dot_ckptd__pb2.SetRetentionRequest.SerializeToString,
+                response_deserializer=ckptd_dot_proto_dot_ckptd__pb2.SetRetentionResponse.FromString,
+                _registered_method=True)
         self.CheckCapacity = channel.unary_unary(
                 '/ckptd.v1.Ckptd/CheckCapacity',
                 request_serializer=ckptd_dot_proto_dot_ckptd__pb2.CheckCapacityRequest.SerializeToString,
@@ -179,6 +184,14 @@ class CkptdServicer:
 
     def Pin(self, request, context):
         """Pins (or unpins) a step: a pinned step is never evicted from any tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRetention(self, request, context):
+        """The job's own retention, set by its trainer (the framework's max_to_keep,
+        keep_latest_k, save_total_limit, best checkpoints), in place of the node's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -289,6 +302,11 @@ def add_CkptdServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.PinRequest.FromString,
                     response_serializer=ckptd_dot_proto_dot_ckptd__pb2.PinResponse.SerializeToString,
+            ),
+            'SetRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRetention,
+                    request_deserializer=ckptd_dot_proto_dot_ckptd__pb2.SetRetentionRequest.FromString,
+                    response_serializer=ckptd_dot_proto_dot_ckptd__pb2.SetRetentionResponse.SerializeToString,
             ),
             'CheckCapacity': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckCapacity,
@@ -569,6 +587,33 @@ class Ckptd:
             '/ckptd.v1.Ckptd/Pin',
             ckptd_dot_proto_dot_ckptd__pb2.PinRequest.SerializeToString,
             ckptd_dot_proto_dot_ckptd__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Ckptd/SetRetention',
+            ckptd_dot_proto_dot_ckptd__pb2.SetRetentionRequest.SerializeToString,
+            ckptd_dot_proto_dot_ckptd__pb2.SetRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,8 +17,10 @@ writes the step to its local tier and drains it to the bucket. What maps to what
   sharding, ``partial_restore``) / ``JsonRestore``: each process reads what it
   needs from its node's copy (or the bucket); ``latest_step`` / ``all_steps`` are
   the steps every process can restore, agreed when the manager is created.
-- ``max_to_keep`` and preservation policies: ckptd's retention (the daemon's
-  configuration) decides what is kept, in every tier.
+- ``max_to_keep``, ``keep_period``, ``best_fn``/``best_mode`` and preservation
+  policies become the job's ckptd retention in every tier (retention.py), within
+  the operator's limits; ``all_steps`` lists the steps that still exist,
+  ``best_step`` ranks them by ``best_fn``, ``metrics(step)`` gives a step's metrics.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from typing import Any
 
 from jax.experimental import multihost_utils
 
-from ckptd.core.errors import InvalidArgument
+from ckptd.core.errors import FailedPrecondition, InvalidArgument
 
 from ..client import Client
 from ..leaves.jax_arrays import Replicas
 from . import hosts
 from . import items as items_lib
 from . import save as decide
+from .retention import Retention
 
 log = logging.getLogger("ckptd.client.orbax")
 ocp = items_lib.ocp
@@ -127,13 +130,13 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._pending_step: int | None = None
         self._infos: list[decide.StepInfo] = []
+        self._retention = Retention(self._options)
+        if self._retention.text is not None and not self._options.read_only:
+            try:
+                client.set_retention(self._retention.text)
+            except FailedPrecondition as exc:  # the operator keeps every job's retention
+                log.warning("job %s: %s", client.job, exc)
         self.reload()
-        if self._options.max_to_keep is not None or self._options.preservation_policy:
-            log.info(
-                "job %s: max_to_keep / preservation_policy are not used: ckptd's retention "
-                "(the daemon's --retention-local / --retention-remote) keeps the steps",
-                self.client.job,
-            )
 
     # -- what Orbax's manager tells about its steps ---------------------------
     @property
@@ -155,18 +158,49 @@ class CheckpointManager:
 
     def all_steps(self, read: bool = False) -> list[int]:
         """The job's steps, oldest first: saved by this manager, or restorable by
-        every process when it was created (``read=True``: :meth:`reload` first)."""
+        every process when it was created (``read=True``: :meth:`reload` first),
+        that retention has not removed since."""
         if read:
             self.reload()
+        self._forget_removed()
         return [i.step for i in self._infos]
+
+    def _forget_removed(self) -> None:
+        """Drop the steps retention removed: no tier of this node holds them, or one
+        holds them only while a kept step reads their data (an incremental save's
+        unchanged shards) or a reader has them open. The save in flight stays."""
+        if not self._infos:
+            return
+        held = {
+            c.step
+            for c in self.client.list()
+            if c.state == "STAGING"
+            or (c.tiers and not all(_holder(r) for r in (*c.local_reasons, *c.remote_reasons)))
+        }
+        keep = held | {self._pending_step}
+        self._infos = [i for i in self._infos if i.step in keep]
 
     def latest_step(self) -> int | None:
         """The newest of :meth:`all_steps`, None if there is none."""
         return self._infos[-1].step if self._infos else None
 
     def best_step(self) -> int | None:
-        """The newest step (ckptd's retention, not this manager, ranks by metrics)."""
-        return self.latest_step()
+        """The step ``best_fn`` ranks best (by ``best_mode``) among :meth:`all_steps`,
+        None if none has metrics; without ``best_fn`` the newest, as Orbax's."""
+        steps = self.all_steps()
+        if self._retention.best is None:
+            return steps[-1] if steps else None
+        name, mode = self._retention.best
+        rows = self.client.list()
+        scored = {c.step: c.metrics[name] for c in rows if c.metrics and name in c.metrics}
+        ranked = [(scored[s], s) for s in steps if s in scored]
+        if not ranked:
+            return None
+        return (min if mode == "min" else max)(ranked)[1]
+
+    def metrics(self, step: int) -> Any:
+        """The metrics saved with ``step`` (None if it was saved without)."""
+        return self._saved(int(step)).metrics or None
 
     def reached_preemption(self, step: int) -> bool:
         """Whether jax's preemption sync point is reached at ``step`` (every process
@@ -233,9 +267,9 @@ class CheckpointManager:
         # The trainer may donate its arrays once save() returns: on an accelerator they
         # are on their way to pinned host memory by then; on CPU, copied.
         snapshot = decide.off_device(tree) if self._blocking_copy else None
-        numbers = items_lib.numeric_metrics(metrics)
+        numbers = {**(items_lib.numeric_metrics(metrics) or {}), **self._retention.scores(metrics)}
         handle = self.client.save(
-            int(step), tree if snapshot is None else snapshot, meta, metrics=numbers
+            int(step), tree if snapshot is None else snapshot, meta, metrics=numbers or None
         )
         if self._blocking_copy and snapshot is None:
             handle.wait_copied()
@@ -367,6 +401,12 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"ckptd.client.orbax.CheckpointManager(job={self.client.job!r})"
+
+
+def _holder(reason: str) -> bool:
+    """A reason a tier keeps a step that is not the job's retention: a kept step reads
+    its data, or a reader has it open; it goes once neither holds."""
+    return reason == "in-use" or reason.startswith("referenced-by-")
 
 
 def _default_item_mode(item_names: Any, item_handlers: Any) -> bool | None:

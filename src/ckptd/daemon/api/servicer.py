@@ -123,6 +123,8 @@ class Services:
     """Each job's restarts, for Goodput()'s learned failure rate (history.py)."""
     paced: Callable[[str, float], None]
     """Sets a job's upload pace, as its commits ask (lifecycle/pace.py)."""
+    evict: Callable[[], None]
+    """Wakes the evictor: a job's retention changed."""
 
 
 class Servicer(pb_grpc.CkptdServicer):
@@ -301,6 +303,20 @@ class Servicer(pb_grpc.CkptdServicer):
         with self.s.access.claiming(peer, job):
             await self.s.pins.set(job, check_step(request.step), request.pinned)
         return pb.PinResponse()
+
+    @_rpc
+    async def SetRetention(
+        self, request: pb.SetRetentionRequest, context: Any
+    ) -> pb.SetRetentionResponse:
+        peer, job = self._job(context, request.job)
+        retention = self.s.retention
+        with self.s.access.claiming(peer, job):
+            await retention.jobs.set_everywhere(job, request.policy)
+        self.s.evict()
+        local, remote = retention.jobs.tiers(job, retention.local_policy, retention.remote_policy)
+        return pb.SetRetentionResponse(
+            local=local.describe(), remote=remote.describe() if remote is not None else ""
+        )
 
     @_rpc
     async def CheckCapacity(self, request: pb.CheckCapacityRequest, context: Any) -> pb.Capacity:

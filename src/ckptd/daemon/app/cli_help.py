@@ -30,7 +30,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "which steps each tier keeps; a POLICY is KeepLatest(n), KeepEverySteps(k), "
      "KeepEverySeconds(s), KeepMilestones(), KeepBest('metric', n, mode='min'), "
      "KeepSteps([...]), KeepAll(), or a list of them (a step any of them keeps is kept)",
-     ("retention_", "local_evict_")),
+     ("retention_", "local_evict_", "job_retention", "job_retention_")),
     ("adoption", "finished framework checkpoints handed to the daemon", ("adopt_",)),
     ("access", "who may call the daemon and use which jobs",
      ("socket_group", "allow_", "shared_jobs", "sessions_")),

@@ -46,7 +46,7 @@ from ..remote.source import BucketSource
 from ..restore.chooser import Chooser
 from ..restore.restorer import Restorer
 from ..restore.tier import Tier
-from ..retention.planner import Retention
+from ..retention.planner import JobRetention, Retention
 from .config import Config
 from .metrics import Metrics, Sources, job_labels_shown
 from .options import Options
@@ -139,6 +139,7 @@ class Daemon:
             lifecycle.retention_local,
             lifecycle.retention_remote if self.remote is not None else None,
             evict_unuploaded=lifecycle.local_evict_unuploaded,
+            jobs=JobRetention.of(local.root, lifecycle, self.remote),
         )
         # This node's step index in the bucket (remote/index.py): one owner, shared by
         # the drain (adds), the evictor (removes), pins and restores (reads).
@@ -346,6 +347,7 @@ class Daemon:
             restored=self.metrics.restored,
             history=self.history,
             paced=self.drain.pace.ask if self.drain is not None else lambda job, seconds: None,
+            evict=self.evictor.kick,
         )
 
     def serves_metrics(self, address: str) -> None:

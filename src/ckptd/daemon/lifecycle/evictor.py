@@ -121,7 +121,11 @@ class Evictor:
         """One pass: the local tier first (the disk saves need), then the bucket."""
         self._local_due = False
         await self.relieve_local()
+        jobs = self.retention.jobs
+        await jobs.sync()  # the bucket's records a transient error left behind
         for job in self.catalog.jobs():
+            if self.remote is not None and not await jobs.settled(job):
+                continue  # its own policy, if any, is unknown: its bucket copies wait
             # Newest first: the steps a step reads are older, so whatever is left in the
             # bucket at any moment (a pass cut short too) holds what it reads.
             for step in sorted(self.retention.plan(job).evict_remote, reverse=True):

@@ -20,6 +20,14 @@ class LifecycleOptions:
         default_factory=lambda: parse_policy("KeepAny([KeepLatest(3), KeepMilestones()])")
     )
     """Which checkpoints the remote tier keeps; milestones are always kept there."""
+    job_retention: bool = True
+    """Let a job's trainer set the job's retention (``Client.set_retention``: the
+    framework's ``max_to_keep``, ``keep_latest_k``, ``save_total_limit``, best
+    checkpoints), applied in every tier in place of the policies above
+    (retention/jobs.py). Off: every job keeps the node's policies."""
+    job_retention_max_steps: int = 0
+    """Most steps a job's own retention keeps in a tier (the newest of those it
+    keeps; milestones and pins apart); 0: no limit."""
     local_evict_unuploaded: bool = False
     """Let the local retention evict a copy whose remote copy is not complete yet
     (milestones excepted). Off: such copies wait for the drain."""

@@ -10,6 +10,7 @@ A step saved through ckptd (``Client.save``)::
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
     <job>/_index/<node>.json               the node's complete steps (index.py)
+    <job>/_retention.json                  the job's own retention (retention/jobs.py)
     _nodes/<node>/instance                 the daemon holding the node name (claim.py)
 
 The rank files are most of a step's requests (every part of every multipart
@@ -216,6 +217,11 @@ def complete_steps_in(keys: Iterable[str]) -> dict[tuple[str, int], RemoteStep]:
             found.nodes.add(parsed.node)
             found.adopted = found.adopted or parsed.adopted
     return steps
+
+
+def retention_key(job: str) -> str:
+    """The job's own retention policy, as its trainer set it (outlives the node)."""
+    return f"{job}/_retention.json"
 
 
 def pin_key(job: str, step: int, adopted: bool = False) -> str:

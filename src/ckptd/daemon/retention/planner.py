@@ -10,8 +10,11 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from ..catalog import Step
 from ..catalog.roles import Steps
+from .jobs import JobRetention
 from .plan import Plan, StepView, plan_job
 from .policies import Policy
+
+__all__ = ["READ_GRACE_SECONDS", "JobRetention", "Retention"]
 
 READ_GRACE_SECONDS = 120.0
 """A step served by Restore is not evicted for this long: the client may still open it."""
@@ -27,6 +30,7 @@ class Retention:
         remote_policy: Policy | None,
         *,
         evict_unuploaded: bool = False,
+        jobs: JobRetention | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.catalog = catalog
@@ -34,6 +38,8 @@ class Retention:
         self.remote_policy = remote_policy
         """None without a remote tier."""
         self.evict_unuploaded = evict_unuploaded
+        self.jobs = jobs if jobs is not None else JobRetention(None)
+        """The jobs' own policies, set by their trainers (jobs.py)."""
         self._clock = clock
         self.retracting: set[tuple[str, int]] = set()
         """Steps the evictor is taking out of the bucket right now: the drain counts
@@ -68,10 +74,11 @@ class Retention:
     def plan(self, job: str) -> Plan:
         """The current plan for one job."""
         views = [self.view(s) for s in self.catalog.list(job)]
+        local, remote = self.jobs.tiers(job, self.local_policy, self.remote_policy)
         return plan_job(
             views,
-            self.local_policy,
-            self.remote_policy,
+            local,
+            remote,
             self._clock(),
             evict_unuploaded=self.evict_unuploaded,
         )
