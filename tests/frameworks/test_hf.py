@@ -246,6 +246,10 @@ def test_best_checkpoint_comes_back_after_node_loss(make_daemon: Any, tmp_path: 
     assert want["best"] == str(tmp_path / "ref" / "checkpoint-2")  # the highest eval_loss
     assert want["on_disk"] == ["checkpoint-2", "checkpoint-8"]
     assert adopted_steps(d) == [2, 4, 6]
+    # save_total_limit and the best are the job's retention in ckptd's tiers too.
+    rows = {c.step: c for c in d.client(JOB).list()}
+    assert rows[2].remote_reasons == ("best-eval_loss",)
+    assert rows[4].remote_reasons == ("latest",)
 
     d.kill()
     shutil.rmtree(d.root)
@@ -259,6 +263,21 @@ def test_best_checkpoint_comes_back_after_node_loss(make_daemon: Any, tmp_path: 
     # save_total_limit=2 kept the best (2) beside 6 (4 was rotated out): both come back.
     assert sorted(e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)) == [2, 6]
     assert_identical(tmp_path / "resumed.pt", tmp_path / "ref.pt")  # the best model at the end
+
+
+def test_the_trainers_rotation_as_a_policy(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from ckptd.client.hf import retention_of
+
+    def args(**kw: Any) -> Any:
+        return TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+    assert retention_of(args()) is None  # no limit: the Trainer keeps all, the node decides
+    assert retention_of(args(save_total_limit=3)) == "KeepLatest(3)"
+    best = args(save_total_limit=1, load_best_model_at_end=True, eval_strategy="steps",
+                metric_for_best_model="loss")  # fmt: skip
+    assert retention_of(best) == "KeepAny([KeepLatest(1), KeepBest('eval_loss', 1, 'min')])"
 
 
 def test_named_steps_reads_the_trainer_state(tmp_path: Path) -> None:

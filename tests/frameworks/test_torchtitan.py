@@ -18,6 +18,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -268,3 +269,18 @@ def test_checkpoint_manager_saves_and_finds_its_steps_in_ckptd(
         assert seen["loaded_2"] and seen["equal_2"] and seen["counters_2"] == [2, 2], mode
         assert "no step 9" in seen["missing"] and "[3, 2, 1]" in seen["missing"], mode
         assert [c.step for c in daemon.client(f"titan-{mode}").list()] == [3, 2, 1], mode
+
+    # keep_latest_k=2 is the job's retention: the daemon keeps the newest two (and the
+    # first step while they read its unchanged shards: incremental saves).
+    def kept() -> list[int]:
+        return [
+            c.step
+            for c in daemon.client("titan-keep").list()
+            if not all(r.startswith("referenced-by-") for r in c.local_reasons)
+        ]
+
+    deadline = time.monotonic() + 60
+    while kept() != [4, 3]:
+        assert time.monotonic() < deadline, daemon.client("titan-keep").list()
+        time.sleep(0.05)
+    assert not daemon.events_of(pb.STEP_EVENT_EVICTED_LOCAL, "titan-keep", 1)

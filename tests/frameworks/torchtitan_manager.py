@@ -44,18 +44,21 @@ def parts(seed: int) -> tuple[Any, Any, Any, Counter, Counter]:
     return model, optimizers, schedulers, Counter(), Counter()
 
 
-def manager(mode: str, seed: int, load_step: int = -1) -> tuple[Any, tuple[Any, ...]]:
+def manager(
+    mode: str, seed: int, load_step: int = -1, keep_latest_k: int = 0, job: str = ""
+) -> tuple[Any, tuple[Any, ...]]:
     from ckptd.client.torchtitan import CkptdCheckpointManager
 
     state = parts(seed)
     model, optimizers, schedulers, data, train_state = state
     config = CkptdCheckpointManager.Config(
         enable=True,
-        folder=f"ckptd://titan-{mode}",
+        folder=f"ckptd://{job or f'titan-{mode}'}",
         interval=1,
         async_mode=mode,
         load_step=load_step,
         initial_load_model_only=False,
+        keep_latest_k=keep_latest_k,
     )
     built = config.build(
         dataloader=data,
@@ -133,6 +136,15 @@ def run(mode: str) -> dict[str, Any]:
     return seen
 
 
+def keep_latest(k: int, steps: int) -> None:
+    """torchtitan's ``keep_latest_k``: ``steps`` saves of job ``titan-keep``."""
+    saver, state = manager("disabled", seed=0, keep_latest_k=k, job="titan-keep")
+    for step in range(1, steps + 1):
+        state[3].step = state[4].step = step
+        saver.save(curr_step=step)
+    saver.close()
+
+
 def main(out: str, modes: list[str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,6 +152,7 @@ def main(out: str, modes: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     seen = {mode: run(mode) for mode in modes}
+    keep_latest(2, 4)
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump(seen, f)

@@ -306,7 +306,7 @@ class Client:
         """Make ``policy`` (the config's language: ``KeepLatest(5)``, ``KeepBest('loss',
         2)``, a list of them) this job's retention in every tier, in place of the
         node's, within the operator's limits; None gives the node's back. Returns what
-        the local and the remote tier now keep (docs/guides/retention.md)."""
+        the local and the remote tier now keep (docs/operating/retention.md)."""
         req = pb.SetRetentionRequest(job=self.job, policy=policy or "")
         resp = self.connection.set_retention(req)
         return resp.local, resp.remote

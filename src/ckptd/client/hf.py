@@ -102,6 +102,23 @@ class CkptdCallback(TrainerCallback):
             self._client = Client(str(self._job), socket=self._socket, supersede=False)
         return self._client
 
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Make ``save_total_limit`` and the best checkpoint the job's retention in
+        every ckptd tier (:func:`retention_of`), on each process that adopts."""
+        text = retention_of(args)
+        if text is None or not args.should_save:
+            return
+        try:
+            self.client.set_retention(text)
+        except FailedPrecondition as exc:  # the operator keeps every job's retention
+            log.warning("save_total_limit is not applied to job %r: %s", self.client.job, exc)
+
     def on_save(
         self,
         args: TrainingArguments,
@@ -142,6 +159,23 @@ class CkptdCallback(TrainerCallback):
         if self._client is not None and self._job is not None and self._client.job == self._job:
             self._client.close()
             self._client = None
+
+
+def retention_of(args: TrainingArguments) -> str | None:
+    """The Trainer's own rotation as a ckptd policy: the newest ``save_total_limit``
+    and, with ``load_best_model_at_end``, the best by ``metric_for_best_model`` (the
+    value the Trainer logged at the step, sent with each adoption). None without a
+    limit: the Trainer keeps every checkpoint, and the node's policy decides."""
+    limit = args.save_total_limit
+    if not limit or limit < 0:
+        return None
+    latest = f"KeepLatest({int(limit)})"
+    metric = args.metric_for_best_model
+    if not (args.load_best_model_at_end and metric):
+        return latest
+    name = metric if metric.startswith("eval_") else f"eval_{metric}"
+    mode = "max" if args.greater_is_better else "min"
+    return f"KeepAny([{latest}, KeepBest({name!r}, 1, {mode!r})])"
 
 
 def logged_metrics(state: TrainerState, step: int) -> dict[str, float]:
@@ -372,4 +406,4 @@ def _barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["LAYOUT", "CkptdCallback", "logged_metrics", "named_steps", "resume"]
+__all__ = ["LAYOUT", "CkptdCallback", "logged_metrics", "named_steps", "resume", "retention_of"]

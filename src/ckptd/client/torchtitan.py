@@ -25,8 +25,9 @@ schedulers, dataloader, train state) with four hooks changed:
   node can restore from some ckptd tier, agreed over ``torch.distributed``, so a
   node whose disk was wiped resumes from the bucket; ``--checkpoint.load_step``
   names a step explicitly;
-- purging: ``keep_latest_k`` deletes nothing; what each tier keeps is the daemon's
-  retention policy (``retention_local``, ``retention_remote``).
+- purging: ``keep_latest_k`` (torchtitan's default 10) becomes the job's ckptd
+  retention, ``KeepLatest(k)`` in every tier, within the operator's limits; 0
+  (torchtitan keeps every step) leaves the node's retention policy.
 
 Importing this module imports torchtitan (``import ckptd.client`` does not). See
 docs/integrations/torchtitan.md.
@@ -53,7 +54,7 @@ from torchtitan.config.override import derive, override  # type: ignore[import-u
 from torchtitan.tools.logging import logger  # type: ignore[import-untyped]
 from torchtitan.tools.utils import GarbageCollection  # type: ignore[import-untyped]
 
-from ckptd.core.errors import InvalidArgument
+from ckptd.core.errors import FailedPrecondition, InvalidArgument
 
 from .client import Client
 from .distributed import agree_on_step, restorable_steps
@@ -129,12 +130,11 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
         # DefaultStager) would copy the state once more, and needs an accelerator.
         self.stager = self.writer
         self._closed = False
-        if self.keep_latest_k:
-            logger.info(
-                f"checkpoint.keep_latest_k={self.keep_latest_k} deletes nothing with ckptd: "
-                "the daemon's retention policies (retention_local, retention_remote) "
-                "decide which steps each tier keeps"
-            )
+        if self.keep_latest_k > 0:
+            try:
+                self.client.set_retention(f"KeepLatest({int(self.keep_latest_k)})")
+            except FailedPrecondition as exc:  # the operator keeps every job's retention
+                logger.warning(f"checkpoint.keep_latest_k is not applied: {exc}")
 
     def _close(self) -> None:
         if getattr(self, "_closed", True):
