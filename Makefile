@@ -177,16 +177,18 @@ lint: venv typecheck
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
 
-# MaxText's own checkpointing and train loop through ckptd's Orbax CheckpointManager
-# (tests/frameworks/test_maxtext.py). MaxText needs Python 3.12, so it gets its own
-# venv: MaxText 0.2.4 without its dependency list (which pins CUDA/TPU stacks), the
-# packages its checkpointing module and train loop import, jax on CPU, and ckptd.
+# MaxText's own checkpointing and train loop through ckptd's Orbax Checkpointer (0.2.5:
+# Orbax's v1 API) or CheckpointManager (up to 0.2.4: v0) (tests/frameworks/test_maxtext.py).
+# MaxText needs Python 3.12, so it gets its own venv: MaxText without its dependency
+# list (which pins CUDA/TPU stacks), the packages its checkpointing module and train
+# loop import, jax on CPU, and ckptd. MAXTEXT_VERSION=0.2.4 tests the older release.
 # The constraint torch<0 makes pip fail rather than ever fetch a (CUDA) torch.
 # The first python3.12 that runs (a pyenv shim may not); PY312=... to choose another.
 PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c '' 2>/dev/null && echo $$p && break; done)
+MAXTEXT_VERSION ?= 0.2.5
 MAXTEXT_VENV := .venv-maxtext
-MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed-$(MAXTEXT_VERSION)
 MAXTEXT_DEPS := jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12 orbax-checkpoint==0.12.8 \
 	grain==0.2.18 optax==0.2.8 etils==1.15.0 absl-py==2.5.1 PyYAML==6.0.4 \
 	omegaconf==2.4.0 ml_collections==1.1.0 pathwaysutils==0.1.13 drjax==0.2.1 \
@@ -197,8 +199,9 @@ MAXTEXT_DEPS := jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12 orbax-checkpoint==0
 $(MAXTEXT_STAMP): pyproject.toml Makefile
 	@test -n "$(PY312)" || { echo 'test-maxtext needs Python 3.12: set PY312=/path/to/python3.12'; exit 1; }
 	$(PY312) -m venv $(MAXTEXT_VENV)
+	rm -f $(MAXTEXT_VENV)/.installed*  # another MaxText version's stamp
 	printf 'torch<0\n' > $(MAXTEXT_VENV)/no-torch.txt
-	$(MAXTEXT_VENV)/bin/pip install -q --no-deps maxtext==0.2.4
+	$(MAXTEXT_VENV)/bin/pip install -q --no-deps maxtext==$(MAXTEXT_VERSION)
 	$(MAXTEXT_VENV)/bin/pip install -q -c $(MAXTEXT_VENV)/no-torch.txt $(MAXTEXT_DEPS)
 	$(MAXTEXT_VENV)/bin/pip install -q -c $(MAXTEXT_VENV)/no-torch.txt -e '.[jax]'
 	touch $@

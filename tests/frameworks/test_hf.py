@@ -151,6 +151,12 @@ def test_kill_mid_save_resumes_exactly_from_ckptd_with_disk_intact_or_lost(
     assert adopted_steps(d) == [2, 4]
     written4 = crcs(out / "checkpoint-4")
     SaveHandle(d.client(JOB), 4).wait("durable", timeout=120)
+    # `ckptd pull` gives back the tree exactly as the Trainer wrote it.
+    dest = tmp_path / "pulled" / "checkpoint-4"
+    pull = [CKPTD, "pull", JOB, str(dest), "--step", "4", "--remote", f"file://{tmp_path}/bucket"]
+    subprocess.run(pull, check=True, capture_output=True, timeout=120)
+    assert crcs(dest) == written4
+    assert os.listdir(dest.parent) == ["checkpoint-4"]  # no staging left, no manifest
 
     # The node is lost: a fresh daemon and an empty output_dir on a bucket as it was
     # at the kill (a copy, so the intact-disk resume below can run beside it). Not the
@@ -172,17 +178,17 @@ def test_kill_mid_save_resumes_exactly_from_ckptd_with_disk_intact_or_lost(
     assert after_loss["resumed_from"] == "True"  # resume_from_checkpoint=True found it
     assert after_loss["adopted"] == [6, 8]
     assert_identical(tmp_path / "lost.pt", tmp_path / "ref.pt")
-    assert [e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)] == [4]
+    # Step 4 and, as save_total_limit=2 kept it beside 4 on the lost disk, step 2.
+    assert sorted(e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)) == [2, 4]
 
-    # save_total_limit=2: the Trainer deleted checkpoint-4; ckptd's hard links kept it,
-    # and `ckptd pull` gives back the tree exactly as the Trainer wrote it.
+    # save_total_limit=2 is also the job's retention in ckptd's tiers: what the
+    # Trainer rotated out of output_dir leaves ckptd too, once no reader holds it (the
+    # resume above read steps 2 and 4: they stay "in-use" for two minutes).
     assert intact["on_disk"] == ["checkpoint-6", "checkpoint-8"]
-    assert 4 in adopted_steps(d)
-    dest = tmp_path / "pulled" / "checkpoint-4"
-    pull = [CKPTD, "pull", JOB, str(dest), "--step", "4", "--remote", f"file://{tmp_path}/bucket"]
-    subprocess.run(pull, check=True, capture_output=True, timeout=120)
-    assert crcs(dest) == written4
-    assert os.listdir(dest.parent) == ["checkpoint-4"]  # no staging left, no manifest
+    rows = {c.step: c for c in d.client(JOB).list() if c.tiers}
+    assert rows[8].remote_reasons == ("latest", "newest") and rows[6].remote_reasons == ("latest",)
+    for step in set(rows) - {6, 8}:
+        assert rows[step].local_reasons == rows[step].remote_reasons == ("in-use",), step
 
 
 def test_two_processes_resume_exactly_after_node_loss(make_daemon: Any, tmp_path: Path) -> None:
@@ -225,7 +231,8 @@ def test_two_processes_resume_exactly_after_node_loss(make_daemon: Any, tmp_path
     assert [r["adopted"] for r in resumed] == [[6, 8], []]  # rank 0 adopts for the node
     for rank in (0, 1):
         assert_identical(tmp_path / f"resumed{rank}.pt", tmp_path / f"ref{rank}.pt")
-    assert [e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)] == [4]
+    # Step 4, and step 2, which save_total_limit=2 kept beside it.
+    assert sorted(e.step for e in fresh.events_of(pb.STEP_EVENT_FETCHED, JOB)) == [2, 4]
 
 
 def test_best_checkpoint_comes_back_after_node_loss(make_daemon: Any, tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """MaxText's own checkpointing through ckptd: ``use_in_maxtext()`` and nothing else
 changed, against a real daemon (tests/frameworks/maxtext_worker.py, run in the
-Python 3.12 venv `make test-maxtext` builds: MaxText 0.2.4, jax 0.12, CPU).
+Python 3.12 venv `make test-maxtext` builds: MaxText 0.2.5, whose checkpointer is
+Orbax's v1 ``ocp.training.Checkpointer``, or with ``MAXTEXT_VERSION=0.2.4`` the v0
+``ocp.CheckpointManager``; jax 0.12, CPU).
 
 - MaxText's checkpointing functions on a sharded flax ``TrainState``:
-  ``create_orbax_checkpoint_manager`` returns ckptd's manager, ``save_checkpoint``
+  ``create_orbax_checkpoint_manager`` returns ckptd's checkpointer, ``save_checkpoint``
   honours the checkpoint period, ``load_state_if_possible`` in a new manager
   restores it, equal leaf for leaf and sharding for sharding.
 - MaxText's pre-training loop on a tiny decoder, SIGKILLed right after a save

@@ -1,9 +1,11 @@
 """Orbax users: ckptd's ``CheckpointManager``, or keep Orbax's and let ckptd tier its steps.
 
 ``ckptd.client.orbax.CheckpointManager`` is Orbax's v0 ``CheckpointManager`` API
-(what MaxText calls) saving through ckptd's shared memory, multi-host
-(client/orbax/manager.py; :func:`use_in_maxtext` makes MaxText create it). It is
-imported when first named: this module never imports Orbax itself.
+(what MaxText up to 0.2.4 calls) saving through ckptd's shared memory, multi-host
+(client/orbax/manager.py), and ``ckptd.client.orbax.Checkpointer`` Orbax's v1
+``ocp.training.Checkpointer`` (MaxText 0.2.5; client/orbax/training.py):
+:func:`use_in_maxtext` makes MaxText create the one it uses. Each is imported when
+first named: this module never imports Orbax itself.
 
 Or keep Orbax's own writer (below).
 
@@ -46,8 +48,10 @@ from ..handle import SaveHandle
 if TYPE_CHECKING:
     from .manager import CheckpointManager, StepAlreadyExistsError
     from .maxtext import use_in_maxtext
+    from .training import Checkpointer
 
 _LAZY = {
+    "Checkpointer": "training",
     "CheckpointManager": "manager",
     "StepAlreadyExistsError": "manager",
     "use_in_maxtext": "maxtext",
@@ -134,6 +138,7 @@ def wait(client: Client, step: int, stage: str = "durable", timeout: float = 600
 
 __all__ = [
     "CheckpointManager",
+    "Checkpointer",
     "StepAlreadyExistsError",
     "bucket_directory",
     "directory",
