@@ -1,4 +1,5 @@
-"""MaxText's checkpoint saves: ckptd's Orbax ``CheckpointManager`` against Orbax's own.
+"""MaxText's checkpoint saves: ckptd's Orbax ``CheckpointManager`` (``--api v1``: its
+``ocp.training.Checkpointer``) against Orbax's own.
 
 One MaxText-shaped train state on CPU jax (a decoder's unscanned layers: attention
 and MLP kernels, norms, embedding and logits; the params, Adam's ``mu`` and ``nu``,
@@ -10,7 +11,11 @@ interleaved, the order alternating each repetition:
 - **ckptd**: ``ckptd.client.orbax.CheckpointManager`` on a real ``ckptd serve``
   (local tier only), ``KeepLatest(2)``;
 - **Orbax**: ``ocp.CheckpointManager`` with MaxText's options (async, OCDBT and
-  zarr3, ``max_to_keep=2``), in a directory on the same disk.
+  zarr3, ``max_to_keep=2``), in a directory on the same disk;
+
+with ``--api v1`` (MaxText 0.2.5) ckptd's ``Checkpointer`` and Orbax's
+``ocp.training.Checkpointer`` (a ``Context`` with OCDBT and zarr3, ``LatestN(2)``),
+saved with ``save_checkpointables_async(step, {"items": state})`` and ``wait()``.
 
 Before each save a jitted step makes new arrays (as training does: a saved array's
 host copy is cached). Per save: the save cost the trainer sees (``save()``
@@ -58,8 +63,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=4, help="jax devices to shard over (default 4)")
     p.add_argument("--staging-budget", default="6GiB", help="the daemon's (default 6GiB)")
     p.add_argument("--dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch dir (same disk)")
-    p.add_argument("--name", default="orbax_manager", help="results file bench/results/NAME.json")
+    p.add_argument(
+        "--api",
+        choices=("v0", "v1"),
+        default="v0",
+        help="Orbax's v0 CheckpointManager (MaxText up to 0.2.4, default) or its v1 "
+        "ocp.training.Checkpointer (MaxText 0.2.5): ckptd's and Orbax's of that API",
+    )
+    p.add_argument("--name", default=None, help="results file bench/results/NAME.json "
+                   "(default orbax_manager, or orbax_v1 with --api v1)")  # fmt: skip
     args = p.parse_args(argv)
+    args.name = args.name or ("orbax_v1" if args.api == "v1" else "orbax_manager")
     if min(args.layers, args.width, args.vocab, args.reps, args.devices) < 1:
         p.error("--layers, --width, --vocab, --reps and --devices must be positive")
     return args
@@ -136,20 +150,34 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         staging_budget=args.staging_budget,
         extra_args=["--retention-local", "KeepLatest(2)"],
     ) as daemon:
-        ours = ckptd_orbax.CheckpointManager(
-            f"{run_dir}/{JOB}/checkpoints",
-            item_names=("items",),
-            options=ocp.CheckpointManagerOptions(max_to_keep=2),
-            socket=daemon.socket,
-        )
-        theirs = ocp.CheckpointManager(
-            run_dir / "orbax" / JOB / "checkpoints",
-            item_names=("items",),
-            item_handlers={"items": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=2, enable_async_checkpointing=True, create=True
-            ),
-        )
+        if args.api == "v1":  # MaxText 0.2.5's create_orbax_checkpoint_manager
+            v1 = ocp.experimental.v1
+            keep = v1.training.preservation_policies.LatestN(2)
+            ctx = v1.Context()
+            ctx.array.saving.use_ocdbt = ctx.array.saving.use_zarr3 = True
+            ctx.array.saving.ocdbt_target_data_file_size = OCDBT_FILE
+            ours = ckptd_orbax.Checkpointer(
+                f"{run_dir}/{JOB}/checkpoints", preservation_policy=keep, socket=daemon.socket
+            )
+            theirs = v1.training.Checkpointer(
+                run_dir / "orbax" / JOB / "checkpoints", context=ctx, preservation_policy=keep
+            )
+        else:
+            ours = ckptd_orbax.CheckpointManager(
+                f"{run_dir}/{JOB}/checkpoints",
+                item_names=("items",),
+                options=ocp.CheckpointManagerOptions(max_to_keep=2),
+                socket=daemon.socket,
+            )
+            handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)
+            theirs = ocp.CheckpointManager(
+                run_dir / "orbax" / JOB / "checkpoints",
+                item_names=("items",),
+                item_handlers={"items": handler},
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=2, enable_async_checkpointing=True, create=True
+                ),
+            )
 
         def args_() -> Any:  # MaxText's save_checkpoint
             save_args = jax.tree_util.tree_map(
@@ -170,9 +198,14 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             state = jax.block_until_ready(step_fn(state))
             settle()
             t0 = time.perf_counter()
-            assert mngr.save(step, args=args_(), force=True)
-            t_saved = time.perf_counter()
-            mngr.wait_until_finished()
+            if args.api == "v1":  # MaxText 0.2.5's save_checkpoint (async)
+                assert mngr.save_checkpointables_async(step, {"items": state}, force=True)
+                t_saved = time.perf_counter()
+                mngr.wait()
+            else:
+                assert mngr.save(step, args=args_(), force=True)
+                t_saved = time.perf_counter()
+                mngr.wait_until_finished()
             return t_saved - t0, time.perf_counter() - t0
 
         for i in range(args.reps + 1):  # the first is a warm-up, not recorded
@@ -220,7 +253,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     mib = result["nbytes"] / 2**20
     print(f"devices: {', '.join(result['devices'])}")
     print_table(
-        ["median seconds", "ckptd manager", "Orbax manager", "Orbax / ckptd"],
+        ["median seconds", f"ckptd ({args.api})", f"Orbax ({args.api})", "Orbax / ckptd"],
         rows,
         title=f"MaxText-shaped state: {result['arrays']} arrays, {mib:.0f} MiB, {args.reps} reps",
     )
@@ -229,6 +262,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "wait_until_finished (OCDBT + zarr3, committed, not fsynced)"
     )
     return {
+        "api": args.api,
         "state": {
             "arrays": result["arrays"],
             "bytes": result["nbytes"],
