@@ -64,7 +64,7 @@ def test_it_outlives_a_restart_and_a_lost_node(make_daemon: Any, tmp_path: Path)
     client.set_retention("KeepLatest(5)")
     save_durable(client, range(1, 7))
     settled(client, [5, 6], [2, 3, 4, 5, 6])
-    assert (tmp_path / "bucket" / "kept" / "_retention.json").exists()
+    assert len(list((tmp_path / "bucket" / "kept" / "_retention").glob("*.json"))) == 1
     d.stop()
     d.start()  # no trainer has said anything since: the daemon's record holds
     save_durable(client, range(7, 8))
@@ -85,12 +85,16 @@ def test_the_operators_limits(make_daemon: Any, tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match="job_retention = false"):
         off.client("j").set_retention("KeepLatest(9)")
     off.client("j").set_retention(None)  # the node's policy: always allowed
-    capped: Daemon = make_daemon(extra_args=["--job-retention-max-steps", "3"])
+    capped: Daemon = make_daemon(
+        extra_args=["--job-retention-max-steps", "3", "--job-retention-floor", "KeepSteps([1])"]
+    )
     client = capped.client("j")
     local, remote = client.set_retention("KeepAll()")
-    assert local == "KeepAny([KeepAtMost(KeepAll(), 3), KeepMilestones()])" and remote == ""
+    assert local == (
+        "KeepAny([KeepAtMost(KeepAll(), 3), KeepMilestones(), KeepSteps([1])])"
+    ) and remote == ""
     for step in range(1, 7):
         client.save(step, small(step)).wait("local", 60)
-    settled(client, [4, 5, 6], [])
+    settled(client, [1, 4, 5, 6], [])  # the operator's floor keeps step 1 too
     with pytest.raises(InvalidArgument, match="unknown policy 'KeepForever'"):
         client.set_retention("KeepForever()")

@@ -111,11 +111,10 @@ class CkptdCallback(TrainerCallback):
     ) -> None:
         """Make ``save_total_limit`` and the best checkpoint the job's retention in
         every ckptd tier (:func:`retention_of`), on each process that adopts."""
-        text = retention_of(args)
-        if text is None or not args.should_save:
+        if not args.should_save:
             return
-        try:
-            self.client.set_retention(text)
+        try:  # None (no limit) too: an earlier run's policy must not stay
+            self.client.set_retention(retention_of(args, self.metrics))
         except FailedPrecondition as exc:  # the operator keeps every job's retention
             log.warning("save_total_limit is not applied to job %r: %s", self.client.job, exc)
 
@@ -161,17 +160,19 @@ class CkptdCallback(TrainerCallback):
             self._client = None
 
 
-def retention_of(args: TrainingArguments) -> str | None:
+def retention_of(args: TrainingArguments, metrics: bool = True) -> str | None:
     """The Trainer's own rotation as a ckptd policy: the newest ``save_total_limit``
     and, with ``load_best_model_at_end``, the best by ``metric_for_best_model`` (the
-    value the Trainer logged at the step, sent with each adoption). None without a
-    limit: the Trainer keeps every checkpoint, and the node's policy decides."""
+    value the Trainer logged at the step, sent with each adoption unless ``metrics``
+    is False; on a tie ckptd keeps the newer step, the Trainer the older). None
+    without a limit: the Trainer keeps every checkpoint, and the node's policy
+    decides."""
     limit = args.save_total_limit
     if not limit or limit < 0:
         return None
     latest = f"KeepLatest({int(limit)})"
     metric = args.metric_for_best_model
-    if not (args.load_best_model_at_end and metric):
+    if not (args.load_best_model_at_end and metric and metrics):
         return latest
     name = metric if metric.startswith("eval_") else f"eval_{metric}"
     mode = "max" if args.greater_is_better else "min"
@@ -244,7 +245,10 @@ def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -
                 "from the bucket" if resp.fetched else "linked back" if resp.linked else "in place"
             )
             log.info("resuming job %r from step %d (%s, %s)", client.job, step, resp.path, how)
-            _bring_named(client, out, step, args.save_total_limit, timeout)
+            try:  # best effort: the resume itself stands, and no other process may wait
+                _bring_named(client, out, step, args.save_total_limit, timeout)
+            except Exception as exc:
+                log.warning("the checkpoints step %d's Trainer state names: %s", step, exc)
     # Every process learns whether each node's copy is in place (the others read what
     # their node's writing process put back), and none is left waiting if one failed.
     errors = _gather(str(failure) if failure else "")

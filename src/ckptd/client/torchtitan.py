@@ -130,11 +130,11 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
         # DefaultStager) would copy the state once more, and needs an accelerator.
         self.stager = self.writer
         self._closed = False
-        if self.keep_latest_k > 0:
-            try:
-                self.client.set_retention(f"KeepLatest({int(self.keep_latest_k)})")
-            except FailedPrecondition as exc:  # the operator keeps every job's retention
-                logger.warning(f"checkpoint.keep_latest_k is not applied: {exc}")
+        keep = f"KeepLatest({int(self.keep_latest_k)})" if self.keep_latest_k > 0 else None
+        try:  # None (keep every step) too: an earlier run's policy must not stay
+            self.client.set_retention(keep)
+        except FailedPrecondition as exc:  # the operator keeps every job's retention
+            logger.warning(f"checkpoint.keep_latest_k is not applied: {exc}")
 
     def _close(self) -> None:
         if getattr(self, "_closed", True):

@@ -131,7 +131,7 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._infos: list[decide.StepInfo] = []
         self._retention = Retention(self._options)
-        if self._retention.text is not None and not self._options.read_only:
+        if not self._options.read_only:  # None too: an earlier run's policy must not stay
             try:
                 client.set_retention(self._retention.text)
             except FailedPrecondition as exc:  # the operator keeps every job's retention
@@ -171,12 +171,12 @@ class CheckpointManager:
         unchanged shards) or a reader has them open. The save in flight stays."""
         if not self._infos:
             return
-        held = {
-            c.step
-            for c in self.client.list()
-            if c.state == "STAGING"
-            or (c.tiers and not all(_holder(r) for r in (*c.local_reasons, *c.remote_reasons)))
-        }
+        held = set()
+        for c in self.client.list():
+            reasons = (*c.local_reasons, *c.remote_reasons)
+            # No reason at all: held elsewhere (other nodes' parts, a peer), not planned here.
+            if c.state == "STAGING" or (c.tiers and not (reasons and all(map(_holder, reasons)))):
+                held.add(c.step)
         keep = held | {self._pending_step}
         self._infos = [i for i in self._infos if i.step in keep]
 

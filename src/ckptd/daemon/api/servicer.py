@@ -167,6 +167,7 @@ class Servicer(pb_grpc.CkptdServicer):
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         peer, job = self._job(context, request.job)
         await self.s.restorer.read_own_index(job)  # a rerun after a node loss: a new timeline
+        await self.s.retention.jobs.settled(job)  # its own retention, before a step is pending
         with self.s.access.claiming(peer, job):  # owned only once a lease is granted
             self.s.staging.check_fits(request.size_bytes)
             await self.s.admission.check_space(request.size_bytes)
@@ -309,6 +310,7 @@ class Servicer(pb_grpc.CkptdServicer):
         self, request: pb.SetRetentionRequest, context: Any
     ) -> pb.SetRetentionResponse:
         peer, job = self._job(context, request.job)
+        await self.s.restorer.read_own_index(job)  # the job's owner, as a lease learns it
         retention = self.s.retention
         with self.s.access.claiming(peer, job):
             await retention.jobs.set_everywhere(job, request.policy)

@@ -139,7 +139,7 @@ class Daemon:
             lifecycle.retention_local,
             lifecycle.retention_remote if self.remote is not None else None,
             evict_unuploaded=lifecycle.local_evict_unuploaded,
-            jobs=JobRetention.of(local.root, lifecycle, self.remote),
+            jobs=JobRetention.of(local.root, lifecycle, self.remote, local.node_id),
         )
         # This node's step index in the bucket (remote/index.py): one owner, shared by
         # the drain (adds), the evictor (removes), pins and restores (reads).

@@ -28,6 +28,9 @@ class LifecycleOptions:
     job_retention_max_steps: int = 0
     """Most steps a job's own retention keeps in a tier (the newest of those it
     keeps; milestones and pins apart); 0: no limit."""
+    job_retention_floor: Policy = field(default_factory=lambda: parse_policy("KeepSteps([])"))
+    """What the durable tier keeps of every job whatever its own retention says
+    (e.g. KeepEverySteps(5000)); the default keeps nothing more."""
     local_evict_unuploaded: bool = False
     """Let the local retention evict a copy whose remote copy is not complete yet
     (milestones excepted). Off: such copies wait for the drain."""

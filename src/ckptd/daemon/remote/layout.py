@@ -10,7 +10,7 @@ A step saved through ckptd (``Client.save``)::
     <job>/<step>/_complete/<node>          the commit point of that node's part
     <job>/<step>/_pinned                   a pin
     <job>/_index/<node>.json               the node's complete steps (index.py)
-    <job>/_retention.json                  the job's own retention (retention/jobs.py)
+    <job>/_retention/<node>.json           the job's own retention, as set on that node
     _nodes/<node>/instance                 the daemon holding the node name (claim.py)
 
 The rank files are most of a step's requests (every part of every multipart
@@ -219,9 +219,10 @@ def complete_steps_in(keys: Iterable[str]) -> dict[tuple[str, int], RemoteStep]:
     return steps
 
 
-def retention_key(job: str) -> str:
-    """The job's own retention policy, as its trainer set it (outlives the node)."""
-    return f"{job}/_retention.json"
+def retention_key(job: str, node: str) -> str:
+    """The job's own retention policy, as its trainer set it on ``node`` (outlives the
+    node; read back only by that node's name)."""
+    return f"{job}/_retention/{node}.json"
 
 
 def pin_key(job: str, step: int, adopted: bool = False) -> str:

@@ -1,7 +1,7 @@
 """Retention set by a job's trainer: the framework's own knobs (Orbax ``max_to_keep``,
 ``best_fn`` and ``keep_period``; torchtitan ``keep_latest_k``; the HF Trainer's
-``save_total_limit`` and best checkpoint; Lightning's top-k) become the job's
-retention, so what the framework lists is what exists.
+``save_total_limit`` and best checkpoint) become the job's retention, so what the
+framework lists is what exists.
 
 A trainer sends its policy in the config's language (policies.py) with
 ``SetRetention``; from then on, for that job:
@@ -15,15 +15,23 @@ A trainer sends its policy in the config's language (policies.py) with
   policy, and ``job_retention_max_steps`` N (0: none) keeps at most the newest N
   of the steps a job's policy keeps (milestones and pins apart).
 
+- **the operator's floor**: ``job_retention_floor`` (a policy) is kept of every job
+  in its durable tier whatever the job's policy says;
+- **an older run's abandoned timelines** keep what the node's policies or the job's
+  keep: a new run's narrower policy never prunes them further.
+
 The safety rules of plan.py hold as for the node's policies (the newest step, pins,
 copies still being read, copies the bucket still needs). The policies are kept in
 ``<root>/job-retention.json`` (replaced whole, fsynced), so a daemon restarted under
-a running trainer goes on with them, and in the bucket (``<job>/_retention.json``),
-so a replacement node's daemon, which finds the job's steps there, applies the
-job's policy to them, not its own, before any trainer connects: the evictor learns
-a job's policy from the bucket before it removes any of the job's bucket copies
-(:meth:`JobRetention.settled`), and writes the ones the bucket missed (a transient
-error at ``SetRetention``) at each pass. A trainer sends its own again at start-up.
+a running trainer goes on with them, and in the bucket, one record per node
+(``<job>/_retention/<node>.json``: a node reads only its own, which no other node's
+user can write), so a replacement node's daemon (the same node name), which finds
+the job's steps there, applies the job's policy to them, not its own, before any
+trainer connects. Until a job's policy is known (:meth:`JobRetention.settled`: this
+node's record read once), the bucket wants every step of it and the evictor removes
+none of its bucket copies. Records a transient error left behind, and all of them
+after a restart, are written at the evictor's next pass. A trainer sends its own
+again at start-up.
 """
 
 from __future__ import annotations
@@ -41,7 +49,17 @@ from ckptd.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from ..files import read_small, replace_synced
 from ..remote.layout import retention_key
-from .policies import Checkpoint, KeepAny, KeepMilestones, Kept, Policy, PolicyError, parse_policy
+from .policies import (
+    Checkpoint,
+    KeepAll,
+    KeepAny,
+    KeepMilestones,
+    KeepSteps,
+    Kept,
+    Policy,
+    PolicyError,
+    parse_policy,
+)
 
 if TYPE_CHECKING:
     from ..lifecycle.options import LifecycleOptions
@@ -93,22 +111,40 @@ class JobRetention:
         allowed: bool = True,
         max_steps: int = 0,
         remote: Remote | None = None,
+        node: str = "node",
+        floor: Policy | None = None,
     ) -> None:
         self.path = None if root is None else root / FILE
         self.allowed = allowed
         self.max_steps = max_steps
         self.remote = remote
-        self._looked: set[str] = set()  # jobs whose bucket record was read (or written)
-        self._unsynced: set[str] = set()  # jobs whose bucket record is behind
+        self.node = node
+        self.floor = floor
+        """What the durable tier keeps of every job whatever its own policy (the
+        operator's ``job_retention_floor``; None: nothing more)."""
+        self._looked: set[str] = set()  # jobs whose bucket record was read or written
+        self._bucket: dict[str, str] = {}  # that record's text ("" none), once known
+        self._dirty: set[str] = set()  # jobs whose bucket record may be behind
+        self._warned: set[str] = set()
         self._texts: dict[str, str] = {}
         self._policies: dict[str, Policy] = {}
         self._lock = threading.Lock()  # set() runs on a thread: one change and file at once
         self._load()
 
     @classmethod
-    def of(cls, root: Path, options: LifecycleOptions, remote: Remote | None) -> JobRetention:
+    def of(
+        cls, root: Path, options: LifecycleOptions, remote: Remote | None, node: str
+    ) -> JobRetention:
         """The jobs' policies under ``root``, within ``options``' limits."""
-        return cls(root, options.job_retention, options.job_retention_max_steps, remote)
+        floor = options.job_retention_floor
+        return cls(
+            root,
+            options.job_retention,
+            options.job_retention_max_steps,
+            remote,
+            node,
+            None if isinstance(floor, KeepSteps) and not floor.steps else floor,
+        )
 
     def _load(self) -> None:
         if self.path is None or not self.path.exists():
@@ -124,6 +160,7 @@ class JobRetention:
                 self._put(job, text)
             except PolicyError as exc:  # written by an older daemon that knew more
                 log.error("job %r's retention %r no longer parses (%s); ignored", job, text, exc)
+        self._dirty.update(self._texts)  # the bucket's record may have missed a change
 
     def _put(self, job: str, text: str) -> Policy:
         policy = parse_policy(text)
@@ -165,23 +202,26 @@ class JobRetention:
         return policy
 
     async def set_everywhere(self, job: str, text: str) -> Policy | None:
-        """:meth:`set` (on a thread: it fsyncs), then the bucket's record of it; a
-        bucket that does not answer gets it at the evictor's next pass."""
+        """:meth:`set` (on a thread: it fsyncs), then this node's record of it in the
+        bucket (only when it changed); a bucket that does not answer gets it at the
+        evictor's next pass."""
         policy = await asyncio.to_thread(self.set, job, text)
-        self._unsynced.add(job)
+        if self._texts.get(job, "") != self._bucket.get(job) or job not in self._looked:
+            self._dirty.add(job)
         await self.sync(job)
         return policy
 
     async def sync(self, job: str | None = None) -> None:
-        """Write the bucket's record of ``job``'s policy (None: of every job behind)."""
+        """Write this node's bucket record of ``job``'s policy (None: of every job whose
+        record may be behind: set or cleared here, or loaded at start-up)."""
         if self.remote is None:
-            self._unsynced.clear()
+            self._dirty.clear()
             return
-        for name in [job] if job is not None else sorted(self._unsynced):
-            if name not in self._unsynced:
+        for name in [job] if job is not None else sorted(self._dirty):
+            if name not in self._dirty:
                 continue
             text = self._texts.get(name, "")
-            key = retention_key(name)
+            key = retention_key(name, self.node)
             try:
                 if text:
                     await self.remote.put_bytes(key, json.dumps({"policy": text}).encode())
@@ -190,30 +230,49 @@ class JobRetention:
             except Exception as exc:  # the evictor's next pass tries again
                 log.warning("cannot record job %r's retention in the bucket: %s", name, exc)
                 continue
-            self._unsynced.discard(name)
+            if self._texts.get(name, "") == text:  # not changed again meanwhile
+                self._dirty.discard(name)
+            self._bucket[name] = text
             self._looked.add(name)
 
+    def known(self, job: str) -> bool:
+        """Whether ``job``'s policy is known here: no bucket, a policy set or loaded
+        here, or this node's bucket record read (or found absent)."""
+        return self.remote is None or job in self._texts or job in self._looked
+
     async def settled(self, job: str) -> bool:
-        """Whether ``job``'s policy is known: its own (set here, or read from the
-        bucket, once), or the node's because the bucket holds none. False while the
-        bucket does not answer: the job's bucket copies wait."""
-        if self.remote is None or job in self._looked or job in self._texts:
+        """Whether ``job``'s policy is known (:meth:`known`), reading this node's bucket
+        record once if need be (a replacement node's daemon, before any trainer of
+        the job reconnects). False while the bucket does not answer: the job's bucket
+        copies wait."""
+        if self.known(job):
             return True
+        assert self.remote is not None
         try:
-            raw = await self.remote.get_bytes(retention_key(job))
+            raw = await self.remote.get_bytes(retention_key(job, self.node))
         except (FileNotFoundError, NotFound):
-            self._looked.add(job)
-            return True
-        except Exception as exc:
-            if not self.remote.is_transient(exc):
-                raise
+            raw = b""
+        except Exception as exc:  # a transient error, or one an operator must fix
+            if not self.remote.is_transient(exc) and job not in self._warned:
+                self._warned.add(job)
+                log.error(
+                    "cannot read job %r's retention record in the bucket (%s): its bucket "
+                    "copies are kept until it can be read",
+                    job,
+                    exc,
+                )
             return False
+        if self.known(job):  # a trainer set the job's policy meanwhile: it is newer
+            return True
         self._looked.add(job)
-        try:
-            text = str(json.loads(raw)["policy"])
-            await asyncio.to_thread(self.set, job, text)
-        except (ValueError, KeyError, TypeError, InvalidArgument, FailedPrecondition) as exc:
-            log.error("job %r's retention in the bucket is not usable (%s); node's kept", job, exc)
+        text = ""
+        if raw:
+            try:
+                text = str(json.loads(raw)["policy"])
+                await asyncio.to_thread(self.set, job, text)
+            except (ValueError, KeyError, TypeError, InvalidArgument, FailedPrecondition) as exc:
+                log.error("job %r's retention record is not usable (%s); node's kept", job, exc)
+        self._bucket[job] = text
         return True
 
     def policy(self, job: str) -> Policy | None:
@@ -221,14 +280,29 @@ class JobRetention:
         return self._policies.get(job) if self.allowed else None
 
     def tiers(self, job: str, local: Policy, remote: Policy | None) -> tuple[Policy, Policy | None]:
-        """The (local, remote) policies the plan applies to ``job``."""
+        """The (local, remote) policies the plan applies to ``job``'s live history.
+        Until the job's policy is known (:meth:`known`), the bucket wants every step:
+        no upload is passed over, and the evictor removes none of its bucket copies."""
+        if not self.known(job):
+            return local, KeepAll()
         own = self.policy(job)
         if own is None:
             return local, remote
-        durable = KeepAny((own, KeepMilestones()))
+        durable = KeepAny((own, KeepMilestones(), *([self.floor] if self.floor else [])))
         if remote is None:
             return durable, None
         return KeepBoth(local, durable), durable
+
+    def abandoned(
+        self, job: str, local: Policy, remote: Policy | None
+    ) -> tuple[Policy, Policy | None]:
+        """The policies for ``job``'s abandoned timelines (an older run under the same
+        name): what the node's policies or the job's keep, never fewer than before."""
+        live_local, live_remote = self.tiers(job, local, remote)
+        if live_local is local and live_remote is remote:
+            return local, remote
+        keep_remote = None if remote is None else KeepAny((remote, live_remote or remote))
+        return KeepAny((local, live_local)), keep_remote
 
     def _save(self) -> None:
         if self.path is None:

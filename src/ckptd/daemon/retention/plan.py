@@ -113,17 +113,21 @@ def plan_job(
     now: float,
     *,
     evict_unuploaded: bool = False,
+    abandoned: tuple[Policy, Policy | None] | None = None,
 ) -> Plan:
-    """Decide evictions for one job. ``remote_policy`` is None without a remote tier."""
+    """Decide evictions for one job. ``remote_policy`` is None without a remote tier;
+    ``abandoned``: the (local, remote) policies of its abandoned timelines, if not
+    those of its live history."""
     plan = Plan()
     live = [v for v in views if not v.abandoned]
     _plan_live(plan, live, local_policy, remote_policy, now, evict_unuploaded)
     # The live history has a complete newest step: abandoned local copies may go.
     top = max(live, key=lambda v: v.step, default=None)
     ready = top is None or top.local or top.remote
+    old_local, old_remote = abandoned or (local_policy, remote_policy)
     for timeline in sorted({v.timeline for v in views if v.abandoned}):
         group = [v for v in views if v.abandoned and v.timeline == timeline]
-        _plan_abandoned(plan, group, local_policy, remote_policy, now, ready)
+        _plan_abandoned(plan, group, old_local, old_remote, now, ready)
     _plan_references(plan, views)
     return plan
 

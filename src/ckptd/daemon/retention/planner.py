@@ -81,4 +81,5 @@ class Retention:
             remote,
             self._clock(),
             evict_unuploaded=self.evict_unuploaded,
+            abandoned=self.jobs.abandoned(job, self.local_policy, self.remote_policy),
         )

@@ -11,7 +11,13 @@ import pytest
 
 from ckptd.core.errors import FailedPrecondition, InvalidArgument
 from ckptd.daemon.retention.jobs import FILE, JobRetention, KeepAtMost, KeepBoth
-from ckptd.daemon.retention.policies import Checkpoint, KeepEverySteps, KeepLatest, parse_policy
+from ckptd.daemon.retention.policies import (
+    Checkpoint,
+    KeepAll,
+    KeepEverySteps,
+    KeepLatest,
+    parse_policy,
+)
 
 CKPTS = [Checkpoint(step, float(step)) for step in range(1, 11)]
 
@@ -98,26 +104,75 @@ class Bucket:
 
 def test_the_buckets_record(tmp_path: Path) -> None:
     remote = Bucket()
+    key = "j/_retention/node-a.json"
 
     async def scenario() -> None:
-        first = JobRetention(tmp_path / "a", remote=remote)  # type: ignore[arg-type]
         (tmp_path / "a").mkdir()
+        first = JobRetention(tmp_path / "a", remote=remote, node="node-a")  # type: ignore[arg-type]
         remote.down = True
         await first.set_everywhere("j", "KeepLatest(6)")  # applied here, the bucket behind
-        assert "j/_retention.json" not in remote.objects
+        assert key not in remote.objects
         remote.down = False
         await first.sync()  # the evictor's next pass
-        assert json.loads(remote.objects["j/_retention.json"]) == {"policy": "KeepLatest(6)"}
-        # A replacement node's daemon: nothing on its disk, the job's policy in the bucket.
+        assert json.loads(remote.objects[key]) == {"policy": "KeepLatest(6)"}
+        remote.objects[key] = b"tampered"  # unchanged policy: not written again
+        await first.set_everywhere("j", "KeepLatest(6)")
+        assert remote.objects[key] == b"tampered"
+        # A restart writes every record again (one may have been missed before it).
+        again = JobRetention(tmp_path / "a", remote=remote, node="node-a")  # type: ignore[arg-type]
+        await again.sync()
+        assert json.loads(remote.objects[key]) == {"policy": "KeepLatest(6)"}
+        # A replacement node's daemon (the same node name): nothing on its disk, the
+        # job's policy in the bucket. Until it is read, the bucket wants every step.
         (tmp_path / "b").mkdir()
-        fresh = JobRetention(tmp_path / "b", remote=remote)  # type: ignore[arg-type]
+        fresh = JobRetention(tmp_path / "b", remote=remote, node="node-a")  # type: ignore[arg-type]
+        assert fresh.tiers("j", KeepLatest(2), KeepLatest(3))[1] == KeepAll()
         remote.down = True
         assert not await fresh.settled("j")  # unknown yet: the job's bucket copies wait
         remote.down = False
         assert await fresh.settled("j") and await fresh.settled("other")
         policy = fresh.policy("j")
         assert policy is not None and policy.describe() == "KeepLatest(6)"
+        assert fresh.tiers("other", KeepLatest(2), KeepLatest(3)) == (KeepLatest(2), KeepLatest(3))
+        # Another node's record is not this node's: never read.
+        elsewhere = JobRetention(None, remote=remote, node="node-b")  # type: ignore[arg-type]
+        assert await elsewhere.settled("j") and elsewhere.policy("j") is None
         await first.set_everywhere("j", "")
-        assert "j/_retention.json" not in remote.objects
+        assert key not in remote.objects
 
     asyncio.run(scenario())
+
+
+def test_a_policy_set_while_the_record_is_read_wins(tmp_path: Path) -> None:
+    jobs = JobRetention(None, remote=None, node="n")
+
+    class Racing(Bucket):
+        async def get_bytes(self, key: str) -> bytes:
+            jobs.set("j", "KeepLatest(9)")  # a trainer's SetRetention lands meanwhile
+            return json.dumps({"policy": "KeepLatest(1)"}).encode()
+
+    jobs.remote = Racing()  # type: ignore[assignment]
+    assert asyncio.run(jobs.settled("j"))
+    policy = jobs.policy("j")
+    assert policy is not None and policy.describe() == "KeepLatest(9)"
+
+
+def test_a_bucket_error_keeps_the_jobs_copies(tmp_path: Path) -> None:
+    class Denied(Bucket):
+        async def get_bytes(self, key: str) -> bytes:
+            raise PermissionError(key)
+
+    jobs = JobRetention(None, remote=Denied(), node="n")  # type: ignore[arg-type]
+    assert not asyncio.run(jobs.settled("j")) and not jobs.known("j")
+    assert jobs.tiers("j", KeepLatest(1), KeepLatest(1))[1] == KeepAll()
+
+
+def test_floor_and_abandoned_timelines(tmp_path: Path) -> None:
+    jobs = JobRetention(tmp_path, floor=KeepEverySteps(5))
+    jobs.set("j", "KeepLatest(1)")
+    local, remote = jobs.tiers("j", KeepLatest(2), KeepLatest(3))
+    assert remote is not None and sorted(remote.keep(CKPTS, 0.0)) == [5, 10]
+    old_local, old_remote = jobs.abandoned("j", KeepLatest(2), KeepLatest(3))
+    assert old_remote is not None and sorted(old_remote.keep(CKPTS, 0.0)) == [5, 8, 9, 10]
+    assert sorted(old_local.keep(CKPTS, 0.0)) == [9, 10]
+    assert jobs.abandoned("k", KeepLatest(2), None) == (KeepLatest(2), None)
