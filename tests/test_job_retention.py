@@ -90,9 +90,10 @@ def test_the_operators_limits(make_daemon: Any, tmp_path: Path) -> None:
     )
     client = capped.client("j")
     local, remote = client.set_retention("KeepAll()")
-    assert local == (
-        "KeepAny([KeepAtMost(KeepAll(), 3), KeepMilestones(), KeepSteps([1])])"
-    ) and remote == ""
+    assert (
+        local == ("KeepAny([KeepAtMost(KeepAll(), 3), KeepMilestones(), KeepSteps([1])])")
+        and remote == ""
+    )
     for step in range(1, 7):
         client.save(step, small(step)).wait("local", 60)
     settled(client, [1, 4, 5, 6], [])  # the operator's floor keeps step 1 too

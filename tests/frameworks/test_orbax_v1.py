@@ -72,7 +72,8 @@ def test_maxtexts_calls_round_trip(daemon: Daemon) -> None:
         ckpt.load_checkpointables(2, target)
     ckpt.close()
     # A new one (a restarted trainer) finds the steps; load and save as Orbax's.
-    again = checkpointer(daemon, "v1", context=ctx)
+    keep = training.preservation_policies.LatestN(2)  # the same settings as before
+    again = checkpointer(daemon, "v1", context=ctx, preservation_policy=keep)
     assert [c.step for c in again.checkpoints] == [6, 7]
     assert_equal(again.load(None, abstract(state(7)), checkpointable_name="items"), state(7))
     assert again.save(8, state(8), force=True)

@@ -167,7 +167,7 @@ class Servicer(pb_grpc.CkptdServicer):
     async def AcquireLease(self, request: pb.AcquireLeaseRequest, context: Any) -> pb.Lease:
         peer, job = self._job(context, request.job)
         await self.s.restorer.read_own_index(job)  # a rerun after a node loss: a new timeline
-        await self.s.retention.jobs.settled(job)  # its own retention, before a step is pending
+        self.s.retention.jobs.look_up(job)  # its own retention, read before a step is pending
         with self.s.access.claiming(peer, job):  # owned only once a lease is granted
             self.s.staging.check_fits(request.size_bytes)
             await self.s.admission.check_space(request.size_bytes)

@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.retention")
 
 FILE = "job-retention.json"
+READ_TIMEOUT = 10.0
+"""Longest wait for a job's bucket record (a store that hangs is asked again later)."""
 MAX_TEXT = 4096
 """Longest policy text a trainer may send (a few dozen policies)."""
 
@@ -126,6 +128,8 @@ class JobRetention:
         self._bucket: dict[str, str] = {}  # that record's text ("" none), once known
         self._dirty: set[str] = set()  # jobs whose bucket record may be behind
         self._warned: set[str] = set()
+        self._looking: set[str] = set()  # jobs whose record is being read by look_up
+        self._tasks: set[asyncio.Task[None]] = set()
         self._texts: dict[str, str] = {}
         self._policies: dict[str, Policy] = {}
         self._lock = threading.Lock()  # set() runs on a thread: one change and file at once
@@ -235,6 +239,25 @@ class JobRetention:
             self._bucket[name] = text
             self._looked.add(name)
 
+    def look_up(self, job: str) -> None:
+        """Start reading ``job``'s record in the background (a job's first lease: the
+        policy is then known before its step is pending, and the save never waits
+        for the bucket)."""
+        if self.known(job) or job in self._looking:
+            return
+        self._looking.add(job)
+        task = asyncio.get_running_loop().create_task(self._look_up(job))
+        self._tasks.add(task)  # held: the loop keeps only a weak reference
+        task.add_done_callback(self._tasks.discard)
+
+    async def _look_up(self, job: str) -> None:
+        try:
+            await self.settled(job)
+        except Exception as exc:  # the evictor's pass asks again
+            log.error("reading job %r's retention record failed: %s", job, exc)
+        finally:
+            self._looking.discard(job)
+
     def known(self, job: str) -> bool:
         """Whether ``job``'s policy is known here: no bucket, a policy set or loaded
         here, or this node's bucket record read (or found absent)."""
@@ -249,9 +272,13 @@ class JobRetention:
             return True
         assert self.remote is not None
         try:
-            raw = await self.remote.get_bytes(retention_key(job, self.node))
+            raw = await asyncio.wait_for(
+                self.remote.get_bytes(retention_key(job, self.node)), READ_TIMEOUT
+            )
         except (FileNotFoundError, NotFound):
             raw = b""
+        except TimeoutError:  # a store that hangs: asked again at the next pass
+            return False
         except Exception as exc:  # a transient error, or one an operator must fix
             if not self.remote.is_transient(exc) and job not in self._warned:
                 self._warned.add(job)

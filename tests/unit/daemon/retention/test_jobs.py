@@ -170,7 +170,7 @@ def test_a_bucket_error_keeps_the_jobs_copies(tmp_path: Path) -> None:
 def test_floor_and_abandoned_timelines(tmp_path: Path) -> None:
     jobs = JobRetention(tmp_path, floor=KeepEverySteps(5))
     jobs.set("j", "KeepLatest(1)")
-    local, remote = jobs.tiers("j", KeepLatest(2), KeepLatest(3))
+    _, remote = jobs.tiers("j", KeepLatest(2), KeepLatest(3))
     assert remote is not None and sorted(remote.keep(CKPTS, 0.0)) == [5, 10]
     old_local, old_remote = jobs.abandoned("j", KeepLatest(2), KeepLatest(3))
     assert old_remote is not None and sorted(old_remote.keep(CKPTS, 0.0)) == [5, 8, 9, 10]
