@@ -467,6 +467,8 @@ def test_orbax_preservation_policies_map_to_ckptds() -> None:
         "KeepBest('orbax_best', 2, 'max', keep_without_metric=True)])"
     )
     assert r.scores({"acc": 0.5}) == {"orbax_best": 0.5} and r.scores(None) == {}
+    no_limit = ocp.CheckpointManagerOptions(preservation_policy=pp.LatestN(n=None))
+    assert Retention(no_limit).text is None  # MaxText's default: the node's policy
     closest = pp.EveryNStepsClosest(interval_steps=5)
     assert Retention(ocp.CheckpointManagerOptions(preservation_policy=closest)).text is None
 

@@ -10,8 +10,9 @@ retention/jobs.py), so ``all_steps()`` lists what exists.
 ``KeepLatest``; a ``preservation_policy`` object (``LatestN``, ``EveryNSteps``,
 ``EveryNSeconds``, ``CustomSteps``, ``BestN``, ``PreserveAll``,
 ``AnyPreservationPolicy``) maps one for one. Options left at Orbax's defaults
-(keep every step) leave the job on the node's policy: ckptd's operator decides
-until the trainer says otherwise. A policy with no ckptd equivalent
+(keep every step: no ``max_to_keep``, or ``LatestN(None)``, the form MaxText
+passes without ``max_num_checkpoints_to_keep``) leave the job on the node's
+policy: ckptd's operator decides until the trainer says otherwise. A policy with no ckptd equivalent
 (``LatestDuration``, ``EveryNStepsClosest``, a custom class) is said at WARNING
 and leaves the node's policy too.
 """
@@ -63,6 +64,8 @@ class Retention:
 
     def _of_options(self, options: Any) -> str | None:
         policy = getattr(options, "preservation_policy", None)
+        if type(policy).__name__ == "LatestN" and policy.n is None:
+            return None  # Orbax's default form (MaxText's with no limit): keep every step
         if policy is not None:
             return self._of_policy(policy)
         parts: list[str] = []
