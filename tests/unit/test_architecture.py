@@ -355,7 +355,8 @@ CLIENT_FLOORS = {
     **dict.fromkeys(("client", "distributed", "__init__"), 4),  # the Client
     # the framework integrations (and the demo): each imports its framework
     **dict.fromkeys(
-        ("torch", "lightning", "lightning_pl", "orbax", "hf", "torchtitan", "demo"), 5
+        ("torch", "lightning", "lightning_pl", "orbax", "hf", "torchtitan", "megatron",
+         "demo"), 5
     ),
 }  # fmt: skip
 """The client's floors (docs/architecture.md, "The client's rooms"): a module imports

@@ -64,7 +64,7 @@ class Retention:
 
     def _of_options(self, options: Any) -> str | None:
         policy = getattr(options, "preservation_policy", None)
-        if type(policy).__name__ == "LatestN" and policy.n is None:
+        if policy is not None and type(policy).__name__ == "LatestN" and policy.n is None:
             return None  # Orbax's default form (MaxText's with no limit): keep every step
         if policy is not None:
             return self._of_policy(policy)

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ckptd.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -62,7 +62,6 @@ from .policies import (
 )
 
 if TYPE_CHECKING:
-    from ..lifecycle.options import LifecycleOptions
     from ..remote.base import Remote
 
 log = logging.getLogger("ckptd.retention")
@@ -72,6 +71,18 @@ READ_TIMEOUT = 10.0
 """Longest wait for a job's bucket record (a store that hangs is asked again later)."""
 MAX_TEXT = 4096
 """Longest policy text a trainer may send (a few dozen policies)."""
+
+
+class Limits(Protocol):
+    """The operator's limits on jobs' own policies (lifecycle/options.py's keys:
+    lifecycle/ stands above retention/, so they are named here, not imported)."""
+
+    @property
+    def job_retention(self) -> bool: ...
+    @property
+    def job_retention_max_steps(self) -> int: ...
+    @property
+    def job_retention_floor(self) -> Policy: ...
 
 
 @dataclass(frozen=True, repr=False)
@@ -116,6 +127,8 @@ class JobRetention:
         node: str = "node",
         floor: Policy | None = None,
     ) -> None:
+        if isinstance(floor, KeepSteps) and not floor.steps:
+            floor = None  # the option's default: nothing more
         self.path = None if root is None else root / FILE
         self.allowed = allowed
         self.max_steps = max_steps
@@ -136,18 +149,15 @@ class JobRetention:
         self._load()
 
     @classmethod
-    def of(
-        cls, root: Path, options: LifecycleOptions, remote: Remote | None, node: str
-    ) -> JobRetention:
-        """The jobs' policies under ``root``, within ``options``' limits."""
-        floor = options.job_retention_floor
+    def of(cls, root: Path, limits: Limits, remote: Remote | None, node: str) -> JobRetention:
+        """The jobs' policies under ``root``, within the operator's ``limits``."""
         return cls(
             root,
-            options.job_retention,
-            options.job_retention_max_steps,
+            limits.job_retention,
+            limits.job_retention_max_steps,
             remote,
             node,
-            None if isinstance(floor, KeepSteps) and not floor.steps else floor,
+            limits.job_retention_floor,
         )
 
     def _load(self) -> None:
