@@ -313,6 +313,7 @@ class Daemon:
             self.supervisor.service("claim", self.claim.run)
         if self.node_fleet is not None:  # in the background: it only tunes an interval
             self.supervisor.service("node-fleet", self.node_fleet.run)
+        await self.retention.jobs.settle_all(self.catalog.jobs())  # jobs' own, read first
         if self.drain is not None:
             # With a jitter the node's index is read in the background (the drain's
             # first act): local restores need nothing from the bucket, so a restarting

@@ -40,7 +40,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -267,6 +267,12 @@ class JobRetention:
             log.error("reading job %r's retention record failed: %s", job, exc)
         finally:
             self._looking.discard(job)
+
+    async def settle_all(self, jobs: Iterable[str]) -> None:
+        """Read the records of ``jobs`` side by side (start-up: the evictor's first pass
+        then finds each job's policy known; each read waits at most READ_TIMEOUT)."""
+        await asyncio.gather(*(self.settled(j) for j in jobs if not self.known(j)),
+                             return_exceptions=True)  # fmt: skip
 
     def known(self, job: str) -> bool:
         """Whether ``job``'s policy is known here: no bucket, a policy set or loaded
