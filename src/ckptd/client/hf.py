@@ -306,11 +306,7 @@ def _bring_named(client: Client, out: Path, step: int, limit: int | None, timeou
     (:func:`named_steps`): a best checkpoint lost with the node would otherwise make
     ``load_best_model_at_end`` end with the last model, logged only at INFO by the
     Trainer. One ckptd no longer holds is said at WARNING."""
-    held = sorted(
-        c.step
-        for c in client.list()
-        if c.adopted and c.tiers and c.state != "STAGING" and not c.abandoned
-    )
+    held = _adopted_steps(client)
     state_file = out / f"{PREFIX_CHECKPOINT_DIR}-{step}" / TRAINER_STATE_NAME
     for other in named_steps(state_file, step, held, limit):
         req = pb.EnsureLocalRequest(job=client.job, directory=str(out), layout=LAYOUT, step=other)
@@ -365,11 +361,7 @@ def _agree(client: Client, step: int | None, writes: bool) -> int | None:
 
     mine: list[int] | None = None
     if writes:
-        mine = sorted(
-            c.step
-            for c in client.list()
-            if c.adopted and c.tiers and c.state != "STAGING" and not c.abandoned
-        )
+        mine = _adopted_steps(client)
     everyone: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     held = [set(s) for s in everyone if s is not None]
@@ -382,6 +374,15 @@ def _agree(client: Client, step: int | None, writes: bool) -> int | None:
             )
         return step
     return max(common) if common else None
+
+
+def _adopted_steps(client: Client) -> list[int]:
+    """The steps this node's daemon holds whole of the job's adoptions, oldest first."""
+    return sorted(
+        c.step
+        for c in client.list()
+        if c.adopted and c.tiers and c.state != "STAGING" and not c.abandoned
+    )
 
 
 def _world() -> int:

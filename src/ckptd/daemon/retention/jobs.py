@@ -137,7 +137,6 @@ class JobRetention:
         self.floor = floor
         """What the durable tier keeps of every job whatever its own policy (the
         operator's ``job_retention_floor``; None: nothing more)."""
-        self._looked: set[str] = set()  # jobs whose bucket record was read or written
         self._bucket: dict[str, str] = {}  # that record's text ("" none), once known
         self._dirty: set[str] = set()  # jobs whose bucket record may be behind
         self._warned: set[str] = set()
@@ -220,7 +219,7 @@ class JobRetention:
         bucket (only when it changed); a bucket that does not answer gets it at the
         evictor's next pass."""
         policy = await asyncio.to_thread(self.set, job, text)
-        if self._texts.get(job, "") != self._bucket.get(job) or job not in self._looked:
+        if self._texts.get(job, "") != self._bucket.get(job):  # None: never read or written
             self._dirty.add(job)
         await self.sync(job)
         return policy
@@ -247,7 +246,6 @@ class JobRetention:
             if self._texts.get(name, "") == text:  # not changed again meanwhile
                 self._dirty.discard(name)
             self._bucket[name] = text
-            self._looked.add(name)
 
     def look_up(self, job: str) -> None:
         """Start reading ``job``'s record in the background (a job's first lease: the
@@ -277,7 +275,7 @@ class JobRetention:
     def known(self, job: str) -> bool:
         """Whether ``job``'s policy is known here: no bucket, a policy set or loaded
         here, or this node's bucket record read (or found absent)."""
-        return self.remote is None or job in self._texts or job in self._looked
+        return self.remote is None or job in self._texts or job in self._bucket
 
     async def settled(self, job: str) -> bool:
         """Whether ``job``'s policy is known (:meth:`known`), reading this node's bucket
@@ -307,15 +305,17 @@ class JobRetention:
             return False
         if self.known(job):  # a trainer set the job's policy meanwhile: it is newer
             return True
-        self._looked.add(job)
-        text = ""
-        if raw:
+        try:
+            text = str(json.loads(raw)["policy"]) if raw else ""
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("job %r's retention record is not usable (%s); node's kept", job, exc)
+            text = ""
+        self._bucket[job] = text  # known from here on, while the policy is applied
+        if text:
             try:
-                text = str(json.loads(raw)["policy"])
                 await asyncio.to_thread(self.set, job, text)
-            except (ValueError, KeyError, TypeError, InvalidArgument, FailedPrecondition) as exc:
+            except (InvalidArgument, FailedPrecondition) as exc:
                 log.error("job %r's retention record is not usable (%s); node's kept", job, exc)
-        self._bucket[job] = text
         return True
 
     def policy(self, job: str) -> Policy | None:
