@@ -40,6 +40,13 @@ from ckptd.client import hf as ckptd_hf
 VOCAB, SEQ, SAMPLES = 96, 16, 24  # 6 steps an epoch: a resume crosses one
 
 
+def publish(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """SAMPLES fixed random sequences; the labels are the inputs (causal LM)."""
 
@@ -64,7 +71,7 @@ class KillAfter(TrainerCallback):
         if state.global_step == self.step:
             self.ckptd.wait("durable", timeout=120)
             ckptd_hf._barrier()  # every process is past its own wait: all nodes hold it
-            Path(f"{self.ready}.{args.process_index}").write_text("ready")
+            publish(Path(f"{self.ready}.{args.process_index}"), "ready")
             threading.Event().wait()
 
 

@@ -39,6 +39,13 @@ BATCHES = 5
 """Batches per epoch: saves every 3 steps fall mid-epoch and at epoch ends."""
 
 
+def publish(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Tiny(L.LightningModule):
     """The model under test."""
 
@@ -83,7 +90,7 @@ class KillingIO(CkptdAsyncCheckpointIO):
     def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
         super().save_checkpoint(checkpoint, path, storage_options)
         if checkpoint["global_step"] == self.kill_at and "last" in os.path.basename(path):
-            self.marker.write_text(str(self.kill_at))
+            publish(self.marker, str(self.kill_at))
             time.sleep(600)
 
 

@@ -50,6 +50,13 @@ TINY = [
 ]
 
 
+def publish(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def hold_at(step: int, outdir: Path) -> None:
     """Test instrumentation: after ``save(step)`` returned, say so and wait to be killed."""
     from ckptd.client.orbax import manager as orbax_manager
@@ -59,7 +66,7 @@ def hold_at(step: int, outdir: Path) -> None:
     def holding(self: Any, step_: int, *args: Any, **kwargs: Any) -> bool:
         saved = bool(save(self, step_, *args, **kwargs))
         if saved and step_ == step:
-            (outdir / "held").write_text(str(step))
+            publish(outdir / "held", str(step))
             signal.pause()
         return saved
 

@@ -22,6 +22,13 @@ import torch
 import torch.distributed as dist
 
 
+def publish(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def state(step: int, rank: int, world: int, empty: bool = False) -> dict[str, Any]:
     """A small model's sharded state: a tensor split over the ranks, one replicated on
     every rank, an object per rank, and common values."""
@@ -74,7 +81,7 @@ def main() -> int:
             state(step, rank, world), ckpt, sharded_strategy=save, async_sharded_save=True
         )
         if kill:
-            Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, "handed": True}))
+            publish(Path(f"{out}.{rank}"), json.dumps({"rank": rank, "handed": True}))
             dist.barrier()  # every rank's tensors are in its daemon's memory
             os.kill(os.getpid(), signal.SIGKILL)
         request.execute_sync()  # what Megatron's async queue does: the finalize steps
@@ -89,7 +96,7 @@ def main() -> int:
         seen["rng"] = got["rng"]
         seen["iteration"] = got["iteration"]
     seen["files"] = sorted(os.listdir(ckpt))
-    Path(f"{out}.{rank}").write_text(json.dumps(seen))
+    publish(Path(f"{out}.{rank}"), json.dumps(seen))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -50,6 +50,13 @@ SAVE_EVERY = 3
 WIDTH = 16
 
 
+def publish(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def init(mesh: Mesh) -> dict[str, Any]:
     """The initial state, computed on the mesh (a global array in a multi-process job)."""
     return jax.jit(fresh, out_shardings=shardings(jax.eval_shape(fresh), mesh))()  # type: ignore[no-any-return]
@@ -159,7 +166,7 @@ def main() -> int:
             saved.append(step)
             if step == a.hold_at:
                 held = {"step": step, "start": start, "process": a.process_id}
-                Path(f"{a.out}.held{a.process_id}").write_text(json.dumps(held))
+                publish(Path(f"{a.out}.held{a.process_id}"), json.dumps(held))
                 signal.pause()  # the test kills this process now
         if step == a.preempt_at:
             os.kill(os.getpid(), signal.SIGTERM)  # jax's preemption notifier catches it

@@ -34,6 +34,13 @@ import torch
 import torch.distributed as dist
 
 
+def publish(path: Path, text: str) -> None:
+    """Write PATH whole or not at all: the test polls for it and reads it at once."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def adapt_to_cpu() -> None:
     """The device and timeout adaptations above (before torchtitan's trainer imports)."""
     import torchtitan.tools.utils as tt_utils  # type: ignore[import-untyped]
@@ -87,13 +94,13 @@ def main(argv: list[str]) -> None:
 
     def load_and_record(step: int = -1) -> bool:
         loaded = bool(load(step))
-        (out / f"resumed-{rank}").write_text(str(trainer.step if loaded else -1))
+        publish(out / f"resumed-{rank}", str(trainer.step if loaded else -1))
         return loaded
 
     def save_then_maybe_die(curr_step: int, last_step: bool = False) -> bool:
         saved = bool(save(curr_step, last_step))
         if saved and curr_step == kill_at:
-            (out / f"saved-{rank}").write_text(str(curr_step))
+            publish(out / f"saved-{rank}", str(curr_step))
             os.kill(os.getpid(), signal.SIGKILL)
         return saved
 
