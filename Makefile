@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_WHEEL_DIR ?= /opt/wheels
+# DeepSpeed ships only a source build that imports torch: built against the CPU torch
+# above (--no-build-isolation), never against a torch pip would fetch for the build.
+DEEPSPEED_VERSION ?= 0.19.8
 
 .PHONY: promtool dashboard goodput venv demo test test-fast test-gpu test-slow test-frameworks faults fuzz model-check soak bench bench-deps proto lint typecheck clean
 
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(install_torch_cpu)
+	$(PY) -m pip install -q --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 

@@ -355,7 +355,7 @@ CLIENT_FLOORS = {
     **dict.fromkeys(("client", "distributed", "__init__"), 4),  # the Client
     # the framework integrations (and the demo): each imports its framework
     **dict.fromkeys(
-        ("torch", "lightning", "lightning_pl", "orbax", "hf", "torchtitan", "megatron",
+        ("torch", "lightning", "lightning_pl", "orbax", "hf", "torchtitan", "megatron", "deepspeed",
          "demo"), 5
     ),
 }  # fmt: skip

@@ -16,7 +16,7 @@ from the bucket)::
 (``trainer.checkpoint_callback.best_model_path``), and :func:`load_checkpoint` is
 ``torch.load`` for them.
 How steps, names, pins and ranks map: :mod:`ckptd.client.lightning.store`; the
-checkpoint dict's layout: :mod:`ckptd.client.lightning.codec`; the user's guide:
+checkpoint dict's layout: :mod:`ckptd.client.torch.codec`; the user's guide:
 docs/integrations/lightning.md. For the standalone ``pytorch_lightning`` package,
 import the same names from :mod:`ckptd.client.lightning.pl`.
 

@@ -17,7 +17,7 @@ from typing import Any
 from ckptd.core.errors import CheckpointNotFound, InvalidArgument
 
 from ..client import Client
-from .codec import MapLocation, decode
+from ..torch.codec import MapLocation, decode
 from .store import LATEST, METRIC, SCHEME, STORES, split_url
 
 

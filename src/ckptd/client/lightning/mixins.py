@@ -10,7 +10,7 @@ from typing import Any
 from ckptd.core.errors import InvalidArgument
 
 from ..client import Client
-from .codec import MapLocation
+from ..torch.codec import MapLocation
 from .fs import register
 from .store import LATEST, CheckpointStore
 

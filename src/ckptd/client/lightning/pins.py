@@ -10,7 +10,6 @@ from ckptd.core.errors import CkptdError, NotFound
 
 from ..client import Client
 from ..handle import SaveHandle
-from .codec import live_names
 
 log = logging.getLogger("ckptd.lightning")
 
@@ -74,3 +73,31 @@ def set_pin(client: Client, step: int, on: bool) -> None:
     except CkptdError as exc:
         what = "pin" if on else "unpin"
         log.warning("could not %s step %d of job %r: %s", what, step, client.job, exc)
+
+
+def live_names(checkpoint: dict[str, Any]) -> tuple[set[str], set[str], set[str]]:
+    """What the checkpoint's ``ModelCheckpoint`` states refer to: ``(names, dirs,
+    lasts)``: every checkpoint path they name (top-k, best, last), their
+    directories, and the paths they call their last checkpoint."""
+    names: set[str] = set()
+    dirs: set[str] = set()
+    lasts: set[str] = set()
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return names, dirs, lasts
+    for state in callbacks.values():
+        if not isinstance(state, dict) or "best_k_models" not in state:
+            continue
+        best_k = state.get("best_k_models")
+        if isinstance(best_k, dict):
+            names.update(k for k in best_k if isinstance(k, str))
+        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
+            value = state.get(key)
+            if isinstance(value, str) and value:
+                names.add(value)
+        dirpath, last = state.get("dirpath"), state.get("last_model_path")
+        if isinstance(dirpath, str) and dirpath:
+            dirs.add(dirpath)
+        if isinstance(last, str) and last:
+            lasts.add(last)
+    return names, dirs, lasts

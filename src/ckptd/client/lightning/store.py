@@ -37,7 +37,7 @@ from ckptd.core.errors import CheckpointNotFound, CkptdError, InvalidArgument
 
 from ..client import Client
 from ..handle import SaveHandle
-from .codec import FORMAT, MapLocation, decode, encode
+from ..torch.codec import FORMAT, MapLocation, decode, encode
 from .pins import Settle, names_after_restore, reconcile_pins
 
 log = logging.getLogger("ckptd.lightning")

@@ -1,8 +1,9 @@
-"""A Lightning checkpoint dict <-> a ckptd tree and JSON metadata, faithfully.
+"""A PyTorch checkpoint dict (Lightning's, DeepSpeed's files) <-> a ckptd tree and
+JSON metadata, faithfully.
 
-Lightning's checkpoint is a dict of tensors (the model's state dict, optimizer
-moments, callbacks' scores) and small Python values (epoch, global step, loops'
-progress, hyperparameters, callbacks' paths). The tree handed to
+A checkpoint dict holds tensors (the model's state dict, optimizer moments,
+callbacks' scores) and small Python values (epoch, global step, loops' progress,
+hyperparameters, callbacks' paths, a framework's config). The tree handed to
 :meth:`ckptd.client.Client.save` keeps its shape, so each tensor is one shard
 named by its path (``checkpoint.state_dict.layer.weight``,
 ``checkpoint.optimizer_states.0.state.0.exp_avg``) and the JSON-like values
@@ -37,7 +38,7 @@ import torch
 from ckptd.core.errors import InvalidArgument
 
 FORMAT = 1
-"""Version of this layout, recorded in the step's metadata under ``"lightning"``."""
+"""Version of this layout, recorded in the step's metadata by each integration."""
 TREE = "checkpoint"
 """Tree key of the checkpoint dict."""
 BLOBS = "pickled"
@@ -59,8 +60,9 @@ def encode(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]
     record in the metadata (``[[path, blob index, kind], ...]``)."""
     if not isinstance(checkpoint, dict):
         raise InvalidArgument(
-            f"a Lightning checkpoint is a dict, not {type(checkpoint).__name__}; "
-            "save through Trainer.save_checkpoint or a ModelCheckpoint callback"
+            f"a checkpoint is a dict, not {type(checkpoint).__name__}; "
+            "save what the framework's checkpointing hands over (Lightning's "
+            "Trainer.save_checkpoint, DeepSpeed's save_checkpoint)"
         )
     blobs: list[np.ndarray] = []
     replace: list[list[Any]] = []
@@ -137,36 +139,8 @@ def decode(
     if map_location is not None:
         checkpoint = _relocate(checkpoint, _location_fn(map_location))
     if not isinstance(checkpoint, dict):
-        raise InvalidArgument("the restored step does not hold a Lightning checkpoint dict")
+        raise InvalidArgument("the restored step does not hold a checkpoint dict")
     return checkpoint
-
-
-def live_names(checkpoint: dict[str, Any]) -> tuple[set[str], set[str], set[str]]:
-    """What the checkpoint's ``ModelCheckpoint`` states refer to: ``(names, dirs,
-    lasts)``: every checkpoint path they name (top-k, best, last), their
-    directories, and the paths they call their last checkpoint."""
-    names: set[str] = set()
-    dirs: set[str] = set()
-    lasts: set[str] = set()
-    callbacks = checkpoint.get("callbacks")
-    if not isinstance(callbacks, dict):
-        return names, dirs, lasts
-    for state in callbacks.values():
-        if not isinstance(state, dict) or "best_k_models" not in state:
-            continue
-        best_k = state.get("best_k_models")
-        if isinstance(best_k, dict):
-            names.update(k for k in best_k if isinstance(k, str))
-        for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
-            value = state.get(key)
-            if isinstance(value, str) and value:
-                names.add(value)
-        dirpath, last = state.get("dirpath"), state.get("last_model_path")
-        if isinstance(dirpath, str) and dirpath:
-            dirs.add(dirpath)
-        if isinstance(last, str) and last:
-            lasts.add(last)
-    return names, dirs, lasts
 
 
 # -- helpers ---------------------------------------------------------------------
