@@ -70,7 +70,7 @@ class KillAfter(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if state.global_step == self.step:
             self.ckptd.wait("durable", timeout=120)
-            ckptd_hf._barrier()  # every process is past its own wait: all nodes hold it
+            ckptd_hf.barrier()  # every process is past its own wait: all nodes hold it
             publish(Path(f"{self.ready}.{args.process_index}"), "ready")
             threading.Event().wait()
 

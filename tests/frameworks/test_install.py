@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-EXTRAS = ["lightning", "hf", "torchtitan", "maxtext", "s3", "gcs", "jax", "torch"]
+EXTRAS = ["lightning", "hf", "accelerate", "torchtitan", "maxtext", "megatron", "deepspeed",
+          "s3", "gcs", "jax", "torch"]  # fmt: skip
 
 
 def test_every_extra_resolves_beside_the_frameworks_with_nothing_more(tmp_path: Path) -> None:

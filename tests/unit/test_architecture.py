@@ -352,11 +352,11 @@ CLIENT_FLOORS = {
         ("planning", "copy_plan", "mapped_views", "handoff", "ahead", "restore_flow",
          "saver", "low_level"), 3
     ),
-    **dict.fromkeys(("client", "distributed", "__init__"), 4),  # the Client
+    **dict.fromkeys(("client", "distributed", "adopted", "__init__"), 4),  # the Client
     # the framework integrations (and the demo): each imports its framework
     **dict.fromkeys(
-        ("torch", "lightning", "lightning_pl", "orbax", "hf", "torchtitan", "megatron", "deepspeed",
-         "demo"), 5
+        ("torch", "lightning", "lightning_pl", "orbax", "hf", "accelerate", "torchtitan",
+         "megatron", "deepspeed", "demo"), 5
     ),
 }  # fmt: skip
 """The client's floors (docs/architecture.md, "The client's rooms"): a module imports

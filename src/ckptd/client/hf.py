@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from ckptd.core.errors import (
 from ckptd.core.health import RESERVED_PREFIX
 from ckptd.proto import ckptd_pb2 as pb
 
+from .adopted import adopted_steps, agree, barrier, gather, world
 from .client import Client
 from .handle import SaveHandle
 
@@ -130,7 +130,7 @@ class CkptdCallback(TrainerCallback):
         path = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         # The Trainer writes rng_state_<rank>.pth on every rank and calls on_save with
         # no barrier in between: without one, another rank's file could be missing.
-        _barrier()
+        barrier()
         if not args.should_save:
             return
         if not path.is_dir():
@@ -224,8 +224,8 @@ def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -
     out = _output_dir(args)
     client = callback.client
     asked = step is not None
-    if _world() > 1:
-        step = _agree(client, step, bool(args.should_save))
+    if world() > 1:
+        step = agree(client, step, bool(args.should_save))
         if step is None:
             return _fallback(out)
     failure: CkptdError | None = None
@@ -251,7 +251,7 @@ def resume(trainer: Trainer, step: int | None = None, timeout: float = 3600.0) -
                 log.warning("the checkpoints step %d's Trainer state names: %s", step, exc)
     # Every process learns whether each node's copy is in place (the others read what
     # their node's writing process put back), and none is left waiting if one failed.
-    errors = _gather(str(failure) if failure else "")
+    errors = gather(str(failure) if failure else "")
     if failure is not None:
         raise failure
     if any(errors):
@@ -306,7 +306,7 @@ def _bring_named(client: Client, out: Path, step: int, limit: int | None, timeou
     (:func:`named_steps`): a best checkpoint lost with the node would otherwise make
     ``load_best_model_at_end`` end with the last model, logged only at INFO by the
     Trainer. One ckptd no longer holds is said at WARNING."""
-    held = _adopted_steps(client)
+    held = adopted_steps(client)
     state_file = out / f"{PREFIX_CHECKPOINT_DIR}-{step}" / TRAINER_STATE_NAME
     for other in named_steps(state_file, step, held, limit):
         req = pb.EnsureLocalRequest(job=client.job, directory=str(out), layout=LAYOUT, step=other)
@@ -352,63 +352,6 @@ def _on_disk(out: Path) -> list[int]:
     return sorted(
         int(m.group(1)) for n in names if (m := _CHECKPOINT.match(n)) and (out / n).is_dir()
     )
-
-
-def _agree(client: Client, step: int | None, writes: bool) -> int | None:
-    """The step every writing process's node holds (the newest, or ``step`` if all
-    hold it), gathered over torch.distributed; None if there is none."""
-    import torch.distributed as dist
-
-    mine: list[int] | None = None
-    if writes:
-        mine = _adopted_steps(client)
-    everyone: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    held = [set(s) for s in everyone if s is not None]
-    common = set.intersection(*held) if held else set()
-    if step is not None:
-        if step not in common:
-            raise CheckpointNotFound(
-                f"step {step} of job {client.job!r} is not held by every node (steps all "
-                f"of them hold: {sorted(common)[-10:]}); pick one of those"
-            )
-        return step
-    return max(common) if common else None
-
-
-def _adopted_steps(client: Client) -> list[int]:
-    """The steps this node's daemon holds whole of the job's adoptions, oldest first."""
-    return sorted(
-        c.step
-        for c in client.list()
-        if c.adopted and c.tiers and c.state != "STAGING" and not c.abandoned
-    )
-
-
-def _world() -> int:
-    """The number of processes in torch.distributed's default group (1: none)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size())
-
-
-def _gather(error: str) -> list[str]:
-    """Every process's ``error`` ("": none), in rank order (just ours with one process)."""
-    if _world() == 1:
-        return [error]
-    import torch.distributed as dist
-
-    everyone: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(everyone, error)
-    return everyone
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 __all__ = ["LAYOUT", "CkptdCallback", "logged_metrics", "named_steps", "resume", "retention_of"]

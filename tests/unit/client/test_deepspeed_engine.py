@@ -62,7 +62,7 @@ def test_a_reference_unpickles_through_the_engine_loading(
     got = engine.load(str(path), map_location="cpu")
     assert torch.equal(got["w"], torch.ones(2))
     assert seen == [(8, 1, 0, path.name, "cpu")]
-    with pytest.raises(pickle.UnpicklingError, match="ckptd.client.deepspeed.resolve"):
+    with pytest.raises(pickle.UnpicklingError, match=r"ckptd\.client\.deepspeed\.resolve"):
         torch.load(path, weights_only=True)  # torch's safe load names what it refused
 
 

@@ -68,7 +68,10 @@ callback adopts it (ckptd.client.hf)."""
 TORCHTITAN = Layout("torchtitan", "step-", ".metadata")
 """torchtitan (DCP's FileSystemWriter): ``step-<step>/``, finished once DCP renamed
 ``.metadata`` into place (its coordinator does after every rank wrote its data)."""
-LAYOUTS = {layout.name: layout for layout in (ORBAX, HF, TORCHTITAN)}
+ACCELERATE = Layout("accelerate", "checkpoint_", "")
+"""HF accelerate's ``save_state`` with automatic naming: ``checkpoint_<iteration>/``,
+finished when the caller adopts it (ckptd.client.accelerate)."""
+LAYOUTS = {layout.name: layout for layout in (ORBAX, HF, TORCHTITAN, ACCELERATE)}
 
 
 def layout_named(name: str) -> Layout:

@@ -61,6 +61,8 @@ class LocalStore:
         """Evicted rank files kept (up to this many bytes) for new saves to overwrite."""
         self._spares: dict[Path, int] = {}
         self._spare_lock = threading.Lock()
+        self._drop_lock = threading.Lock()
+        """Held while spares are deleted (:meth:`drop_spares`)."""
         self.staging_root = root / ".staging"
         self.cache_root = root / ".cache"
         self.corrupt_root = root / ".corrupt"
@@ -233,12 +235,18 @@ class LocalStore:
             return path
 
     def drop_spares(self) -> int:
-        """Delete every spare file (the disk is short of space); returns the bytes freed."""
-        with self._spare_lock:
-            spares, self._spares = self._spares, {}
-        for path in spares:
-            path.unlink(missing_ok=True)
-        return sum(spares.values())
+        """Delete every spare file (the disk is short of space); returns the bytes freed.
+
+        Callers at once (admission's and the evictor's threads) take turns: one that
+        finds the spares taken returns once they are deleted, not while their space is
+        still held, so it never measures the disk before the space is back (the evictor
+        would evict the next step for bytes already on their way)."""
+        with self._drop_lock:
+            with self._spare_lock:
+                spares, self._spares = self._spares, {}
+            for path in spares:
+                path.unlink(missing_ok=True)
+            return sum(spares.values())
 
 
 async def retire_replaced(

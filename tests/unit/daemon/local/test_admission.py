@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +76,59 @@ def test_a_percentage_floor_follows_the_disk_size(tmp_path: Path) -> None:
     assert adm.disk.marks() == (500 * MiB, 100 * MiB)
     assert adm.capacity_reason(40 * MiB) == ""
     assert "local disk has" in adm.capacity_reason(60 * MiB)
+
+
+class Announced:
+    """A lock that sets ``entering`` when a thread is about to take it."""
+
+    def __init__(self, lock: Any, entering: threading.Event) -> None:
+        self.lock, self.entering = lock, entering
+
+    def __enter__(self) -> None:
+        self.entering.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_spares_dropped_by_another_thread_are_gone_when_a_drop_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission and the evictor drop spares from two threads at once. The one that
+    finds them taken must not return while the other still deletes them: the evictor
+    measured the disk then, found it still short and evicted the next step too."""
+    store = LocalStore(tmp_path / "root", spare_max_bytes=10 * MiB)
+    store.recover()
+    store.step_dir("j", 1).mkdir(parents=True)
+    (store.step_dir("j", 1) / "rank-00000.safetensors").write_bytes(b"\x07" * MiB)
+    store.evict("j", 1)
+    (spare,) = store.spare_root.iterdir()
+    deleting, release, progress = threading.Event(), threading.Event(), threading.Event()
+    unlink = Path.unlink
+
+    def held_unlink(self: Path, missing_ok: bool = False) -> None:
+        deleting.set()  # the first drop took the spares and is deleting them
+        assert release.wait(60)
+        unlink(self, missing_ok=missing_ok)
+
+    seen: list[bool] = []
+
+    def second() -> None:
+        store.drop_spares()
+        seen.append(spare.exists())  # True: returned while its space is still held
+        progress.set()
+
+    monkeypatch.setattr(Path, "unlink", held_unlink)
+    first, other = threading.Thread(target=store.drop_spares), threading.Thread(target=second)
+    first.start()
+    try:
+        assert deleting.wait(60)
+        store._drop_lock = Announced(store._drop_lock, progress)  # type: ignore[assignment]
+        other.start()
+        assert progress.wait(60)  # the second drop returned, or waits for the first
+    finally:
+        release.set()
+        first.join(60)
+    other.join(60)
+    assert seen == [False]
