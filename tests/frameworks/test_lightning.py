@@ -141,7 +141,16 @@ def test_model_checkpoint_saves_each_step_once_and_pins_what_lightning_keeps(
     # with its _metadata, tuples, None, callbacks' tensors, loops' progress).
     for name, step in io.store.names.items():
         assert_same(io.load_checkpoint(name, weights_only=True), io.handed[step], name)
-    assert_same(io.load_checkpoint("ckptd://mc/6"), io.handed[6])
+    kept = min(step_of(n) for n in cb.best_k_models)  # by its step, not a name
+    assert_same(io.load_checkpoint(f"ckptd://mc/{kept}"), io.handed[kept])
+    # save_top_k is the job's retention in every tier: the best 2 by the monitored
+    # value, sent with each save; ranked as Lightning ranks them.
+    assert "KeepBest('train_loss', 2, 'min')" in (daemon.root / "job-retention.json").read_text()
+    scores = {c.step: c.metrics["train_loss"] for c in io.client.list()}
+    assert {step_of(n): float(v) for n, v in cb.best_k_models.items()}.items() <= scores.items()
+    assert set(sorted(scores, key=lambda s: (scores[s], -s))[:2]) == {
+        step_of(n) for n in cb.best_k_models
+    }
     with pytest.raises(CheckpointNotFound, match="ckptd://mc/latest"):
         io.load_checkpoint("/elsewhere/epoch=0-step=3.ckpt")
     # remove_checkpoint (Lightning dropping a top-k file) unpins; retention decides.
@@ -220,17 +229,19 @@ def test_values_a_tree_cannot_hold_come_back_as_they_were(daemon: Daemon) -> Non
 # -- resuming ---------------------------------------------------------------------------
 def test_ckpt_path_last_resumes_from_ckptd_never_from_scratch(daemon: Daemon) -> None:
     want = run(daemon, "whole", STEPS)
-    first = run(daemon, "halves", KILL_AT)
+    # save_top_k=-1: Lightning keeps every step (so does the job's retention), and
+    # the explicit step below is still there.
+    first = run(daemon, "halves", KILL_AT, top_k=-1)
     assert first["start_step"] == 0
     # A new Trainer, a new CheckpointIO: Lightning would look for last*.ckpt files here.
-    resumed = run(daemon, "halves", STEPS, ckpt_path="last")
+    resumed = run(daemon, "halves", STEPS, ckpt_path="last", top_k=-1)
     assert resumed["start_step"] == KILL_AT, "fit(ckpt_path='last') did not resume"
     assert_bit_identical(resumed, want)
     # An explicit step, and "latest", through the same path.
-    again = run(daemon, "halves", STEPS, ckpt_path="ckptd://halves/6")
+    again = run(daemon, "halves", STEPS, ckpt_path="ckptd://halves/6", top_k=-1)
     assert again["start_step"] == 6
     assert_bit_identical(again, want)
-    latest = run(daemon, "halves", STEPS + 1, ckpt_path="ckptd://halves/latest")
+    latest = run(daemon, "halves", STEPS + 1, ckpt_path="ckptd://halves/latest", top_k=-1)
     assert latest["start_step"] == 12
 
 

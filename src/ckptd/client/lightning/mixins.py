@@ -82,11 +82,38 @@ class ModelCheckpointMixin:
 
     dirpath: Any
 
+    save_top_k: int
+    monitor: str | None
+    mode: str
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Default ``dirpath`` to ``ckptd://<job>`` (the names of the saved steps)."""
+        """Default ``dirpath`` to ``ckptd://<job>`` (the names of the saved steps), and
+        make ``save_top_k`` the job's retention in every tier (:meth:`retention`)."""
+        store = store_of(trainer)
         if self.dirpath is None:
-            self.dirpath = store_of(trainer).url
+            self.dirpath = store.url
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        store.keep(self, self.retention())
+
+    def retention(self) -> str:
+        """What Lightning keeps, as a ckptd policy: every checkpoint
+        (``save_top_k=-1``), the best ``save_top_k`` by the monitored value (sent with
+        each save as a metric of its name), or the newest (no monitor, or only
+        ``save_last``). The newest step and what Lightning still names (pinned) are
+        kept whatever the policy."""
+        k = int(self.save_top_k)
+        if k == -1:
+            return "KeepAll()"
+        if self.monitor is None or k == 0:
+            return f"KeepLatest({max(k, 1)})"
+        return f"KeepBest({self.monitor!r}, {k}, {self.mode!r})"
+
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        """Send the monitored value with the save, for :meth:`retention`'s ``KeepBest``."""
+        value = trainer.callback_metrics.get(self.monitor) if self.monitor else None
+        if value is not None:
+            store_of(trainer).pending_metrics[str(self.monitor)] = float(value)
+        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         """``{"ckptd://<job>/latest"}`` while the job has a step this node can restore

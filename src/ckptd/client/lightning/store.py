@@ -33,7 +33,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckptd.core.errors import CheckpointNotFound, CkptdError, InvalidArgument
+from ckptd.core.errors import (
+    CheckpointNotFound,
+    CkptdError,
+    FailedPrecondition,
+    InvalidArgument,
+)
 
 from ..client import Client
 from ..handle import SaveHandle
@@ -106,6 +111,9 @@ class CheckpointStore:
         self._pid = 0
         self._worker: ThreadPoolExecutor | None = None
         self._last: Future[None] | None = None
+        self._policies: dict[int, str] = {}  # what each CkptdModelCheckpoint keeps
+        self.pending_metrics: dict[str, float] = {}
+        """Numbers for the next save (a ``CkptdModelCheckpoint``'s monitored value)."""
         STORES[job] = self
 
     @property
@@ -157,10 +165,24 @@ class CheckpointStore:
             tree,
             {"lightning": meta},
             milestone=milestone,
-            metrics={METRIC: 1.0, **metrics},
+            metrics={METRIC: 1.0, **self.pending_metrics, **metrics},
         )
+        self.pending_metrics = {}
         self._handed.add(step)
         self._settle(handle, step, self._point(name, step))
+
+    def keep(self, owner: object, policy: str) -> None:
+        """``owner`` (a ``CkptdModelCheckpoint``) keeps what ``policy`` keeps: the job's
+        retention in every tier is what any of them keeps. Sent by global rank 0."""
+        if global_rank() != 0:
+            return
+        self._policies[id(owner)] = policy
+        parts = sorted(set(self._policies.values()))
+        text = parts[0] if len(parts) == 1 else f"KeepAny([{', '.join(parts)}])"
+        try:
+            self.client.set_retention(text)
+        except FailedPrecondition as exc:  # the operator keeps every job's retention
+            log.warning("save_top_k is not applied to job %r: %s", self.job, exc)
 
     def remove(self, path: Any) -> None:
         """Lightning no longer keeps ``path``: the step is unpinned when no name is left."""
