@@ -197,6 +197,11 @@ def use(
 
     @functools.wraps(save_state)
     def saving(output_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if (
+            output_dir is not None
+            and not accelerator.project_configuration.automatic_checkpoint_naming
+        ):
+            step_of(output_dir)  # a name without its step is refused before the save
         location = save_state(output_dir, *args, **kwargs)
         ours.adopt(location if location is not None else output_dir)
         return location

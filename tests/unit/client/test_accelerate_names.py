@@ -33,3 +33,21 @@ def test_a_job_name_is_checked_before_anything_is_wrapped() -> None:
     with pytest.raises(InvalidArgument, match="job name"):
         ckptd_accelerate.use(acc, "a/b")
     assert acc.save_state is None
+
+
+def test_a_folder_name_without_a_step_is_refused_before_accelerate_saves() -> None:
+    saved: list[object] = []
+    config = SimpleNamespace(
+        automatic_checkpoint_naming=False, total_limit=None, save_on_each_node=False
+    )
+    acc = SimpleNamespace(
+        project_configuration=config,
+        is_main_process=False,  # sends no retention: no daemon needed here
+        is_local_main_process=False,
+        save_state=lambda *a, **k: saved.append(a),
+        load_state=None,
+    )
+    ckptd_accelerate.use(acc, "job")
+    with pytest.raises(InvalidArgument, match="must end"):
+        acc.save_state("ckpt/final")
+    assert saved == []
