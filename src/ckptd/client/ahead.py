@@ -18,16 +18,19 @@ stays in the tier, so the second needs another.
   pool, faulted in. No lease is held between saves, so nothing can expire or hold
   the budget from other jobs, and a reservation never makes the daemon let go of
   what its memory tier keeps (``AcquireLeaseRequest.reserve``: free room only).
+  A save that asks for its lease itself (the first of a process: no early lease)
+  waits for a reservation in flight (:meth:`Reserver.acquire`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import mmap
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 
 from ckptd.core.errors import CkptdError
 from ckptd.proto import ckptd_pb2 as pb
@@ -69,6 +72,7 @@ class Reserver:
         self._memory_tier: bool | None = None  # asked once
         self.size: int | None = None
         """The lease size the first saves take, once known: declared, restored, saved."""
+        self._asked: Future[int] | None = None  # the last reservation asked for
 
     def first_saves(self, size: int) -> Future[int]:
         """The first saves' segments of ``size`` bytes made ahead: the state's size
@@ -94,7 +98,19 @@ class Reserver:
         """Have ``count`` segments of ``size`` bytes made and mapped (None: as many as
         a process's first saves take: two with the memory tier on, one without;
         ``tier_only``: none without it); resolves to the number made ready."""
-        return self.executor.submit(self._run, size, count, tier_only)
+        self._asked = self.executor.submit(self._run, size, count, tier_only)
+        return self._asked
+
+    def acquire(
+        self, size: int, wait_s: float, what: str, reuse_image: bool
+    ) -> tuple[pb.Lease, mmap.mmap]:
+        """A save's own lease, mapped (Handoff.acquire), once the reservation asked for
+        before it is done: a save that overtook it (the first after a restore) would
+        have a segment made in its blocking time while the reservation had the one
+        meant for it made too, one segment too many for good."""
+        if self._asked is not None:
+            wait([self._asked])
+        return self.handoff.acquire(size, wait_s, what, self.rank, reuse_image)
 
     def second(self, size: int) -> Future[int]:
         """After the first save: the second save's segment, with the memory tier on

@@ -299,7 +299,7 @@ class Saver:
                 if early[0] == size:
                     return self._handoff.map(lease)
                 self._handoff.release(lease.lease_id)
-        return self._handoff.acquire(size, wait, what, self.rank, reuse_image)
+        return self.ahead.acquire(size, wait, what, reuse_image)  # after a reservation
 
     def _give_back(self, early: Future[pb.Lease]) -> None:
         """Release a lease asked for early once it is granted (its save failed)."""
