@@ -15,14 +15,8 @@ bucket, compared with the same run never interrupted and never through ckptd.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +24,16 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-import torch
 
 from ckptd.client import SaveHandle
 from ckptd.proto import ckptd_pb2 as pb
 
 from ..conftest import Daemon, RemoteTarget
 from ..test_remote_tier import remote_daemon
-from .test_deepspeed import assert_same
+from . import two_ranks
+from .two_ranks import assert_same, finish, kill_when_held, state
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 JOB = "acc"
 
 
@@ -48,58 +41,8 @@ def start(
     d: Daemon, project: Path, out: Path, *extra: str, job: str = JOB
 ) -> list[subprocess.Popen[str]]:
     """The worker as 2 processes (gloo), as torchrun or ``accelerate launch`` would."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    command = [sys.executable, str(WORKER), str(d.socket), job, str(project), str(out)]
-    return [
-        subprocess.Popen(
-            [*command, "--total-limit", "2", *extra],
-            cwd=REPO,
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-
-
-def finish(procs: list[subprocess.Popen[str]], out: Path) -> list[dict[str, Any]]:
-    """Wait for the workers; what each wrote (fails with their output if one failed)."""
-    logs = []
-    for p in procs:
-        try:
-            log, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            log, _ = p.communicate()
-        logs.append(log)
-    for p in procs:
-        assert p.returncode == 0, "\n".join(log[-6000:] for log in logs)
-    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
-
-
-def kill_when_held(procs: list[subprocess.Popen[str]], out: Path) -> None:
-    """Wait until both workers' ``save_state`` of the kill step returned, then make sure
-    both are gone (each kills itself)."""
-    held = [Path(f"{out}.held{rank}") for rank in (0, 1)]
-    t0 = time.monotonic()
-    while not all(h.exists() for h in held):
-        done = [p for p in procs if p.poll() is not None and p.returncode != -signal.SIGKILL]
-        assert not done, done[0].communicate()[0][-6000:]
-        assert time.monotonic() - t0 < 300, "the workers never reached the kill step"
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        p.communicate(timeout=60)
-
-
-def state(out: Path) -> list[Any]:
-    return [torch.load(f"{out}.{rank}.pt", weights_only=False) for rank in (0, 1)]
+    argv = [str(WORKER), str(d.socket), job, str(project), str(out), "--total-limit", "2"]
+    return two_ranks.start([*argv, *extra])
 
 
 def test_killed_after_save_state_resumes_bit_exact_and_after_node_loss(

@@ -15,14 +15,10 @@ bucket, compared with the run that was never interrupted.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,62 +34,17 @@ from ckptd.proto import ckptd_pb2 as pb
 
 from ..conftest import Daemon, RemoteTarget
 from ..test_remote_tier import remote_daemon
+from . import two_ranks
+from .two_ranks import assert_same, finish, kill_when_held, state
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 JOB = "ds"
 
 
 def start(d: Daemon, ckpt: Path, out: Path, *extra: str) -> list[subprocess.Popen[str]]:
     """The worker as 2 processes (gloo), as torchrun would start them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-            "CKPTD_SOCKET": str(d.socket)}  # fmt: skip
-    return [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(d.socket), JOB, str(ckpt), str(out), *extra],
-            cwd=REPO,
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-
-
-def finish(procs: list[subprocess.Popen[str]], out: Path) -> list[dict[str, Any]]:
-    """Wait for the workers; what each wrote (fails with their output if one failed)."""
-    logs = []
-    for p in procs:
-        try:
-            log, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            log, _ = p.communicate()
-        logs.append(log)
-    for p in procs:
-        assert p.returncode == 0, "\n".join(log[-6000:] for log in logs)
-    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
-
-
-def kill_when_held(procs: list[subprocess.Popen[str]], out: Path) -> None:
-    """Wait until both workers' save of the kill step returned, then make sure both
-    are gone (each kills itself; a rank blocked in a collective is killed here)."""
-    held = [Path(f"{out}.held{rank}") for rank in (0, 1)]
-    t0 = time.monotonic()
-    while not all(h.exists() for h in held):
-        done = [p for p in procs if p.poll() is not None and p.returncode != -signal.SIGKILL]
-        assert not done, done[0].communicate()[0][-6000:]
-        assert time.monotonic() - t0 < 300, "the workers never reached the kill step"
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-        p.communicate(timeout=60)
+    argv = [str(WORKER), str(d.socket), JOB, str(ckpt), str(out), *extra]
+    return two_ranks.start(argv, {"CKPTD_SOCKET": str(d.socket)})
 
 
 def convert(folder: Path, out: Path) -> dict[str, Any]:
@@ -109,30 +60,6 @@ def convert(folder: Path, out: Path) -> dict[str, Any]:
         str(f.relative_to(out)): torch.load(f, weights_only=False)
         for f in sorted(out.rglob("*")) if f.is_file()
     }  # fmt: skip
-
-
-def state(out: Path) -> list[Any]:
-    return [torch.load(f"{out}.{rank}.pt", weights_only=False) for rank in (0, 1)]
-
-
-def assert_same(got: Any, want: Any, where: str = "") -> None:
-    """Bit-exact, through nested dicts, lists and tensors."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(map(str, got)) == sorted(map(str, want)), where
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, list | tuple):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{i}]")
-    elif hasattr(want, "__dict__"):  # DeepSpeed's loss scaler: no __eq__
-        assert type(got) is type(want), where
-        assert_same(vars(got), vars(want), where)
-    else:
-        assert got == want, where
 
 
 @pytest.mark.parametrize("stage", [2, 3])
